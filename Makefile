@@ -1,0 +1,29 @@
+# kvserve developer commands. `make install` builds .venv; everything else uses it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast bench demo clean
+
+install: $(VENV)/.installed
+
+# torch is pinned to the CPU wheel that these machines carry; any other version pulls GBs of CUDA.
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+test: install
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python bench/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

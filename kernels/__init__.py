@@ -1,0 +1,1 @@
+"""Triton kernels for the kvserve runtime, each with a pure-torch reference twin."""

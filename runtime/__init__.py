@@ -1,0 +1,1 @@
+"""kvserve's LLM inference runtime: paged KV cache, continuous batching, HF Llama-family models."""
