@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random-weight HF model directories, built once per test session."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import threading
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from tinymodels import build_tiny_model, tiny_key  # noqa: E402
+
+
+class TinyModelFactory:
+    """Call as factory(arch="llama", **config_overrides) -> pathlib.Path of a cached HF directory.
+
+    Directories are shared across the session: treat them as read-only.
+    """
+
+    def __init__(self, root: pathlib.Path):
+        self._root = root
+        self._lock = threading.Lock()
+        self._built: dict[str, pathlib.Path] = {}
+
+    def __call__(self, arch: str = "llama", **overrides) -> pathlib.Path:
+        key = tiny_key(arch, overrides)
+        with self._lock:
+            if key not in self._built:
+                self._built[key] = build_tiny_model(self._root / key, arch, **overrides)
+            return self._built[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory) -> TinyModelFactory:
+    return TinyModelFactory(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> pathlib.Path:
+    """The default tiny Llama: 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 512."""
+    return tiny_model_factory("llama")
