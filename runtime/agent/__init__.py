@@ -1,0 +1,1 @@
+"""The sidecar agent: fetches the model into the pod and standardizes the engine's metrics."""

@@ -1,0 +1,210 @@
+"""`kvserve agent fetch SOURCE DEST`: puts a model into the pod's shared volume.
+
+SOURCE is `hf://org/name[@revision]` (through huggingface_hub, which honours HF_HOME, HF_TOKEN,
+HF_HUB_OFFLINE and falls back to its cache when the Hub is unreachable) or a local/PVC directory.
+DEST gets real files (hard links where the filesystem allows, else copies), then a marker
+written last; a re-run finding a matching marker and an intact directory does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = ".kvserve-fetch.json"
+
+# What a runtime needs from a repo; skips e.g. `original/` checkpoints and other formats.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
+TOKENIZER_FILE_SETS = [("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("tokenizer.tiktoken",)]
+
+
+class FetchError(RuntimeError):
+    """The model cannot be fetched or is incomplete; the message lists every problem."""
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "hf" | "local"
+    location: str  # repo id or directory
+    revision: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "hf":
+            return f"hf://{self.location}" + (f"@{self.revision}" if self.revision else "")
+        return self.location
+
+
+def parse_source(source: str) -> Source:
+    if source.startswith("hf://"):
+        rest = source[len("hf://") :]
+        repo, _, revision = rest.partition("@")
+        parts = repo.split("/")
+        if len(parts) != 2 or not all(parts) or (_ and not revision):
+            raise FetchError(f"source: {source!r} is not hf://org/name[@revision]")
+        return Source("hf", repo, revision or None)
+    if source.startswith("file://"):
+        source = source[len("file://") :]
+    if "://" in source:
+        raise FetchError(f"source: unsupported scheme in {source!r}; use hf://org/name[@rev] or a directory")
+    return Source("local", os.path.abspath(source))
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Checks the header and that the file is as long as the header says (catches truncation)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return f"{path.name}: truncated safetensors file"
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 * 1024 * 1024):
+                return f"{path.name}: bad safetensors header length"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            return f"{path.name}: size {size} does not match its header ({8 + n + end}); incomplete download?"
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"{path.name}: unreadable safetensors file ({exc})"
+    return None
+
+
+def check_model_dir(directory: str | os.PathLike) -> list[str]:
+    """Every reason the directory is not a loadable HF model (config, weights, tokenizer)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return [f"{d}: not a directory"]
+    problems: list[str] = []
+    try:
+        config = json.loads((d / "config.json").read_text())
+        if not isinstance(config, dict):
+            problems.append("config.json: not a JSON object")
+    except FileNotFoundError:
+        problems.append("config.json: missing")
+    except (OSError, ValueError) as exc:
+        problems.append(f"config.json: unreadable ({exc})")
+
+    index = d / "model.safetensors.index.json"
+    shards: list[Path]
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = [d / n for n in names]
+            problems += [f"{p.name}: missing (listed in {index.name})" for p in shards if not p.exists()]
+            shards = [p for p in shards if p.exists()]
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            problems.append(f"{index.name}: unreadable ({exc})")
+            shards = []
+    else:
+        shards = sorted(d.glob("*.safetensors"))
+        if not shards and not list(d.glob("pytorch_model*.bin")):
+            problems.append("weights: no *.safetensors (or pytorch_model*.bin) file")
+    for shard in shards:
+        if (p := _safetensors_problem(shard)) is not None:
+            problems.append(p)
+
+    if not any(all((d / name).exists() for name in names) for names in TOKENIZER_FILE_SETS):
+        problems.append("tokenizer: none of tokenizer.json, tokenizer.model, vocab.json+merges.txt found")
+    return problems
+
+
+def _listing(directory: Path) -> dict[str, int]:
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory)
+        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
+            out[rel.as_posix()] = p.stat().st_size
+    return out
+
+
+def _place(src: Path, dst: Path) -> None:
+    """Atomically puts src's content at dst: a hard link when possible, else a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.partial")
+    tmp.unlink(missing_ok=True)
+    real = src.resolve()  # hub snapshots are symlinks into blobs/
+    try:
+        os.link(real, tmp)
+    except OSError:
+        shutil.copyfile(real, tmp)
+    os.replace(tmp, dst)
+
+
+def _marker_matches(dest: Path, source: Source) -> bool:
+    try:
+        marker = json.loads((dest / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if marker.get("source") != str(source):
+        return False
+    files = marker.get("files", {})
+    return bool(files) and all(
+        (dest / name).is_file() and (dest / name).stat().st_size == size for name, size in files.items()
+    )
+
+
+def _hub_snapshot(source: Source) -> tuple[Path, str]:
+    """Downloads (or finds in the cache) a hub snapshot; returns its directory and commit."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    env = os.environ
+    cache_dir = env.get("HF_HUB_CACHE") or os.path.join(
+        env.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub"
+    )
+    offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        path = snapshot_download(
+            source.location,
+            revision=source.revision,
+            cache_dir=cache_dir,
+            token=env.get("HF_TOKEN") or None,
+            local_files_only=offline,
+            allow_patterns=HUB_PATTERNS,
+        )
+    except LocalEntryNotFoundError as exc:
+        where = "HF_HUB_OFFLINE is set and " if offline else "the Hub is unreachable and "
+        raise FetchError(f"{source}: {where}the cache {cache_dir} has no snapshot for it ({exc})") from None
+    except HfHubHTTPError as exc:
+        raise FetchError(f"{source}: {exc}") from None
+    except Exception as exc:  # huggingface_hub raises many types (auth, revision, network)
+        raise FetchError(f"{source}: {type(exc).__name__}: {exc}") from None
+    return Path(path), Path(path).name
+
+
+def fetch(source_text: str, dest_text: str) -> dict:
+    """Fetches and verifies; returns a summary. Raises FetchError naming every problem."""
+    source = parse_source(source_text)
+    dest = Path(dest_text).absolute()
+    if _marker_matches(dest, source) and not check_model_dir(dest):
+        return {"source": str(source), "dest": str(dest), "action": "up-to-date"}
+
+    if source.kind == "hf":
+        src_dir, revision = _hub_snapshot(source)
+    else:
+        src_dir, revision = Path(source.location), None
+        if not src_dir.is_dir():
+            raise FetchError(f"source: {src_dir} is not a directory")
+    problems = check_model_dir(src_dir)
+    if problems:
+        raise FetchError(f"{source}: incomplete model: " + "; ".join(problems))
+
+    files = _listing(src_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    if src_dir.resolve() != dest.resolve():
+        for name in files:
+            target = dest / name
+            if not (target.is_file() and target.stat().st_size == files[name] and target.samefile(src_dir / name)):
+                _place(src_dir / name, target)
+    problems = check_model_dir(dest)
+    if problems:
+        raise FetchError(f"{dest}: incomplete after copy: " + "; ".join(problems))
+    marker = {"source": str(source), "revision": revision, "files": files}
+    tmp = dest / f".{MARKER}.partial"
+    tmp.write_text(json.dumps(marker, indent=1, sort_keys=True))
+    os.replace(tmp, dest / MARKER)
+    return {"source": str(source), "dest": str(dest), "action": "fetched", "revision": revision, "files": len(files)}

@@ -1,0 +1,101 @@
+"""The `kvserve` console script: `serve`, `agent fetch`, `agent serve`, `agent drain`.
+
+Heavy imports (torch, the engine) happen inside the subcommand, so `kvserve agent ...` starts
+fast in its own small container.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+
+def _add_agent_parsers(sub) -> None:
+    agent = sub.add_parser("agent", help="the sidecar agent").add_subparsers(dest="agent_cmd", required=True)
+
+    f = agent.add_parser("fetch", help="put a model into a directory (hf://org/name[@rev] or a path)")
+    f.add_argument("source")
+    f.add_argument("dest")
+
+    s = agent.add_parser("serve", help="scrape the engine and serve standardized signals")
+    s.add_argument("--engine-url", default=os.environ.get("KVSERVE_ENGINE_URL", "http://127.0.0.1:8000"))
+    s.add_argument("--engine", choices=["auto", "kvserve", "vllm", "sglang"], default="auto")
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8081)
+    s.add_argument("--interval", type=float, default=1.0, help="scrape interval, seconds")
+    s.add_argument("--scrape-timeout", type=float, default=2.0)
+    s.add_argument("--stale-after", type=float, default=5.0, help="sample age that counts as stale")
+    s.add_argument("--drain-timeout", type=float, default=30.0)
+    s.add_argument(
+        "--tensor-parallel-size", type=int, default=None, help="reported for engines that do not export it"
+    )
+
+    d = agent.add_parser("drain", help="ask the local agent to drain the engine (preStop hook)")
+    d.add_argument("--agent-url", default="http://127.0.0.1:8081")
+    d.add_argument("--timeout", type=float, default=30.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM runtime and sidecar agent")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    from kvserve.runtime.server.args import add_serve_parser
+
+    add_serve_parser(sub)
+    _add_agent_parsers(sub)
+    return parser
+
+
+def _agent(args) -> int:
+    if args.agent_cmd == "fetch":
+        from kvserve.runtime.agent.fetch import FetchError, fetch
+
+        try:
+            print(json.dumps(fetch(args.source, args.dest)))
+        except FetchError as exc:
+            print(f"kvserve agent fetch: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.agent_cmd == "serve":
+        from kvserve.runtime.agent.app import AgentConfig, serve
+
+        serve(
+            AgentConfig(
+                engine_url=args.engine_url,
+                engine=args.engine,
+                host=args.host,
+                port=args.port,
+                interval_s=args.interval,
+                scrape_timeout_s=args.scrape_timeout,
+                stale_after_s=args.stale_after,
+                drain_timeout_s=args.drain_timeout,
+                tensor_parallel_size=args.tensor_parallel_size,
+            )
+        )
+        return 0
+    if args.agent_cmd == "drain":
+        from kvserve.runtime.agent.app import request_drain
+
+        try:
+            result = asyncio.run(request_drain(args.agent_url, args.timeout))
+        except Exception as exc:  # preStop must say why, whatever broke
+            print(f"kvserve agent drain: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(result))
+        return 0 if result.get("drained") else 1
+    raise AssertionError(args.agent_cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "agent":
+        return _agent(args)
+    from kvserve.runtime.server.main import run_server
+
+    return run_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

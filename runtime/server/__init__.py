@@ -1,0 +1,1 @@
+"""kvserve's OpenAI-compatible HTTP server (aiohttp) around one LLMEngine."""

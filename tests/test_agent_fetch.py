@@ -1,0 +1,167 @@
+"""`kvserve agent fetch`: local/PVC copies and the hub path against a locally built hub cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.runtime.agent.fetch import MARKER, FetchError, check_model_dir, fetch, parse_source
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.mark.parametrize(
+    "text, kind, location, revision",
+    [
+        ("hf://org/name", "hf", "org/name", None),
+        ("hf://org/name@v1.0", "hf", "org/name", "v1.0"),
+        (f"hf://org/name@{COMMIT}", "hf", "org/name", COMMIT),
+        ("/models/x", "local", "/models/x", None),
+        ("file:///pvc/m", "local", "/pvc/m", None),
+    ],
+)
+def test_parse_source(text, kind, location, revision):
+    s = parse_source(text)
+    assert (s.kind, s.location, s.revision) == (kind, location, revision)
+
+
+@pytest.mark.parametrize("bad", ["hf://name", "hf://a/b/c", "hf://org/name@", "s3://bucket/m", "hf:///x"])
+def test_parse_source_rejects(bad):
+    with pytest.raises(FetchError, match="source"):
+        parse_source(bad)
+
+
+def test_local_fetch_then_noop(tiny_llama, tmp_path):
+    dest = tmp_path / "models" / "m"
+    out = fetch(str(tiny_llama), str(dest))
+    assert out["action"] == "fetched"
+    assert check_model_dir(dest) == []
+    assert (dest / MARKER).exists()
+    stamp = {p.name: p.stat().st_mtime_ns for p in dest.iterdir()}
+    assert fetch(str(tiny_llama), str(dest))["action"] == "up-to-date"
+    assert {p.name: p.stat().st_mtime_ns for p in dest.iterdir()} == stamp
+    # A damaged destination is repaired, not trusted.
+    (dest / "tokenizer.json").unlink()
+    assert fetch(str(tiny_llama), str(dest))["action"] == "fetched"
+    assert check_model_dir(dest) == []
+
+
+def test_source_equal_to_dest_only_verifies(tiny_llama, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama, d)
+    assert fetch(str(d), str(d))["action"] == "fetched"
+    assert fetch(str(d), str(d))["action"] == "up-to-date"
+
+
+def _damage(d, how):
+    if how == "no-config":
+        (d / "config.json").unlink()
+    elif how == "bad-config":
+        (d / "config.json").write_text("{not json")
+    elif how == "no-tokenizer":
+        for p in d.glob("tokenizer*"):
+            p.unlink()
+    elif how == "no-weights":
+        for p in d.glob("*.safetensors"):
+            p.unlink()
+    elif how == "truncated":
+        w = next(d.glob("*.safetensors"))
+        w.write_bytes(w.read_bytes()[:-100])
+    elif how == "missing-shard":
+        w = next(d.glob("*.safetensors"))
+        (d / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"a": w.name, "b": "model-00002-of-00002.safetensors"}})
+        )
+
+
+@pytest.mark.parametrize(
+    "how, words",
+    [
+        ("no-config", "config.json: missing"),
+        ("bad-config", "config.json: unreadable"),
+        ("no-tokenizer", "tokenizer"),
+        ("no-weights", "weights"),
+        ("truncated", "does not match its header"),
+        ("missing-shard", "model-00002-of-00002.safetensors: missing"),
+    ],
+)
+def test_incomplete_model_is_refused(tiny_llama, tmp_path, how, words):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    _damage(src, how)
+    assert any(words in p for p in check_model_dir(src))
+    with pytest.raises(FetchError, match="incomplete model") as err:
+        fetch(str(src), str(tmp_path / "dest"))
+    assert words in str(err.value)
+    assert not (tmp_path / "dest" / MARKER).exists()
+
+
+def _hub_cache(hf_home, model_dir, repo="kvserve-test/tiny", commit=COMMIT, ref="main"):
+    """Lays a model out exactly as huggingface_hub's cache does: blobs, snapshots, refs."""
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    snap = root / "snapshots" / commit
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file():
+            blob = root / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+            shutil.copyfile(f, blob)
+            os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+    return root
+
+
+@pytest.fixture
+def hub_home(tiny_llama, tmp_path, monkeypatch):
+    home = tmp_path / "hf_home"
+    _hub_cache(home, tiny_llama)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return home
+
+
+@pytest.mark.parametrize("rev", ["", "@main", f"@{COMMIT}"])
+def test_hub_fetch_from_offline_cache(hub_home, tmp_path, rev):
+    dest = tmp_path / "dest"
+    out = fetch(f"hf://kvserve-test/tiny{rev}", str(dest))
+    assert out["action"] == "fetched" and out["revision"] == COMMIT
+    assert check_model_dir(dest) == []
+    assert not any(p.is_symlink() for p in dest.iterdir())
+    assert fetch(f"hf://kvserve-test/tiny{rev}", str(dest))["action"] == "up-to-date"
+
+
+def test_hub_fetch_missing_from_offline_cache(hub_home, tmp_path):
+    with pytest.raises(FetchError, match="HF_HUB_OFFLINE is set"):
+        fetch("hf://kvserve-test/absent", str(tmp_path / "dest"))
+    with pytest.raises(FetchError):
+        fetch("hf://kvserve-test/tiny@v9", str(tmp_path / "dest"))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_hub_fetch_falls_back_to_cache_when_hub_unreachable(hub_home, tmp_path):
+    """Online mode, but the Hub endpoint refuses connections: the cached snapshot is used."""
+    env = dict(os.environ, HF_HUB_OFFLINE="0", HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}",
+               HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
+    dest = tmp_path / "dest"
+    cmd = [sys.executable, "-m", "kvserve.runtime.cli", "agent", "fetch", "hf://kvserve-test/tiny", str(dest)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["revision"] == COMMIT
+    assert check_model_dir(dest) == []
+    r = subprocess.run(cmd[:-2] + ["hf://kvserve-test/absent", str(tmp_path / "d2")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "unreachable" in r.stderr
