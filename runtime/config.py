@@ -1,0 +1,108 @@
+"""Engine options (the `LLM(...)` / `LLMEngine.from_args(...)` keyword arguments), validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start. Bad values raise ValueError naming the field.
+
+    KV pool size: ``num_kv_blocks`` if given, else ``kv_cache_memory_bytes``, else (CUDA) free GPU
+    memory x ``gpu_memory_utilization``, else (CPU) ``DEFAULT_CPU_KV_BYTES``.
+    ``max_model_len=None`` means the model's ``max_position_embeddings``.
+    ``max_num_batched_tokens=None`` means 2048 with chunked prefill, else ``max_model_len``.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+
+    DEFAULT_CPU_KV_BYTES = 1 << 30
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_args(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown engine option; known: {sorted(names)}")
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        def positive_int(name: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(name, "must be an integer >= 1")
+
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            fail("model", "must be a local model directory")
+        self.model = str(self.model)
+        if self.tokenizer is not None:
+            self.tokenizer = str(self.tokenizer)
+        if str(self.dtype).removeprefix("torch.") not in _DTYPES:
+            fail("dtype", f"must be one of {list(_DTYPES)}")
+        self.dtype = str(self.dtype).removeprefix("torch.")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            fail("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        positive_int("block_size")
+        positive_int("num_kv_blocks", optional=True)
+        positive_int("kv_cache_memory_bytes", optional=True)
+        if isinstance(self.gpu_memory_utilization, bool) or not (
+            isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1
+        ):
+            fail("gpu_memory_utilization", "must be in (0, 1]")
+        positive_int("max_model_len", optional=True)
+        positive_int("max_num_seqs")
+        positive_int("max_num_batched_tokens", optional=True)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            fail("enable_chunked_prefill", "must be a boolean")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            fail("seed", "must be an integer")
+        if self.attention_backend not in _BACKENDS:
+            fail("attention_backend", f"must be one of {list(_BACKENDS)}")
+        positive_int("tensor_parallel_size")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: values above 1 are not supported yet, "
+                             f"got {self.tensor_parallel_size}")
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
+            fail("max_num_batched_tokens",
+                 f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is disabled")
+
+    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens: must be >= max_model_len ({max_model_len}) when "
+                    f"chunked prefill is disabled, got {self.max_num_batched_tokens}")
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)

@@ -1,0 +1,62 @@
+"""Sizes and allocates the paged KV cache: per layer a K pool and a V pool.
+
+Each pool is ``[num_blocks, block_size, num_kv_heads_per_rank, head_dim]``. The block count comes
+from, in order: an explicit ``num_kv_blocks``; a byte budget ``kv_cache_memory_bytes``; on CUDA,
+free GPU memory x ``gpu_memory_utilization`` (measured after the weights are loaded); on CPU,
+``EngineConfig.DEFAULT_CPU_KV_BYTES``. Bytes per token come from the shared capacity model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.runtime.capacity import ModelShape, blocks_for_budget, kv_bytes_per_token
+from kvserve.runtime.config import EngineConfig
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def determine_num_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype,
+                         device: torch.device) -> int:
+    size = element_size(dtype)
+    tp = config.tensor_parallel_size
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Keep (1 - utilization) of the whole GPU unused, as vLLM does, out of what is free now.
+        budget = int(free - total * (1 - config.gpu_memory_utilization))
+    else:
+        budget = EngineConfig.DEFAULT_CPU_KV_BYTES
+    blocks = blocks_for_budget(max(0, budget), shape, size, config.block_size, tp)
+    if blocks < 1:
+        per_block = kv_bytes_per_token(shape, size, tp) * config.block_size
+        raise ValueError(f"kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block "
+                         f"({per_block} bytes each)")
+    return blocks
+
+
+def allocate_kv_cache(shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device, tp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    pool_shape = (num_blocks, block_size, shape.kv_heads_per_rank(tp), shape.head_dim)
+    return [
+        (torch.zeros(pool_shape, dtype=dtype, device=device),
+         torch.zeros(pool_shape, dtype=dtype, device=device))
+        for _ in range(shape.num_layers)
+    ]
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Applies copy-on-write pairs (src_block, dst_block) to every layer's pools."""
+    if not pairs:
+        return
+    device = kv_caches[0][0].device
+    src = torch.tensor([s for s, _ in pairs], device=device)
+    dst = torch.tensor([d for _, d in pairs], device=device)
+    for k, v in kv_caches:
+        k[dst] = k[src]
+        v[dst] = v[src]

@@ -1,0 +1,93 @@
+"""Engine statistics for the server's /metrics: gauges, counters and latency observations.
+
+Gauges and counters are snapshots. The latency lists hold observations made since the previous
+``LLMEngine.get_stats()`` call (each observation is returned exactly once), so a server feeds
+them straight into its histograms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int
+    max_num_seqs: int
+    tensor_parallel_size: int
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    # finish reason ("stop" | "length" | "abort") -> requests finished so far
+    request_success_total: dict[str, int]
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    generation_tokens_per_second: float = 0.0
+    # Observations since the previous get_stats() (seconds).
+    queue_times: list[float] = field(default_factory=list)
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    e2e_latencies: list[float] = field(default_factory=list)
+    timestamp: float = 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1 (vllm:kv_cache_usage_perc)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        return self.kv_blocks_total * self.block_size
+
+
+class StatsCollector:
+    """Accumulates counters and drainable observations as the engine steps."""
+
+    RATE_WINDOW_S = 10.0
+    MAX_OBSERVATIONS = 100_000
+
+    def __init__(self) -> None:
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.request_success_total: Counter[str] = Counter()
+        self._reset_observations()
+        self._recent: deque[tuple[float, int]] = deque()
+
+    def on_tokens(self, now: float, num_prompt: int, num_generated: int) -> None:
+        self.prompt_tokens_total += num_prompt
+        self.generation_tokens_total += num_generated
+        if num_generated:
+            self._recent.append((now, num_generated))
+
+    def rate(self, now: float) -> float:
+        while self._recent and self._recent[0][0] < now - self.RATE_WINDOW_S:
+            self._recent.popleft()
+        if not self._recent:
+            return 0.0
+        span = max(now - self._recent[0][0], 1.0)
+        return sum(n for _, n in self._recent) / span
+
+    def _reset_observations(self) -> None:
+        # Bounded, so an engine whose stats nobody reads (offline use) does not grow forever.
+        self.queue_times: deque[float] = deque(maxlen=self.MAX_OBSERVATIONS)
+        self.time_to_first_token: deque[float] = deque(maxlen=self.MAX_OBSERVATIONS)
+        self.inter_token_latencies: deque[float] = deque(maxlen=self.MAX_OBSERVATIONS)
+        self.e2e_latencies: deque[float] = deque(maxlen=self.MAX_OBSERVATIONS)
+
+    def drain(self) -> dict[str, list[float]]:
+        out = dict(queue_times=list(self.queue_times),
+                   time_to_first_token=list(self.time_to_first_token),
+                   inter_token_latencies=list(self.inter_token_latencies),
+                   e2e_latencies=list(self.e2e_latencies))
+        self._reset_observations()
+        return out
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
