@@ -1,0 +1,267 @@
+"""The kustomize manifests: every overlay builds with the real `kubectl kustomize`, built-in
+objects validate strictly against Kubernetes' own schemas, custom resources against their CRD's
+schema (or, for other projects' CRDs we do not ship, a minimal schema of the fields we use)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S_VERSION = "1.33.0"
+OVERLAYS = ["crds", "base", "namespaced", "monitoring", "examples/inferenceservices",
+            "examples/argocd"]
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize)")
+
+
+@lru_cache(maxsize=None)
+def build(overlay: str) -> tuple:
+    out = subprocess.run(["kubectl", "kustomize", str(ROOT / "manifests" / overlay)],
+                         check=True, capture_output=True, text=True).stdout
+    return tuple(d for d in yaml.safe_load_all(out) if d)
+
+
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> openAPIV3Schema for every CRD we ship."""
+    out = {}
+    for crd in build("crds"):
+        for v in crd["spec"]["versions"]:
+            api = f'{crd["spec"]["group"]}/{v["name"]}'
+            out[(api, crd["spec"]["names"]["kind"])] = v["schema"]["openAPIV3Schema"]
+    return out
+
+
+# Other projects' custom resources: only the fields these manifests use, closed where we can
+# be sure of the shape, so that a typo in what we wrote fails.
+_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+    "matchExpressions": {"type": "array", "items": {
+        "type": "object", "required": ["key", "operator"], "additionalProperties": False,
+        "properties": {"key": {"type": "string"},
+                       "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                       "values": {"type": "array", "items": {"type": "string"}}}}}}}
+_RELABEL = {"type": "array", "items": {"type": "object", "additionalProperties": False, "properties": {
+    "sourceLabels": {"type": "array", "items": {"type": "string"}}, "regex": {"type": "string"},
+    "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep"]},
+    "targetLabel": {"type": "string"}, "replacement": {"type": "string"}}}}
+_ENDPOINT = {"type": "object", "additionalProperties": False, "properties": {
+    "port": {"type": "string"}, "path": {"type": "string"},
+    "interval": {"type": "string", "pattern": "^[0-9]+[smh]$"}, "relabelings": _RELABEL}}
+_NS_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}}
+_META = {"type": "object", "required": ["name", "namespace"]}
+_RULE = {"type": "object", "additionalProperties": False, "required": ["expr"],
+         "oneOf": [{"required": ["record"]}, {"required": ["alert"]}], "properties": {
+             "record": {"type": "string"}, "alert": {"type": "string"}, "expr": {"type": "string"},
+             "for": {"type": "string"}, "labels": {"type": "object"},
+             "annotations": {"type": "object"}}}
+FOREIGN_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): {"type": "object", "properties": {
+        "metadata": _META, "spec": {"type": "object", "additionalProperties": False,
+                                    "required": ["selector", "podMetricsEndpoints"], "properties": {
+            "namespaceSelector": _NS_SELECTOR, "selector": _SELECTOR, "jobLabel": {"type": "string"},
+            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}},
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): {"type": "object", "properties": {
+        "metadata": _META, "spec": {"type": "object", "additionalProperties": False,
+                                    "required": ["selector", "endpoints"], "properties": {
+            "namespaceSelector": _NS_SELECTOR, "selector": _SELECTOR, "jobLabel": {"type": "string"},
+            "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}},
+    ("monitoring.coreos.com/v1", "PrometheusRule"): {"type": "object", "properties": {
+        "metadata": _META, "spec": {"type": "object", "additionalProperties": False, "properties": {
+            "groups": {"type": "array", "items": {
+                "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                "properties": {"name": {"type": "string"}, "interval": {"type": "string"},
+                               "rules": {"type": "array", "items": _RULE}}}}}}}},
+    ("argoproj.io/v1alpha1", "Application"): {"type": "object", "properties": {
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {"type": "object", "required": ["source", "destination", "project"],
+                 "additionalProperties": False, "properties": {
+            "project": {"type": "string"},
+            "source": {"type": "object", "required": ["repoURL", "path"],
+                       "additionalProperties": False, "properties": {
+                "repoURL": {"type": "string"}, "targetRevision": {"type": "string"},
+                "path": {"type": "string"}}},
+            "destination": {"type": "object", "additionalProperties": False, "properties": {
+                "server": {"type": "string"}, "namespace": {"type": "string"},
+                "name": {"type": "string"}}},
+            "syncPolicy": {"type": "object", "additionalProperties": False, "properties": {
+                "automated": {"type": "object", "additionalProperties": False, "properties": {
+                    "prune": {"type": "boolean"}, "selfHeal": {"type": "boolean"}}},
+                "syncOptions": {"type": "array", "items": {"type": "string"}}}}}}}},
+}
+
+
+def crd_validate(doc: dict, schema: dict) -> None:
+    """OpenAPI 3.0 schemas are JSON Schema draft 4 in shape (boolean exclusiveMinimum)."""
+    jsonschema.Draft4Validator(schema).validate(doc)
+
+
+def validate(doc: dict) -> None:
+    key = (doc["apiVersion"], doc["kind"])
+    schemas = crd_schemas()
+    if key in schemas:
+        crd_validate(doc, schemas[key])
+    elif key in FOREIGN_SCHEMAS:
+        jsonschema.validate(doc, FOREIGN_SCHEMAS[key])
+    else:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_generated_files_are_in_sync():
+    """CRD copies, dashboard JSON and the chart's copies match their sources."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/gen_manifests.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates(overlay):
+    docs = build(overlay)
+    assert docs
+    for doc in docs:
+        try:
+            validate(doc)
+        except Exception as e:  # name the object: a bare schema error says nothing of where
+            raise AssertionError(f"{overlay}: {doc['kind']}/{doc['metadata']['name']}: {e}") from e
+
+
+def _operator_deployment(overlay: str) -> dict:
+    (dep,) = [d for d in build(overlay) if d["kind"] == "Deployment"]
+    return dep
+
+
+@pytest.mark.parametrize("overlay", ["base", "namespaced"])
+def test_operator_deployment_is_hardened(overlay):
+    pod = _operator_deployment(overlay)["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["serviceAccountName"] == "kvserve-operator"
+    (c,) = pod["containers"]
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["command"] == ["kvserve-operator"] and c["args"][0] == "run"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["livenessProbe"]["httpGet"]["port"] in ports
+
+
+def test_namespaced_overlay_watches_its_namespace_only():
+    dep = _operator_deployment("namespaced")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=$(POD_NAMESPACE)" in args and "--all-namespaces" not in args
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in build("namespaced")}
+    assert ("ClusterRole", "kvserve-operator") not in kinds
+    assert ("ClusterKopfPeering", "default") not in kinds
+    assert ("Role", "kvserve-operator") in kinds and ("KopfPeering", "default") in kinds
+
+
+# What the operator does against the API (docs/operator.md): (group, resource) -> verbs.
+OPERATOR_NEEDS = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
+    ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
+    ("kvserve.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
+    ("kvserve.dev", "inferenceservices/status"): {"get", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "events"): {"create", "patch"},
+}
+CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"),
+                  ("kopf.dev", "clusterkopfpeerings")}
+
+
+def grants(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                out.setdefault((group, res), set()).update(rule["verbs"])
+    return out
+
+
+def test_cluster_rbac_is_exactly_what_the_operator_uses():
+    docs = build("base")
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert grants(role["rules"]) == OPERATOR_NEEDS
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvserve-operator",
+                                    "namespace": "kvserve-system"}]
+    assert not any(d["kind"] == "Secret" for d in docs)
+
+
+def test_namespaced_rbac_is_the_same_grants_split_by_scope():
+    docs = build("namespaced")
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    (crole,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    expected_ns = {k: v for k, v in OPERATOR_NEEDS.items() if k not in CLUSTER_SCOPED}
+    assert grants(role["rules"]) == expected_ns
+    assert grants(crole["rules"]) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
+
+
+def test_crd_copy_is_the_operators_crd():
+    src = yaml.safe_load((ROOT / "crds/inferenceservices.kvserve.dev.yaml").read_text())
+    (shipped,) = [d for d in build("crds") if d["metadata"]["name"] == src["metadata"]["name"]]
+    assert shipped == src
+
+
+def test_examples_validate_against_the_crd_and_bad_ones_do_not():
+    schema = crd_schemas()[("kvserve.dev/v1alpha1", "InferenceService")]
+    isvcs = [d for d in build("examples/inferenceservices") if d["kind"] == "InferenceService"]
+    assert {d["metadata"]["name"] for d in isvcs} == {"tiny-cpu", "llama-8b"}
+    for doc in isvcs:
+        crd_validate(doc, schema)
+    gpu = next(d for d in isvcs if d["metadata"]["name"] == "llama-8b")
+    assert gpu["spec"]["parallelism"]["tensor"] == {"min": 1, "max": 4, "initial": 1}
+    assert gpu["spec"]["autoscaling"]["tensorParallel"]["enabled"] is True
+    cpu = next(d for d in isvcs if d["metadata"]["name"] == "tiny-cpu")
+    assert cpu["spec"]["gpu"]["perShard"] == 0
+    for path, value in [(("runtime", "engine"), "tgi"), (("model", "uri"), "s3://bucket/x"),
+                        (("autoscaling", "maxReplicas"), 0), (("runtime", "blockSize"), 7)]:
+        bad = copy.deepcopy(cpu)
+        bad["spec"][path[0]][path[1]] = value
+        with pytest.raises(jsonschema.ValidationError):
+            crd_validate(bad, schema)
+
+
+def test_argocd_application_points_at_the_examples_folder():
+    (app,) = build("examples/argocd")
+    path = app["spec"]["source"]["path"]
+    assert (ROOT / path / "kustomization.yaml").exists()
+    assert "ignoreDifferences" not in app["spec"]
+
+
+def test_monitoring_targets_every_inference_pod_by_contract_port():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in build("monitoring")}
+    for name, port in [("kvserve-runtime", "8000"), ("kvserve-agent", "8081")]:
+        pm = docs[("PodMonitor", name)]["spec"]
+        assert pm["namespaceSelector"] == {"any": True}
+        assert pm["selector"]["matchExpressions"][0]["key"] == "kvserve.dev/inferenceservice"
+        relabel = pm["podMetricsEndpoints"][0]["relabelings"]
+        assert {"sourceLabels": ["__meta_kubernetes_pod_container_port_number"], "regex": port,
+                "action": "keep"} in relabel
+        assert any(r.get("targetLabel") == "inferenceservice" for r in relabel)
+    dash = docs[("ConfigMap", "kvserve-dashboard")]
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    # The ServiceMonitor finds the operator's Service from base.
+    (svc,) = [d for d in build("base") if d["kind"] == "Service"]
+    sm = docs[("ServiceMonitor", "kvserve-operator")]["spec"]
+    assert all(svc["metadata"]["labels"][k] == v for k, v in sm["selector"]["matchLabels"].items())
+    assert sm["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
