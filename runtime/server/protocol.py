@@ -1,0 +1,225 @@
+"""Request models for the OpenAI API as vLLM accepts it (pydantic v2, strict types).
+
+Strict mode so `"max_tokens": "10"` or `"stream": 1` are 400s, as OpenAI answers, instead of being
+coerced. Unknown fields are ignored, as vLLM does, so newer clients keep working. Range checks
+that need the model (context length, vocabulary) happen in the server, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_PROMPTS = 64
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """Sampling fields shared by both endpoints, with vLLM's extras."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            if any(s == "" for s in v):
+                raise ValueError("stop strings must not be empty")
+            return v
+        raise ValueError("must be a string or a list of strings")
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> "_Sampling":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported by this server")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens: must be <= max_tokens")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+Prompt = str | list[int]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
+
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) for p in v) or ids(v) or all(ids(p) and p for p in v):
+                if not ids(v) and len(v) > MAX_PROMPTS:
+                    raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+                return v
+        if isinstance(v, list) and not v:
+            raise ValueError("must not be empty")
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+    @model_validator(mode="after")
+    def _completion_only(self) -> "CompletionRequest":
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported")
+        return self
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts as a list: one string or token-id list per choice group."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"part [{i}]: only text content parts are supported, not {kind!r}")
+            return v
+        raise ValueError("must be a string or a list of text parts")
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self) -> "ChatCompletionRequest":
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_completion_tokens: conflicts with max_tokens")
+            self.max_tokens = self.max_completion_tokens
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: tool calling is not supported by this server")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt or messages is required")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,124 @@
+"""Request validation tables: what vLLM's OpenAI server accepts, and 400s naming the field."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvserve.runtime.server.errors import APIError, from_validation_error
+from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "hi"},
+        {"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 5, "temperature": 0},
+        {"prompt": [1, 2, 3], "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True,
+         "stop_token_ids": [2], "min_tokens": 1, "seed": 7, "max_tokens": 3},
+        {"prompt": [[1, 2], [3]], "stop": ["\n", "."], "logprobs": 2, "echo": True},
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": "x", "unknown_future_field": {"a": 1}, "best_of": 1, "temperature": 1},
+    ],
+)
+def test_completion_accepts(body):
+    CompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "top_k": -2}, "top_k"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 1000}, "n"),
+        ({"prompt": "x", "stream": 1}, "stream"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "stop": 3}, "stop"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "suffix": "s"}, "suffix"),
+        ({"prompt": "x", "logprobs": 99}, "logprobs"),
+        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "x", "model": 3}, "model"),
+    ],
+)
+def test_completion_rejects_naming_the_field(body, param):
+    with pytest.raises(ValidationError) as exc:
+        CompletionRequest.model_validate(body)
+    err = from_validation_error(exc.value)
+    assert isinstance(err, APIError) and err.status == 400
+    assert err.param == param, err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+    assert param in err.message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": MSG},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"}]},
+                      {"role": "assistant", "content": None}], "max_completion_tokens": 4, "logprobs": True,
+         "top_logprobs": 2},
+        {"messages": MSG, "response_format": {"type": "text"}, "tool_choice": "none", "stream": True,
+         "stream_options": {"include_usage": False}},
+    ],
+)
+def test_chat_accepts(body):
+    req = ChatCompletionRequest.model_validate(body)
+    assert req.template_messages()[0]["content"] in ("hi", "s")
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+        ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"messages": MSG, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+        ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_chat_rejects_naming_the_field(body, param):
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate(body)
+    assert from_validation_error(exc.value).param == param
+
+
+def test_chat_max_completion_tokens_is_max_tokens():
+    assert ChatCompletionRequest.model_validate({"messages": MSG, "max_completion_tokens": 4}).max_tokens == 4
+
+
+def test_prompts_normalization():
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=[[1], [2]]).prompts() == [[1], [2]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+
+
+def test_tokenize_needs_exactly_one_input():
+    with pytest.raises(ValidationError):
+        TokenizeRequest.model_validate({})
+    with pytest.raises(ValidationError):
+        TokenizeRequest.model_validate({"prompt": "a", "messages": MSG})
+    TokenizeRequest.model_validate({"prompt": "a"})
