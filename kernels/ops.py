@@ -4,24 +4,93 @@ Model code calls these functions and never a kernel directly, so the engine can 
 kernels on CUDA and their pure-torch twins everywhere else (or be forced either way for tests).
 The twins follow Hugging Face's numerics (norms in float32, cast back) so that the torch path
 matches transformers token for token.
+
+Mode (``set_kernel_mode`` or the ``KVSERVE_KERNELS`` environment variable; the call wins):
+  - ``auto`` (default): Triton for CUDA tensors when triton imports, torch otherwise;
+  - ``torch``: always the twins;
+  - ``triton``: always the kernels (CPU tensors then need TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
+
+from kvserve.kernels import reference
+from kvserve.kernels.triton_utils import triton_available
+
+KERNEL_MODES = ("auto", "torch", "triton")
+ENV_VAR = "KVSERVE_KERNELS"
+
+_mode_override: str | None = None
+
+
+def _validate(mode: str, source: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{source}: unknown kernel mode {mode!r}; expected one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+def set_kernel_mode(mode: str | None) -> None:
+    """Forces "torch" or "triton", or "auto"; None goes back to the KVSERVE_KERNELS variable."""
+    global _mode_override
+    _mode_override = None if mode is None else _validate(mode, "set_kernel_mode")
+
+
+def get_kernel_mode() -> str:
+    if _mode_override is not None:
+        return _mode_override
+    return _validate(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR)
+
+
+@contextlib.contextmanager
+def kernel_mode(mode: str) -> Iterator[None]:
+    """Runs a block under one kernel mode and restores the previous setting afterwards."""
+    global _mode_override
+    previous = _mode_override
+    set_kernel_mode(mode)
+    try:
+        yield
+    finally:
+        _mode_override = previous
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the ops called on tensor ``t`` go to the Triton kernels under the current mode."""
+    mode = get_kernel_mode()
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        if not triton_available():
+            raise RuntimeError(f"kernel mode 'triton' was requested ({ENV_VAR} or set_kernel_mode) "
+                               "but triton cannot be imported; install kvserve[triton] or use 'torch'")
+        return True
+    return t.is_cuda and triton_available()
+
+
+def _layers():
+    from kvserve.kernels import layers  # imports triton: only on the Triton path
+
+    return layers
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32 and cast back to x's dtype."""
-    return _rms_norm_torch(x, weight, eps)
+    if use_triton(x):
+        return _layers().rms_norm(x, weight, eps)
+    return reference.rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual): the pre-norm residual stream in one pass."""
-    summed = x + residual
-    return _rms_norm_torch(summed, weight, eps), summed
+    if use_triton(x):
+        return _layers().fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
 def rotary_embedding(
@@ -34,29 +103,18 @@ def rotary_embedding(
 
     Scaling schemes (linear, llama3, ...) are folded into the precomputed cos/sin table.
     """
-    return _rotary_torch(positions, query, cos_sin_cache), _rotary_torch(positions, key, cos_sin_cache)
+    if use_triton(query):
+        return _layers().rotary_embedding(positions, query, key, cos_sin_cache)
+    return reference.rotary_embedding_ref(positions, query, key, cos_sin_cache)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for x = [gate | up] along the last dimension (the fused gate_up output)."""
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    if use_triton(x):
+        return _layers().silu_and_mul(x)
+    return reference.silu_and_mul_ref(x)
 
 
-def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def _rotary_torch(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    rotary_dim = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
-    cos = torch.cat((cos, cos), dim=-1)
-    sin = torch.cat((sin, sin), dim=-1)
-    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos + rotated * sin
-    return torch.cat((out, passthrough), dim=-1) if passthrough.numel() else out
+# The torch twins under their original names, for callers that reach for them directly.
+_rms_norm_torch = reference.rms_norm_ref
+_rotary_torch = reference.rotary_ref

@@ -1,0 +1,360 @@
+"""Triton paged attention: a flash-decoding decode kernel and a varlen causal prefill kernel.
+
+Both read K/V straight from the paged cache ``[num_blocks, block_size, num_kv_heads, head_dim]``
+through the block table, one token tile at a time (each token's block is looked up, so a tile may
+span several blocks and need not align with them), and both keep an online softmax in float32
+(running max and sum, exp2 with the scale folded into log2 units), so no score matrix larger than
+one tile is ever built.
+
+GQA/MQA: a program owns one KV head and computes all query heads of its group against each K/V
+tile it loads, so a KV block is read once per KV head, not once per query head.
+
+Decode (one query token per sequence): the context is cut into splits of ``tokens_per_split``
+tokens; each (sequence, KV head, split) program writes a normalised partial output and its
+log-sum-exp, and a merge kernel combines the splits. With a single split the decode kernel writes
+the output directly and the merge is skipped.
+
+Prefill: packed variable-length queries (``query_start_loc``), query token j of sequence i at
+position ``seq_lens[i] - query_len_i + j``, attending causally over the cached prefix and the
+chunk itself (already written to the cache). Rows of a program's tile are (token, group head)
+pairs, so short queries still fill a tile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.triton_utils import dot_precision, kernel_for, next_pow2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, MID_O, MID_LSE,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_ms, stride_mh, stride_mp,
+    stride_ls, stride_lh,
+    GROUP, HEAD_DIM, tokens_per_split,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    q_row = tl.load(QSL + seq).to(tl.int64)
+    q_len = tl.load(QSL + seq + 1) - q_row
+    # A sequence with no new token this step has no query row: attend over nothing.
+    seq_len = tl.where(q_len > 0, tl.load(SEQ_LENS + seq), 0)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    # Rows to read and write: none for a sequence without a query token (limits, not scalar
+    # masks, because the interpreter rejects tensor & scalar-bool masks).
+    row_ok = g < tl.where(q_len > 0, GROUP, 0)
+    heads = kvh * GROUP + g
+    q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    start = split * tokens_per_split
+    end = tl.minimum(seq_len, start + tokens_per_split)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = BT + seq * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        off = (n % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(KC + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh
+                    + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * scale_log2
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite from the first tile on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+                    + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        p = p.to(v.dtype)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=DOT_PREC)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if DIRECT:
+        tl.store(OUT + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # Empty splits store lse = -inf and o = 0, which the merge weighs as zero.
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(MID_O + seq * stride_ms + heads[:, None] * stride_mh + split * stride_mp + d[None, :],
+                 o, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(MID_LSE + seq * stride_ls + heads * stride_lh + split, lse, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    MID_O, MID_LSE, QSL, OUT,
+    stride_ms, stride_mh, stride_mp,
+    stride_ls, stride_lh,
+    stride_ot, stride_oh,
+    num_splits, HEAD_DIM,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    q_row = tl.load(QSL + seq).to(tl.int64)
+    q_len = tl.load(QSL + seq + 1) - q_row
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sp_ok = sp < num_splits
+    d_ok = d < HEAD_DIM
+    lse = tl.load(MID_LSE + seq * stride_ls + head * stride_lh + sp, mask=sp_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    o = tl.load(MID_O + seq * stride_ms + head * stride_mh + sp[:, None] * stride_mp + d[None, :],
+                mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.maximum(tl.sum(w, 0), 1e-30)
+    out = tl.sum(w[:, None] * o, 0) / total
+    tl.store(OUT + q_row * stride_ot + head * stride_oh + d, out.to(OUT.dtype.element_ty),
+             mask=d < tl.where(q_len > 0, HEAD_DIM, 0))
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP, HEAD_DIM,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    q_start = tl.load(QSL + seq).to(tl.int64)
+    q_len = tl.load(QSL + seq + 1) - q_start
+    seq_len = tl.load(SEQ_LENS + seq)
+    ctx_len = seq_len - q_len
+
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = r // GROUP
+    heads = kvh * GROUP + r % GROUP
+    r_ok = tok < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_ptr = Q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = ctx_len + tok  # absolute position of each row's token
+
+    # Keys past the tile's last valid token are causally invisible to every row of the tile.
+    has_rows = tile * BLOCK_M < q_len * GROUP
+    last_tok = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
+    kv_end = tl.where(has_rows, ctx_len + last_tok + 1, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = BT + seq * stride_bt
+    for n0 in range(0, kv_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        off = (n % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(KC + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh
+                    + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * scale_log2
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+        # Position 0 is in the first tile and visible to every row, so m_new is always finite.
+        s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+                    + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        p = p.to(v.dtype)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=DOT_PREC)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptr = OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables):
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    heads, dim = query.shape[1], query.shape[2]
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} != query head_dim {dim}")
+    if heads % kv_heads:
+        raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous in head_dim")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}] and block_tables [{num_seqs}, *], "
+                         f"got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
+    return query if query.stride(-1) == 1 else query.contiguous()
+
+
+def _dot_f32(query: torch.Tensor) -> bool:
+    # Triton's interpreter computes bfloat16 dots wrongly (3.9); there the operands are widened
+    # after the same bfloat16 rounding the GPU applies, so the numerics stay those of the GPU path.
+    return query.dtype == torch.bfloat16 and not query.is_cuda
+
+
+def _tokens_per_split(device: torch.device, num_seqs: int, kv_heads: int, max_seq_len: int,
+                      block_n: int) -> int:
+    """Enough splits that the GPU has ~2 programs per SM, none shorter than a few tiles."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = max(1, -(-2 * sms // max(1, num_seqs * kv_heads)))
+    else:
+        splits = 1
+    per_split = max(-(-max_seq_len // splits), 4 * block_n)
+    return -(-per_split // block_n) * block_n
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]; at most one row per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]; every query length is 0 or 1
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    scale: float,
+    max_seq_len: int | None = None,
+    tokens_per_split: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    tokens, heads, dim = query.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = heads // kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if tokens == 0 or num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    block_n = 64 if query.is_cuda else 32
+    if tokens_per_split is None:
+        tokens_per_split = _tokens_per_split(query.device, num_seqs, kv_heads, max_seq_len, block_n)
+    num_splits = max(1, -(-max_seq_len // tokens_per_split))
+    direct = num_splits == 1
+    block_d = max(16, next_pow2(dim))
+    if direct:
+        mid_o = mid_lse = out  # unused by the DIRECT variant
+        mid_strides = (0, 0, 0, 0, 0)
+    else:
+        mid_o = torch.empty((num_seqs, heads, num_splits, dim), dtype=torch.float32, device=query.device)
+        mid_lse = torch.empty((num_seqs, heads, num_splits), dtype=torch.float32, device=query.device)
+        mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    kernel_for(_decode_kernel, query.device)[(num_seqs, kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, mid_o, mid_lse,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *mid_strides,
+        group, dim, tokens_per_split,
+        BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DIRECT=direct, DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
+        num_warps=4 if dim <= 128 else 8, num_stages=2,
+    )
+    if not direct:
+        kernel_for(_merge_kernel, query.device)[(num_seqs, heads)](
+            mid_o, mid_lse, query_start_loc, out,
+            *mid_strides,
+            out.stride(0), out.stride(1),
+            num_splits, dim,
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(dim), num_warps=4,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], packed by query_start_loc
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    scale: float,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    tokens, heads, dim = query.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = heads // kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    block_d = max(16, next_pow2(dim))
+    if query.is_cuda:
+        block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
+        warps = 4 if block_d <= 64 else 8
+    else:  # interpreter: fewer, larger numpy ops are what make it fast
+        block_m, block_n, warps = 32, 32, 4
+    tiles = triton.cdiv(max_query_len * group, block_m)
+    kernel_for(_prefill_kernel, query.device)[(num_seqs, kv_heads, tiles)](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        group, dim,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query), num_warps=warps, num_stages=2,
+    )
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

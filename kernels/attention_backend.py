@@ -1,0 +1,52 @@
+"""The Triton implementation of the runtime's AttentionBackend contract.
+
+``write_kv`` scatters the new tokens into the paged cache; ``attend`` reads everything (cached
+prefix and the new tokens) back from the cache. A batch whose queries are all at most one token
+long takes the flash-decoding kernel; any other batch (prefill, chunked prefill, cached prefixes,
+speculative k+1 rows, or a mix with decodes) takes the varlen prefill kernel, which handles any
+query length >= 1 and so also the decode rows mixed into it.
+
+On CPU tensors the kernels only run under TRITON_INTERPRET=1 (tests); see ``triton_utils``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels.attention import paged_decode_attention, paged_prefill_attention
+from kvserve.kernels.cache import write_kv_cache
+from kvserve.runtime.attention.backend import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.is_decode_only or meta.max_query_len <= 1:
+            return paged_decode_attention(
+                query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                scale, max_seq_len=meta.max_seq_len,
+            )
+        return paged_prefill_attention(
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            scale, max_query_len=meta.max_query_len,
+        )

@@ -1,0 +1,114 @@
+"""Pure-torch twins of every kernel: the CPU path of the runtime and the oracle of the kernel tests.
+
+The layer twins follow Hugging Face's numerics exactly (norms in float32 and cast back before the
+weight multiply, rotary in the activation dtype), because the model parity tests compare the
+torch path with transformers token for token. The attention twins favour clarity: they gather a
+sequence's K/V through its block table and compute a causal softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+def rotary_ref(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    rotary_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1)
+    sin = torch.cat((sin, sin), dim=-1)
+    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return torch.cat((out, passthrough), dim=-1) if passthrough.numel() else out
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_ref(positions, query, cos_sin_cache), rotary_ref(positions, key, cos_sin_cache)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# ------------------------------------------------------------------------------------- KV cache
+
+
+def write_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes key/value row i to flat cache slot slot_mapping[i] (block * block_size + offset)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    num_blocks, block_size, heads, dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, heads, dim)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, heads, dim)[slots] = value[keep].to(v_cache.dtype)
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's cached rows [seq_len, num_kv_heads, head_dim] in position order."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context (float32 math).
+
+    Covers decode (one new token), prefill, chunked prefill and cached prefixes alike: query token
+    j of sequence i sits at position seq_lens[i] - query_len_i + j.
+    """
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q_lo, q_hi = starts[i], starts[i + 1]
+        if q_hi == q_lo:
+            continue
+        q = query[q_lo:q_hi].float().transpose(0, 1)  # [H, q, D]
+        k = gather_kv(k_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        scores = (q @ k.permute(1, 2, 0)) * scale  # [H, q, seq_len]
+        positions = torch.arange(seq_len - (q_hi - q_lo), seq_len, device=query.device)
+        visible = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = scores.softmax(-1)
+        out[q_lo:q_hi] = (probs @ v.transpose(0, 1)).transpose(0, 1).to(query.dtype)
+    return out
