@@ -1,0 +1,66 @@
+"""Builds a CausalLM and streams its weights in from safetensors, one shard file at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import re
+
+import torch
+from safetensors import safe_open
+
+from kvserve.runtime.attention.backend import AttentionBackend
+from kvserve.runtime.model_config import ModelConfig
+from kvserve.runtime.models.llama import CausalLM
+
+log = logging.getLogger(__name__)
+
+# Buffers some older checkpoints saved that are recomputed here.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
+
+
+def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files of a checkpoint: the index's shards, or every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {str(model_dir)!r} (only safetensors is supported)")
+    missing = [str(f.name) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"model: checkpoint shards listed in the index are missing: {missing}")
+    return files
+
+
+def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: torch.device | str,
+               attention_backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
+               config: ModelConfig | None = None) -> CausalLM:
+    """Loads a supported HF causal LM from a local directory, with this rank's weight shards."""
+    model_dir = pathlib.Path(model_dir)
+    cfg = config or ModelConfig.from_pretrained(model_dir)
+    model = CausalLM(cfg, attention_backend, dtype=dtype, device=torch.device(device),
+                     tp_rank=tp_rank, tp_size=tp_size)
+    targets = model.checkpoint_params()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for path in checkpoint_files(model_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    target = targets.get(name)
+                    if target is None:
+                        if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                            log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
+                        continue
+                    param, shard_id = target
+                    tensor = f.get_tensor(name).to(dtype=dtype)
+                    param.weight_loader(param, tensor, shard_id)
+                    loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"model: checkpoint in {str(model_dir)!r} lacks weights: {shown}")
+    return model.eval()

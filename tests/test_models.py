@@ -1,0 +1,254 @@
+"""Our model implementations against transformers (the oracle), through the paged KV cache.
+
+For each architecture and config option: logits of (a) a whole prompt in one pass, (b) the same
+prompt in chunks, (c) token-by-token decode of several packed sequences with scattered block
+tables, all equal transformers' logits in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from kvserve.runtime.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend
+from kvserve.runtime.model_config import ModelConfig
+from kvserve.runtime.models import load_model
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+
+CONFIGS = [
+    pytest.param("llama", {}, id="llama-gqa"),
+    pytest.param("mistral", {}, id="mistral"),
+    pytest.param("qwen2", {}, id="qwen2-bias"),
+    pytest.param("qwen3", {}, id="qwen3-qknorm-headdim16"),
+    pytest.param("llama", dict(num_key_value_heads=1, tie_word_embeddings=True, vocab_size=509),
+                 id="llama-mqa-tied-oddvocab"),
+    pytest.param("llama", dict(head_dim=24, num_key_value_heads=4, rope_theta=500000.0, attention_bias=True,
+                               mlp_bias=True), id="llama-mha-headdim24-theta-biases"),
+    pytest.param("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), id="llama-rope-linear"),
+    pytest.param("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                               rope_theta=50000.0), id="llama-rope-llama3"),
+    pytest.param("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 256}), id="qwen2-rope-yarn"),
+    pytest.param("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=32), id="qwen3-mqa-tied"),
+]
+
+
+def _hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+class PagedCache:
+    """A tiny stand-in for the block manager: scattered block ids, packed metadata."""
+
+    def __init__(self, model, num_blocks: int, seed: int = 0):
+        shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE)
+        # NaN-filled so that reading an unwritten slot or padding block shows up in the logits.
+        self.caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+                       for _ in range(model.config.num_layers)]
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, model, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """batch: (seq id, new token ids). Returns logits of every new token, packed."""
+        ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for sid, new in batch:
+            table = self.tables.setdefault(sid, [])
+            start = self.lens.get(sid, 0)
+            end = start + len(new)
+            while len(table) * BLOCK_SIZE < end:
+                table.append(self.free.pop())
+            for pos in range(start, end):
+                slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            ids += new
+            positions += range(start, end)
+            qsl.append(qsl[-1] + len(new))
+            seq_lens.append(end)
+            tables.append(table)
+            self.lens[sid] = end
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(len(n) for _, n in batch),
+            max_seq_len=max(seq_lens),
+            is_decode_only=all(len(n) == 1 for _, n in batch),
+        )
+        hidden = model.forward(torch.tensor(ids), torch.tensor(positions), self.caches, meta)
+        return model.compute_logits(hidden)
+
+
+def _prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("arch,overrides", CONFIGS)
+def test_logits_match_transformers(tiny_model_factory, arch, overrides):
+    model_dir = tiny_model_factory(arch, **overrides)
+    hf = _hf(model_dir)
+    model = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                       attention_backend=TorchAttentionBackend())
+    vocab = model.config.vocab_size
+    prompts = _prompts(vocab, [11, 5, 17, 1])
+    expected = [_hf_logits(hf, p) for p in prompts]
+    assert expected[0].shape[-1] == vocab
+
+    # (a) every prompt whole, all packed into one forward pass
+    cache = PagedCache(model, num_blocks=64, seed=1)
+    got = cache.step(model, list(enumerate(prompts)))
+    assert got.shape == (sum(map(len, prompts)), vocab) and got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.cat(expected), atol=ATOL, rtol=0)
+
+    # (b) chunked prefill: prompt 0 in chunks of 4, 3, 4 while prompt 2 goes in chunks of 7, 10
+    cache = PagedCache(model, num_blocks=64, seed=2)
+    pieces = []
+    for chunk in ([(0, prompts[0][:4]), (2, prompts[2][:7])], [(0, prompts[0][4:7]), (2, prompts[2][7:])],
+                  [(0, prompts[0][7:])]):
+        out = cache.step(model, chunk)
+        offsets = [0]
+        for _, n in chunk:
+            offsets.append(offsets[-1] + len(n))
+        pieces.append({sid: out[offsets[j]:offsets[j + 1]] for j, (sid, _) in enumerate(chunk)})
+    torch.testing.assert_close(torch.cat([p[0] for p in pieces]), expected[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat([p[2] for p in pieces if 2 in p]), expected[2], atol=ATOL, rtol=0)
+
+    # (c) several sequences of different lengths decoded together, one token each per step,
+    # with a prefill of a new sequence mixed into the second step
+    cache = PagedCache(model, num_blocks=64, seed=3)
+    seqs = {i: list(p) for i, p in enumerate(prompts[:3])}
+    cache.step(model, [(i, s) for i, s in seqs.items()])
+    rng = random.Random(4)
+    for step in range(4):
+        batch = []
+        for i in seqs:
+            tok = rng.randrange(3, vocab)
+            seqs[i].append(tok)
+            batch.append((i, [tok]))
+        if step == 1:
+            seqs[9] = list(prompts[1])
+            batch.insert(1, (9, list(prompts[1])))
+        out = cache.step(model, batch)
+        row = 0
+        for sid, new in batch:
+            want = _hf_logits(hf, seqs[sid])[-len(new):]
+            torch.testing.assert_close(out[row:row + len(new)], want, atol=ATOL, rtol=0)
+            row += len(new)
+
+
+def test_torch_backend_matches_dense_attention():
+    torch.manual_seed(0)
+    backend = TorchAttentionBackend()
+    heads, kv_heads, d, num_blocks = 6, 2, 8, 32
+    k_cache = torch.full((num_blocks, BLOCK_SIZE, kv_heads, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    # (context already cached, new tokens): a decode, a chunk after context, a fresh prefill
+    plan = [(9, 1), (5, 6), (0, 7), (13, 1)]
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    full_k, full_v, tables = [], [], []
+    for ctx, new in plan:
+        total = ctx + new
+        table = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        tables.append(table)
+        full_k.append(torch.randn(total, kv_heads, d))
+        full_v.append(torch.randn(total, kv_heads, d))
+        for pos in range(ctx):  # the context written by earlier steps
+            b, o = table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            k_cache[b, o], v_cache[b, o] = full_k[-1][pos], full_v[-1][pos]
+    q_all = [torch.randn(new, heads, d) for _, new in plan]
+    key = torch.cat([k[ctx:] for k, (ctx, _) in zip(full_k, plan)])
+    value = torch.cat([v[ctx:] for v, (ctx, _) in zip(full_v, plan)])
+    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, (ctx, new) in zip(tables, plan)
+             for p in range(ctx, ctx + new)]
+    width = max(map(len, tables))
+    qsl = [0]
+    for _, new in plan:
+        qsl.append(qsl[-1] + new)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in plan], dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots), max_query_len=7, max_seq_len=14,
+    )
+    backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    out = backend.attend(torch.cat(q_all), key, value, k_cache, v_cache, meta, scale=0.3)
+
+    expected = []
+    for (ctx, new), q, k, v in zip(plan, q_all, full_k, full_v):
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
+        causal = torch.arange(ctx + new)[None, :] <= (torch.arange(new)[:, None] + ctx)
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        expected.append(torch.einsum("hqk,khd->qhd", probs, v))
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+    # pure decode batch, through the batched path; slot -1 is not written
+    before = k_cache.clone()
+    backend.write_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([-1]))
+    assert torch.equal(before.nan_to_num(7.0), k_cache.nan_to_num(7.0))
+
+
+def _write_config(tmp_path, **changes):
+    from tinymodels import _config  # noqa: PLC0415
+
+    cfg = _config("llama", {}).to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_unsupported_architecture_names_supported(tmp_path):
+    _write_config(tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_unsupported_rope_type_names_supported(tmp_path):
+    _write_config(tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0},
+                  rope_scaling=None)
+    with pytest.raises(ValueError, match="rope type 'longrope'.*linear.*llama3"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_legacy_rope_fields_and_eos_ids(tmp_path):
+    _write_config(tmp_path, rope_parameters=None, rope_theta=12345.0,
+                  rope_scaling={"type": "linear", "factor": 2.0}, eos_token_id=[2, 7], torch_dtype="bfloat16")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.rope_theta == 12345.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert cfg.eos_token_ids == {2, 7, 9} and cfg.dtype == torch.bfloat16
+
+
+def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+    _write_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.default_max_model_len() == 256
+    assert cfg.resolve_max_model_len(200) == 200
+    with pytest.raises(ValueError, match="sliding_window"):
+        cfg.resolve_max_model_len(512)
+
+
+def test_selector():
+    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    with pytest.raises(ValueError, match="auto, torch, triton"):
+        get_attention_backend("flash", "cpu")
