@@ -1,0 +1,296 @@
+"""Pure builders for the objects an InferenceService owns: Deployment, Service, PodDisruptionBudget.
+
+Same input, same dict: the shell compares these with what is live and patches only differences,
+so a reconcile that changes nothing writes nothing and never restarts pods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .spec import API_VERSION, KIND, ServiceSpec
+
+RUNTIME_PORT = 8000
+AGENT_PORT = 8081
+MODELS_DIR = "/models"
+PVC_MOUNT = "/model-source"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+OWNER_LABEL = "kvserve.dev/inferenceservice"
+TP_ANNOTATION = "kvserve.dev/tensor-parallel-size"
+NONROOT_UID = 1000
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The immutable Deployment selector and the Service/PDB selector."""
+    return {INSTANCE_LABEL: name, OWNER_LABEL: name}
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvserve",
+        "app.kubernetes.io/component": "inference",
+        "app.kubernetes.io/managed-by": "kvserve-operator",
+        **selector_labels(name),
+    }
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": owner.get("apiVersion", API_VERSION),
+        "kind": owner.get("kind", KIND),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(name: str, namespace: str, owner: Mapping[str, Any]) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels(name),
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def model_dir(name: str) -> str:
+    return f"{MODELS_DIR}/{name}"
+
+
+def _security_context(read_only_root: bool = True) -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_UID,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _cache_env() -> list[dict[str, str]]:
+    # The root filesystem is read-only: every cache goes to the /tmp emptyDir.
+    return [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"},
+        {"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf-home"},
+    ]
+
+
+def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
+    rt = spec.runtime
+    program = ["kvserve", "serve"] if rt.engine == "kvserve" else ["vllm", "serve"]
+    command = [*program, model_dir(name), "--host", "0.0.0.0", "--port", str(RUNTIME_PORT),
+               "--served-model-name", spec.model.served_name,
+               "--tensor-parallel-size", str(tp),
+               "--block-size", str(rt.block_size),
+               "--dtype", rt.dtype,
+               "--gpu-memory-utilization", str(rt.gpu_memory_utilization),
+               "--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if rt.max_model_len:
+        command += ["--max-model-len", str(rt.max_model_len)]
+    if rt.max_num_seqs:
+        command += ["--max-num-seqs", str(rt.max_num_seqs)]
+    if rt.engine == "kvserve":
+        command += ["--drain-timeout", str(rt.drain_timeout_seconds)]
+        if spec.gpu.per_shard == 0:
+            command += ["--device", "cpu"]
+    return command + list(rt.args)
+
+
+def _fetch_source(name: str, spec: ServiceSpec) -> str:
+    source = spec.model.source
+    if source.kind == "pvc":
+        return f"{PVC_MOUNT}/{source.sub_path}".rstrip("/")
+    if source.kind == "path":
+        return source.location
+    return spec.model.uri
+
+
+def _gpu_resources(spec: ServiceSpec, tp: int) -> dict[str, Any]:
+    requests = dict((spec.runtime.resources or {}).get("requests") or {})
+    limits = dict((spec.runtime.resources or {}).get("limits") or {})
+    gpus = tp * spec.gpu.per_shard
+    if gpus:
+        # Extended resources must have request == limit.
+        requests[spec.gpu.resource_name] = str(gpus)
+        limits[spec.gpu.resource_name] = str(gpus)
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
+    rt = spec.runtime
+    drain = ["kvserve", "agent", "drain", "--agent-url", f"http://127.0.0.1:{AGENT_PORT}",
+             "--timeout", str(rt.drain_timeout_seconds)]
+    mounts = [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    runtime_mounts = list(mounts)
+    if tp > 1:
+        runtime_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    env = _cache_env()
+    if spec.model.hf_token_secret:
+        secret, key = spec.model.hf_token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    fetch_mounts = list(mounts)
+    if spec.model.source.kind == "pvc":
+        fetch_mounts.append({"name": "model-source", "mountPath": PVC_MOUNT, "readOnly": True})
+
+    runtime = {
+        "name": "runtime",
+        "image": rt.image,
+        "imagePullPolicy": rt.image_pull_policy,
+        "command": runtime_command(name, spec, tp),
+        "env": env + [{"name": k, "value": v} for k, v in rt.env],
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "resources": _gpu_resources(spec, tp),
+        "volumeMounts": runtime_mounts,
+        "securityContext": _security_context(),
+        # Loading weights can take minutes; the startup probe holds liveness off until then.
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                         "failureThreshold": 360},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
+                           "timeoutSeconds": 3, "failureThreshold": 2},
+    }
+    if rt.engine == "kvserve":
+        # vLLM's image has no kvserve binary; it drains on SIGTERM by itself.
+        runtime["lifecycle"] = {"preStop": {"exec": {"command": drain}}}
+    agent = {
+        "name": "agent",
+        "image": rt.agent_image,
+        "imagePullPolicy": rt.image_pull_policy,
+        "command": ["kvserve", "agent", "serve", "--engine-url", f"http://127.0.0.1:{RUNTIME_PORT}",
+                    "--port", str(AGENT_PORT), "--engine", rt.engine,
+                    "--tensor-parallel-size", str(tp),
+                    "--drain-timeout", str(rt.drain_timeout_seconds)],
+        "env": _cache_env(),
+        "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": _security_context(),
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "agent"}, "periodSeconds": 5},
+        # tcp, not /ready: a dead engine must not get the agent restarted.
+        "livenessProbe": {"tcpSocket": {"port": "agent"}, "periodSeconds": 10},
+        # The agent stays up until the drain it forwards is done.
+        "lifecycle": {"preStop": {"exec": {"command": drain}}},
+    }
+    fetch = {
+        "name": "fetch-model",
+        "image": rt.agent_image,
+        "imagePullPolicy": rt.image_pull_policy,
+        "command": ["kvserve", "agent", "fetch", _fetch_source(name, spec), model_dir(name)],
+        "env": env,
+        "volumeMounts": fetch_mounts,
+        "securityContext": _security_context(),
+    }
+    volumes: list[dict[str, Any]] = [{"name": "models", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    if tp > 1:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if spec.model.source.kind == "pvc":
+        volumes.append({"name": "model-source",
+                        "persistentVolumeClaim": {"claimName": spec.model.source.location, "readOnly": True}})
+    pod_spec: dict[str, Any] = {
+        "initContainers": [fetch],
+        "containers": [runtime, agent],
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": NONROOT_UID, "runAsGroup": NONROOT_UID,
+                            "fsGroup": NONROOT_UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": rt.drain_timeout_seconds + 30,
+    }
+    if spec.gpu.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.gpu.node_selector)
+    if spec.gpu.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.gpu.tolerations]
+    if spec.gpu.affinity:
+        pod_spec["affinity"] = dict(spec.gpu.affinity)
+    if spec.gpu.priority_class_name:
+        pod_spec["priorityClassName"] = spec.gpu.priority_class_name
+    return {
+        "metadata": {
+            "labels": labels(name),
+            "annotations": {TP_ANNOTATION: str(tp), "kvserve.dev/engine": rt.engine,
+                            "prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_PORT)},
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_deployment(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int, tp: int) -> dict[str, Any]:
+    """The Deployment at `replicas` x TP `tp`.
+
+    maxUnavailable 0 with a surge of one: a rollout (a TP change included) starts a new pod and
+    only retires an old one once the new one is Ready, so serving capacity never dips.
+    """
+    name, namespace = owner["metadata"]["name"], owner["metadata"].get("namespace", "default")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {**_metadata(name, namespace, owner),
+                     "annotations": {TP_ANNOTATION: str(tp)}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "revisionHistoryLimit": 5,
+            # Model loading can take long; mark a rollout failed only after 30 minutes.
+            "progressDeadlineSeconds": 1800,
+            "template": pod_template(name, spec, tp),
+        },
+    }
+
+
+def build_service(owner: Mapping[str, Any]) -> dict[str, Any]:
+    name, namespace = owner["metadata"]["name"], owner["metadata"].get("namespace", "default")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, namespace, owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": RUNTIME_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_pdb(owner: Mapping[str, Any]) -> dict[str, Any]:
+    """At most one pod evicted at a time; never blocks a node drain of a one-replica service."""
+    name, namespace = owner["metadata"]["name"], owner["metadata"].get("namespace", "default")
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(name, namespace, owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    }
+
+
+def service_url(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc:{RUNTIME_PORT}/v1"
+
+
+def build_all(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int, tp: int) -> list[dict[str, Any]]:
+    return [build_deployment(owner, spec, replicas=replicas, tp=tp), build_service(owner), build_pdb(owner)]
+
+
+def template_tp(deployment: Mapping[str, Any] | None) -> int | None:
+    """The TP the live Deployment's pod template runs, if it says."""
+    if not deployment:
+        return None
+    value = ((deployment.get("spec") or {}).get("template", {}).get("metadata", {})
+             .get("annotations", {}).get(TP_ANNOTATION))
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

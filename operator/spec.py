@@ -1,0 +1,400 @@
+"""An InferenceService's spec as typed, validated dataclasses.
+
+The CRD's schema already defaults and bounds most fields, but the operator cannot rely on it: an
+older CRD, an emulator without validation, or a hand-made object may reach it unchecked. So this
+parser applies the same defaults and rules again, and every error names the field it is about.
+`crds/inferenceservices.kvserve.dev.yaml` and this module must agree (a test checks that).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvserve.runtime.capacity import ModelShape
+
+GROUP = "kvserve.dev"
+VERSION = "v1alpha1"
+PLURAL = "inferenceservices"
+KIND = "InferenceService"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+ENGINES = ("kvserve", "vllm")
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve:0.1.0"
+
+_URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$")
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+_SUFFIX = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5,
+           "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot serve; `field` is the dotted path of the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def parse_quantity(value: Any, field: str) -> int:
+    """A Kubernetes memory quantity ("80Gi", "24G", 1024) in bytes."""
+    if isinstance(value, bool):
+        raise SpecError(field, f"must be a quantity such as '80Gi', got {value!r}")
+    if isinstance(value, (int, float)):
+        number, suffix = float(value), None
+    else:
+        match = _QUANTITY.match(str(value).strip())
+        if not match:
+            raise SpecError(field, f"must be a quantity such as '80Gi', got {value!r}")
+        number, suffix = float(match.group(1)), match.group(2)
+    result = int(number * _SUFFIX[suffix])
+    if result <= 0:
+        raise SpecError(field, f"must be positive, got {value!r}")
+    return result
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model comes from: `kind` is "hf", "pvc" or "path"."""
+
+    kind: str
+    location: str  # hf repo id, PVC claim name, or absolute path
+    revision: str | None = None
+    sub_path: str = ""  # path inside the PVC
+
+
+def parse_uri(uri: str) -> ModelSource:
+    if uri.startswith("hf://"):
+        repo, _, revision = uri[len("hf://"):].partition("@")
+        return ModelSource("hf", repo, revision or None)
+    if uri.startswith("pvc://"):
+        claim, _, sub = uri[len("pvc://"):].partition("/")
+        return ModelSource("pvc", claim, None, sub.strip("/"))
+    if uri.startswith("file://"):
+        return ModelSource("path", uri[len("file://"):])
+    return ModelSource("path", uri)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    uri: str
+    source: ModelSource
+    served_name: str
+    config: Mapping[str, Any] | None = None  # inline HF config: gives the shape without the files
+    hf_token_secret: tuple[str, str] | None = None  # (secret name, key)
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    engine: str = "kvserve"
+    image: str = DEFAULT_IMAGE
+    agent_image: str = DEFAULT_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float = 0.9
+    drain_timeout_seconds: int = 120
+    resources: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    resource_name: str = "nvidia.com/gpu"
+    per_shard: int = 1
+    memory: str = "80Gi"
+    memory_bytes: int = 80 * 1024**3
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    min: int = 1
+    max: int = 1
+    initial: int = 1
+
+
+@dataclass(frozen=True)
+class TensorAutoscaling:
+    enabled: bool = False
+    scale_down_window_seconds: float = 900.0
+    kv_saturation: float = 0.9
+    few_running_requests: float = 2.0
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = True
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_utilization: float = 0.7
+    target_queue_depth: float = 4.0
+    tolerance: float = 0.1
+    scale_up_window_seconds: float = 30.0
+    scale_down_window_seconds: float = 300.0
+    max_scale_up_step: int = 4
+    max_scale_down_step: int = 2
+    panic_threshold: float = 2.0
+    panic_window_seconds: float = 60.0
+    tensor: TensorAutoscaling = field(default_factory=TensorAutoscaling)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    model: ModelSpec
+    runtime: RuntimeSpec
+    gpu: GPUSpec
+    tensor: TensorSpec
+    autoscaling: AutoscalingSpec
+    replicas: int | None = None  # manual size; only without autoscaling
+
+    @property
+    def gpus_per_replica_per_tp(self) -> int:
+        return self.gpu.per_shard
+
+
+class _Reader:
+    """Typed access to one mapping of the spec, naming the field in every error."""
+
+    def __init__(self, raw: Any, path: str):
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise SpecError(path, f"must be an object, got {type(raw).__name__}")
+        self.raw, self.path = raw, path
+
+    def name(self, key: str) -> str:
+        return f"{self.path}.{key}"
+
+    def sub(self, key: str) -> "_Reader":
+        return _Reader(self.raw.get(key), self.name(key))
+
+    def string(self, key: str, default: str | None = None, *, choices: tuple[str, ...] = (),
+               required: bool = False) -> str | None:
+        value = self.raw.get(key, default)
+        if value is None:
+            if required:
+                raise SpecError(self.name(key), "is required")
+            return None
+        if not isinstance(value, str) or (required and not value):
+            raise SpecError(self.name(key), f"must be a non-empty string, got {value!r}")
+        if choices and value not in choices:
+            raise SpecError(self.name(key), f"unsupported value {value!r}; supported: {', '.join(choices)}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key, default)
+        if not isinstance(value, bool):
+            raise SpecError(self.name(key), f"must be true or false, got {value!r}")
+        return value
+
+    def integer(self, key: str, default: int | None, *, lo: int | None = None, hi: int | None = None,
+                choices: tuple[int, ...] = ()) -> int | None:
+        value = self.raw.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(self.name(key), f"must be an integer, got {value!r}")
+        _bounds(self.name(key), value, lo, hi)
+        if choices and value not in choices:
+            raise SpecError(self.name(key), f"must be one of {list(choices)}, got {value}")
+        return value
+
+    def number(self, key: str, default: float, *, lo: float | None = None, hi: float | None = None,
+               lo_exclusive: bool = False) -> float:
+        value = self.raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(self.name(key), f"must be a number, got {value!r}")
+        if lo_exclusive and lo is not None and value <= lo:
+            raise SpecError(self.name(key), f"must be > {lo}, got {value}")
+        _bounds(self.name(key), value, None if lo_exclusive else lo, hi)
+        return float(value)
+
+    def mapping(self, key: str) -> Mapping[str, Any] | None:
+        value = self.raw.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise SpecError(self.name(key), f"must be an object, got {type(value).__name__}")
+        return value
+
+    def array(self, key: str) -> list:
+        value = self.raw.get(key) or []
+        if not isinstance(value, list):
+            raise SpecError(self.name(key), f"must be a list, got {type(value).__name__}")
+        return value
+
+
+def _bounds(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and value < lo:
+        raise SpecError(name, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise SpecError(name, f"must be <= {hi}, got {value}")
+
+
+def default_served_name(source: ModelSource) -> str:
+    if source.kind == "hf":
+        return source.location
+    tail = (source.sub_path or source.location).rstrip("/").rsplit("/", 1)[-1]
+    return tail or "model"
+
+
+def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
+    """Parses and validates `spec`; raises SpecError (a ValueError) naming the first bad field."""
+    top = _Reader(raw, "spec")
+
+    m = top.sub("model")
+    uri = m.string("uri", required=True)
+    if not _URI.match(uri):
+        raise SpecError("spec.model.uri", f"must be hf://org/name[@revision], pvc://claim[/path], "
+                        f"file:///path or /path, got {uri!r}")
+    source = parse_uri(uri)
+    config = m.mapping("config")
+    token = None
+    token_ref = m.mapping("hfTokenSecret")
+    if token_ref is not None:
+        t = m.sub("hfTokenSecret")
+        token = (t.string("name", required=True), t.string("key", "HF_TOKEN"))
+    model = ModelSpec(uri=uri, source=source,
+                      served_name=m.string("servedName") or default_served_name(source),
+                      config=config, hf_token_secret=token)
+
+    r = top.sub("runtime")
+    image = r.string("image", DEFAULT_IMAGE)
+    env = []
+    for i, item in enumerate(r.array("env")):
+        e = _Reader(item, f"spec.runtime.env[{i}]")
+        env.append((e.string("name", required=True), e.string("value", "")))
+    args = r.array("args")
+    for i, arg in enumerate(args):
+        if not isinstance(arg, str):
+            raise SpecError(f"spec.runtime.args[{i}]", f"must be a string, got {arg!r}")
+    runtime = RuntimeSpec(
+        engine=r.string("engine", "kvserve", choices=ENGINES),
+        image=image,
+        agent_image=r.string("agentImage", DEFAULT_IMAGE),
+        image_pull_policy=r.string("imagePullPolicy", "IfNotPresent", choices=PULL_POLICIES),
+        args=tuple(args),
+        env=tuple(env),
+        max_model_len=r.integer("maxModelLen", None, lo=16, hi=10_000_000),
+        dtype=r.string("dtype", "auto", choices=DTYPES),
+        block_size=r.integer("blockSize", 16, choices=BLOCK_SIZES),
+        enable_prefix_caching=r.boolean("enablePrefixCaching", True),
+        max_num_seqs=r.integer("maxNumSeqs", None, lo=1, hi=65536),
+        gpu_memory_utilization=r.number("gpuMemoryUtilization", 0.9, lo=0.05, hi=1.0),
+        drain_timeout_seconds=r.integer("drainTimeoutSeconds", 120, lo=0, hi=3600),
+        resources=r.mapping("resources") or {},
+    )
+
+    g = top.sub("gpu")
+    memory = g.raw.get("memory", "80Gi")
+    node_selector = g.mapping("nodeSelector") or {}
+    for key, value in node_selector.items():
+        if not isinstance(value, str):
+            raise SpecError(f"spec.gpu.nodeSelector.{key}", f"must be a string, got {value!r}")
+    gpu = GPUSpec(
+        resource_name=g.string("resourceName", "nvidia.com/gpu"),
+        per_shard=g.integer("perShard", 1, lo=0, hi=16),
+        memory=str(memory),
+        memory_bytes=parse_quantity(memory, "spec.gpu.memory"),
+        node_selector=node_selector,
+        tolerations=tuple(g.array("tolerations")),
+        affinity=g.mapping("affinity"),
+        priority_class_name=g.string("priorityClassName"),
+    )
+
+    t = top.sub("parallelism").sub("tensor")
+    tensor = TensorSpec(
+        min=t.integer("min", 1, lo=1, hi=64),
+        max=t.integer("max", 1, lo=1, hi=64),
+        initial=t.integer("initial", None, lo=1, hi=64) or t.integer("min", 1),
+    )
+    for key in ("min", "max", "initial"):
+        if getattr(tensor, key) not in TP_DEGREES:
+            raise SpecError(t.name(key), f"must be a power of two, got {getattr(tensor, key)}")
+    if not tensor.min <= tensor.initial <= tensor.max:
+        raise SpecError(t.path, f"needs min <= initial <= max, got {tensor.min}, {tensor.initial}, {tensor.max}")
+
+    a = top.sub("autoscaling")
+    ta = a.sub("tensorParallel")
+    autoscaling = AutoscalingSpec(
+        enabled=a.boolean("enabled", True),
+        min_replicas=a.integer("minReplicas", 1, lo=1, hi=1000),
+        max_replicas=a.integer("maxReplicas", 4, lo=1, hi=1000),
+        target_kv_utilization=a.number("targetKVCacheUtilization", 0.7, lo=0.05, hi=1.0),
+        target_queue_depth=a.number("targetQueueDepth", 4.0, lo=0.0, hi=10000, lo_exclusive=True),
+        tolerance=a.number("tolerance", 0.1, lo=0.0, hi=0.5),
+        scale_up_window_seconds=a.number("scaleUpStabilizationSeconds", 30, lo=0, hi=3600),
+        scale_down_window_seconds=a.number("scaleDownStabilizationSeconds", 300, lo=0, hi=3600),
+        max_scale_up_step=a.integer("maxScaleUpStep", 4, lo=1, hi=1000),
+        max_scale_down_step=a.integer("maxScaleDownStep", 2, lo=1, hi=1000),
+        panic_threshold=a.number("panicThreshold", 2.0, lo=1.1, hi=100),
+        panic_window_seconds=a.number("panicWindowSeconds", 60, lo=0, hi=3600),
+        tensor=TensorAutoscaling(
+            enabled=ta.boolean("enabled", False),
+            scale_down_window_seconds=ta.number("scaleDownStabilizationSeconds", 900, lo=0, hi=86400),
+            kv_saturation=ta.number("kvSaturation", 0.9, lo=0.1, hi=1.0),
+            few_running_requests=ta.number("fewRunningRequests", 2, lo=0, hi=10000),
+        ),
+    )
+    if autoscaling.min_replicas > autoscaling.max_replicas:
+        raise SpecError("spec.autoscaling", f"needs minReplicas <= maxReplicas, got "
+                        f"{autoscaling.min_replicas} > {autoscaling.max_replicas}")
+    replicas = top.integer("replicas", None, lo=0, hi=1000)
+    if replicas is not None and autoscaling.enabled:
+        raise SpecError("spec.replicas", "may only be set when spec.autoscaling.enabled is false")
+    return ServiceSpec(model=model, runtime=runtime, gpu=gpu, tensor=tensor,
+                       autoscaling=autoscaling, replicas=replicas)
+
+
+def model_shape(spec: ServiceSpec, read_config=None) -> ModelShape | None:
+    """The model's shape from the inline config, or from `read_config(path)` for local paths.
+
+    `read_config` is the shell's file reader (None in pure contexts); a model whose config is
+    neither inline nor readable gives None: the operator then keeps TP fixed.
+    """
+    config = spec.model.config
+    if config is None and read_config is not None and spec.model.source.kind == "path":
+        config = read_config(spec.model.source.location)
+    if config is None:
+        return None
+    try:
+        return ModelShape.from_hf_config(config)
+    except (ValueError, TypeError) as error:
+        raise SpecError("spec.model.config", str(error).removeprefix("model config: ")) from None
+
+
+def check_servable(spec: ServiceSpec, shape: ModelShape | None) -> None:
+    """Rules the schema cannot express: TP degrees must shard this model's heads."""
+    if shape is None:
+        return
+    # min/max only bound the search (valid_tp_degrees skips degrees the heads rule out); the
+    # degree that would actually run must itself be valid.
+    error = shape.tp_error(spec.tensor.initial)
+    if error:
+        raise SpecError("spec.parallelism.tensor.initial", error)
+
+
+def dtype_for_capacity(spec: ServiceSpec) -> str:
+    """The dtype to plan KV with: "auto" follows the model config, else bfloat16."""
+    if spec.runtime.dtype != "auto":
+        return spec.runtime.dtype
+    config_dtype = (spec.model.config or {}).get("torch_dtype") or (spec.model.config or {}).get("dtype")
+    return config_dtype if config_dtype in DTYPES[1:] else "bfloat16"
+
+
+def check_name(name: str) -> None:
+    if not _NAME.match(name or "") or len(name) > 52:
+        # Owned objects take the resource's name; 52 leaves room for ReplicaSet/Pod suffixes.
+        raise SpecError("metadata.name", f"must be a DNS label of at most 52 characters, got {name!r}")

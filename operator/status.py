@@ -1,0 +1,116 @@
+"""Status and conditions of an InferenceService, computed from what the operator knows: pure.
+
+Conditions follow the Kubernetes convention (type, status "True"/"False", reason in CamelCase,
+message, lastTransitionTime that moves only when status flips, observedGeneration).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Iterable, Mapping
+
+from .autoscaler import Decision
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingActive", "ScalingLimited")
+MAX_DECISIONS = 5
+
+
+def iso(now: dt.datetime) -> str:
+    return now.astimezone(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type_: str, status: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:
+    out = {"type": type_, "status": "True" if status else "False", "reason": reason, "message": message}
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def merge_conditions(previous: Iterable[Mapping[str, Any]] | None, updates: Iterable[Mapping[str, Any]],
+                     now: dt.datetime) -> list[dict[str, Any]]:
+    """`previous` with `updates` laid over by type; lastTransitionTime kept unless status flips."""
+    by_type = {c["type"]: dict(c) for c in previous or () if isinstance(c, Mapping) and "type" in c}
+    for update in updates:
+        old = by_type.get(update["type"])
+        new = dict(update)
+        if old is not None and old.get("status") == new["status"] and old.get("lastTransitionTime"):
+            new["lastTransitionTime"] = old["lastTransitionTime"]
+        else:
+            new["lastTransitionTime"] = iso(now)
+        by_type[update["type"]] = new
+    order = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    return sorted(by_type.values(), key=lambda c: (order.get(c["type"], len(order)), c["type"]))
+
+
+def degraded_conditions(reason: str, message: str, generation: int | None) -> list[dict[str, Any]]:
+    """A spec the operator cannot serve, or a failure applying it."""
+    return [
+        condition("Degraded", True, reason, message, generation),
+        condition("Ready", False, reason, message, generation),
+        condition("Progressing", False, reason, "waiting for the spec to be fixed", generation),
+        condition("ScalingActive", False, reason, "the autoscaler waits for a valid spec", generation),
+    ]
+
+
+def rollout_conditions(*, desired: int, ready: int, rollout_in_progress: bool, generation: int | None,
+                       ) -> list[dict[str, Any]]:
+    """Ready/Progressing/Degraded from the pods' state, for a healthy spec."""
+    out = [condition("Degraded", False, "AsExpected", "spec is valid and owned objects are applied", generation)]
+    if desired == 0:
+        out.append(condition("Ready", False, "ScaledToZero", "replicas is 0", generation))
+    elif ready >= desired and not rollout_in_progress:
+        out.append(condition("Ready", True, "AllReplicasReady", f"{ready}/{desired} replicas ready", generation))
+    elif ready > 0:
+        out.append(condition("Ready", True, "Available", f"{ready}/{desired} replicas ready", generation))
+    else:
+        out.append(condition("Ready", False, "ReplicasNotReady", f"0/{desired} replicas ready", generation))
+    if rollout_in_progress:
+        out.append(condition("Progressing", True, "RollingOut", "pods from an older template are being replaced",
+                             generation))
+    elif ready != desired:
+        out.append(condition("Progressing", True, "Scaling", f"{ready} ready, {desired} desired", generation))
+    else:
+        out.append(condition("Progressing", False, "Stable", f"{desired} replicas ready", generation))
+    return out
+
+
+def scaling_conditions(decision: Decision | None, *, enabled: bool, generation: int | None) -> list[dict[str, Any]]:
+    if not enabled:
+        return [condition("ScalingActive", False, "AutoscalingDisabled", "spec.autoscaling.enabled is false",
+                          generation),
+                condition("ScalingLimited", False, "AutoscalingDisabled", "", generation)]
+    if decision is None:
+        return [condition("ScalingActive", False, "WaitingForMetrics", "no signals scraped yet", generation)]
+    out = [condition("ScalingActive", decision.metrics_available,
+                     "ValidMetrics" if decision.metrics_available else "NoMetrics", decision.message, generation)]
+    if decision.limited:
+        out.append(condition("ScalingLimited", True, decision.limited, decision.limited_message, generation))
+    else:
+        out.append(condition("ScalingLimited", False, "DesiredWithinRange",
+                             "the desired size is within the replica bounds", generation))
+    return out
+
+
+def decision_record(decision: Decision, now: dt.datetime) -> dict[str, Any]:
+    return {
+        "time": iso(now),
+        "fromReplicas": decision.from_replicas,
+        "toReplicas": decision.replicas,
+        "fromTensorParallelSize": decision.from_tp,
+        "toTensorParallelSize": decision.tp,
+        "reason": decision.reason,
+        "message": decision.message[:1024],
+        "signals": decision.signals.as_status(),
+    }
+
+
+def append_decision(previous: Iterable[Mapping[str, Any]] | None, record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [dict(r) for r in (previous or ())][-(MAX_DECISIONS - 1):] + [dict(record)]
+
+
+def signal_fields(decision: Decision | None) -> dict[str, Any]:
+    if decision is None or not decision.metrics_available:
+        return {}
+    s = decision.signals
+    return {"kvCacheUtilizationPercent": int(round(100 * s.kv_cache_utilization)),
+            "queueDepth": int(round(s.queue_depth)), "requestsRunning": int(round(s.requests_running))}
