@@ -1,0 +1,341 @@
+"""LLMEngine: requests in, one scheduled forward pass per step(), RequestOutputs out.
+
+Single-threaded by design: the server calls add_request/abort_request/step from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.runtime.block_manager import BlockManager
+from kvserve.runtime.config import EngineConfig
+from kvserve.runtime.detokenizer import IncrementalDetokenizer, make_decode_fn
+from kvserve.runtime.kv_cache import allocate_kv_cache, determine_num_blocks
+from kvserve.runtime.model_runner import ModelRunner
+from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.runtime.sampler import Sampler, SamplingRow
+from kvserve.runtime.sampling_params import SamplingParams
+from kvserve.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.runtime.sequence import Sequence, SequenceStatus
+from kvserve.runtime.stats import EngineStats, StatsCollector
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    row: SamplingRow
+    stop_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return checkpoint_dtype if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from kvserve.runtime.attention.selector import get_attention_backend
+        from kvserve.runtime.model_config import ModelConfig
+        from kvserve.runtime.models import load_model
+
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.dtype, self.device)
+        self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self._decode = make_decode_fn(self.tokenizer)
+        self.vocab_size = self.model_config.vocab_size
+
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.attention_backend = backend.name
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device,
+                                attention_backend=backend, config=self.model_config)
+        shape = self.model_config.shape
+        self.num_kv_blocks = determine_num_blocks(config, shape, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.dtype,
+                                           self.device, config.tensor_parallel_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size)
+        self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_model_len=self.max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            self.block_manager,
+        )
+        generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device,
+                                  Sampler(generator))
+        self._eos = frozenset(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self._eos |= {self.tokenizer.eos_token_id}
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []  # aborted requests' final outputs, sent by step()
+        self._stats = StatsCollector()
+        self._ids = itertools.count()
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, backend %s",
+                 self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
+                 config.block_size, self.max_model_len, self.attention_backend)
+
+    @classmethod
+    def from_args(cls, **kwargs: Any) -> "LLMEngine":
+        return cls(EngineConfig.from_args(**kwargs))
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | dict | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queues a request; raises ValueError naming the bad field (and queues nothing)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams(**params)
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - len(prompt_ids))
+        self.scheduler.check_fits(len(prompt_ids), max_tokens)
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
+
+        now = StatsCollector.now()
+        seq = Sequence(request_id, prompt_ids, max_tokens, arrival_time=arrival_time or now)
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        banned = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos)))
+        req = _Request(
+            request_id=request_id,
+            prompt=prompt_text,
+            params=params,
+            seq=seq,
+            detok=IncrementalDetokenizer(self._decode, prompt_ids,
+                                         skip_special_tokens=params.skip_special_tokens,
+                                         stop=params.stop,
+                                         include_stop_str_in_output=params.include_stop_str_in_output),
+            metrics=RequestMetrics(arrival_time=arrival_time or now),
+            row=SamplingRow(params, seq.token_ids, len(prompt_ids), generator, banned),
+            stop_token_ids=frozenset(params.stop_token_ids),
+            eos_token_ids=frozenset() if params.ignore_eos else self._eos,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+        )
+        self.scheduler.add(seq)
+        self._requests[request_id] = req
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        text = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            text = prompt
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt_token_ids", "prompt"})
+            if unknown:
+                raise ValueError(f"prompt: unknown field {unknown[0]!r}")
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("prompt_token_ids: missing")
+            ids = prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+        elif isinstance(prompt, (list, tuple)):
+            ids = prompt
+        else:
+            raise ValueError(f"prompt: expected a string, a token id list or "
+                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt: must not be empty" if text is not None or isinstance(prompt, str)
+                             else "prompt_token_ids: must not be empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return text, ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends a request at once and frees its KV blocks; unknown or finished ids are ignored.
+        Its final output (finish_reason "abort") comes with the next step()."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
+        req.finish_reason = "abort"
+        now = StatsCollector.now()
+        req.metrics.finished_time = now
+        self._stats.request_success_total["abort"] += 1
+        self._pending.append(self._make_output(req, finished=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        now = StatsCollector.now()
+        reqs = self._requests
+        rows = []
+        for item in sched.scheduled:
+            req = reqs[item.seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                self._stats.queue_times.append(now - req.metrics.arrival_time)
+            if item.samples:
+                rows.append(req.row)
+        tables = [self.block_manager.block_tables[item.seq.seq_id] for item in sched.scheduled]
+        try:
+            result = self.runner.execute(sched.scheduled, tables, rows)
+        except Exception:
+            self._fail_step(sched)
+            raise
+        self.scheduler.on_step_done(sched)
+        now = StatsCollector.now()
+        num_prompt = num_generated = 0
+        k = 0
+        for item in sched.scheduled:
+            if not item.samples:
+                continue
+            req = reqs[item.seq.request_id]
+            token = result.token_ids[k]
+            lp = result.logprobs[k]
+            k += 1
+            if req.seq.num_output_tokens == 0:
+                num_prompt += req.seq.num_prompt_tokens
+            num_generated += 1
+            self._on_token(req, token, lp, now)
+            outputs.append(self._make_output(req, finished=req.finish_reason is not None))
+        self._stats.on_tokens(now, num_prompt, num_generated)
+        return outputs
+
+    def _on_token(self, req: _Request, token: int, lp: dict[int, Logprob] | None, now: float) -> None:
+        seq, m = req.seq, req.metrics
+        seq.append_token(token)
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self._stats.time_to_first_token.append(now - m.arrival_time)
+        else:
+            self._stats.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+        if lp is not None:
+            for tid, entry in lp.items():
+                entry.decoded_token = self._decode([tid], False)
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp[token].logprob
+
+        status = None
+        if token in req.stop_token_ids:
+            status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+            req.detok.flush()
+        elif token in req.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+            req.detok.flush()
+        else:
+            stop = req.detok.add_token(token)
+            if stop is not None:
+                status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            elif seq.num_output_tokens >= seq.max_tokens:
+                status = SequenceStatus.FINISHED_LENGTH
+                if req.detok.flush() is not None:
+                    status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, req.detok.stop_reason
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            req.finish_reason = status.finish_reason
+            m.finished_time = now
+            self._stats.e2e_latencies.append(now - m.arrival_time)
+            self._stats.request_success_total[req.finish_reason] += 1
+            del self._requests[req.request_id]
+
+    def _fail_step(self, sched: SchedulerOutput) -> None:
+        """A forward pass raised: end the step's requests (their cache state is unknown)."""
+        for item in sched.scheduled:
+            req = self._requests.get(item.seq.request_id)
+            if req is not None:
+                self.abort_request(req.request_id)
+
+    def _make_output(self, req: _Request, finished: bool) -> RequestOutput:
+        seq = req.seq
+        completion = CompletionOutput(
+            index=0,
+            text=req.detok.visible_text(finished),
+            token_ids=seq.output_token_ids,
+            finish_reason=req.finish_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            cumulative_logprob=req.cumulative_logprob,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=req.metrics,
+        )
+
+    # -- statistics ------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        """Gauges and counters now, plus latency observations made since the previous call."""
+        now = StatsCollector.now()
+        s = self._stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_total=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+            request_success_total=dict(s.request_success_total),
+            generation_tokens_per_second=s.rate(now),
+            timestamp=now,
+            **s.drain(),
+        )

@@ -1,0 +1,105 @@
+"""Runs one scheduled step: packs the batch, runs the model, samples the rows that yield tokens.
+
+Every scheduled sequence contributes its new tokens (a prompt chunk or one decode token) to one
+packed token axis, with no padding. Logits are computed only for the last row of each sequence
+whose chunk reaches its end; a partial prefill chunk only fills the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.runtime.attention.backend import AttentionMetadata
+from kvserve.runtime.kv_cache import copy_blocks
+from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow
+from kvserve.runtime.scheduler import ScheduledSequence
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device, sampler: Sampler) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+
+    def prepare(self, scheduled: list[ScheduledSequence],
+                block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Packed (input_ids, positions, metadata, logits row indices) for one step."""
+        bs = self.block_size
+        num_seqs = len(scheduled)
+        decode_only = all(item.num_new_tokens == 1 for item in scheduled)
+        query_start_loc = [0] * (num_seqs + 1)
+        seq_lens = [0] * num_seqs
+        max_blocks = max(len(t) for t in block_tables)
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        logits_rows: list[int] = []
+
+        if decode_only:
+            input_ids = [0] * num_seqs
+            positions = [0] * num_seqs
+            slots = [0] * num_seqs
+            for i, (item, table) in enumerate(zip(scheduled, block_tables)):
+                pos = item.start
+                input_ids[i] = item.seq.token_ids[pos]
+                positions[i] = pos
+                slots[i] = table[pos // bs] * bs + pos % bs
+                query_start_loc[i + 1] = i + 1
+                seq_lens[i] = pos + 1
+                tables[i, : len(table)] = table
+                if item.samples:
+                    logits_rows.append(i)
+            input_t = torch.tensor(input_ids, dtype=torch.long)
+            pos_t = torch.tensor(positions, dtype=torch.long)
+            slot_t = torch.tensor(slots, dtype=torch.long)
+            max_query_len = 1
+        else:
+            ids_parts, pos_parts, slot_parts = [], [], []
+            total = 0
+            for i, (item, table) in enumerate(zip(scheduled, block_tables)):
+                start, n = item.start, item.num_new_tokens
+                ids_parts.append(item.seq.token_ids[start:start + n])
+                pos = np.arange(start, start + n, dtype=np.int64)
+                table_np = np.asarray(table, dtype=np.int64)
+                pos_parts.append(pos)
+                slot_parts.append(table_np[pos // bs] * bs + pos % bs)
+                total += n
+                query_start_loc[i + 1] = total
+                seq_lens[i] = start + n
+                tables[i, : len(table)] = table
+                if item.samples:
+                    logits_rows.append(total - 1)
+            input_t = torch.tensor([t for part in ids_parts for t in part], dtype=torch.long)
+            pos_t = torch.from_numpy(np.concatenate(pos_parts))
+            slot_t = torch.from_numpy(np.concatenate(slot_parts))
+            max_query_len = max(item.num_new_tokens for item in scheduled)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            slot_mapping=slot_t.to(dev, non_blocking=True),
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens),
+            is_decode_only=decode_only,
+        )
+        return input_t.to(dev, non_blocking=True), pos_t.to(dev, non_blocking=True), meta, logits_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence], block_tables: list[list[int]],
+                rows: list[SamplingRow]) -> SamplerOutput:
+        """Runs the step; `rows` describe, in order, the scheduled sequences that sample."""
+        for item in scheduled:
+            copy_blocks(self.kv_caches, item.block_copies)
+        input_ids, positions, meta, logits_rows = self.prepare(scheduled, block_tables)
+        assert len(logits_rows) == len(rows)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not rows:
+            return SamplerOutput([], [])
+        if len(logits_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(logits_rows, device=hidden.device)]
+        logits = self.model.compute_logits(hidden)
+        return self.sampler(logits, rows)
