@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast bench demo clean
+.PHONY: install test test-fast bench demo clean manifests prometheus
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,14 @@ test-fast: install
 
 bench: install
 	$(BIN)/python bench/offline_throughput.py
+
+# Derived deployment files (CRD copies, dashboard JSON, the chart's copies) from their sources.
+manifests: install
+	$(BIN)/python scripts/gen_manifests.py
+
+# Prometheus 2.42 + promtool (Debian package unpacked into build/prometheus; tests fetch it too).
+prometheus:
+	$(PYTHON) scripts/prometheus_bin.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
