@@ -223,7 +223,7 @@ def decide(spec: ServiceSpec, shape: ModelShape | None, obs: Observation, state:
               _proposal(queue, a.target_queue_depth, ready, total, cur, a.tolerance))
 
     window = max(a.scale_up_window_seconds, a.scale_down_window_seconds)
-    recs = tuple((t, r) for t, r in state.recommendations if t > now - window) + ((now, raw),)
+    recs = tuple((t, r) for t, r in state.recommendations if t >= now - window) + ((now, raw),)
     history_start = state.history_start if state.history_start is not None else now
     panic_until = state.panic_until
     if raw > cur and raw >= a.panic_threshold * ready:
