@@ -9,6 +9,7 @@ orders of magnitude slower and should never be picked up by accident.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -35,8 +36,54 @@ def interpret_enabled() -> bool:
 _interpreted: dict[int, object] = {}
 
 
+def _interpreted_version(fn):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(fn, InterpretedFunction):
+        return fn
+    wrapped = _interpreted.get(id(fn))
+    if wrapped is None:
+        wrapped = _interpreted[id(fn)] = InterpretedFunction(fn.fn)
+    return wrapped
+
+
+@contextlib.contextmanager
+def _interpretable_stdlib():
+    """Swaps triton.language's own jit helpers (tl.sum, tl.max, tl.zeros, ...) for interpreted
+    copies while a kernel is interpreted: when triton was imported without TRITON_INTERPRET they
+    are compiled-only functions, which the interpreter cannot call."""
+    import triton.language as tl
+    import triton.language.standard as standard
+    from triton.runtime.jit import JITFunction
+
+    saved = []
+    for module in (tl, standard):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                saved.append((module, name, value))
+                setattr(module, name, _interpreted_version(value))
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+class _InterpretedLauncher:
+    def __init__(self, kernel):
+        self._kernel = _interpreted_version(kernel)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with _interpretable_stdlib():
+                return self._kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 def kernel_for(kernel, device: torch.device):
-    """The launchable form of ``kernel`` (a ``@triton.jit`` function) for tensors on ``device``."""
+    """The launchable form of ``kernel`` (a ``@triton.jit`` function) for tensors on ``device``:
+    ``kernel_for(k, dev)[grid](*args, **meta)``."""
     if device.type == "cuda":
         return kernel
     if not interpret_enabled():
@@ -45,14 +92,7 @@ def kernel_for(kernel, device: torch.device):
             "(slowly, for testing) set TRITON_INTERPRET=1, or use the torch kernels "
             "(kvserve.kernels.ops.set_kernel_mode('torch') or KVSERVE_KERNELS=torch)."
         )
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kernel, InterpretedFunction):
-        return kernel
-    wrapped = _interpreted.get(id(kernel))
-    if wrapped is None:
-        wrapped = _interpreted[id(kernel)] = InterpretedFunction(kernel.fn)
-    return wrapped
+    return _InterpretedLauncher(kernel)
 
 
 def next_pow2(n: int) -> int:
