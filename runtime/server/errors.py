@@ -11,6 +11,7 @@ from pydantic import ValidationError
 _KINDS = {
     400: ("invalid_request_error", None),
     401: ("invalid_request_error", "invalid_api_key"),
+    403: ("permission_error", None),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),

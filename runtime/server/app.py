@@ -1,0 +1,354 @@
+"""The aiohttp application: routes, auth, errors, readiness, drain.
+
+Generation handlers run in the event loop and only wait on queues; the engine runs in its own
+thread (async_engine). A client that goes away cancels its handler (aiohttp
+`handler_cancellation`), and the handler's `finally` aborts whatever it still had running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from . import serving
+from .async_engine import AsyncEngine, EngineDeadError
+from .errors import APIError, from_validation_error
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger("kvserve.server")
+
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_queue_len: int = 1024
+    drain_timeout_s: float = 30.0
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    retry_after_s: int = 1
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    metrics: ServerMetrics
+    engine: AsyncEngine | None = None
+    load_error: str | None = None
+    draining: bool = False
+    http_in_flight: int = 0
+    started_at: float = field(default_factory=time.time)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.dead is None and not self.draining
+
+    def enter(self) -> None:
+        self.http_in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.http_in_flight -= 1
+        if self.http_in_flight == 0:
+            self.idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stops admission and waits for in-flight requests; True when none is left."""
+        self.draining = True
+        if self.http_in_flight == 0:
+            return True
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return self.http_in_flight == 0
+        return True
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _is_loopback(request: web.Request) -> bool:
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
+
+
+def _key_ok(request: web.Request, key: str) -> bool:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    rid = request.headers.get("X-Request-Id", "")
+    if not _REQUEST_ID.match(rid):
+        rid = uuid.uuid4().hex
+    request["request_id"] = rid
+    try:
+        key = state.config.api_key
+        if key and request.path.startswith(_PROTECTED) and not _key_ok(request, key):
+            raise APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.")
+        response = await handler(request)
+    except APIError as err:
+        response = err.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: f"Not found: {request.method} {request.path}",
+                   405: f"Method {request.method} is not allowed on {request.path}",
+                   413: f"Request body too large (limit {state.config.max_request_body_bytes} bytes)"}
+        # A 404 here is an unknown route, not an unknown model.
+        code = "not_found" if exc.status == 404 else None
+        response = APIError(exc.status, message.get(exc.status, exc.reason), code=code).response()
+        if exc.status == 405:
+            response.headers["Allow"] = exc.headers.get("Allow", "")
+    except EngineDeadError as exc:
+        response = APIError(503, f"The engine has stopped: {exc}").response()
+    if not response.prepared:
+        response.headers["X-Request-Id"] = rid
+    return response
+
+
+async def _read_json(request: web.Request) -> dict:
+    body = await request.read()  # raises 413 past client_max_size
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"Invalid JSON body: {exc}") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    return obj
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.config.served_model_names:
+        raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(state.config.served_model_names)}.",
+                       param="model")
+
+
+def _check_serving(state: ServerState) -> AsyncEngine:
+    if state.draining:
+        raise APIError(503, "The server is shutting down.", headers={"Retry-After": "1"})
+    engine = state.engine
+    if engine is None:
+        msg = f"The model failed to load: {state.load_error}" if state.load_error else "The model is still loading."
+        raise APIError(503, msg, headers={"Retry-After": str(state.config.retry_after_s)})
+    if engine.dead is not None:
+        raise APIError(503, f"The engine has stopped: {engine.dead!r}")
+    return engine
+
+
+def _tokenize(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _chat_prompt(tok: Any, messages: list[dict], *, add_generation_prompt: bool, continue_final_message: bool,
+                 kwargs: dict | None) -> str:
+    if not getattr(tok, "chat_template", None):
+        raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, **(kwargs or {}))
+    except Exception as exc:  # jinja raises arbitrary errors for messages the template rejects
+        raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+
+
+async def _prepare(request: web.Request, kind: str):
+    state = request.app[STATE]
+    body = await _read_json(request)
+    try:
+        req = (CompletionRequest if kind == "completion" else ChatCompletionRequest).model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    _check_model(state, req.model)
+    engine = _check_serving(state)
+    tok = engine.engine.tokenizer
+    if kind == "completion":
+        prompts = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "prompt: must not be empty", param="prompt")
+                prompts.append((p, _tokenize(tok, p, req.add_special_tokens)))
+            else:
+                prompts.append((tok.decode(p) if req.echo else None, list(p)))
+    else:
+        text = _chat_prompt(tok, req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
+        prompts = [(text, _tokenize(tok, text, req.add_special_tokens))]
+    plan = serving.make_plan(kind, req, state.model_name, prompts)
+    limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
+    if engine.num_in_flight + len(plan.engine_requests) > limit:
+        raise APIError(429, f"The server is at capacity ({engine.num_in_flight} requests in flight); retry later.",
+                       headers={"Retry-After": str(state.config.retry_after_s)})
+    return state, engine, plan
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    state, engine, plan = await _prepare(request, kind)
+    state.enter()
+    stream = None
+    try:
+        try:
+            stream = await engine.add(plan.engine_requests)
+        except ValueError as exc:
+            raise serving.engine_error(exc) from None
+        by_request = plan.by_request
+        if not plan.stream:
+            async for out in stream:
+                serving.apply_output(by_request[out.request_id], out)
+            return web.json_response(serving.final_response(plan))
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": request["request_id"]})
+        await resp.prepare(request)
+        try:
+            async for out in stream:
+                choice = by_request[out.request_id]
+                serving.apply_output(choice, out)
+                chunks = serving.stream_chunks(plan, choice)
+                if chunks:
+                    await resp.write(b"".join(_sse(c) for c in chunks))
+            if plan.include_usage:
+                await resp.write(_sse(serving.usage_chunk(plan)))
+        except EngineDeadError as exc:
+            await resp.write(_sse(APIError(500, f"The engine has stopped: {exc}").body()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    finally:
+        if stream is not None and stream.unfinished:
+            engine.abort(list(stream.unfinished))  # client went away or an error: free the blocks now
+        state.leave()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    max_len = state.engine.engine.max_model_len if state.engine else None
+    data = [{"id": name, "object": "model", "created": int(state.started_at), "owned_by": "kvserve",
+             "root": name, "parent": None, "max_model_len": max_len} for name in state.config.served_model_names]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _read_json(request)
+    try:
+        req = TokenizeRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    _check_model(state, req.model)
+    engine = _check_serving(state)
+    tok = engine.engine.tokenizer
+    if req.prompt is not None:
+        ids = _tokenize(tok, req.prompt, req.add_special_tokens)
+    else:
+        text = _chat_prompt(tok, [{"role": m.role, "content": m.text()} for m in req.messages],
+                            add_generation_prompt=req.add_generation_prompt, continue_final_message=False,
+                            kwargs=None)
+        ids = _tokenize(tok, text, False)
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _read_json(request)
+    try:
+        req = DetokenizeRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    _check_model(state, req.model)
+    engine = _check_serving(state)
+    vocab = engine.engine.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"tokens: {bad[0]} is not a token id in the vocabulary [0, {vocab})", param="tokens")
+    return web.json_response({"prompt": engine.engine.tokenizer.decode(req.tokens)})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.engine is not None and state.engine.dead is not None:
+        return web.json_response({"status": "engine dead", "error": repr(state.engine.dead)}, status=500)
+    if state.load_error:
+        return web.json_response({"status": "load failed", "error": state.load_error}, status=500)
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.ready:
+        return web.json_response({"status": "ready"})
+    why = "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
+    return web.json_response({"status": why}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def drain(request: web.Request) -> web.Response:
+    """Admin: stop admission and wait (up to ?timeout=) for in-flight work. Loopback or API key only."""
+    state = request.app[STATE]
+    key = state.config.api_key
+    if not _is_loopback(request) and not (key and _key_ok(request, key)):
+        raise APIError(403, "POST /drain is only accepted from loopback or with the API key.")
+    try:
+        timeout = float(request.query.get("timeout", state.config.drain_timeout_s))
+        if not 0 <= timeout <= 3600:
+            raise ValueError
+    except ValueError:
+        raise APIError(400, "timeout: must be a number of seconds in [0, 3600]", param="timeout") from None
+    drained = await state.drain(timeout)
+    return web.json_response({"draining": True, "drained": drained, "in_flight": state.http_in_flight})
+
+
+def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> web.Application:
+    app = web.Application(middlewares=[_middleware], client_max_size=config.max_request_body_bytes)
+    app[STATE] = ServerState(config=config, metrics=metrics_ or ServerMetrics(config.served_model_names[0]))
+    app[STATE].idle.set()
+    r = app.router
+    r.add_post("/v1/completions", completions)
+    r.add_post("/v1/chat/completions", chat_completions)
+    r.add_get("/v1/models", models)
+    r.add_post("/tokenize", tokenize)
+    r.add_post("/detokenize", detokenize)
+    r.add_get("/health", health)
+    r.add_get("/ready", ready)
+    r.add_get("/metrics", metrics)
+    r.add_post("/drain", drain)
+    return app

@@ -1,0 +1,208 @@
+"""Runs one LLMEngine in its own thread and hands each request's outputs to asyncio.
+
+The engine is not thread-safe, so only the engine thread touches it: adds, aborts and stats
+requests travel as commands through a lock-protected deque and are applied between steps. Each
+step's outputs go back to the event loop in one `call_soon_threadsafe`, which routes them to the
+per-request asyncio queues; the event loop never waits on a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable
+
+log = logging.getLogger("kvserve.server")
+
+STATS_INTERVAL_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an unexpected error; the server cannot serve any more."""
+
+
+class RequestStream:
+    """Outputs of one or more engine requests that belong to one HTTP request."""
+
+    def __init__(self, request_ids: list[str]):
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(request_ids)
+
+    def put(self, item: Any) -> None:
+        self.queue.put_nowait(item)
+
+    async def __aiter__(self):
+        """Yields RequestOutputs until every request of the group has finished."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield item
+
+
+class AsyncEngine:
+    """Thread owner of the engine. Create in the event loop; call `start()` once the engine exists."""
+
+    def __init__(self, engine: Any, on_stats: Callable[[Any], None] | None = None):
+        self.engine = engine
+        self.on_stats = on_stats
+        self.loop = asyncio.get_running_loop()
+        self._commands: deque[tuple[str, Any, Future | None]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self.dead: BaseException | None = None
+        self.last_stats: Any = None
+        self.steps = 0
+        self._dirty = False
+
+    # -- event-loop side --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._refresh_stats()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests added (or being added) and not yet finished or aborted."""
+        return len(self._streams)
+
+    def _submit(self, kind: str, payload: Any, want_result: bool) -> asyncio.Future | None:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine stopped: {self.dead!r}")
+        fut: Future | None = Future() if want_result else None
+        with self._lock:
+            self._commands.append((kind, payload, fut))
+        self._wake.set()
+        return asyncio.wrap_future(fut, loop=self.loop) if fut is not None else None
+
+    async def add(self, requests: list[tuple[str, Any, Any]]) -> RequestStream:
+        """Adds (request_id, prompt, params) as one group; all or nothing.
+
+        Raises the engine's ValueError (nothing stays added) or EngineDeadError.
+        """
+        stream = RequestStream([rid for rid, _, _ in requests])
+        for rid in stream.request_ids:
+            self._streams[rid] = stream
+        try:
+            await self._submit("add", requests, True)
+        except BaseException:
+            # Also on cancellation: the add may still be applied, so an abort must follow it.
+            for rid in stream.request_ids:
+                self._streams.pop(rid, None)
+            if self.dead is None:
+                self._submit("abort", list(stream.request_ids), False)
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Aborts unfinished requests; their blocks are freed before the next step."""
+        live = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        if live and self.dead is None:
+            self._submit("abort", live, False)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs fn(engine) on the engine thread between steps (for stats and admin reads)."""
+        return await self._submit("call", fn, True)
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams = set(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream.put(exc)
+
+    async def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _apply_commands(self) -> bool:
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for kind, payload, fut in commands:
+            try:
+                if kind == "add":
+                    added: list[str] = []
+                    try:
+                        for rid, prompt, params in payload:
+                            self.engine.add_request(rid, prompt, params)
+                            added.append(rid)
+                    except BaseException:
+                        for rid in added:
+                            self.engine.abort_request(rid)
+                        raise
+                    result = None
+                elif kind == "abort":
+                    for rid in payload:
+                        self.engine.abort_request(rid)
+                    result = None
+                else:
+                    result = payload(self.engine)
+            except Exception as exc:  # the caller gets it; the engine loop goes on
+                if fut is not None:
+                    fut.set_exception(exc)
+                continue
+            if fut is not None:
+                fut.set_result(result)
+        return bool(commands)
+
+    def _refresh_stats(self) -> None:
+        self.last_stats = self.engine.get_stats()
+        self._stats_at = time.monotonic()
+        if self.on_stats is not None:
+            self.on_stats(self.last_stats)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()
+                if self._apply_commands():
+                    self._dirty = True
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self.steps += 1
+                    self._dirty = True
+                    if outputs:
+                        self.loop.call_soon_threadsafe(self._dispatch, outputs)
+                    if time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
+                        self._refresh_stats()
+                    continue
+                # Idle: publish final stats (usage back to 0) before sleeping until a command.
+                if self._dirty:
+                    self._refresh_stats()
+                    self._dirty = False
+                self._wake.wait(timeout=1.0)
+        except BaseException as exc:  # a step crashed: fail every request rather than hang them
+            log.exception("engine loop died")
+            self.dead = exc
+            with self._lock:
+                pending = list(self._commands)
+                self._commands.clear()
+            for _, _, fut in pending:
+                if fut is not None and not fut.done():
+                    fut.set_exception(EngineDeadError(f"engine stopped: {exc!r}"))
+            try:
+                self.loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine stopped: {exc!r}"))
+            except RuntimeError:
+                pass  # loop already closed

@@ -1,0 +1,172 @@
+"""`kvserve serve`: listen first, load the engine in the background, drain on SIGTERM, exit 0.
+
+Listening before the model is loaded lets /health answer (the process is alive) while /ready says
+503, so Kubernetes neither kills a slow-loading pod nor routes traffic to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from aiohttp import web
+
+from .app import STATE, ServerConfig, build_app
+from .async_engine import AsyncEngine
+
+log = logging.getLogger("kvserve.server")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from the CLI flags (unset flags keep the engine's defaults)."""
+    kw: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device,
+                              tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                 "kv_cache_memory_bytes", "gpu_memory_utilization"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+def _load_in_daemon_thread(factory: Callable[[], Any]) -> Future:
+    # A daemon thread, not asyncio.to_thread: SIGTERM during a long load must not wait for it.
+    fut: Future = Future()
+
+    def run():
+        try:
+            fut.set_result(factory())
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="kvserve-load", daemon=True).start()
+    return fut
+
+
+@dataclass
+class Server:
+    """One server's lifecycle; `serve()` returns the process exit code."""
+
+    args: argparse.Namespace
+    engine_factory: Callable[[], Any] | None = None
+    install_signals: bool = True
+
+    def __post_init__(self):
+        self.stop_event: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.port: int | None = None
+        self.listening = threading.Event()
+        self.state = None
+
+    def request_stop(self) -> None:
+        """Thread-safe: begins the drain-and-exit sequence (what SIGTERM does)."""
+        if self.loop is not None and self.stop_event is not None:
+            self.loop.call_soon_threadsafe(self.stop_event.set)
+
+    async def serve(self) -> int:
+        a = self.args
+        self.loop = asyncio.get_running_loop()
+        self.stop_event = asyncio.Event()
+        config = ServerConfig(
+            served_model_names=a.served_model_name or [a.model],
+            api_key=a.api_key,
+            max_queue_len=a.max_queue_len,
+            drain_timeout_s=a.drain_timeout,
+            max_request_body_bytes=a.max_request_body_bytes,
+        )
+        app = build_app(config)
+        state = self.state = app[STATE]
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, a.host, a.port, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        log.info("listening on http://%s:%d (model loading)", a.host, self.port)
+        self.listening.set()
+        if self.install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.loop.add_signal_handler(sig, self.stop_event.set)
+
+        exit_code = 0
+        factory = self.engine_factory or self._default_factory()
+        load = asyncio.wrap_future(_load_in_daemon_thread(factory))
+        stop = asyncio.create_task(self.stop_event.wait())
+        await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if load.done():
+            try:
+                engine = load.result()
+            except Exception as exc:
+                log.error("model failed to load: %s", exc)
+                state.load_error = f"{type(exc).__name__}: {exc}"
+                exit_code = 1
+                self.stop_event.set()
+            else:
+                state.engine = AsyncEngine(engine, on_stats=state.metrics.update)
+                state.engine.start()
+                log.info("ready: serving %s as %s", a.model, ", ".join(config.served_model_names))
+        await stop
+
+        log.info("draining: up to %.1fs for %d in-flight requests", config.drain_timeout_s, state.http_in_flight)
+        drained = await state.drain(config.drain_timeout_s)
+        if not drained and state.engine is not None:
+            log.warning("drain timeout: aborting %d requests", state.engine.num_in_flight)
+            state.engine.abort(list(state.engine._streams))
+        await runner.cleanup()
+        if state.engine is not None:
+            await state.engine.stop()
+        log.info("stopped")
+        return exit_code
+
+    def _default_factory(self) -> Callable[[], Any]:
+        kwargs = engine_kwargs(self.args)
+
+        def build():
+            from kvserve.runtime.engine import LLMEngine
+
+            return LLMEngine.from_args(**kwargs)
+
+        return build
+
+
+def run_server(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.enable_prefix_caching:
+        log.warning("--enable-prefix-caching: not implemented by this engine yet; ignored")
+    return asyncio.run(Server(args).serve())
+
+
+class ServerThread:
+    """An in-process server on its own event loop thread (tests and benchmarks)."""
+
+    def __init__(self, argv: list[str], engine_factory: Callable[[], Any] | None = None):
+        from kvserve.runtime.cli import build_parser
+
+        self.args = build_parser().parse_args(["serve", *argv])
+        self.server = Server(self.args, engine_factory=engine_factory, install_signals=False)
+        self.exit_code: int | None = None
+        self._thread = threading.Thread(target=self._run, name="kvserve-server", daemon=True)
+
+    def _run(self) -> None:
+        self.exit_code = asyncio.run(self.server.serve())
+
+    def start(self, timeout: float = 120.0) -> "ServerThread":
+        self._thread.start()
+        if not self.server.listening.wait(timeout):
+            raise RuntimeError("server did not start listening")
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        self.server.request_stop()
+        self._thread.join(timeout)
+        return self.exit_code

@@ -1,0 +1,122 @@
+"""The runtime's /metrics: vLLM's names (labelled model_name) plus `kvserve:` extras.
+
+Gauges and counters are rendered from the engine's latest stats snapshot at scrape time (the
+engine owns the totals, so they can never drift); histograms accumulate the latency observations
+each snapshot hands over exactly once. prometheus_client appends `_total` to counters, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM V1's bucket boundaries, so existing dashboards' quantiles line up.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Every series the runtime exports (sample names, as they appear in the exposition).
+EXPORTED_NAMES = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_success_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info",
+    "kvserve:kv_cache_capacity_tokens", "kvserve:max_num_seqs", "kvserve:tensor_parallel_size",
+    "kvserve:generation_tokens_per_second",
+)
+
+
+class _StatsCollector:
+    def __init__(self, metrics: "ServerMetrics"):
+        self.m = metrics
+
+    def collect(self):
+        s = self.m.stats
+        if s is None:
+            return
+        name = self.m.model_name
+        L = ["model_name"]
+
+        def gauge(metric: str, doc: str, value: float):
+            g = GaugeMetricFamily(metric, doc, labels=L)
+            g.add_metric([name], value)
+            return g
+
+        def counter(metric: str, doc: str, value: float):
+            c = CounterMetricFamily(metric, doc, labels=L)
+            c.add_metric([name], value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                      s.num_preemptions_total)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total)
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=["model_name", "finished_reason"])
+        reasons = dict.fromkeys(FINISH_REASONS, 0)
+        reasons.update(s.request_success_total)
+        for reason, count in sorted(reasons.items()):
+            success.add_metric([name, reason], count)
+        yield success
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s.prefix_cache_queries_total)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s.prefix_cache_hits_total)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        info.add_metric([name, str(s.block_size), str(s.kv_blocks_total)], 1)
+        yield info
+        yield gauge("kvserve:kv_cache_capacity_tokens", "KV cache capacity of this replica in tokens.",
+                    s.kv_cache_capacity_tokens)
+        yield gauge("kvserve:max_num_seqs", "Most requests the engine runs at once.", s.max_num_seqs)
+        yield gauge("kvserve:tensor_parallel_size", "Tensor-parallel degree of this replica.",
+                    s.tensor_parallel_size)
+        yield gauge("kvserve:generation_tokens_per_second", "Generated tokens per second over the last 10 s.",
+                    s.generation_tokens_per_second)
+
+
+class ServerMetrics:
+    """One per server. `update(stats)` is called on the engine thread; `render()` on the loop."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StatsCollector(self))
+        self._lock = threading.Lock()
+
+        def hist(metric: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(metric, doc, labelnames=["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds",
+                          "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
+
+    def update(self, stats) -> None:
+        for hist, values in ((self.ttft, stats.time_to_first_token), (self.itl, stats.inter_token_latencies),
+                             (self.e2e, stats.e2e_latencies), (self.queue, stats.queue_times)):
+            for v in values:
+                hist.observe(v)
+        self.stats = stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,256 @@
+"""From validated requests to engine requests, and from engine outputs to OpenAI responses.
+
+Pure functions of their inputs (no I/O), so the response shapes are tested without a server.
+`n > 1` fans out into n engine requests (the engine samples one sequence per request); with a
+seed, choice j uses seed + j so the choices differ as they do in vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.runtime.sampling_params import SamplingParams
+
+from .errors import APIError
+from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI and vLLM default for /v1/completions
+
+
+def engine_error(exc: ValueError) -> APIError:
+    """The engine's ValueError ("field: why") as a 400 naming that field."""
+    msg = str(exc)
+    head, sep, _ = msg.partition(": ")
+    param = head if sep and " " not in head else None
+    if param == "prompt_token_ids":
+        param = "prompt"
+    return APIError(400, msg, param=param)
+
+
+def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
+    seed = req.seed
+    if seed is not None and req.n > 1:
+        seed += choice
+    fields: dict[str, Any] = dict(
+        n=1,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        stop=req.stop_list(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        raise engine_error(exc) from None
+
+
+@dataclass
+class Choice:
+    """One choice being generated: its engine request and what has been sent so far."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    sent_text: str = ""
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    role_sent: bool = False
+
+
+@dataclass
+class Plan:
+    """Everything needed to run one HTTP request on the engine and answer it."""
+
+    kind: str  # "completion" | "chat"
+    id: str
+    created: int
+    model: str
+    prompts: list[tuple[str | None, list[int]]]  # (text, token ids) per prompt
+    choices: list[Choice]
+    engine_requests: list[tuple[str, Any, SamplingParams]]
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    echo: bool
+    logprobs: int | None  # completions: top-N; chat: top_logprobs (0 with logprobs=true)
+    want_logprobs: bool
+
+    @property
+    def by_request(self) -> dict[str, Choice]:
+        return {c.request_id: c for c in self.choices}
+
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
+
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def usage(self) -> dict:
+        p, c = self.prompt_tokens(), self.completion_tokens()
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def make_plan(kind: str, req: CompletionRequest | ChatCompletionRequest, model: str,
+              prompts: list[tuple[str | None, list[int]]]) -> Plan:
+    prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    pid = f"{prefix}-{uuid.uuid4().hex}"
+    if kind == "completion":
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        logprobs = req.logprobs
+        want = req.logprobs is not None
+        echo = req.echo
+    else:
+        max_tokens = req.max_tokens  # None: up to the context length
+        want = req.logprobs
+        logprobs = (req.top_logprobs or 0) if want else None
+        echo = False
+    choices, engine_requests = [], []
+    for p, (text, ids) in enumerate(prompts):
+        for j in range(req.n):
+            index = p * req.n + j
+            rid = f"{pid}-{index}"
+            params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=j)
+            prompt: Any = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
+            engine_requests.append((rid, prompt, params))
+            choices.append(Choice(index=index, request_id=rid, prompt_index=p))
+    opts = req.stream_options
+    return Plan(kind=kind, id=pid, created=int(time.time()), model=model, prompts=prompts, choices=choices,
+                engine_requests=engine_requests, stream=req.stream,
+                include_usage=bool(opts and opts.include_usage), continuous_usage=bool(opts and opts.continuous_usage_stats),
+                echo=echo, logprobs=logprobs, want_logprobs=want)
+
+
+def apply_output(choice: Choice, out: Any) -> None:
+    c = out.outputs[0]
+    choice.text = c.text
+    choice.token_ids = list(c.token_ids)
+    choice.logprobs = c.logprobs
+    choice.finish_reason = c.finish_reason
+    choice.stop_reason = c.stop_reason
+
+
+# -- logprobs ---------------------------------------------------------------------------------------
+def _completion_logprobs(entries: list, token_ids: list[int], offset0: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset0
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else ""
+        tokens.append(text)
+        token_lps.append(chosen.logprob if chosen is not None else None)
+        tops.append({(lp.decoded_token or ""): lp.logprob for t, lp in entry.items()})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(entries: list, token_ids: list[int], top_n: int) -> dict:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        tok = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else ""
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)[:top_n]
+        content.append({
+            "token": tok,
+            "logprob": chosen.logprob if chosen is not None else None,
+            "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                              "bytes": list((lp.decoded_token or "").encode("utf-8"))} for _, lp in top],
+        })
+    return {"content": content}
+
+
+def _logprobs_for(plan: Plan, choice: Choice, start: int, end: int) -> dict | None:
+    if not plan.want_logprobs or choice.logprobs is None:
+        return None
+    entries, ids = choice.logprobs[start:end], choice.token_ids[start:end]
+    if plan.kind == "completion":
+        return _completion_logprobs(entries, ids, len(choice.sent_text))
+    return _chat_logprobs(entries, ids, plan.logprobs or 0)
+
+
+# -- full responses -------------------------------------------------------------------------------
+def final_response(plan: Plan) -> dict:
+    choices = []
+    for c in plan.choices:
+        lp = _logprobs_for(plan, c, 0, len(c.token_ids))
+        if plan.kind == "completion":
+            text = c.text
+            if plan.echo:
+                ptext, pids = plan.prompts[c.prompt_index]
+                text = (ptext if ptext is not None else "") + text
+            choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        else:
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    obj = "text_completion" if plan.kind == "completion" else "chat.completion"
+    return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model, "choices": choices,
+            "usage": plan.usage()}
+
+
+# -- streaming ------------------------------------------------------------------------------------
+def _chunk(plan: Plan, choices: list[dict]) -> dict:
+    obj = "text_completion" if plan.kind == "completion" else "chat.completion.chunk"
+    chunk = {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model, "choices": choices}
+    if plan.continuous_usage:
+        chunk["usage"] = plan.usage()
+    return chunk
+
+
+def stream_chunks(plan: Plan, choice: Choice) -> list[dict]:
+    """The chunks to send for one choice after its latest output was applied."""
+    out = []
+    if plan.kind == "chat" and not choice.role_sent:
+        choice.role_sent = True
+        out.append(_chunk(plan, [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}]))
+    if plan.kind == "completion" and plan.echo and not choice.role_sent:
+        choice.role_sent = True
+        ptext = plan.prompts[choice.prompt_index][0] or ""
+        if ptext:
+            out.append(_chunk(plan, [{"index": choice.index, "text": ptext, "logprobs": None,
+                                      "finish_reason": None}]))
+    delta = choice.text[len(choice.sent_text):]
+    new_tokens = len(choice.token_ids)
+    finished = choice.finish_reason is not None
+    if delta or finished:
+        lp = _logprobs_for(plan, choice, choice.sent_tokens, new_tokens) if delta or finished else None
+        fr = choice.finish_reason
+        if plan.kind == "completion":
+            body = {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": fr}
+        else:
+            body = {"index": choice.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                    "finish_reason": fr}
+        if finished:
+            body["stop_reason"] = choice.stop_reason
+        out.append(_chunk(plan, [body]))
+        choice.sent_text = choice.text
+        choice.sent_tokens = new_tokens
+    return out
+
+
+def usage_chunk(plan: Plan) -> dict:
+    obj = "text_completion" if plan.kind == "completion" else "chat.completion.chunk"
+    return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model, "choices": [],
+            "usage": plan.usage()}
