@@ -224,3 +224,23 @@ def test_bad_shapes_raise_value_errors_naming_the_field():
                                b.block_tables, b.scale)
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv_cache(b.query[:, :2], b.query[:, :2], b.k_cache, b.v_cache, torch.zeros(7, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches_prefill_and_decode(seed):
+    """Seeded random configurations beyond the hand-picked cases above."""
+    rnd = random.Random(1000 + seed)
+    dtype = rnd.choice(list(TOL))
+    dim, bs = rnd.choice([64, 80, 96, 128, 256]), rnd.choice([16, 32])
+    kv_heads, group = rnd.choice([1, 2]), rnd.choice([1, 2, 3, 4, 8])
+    specs = [(rnd.choice([0, rnd.randrange(1, 80)]), rnd.choice([0, 1, rnd.randrange(1, 40)]))
+             for _ in range(rnd.randrange(1, 5))]
+    specs.append((rnd.randrange(0, 50), rnd.randrange(1, 20)))  # at least one query token
+    b = Batch(specs, dtype=dtype, head_dim=dim, block_size=bs, heads=kv_heads * group,
+              kv_heads=kv_heads, seed=seed)
+    _assert_close(paged_prefill_attention(*b.args(), out=b.poisoned_out()), b.expected(), dtype)
+    decode_specs = [(ctx + q - 1, 1) if q else (ctx, 0) for ctx, q in specs]
+    d = Batch(decode_specs, dtype=dtype, head_dim=dim, block_size=bs, heads=kv_heads * group,
+              kv_heads=kv_heads, seed=seed)
+    out = paged_decode_attention(*d.args(), tokens_per_split=rnd.choice([16, 24, 48]), out=d.poisoned_out())
+    _assert_close(out, d.expected(), dtype)
