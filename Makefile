@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast bench demo clean manifests prometheus
+.PHONY: install test test-fast bench demo clean manifests prometheus helm-env
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,10 @@ manifests: install
 # Prometheus 2.42 + promtool (Debian package unpacked into build/prometheus; tests fetch it too).
 prometheus:
 	$(PYTHON) scripts/prometheus_bin.py
+
+# The real Helm engine for tests/test_helm.py: helm-sdkpy needs Python >= 3.12 (build/helm-venv).
+helm-env:
+	$(PYTHON) scripts/helm_render.py --ensure-env
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -175,7 +175,10 @@ def outputs() -> dict[Path, str]:
     peering = (ROOT / "manifests/crds/kopf-peering.yaml").read_text()
     out[ROOT / "manifests/crds" / CRD_FILE] = crd
     out[CHART / "files/crds" / CRD_FILE] = crd
-    out[CHART / "files/crds/kopf-peering.yaml"] = peering
+    # One CRD per file: the chart parses each with fromYaml, which reads a single document.
+    for doc in yaml.safe_load_all(peering):
+        out[CHART / "files/crds" / f'{doc["metadata"]["name"]}.yaml'] = yaml.safe_dump(
+            doc, sort_keys=False)
     dash = dashboard_text()
     out[ROOT / "manifests/monitoring/dashboards" / DASHBOARD_FILE] = dash
     out[CHART / "files/dashboards" / DASHBOARD_FILE] = dash

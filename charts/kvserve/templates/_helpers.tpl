@@ -1,0 +1,45 @@
+{{/* Labels on every object; the names are fixed (one kvserve operator per cluster). */}}
+{{- define "kvserve.labels" -}}
+app.kubernetes.io/part-of: kvserve
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end }}
+
+{{- define "kvserve.serviceAccountName" -}}
+{{- default "kvserve-operator" .Values.serviceAccount.name }}
+{{- end }}
+
+{{- define "kvserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* What the operator does in the namespaces it watches (docs/operator.md). */}}
+{{- define "kvserve.namespacedRules" -}}
+- apiGroups: [kvserve.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [kvserve.dev]
+  resources: [inferenceservices/status]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- end }}
+
+{{- define "kvserve.watchNamespace" -}}
+{{- default .Release.Namespace .Values.rbac.watchNamespace }}
+{{- end }}
