@@ -101,3 +101,29 @@ def test_configmap_patch_embeds_the_same_script():
     cm = yaml.safe_load((ROOT / "deploy" / "argocd" / "argocd-cm-patch.yaml").read_text())
     assert cm["metadata"] == {"name": "argocd-cm", "namespace": "argocd"}
     assert cm["data"][KEY].strip() == HEALTH.read_text().strip()
+
+
+def test_scaled_to_zero_is_healthy():
+    obj = variant(replicas=0, readyReplicas=0, desiredReplicas=0, conditions={
+        "Ready": cond("Ready", "False", "ScaledToZero", "replicas is 0"),
+        "Progressing": cond("Progressing", "False", "Stable", "0 replicas ready")})
+    assert health(obj) == {"status": "Healthy", "message": "Scaled to zero"}
+
+
+@pytest.mark.parametrize("desired, ready, rolling, expected", [
+    (2, 2, False, "Healthy"), (3, 2, False, "Progressing"), (2, 2, True, "Progressing"),
+    (2, 0, False, "Progressing"), (0, 0, False, "Healthy"), (1, 3, False, "Progressing")])
+def test_on_the_operators_own_conditions(desired, ready, rolling, expected):
+    """The conditions come from the operator's pure status functions, not hand-written."""
+    status = pytest.importorskip("kvserve.operator.status")
+    conds = status.rollout_conditions(desired=desired, ready=ready, rollout_in_progress=rolling,
+                                      generation=3)
+    obj = copy.deepcopy(READY)
+    obj["status"].update(replicas=max(desired, ready), readyReplicas=ready,
+                         desiredReplicas=desired, conditions=conds)
+    assert health(obj)["status"] == expected
+    bad = copy.deepcopy(obj)
+    bad["status"]["conditions"] = status.degraded_conditions(
+        "InvalidSpec", "spec.runtime.engine: unknown engine 'tgi'", 3)
+    assert health(bad) == {"status": "Degraded",
+                           "message": "spec.runtime.engine: unknown engine 'tgi'"}

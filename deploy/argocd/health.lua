@@ -60,6 +60,12 @@ if isTrue(cond["Progressing"]) then
   return hs
 end
 
+if desired == 0 and not isTrue(cond["Progressing"]) then
+  hs.status = "Healthy"
+  hs.message = "Scaled to zero"
+  return hs
+end
+
 if isTrue(cond["Ready"]) then
   if desired ~= nil and ready < desired then
     hs.status = "Progressing"
