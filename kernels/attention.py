@@ -22,6 +22,7 @@ pairs, so short queries still fill a tile.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -239,11 +240,16 @@ def _dot_f32(query: torch.Tensor) -> bool:
     return query.dtype == torch.bfloat16 and not query.is_cuda
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _tokens_per_split(device: torch.device, num_seqs: int, kv_heads: int, max_seq_len: int,
                       block_n: int) -> int:
     """Enough splits that the GPU has ~2 programs per SM, none shorter than a few tiles."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
         splits = max(1, -(-2 * sms // max(1, num_seqs * kv_heads)))
     else:
         splits = 1
