@@ -84,6 +84,7 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def _is_loopback(request: web.Request) -> bool:
@@ -105,7 +106,7 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     rid = request.headers.get("X-Request-Id", "")
     if not _REQUEST_ID.match(rid):
         rid = uuid.uuid4().hex
-    request["request_id"] = rid
+    request[REQUEST_ID] = rid
     try:
         key = state.config.api_key
         if key and request.path.startswith(_PROTECTED) and not _key_ok(request, key):
@@ -226,7 +227,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             return web.json_response(serving.final_response(plan))
 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": request["request_id"]})
+                                           "X-Request-Id": request[REQUEST_ID]})
         await resp.prepare(request)
         try:
             async for out in stream:
@@ -318,6 +319,9 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    if engine is not None:
+        await engine.refresh_stats()
     return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -114,6 +114,15 @@ class AsyncEngine:
         """Runs fn(engine) on the engine thread between steps (for stats and admin reads)."""
         return await self._submit("call", fn, True)
 
+    async def refresh_stats(self, timeout: float = 1.0) -> None:
+        """Takes a fresh stats snapshot between steps; keeps the last one if a step runs long."""
+        if self.dead is not None:
+            return
+        try:
+            await asyncio.wait_for(self.call(lambda engine: self._refresh_stats()), timeout)
+        except asyncio.TimeoutError:
+            pass
+
     def _dispatch(self, outputs: list[Any]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
