@@ -96,17 +96,34 @@ class TorchAttentionBackend:
         compute = torch.float32 if q.device.type == "cpu" else dtype
         s, h, d = q.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-        max_len = int(seq_lens.max())
-        num_blocks = (max_len + block_size - 1) // block_size
+        groups = h // kv_heads
+        seq_lens = seq_lens.to(q.device).long()
+        num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
         table = block_tables[:, :num_blocks].long()
-        # [S, T, Hkv, D] -> [S, Hkv, T, D]
-        k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2).to(compute)
-        v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2).to(compute)
-        valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)  # [S, T]
-        v = v.masked_fill(~valid[:, None, :, None], 0.0)
-        qg = q.to(compute).view(s, kv_heads, h // kv_heads, d)  # [S, Hkv, G, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [S, Hkv, G, T]
-        scores = scores.float().masked_fill(~valid[:, None, None, :], float("-inf"))
+        # Padding entries may name any block (even one holding NaNs): point them at the sequence's
+        # own first block instead, so every gathered value is finite before it is masked.
+        used = (seq_lens + block_size - 1) // block_size
+        cols = torch.arange(num_blocks, device=q.device)
+        table = torch.where(cols[None, :] < used[:, None], table, table[:, :1])
+        # Gathering whole blocks is one contiguous copy per sequence block: [S, T, Hkv, D].
+        k = k_cache[table].flatten(1, 2).to(compute)
+        v = v_cache[table].flatten(1, 2).to(compute)
+        t = k.shape[1]
+        valid = torch.arange(t, device=q.device)[None, :] < seq_lens[:, None]  # [S, T]
+        invalid = ~valid
+        if bool(invalid.any()):
+            # Slots past seq_len inside a sequence's last block were never written (could be NaN),
+            # and probability 0 times NaN is still NaN.
+            v.view(s, t, -1)[invalid] = 0
+        qh = q.to(compute).view(s, kv_heads, groups, d)
+        scores = torch.empty(kv_heads, s, groups, t, dtype=compute, device=q.device)
+        # Per KV head, k[:, :, j] is a strided view that bmm reads in place; a 4-D matmul over
+        # the whole thing would copy K first.
+        for j in range(kv_heads):
+            torch.bmm(qh[:, j], k[:, :, j].transpose(1, 2), out=scores[j])
+        scores = scores.float().mul_(scale).masked_fill_(invalid[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(compute)
-        o = torch.matmul(probs, v)  # [S, Hkv, G, D]
-        return o.reshape(s, h, d).to(dtype)
+        out = torch.empty(kv_heads, s, groups, d, dtype=compute, device=q.device)
+        for j in range(kv_heads):
+            torch.bmm(probs[j], v[:, :, j], out=out[j])
+        return out.permute(1, 0, 2, 3).reshape(s, h, d).to(dtype)
