@@ -211,7 +211,7 @@ def selectors(expr: str) -> list[str]:
         name = m.group(1)
         if name in FUNCTIONS or name in ("le",) or name.isdigit() or "_" not in name and ":" not in name:
             continue
-        out.append(expr_slice(expr, name, start))
+        out.append(expr_slice(expr, name, m.start()))
     return out
 
 
