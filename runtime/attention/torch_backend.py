@@ -100,11 +100,6 @@ class TorchAttentionBackend:
         seq_lens = seq_lens.to(q.device).long()
         num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
         table = block_tables[:, :num_blocks].long()
-        # Padding entries may name any block (even one holding NaNs): point them at the sequence's
-        # own first block instead, so every gathered value is finite before it is masked.
-        used = (seq_lens + block_size - 1) // block_size
-        cols = torch.arange(num_blocks, device=q.device)
-        table = torch.where(cols[None, :] < used[:, None], table, table[:, :1])
         # Gathering whole blocks is one contiguous copy per sequence block: [S, T, Hkv, D].
         k = k_cache[table].flatten(1, 2).to(compute)
         v = v_cache[table].flatten(1, 2).to(compute)
@@ -112,8 +107,8 @@ class TorchAttentionBackend:
         valid = torch.arange(t, device=q.device)[None, :] < seq_lens[:, None]  # [S, T]
         invalid = ~valid
         if bool(invalid.any()):
-            # Slots past seq_len inside a sequence's last block were never written (could be NaN),
-            # and probability 0 times NaN is still NaN.
+            # Slots past seq_len (the unwritten tail of the last block, padding blocks) may hold
+            # NaN, and probability 0 times NaN is still NaN; NaN scores are masked to -inf below.
             v.view(s, t, -1)[invalid] = 0
         qh = q.to(compute).view(s, kv_heads, groups, d)
         scores = torch.empty(kv_heads, s, groups, t, dtype=compute, device=q.device)
