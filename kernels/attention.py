@@ -247,10 +247,11 @@ def _num_sms(device_index: int) -> int:
 
 def _tokens_per_split(device: torch.device, num_seqs: int, kv_heads: int, max_seq_len: int,
                       block_n: int) -> int:
-    """Enough splits that the GPU has ~2 programs per SM, none shorter than a few tiles."""
+    """Enough programs for several waves per SM (a short last wave then costs little), but no
+    split shorter than four tiles. Unmeasured on a GPU so far: a starting point to tune."""
     if device.type == "cuda":
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        splits = max(1, -(-2 * sms // max(1, num_seqs * kv_heads)))
+        splits = max(1, -(-8 * sms // max(1, num_seqs * kv_heads)))
     else:
         splits = 1
     per_split = max(-(-max_seq_len // splits), 4 * block_n)
@@ -280,12 +281,14 @@ def paged_decode_attention(
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
-    block_n = 64 if query.is_cuda else 32
+    block_d = max(16, next_pow2(dim))
+    # K and V tiles of 64 tokens, halved where a row is over 512 bytes (fp32 x 256) so that two
+    # pipeline stages stay well inside shared memory.
+    block_n = (64 if block_d * query.element_size() <= 512 else 32) if query.is_cuda else 32
     if tokens_per_split is None:
         tokens_per_split = _tokens_per_split(query.device, num_seqs, kv_heads, max_seq_len, block_n)
     num_splits = max(1, -(-max_seq_len // tokens_per_split))
     direct = num_splits == 1
-    block_d = max(16, next_pow2(dim))
     if direct:
         mid_o = mid_lse = out  # unused by the DIRECT variant
         mid_strides = (0, 0, 0, 0, 0)
@@ -342,7 +345,8 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     block_d = max(16, next_pow2(dim))
     if query.is_cuda:
-        block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
+        row_bytes = block_d * query.element_size()
+        block_m, block_n = (64, 64) if row_bytes <= 256 else (64, 32) if row_bytes <= 512 else (32, 32)
         warps = 4 if block_d <= 64 else 8
     else:  # interpreter: fewer, larger numpy ops are what make it fast
         block_m, block_n, warps = 32, 32, 4
