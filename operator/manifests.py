@@ -6,6 +6,8 @@ so a reconcile that changes nothing writes nothing and never restarts pods.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Mapping
 
 from .spec import API_VERSION, KIND, ServiceSpec
@@ -17,6 +19,7 @@ PVC_MOUNT = "/model-source"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 OWNER_LABEL = "kvserve.dev/inferenceservice"
 TP_ANNOTATION = "kvserve.dev/tensor-parallel-size"
+HASH_ANNOTATION = "kvserve.dev/template-hash"
 NONROOT_UID = 1000
 
 
@@ -216,7 +219,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         pod_spec["affinity"] = dict(spec.gpu.affinity)
     if spec.gpu.priority_class_name:
         pod_spec["priorityClassName"] = spec.gpu.priority_class_name
-    return {
+    template = {
         "metadata": {
             "labels": labels(name),
             "annotations": {TP_ANNOTATION: str(tp), "kvserve.dev/engine": rt.engine,
@@ -224,6 +227,11 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         },
         "spec": pod_spec,
     }
+    # Pods carry the hash of the template they came from: pods with another hash mean a rollout
+    # is still under way (the autoscaler then holds scale-downs and TP changes).
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+    template["metadata"]["annotations"][HASH_ANNOTATION] = digest
+    return template
 
 
 def build_deployment(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int, tp: int) -> dict[str, Any]:
@@ -282,6 +290,13 @@ def service_url(name: str, namespace: str) -> str:
 
 def build_all(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int, tp: int) -> list[dict[str, Any]]:
     return [build_deployment(owner, spec, replicas=replicas, tp=tp), build_service(owner), build_pdb(owner)]
+
+
+def template_hash(deployment: Mapping[str, Any] | None) -> str | None:
+    if not deployment:
+        return None
+    return ((deployment.get("spec") or {}).get("template", {}).get("metadata", {})
+            .get("annotations", {}).get(HASH_ANNOTATION))
 
 
 def template_tp(deployment: Mapping[str, Any] | None) -> int | None:

@@ -1,0 +1,318 @@
+"""The imperative shell: kopf handlers that reconcile InferenceServices and run the autoscaler.
+
+Everything decided here comes from the pure modules (spec, manifests, autoscaler, status); this
+module only reads the cluster, applies objects, scrapes signals, writes status and posts Events.
+It never writes an InferenceService's spec.
+
+`build_registry(config)` returns a fresh kopf registry, so tests and `kvserve-operator run` each
+get their own handlers and settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import kopf
+
+from kvserve.runtime.capacity import ModelShape
+
+from . import manifests as M
+from .autoscaler import AutoscalerState, Decision, Observation, decide, hold
+from .kube import APIError, KubeClient, NotOwned, apply, owned_by
+from .sources import AgentSource, PrometheusSource, pod_ready, pod_terminating
+from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
+from .status import (append_decision, decision_record, degraded_conditions, iso, merge_conditions,
+                     rollout_conditions, scaling_conditions, signal_fields)
+
+OWNED_KINDS = ("Service", "PodDisruptionBudget", "Deployment")
+
+
+@dataclass
+class OperatorConfig:
+    scrape_interval: float = 15.0
+    scrape_timeout: float = 3.0
+    scrape_concurrency: int = 16
+    agent_port: int = M.AGENT_PORT
+    max_sample_age: float = 10.0
+    prometheus_url: str | None = None
+    connection: kopf.ConnectionInfo | None = None  # None: in-cluster service account, then KUBECONFIG
+    clock: Callable[[], float] = time.monotonic
+    wallclock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.timezone.utc))
+
+
+def read_local_config(path: str) -> Mapping[str, Any] | None:
+    """config.json of a model directory the operator can see (local dev, tests), else None."""
+    file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_hub_cache_config(repo: str, revision: str | None) -> Mapping[str, Any] | None:
+    """config.json from a local Hugging Face cache, never the network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo, "config.json", revision=revision)
+    except Exception:  # a malformed repo id or cache: no shape, TP stays fixed
+        return None
+    return read_local_config(str(Path(found).parent)) if isinstance(found, str) else None
+
+
+def shape_for(spec: ServiceSpec) -> ModelShape | None:
+    """The model's shape: inline config, a local path's config.json, or the local HF cache."""
+    if spec.model.config is None and spec.model.source.kind == "hf":
+        config = read_hub_cache_config(spec.model.source.location, spec.model.source.revision)
+        if config is not None:
+            return model_shape(replace(spec, model=replace(spec.model, config=config)))
+    return model_shape(spec, read_local_config)
+
+
+def _memo_lock(memo: Any) -> asyncio.Lock:
+    lock = getattr(memo, "kvserve_lock", None)
+    if lock is None:
+        lock = asyncio.Lock()
+        memo.kvserve_lock = lock
+    return lock
+
+
+class Reconciler:
+    def __init__(self, config: OperatorConfig):
+        self.config = config
+        self.client: KubeClient | None = None
+        self.source = (PrometheusSource(config.prometheus_url, timeout=config.scrape_timeout)
+                       if config.prometheus_url else
+                       AgentSource(port=config.agent_port, timeout=config.scrape_timeout,
+                                   concurrency=config.scrape_concurrency))
+
+    # --- reconcile ---------------------------------------------------------------------------
+
+    def _validate(self, body: Mapping[str, Any]):
+        check_name(body["metadata"]["name"])
+        spec = parse_spec(body.get("spec") or {})
+        shape = shape_for(spec)
+        check_servable(spec, shape)
+        return spec, shape
+
+    async def reconcile(self, body, status, patch, memo, logger) -> None:
+        meta = body["metadata"]
+        name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+        generation = meta.get("generation")
+        now = self.config.wallclock()
+        async with _memo_lock(memo):
+            try:
+                spec, shape = self._validate(body)
+            except SpecError as error:
+                # Nothing is created (and nothing already running is touched) until it is fixed.
+                patch.status["conditions"] = merge_conditions(
+                    status.get("conditions"), degraded_conditions("InvalidSpec", str(error), generation), now)
+                patch.status["observedGeneration"] = generation
+                if memo.get("kvserve_invalid") != str(error):
+                    kopf.warn(body, reason="InvalidSpec", message=str(error))
+                memo["kvserve_invalid"] = str(error)
+                logger.warning(f"invalid spec: {error}")
+                return
+            memo["kvserve_invalid"] = None
+            live = await self.client.get("Deployment", namespace, name)
+            if live is not None and owned_by(live, uid):
+                replicas = (live.get("spec") or {}).get("replicas", 1)
+                tp = M.template_tp(live) or spec.tensor.initial
+            else:
+                replicas = spec.autoscaling.min_replicas if spec.autoscaling.enabled else (spec.replicas or 1)
+                tp = spec.tensor.initial
+            replicas, tp = hold(spec, replicas, tp)
+            if shape is not None and shape.tp_error(tp):
+                tp = spec.tensor.initial
+            results = await self._apply_all(body, spec, replicas, tp, status, patch, generation, now)
+            if results is None:
+                return
+            changed = {k: v for k, v in results.items() if v != "unchanged"}
+            if changed:
+                kopf.info(body, reason="Applied",
+                          message=", ".join(f"{k} {v}" for k, v in changed.items())
+                          + f" ({replicas} replicas, TP {tp})")
+            pods = await self._pods(namespace, name)
+            ready = sum(1 for p in pods if pod_ready(p))
+            live_hash = M.template_hash(M.build_deployment(body, spec, replicas=replicas, tp=tp))
+            rollout = any(self._pod_hash(p) != live_hash for p in pods)
+            patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
+            patch.status["conditions"] = merge_conditions(
+                status.get("conditions"),
+                rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
+                + (scaling_conditions(None, enabled=False, generation=generation)
+                   if not spec.autoscaling.enabled else []),
+                now)
+
+    async def _apply_all(self, body, spec, replicas, tp, status, patch, generation, now):
+        uid = body["metadata"]["uid"]
+        results = {}
+        try:
+            for obj in M.build_all(body, spec, replicas=replicas, tp=tp)[::-1]:  # Service, PDB, Deployment
+                results[obj["kind"]] = await apply(self.client, obj, uid)
+        except NotOwned as error:
+            self._degraded(body, status, patch, generation, now, "NotOwned", str(error))
+            raise kopf.TemporaryError(str(error), delay=60)
+        except (APIError, OSError, asyncio.TimeoutError) as error:
+            self._degraded(body, status, patch, generation, now, "ApplyFailed", str(error))
+            raise kopf.TemporaryError(str(error), delay=10)
+        return results
+
+    def _degraded(self, body, status, patch, generation, now, reason, message) -> None:
+        patch.status["conditions"] = merge_conditions(
+            status.get("conditions"), degraded_conditions(reason, message, generation), now)
+        kopf.warn(body, reason=reason, message=message)
+
+    @staticmethod
+    def _pod_hash(pod: Mapping[str, Any]) -> str | None:
+        return ((pod.get("metadata") or {}).get("annotations") or {}).get(M.HASH_ANNOTATION)
+
+    async def _pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        pods = await self.client.list("Pod", namespace, M.selector_labels(name))
+        return [p for p in pods if not pod_terminating(p)]
+
+    @staticmethod
+    def _base_status(name, namespace, generation, replicas, tp, pods, ready) -> dict[str, Any]:
+        return {"observedGeneration": generation, "replicas": len(pods), "readyReplicas": ready,
+                "desiredReplicas": replicas, "tensorParallelSize": tp,
+                "selector": M.selector_string(name), "url": M.service_url(name, namespace)}
+
+    # --- autoscaling timer -----------------------------------------------------------------------
+
+    async def autoscale(self, body, status, patch, memo, logger) -> None:
+        meta = body["metadata"]
+        name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+        generation = meta.get("generation")
+        try:
+            spec, shape = self._validate(body)
+        except SpecError:
+            return  # the reconcile handler reported it; nothing to scale
+        live = await self.client.get("Deployment", namespace, name)
+        if live is None or not owned_by(live, uid):
+            # Someone deleted it (or the first apply failed): put it back.
+            await self.reconcile(body, status, patch, memo, logger)
+            return
+        async with _memo_lock(memo):
+            now = self.config.wallclock()
+            replicas = (live.get("spec") or {}).get("replicas", 0)
+            tp = M.template_tp(live) or spec.tensor.initial
+            pods = await self._pods(namespace, name)
+            current_hash = M.template_hash(live)
+            rollout = any(self._pod_hash(p) != current_hash for p in pods)
+            signals = await self.source.scrape(namespace, name, pods)
+            self._report_scrape_errors(body, memo)
+
+            decision: Decision | None = None
+            if spec.autoscaling.enabled:
+                obs = Observation(time=self.config.clock(), replicas=replicas, tp=tp, pods=tuple(signals),
+                                  rollout_in_progress=rollout)
+                decision = decide(spec, shape, obs, memo.get("kvserve_state") or AutoscalerState(),
+                                  max_sample_age=self.config.max_sample_age)
+                memo["kvserve_state"] = decision.state
+                if decision.changed:
+                    dep = M.build_deployment(body, spec, replicas=decision.replicas, tp=decision.tp)
+                    try:
+                        await apply(self.client, dep, uid)
+                    except (APIError, NotOwned, OSError, asyncio.TimeoutError) as error:
+                        kopf.warn(body, reason="ScaleFailed", message=str(error))
+                        raise kopf.TemporaryError(str(error), delay=5)
+                    patch.status["decisions"] = append_decision(status.get("decisions"),
+                                                                decision_record(decision, now))
+                    patch.status["lastScaleTime"] = iso(now)
+                    kopf.info(body, reason=decision.reason,
+                              message=f"replicas {decision.from_replicas} -> {decision.replicas}, TP "
+                                      f"{decision.from_tp} -> {decision.tp}: {decision.message}")
+                    logger.info(f"{decision.reason}: replicas {decision.from_replicas} -> {decision.replicas}, "
+                                f"TP {decision.from_tp} -> {decision.tp}")
+                    replicas, tp = decision.replicas, decision.tp
+                self._report_limits(body, status, decision)
+            ready = sum(1 for p in pods if pod_ready(p))
+            patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
+            patch.status.update(signal_fields(decision))
+            patch.status["conditions"] = merge_conditions(
+                status.get("conditions"),
+                rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
+                + scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation),
+                now)
+
+    def _report_scrape_errors(self, body, memo) -> None:
+        errors = dict(self.source.errors)
+        previous = memo.get("kvserve_scrape_errors") or {}
+        for pod, error in errors.items():
+            if pod not in previous:
+                kopf.warn(body, reason="ScrapeFailed", message=error)
+        memo["kvserve_scrape_errors"] = errors
+
+    @staticmethod
+    def _report_limits(body, status, decision: Decision) -> None:
+        before = {c.get("type"): c for c in status.get("conditions") or []}.get("ScalingLimited") or {}
+        if decision.limited and (before.get("status") != "True" or before.get("reason") != decision.limited):
+            kopf.warn(body, reason=decision.limited, message=decision.limited_message)
+
+    # --- deletion ------------------------------------------------------------------------------
+
+    async def delete(self, body, logger) -> None:
+        """Deletes what this resource owns (a real cluster's garbage collector would too)."""
+        meta = body["metadata"]
+        name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+        for kind in OWNED_KINDS[::-1]:
+            live = await self.client.get(kind, namespace, name)
+            if live is not None and owned_by(live, uid):
+                await self.client.delete(kind, namespace, name)
+                logger.info(f"deleted {kind} {namespace}/{name}")
+
+
+def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorRegistry, Reconciler]:
+    config = config or OperatorConfig()
+    registry = kopf.OperatorRegistry()
+    reconciler = Reconciler(config)
+    resource = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_):
+        settings.posting.loggers = False  # Events come from explicit kopf.info/warn calls only
+        settings.posting.reporting_component = "kvserve-operator"
+        settings.persistence.finalizer = "kvserve.dev/operator"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvserve.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="kvserve.dev", key="last-handled-configuration")
+        settings.watching.server_timeout = 120
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs):
+        info = (config.connection or kopf.login_with_service_account(**kwargs)
+                or kopf.login_with_kubeconfig(**kwargs))
+        if info is None:
+            raise kopf.LoginError("no in-cluster service account and no KUBECONFIG or ~/.kube/config")
+        reconciler.client = KubeClient(info)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_):
+        if reconciler.client is not None:
+            await reconciler.client.close()
+        await reconciler.source.close()
+
+    @kopf.on.create(**resource)
+    @kopf.on.update(**resource, field="spec")
+    @kopf.on.resume(**resource)
+    async def reconcile(body, status, patch, memo, logger, **_):
+        await reconciler.reconcile(body, status, patch, memo, logger)
+
+    @kopf.on.delete(**resource)
+    async def delete(body, logger, **_):
+        await reconciler.delete(body, logger)
+
+    @kopf.timer(**resource, interval=config.scrape_interval, initial_delay=config.scrape_interval)
+    async def autoscale(body, status, patch, memo, logger, **_):
+        await reconciler.autoscale(body, status, patch, memo, logger)
+
+    return registry, reconciler

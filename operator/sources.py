@@ -1,0 +1,183 @@
+"""Where the autoscaler's per-pod signals come from: each pod's agent, or Prometheus.
+
+I/O lives here; parsing a pod or a Prometheus answer into `PodSignals` is kept in small pure
+functions. A pod that is not Ready is never scraped; a scrape that fails or times out gives a
+stale entry, which the autoscaler never scales down on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Any, Iterable, Mapping
+
+import aiohttp
+
+from .autoscaler import PodSignals
+from .manifests import AGENT_PORT
+
+SIGNAL_METRICS = {
+    "kvserve_kv_cache_utilization": "kv_cache_utilization",
+    "kvserve_queue_depth": "queue_depth",
+    "kvserve_requests_running": "requests_running",
+    "kvserve_kv_cache_capacity_tokens": "kv_cache_capacity_tokens",
+    "kvserve_tensor_parallel_size": "tensor_parallel_size",
+    "kvserve_engine_sample_age_seconds": "sample_age_seconds",
+    "kvserve_engine_up": "engine_up",
+}
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if status.get("phase") not in (None, "Running"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def pod_terminating(pod: Mapping[str, Any]) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def pod_ip(pod: Mapping[str, Any]) -> str | None:
+    return (pod.get("status") or {}).get("podIP")
+
+
+def pod_name(pod: Mapping[str, Any]) -> str:
+    return pod["metadata"]["name"]
+
+
+def unready(pod: Mapping[str, Any]) -> PodSignals:
+    return PodSignals(pod_name(pod), ready=False, stale=True)
+
+
+class AgentSource:
+    """Scrapes `GET http://<podIP>:<port>/v1/signals` of every Ready pod, a few at a time."""
+
+    def __init__(self, *, port: int = AGENT_PORT, timeout: float = 3.0, concurrency: int = 16):
+        self.port, self.timeout, self.concurrency = port, timeout, concurrency
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.errors: dict[str, str] = {}  # pod -> last error, for the caller's Events
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]]) -> list[PodSignals]:
+        semaphore = asyncio.Semaphore(self.concurrency)
+        self.errors = {}
+
+        async def one(pod: Mapping[str, Any]) -> PodSignals:
+            if not pod_ready(pod) or not pod_ip(pod):
+                return unready(pod)
+            url = f"http://{pod_ip(pod)}:{self.port}/v1/signals"
+            async with semaphore:
+                try:
+                    async with self._get_session().get(url) as response:
+                        if response.status != 200:
+                            raise ValueError(f"HTTP {response.status}")
+                        data = await response.json()
+                    if not isinstance(data, dict):
+                        raise ValueError("answer is not a JSON object")
+                    return PodSignals.from_json(pod_name(pod), data, pod_ready=True)
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+                    self.errors[pod_name(pod)] = f"{url}: {type(error).__name__}: {error}"
+                    return PodSignals(pod_name(pod), ready=True, stale=True)
+
+        return list(await asyncio.gather(*(one(p) for p in pods)))
+
+
+def signals_from_prometheus(result: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> list[PodSignals]:
+    """Maps an instant-query vector of kvserve_* series (labelled `pod`) onto the given pods."""
+    values: dict[str, dict[str, float]] = {}
+    for series in result:
+        metric = series.get("metric") or {}
+        field = SIGNAL_METRICS.get(metric.get("__name__", ""))
+        pod = metric.get("pod")
+        if field is None or pod is None:
+            continue
+        try:
+            values.setdefault(pod, {})[field] = float(series["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+    out = []
+    for pod in pods:
+        name = pod_name(pod)
+        v = values.get(name)
+        if not pod_ready(pod):
+            out.append(unready(pod))
+        elif v is None or "kv_cache_utilization" not in v:
+            out.append(PodSignals(name, ready=True, stale=True))
+        else:
+            data = dict(v)
+            data["stale"] = v.get("engine_up", 1.0) < 1.0
+            if "tensor_parallel_size" in data:
+                data["tensor_parallel_size"] = int(data["tensor_parallel_size"])
+            out.append(PodSignals.from_json(name, data, pod_ready=True))
+    return out
+
+
+class PrometheusSource:
+    """Reads the agents' kvserve_* gauges from Prometheus (one instant query per resource)."""
+
+    def __init__(self, url: str, *, timeout: float = 5.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.errors: dict[str, str] = {}
+
+    async def close(self) -> None:
+        pass
+
+    @staticmethod
+    def query(namespace: str, pods: Iterable[Mapping[str, Any]]) -> str:
+        names = "|".join(re.escape(pod_name(p)) for p in pods) or "^$"
+        metrics = "|".join(SIGNAL_METRICS)
+        return f'{{__name__=~"{metrics}",namespace="{namespace}",pod=~"{names}"}}'
+
+    async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]]) -> list[PodSignals]:
+        pods = list(pods)
+        self.errors = {}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
+                async with session.get(f"{self.url}/api/v1/query",
+                                       params={"query": self.query(namespace, pods), "time": str(time.time())}) as r:
+                    body = await r.json()
+            if body.get("status") != "success":
+                raise ValueError(body.get("error") or "query failed")
+            return signals_from_prometheus(body["data"]["result"], pods)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as error:
+            self.errors["prometheus"] = f"{self.url}: {type(error).__name__}: {error}"
+            return [PodSignals(pod_name(p), ready=pod_ready(p), stale=True) for p in pods]
+
+
+async def fetch_url_signals(session: aiohttp.ClientSession, url: str, name: str) -> PodSignals:
+    """Signals from an agent (`/v1/signals`) or straight from a runtime's `/metrics` (for `plan`)."""
+    base = url.rstrip("/")
+    if not base.endswith("/metrics"):
+        target = base if base.endswith("/v1/signals") else f"{base}/v1/signals"
+        async with session.get(target) as response:
+            if response.status == 200:
+                return PodSignals.from_json(name, await response.json())
+            if base.endswith("/v1/signals"):
+                raise ValueError(f"{target}: HTTP {response.status}")
+        base = f"{base}/metrics"
+    async with session.get(base) as response:
+        if response.status != 200:
+            raise ValueError(f"{base}: HTTP {response.status}")
+        text = await response.text()
+    from kvserve.runtime.agent.signals import standardize
+
+    sample = standardize(text)
+    data = {k: v for k, v in sample.as_dict().items() if v is not None}
+    if "tensor_parallel_size" in data:
+        data["tensor_parallel_size"] = int(data["tensor_parallel_size"])
+    return PodSignals.from_json(name, data)

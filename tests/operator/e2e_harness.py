@@ -1,0 +1,286 @@
+"""The parts of a cluster that kmock lacks, played by the test: kubelet, ReplicaSets, garbage collector.
+
+`Kubelet` watches Deployments in the emulator and makes their pods real: each pod gets its own
+loopback address (127.0.0.N), a stub engine serving kvserve-named `/metrics` there, and the real
+`kvserve agent serve` process in front of it on the agent port. Rollouts follow the Deployment's
+strategy (one surge pod, an old pod removed only once the new one is Ready). When a Deployment
+disappears, its pods go too, as the garbage collector would do on a real cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kopf
+from aiohttp import web
+
+from kvserve.operator import manifests as M
+from kvserve.operator.handlers import OperatorConfig, build_registry
+
+KVSERVE = str(Path(sys.executable).parent / "kvserve")
+NAMESPACE = "default"
+
+
+def free_port_on_all(hosts: list[str]) -> int:
+    """A port free on every given loopback address (pods share one agent port, as in a cluster)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for host in hosts:
+                with socket.socket() as s:
+                    s.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no common free port")
+
+
+class Api:
+    """A tiny synchronous client for the test thread (what kubectl would do)."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return None
+            raise AssertionError(f"{method} {path}: {error.code} {error.read()[:300]!r}") from None
+
+    def isvc_path(self, name: str = "") -> str:
+        base = f"/apis/kvserve.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceservices"
+        return f"{base}/{name}" if name else base
+
+    def get_isvc(self, name: str) -> dict | None:
+        return self.call("GET", self.isvc_path(name))
+
+    def apply_isvc(self, obj: dict) -> dict:
+        return self.call("POST", self.isvc_path(), obj)
+
+    def patch_spec(self, name: str, spec_patch: dict) -> dict:
+        return self.call("PATCH", self.isvc_path(name), {"spec": spec_patch}, "application/merge-patch+json")
+
+    def delete_isvc(self, name: str) -> Any:
+        return self.call("DELETE", self.isvc_path(name))
+
+    def get(self, kind: str, name: str) -> dict | None:
+        from kvserve.operator.kube import KubeClient
+
+        return self.call("GET", KubeClient.path(kind, NAMESPACE, name))
+
+    def list(self, kind: str) -> list[dict]:
+        from kvserve.operator.kube import KubeClient
+
+        return (self.call("GET", KubeClient.path(kind, NAMESPACE)) or {}).get("items", [])
+
+    def events(self) -> list[dict]:
+        return (self.call("GET", f"/api/v1/namespaces/{NAMESPACE}/events") or {}).get("items", [])
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def condition(obj: dict | None, type_: str) -> dict:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return c
+    return {}
+
+
+class Load:
+    """What every stub engine reports; the test turns it up and down."""
+
+    def __init__(self):
+        self.kv, self.queue, self.running = 0.3, 0, 2
+        self.capacity_per_tp = 4096
+
+
+class StubPod:
+    def __init__(self, name: str, ip: str, tp: int, engine_port: int, agent_port: int, load: Load):
+        self.name, self.ip, self.tp = name, ip, tp
+        self.engine_port, self.agent_port, self.load = engine_port, agent_port, load
+        self.runner: web.AppRunner | None = None
+        self.agent: subprocess.Popen | None = None
+
+    def metrics(self) -> str:
+        load, label = self.load, '{model_name="tiny"}'
+        # A pod at a higher TP holds more KV: the same load shows as lower utilization.
+        kv = min(1.0, load.kv / self.tp)
+        lines = []
+        for name, value in [("vllm:kv_cache_usage_perc", kv), ("vllm:num_requests_waiting", load.queue),
+                            ("vllm:num_requests_running", load.running),
+                            ("kvserve:kv_cache_capacity_tokens", load.capacity_per_tp * self.tp),
+                            ("kvserve:tensor_parallel_size", self.tp)]:
+            lines += [f"# TYPE {name} gauge", f"{name}{label} {value}"]
+        return "\n".join(lines) + "\n"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", lambda r: web.Response(text=self.metrics(), content_type="text/plain"))
+        app.router.add_get("/ready", lambda r: web.Response(text="ok"))
+        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.ip, self.engine_port).start()
+        self.agent = subprocess.Popen(
+            [KVSERVE, "agent", "serve", "--engine-url", f"http://{self.ip}:{self.engine_port}",
+             "--host", self.ip, "--port", str(self.agent_port), "--engine", "kvserve",
+             "--interval", "0.2", "--stale-after", "3"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(200):
+                try:
+                    async with session.get(f"http://{self.ip}:{self.agent_port}/v1/signals") as r:
+                        if r.status == 200 and not (await r.json()).get("stale", True):
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"agent for {self.name} did not come up")
+
+    async def stop(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.terminate()
+            try:
+                self.agent.wait(5)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+class Kubelet:
+    """Reconciles emulated Deployments into real processes; runs as a task on the emulator's loop."""
+
+    def __init__(self, api_url: str, agent_port: int, engine_port: int, load: Load):
+        self.api_url, self.agent_port, self.engine_port, self.load = api_url, agent_port, engine_port, load
+        self.pods: dict[str, StubPod] = {}
+        self.ips = (f"127.0.0.{i}" for i in range(2, 255))
+        self.counter = 0
+        self.stopped = False
+        self.created: list[str] = []
+
+    async def _req(self, session, method, path, body=None):
+        async with session.request(method, self.api_url + path, json=body) as r:
+            return await r.json() if r.status < 400 else None
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not self.stopped:
+                try:
+                    await self.step(session)
+                except Exception as error:  # keep playing the kubelet; tests see the effect
+                    print(f"kubelet: {type(error).__name__}: {error}", file=sys.stderr)
+                await asyncio.sleep(0.1)
+            for pod in list(self.pods.values()):
+                await pod.stop()
+
+    async def step(self, session) -> None:
+        deps = (await self._req(session, "GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments") or {})
+        deps = {d["metadata"]["name"]: d for d in deps.get("items", [])}
+        pods = (await self._req(session, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods") or {}).get("items", [])
+        by_owner: dict[str, list[dict]] = {}
+        for pod in pods:
+            by_owner.setdefault(pod["metadata"]["labels"].get(M.OWNER_LABEL, ""), []).append(pod)
+        for owner, owned in by_owner.items():
+            if owner not in deps:  # garbage collection
+                for pod in owned:
+                    await self.delete_pod(session, pod)
+        for name, dep in deps.items():
+            await self.reconcile(session, dep, by_owner.get(name, []))
+
+    async def reconcile(self, session, dep: dict, pods: list[dict]) -> None:
+        want = dep["spec"]["replicas"]
+        template = dep["spec"]["template"]
+        current = M.template_hash(dep)
+        new = [p for p in pods if p["metadata"]["annotations"].get(M.HASH_ANNOTATION) == current]
+        old = [p for p in pods if p not in new]
+        if len(new) < want and len(pods) < want + 1:  # maxSurge 1
+            await self.create_pod(session, dep, template)
+        elif old and len(new) + len(old) > want:  # maxUnavailable 0: new ones are Ready when created
+            await self.delete_pod(session, old[0])
+        elif len(new) > want:
+            await self.delete_pod(session, sorted(new, key=lambda p: p["metadata"]["name"])[-1])
+
+    async def create_pod(self, session, dep: dict, template: dict) -> None:
+        self.counter += 1
+        name = f"{dep['metadata']['name']}-{self.counter}"
+        tp = int(template["metadata"]["annotations"][M.TP_ANNOTATION])
+        stub = StubPod(name, next(self.ips), tp, self.engine_port, self.agent_port, self.load)
+        await stub.start()
+        self.pods[name] = stub
+        self.created.append(name)
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": NAMESPACE, **template["metadata"]},
+               "spec": template["spec"],
+               "status": {"phase": "Running", "podIP": stub.ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+        await self._req(session, "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
+
+    async def delete_pod(self, session, pod: dict) -> None:
+        name = pod["metadata"]["name"]
+        await self._req(session, "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
+        stub = self.pods.pop(name, None)
+        if stub is not None:
+            await stub.stop()
+
+
+class OperatorThread:
+    """The real operator (kopf) in its own thread and event loop, as `kvserve-operator run` would run."""
+
+    def __init__(self, api_url: str, config: OperatorConfig):
+        self.api_url, self.config = api_url, config
+        self.stop_flag = threading.Event()
+        self.ready_flag = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kopf", daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        registry, _ = build_registry(self.config)
+        settings = kopf.OperatorSettings()
+        settings.scanning.disabled = True  # kmock cannot list namespaces
+        settings.watching.reconnect_backoff = 0.2
+        settings.networking.request_timeout = 10
+        try:
+            asyncio.run(kopf.operator(registry=registry, settings=settings, standalone=True,
+                                      namespaces=[NAMESPACE], stop_flag=self.stop_flag,
+                                      ready_flag=self.ready_flag))
+        except BaseException as error:  # surfaced by the test
+            self.error = error
+
+    def start(self) -> "OperatorThread":
+        self.thread.start()
+        if not self.ready_flag.wait(20):
+            raise RuntimeError(f"operator did not start: {self.error!r}")
+        return self
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "operator did not stop"

@@ -1,0 +1,204 @@
+"""End to end: the real operator (kopf) against the Kubernetes API emulator over HTTP.
+
+Pods are played by the test (see e2e_harness.Kubelet): each is a real `kvserve agent serve`
+process on its own loopback address, in front of a stub engine whose load the test sets.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from kvserve.operator import crd
+from kvserve.operator import manifests as M
+from kvserve.operator.handlers import OperatorConfig
+
+from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
+from kube_emulator import EmulatorThread
+
+pytestmark = pytest.mark.timeout(180)
+
+TINY_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+DOWN_WINDOW = 4.0
+
+TINY = {
+    "apiVersion": "kvserve.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "tiny", "namespace": "default"},
+    "spec": {
+        "model": {"uri": "hf://kvserve/tiny", "servedName": "tiny", "config": TINY_CONFIG},
+        "gpu": {"perShard": 0},
+        "parallelism": {"tensor": {"min": 1, "max": 2, "initial": 1}},
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetKVCacheUtilization": 0.5,
+                        "targetQueueDepth": 2, "scaleUpStabilizationSeconds": 1,
+                        "scaleDownStabilizationSeconds": DOWN_WINDOW, "panicWindowSeconds": 1,
+                        "tensorParallel": {"enabled": True, "scaleDownStabilizationSeconds": 600}},
+    },
+}
+
+
+def defaulted(obj: dict) -> dict:
+    """What the API server would store: the CRD's defaults applied, and it must validate."""
+    assert crd.validate(obj) == []
+    return crd.apply_defaults(obj, crd.openapi_schema())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    emulator = EmulatorThread().start()
+    ips = [f"127.0.0.{i}" for i in range(2, 40)]
+    agent_port = free_port_on_all(ips)
+    engine_port = free_port_on_all(ips)
+    load = Load()
+    kubelet = Kubelet(emulator.url, agent_port, engine_port, load)
+    import asyncio
+
+    task = asyncio.run_coroutine_threadsafe(kubelet.run(), emulator.loop)
+    yield emulator, Api(emulator.url), kubelet, load
+    kubelet.stopped = True
+    task.result(30)
+    emulator.stop()
+
+
+def operator(emulator, kubelet) -> OperatorThread:
+    import kopf
+
+    config = OperatorConfig(scrape_interval=0.3, scrape_timeout=2.0, agent_port=kubelet.agent_port,
+                            max_sample_age=3.0, connection=kopf.ConnectionInfo(server=emulator.url))
+    return OperatorThread(emulator.url, config).start()
+
+
+def deployment_tp(dep: dict) -> int:
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    return int(cmd[cmd.index("--tensor-parallel-size") + 1])
+
+
+def test_lifecycle_scale_tp_restart_delete(cluster):
+    emulator, api, kubelet, load = cluster
+    op = operator(emulator, kubelet)
+    try:
+        # Apply -> Deployment, Service, PDB owned by the resource; status conditions.
+        isvc = api.apply_isvc(defaulted(TINY))
+        uid = isvc["metadata"]["uid"]
+        dep = wait_for(lambda: api.get("Deployment", "tiny"), what="Deployment")
+        for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+            obj = wait_for(lambda: api.get(kind, "tiny"), what=kind)
+            (ref,) = obj["metadata"]["ownerReferences"]
+            assert (ref["uid"], ref["kind"], ref["controller"]) == (uid, "InferenceService", True)
+            assert obj["metadata"]["labels"]["kvserve.dev/inferenceservice"] == "tiny"
+        assert dep["spec"]["replicas"] == 1 and deployment_tp(dep) == 1
+        isvc = wait_for(lambda: (o := api.get_isvc("tiny")) and condition(o, "Ready").get("status") == "True" and o,
+                        what="Ready")
+        assert condition(isvc, "Degraded")["status"] == "False"
+        assert isvc["status"]["url"] == "http://tiny.default.svc:8000/v1"
+        assert condition(isvc, "ScalingActive")["status"] == "True"
+
+        # Change the spec -> the Deployment follows (and pods roll).
+        api.patch_spec("tiny", {"runtime": {"maxModelLen": 1024}})
+        dep = wait_for(lambda: (d := api.get("Deployment", "tiny"))
+                       and "--max-model-len" in d["spec"]["template"]["spec"]["containers"][0]["command"] and d,
+                       what="Deployment to follow the spec")
+        cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert cmd[cmd.index("--max-model-len") + 1] == "1024"
+        wait_for(lambda: (api.get_isvc("tiny")["status"].get("observedGeneration") == 2), what="generation 2")
+
+        # High KV and queues -> replicas go up to max.
+        load.kv, load.queue, load.running = 0.9, 6, 8
+        wait_for(lambda: api.get("Deployment", "tiny")["spec"]["replicas"] == 3, what="scale up to 3")
+
+        # At max replicas and still saturated -> TP goes up; the pod template changes.
+        dep = wait_for(lambda: (d := api.get("Deployment", "tiny")) and deployment_tp(d) == 2 and d,
+                       timeout=30, what="TP 2")
+        assert dep["spec"]["template"]["metadata"]["annotations"][M.TP_ANNOTATION] == "2"
+        assert dep["spec"]["replicas"] == 3
+        wait_for(lambda: sorted(p.tp for p in kubelet.pods.values() if p.name.startswith("tiny-")) == [2, 2, 2],
+                 timeout=30, what="rollout to TP 2")
+        isvc = wait_for(lambda: (o := api.get_isvc("tiny")) and condition(o, "ScalingLimited").get("status") == "True"
+                        and o, what="ScalingLimited")
+        assert condition(isvc, "ScalingLimited")["reason"] == "TooManyReplicas"
+
+        # Restart the operator mid-way: it resumes with no duplicates and no reset.
+        op.stop()
+        op = operator(emulator, kubelet)
+        time.sleep(2)
+        for path in ("Deployment", "Service", "PodDisruptionBudget"):
+            assert [o["metadata"]["name"] for o in api.list(path)].count("tiny") == 1
+        dep = api.get("Deployment", "tiny")
+        assert dep["spec"]["replicas"] == 3 and deployment_tp(dep) == 2
+        assert len([p for p in api.list("Pod") if p["metadata"]["name"].startswith("tiny-")]) == 3
+
+        # Load stops -> replicas go down, but only after the scale-down window.
+        load.kv, load.queue, load.running = 0.05, 0, 1
+        dropped = time.monotonic()
+        wait_for(lambda: api.get("Deployment", "tiny")["spec"]["replicas"] < 3, timeout=30, what="scale down")
+        assert time.monotonic() - dropped >= DOWN_WINDOW - 0.5
+        wait_for(lambda: api.get("Deployment", "tiny")["spec"]["replicas"] == 1, timeout=30, what="down to 1")
+
+        isvc = api.get_isvc("tiny")
+        reasons = [d["reason"] for d in isvc["status"]["decisions"]]
+        assert "TensorParallelUpAtMaxReplicas" in reasons and reasons[-1] == "ScaleDown"
+        assert isvc["status"]["lastScaleTime"]
+        assert all("signals" in d for d in isvc["status"]["decisions"])
+        event_reasons = {e["reason"] for e in api.events() if e["involvedObject"].get("name") == "tiny"}
+        assert {"Applied", "TensorParallelUpAtMaxReplicas", "ScaleDown"} <= event_reasons
+
+        # Delete -> what the operator made goes away (kmock has no garbage collector: the operator
+        # deletes its objects itself; the test's kubelet removes the pods of a gone Deployment).
+        api.delete_isvc("tiny")
+        for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+            wait_for(lambda: api.get(kind, "tiny") is None, what=f"{kind} deleted")
+        wait_for(lambda: api.get_isvc("tiny") is None, what="resource gone (finalizer released)")
+        wait_for(lambda: not [p for p in api.list("Pod") if p["metadata"]["name"].startswith("tiny-")],
+                 what="pods gone")
+    finally:
+        op.stop()
+    assert op.error is None
+
+
+def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
+    emulator, api, kubelet, load = cluster
+    load.kv, load.queue = 0.3, 0
+    op = operator(emulator, kubelet)
+    try:
+        bad = copy.deepcopy(TINY)
+        bad["metadata"]["name"] = "broken"
+        bad["spec"]["model"]["config"] = {**TINY_CONFIG, "num_attention_heads": 6, "num_key_value_heads": 6}
+        bad["spec"]["parallelism"]["tensor"] = {"min": 1, "max": 4, "initial": 4}
+        api.apply_isvc(defaulted(bad))  # valid for the schema: only the model's heads rule it out
+        isvc = wait_for(lambda: (o := api.get_isvc("broken")) and condition(o, "Degraded").get("status") == "True"
+                        and o, what="Degraded")
+        degraded = condition(isvc, "Degraded")
+        assert degraded["reason"] == "InvalidSpec"
+        assert degraded["message"].startswith("spec.parallelism.tensor.initial: tensor_parallel_size 4 does not divide")
+        assert condition(isvc, "Ready")["status"] == "False"
+        time.sleep(1)
+        for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+            assert api.get(kind, "broken") is None
+        assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in api.events()
+                   if e["involvedObject"].get("name") == "broken")
+
+        # Fixing the spec recovers it.
+        api.patch_spec("broken", {"parallelism": {"tensor": {"initial": 2, "max": 2}}})
+        wait_for(lambda: api.get("Deployment", "broken"), what="Deployment after the fix")
+        isvc = wait_for(lambda: (o := api.get_isvc("broken")) and condition(o, "Degraded").get("status") == "False"
+                        and o, what="Degraded cleared")
+        assert deployment_tp(api.get("Deployment", "broken")) == 2
+
+        # An engine the operator does not know (the emulator has no schema to stop it): Degraded,
+        # and what already runs is left alone.
+        api.patch_spec("broken", {"runtime": {"engine": "sglang"}})
+        isvc = wait_for(lambda: (o := api.get_isvc("broken")) and condition(o, "Degraded").get("status") == "True"
+                        and o, what="Degraded on engine")
+        assert condition(isvc, "Degraded")["message"].startswith("spec.runtime.engine: unsupported value 'sglang'")
+        assert api.get("Deployment", "broken") is not None
+        api.patch_spec("broken", {"runtime": {"engine": "kvserve"}})
+        wait_for(lambda: condition(api.get_isvc("broken"), "Degraded").get("status") == "False", what="recovered")
+
+        api.delete_isvc("broken")
+        wait_for(lambda: api.get_isvc("broken") is None and api.get("Deployment", "broken") is None, what="deleted")
+    finally:
+        op.stop()
+    assert op.error is None
