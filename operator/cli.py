@@ -1,0 +1,153 @@
+"""`kvserve-operator`: `run` the operator, or `plan` one autoscaling decision without a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import aiohttp
+import yaml
+
+from .autoscaler import AutoscalerState, Observation, decide, valid_degrees
+from .spec import SpecError, check_servable, parse_spec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve-operator",
+                                     description="Kubernetes operator for kvserve InferenceServices")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="reconcile InferenceServices (in-cluster config or KUBECONFIG)")
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[],
+                       help="namespace to serve (repeatable; globs allowed); default: the pod's own namespace")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="serve the whole cluster")
+    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                     help="liveness endpoint URL, or '' to disable")
+    run.add_argument("--peering", default="kvserve-operator",
+                     help="kopf peering object name (one active operator among replicas)")
+    run.add_argument("--standalone", action="store_true", help="no peering (a single operator)")
+    run.add_argument("--priority", type=int, default=0, help="peering priority of this instance")
+    run.add_argument("--scrape-interval", type=float, default=15.0, help="autoscaler period, seconds")
+    run.add_argument("--scrape-timeout", type=float, default=3.0)
+    run.add_argument("--scrape-concurrency", type=int, default=16)
+    run.add_argument("--agent-port", type=int, default=8081)
+    run.add_argument("--max-sample-age", type=float, default=10.0,
+                     help="older agent samples count as stale (never drive a scale-down)")
+    run.add_argument("--prometheus-url", default=None,
+                     help="read kvserve_* signals from this Prometheus instead of scraping agents")
+    run.add_argument("--verbose", "-v", action="store_true")
+
+    plan = sub.add_parser("plan", help="print the autoscaler's decision for live agents or runtimes")
+    plan.add_argument("--spec", required=True, help="InferenceService YAML (the whole object or its spec)")
+    plan.add_argument("--metrics-url", action="append", required=True,
+                      help="an agent (http://host:8081) or runtime (http://host:8000/metrics); repeatable, one per pod")
+    plan.add_argument("--replicas", type=int, default=None, help="current replicas (default: one per URL)")
+    plan.add_argument("--tp", type=int, default=None, help="current TP (default: what the pods report, else initial)")
+    plan.add_argument("--steady", action="store_true",
+                      help="treat the sample as steady for the whole windows (a scale-down may show)")
+    plan.add_argument("--timeout", type=float, default=5.0)
+    return parser
+
+
+def load_spec_file(path: str) -> dict[str, Any]:
+    doc = yaml.safe_load(Path(path).read_text())
+    if not isinstance(doc, dict):
+        raise SpecError("spec", f"{path} does not hold a YAML mapping")
+    return doc["spec"] if isinstance(doc.get("spec"), dict) else doc
+
+
+async def _gather_signals(urls: Sequence[str], timeout: float):
+    from .sources import fetch_url_signals
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        async def one(i: int, url: str):
+            try:
+                return await fetch_url_signals(session, url, f"pod-{i}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+                print(f"kvserve-operator plan: {url}: {type(error).__name__}: {error}", file=sys.stderr)
+                from .autoscaler import PodSignals
+
+                return PodSignals(f"pod-{i}", ready=True, stale=True)
+
+        return await asyncio.gather(*(one(i, u) for i, u in enumerate(urls)))
+
+
+def plan(args: argparse.Namespace) -> int:
+    from .handlers import shape_for
+
+    try:
+        spec = parse_spec(load_spec_file(args.spec))
+        shape = shape_for(spec)
+        check_servable(spec, shape)
+    except (SpecError, OSError) as error:
+        print(f"kvserve-operator plan: {error}", file=sys.stderr)
+        return 2
+    pods = asyncio.run(_gather_signals(args.metrics_url, args.timeout))
+    reported = {p.tensor_parallel_size for p in pods if p.tensor_parallel_size}
+    tp = args.tp or (reported.pop() if len(reported) == 1 else spec.tensor.initial)
+    replicas = args.replicas if args.replicas is not None else len(pods)
+    now = 1_000_000.0
+    state = AutoscalerState(history_start=now - 86_400) if args.steady else AutoscalerState()
+    decision = decide(spec, shape, Observation(now, replicas, tp, tuple(pods)), state)
+    out = {
+        "replicas": {"from": decision.from_replicas, "to": decision.replicas},
+        "tensorParallelSize": {"from": decision.from_tp, "to": decision.tp},
+        "reason": decision.reason,
+        "message": decision.message,
+        "scalingLimited": decision.limited,
+        "signals": decision.signals.as_status(),
+        "validTensorParallelDegrees": valid_degrees(spec, shape) if shape else None,
+        "pods": [{"name": p.name, "ready": p.ready, "stale": p.stale,
+                  "kvCacheUtilization": p.kv_cache_utilization, "queueDepth": p.queue_depth,
+                  "requestsRunning": p.requests_running, "tensorParallelSize": p.tensor_parallel_size}
+                 for p in pods],
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from .handlers import OperatorConfig, build_registry
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    config = OperatorConfig(scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
+                            scrape_concurrency=args.scrape_concurrency, agent_port=args.agent_port,
+                            max_sample_age=args.max_sample_age, prometheus_url=args.prometheus_url)
+    registry, _ = build_registry(config)
+    namespaces = list(args.namespace)
+    if not namespaces and not args.all_namespaces:
+        own = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+        namespaces = [own.read_text().strip()] if own.exists() else ["default"]
+    settings = kopf.OperatorSettings()
+    settings.peering.name = args.peering
+    settings.peering.priority = args.priority
+    settings.peering.mandatory = not args.standalone
+    # Plain namespace names need no namespace listing (and no RBAC for it).
+    settings.scanning.disabled = not args.all_namespaces and not any(set("*?[") & set(n) for n in namespaces)
+    asyncio.run(kopf.operator(
+        registry=registry, settings=settings, standalone=args.standalone, priority=args.priority,
+        peering_name=args.peering, clusterwide=args.all_namespaces,
+        namespaces=[] if args.all_namespaces else namespaces,
+        liveness_endpoint=args.liveness or None))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "plan":
+        return plan(args)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""`kvserve-operator plan` against a real agent (and straight against an engine's /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e_harness import Load, StubPod, free_port_on_all
+
+OPERATOR = str(Path(sys.executable).parent / "kvserve-operator")
+SPEC = {
+    "apiVersion": "kvserve.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "tiny"},
+    "spec": {"model": {"uri": "hf://kvserve/tiny",
+                       "config": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}},
+             "parallelism": {"tensor": {"min": 1, "max": 4}},
+             "autoscaling": {"maxReplicas": 6, "targetKVCacheUtilization": 0.5, "targetQueueDepth": 2}},
+}
+
+
+async def run_cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(OPERATOR, *args, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture()
+async def pods():
+    ip = "127.0.0.90"
+    agent_port, engine_port = free_port_on_all([ip, "127.0.0.91"]), free_port_on_all([ip, "127.0.0.91"])
+    load = Load()
+    load.kv, load.queue, load.running = 0.9, 5, 8
+    started = [StubPod("a", ip, 1, engine_port, agent_port, load), StubPod("b", "127.0.0.91", 1, engine_port,
+                                                                           agent_port, load)]
+    await asyncio.gather(*(p.start() for p in started))
+    yield started, load
+    await asyncio.gather(*(p.stop() for p in started))
+
+
+async def test_plan_against_live_agents_and_runtimes(pods, tmp_path):
+    started, load = pods
+    spec_file = tmp_path / "isvc.yaml"
+    spec_file.write_text(yaml.safe_dump(SPEC))
+    agents = [f"http://{p.ip}:{p.agent_port}" for p in started]
+    code, out, err = await run_cli("plan", "--spec", str(spec_file), *sum((["--metrics-url", u] for u in agents), []))
+    assert code == 0, err
+    decision = json.loads(out)
+    assert decision["replicas"] == {"from": 2, "to": 5}  # queue 10 / 2 per replica; panic skips the up window
+    assert decision["signals"]["queueDepth"] == 10 and decision["signals"]["pods"] == 2
+    assert decision["validTensorParallelDegrees"] == [1, 2, 4]
+
+    # The same straight from the engines' /metrics (what the agent would have read).
+    engines = [f"http://{p.ip}:{p.engine_port}/metrics" for p in started]
+    code, out, err = await run_cli("plan", "--spec", str(spec_file), *sum((["--metrics-url", u] for u in engines), []))
+    assert code == 0, err
+    assert json.loads(out)["replicas"]["to"] == 5
+
+    # Idle, steady: a scale-down shows; without --steady the down window holds it.
+    load.kv, load.queue, load.running = 0.05, 0, 1
+    await asyncio.sleep(0.5)
+    code, out, _ = await run_cli("plan", "--spec", str(spec_file), "--steady", *sum((["--metrics-url", u] for u in agents), []))
+    assert json.loads(out)["replicas"] == {"from": 2, "to": 1}
+    code, out, _ = await run_cli("plan", "--spec", str(spec_file), *sum((["--metrics-url", u] for u in agents), []))
+    assert json.loads(out)["reason"] == "ScaleDownStabilizing"
+
+
+async def test_plan_rejects_a_bad_spec_naming_the_field(tmp_path):
+    bad = yaml.safe_load(yaml.safe_dump(SPEC))
+    bad["spec"]["autoscaling"]["minReplicas"] = 9
+    spec_file = tmp_path / "bad.yaml"
+    spec_file.write_text(yaml.safe_dump(bad))
+    code, _, err = await run_cli("plan", "--spec", str(spec_file), "--metrics-url", "http://127.0.0.1:9")
+    assert code == 2 and "spec.autoscaling: needs minReplicas <= maxReplicas" in err
+
+
+async def test_unreachable_pods_are_stale_and_hold(tmp_path):
+    spec_file = tmp_path / "isvc.yaml"
+    spec_file.write_text(yaml.safe_dump(SPEC))
+    code, out, err = await run_cli("plan", "--spec", str(spec_file), "--metrics-url", "http://127.0.0.1:9")
+    assert code == 0 and "127.0.0.1:9" in err
+    decision = json.loads(out)
+    assert decision["reason"] == "NoMetrics" and decision["replicas"] == {"from": 1, "to": 1}
+
+
+async def test_run_help():
+    code, out, _ = await run_cli("run", "--help")
+    assert code == 0 and "--all-namespaces" in out and "--liveness" in out and "--peering" in out
