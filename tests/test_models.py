@@ -252,3 +252,70 @@ def test_selector():
     assert get_attention_backend("torch", "cpu").name == "torch"
     with pytest.raises(ValueError, match="auto, torch, triton"):
         get_attention_backend("flash", "cpu")
+
+
+def test_sharded_checkpoint_loads(tiny_model_factory, tmp_path):
+    src = tiny_model_factory("qwen2")
+    hf = _hf(src)
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    model = load_model(tmp_path, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend())
+    prompt = _prompts(model.config.vocab_size, [9])[0]
+    got = PagedCache(model, num_blocks=8).step(model, [(0, prompt)])
+    torch.testing.assert_close(got, _hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_missing_weight_is_named(tiny_model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_factory("llama")
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend())
+
+
+def _tp_worker(rank: int, world: int, init_file: str, model_dirs, prompts, result_file: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = []
+        for model_dir in model_dirs:
+            model = load_model(model_dir, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend(),
+                               tp_rank=rank, tp_size=world)
+            cache = PagedCache(model, num_blocks=32, seed=rank)  # each rank caches only its own KV heads
+            results.append([cache.step(model, list(enumerate(prompts))),
+                            cache.step(model, [(i, [5 + i]) for i in range(len(prompts))])])
+        if rank == 0:
+            torch.save(results, result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_layout_matches_single_rank(tiny_model_factory, tmp_path):
+    """The weight loaders' shards, run with real all-reduce/all-gather (gloo, 2 processes),
+    reproduce the single-rank logits: GQA split across ranks, and MQA with its one KV head
+    replicated, odd vocabulary and tied embeddings."""
+    import torch.multiprocessing as mp
+
+    model_dirs = [tiny_model_factory("llama", num_key_value_heads=2),
+                  tiny_model_factory("llama", num_key_value_heads=1, vocab_size=509, tie_word_embeddings=True)]
+    prompts = _prompts(509, [6, 3])
+    want = []
+    for model_dir in model_dirs:
+        single = load_model(model_dir, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend())
+        cache = PagedCache(single, num_blocks=32)
+        want.append([cache.step(single, list(enumerate(prompts))),
+                     cache.step(single, [(i, [5 + i]) for i in range(len(prompts))])])
+    result = tmp_path / "tp.pt"
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "init"), [str(d) for d in model_dirs], prompts, str(result)),
+             nprocs=2)
+    got = torch.load(result)
+    for got_model, want_model in zip(got, want):
+        for g, w in zip(got_model, want_model):
+            torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
