@@ -23,7 +23,6 @@ pairs, so short queries still fill a tile.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -364,7 +363,3 @@ def paged_prefill_attention(
         DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query), num_warps=warps, num_stages=2,
     )
     return out
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
