@@ -63,7 +63,7 @@ class PagedCache:
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
-    def step(self, model, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def step(self, model, batch: list[tuple[int, list[int]]], device=torch.device("cpu")) -> torch.Tensor:
         """batch: (seq id, new token ids). Returns logits of every new token, packed."""
         ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         for sid, new in batch:
@@ -82,15 +82,16 @@ class PagedCache:
             self.lens[sid] = end
         width = max(len(t) for t in tables)
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             max_query_len=max(len(n) for _, n in batch),
             max_seq_len=max(seq_lens),
             is_decode_only=all(len(n) == 1 for _, n in batch),
         )
-        hidden = model.forward(torch.tensor(ids), torch.tensor(positions), self.caches, meta)
+        hidden = model.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                               self.caches, meta)
         return model.compute_logits(hidden)
 
 
@@ -319,3 +320,41 @@ def test_tensor_parallel_layout_matches_single_rank(tiny_model_factory, tmp_path
     for got_model, want_model in zip(got, want):
         for g, w in zip(got_model, want_model):
             torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+
+
+def test_bfloat16_is_as_close_to_fp32_as_transformers_bf16(tiny_model_factory):
+    """Low precision: our bf16 model (prefill in two chunks through a bf16 cache) strays from
+    the fp32 logits no more than transformers' own bf16 run does."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_factory("qwen3")
+    prompt = _prompts(512, [40])[0]
+    reference = _hf_logits(_hf(model_dir), prompt)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    hf_err = (_hf_logits(hf_bf16, prompt) - reference).abs().max().item()
+    model = load_model(model_dir, dtype=torch.bfloat16, device="cpu", attention_backend=TorchAttentionBackend())
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    cache = PagedCache(model, num_blocks=16)
+    cache.caches = [(k.bfloat16(), v.bfloat16()) for k, v in cache.caches]
+    ours = torch.cat([cache.step(model, [(0, prompt[:30])]), cache.step(model, [(0, prompt[30:])])])
+    assert ours.dtype == torch.float32
+    assert (ours - reference).abs().max().item() <= 1.5 * hf_err + 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_cuda_logits_match_transformers(tiny_model_factory, backend_name):
+    model_dir = tiny_model_factory("qwen3", num_key_value_heads=1)
+    hf = _hf(model_dir)
+    device = torch.device("cuda")
+    model = load_model(model_dir, dtype=torch.float32, device=device,
+                       attention_backend=get_attention_backend(backend_name, device))
+    prompts = _prompts(512, [13, 4, 21])
+    cache = PagedCache(model, num_blocks=64)
+    cache.caches = [(k.to(device), v.to(device)) for k, v in cache.caches]
+    got = cache.step(model, list(enumerate(prompts)), device=device)
+    torch.testing.assert_close(got.cpu(), torch.cat([_hf_logits(hf, p) for p in prompts]), atol=2e-3, rtol=0)
+    got = cache.step(model, [(i, [7]) for i in range(3)], device=device)
+    want = torch.stack([_hf_logits(hf, p + [7])[-1] for p in prompts])
+    torch.testing.assert_close(got.cpu(), want, atol=2e-3, rtol=0)
