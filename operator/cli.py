@@ -131,12 +131,15 @@ def run(args: argparse.Namespace) -> int:
     settings = kopf.OperatorSettings()
     settings.peering.name = args.peering
     settings.peering.priority = args.priority
+    # With peering, only the highest-priority live instance handles resources; kopf pauses the
+    # others (and every instance, if the KopfPeering CRD is missing: see crds/kopf-peering.yaml).
     settings.peering.mandatory = not args.standalone
+    settings.peering.standalone = args.standalone
     # Plain namespace names need no namespace listing (and no RBAC for it).
     settings.scanning.disabled = not args.all_namespaces and not any(set("*?[") & set(n) for n in namespaces)
     asyncio.run(kopf.operator(
         registry=registry, settings=settings, standalone=args.standalone, priority=args.priority,
-        peering_name=args.peering, clusterwide=args.all_namespaces,
+        peering_name=None if args.standalone else args.peering, clusterwide=args.all_namespaces,
         namespaces=[] if args.all_namespaces else namespaces,
         liveness_endpoint=args.liveness or None))
     return 0

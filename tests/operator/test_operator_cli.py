@@ -91,3 +91,50 @@ async def test_unreachable_pods_are_stale_and_hold(tmp_path):
 async def test_run_help():
     code, out, _ = await run_cli("run", "--help")
     assert code == 0 and "--all-namespaces" in out and "--liveness" in out and "--peering" in out
+
+
+def test_run_subcommand_reconciles_with_kubeconfig_and_serves_liveness(tmp_path):
+    """The console script itself: KUBECONFIG login, a namespace, the liveness endpoint."""
+    import os
+    import subprocess
+    import time
+    import urllib.request
+
+    from e2e_harness import Api, wait_for
+    from kube_emulator import EmulatorThread
+
+    emulator = EmulatorThread().start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": emulator.url}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "me"}}],
+        "users": [{"name": "me", "user": {"token": "t"}}]}))
+    live_port = free_port_on_all(["127.0.0.1"])
+    proc = subprocess.Popen([OPERATOR, "run", "--namespace", "default", "--standalone",
+                             "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--scrape-interval", "1"],
+                            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        api = Api(emulator.url)
+        api.apply_isvc(yaml.safe_load(yaml.safe_dump(SPEC)) | {"metadata": {"name": "tiny", "namespace": "default"}})
+        dep = wait_for(lambda: api.get("Deployment", "tiny"), timeout=20, what="Deployment from the CLI operator")
+        assert dep["spec"]["replicas"] == 1
+
+        def alive():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(alive, timeout=10, what="liveness endpoint")
+    finally:
+        proc.terminate()
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        emulator.stop()
+    assert proc.returncode in (0, -15), err.decode()[-2000:]
