@@ -1,0 +1,101 @@
+"""Small pure pieces of the shell: patch computation, conditions, signal parsing."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from kvserve.operator.autoscaler import Decision, PodSignals, Signals, AutoscalerState
+from kvserve.operator.kube import is_subset, merge_patch_for, owned_by
+from kvserve.operator.sources import PrometheusSource, signals_from_prometheus
+from kvserve.operator.status import (append_decision, decision_record, merge_conditions, rollout_conditions,
+                                     scaling_conditions)
+
+T0 = dt.datetime(2026, 11, 22, 12, 0, tzinfo=dt.timezone.utc)
+
+
+def test_patch_touches_only_what_differs_and_keeps_others_fields():
+    desired = {"metadata": {"labels": {"a": "1"}, "annotations": {"x": "1"}},
+               "spec": {"replicas": 3, "template": {"spec": {"containers": [{"name": "c", "image": "i:2"}]}}}}
+    live = {"metadata": {"labels": {"a": "1", "team": "ml"}, "annotations": {"x": "1", "kubectl/restartedAt": "t"},
+                         "resourceVersion": "9"},
+            "spec": {"replicas": 3, "paused": False,
+                     "template": {"spec": {"containers": [{"name": "c", "image": "i:1",
+                                                           "terminationMessagePath": "/dev/x"}]}}}}
+    patch = merge_patch_for(desired, live)
+    assert patch == {"spec": {"template": {"spec": {"containers": [{"name": "c", "image": "i:2"}]}}}}
+    # Server-added defaults inside our lists do not count as differences.
+    live["spec"]["template"]["spec"]["containers"][0]["image"] = "i:2"
+    assert merge_patch_for(desired, live) == {}
+    assert is_subset({"a": [1, {"b": 2}]}, {"a": [1, {"b": 2, "c": 3}], "d": 4})
+    assert not is_subset({"a": [1]}, {"a": [1, 2]})
+
+
+def test_owned_by_needs_the_controller_reference():
+    obj = {"metadata": {"ownerReferences": [{"uid": "u1", "controller": True}]}}
+    assert owned_by(obj, "u1") and not owned_by(obj, "u2")
+    assert not owned_by({"metadata": {"ownerReferences": [{"uid": "u1"}]}}, "u1")
+
+
+def test_conditions_keep_transition_time_until_status_flips():
+    first = merge_conditions([], rollout_conditions(desired=2, ready=1, rollout_in_progress=False, generation=1), T0)
+    ready = {c["type"]: c for c in first}["Ready"]
+    assert ready["status"] == "True" and ready["reason"] == "Available"
+    later = T0 + dt.timedelta(minutes=5)
+    second = merge_conditions(first, rollout_conditions(desired=2, ready=2, rollout_in_progress=False,
+                                                        generation=2), later)
+    by = {c["type"]: c for c in second}
+    assert by["Ready"]["lastTransitionTime"] == "2026-11-22T12:00:00Z"  # stayed True
+    assert by["Ready"]["observedGeneration"] == 2 and by["Ready"]["reason"] == "AllReplicasReady"
+    assert by["Progressing"]["status"] == "False"
+    assert by["Progressing"]["lastTransitionTime"] == "2026-11-22T12:05:00Z"  # flipped
+    assert [c["type"] for c in second] == ["Ready", "Progressing", "Degraded"]
+
+
+def _decision(**kw):
+    base = dict(replicas=3, tp=1, reason="ScaleUp", message="m", signals=Signals(2, 0.8, 7, 9),
+                state=AutoscalerState(), from_replicas=2, from_tp=1)
+    return Decision(**{**base, **kw})
+
+
+def test_scaling_conditions_and_decision_history():
+    conds = {c["type"]: c for c in scaling_conditions(_decision(limited="TooManyReplicas", limited_message="x"),
+                                                      enabled=True, generation=3)}
+    assert conds["ScalingActive"]["status"] == "True" and conds["ScalingLimited"]["reason"] == "TooManyReplicas"
+    off = {c["type"]: c for c in scaling_conditions(None, enabled=False, generation=3)}
+    assert off["ScalingActive"]["reason"] == "AutoscalingDisabled"
+    history = []
+    for i in range(8):
+        history = append_decision(history, decision_record(_decision(replicas=i), T0))
+    assert len(history) == 5 and history[-1]["toReplicas"] == 7
+    assert history[-1]["signals"] == {"pods": 2, "kvCacheUtilization": 0.8, "queueDepth": 7, "requestsRunning": 9}
+
+
+def test_agent_json_with_nulls_is_safe():
+    p = PodSignals.from_json("p", {"ready": True, "stale": True, "kv_cache_utilization": None,
+                                   "queue_depth": None, "tensor_parallel_size": None})
+    assert p.stale and p.kv_cache_utilization == 0.0 and p.tensor_parallel_size is None
+    p = PodSignals.from_json("p", {"kv_cache_utilization": 1.7, "queue_depth": -2, "tensor_parallel_size": 2})
+    assert p.kv_cache_utilization == 1.0 and p.queue_depth == 0.0 and p.tensor_parallel_size == 2
+
+
+def _pod(name, ready=True):
+    return {"metadata": {"name": name}, "status": {"phase": "Running", "podIP": "10.0.0.1",
+                                                   "conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+def test_prometheus_vector_to_pod_signals():
+    result = [
+        {"metric": {"__name__": "kvserve_kv_cache_utilization", "pod": "a"}, "value": [1, "0.8"]},
+        {"metric": {"__name__": "kvserve_queue_depth", "pod": "a"}, "value": [1, "3"]},
+        {"metric": {"__name__": "kvserve_tensor_parallel_size", "pod": "a"}, "value": [1, "2"]},
+        {"metric": {"__name__": "kvserve_engine_up", "pod": "a"}, "value": [1, "1"]},
+        {"metric": {"__name__": "kvserve_kv_cache_utilization", "pod": "b"}, "value": [1, "0.1"]},
+        {"metric": {"__name__": "kvserve_engine_up", "pod": "b"}, "value": [1, "0"]},
+    ]
+    a, b, c, d = signals_from_prometheus(result, [_pod("a"), _pod("b"), _pod("c"), _pod("d", ready=False)])
+    assert (a.kv_cache_utilization, a.queue_depth, a.tensor_parallel_size, a.stale) == (0.8, 3.0, 2, False)
+    assert b.stale  # engine down: its numbers must not drive anything
+    assert c.stale and c.ready  # no series
+    assert not d.ready
+    query = PrometheusSource.query("ns", [_pod("a.b")])
+    assert 'namespace="ns"' in query and 'pod=~"a\\.b"' in query and "kvserve_queue_depth" in query
