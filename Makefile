@@ -25,6 +25,11 @@ test-fast: install
 bench: install
 	$(BIN)/python bench/offline_throughput.py
 
+# The whole loop on this machine: runtime + agent processes, the real operator against the
+# Kubernetes API emulator, a burst of streaming requests, autoscaling up and down (scripts/demo.py).
+demo: install
+	$(BIN)/python scripts/demo.py
+
 # Derived deployment files (CRD copies, dashboard JSON, the chart's copies) from their sources.
 manifests: install
 	$(BIN)/python scripts/gen_manifests.py

@@ -1,0 +1,626 @@
+"""`make demo`: the whole kvserve loop on one machine, no cluster and no GPU.
+
+What is real: the runtime (`kvserve serve`) and the agent (`kvserve agent serve`) as local
+processes, started with the exact container commands of the pod template the operator built;
+the operator (kvserve's kopf handlers, autoscaler, status, Events) reconciling
+manifests/examples/inferenceservices/tiny-cpu.yaml; streaming OpenAI requests over HTTP.
+
+What is emulated: the Kubernetes API (kmock's KubernetesEmulator with the project's test-side
+fixes, tests/operator/kube_emulator.py), and what a cluster's controllers would do: this script
+plays the kubelet (a Deployment's pods become runtime + agent processes, each pod on its own
+loopback address 127.77.0.N) and the Service (requests go round-robin to ready pods). The model
+is a tiny random-weight Llama built here: its text is noise, its serving is real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "operator"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+BIN = Path(sys.executable).parent
+WORK = ROOT / "build" / "demo"
+EXAMPLE = ROOT / "manifests" / "examples" / "inferenceservices" / "tiny-cpu.yaml"
+RUNTIME_PORT, AGENT_PORT = 8000, 8081
+
+# The demo's changes to the example, printed before they are applied: a local model, a KV pool
+# small enough for a burst to fill, and stabilization windows of seconds instead of minutes.
+DEMO_SPEC = {
+    "runtime": {"maxModelLen": 512, "maxNumSeqs": 4, "args": ["--num-kv-blocks", "48"],
+                "resources": None},
+    "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetKVCacheUtilization": 0.6,
+                    "targetQueueDepth": 2, "scaleUpStabilizationSeconds": 2,
+                    "scaleDownStabilizationSeconds": 20, "panicWindowSeconds": 10},
+}
+MODEL_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2)
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def header(step: str, title: str) -> None:
+    say(f"\n\033[1m[{step}] {title}\033[0m")
+
+
+# --- the model ---------------------------------------------------------------------------
+
+def demo_model() -> Path:
+    path = WORK / "model"
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        say(f"    cached: {path}")
+        return path
+    from tinymodels import build_tiny_model
+
+    shutil.rmtree(path, ignore_errors=True)
+    build_tiny_model(path, "llama", **MODEL_CONFIG)
+    say(f"    built {path} (Llama, {MODEL_CONFIG['num_hidden_layers']} layers, hidden "
+        f"{MODEL_CONFIG['hidden_size']}, random weights, BPE tokenizer trained on the spot)")
+    return path
+
+
+# --- the emulated cluster --------------------------------------------------------------------
+
+class Api:
+    """What kubectl would do, against the emulator."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def call(self, method: str, path: str, body=None, content_type="application/json"):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise RuntimeError(f"{method} {path}: {e.code} {e.read()[:300]!r}") from None
+
+    def items(self, path: str) -> list[dict]:
+        return (self.call("GET", path) or {}).get("items", [])
+
+
+@dataclass
+class Pod:
+    name: str
+    ip: str
+    template_hash: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+
+def pod_commands(template: dict, ip: str, model: Path) -> tuple[list[str], list[str]]:
+    """The runtime and agent commands of the pod template, made to run on this machine: the
+    model directory the fetch step would fill is the demo model, and 0.0.0.0/127.0.0.1 become
+    the pod's own address (in a cluster each pod has its own network namespace)."""
+    containers = {c["name"]: c for c in template["spec"]["containers"]}
+
+    def local(cmd: list[str]) -> list[str]:
+        out = []
+        for arg in cmd:
+            if arg.startswith("/models/"):
+                arg = str(model)
+            arg = arg.replace("0.0.0.0", ip).replace("127.0.0.1", ip)
+            out.append(arg)
+        out[0] = str(BIN / out[0])
+        return out
+
+    runtime = local(containers["runtime"]["command"])
+    agent = local(containers["agent"]["command"])
+    if "--host" not in agent:
+        agent += ["--host", ip]
+    return runtime, agent + ["--interval", "0.5"]
+
+
+def ports_free(ip: str, ports: list[int]) -> bool:
+    import socket
+
+    for port in ports:
+        with socket.socket() as sock:
+            try:
+                sock.bind((ip, port))
+            except OSError:
+                return False
+    return True
+
+
+def probe_ok(ip: str, container: dict) -> bool:
+    """The container's readiness probe (httpGet on a named or numbered port), as kubelet runs it."""
+    probe = (container.get("readinessProbe") or {}).get("httpGet")
+    if probe is None:
+        return True
+    port = probe["port"]
+    if isinstance(port, str):
+        port = next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{port}{probe.get('path', '/')}", timeout=2) as r:
+            return 200 <= r.status < 400
+    except (OSError, ValueError):
+        return False
+
+
+class Kubelet:
+    """Plays kubelet + ReplicaSet controller for the demo namespace: Deployment replicas become
+    pods made of real processes; a pod object is created Ready once its runtime answers /ready
+    and its agent has a fresh sample; removed pods are drained first, as preStop would."""
+
+    def __init__(self, api: Api, namespace: str, model: Path, logs: Path):
+        self.api, self.ns, self.model, self.logs = api, namespace, model, logs
+        self.pods: dict[str, Pod] = {}
+        self.starting: dict[str, Pod] = {}
+        subnet = random.randint(1, 250)  # a fresh subnet per run: no clash with leftovers
+        self.free_ips = [f"127.77.{subnet}.{i}" for i in range(2, 250)]
+        self.all_procs: list[subprocess.Popen] = []
+        self.terminating: list[threading.Thread] = []
+        self.counter = 0
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="kubelet", daemon=True)
+        self.errors: list[str] = []
+
+    def start(self) -> "Kubelet":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.step()
+            except Exception as e:  # keep playing; the demo shows the effect
+                self.errors.append(f"{type(e).__name__}: {e}")
+            self.stop.wait(0.3)
+
+    def step(self) -> None:
+        from kvserve.operator import manifests as M
+
+        deps = {d["metadata"]["name"]: d
+                for d in self.api.items(f"/apis/apps/v1/namespaces/{self.ns}/deployments")}
+        objs = self.api.items(f"/api/v1/namespaces/{self.ns}/pods")
+        for obj in objs:  # garbage collection of pods whose Deployment is gone
+            if obj["metadata"]["labels"].get(M.OWNER_LABEL) not in deps:
+                self.delete(obj["metadata"]["name"])
+        for name, dep in deps.items():
+            want = int(dep["spec"].get("replicas") or 0)
+            current = M.template_hash(dep)
+            mine = [p for p in list(self.pods.values()) + list(self.starting.values())
+                    if p.name.startswith(name + "-")]
+            new = [p for p in mine if p.template_hash == current]
+            old = [p for p in mine if p.template_hash != current]
+            if len(new) < want and len(mine) < want + 1:          # maxSurge 1
+                self.create(name, dep["spec"]["template"], current)
+            elif old and len(mine) > want and not self.starting:  # maxUnavailable 0
+                self.delete(old[0].name)
+            elif len(new) > want and not self.starting:
+                self.delete(sorted(new, key=lambda p: p.name)[-1].name)
+
+    def create(self, dep_name: str, template: dict, template_hash: str) -> None:
+        self.counter += 1
+        name = f"{dep_name}-{self.counter:02d}"
+        ip = self.free_ips.pop(0)
+        while not ports_free(ip, [RUNTIME_PORT, AGENT_PORT]):
+            ip = self.free_ips.pop(0)
+        pod = Pod(name, ip, template_hash)
+        runtime, agent = pod_commands(template, ip, self.model)
+        # Each pod gets one CPU's worth of threads, as its resources.requests.cpu would give it
+        # in a cluster; without this, three pods' torch thread pools fight over the same cores.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        pod.procs.append(subprocess.Popen(runtime, stdout=open(self.logs / f"{name}-runtime.log", "w"),
+                                          stderr=subprocess.STDOUT, env=env))
+        pod.procs.append(subprocess.Popen(agent, stdout=open(self.logs / f"{name}-agent.log", "w"),
+                                          stderr=subprocess.STDOUT, env=env))
+        self.all_procs += pod.procs
+        self.starting[name] = pod
+        threading.Thread(target=self._become_ready, args=(pod, template), daemon=True).start()
+
+    def _become_ready(self, pod: Pod, template: dict) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if any(p.poll() is not None for p in pod.procs):
+                self.errors.append(f"{pod.name}: a container exited; see {self.logs}")
+                break
+            try:
+                if all(probe_ok(pod.ip, c) for c in template["spec"]["containers"]):
+                    obj = {"apiVersion": "v1", "kind": "Pod",
+                           "metadata": {"name": pod.name, "namespace": self.ns,
+                                        **copy.deepcopy(template["metadata"])},
+                           "spec": template["spec"],
+                           "status": {"phase": "Running", "podIP": pod.ip,
+                                      "conditions": [{"type": "Ready", "status": "True"}]}}
+                    self.api.call("POST", f"/api/v1/namespaces/{self.ns}/pods", obj)
+                    with self.lock:
+                        self.starting.pop(pod.name, None)
+                        self.pods[pod.name] = pod
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.3)
+        with self.lock:
+            self.starting.pop(pod.name, None)
+        self._kill(pod)
+
+    def delete(self, name: str) -> None:
+        self.api.call("DELETE", f"/api/v1/namespaces/{self.ns}/pods/{name}")
+        with self.lock:
+            pod = self.pods.pop(name, None) or self.starting.pop(name, None)
+        if pod is not None:
+            t = threading.Thread(target=self._terminate, args=(pod,), daemon=True)
+            t.start()
+            self.terminating.append(t)
+
+    def _terminate(self, pod: Pod) -> None:
+        # preStop: the agent drains the engine (in-flight requests finish), then SIGTERM.
+        subprocess.run([str(BIN / "kvserve"), "agent", "drain", "--agent-url",
+                        f"http://{pod.ip}:{AGENT_PORT}", "--timeout", "20"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        self._kill(pod)
+
+    @staticmethod
+    def _kill(pod: Pod) -> None:
+        for p in pod.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in pod.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def ready_ips(self) -> list[str]:
+        with self.lock:
+            return [p.ip for p in self.pods.values()]
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        with self.lock:
+            pods = list(self.pods.values()) + list(self.starting.values())
+            self.pods.clear()
+            self.starting.clear()
+        for pod in pods:
+            self._kill(pod)
+        for t in self.terminating:
+            t.join(40)
+        # Whatever is still running (a drain that hung, a pod that never became ready): stop it.
+        self._kill(Pod("all", "", "", [p for p in self.all_procs if p.poll() is None]))
+
+
+class Operator:
+    """The real operator (kvserve's kopf registry) in its own thread and event loop, watching one
+    namespace, as `kvserve-operator run --namespace NS` runs it."""
+
+    def __init__(self, api_url: str, namespace: str):
+        import kopf
+        from kvserve.operator.handlers import OperatorConfig, build_registry
+
+        self.kopf = kopf
+        self.config = OperatorConfig(scrape_interval=1.0, scrape_timeout=2.0,
+                                     connection=kopf.ConnectionInfo(server=api_url))
+        self.registry, _ = build_registry(self.config)
+        self.namespace = namespace
+        self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="operator", daemon=True)
+
+    def _run(self) -> None:
+        settings = self.kopf.OperatorSettings()
+        settings.scanning.disabled = True  # the emulator cannot list namespaces
+        settings.watching.reconnect_backoff = 0.2
+        try:
+            asyncio.run(self.kopf.operator(registry=self.registry, settings=settings,
+                                           standalone=True, namespaces=[self.namespace],
+                                           stop_flag=self.stop_flag, ready_flag=self.ready_flag))
+        except BaseException as e:
+            self.error = e
+
+    def start(self) -> "Operator":
+        self.thread.start()
+        if not self.ready_flag.wait(30):
+            raise RuntimeError(f"the operator did not start: {self.error!r}")
+        return self
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        self.thread.join(30)
+
+
+# --- the load --------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float | None = None
+    tpot: float | None = None
+    tokens: int = 0
+    error: str = ""
+
+
+PROMPTS = ["The cat sat on the mat and watched the dog", "Tokens are merged into words and words",
+           "Café, naïve, résumé: multi-byte text must survive", "def add(a, b): return a + b",
+           "Stories about cats and dogs, told one token at a time"]
+
+
+async def one_request(session, ips: list[str], model_name: str, i: int, max_tokens: int) -> Result:
+    import aiohttp
+
+    body = {"model": model_name, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (request {i})",
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "seed": i,
+            "stream": True, "stream_options": {"include_usage": True}}
+    for attempt in range(3):
+        if not ips:
+            await asyncio.sleep(0.5)
+            continue
+        ip = random.choice(ips)  # the Service: any ready pod
+        start = time.perf_counter()
+        first = last = None
+        tokens = 0
+        try:
+            async with session.post(f"http://{ip}:{RUNTIME_PORT}/v1/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=300)) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if any(c.get("text") for c in chunk.get("choices", [])):
+                        last = time.perf_counter()
+                        first = first or last
+            ttft = first - start if first else None
+            tpot = (last - first) / (tokens - 1) if first and tokens > 1 else None
+            return Result(True, ttft, tpot, tokens)
+        except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as e:
+            err = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(0.2)  # a pod going away: retry on another, as a client would
+    return Result(False, error=err if ips else "no ready pod")
+
+
+async def burst(kubelet: Kubelet, model_name: str, n: int, concurrency: int, max_tokens: int,
+                status_line) -> tuple[list[Result], float]:
+    import aiohttp
+    from tqdm import tqdm
+
+    results: list[Result] = []
+    sem = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=n, desc="    requests", unit="req", ncols=100, file=sys.stdout,
+               bar_format="{desc} {bar} {n_fmt}/{total_fmt} {postfix}")
+
+    async def run(i: int):
+        async with sem:
+            res = await one_request(session, kubelet.ready_ips(), model_name, i, max_tokens)
+            results.append(res)
+            bar.update(1)
+
+    async def refresh():
+        while True:
+            bar.set_postfix_str(status_line(), refresh=True)
+            await asyncio.sleep(0.5)
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        ticker = asyncio.create_task(refresh())
+        await asyncio.gather(*(run(i) for i in range(n)))
+        ticker.cancel()
+    bar.set_postfix_str(status_line())
+    bar.close()
+    return results, time.perf_counter() - start
+
+
+# --- status and summary ----------------------------------------------------------------------
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+class Watcher:
+    """Prints each new autoscaling decision from the resource's status as it appears."""
+
+    def __init__(self, api: Api, path: str):
+        self.api, self.path = api, path
+        self.seen: set[str] = set()
+        self.decisions: list[dict] = []
+        self.max_replicas = 0
+        self.obj: dict = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from tqdm import tqdm
+
+        while not self.stop.is_set():
+            obj = self.api.call("GET", self.path) or {}
+            self.obj = obj
+            st = obj.get("status") or {}
+            self.max_replicas = max(self.max_replicas, st.get("readyReplicas") or 0)
+            for d in st.get("decisions") or []:
+                key = json.dumps(d, sort_keys=True)
+                if key not in self.seen:
+                    self.seen.add(key)
+                    self.decisions.append(d)
+                    tqdm.write(f"    \033[33mdecision\033[0m {d['time']}: replicas "
+                               f"{d['fromReplicas']} -> {d['toReplicas']}, TP "
+                               f"{d['fromTensorParallelSize']} -> {d['toTensorParallelSize']}: "
+                               f"{d['reason']} ({d.get('message', '')[:90]})", file=sys.stdout)
+            self.stop.wait(0.5)
+
+    def line(self) -> str:
+        st = self.obj.get("status") or {}
+        return (f"ready {st.get('readyReplicas', 0)}/{st.get('desiredReplicas', '?')} "
+                f"TP {st.get('tensorParallelSize', '?')} KV {st.get('kvCacheUtilizationPercent', '-')}% "
+                f"queue {st.get('queueDepth', '-')}")
+
+
+def wait(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def summary(results: list[Result], duration: float, watcher: Watcher, events: list[dict]) -> None:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    tokens = sum(r.tokens for r in ok)
+    header("6/6", "Summary")
+    rows = [
+        ("requests", f"{len(ok)} ok, {len(results) - len(ok)} failed"),
+        ("burst duration", f"{duration:.1f} s"),
+        ("output throughput", f"{tokens / duration:.1f} tokens/s ({len(ok) / duration:.2f} req/s)"),
+        ("TTFT p50 / p99", f"{1000 * pct(ttft, 0.5):.0f} ms / {1000 * pct(ttft, 0.99):.0f} ms"),
+        ("TPOT p50 / p99", f"{1000 * pct(tpot, 0.5):.1f} ms / {1000 * pct(tpot, 0.99):.1f} ms"),
+        ("most ready replicas", str(watcher.max_replicas)),
+        ("Events posted", str(len(events))),
+    ]
+    for k, v in rows:
+        say(f"    {k:<22} {v}")
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        say(f"    first failure: {failed[0]}")
+    say("    autoscaling decisions (status.decisions, newest last):")
+    for d in watcher.decisions:
+        sig = d.get("signals") or {}
+        say(f"      {d['time']}  replicas {d['fromReplicas']}->{d['toReplicas']}  "
+            f"TP {d['fromTensorParallelSize']}->{d['toTensorParallelSize']}  {d['reason']}: "
+            f"{d.get('message', '')}  [pods {sig.get('pods')}, KV {sig.get('kvCacheUtilization')}, "
+            f"queue {sig.get('queueDepth')}]")
+    if not watcher.decisions:
+        say("      (none)")
+
+
+# --- main ------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--scale-down-timeout", type=float, default=120)
+    args = parser.parse_args(argv)
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    logs = WORK / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir()
+    say("\033[1mkvserve demo\033[0m: runtime, agent and operator for real; the Kubernetes API, kubelet "
+        "and Service emulated on this machine (see scripts/demo.py). Logs: " + str(logs))
+
+    header("1/6", "Demo model")
+    model = demo_model()
+
+    header("2/6", "Kubernetes API: EMULATED (kmock KubernetesEmulator, in this process)")
+    from kube_emulator import EmulatorThread
+
+    emulator = EmulatorThread().start()
+    api = Api(emulator.url)
+    say(f"    API server at {emulator.url}; pods will be local processes on 127.77.x.N")
+
+    operator = kubelet = watcher = None
+    results: list[Result] = []
+    duration = 0.0
+    try:
+        header("3/6", "Operator: REAL (kvserve's kopf handlers and autoscaler), watching kvserve-demo")
+        isvc = yaml.safe_load(EXAMPLE.read_text())
+        ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+        operator = Operator(emulator.url, ns).start()
+        kubelet = Kubelet(api, ns, model, logs).start()
+        say("    operator running; the kubelet emulation is watching Deployments")
+
+        header("4/6", f"Apply {EXAMPLE.relative_to(ROOT)} (with demo overrides)")
+        isvc["spec"]["model"]["uri"] = str(model)
+        for section, values in DEMO_SPEC.items():
+            for k, v in values.items():
+                if v is None:
+                    isvc["spec"][section].pop(k, None)
+                else:
+                    isvc["spec"][section][k] = v
+        say(f"    spec.model.uri: {model} (instead of {yaml.safe_load(EXAMPLE.read_text())['spec']['model']['uri']})")
+        say(f"    overrides: {json.dumps(DEMO_SPEC, separators=(',', ':'))}")
+        path = f"/apis/kvserve.dev/v1alpha1/namespaces/{ns}/inferenceservices"
+        api.call("POST", path, isvc)
+        watcher = Watcher(api, f"{path}/{name}")
+        watcher.thread.start()
+        dep = wait(lambda: api.call("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{name}"),
+                   30, "the operator's Deployment")
+        say(f"    operator made Deployment {name} (replicas {dep['spec']['replicas']}), Service "
+            f"and PodDisruptionBudget; starting its pod (runtime + agent)...")
+        t0 = time.monotonic()
+        wait(lambda: (watcher.obj.get("status") or {}).get("readyReplicas"), 120, "a ready pod")
+        say(f"    1 pod ready after {time.monotonic() - t0:.1f}s: {watcher.line()}")
+
+        header("5/6", f"Burst: {args.requests} streaming completions, {args.concurrency} at a time "
+                      f"(the Service picks a ready pod per request)")
+        served = isvc["spec"]["model"]["servedName"]
+        results, duration = asyncio.run(burst(kubelet, served, args.requests, args.concurrency,
+                                              args.max_tokens, watcher.line))
+        say(f"    burst done in {duration:.1f}s; now idle: waiting for the scale-down window "
+            f"({DEMO_SPEC['autoscaling']['scaleDownStabilizationSeconds']}s) to bring replicas back to 1")
+        t0 = time.monotonic()
+        try:
+            wait(lambda: (watcher.obj.get("status") or {}).get("desiredReplicas") == 1
+                 and (watcher.obj.get("status") or {}).get("readyReplicas") == 1,
+                 args.scale_down_timeout, "scale-down to 1 replica")
+            say(f"    back to 1 replica after {time.monotonic() - t0:.1f}s idle: {watcher.line()}")
+        except RuntimeError as e:
+            say(f"    {e} ({watcher.line()})")
+        events = api.items(f"/api/v1/namespaces/{ns}/events")
+        watcher.stop.set()
+        summary(results, duration, watcher, events)
+
+        say("\n    shutting down: deleting the InferenceService (the operator removes what it made)...")
+        api.call("DELETE", f"{path}/{name}")
+        wait(lambda: api.call("GET", f"{path}/{name}") is None
+             and not api.items(f"/api/v1/namespaces/{ns}/pods"), 60, "the resource and its pods to go")
+        say("    deleted; pods stopped")
+    finally:
+        if watcher is not None:
+            watcher.stop.set()
+        if kubelet is not None:
+            kubelet.shutdown()
+            for err in kubelet.errors[:5]:
+                say(f"    kubelet: {err}")
+        if operator is not None:
+            operator.stop()
+        emulator.stop()
+    ok = results and all(r.ok for r in results) and watcher is not None and watcher.max_replicas > 1
+    say("\n\033[1mdone\033[0m" + ("" if ok else " (with problems: see above and the logs)"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
