@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="serve the whole cluster")
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                      help="liveness endpoint URL, or '' to disable")
-    run.add_argument("--peering", default="kvserve-operator",
+    run.add_argument("--peering", default="default",
                      help="kopf peering object name (one active operator among replicas)")
     run.add_argument("--standalone", action="store_true", help="no peering (a single operator)")
     run.add_argument("--priority", type=int, default=0, help="peering priority of this instance")

@@ -197,6 +197,14 @@ def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
         api.patch_spec("broken", {"runtime": {"engine": "kvserve"}})
         wait_for(lambda: condition(api.get_isvc("broken"), "Degraded").get("status") == "False", what="recovered")
 
+        # Manual mode: the scale subresource (what `kubectl scale` patches) sizes the Deployment.
+        api.patch_spec("broken", {"autoscaling": {"enabled": False}})
+        api.call("PATCH", api.isvc_path("broken") + "/scale", {"spec": {"replicas": 2}},
+                 "application/merge-patch+json")
+        wait_for(lambda: api.get("Deployment", "broken")["spec"]["replicas"] == 2, what="kubectl scale")
+        wait_for(lambda: condition(api.get_isvc("broken"), "ScalingActive").get("reason") == "AutoscalingDisabled",
+                 what="ScalingActive False")
+
         api.delete_isvc("broken")
         wait_for(lambda: api.get_isvc("broken") is None and api.get("Deployment", "broken") is None, what="deleted")
     finally:
