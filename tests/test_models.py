@@ -153,14 +153,19 @@ def test_logits_match_transformers(tiny_model_factory, arch, overrides):
             row += len(new)
 
 
-def test_torch_backend_matches_dense_attention():
+_MANY_DECODES = [(random.Random(i).randrange(0, 40), 1) for i in range(37)]
+
+
+@pytest.mark.parametrize("plan", [[(9, 1), (5, 6), (0, 7), (13, 1)], _MANY_DECODES + [(3, 5)], _MANY_DECODES],
+                         ids=["mixed", "many-decodes-and-a-chunk", "many-decodes-grouped"])
+def test_torch_backend_matches_dense_attention(plan):
+    """plan: (context already cached, new tokens) per sequence; 16+ decodes take the grouped path."""
     torch.manual_seed(0)
     backend = TorchAttentionBackend()
-    heads, kv_heads, d, num_blocks = 6, 2, 8, 32
+    heads, kv_heads, d = 6, 2, 8
+    num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in plan) + 3
     k_cache = torch.full((num_blocks, BLOCK_SIZE, kv_heads, d), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
-    # (context already cached, new tokens): a decode, a chunk after context, a fresh prefill
-    plan = [(9, 1), (5, 6), (0, 7), (13, 1)]
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
     full_k, full_v, tables = [], [], []
@@ -186,7 +191,8 @@ def test_torch_backend_matches_dense_attention():
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor([c + n for c, n in plan], dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots), max_query_len=7, max_seq_len=14,
+        slot_mapping=torch.tensor(slots), max_query_len=max(n for _, n in plan),
+        max_seq_len=max(c + n for c, n in plan), is_decode_only=all(n == 1 for _, n in plan),
     )
     backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     out = backend.attend(torch.cat(q_all), key, value, k_cache, v_cache, meta, scale=0.3)
@@ -200,8 +206,11 @@ def test_torch_backend_matches_dense_attention():
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         expected.append(torch.einsum("hqk,khd->qhd", probs, v))
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+    # the same metadata again (as the next layer would pass it) reuses the plan
+    torch.testing.assert_close(backend.attend(torch.cat(q_all), key, value, k_cache, v_cache, meta, scale=0.3),
+                               out, atol=0, rtol=0)
 
-    # pure decode batch, through the batched path; slot -1 is not written
+    # slot -1 is not written
     before = k_cache.clone()
     backend.write_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([-1]))
     assert torch.equal(before.nan_to_num(7.0), k_cache.nan_to_num(7.0))
