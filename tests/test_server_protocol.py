@@ -122,3 +122,56 @@ def test_tokenize_needs_exactly_one_input():
     with pytest.raises(ValidationError):
         TokenizeRequest.model_validate({"prompt": "a", "messages": MSG})
     TokenizeRequest.model_validate({"prompt": "a"})
+
+
+# -- response shaping (pure: engine outputs in, OpenAI chunks out) ----------------------------------
+from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from kvserve.runtime.server import serving  # noqa: E402
+
+
+def _out(rid, text, ids, finish=None, logprobs=None):
+    return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[1, 2],
+                         outputs=[CompletionOutput(0, text, ids, finish, logprobs)], finished=finish is not None)
+
+
+@pytest.mark.parametrize(
+    "msg, param",
+    [("max_tokens: prompt (7 tokens) + max_tokens (9) exceeds max_model_len 8", "max_tokens"),
+     ("prompt_token_ids: 99999 is not a token id", "prompt"),
+     ("something odd happened: x", None)],
+)
+def test_engine_error_names_the_field(msg, param):
+    err = serving.engine_error(ValueError(msg))
+    assert err.status == 400 and err.param == param and err.message == msg
+
+
+def test_chat_stream_chunks_concatenate_and_finish():
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "stream": True, "n": 2, "seed": 1,
+                                                "stream_options": {"include_usage": True}})
+    plan = serving.make_plan("chat", req, "m", [("<prompt>", [1, 2])])
+    assert [p.seed for _, _, p in plan.engine_requests] == [1, 2]  # choices differ under one seed
+    c0 = plan.choices[0]
+    chunks = []
+    for text, ids, fin in [("He", [5], None), ("He", [5, 6], None), ("Hello", [5, 6, 7], "stop")]:
+        serving.apply_output(c0, _out(c0.request_id, text, ids, fin))
+        chunks += serving.stream_chunks(plan, c0)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == plan.id for c in chunks)
+    assert serving.usage_chunk(plan)["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def test_completion_final_response_with_echo_and_logprobs():
+    req = CompletionRequest.model_validate({"prompt": "Hi", "echo": True, "logprobs": 1})
+    plan = serving.make_plan("completion", req, "m", [("Hi", [1, 2])])
+    c = plan.choices[0]
+    lps = [{5: Logprob(-0.1, 1, " a"), 9: Logprob(-2.0, 2, " b")}, {6: Logprob(-0.5, 1, " c")}]
+    serving.apply_output(c, _out(c.request_id, " a c", [5, 6], "length", lps))
+    body = serving.final_response(plan)
+    choice = body["choices"][0]
+    assert choice["text"] == "Hi a c" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [" a", " c"]
+    assert choice["logprobs"]["token_logprobs"] == [-0.1, -0.5]
+    assert choice["logprobs"]["top_logprobs"][0] == {" a": -0.1, " b": -2.0}
+    assert body["usage"]["completion_tokens"] == 2 and plan.engine_requests[0][2].max_tokens == 16
