@@ -523,6 +523,21 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
         say("      (none)")
 
 
+def rbac_report(emulator) -> set:
+    """Every API call the operator made in this run, checked against manifests/base's RBAC."""
+    import rbac_audit
+
+    rules = next(d for d in yaml.safe_load_all((ROOT / "manifests/base/rbac.yaml").read_text())
+                 if d["kind"] == "ClusterRole")["rules"]
+    used = rbac_audit.from_kmock(list(emulator.emulator))  # kmock: iterating gives its request log
+    denied, unused = rbac_audit.audit(used, rules)
+    kinds = sorted({f"{v} {r}" for v, g, r in set(used)})
+    say(f"    RBAC audit: {len(used)} operator API calls ({', '.join(kinds)}); "
+        + ("all allowed by manifests/base/rbac.yaml" if not denied
+           else f"\033[31mDENIED by manifests/base/rbac.yaml: {sorted(denied)}\033[0m"))
+    return denied
+
+
 # --- main ------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -617,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
         if operator is not None:
             operator.stop()
         emulator.stop()
-    ok = results and all(r.ok for r in results) and watcher is not None and watcher.max_replicas > 1
+    denied = rbac_report(emulator)
+    ok = (results and all(r.ok for r in results) and watcher is not None
+          and watcher.max_replicas > 1 and not denied)
     say("\n\033[1mdone\033[0m" + ("" if ok else " (with problems: see above and the logs)"))
     return 0 if ok else 1
 
