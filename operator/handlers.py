@@ -193,8 +193,13 @@ class Reconciler:
         generation = meta.get("generation")
         try:
             spec, shape = self._validate(body)
-        except SpecError:
-            return  # the reconcile handler reported it; nothing to scale
+        except SpecError as error:
+            # Re-assert what the reconcile handler reported (without another Event): a timer run
+            # that started on the previous body may have just written healthy conditions.
+            patch.status["conditions"] = merge_conditions(
+                status.get("conditions"), degraded_conditions("InvalidSpec", str(error), generation),
+                self.config.wallclock())
+            return
         live = await self.client.get("Deployment", namespace, name)
         if live is None or not owned_by(live, uid):
             # Someone deleted it (or the first apply failed): put it back.

@@ -145,6 +145,11 @@ def test_lifecycle_scale_tp_restart_delete(cluster):
         event_reasons = {e["reason"] for e in api.events() if e["involvedObject"].get("name") == "tiny"}
         assert {"Applied", "TensorParallelUpAtMaxReplicas", "ScaleDown"} <= event_reasons
 
+        # The operator never wrote the spec: it is what the user applied and patched.
+        expected = defaulted(TINY)["spec"]
+        expected["runtime"]["maxModelLen"] = 1024
+        assert isvc["spec"] == expected
+
         # Delete -> what the operator made goes away (kmock has no garbage collector: the operator
         # deletes its objects itself; the test's kubelet removes the pods of a gone Deployment).
         api.delete_isvc("tiny")
