@@ -8,14 +8,22 @@ later features slot in without a rewrite:
   beam search). Before a sequence writes into a block that another table also lists,
   ``allocate_slots`` swaps in a private copy and reports ``(src, dst)`` pairs for the caller to
   copy on the device (copy-on-write).
-- Prefix caching will key full blocks by a hash chain (hash(parent_hash, block tokens)): a free
-  block with a hash stays reusable until it is popped for something else, which is why the free
-  list is an insertion-ordered dict (LRU order, O(1) removal of an arbitrary block).
+- Prefix caching (``enable_caching``) keys full, computed blocks by a hash chain
+  (runtime/prefix_cache.py). A freed block keeps its key and stays reusable until it is popped
+  for something else: the free list is an insertion-ordered dict, cached blocks join it at the
+  end (least recently used first out) and key-less blocks at the front (reused before any cached
+  one). A hit takes the block back (off the free list if nobody held it).
+- A cached block's contents never change: writes go to positions past the cached prefix, or,
+  for the one recomputed last token of a fully cached prompt, into a private copy when the block
+  is shared (copy-on-write) or in place with the identical K/V when it is not.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
+
+from kvserve.runtime.prefix_cache import BlockHash
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -23,7 +31,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -33,6 +41,10 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_tables: dict[int, list[int]] = {}
+        self.enable_caching = enable_caching
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # key -> block holding that content
+        self._num_registered: dict[int, int] = {}  # seq -> leading blocks already keyed
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -64,6 +76,74 @@ class BlockManager:
 
     def can_allocate(self, seq_id: int, num_computed: int, num_new: int) -> bool:
         return self.num_new_blocks_needed(seq_id, num_computed, num_new) <= len(self._free)
+
+    # -- prefix caching --------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Blocks holding the longest cached prefix of `hashes` (empty when caching is off)."""
+        blocks: list[int] = []
+        if not self.enable_caching:
+            return blocks
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def can_allocate_with_prefix(self, prefix: Sequence[int], num_computed: int, num_new: int) -> bool:
+        """Whether a sequence without blocks can take `prefix` and then write slots
+        [num_computed, num_computed + num_new)."""
+        end = self.blocks_for_tokens(num_computed + num_new)
+        needed = max(0, end - len(prefix))
+        # A written prefix block someone else holds is copied first.
+        needed += sum(1 for i in range(num_computed // self.block_size, min(len(prefix), end))
+                      if self.ref_counts[prefix[i]] >= 1)
+        revived = sum(1 for b in prefix if self.ref_counts[b] == 0)
+        return needed <= len(self._free) - revived
+
+    def take_prefix(self, seq_id: int, prefix: Sequence[int]) -> None:
+        """Gives a sequence without blocks the cached blocks `prefix` (from ``lookup``)."""
+        if self.block_tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        for block in prefix:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+        self.block_tables[seq_id] = list(prefix)
+        self._num_registered[seq_id] = len(prefix)
+
+    def register(self, seq_id: int, hashes: Sequence[BlockHash]) -> None:
+        """Keys the sequence's leading full, computed blocks; `hashes[i]` is block i's key.
+        A block whose content is already cached elsewhere stays unkeyed (one block per key)."""
+        if not self.enable_caching:
+            return
+        table = self.block_tables.get(seq_id, [])
+        start = self._num_registered.get(seq_id, 0)
+        end = min(len(hashes), len(table))
+        for i in range(start, end):
+            block, h = table[i], hashes[i]
+            if self.block_hashes[block] is None and h not in self.cached:
+                self.block_hashes[block] = h
+                self.cached[h] = block
+        if end > start:
+            self._num_registered[seq_id] = end
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Drops the blocks past the first `num_tokens` slots (speculative rollback)."""
+        table = self.block_tables.get(seq_id)
+        if not table:
+            return
+        keep = self.blocks_for_tokens(num_tokens)
+        while len(table) > keep:
+            self._release(table.pop())
+        if self._num_registered.get(seq_id, 0) > keep:
+            self._num_registered[seq_id] = keep
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every key (blocks in use keep their contents)."""
+        self.block_hashes = [None] * self.num_blocks
+        self.cached.clear()
+        self._num_registered.clear()
 
     # -- mutations -------------------------------------------------------------------------------
     def allocate_slots(self, seq_id: int, num_computed: int, num_new: int) -> list[tuple[int, int]]:
@@ -97,21 +177,33 @@ class BlockManager:
         for block in table:
             self.ref_counts[block] += 1
         self.block_tables[child_seq_id] = table
+        if parent_seq_id in self._num_registered:
+            self._num_registered[child_seq_id] = self._num_registered[parent_seq_id]
 
     def free(self, seq_id: int) -> None:
         """Releases every block of `seq_id`; unknown ids are ignored (free is idempotent)."""
         table = self.block_tables.pop(seq_id, None)
+        self._num_registered.pop(seq_id, None)
         if not table:
             return
         # Reversed so the sequence's tail blocks, least likely shared by a future prefix, are
         # reused first.
         for block in reversed(table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self._free[block] = None
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free[block] = None
+            if self.block_hashes[block] is None:
+                self._free.move_to_end(block, last=False)
 
     def _pop_free(self) -> int:
         block, _ = self._free.popitem(last=False)
+        h = self.block_hashes[block]
+        if h is not None:  # evict: the content is about to be overwritten
+            self.block_hashes[block] = None
+            del self.cached[h]
         self.ref_counts[block] = 1
         return block
 
@@ -126,3 +218,6 @@ class BlockManager:
             assert (block in self._free) == (counts[block] == 0), f"block {block} free-list state"
         for table in self.block_tables.values():
             assert len(set(table)) == len(table), "a block is listed twice in one table"
+        for h, block in self.cached.items():
+            assert self.block_hashes[block] == h, f"cached key of block {block} disagrees"
+        assert len(self.cached) == sum(h is not None for h in self.block_hashes), "unindexed keyed block"

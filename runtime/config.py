@@ -36,6 +36,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -85,6 +86,8 @@ class EngineConfig:
         positive_int("max_num_batched_tokens", optional=True)
         if not isinstance(self.enable_chunked_prefill, bool):
             fail("enable_chunked_prefill", "must be a boolean")
+        if not isinstance(self.enable_prefix_caching, bool):
+            fail("enable_prefix_caching", "must be a boolean")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", "must be an integer")
         if self.attention_backend not in _BACKENDS:

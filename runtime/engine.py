@@ -18,6 +18,7 @@ from kvserve.runtime.detokenizer import IncrementalDetokenizer, make_decode_fn
 from kvserve.runtime.kv_cache import allocate_kv_cache, determine_num_blocks
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.runtime.prefix_cache import extra_key
 from kvserve.runtime.sampler import Sampler, SamplingRow
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -88,7 +89,8 @@ class LLMEngine:
         self.num_kv_blocks = determine_num_blocks(config, shape, self.dtype, self.device)
         self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.dtype,
                                            self.device, config.tensor_parallel_size)
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
+                                          enable_caching=config.enable_prefix_caching)
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -130,6 +132,9 @@ class LLMEngine:
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         prompt_text, prompt_ids = self._tokenize(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
@@ -139,7 +144,8 @@ class LLMEngine:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
 
         now = StatsCollector.now()
-        seq = Sequence(request_id, prompt_ids, max_tokens, arrival_time=arrival_time or now)
+        seq = Sequence(request_id, prompt_ids, max_tokens, arrival_time=arrival_time or now,
+                       cache_extra=extra_key(cache_salt))
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -171,7 +177,7 @@ class LLMEngine:
             text = prompt
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt_token_ids", "prompt"})
+            unknown = sorted(set(prompt) - {"prompt_token_ids", "prompt", "cache_salt"})
             if unknown:
                 raise ValueError(f"prompt: unknown field {unknown[0]!r}")
             if "prompt_token_ids" not in prompt:
@@ -235,6 +241,7 @@ class LLMEngine:
             self._fail_step(sched)
             raise
         self.scheduler.on_step_done(sched)
+        self._stats.computed_tokens_total += sched.num_batched_tokens
         now = StatsCollector.now()
         num_prompt = num_generated = 0
         k = 0
@@ -316,6 +323,7 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             metrics=req.metrics,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
     # -- statistics ------------------------------------------------------------------------------
@@ -332,6 +340,12 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             tensor_parallel_size=self.config.tensor_parallel_size,
             num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
+            computed_tokens_total=s.computed_tokens_total,
+            spec_decode_num_drafts_total=s.spec_num_drafts,
+            spec_decode_num_draft_tokens_total=s.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=s.spec_num_accepted_tokens,
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
             request_success_total=dict(s.request_success_total),

@@ -10,6 +10,11 @@ Pure and deterministic: no torch, no clocks. Each step has a token budget
 3. When a running sequence needs a block and none is free, the most recently admitted running
    sequence is preempted by recompute: its blocks are freed and it goes back to the front of the
    queue, keeping the tokens it generated (they are prefilled again with the prompt).
+
+With prefix caching, an admitted sequence first takes the cached blocks of its longest cached
+prefix and computes only the rest; a fully cached sequence still recomputes its last token (its
+logits are needed). A decode with draft tokens (``seq.spec_token_ids``) runs 1 + k positions,
+fewer if the budget is short (the drafts are trimmed).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.runtime.block_manager import BlockManager
+from kvserve.runtime.prefix_cache import extend_block_hashes
 from kvserve.runtime.sequence import Sequence, SequenceStatus
 
 
@@ -40,10 +46,14 @@ class ScheduledSequence:
     samples: bool = field(init=False)
     # Where the chunk starts (the sequence's num_computed_tokens when scheduled).
     start: int = field(init=False)
+    # Draft positions past the sequence's last token (speculative verification).
+    num_spec: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+        end = self.start + self.num_new_tokens
+        self.samples = end >= self.seq.num_tokens
+        self.num_spec = max(0, end - self.seq.num_tokens)
 
 
 @dataclass
@@ -64,6 +74,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Prefix cache counters, in tokens (vllm:prefix_cache_queries / _hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- admission -------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -102,7 +115,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.spec_token_ids:
+                if seq.num_uncomputed_tokens != 1:
+                    seq.spec_token_ids.clear()
+                del seq.spec_token_ids[max(0, budget - 1):]
+            num_new = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             while not bm.can_allocate(seq.seq_id, seq.num_computed_tokens, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -122,14 +139,28 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 seq = self.waiting[0]
-                num_new = seq.num_uncomputed_tokens
+                prefix = self._cached_prefix(seq)
+                # Never the whole sequence: its last token must run to give logits.
+                num_cached = min(len(prefix) * bm.block_size, seq.num_tokens - 1) if prefix else 0
+                num_new = seq.num_tokens - num_cached
                 if num_new > budget:
                     if not cfg.enable_chunked_prefill:
                         break
                     num_new = budget
-                if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens, num_new):
+                if prefix:
+                    if not bm.can_allocate_with_prefix(prefix, num_cached, num_new):
+                        break
+                elif not bm.can_allocate(seq.seq_id, seq.num_computed_tokens, num_new):
                     break
                 self.waiting.popleft()
+                if bm.enable_caching:
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += num_cached
+                    if seq.num_cached_tokens is None:
+                        seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                if prefix:
+                    bm.take_prefix(seq.seq_id, prefix)
+                    seq.num_computed_tokens = num_cached
                 copies = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -138,18 +169,36 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget)
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        bm = self.block_manager
+        if not bm.enable_caching or seq.num_computed_tokens or bm.get_block_table(seq.seq_id):
+            return []
+        extend_block_hashes(seq.block_hashes, seq.token_ids, seq.num_tokens, bm.block_size, seq.cache_extra)
+        return bm.lookup(seq.block_hashes)
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """Records that the scheduled tokens now have K/V in the cache."""
+        """Records that the scheduled tokens now have K/V in the cache, and keys the blocks they
+        filled. Draft positions count as computed here until the engine rolls them back."""
+        bm = self.block_manager
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if bm.enable_caching:
+                # Only tokens already in token_ids: draft positions are not verified yet.
+                done = min(seq.num_computed_tokens, seq.num_tokens)
+                if done // bm.block_size > len(seq.block_hashes):
+                    extend_block_hashes(seq.block_hashes, seq.token_ids, done, bm.block_size,
+                                        seq.cache_extra)
+                bm.register(seq.seq_id, seq.block_hashes[: done // bm.block_size])
 
     # -- removal ---------------------------------------------------------------------------------
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

@@ -47,6 +47,13 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    # Prefix caching: extra key of the first block (a cache salt), keys of the full blocks so
+    # far (extended by the scheduler), and prompt tokens found cached at first admission.
+    cache_extra: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    # Speculative decoding: draft tokens to verify in the next step (not yet in token_ids).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

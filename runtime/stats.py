@@ -28,6 +28,11 @@ class EngineStats:
     request_success_total: dict[str, int]
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Tokens run through the model (prefill, decode and speculative positions).
+    computed_tokens_total: int = 0
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
     generation_tokens_per_second: float = 0.0
     # Observations since the previous get_stats() (seconds).
     queue_times: list[float] = field(default_factory=list)
@@ -56,6 +61,10 @@ class StatsCollector:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.request_success_total: Counter[str] = Counter()
+        self.computed_tokens_total = 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         self._reset_observations()
         self._recent: deque[tuple[float, int]] = deque()
 
