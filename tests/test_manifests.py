@@ -267,3 +267,15 @@ def test_monitoring_targets_every_inference_pod_by_contract_port():
     sm = docs[("ServiceMonitor", "kvserve-operator")]["spec"]
     assert all(svc["metadata"]["labels"][k] == v for k, v in sm["selector"]["matchLabels"].items())
     assert sm["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+
+
+def test_rbac_audit_flags_what_a_role_does_not_grant():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import rbac_audit
+
+    rules = [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"]}]
+    used = [("get", "apps", "deployments"), ("delete", "apps", "deployments"),
+            ("list", "", "pods")]
+    denied, unused = rbac_audit.audit(used, rules)
+    assert denied == {("delete", "apps", "deployments"), ("list", "", "pods")}
+    assert unused == {("patch", "apps", "deployments")}

@@ -1,0 +1,47 @@
+"""`make demo` end to end, shortened: real runtime + agent processes as pods, the real operator
+against the kmock emulator, a burst that scales the service up, idleness that scales it back
+down, every operator API call allowed by the shipped RBAC, and nothing left running."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def demo_processes() -> list[str]:
+    """Command lines of processes serving the demo model (pods that outlived the demo)."""
+    model = str(ROOT / "build" / "demo" / "model")
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = " ".join(a.decode(errors="replace") for a in args)
+        if model in text or "127.77." in text:
+            found.append(text)
+    return found
+
+
+def test_demo_scales_up_and_down_and_cleans_up():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--requests", "40",
+                           "--concurrency", "16", "--max-tokens", "64", "--scale-down-timeout", "90"],
+                          capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"requests\s+40 ok, 0 failed", out), out[-3000:]
+    most = int(re.search(r"most ready replicas\s+(\d+)", out).group(1))
+    assert most >= 2, out[-3000:]
+    assert "back to 1 replica" in out
+    assert re.search(r"replicas 1 -> [23]", out)
+    assert "all allowed by manifests/base/rbac.yaml" in out
+    assert "deleted; pods stopped" in out
+    assert not demo_processes()
+
