@@ -254,8 +254,9 @@ class Kubelet:
 class OperatorThread:
     """The real operator (kopf) in its own thread and event loop, as `kvserve-operator run` would run."""
 
-    def __init__(self, api_url: str, config: OperatorConfig):
+    def __init__(self, api_url: str, config: OperatorConfig, *, peering: bool = False, priority: int = 0):
         self.api_url, self.config = api_url, config
+        self.peering, self.priority = peering, priority
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kopf", daemon=True)
@@ -268,7 +269,8 @@ class OperatorThread:
         settings.watching.reconnect_backoff = 0.2
         settings.networking.request_timeout = 10
         try:
-            asyncio.run(kopf.operator(registry=registry, settings=settings, standalone=True,
+            asyncio.run(kopf.operator(registry=registry, settings=settings, standalone=not self.peering,
+                                      priority=self.priority, peering_name="default" if self.peering else None,
                                       namespaces=[NAMESPACE], stop_flag=self.stop_flag,
                                       ready_flag=self.ready_flag))
         except BaseException as error:  # surfaced by the test

@@ -5,7 +5,8 @@ Patched here, in a test-side subclass pinned to kmock 0.8:
     the spec changes) are set, and generateName is honoured (kopf's Events use it);
   * a watch that gives ?resourceVersion= does not replay every object as ADDED again;
   * labelSelector (equality terms) is applied to lists;
-  * the status subresource only changes status, and the main resource never changes status.
+  * the status subresource only changes status; where a resource has one, the main resource
+    never changes status.
 Not patched (the operator and the tests handle these): no controllers, no garbage collection,
 no schema validation or defaulting, no server-side apply.
 """
@@ -50,11 +51,13 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                 live = self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None
                 if live is not None:
                     data = request.data
+                    has_status = (request.resource in self._resources
+                                  and "status" in self._resources[request.resource].subresources)
                     if request.subresource == "status":
                         for k in list(data):
                             if k != "status":
                                 del data[k]
-                    else:
+                    elif has_status:
                         data.pop("status", None)
                     meta = data.setdefault("metadata", {})
                     meta["resourceVersion"] = self._next_rv()
@@ -112,6 +115,8 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
     emulator.resources["v1/namespaces"] = info(kind="Namespace", singular="namespace", namespaced=False,
                                                verbs=verbs)
     emulator.resources["v1/events"] = info(kind="Event", singular="event", namespaced=True, verbs=verbs)
+    emulator.resources["kopf.dev/v1/kopfpeerings"] = info(kind="KopfPeering", singular="kopfpeering",
+                                                          namespaced=True, verbs=verbs)
     emulator.resources["policy/v1/poddisruptionbudgets"] = info(kind="PodDisruptionBudget",
                                                                 singular="poddisruptionbudget",
                                                                 namespaced=True, verbs=verbs)

@@ -215,3 +215,39 @@ def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
     finally:
         op.stop()
     assert op.error is None
+
+
+def test_peering_keeps_one_instance_active(cluster):
+    """With peering, an operator pauses while a live higher-priority peer exists, then takes over."""
+    import datetime as dt
+
+    import kopf
+
+    emulator, api, kubelet, load = cluster
+    peering = "/apis/kopf.dev/v1/namespaces/default/kopfpeerings"
+    api.call("POST", peering, {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+                               "metadata": {"name": "default", "namespace": "default"}})
+    now = dt.datetime.now(dt.timezone.utc).isoformat()
+    api.call("PATCH", f"{peering}/default", {"status": {"other-operator": {"priority": 100, "lifetime": 60,
+                                                                          "lastseen": now}}},
+             "application/merge-patch+json")
+    config = OperatorConfig(scrape_interval=0.3, agent_port=kubelet.agent_port,
+                            connection=kopf.ConnectionInfo(server=emulator.url))
+    op = OperatorThread(emulator.url, config, peering=True, priority=1).start()
+    try:
+        obj = copy.deepcopy(TINY)
+        obj["metadata"]["name"] = "peered"
+        api.apply_isvc(defaulted(obj))
+        time.sleep(2)
+        assert api.get("Deployment", "peered") is None  # paused in favour of the other operator
+        peers = api.call("GET", f"{peering}/default")["status"]
+        assert "other-operator" in peers and len(peers) == 2  # both instances are registered
+
+        api.call("PATCH", f"{peering}/default", {"status": {"other-operator": None}},
+                 "application/merge-patch+json")  # the other operator goes away
+        wait_for(lambda: api.get("Deployment", "peered"), what="takeover")
+        api.delete_isvc("peered")
+        wait_for(lambda: api.get_isvc("peered") is None, what="deleted")
+    finally:
+        op.stop()
+    assert op.error is None
