@@ -86,7 +86,7 @@ def test_sampling_params_validation(kwargs, field):
     (dict(block_size=0), "block_size"), (dict(dtype="int4"), "dtype"), (dict(device="tpu"), "device"),
     (dict(max_num_seqs=0), "max_num_seqs"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(attention_backend="flash"), "attention_backend"), (dict(warp_speed=9), "warp_speed"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
 ])
 def test_engine_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
