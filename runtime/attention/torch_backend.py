@@ -40,6 +40,11 @@ class _Plan:
 
 
 class TorchAttentionBackend:
+    """Pure-torch paged attention. One instance serves every layer of one model: it caches the
+    gather plan for the AttentionMetadata object it last saw, so build a fresh metadata object per
+    step (never mutate one in place), and keep one instance per engine thread. Its decode
+    workspaces grow to the largest decode group's K/V (outside the KV cache budget)."""
+
     name = "torch"
 
     def __init__(self) -> None:
