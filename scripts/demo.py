@@ -548,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-down-timeout", type=float, default=120)
     args = parser.parse_args(argv)
 
+    # kopf's own chatter (e.g. "OS signals are ignored" in a thread) is not the demo's story;
+    # the operator's errors still show.
+    import logging
+
+    logging.basicConfig(level=logging.ERROR, format="    %(name)s: %(message)s")
     WORK.mkdir(parents=True, exist_ok=True)
     logs = WORK / "logs"
     shutil.rmtree(logs, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Generate the derived deployment files from their single sources.
 
 Sources and what is derived from them:
-- crds/*.yaml (the operator's CRD) + manifests/crds/kopf-peering.yaml
+- crds/inferenceservices.kvserve.dev.yaml and crds/kopf-peering.yaml (the operator's)
   -> manifests/crds/ and charts/kvserve/files/crds/ (kustomize and Helm cannot read crds/)
 - the dashboard defined below -> manifests/monitoring/dashboards/*.json and the chart's copy
 - manifests/monitoring/prometheusrule.yaml (spec) -> charts/kvserve/files/prometheus-rules.yaml
@@ -172,8 +172,9 @@ def outputs() -> dict[Path, str]:
     if not crd_src.exists():
         raise SystemExit(f"{crd_src} is missing: the operator's CRD is the source of truth")
     crd = crd_src.read_text()
-    peering = (ROOT / "manifests/crds/kopf-peering.yaml").read_text()
+    peering = (ROOT / "crds/kopf-peering.yaml").read_text()
     out[ROOT / "manifests/crds" / CRD_FILE] = crd
+    out[ROOT / "manifests/crds/kopf-peering.yaml"] = peering
     out[CHART / "files/crds" / CRD_FILE] = crd
     # One CRD per file: the chart parses each with fromYaml, which reads a single document.
     for doc in yaml.safe_load_all(peering):

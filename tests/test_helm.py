@@ -107,6 +107,11 @@ def test_defaults_are_the_operator_with_crds_only(rendered):
         "inferenceservices.kvserve.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
     assert all(c["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for c in crds)
     assert "in every namespace" in rendered["defaults"]["notes"]
+    # Without a peering object kopf would pause: the default runs standalone, with no peering RBAC.
+    (dep,) = [d for d in objects(rendered, "defaults") if d["kind"] == "Deployment"]
+    assert "--standalone" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    (role,) = [d for d in objects(rendered, "defaults") if d["kind"] == "ClusterRole"]
+    assert not any("kopf.dev" in r["apiGroups"] for r in role["rules"])
 
 
 def test_namespace_scope_with_an_explicit_namespace_and_options(rendered):
@@ -114,8 +119,7 @@ def test_namespace_scope_with_an_explicit_namespace_and_options(rendered):
     assert not any(d["kind"] == "CustomResourceDefinition" for d in docs)
     role = next(d for d in docs if d["kind"] == "Role")
     assert role["metadata"]["namespace"] == "team-a"
-    assert not any(d["kind"] == "ClusterRole" and d["metadata"]["name"] == "kvserve-operator"
-                   for d in docs)
+    assert not any(d["kind"] in ("ClusterRole", "ClusterRoleBinding") for d in docs)
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in c["args"] and "--all-namespaces" not in c["args"]

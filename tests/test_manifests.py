@@ -169,13 +169,10 @@ def test_namespaced_overlay_watches_its_namespace_only():
     assert ("Role", "kvserve-operator") in kinds and ("KopfPeering", "default") in kinds
 
 
-# What the operator does against the API: (group, resource) -> verbs. The operator-side calls are
-# the ones `make demo` / tests/test_demo.py record from a real run (scripts/rbac_audit.py); kopf's
-# CRD scanning and peering do not happen against the emulator and follow kopf's documentation.
-OPERATOR_NEEDS = {
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-    ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
-    ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
+# What the operator does against the API (docs/operator.md "RBAC the operator needs"):
+# (group, resource) -> verbs. The operator's own calls are also the ones `make demo` /
+# tests/test_demo.py record from a real run (scripts/rbac_audit.py).
+NAMESPACED_NEEDS = {
     ("kvserve.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("kvserve.dev", "inferenceservices/status"): {"patch"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
@@ -184,8 +181,12 @@ OPERATOR_NEEDS = {
     ("", "pods"): {"list"},
     ("", "events"): {"create"},
 }
-CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"),
-                  ("kopf.dev", "clusterkopfpeerings")}
+# --all-namespaces: kopf scans CRDs and uses the cluster-wide peering object.
+CLUSTER_NEEDS = {**NAMESPACED_NEEDS,
+                 ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+                 ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"}}
+# A plain --namespace: no scanning, the namespaced peering object.
+ROLE_NEEDS = {**NAMESPACED_NEEDS, ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"}}
 
 
 def grants(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
@@ -201,27 +202,26 @@ def grants(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
 def test_cluster_rbac_is_exactly_what_the_operator_uses():
     docs = build("base")
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    assert grants(role["rules"]) == OPERATOR_NEEDS
+    assert grants(role["rules"]) == CLUSTER_NEEDS
     (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvserve-operator",
                                     "namespace": "kvserve-system"}]
     assert not any(d["kind"] == "Secret" for d in docs)
 
 
-def test_namespaced_rbac_is_the_same_grants_split_by_scope():
+def test_namespaced_rbac_is_one_role_and_nothing_cluster_wide():
     docs = build("namespaced")
     (role,) = [d for d in docs if d["kind"] == "Role"]
-    (crole,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    expected_ns = {k: v for k, v in OPERATOR_NEEDS.items() if k not in CLUSTER_SCOPED}
-    assert grants(role["rules"]) == expected_ns
-    assert grants(crole["rules"]) == {
-        ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
+    assert role["metadata"]["namespace"] == "kvserve-system"
+    assert grants(role["rules"]) == ROLE_NEEDS
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
 
 
-def test_crd_copy_is_the_operators_crd():
-    src = yaml.safe_load((ROOT / "crds/inferenceservices.kvserve.dev.yaml").read_text())
-    (shipped,) = [d for d in build("crds") if d["metadata"]["name"] == src["metadata"]["name"]]
-    assert shipped == src
+def test_crd_copies_are_the_operators_crds():
+    for name in ("inferenceservices.kvserve.dev.yaml", "kopf-peering.yaml"):
+        for src in yaml.safe_load_all((ROOT / "crds" / name).read_text()):
+            (shipped,) = [d for d in build("crds") if d["metadata"]["name"] == src["metadata"]["name"]]
+            assert shipped == src
 
 
 def test_examples_validate_against_the_crd_and_bad_ones_do_not():
