@@ -8,7 +8,6 @@ stale entry, which the autoscaler never scales down on.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import Any, Iterable, Mapping
 
@@ -139,7 +138,9 @@ class PrometheusSource:
 
     @staticmethod
     def query(namespace: str, pods: Iterable[Mapping[str, Any]]) -> str:
-        names = "|".join(re.escape(pod_name(p)) for p in pods) or "^$"
+        # Pod names are DNS names: only "." is special in a regex. PromQL strings take Go
+        # escapes, so the regex's backslash is itself escaped.
+        names = "|".join(pod_name(p).replace(".", "\\\\.") for p in pods) or "^$"
         metrics = "|".join(SIGNAL_METRICS)
         return f'{{__name__=~"{metrics}",namespace="{namespace}",pod=~"{names}"}}'
 

@@ -98,4 +98,4 @@ def test_prometheus_vector_to_pod_signals():
     assert c.stale and c.ready  # no series
     assert not d.ready
     query = PrometheusSource.query("ns", [_pod("a.b")])
-    assert 'namespace="ns"' in query and 'pod=~"a\\.b"' in query and "kvserve_queue_depth" in query
+    assert 'namespace="ns"' in query and 'pod=~"a\\\\.b"' in query and "kvserve_queue_depth" in query
