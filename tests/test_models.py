@@ -36,6 +36,8 @@ CONFIGS = [
     pytest.param("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                              "original_max_position_embeddings": 256}), id="qwen2-rope-yarn"),
     pytest.param("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=32), id="qwen3-mqa-tied"),
+    pytest.param("mistral", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=64),
+                 id="mistral-rope-dynamic"),
 ]
 
 
@@ -236,6 +238,19 @@ def test_unsupported_rope_type_names_supported(tmp_path):
     _write_config(tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0},
                   rope_scaling=None)
     with pytest.raises(ValueError, match="rope type 'longrope'.*linear.*llama3"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), "needs 'factor'"),
+    (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(torch_dtype="float64", dtype=None), "float64"),
+])
+def test_unsupported_options_are_named(tmp_path, changes, field):
+    _write_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=field):
         ModelConfig.from_pretrained(tmp_path)
 
 
