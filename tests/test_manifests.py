@@ -71,11 +71,6 @@ FOREIGN_SCHEMAS = {
                                     "required": ["selector", "podMetricsEndpoints"], "properties": {
             "namespaceSelector": _NS_SELECTOR, "selector": _SELECTOR, "jobLabel": {"type": "string"},
             "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}},
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): {"type": "object", "properties": {
-        "metadata": _META, "spec": {"type": "object", "additionalProperties": False,
-                                    "required": ["selector", "endpoints"], "properties": {
-            "namespaceSelector": _NS_SELECTOR, "selector": _SELECTOR, "jobLabel": {"type": "string"},
-            "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}},
     ("monitoring.coreos.com/v1", "PrometheusRule"): {"type": "object", "properties": {
         "metadata": _META, "spec": {"type": "object", "additionalProperties": False, "properties": {
             "groups": {"type": "array", "items": {
@@ -262,20 +257,4 @@ def test_monitoring_targets_every_inference_pod_by_contract_port():
         assert any(r.get("targetLabel") == "inferenceservice" for r in relabel)
     dash = docs[("ConfigMap", "kvserve-dashboard")]
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
-    # The ServiceMonitor finds the operator's Service from base.
-    (svc,) = [d for d in build("base") if d["kind"] == "Service"]
-    sm = docs[("ServiceMonitor", "kvserve-operator")]["spec"]
-    assert all(svc["metadata"]["labels"][k] == v for k, v in sm["selector"]["matchLabels"].items())
-    assert sm["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
-
-
-def test_rbac_audit_flags_what_a_role_does_not_grant():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import rbac_audit
-
-    rules = [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"]}]
-    used = [("get", "apps", "deployments"), ("delete", "apps", "deployments"),
-            ("list", "", "pods")]
-    denied, unused = rbac_audit.audit(used, rules)
-    assert denied == {("delete", "apps", "deployments"), ("list", "", "pods")}
-    assert unused == {("patch", "apps", "deployments")}
+    assert not [d for d in docs.values() if d["kind"] == "ServiceMonitor"]
