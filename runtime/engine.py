@@ -48,6 +48,16 @@ class _Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # n > 1: each sample is a _Request of its own sharing request_id; `group` lists them all
+    # (index order). The other samples join the scheduler by forking sample 0's blocks once
+    # its prompt is computed (`unforked` until then), so the prompt's KV is held once.
+    index: int = 0
+    group: list["_Request"] | None = None
+    unforked: list["_Request"] = field(default_factory=list)
+
+    @property
+    def samples(self) -> list["_Request"]:
+        return self.group or [self]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -105,7 +115,8 @@ class LLMEngine:
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos |= {self.tokenizer.eos_token_id}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request] = {}  # request id -> its sample 0
+        self._by_seq: dict[int, _Request] = {}  # seq id -> the sample it belongs to
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs, sent by step()
         self._stats = StatsCollector()
         self._ids = itertools.count()
@@ -144,13 +155,30 @@ class LLMEngine:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
 
         now = StatsCollector.now()
-        seq = Sequence(request_id, prompt_ids, max_tokens, arrival_time=arrival_time or now,
-                       cache_extra=extra_key(cache_salt))
+        metrics = RequestMetrics(arrival_time=arrival_time or now)
+        samples = [self._new_sample(request_id, prompt_text, prompt_ids, max_tokens, params, metrics,
+                                    extra_key(cache_salt), index) for index in range(params.n)]
+        req = samples[0]
+        if params.n > 1:
+            req.group, req.unforked = samples, samples[1:]
+            for s in samples[1:]:
+                s.group = samples
+        for s in samples:
+            self._by_seq[s.seq.seq_id] = s
+        self.scheduler.add(req.seq)
+        self._requests[request_id] = req
+
+    def _new_sample(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], max_tokens: int,
+                    params: SamplingParams, metrics: RequestMetrics, cache_extra: bytes | None,
+                    index: int) -> _Request:
+        seq = Sequence(request_id, prompt_ids, max_tokens, arrival_time=metrics.arrival_time,
+                       cache_extra=cache_extra)
         generator = None
         if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            # seed + index: distinct samples, each reproducible whatever else runs.
+            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
         banned = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos)))
-        req = _Request(
+        return _Request(
             request_id=request_id,
             prompt=prompt_text,
             params=params,
@@ -159,15 +187,14 @@ class LLMEngine:
                                          skip_special_tokens=params.skip_special_tokens,
                                          stop=params.stop,
                                          include_stop_str_in_output=params.include_stop_str_in_output),
-            metrics=RequestMetrics(arrival_time=arrival_time or now),
+            metrics=metrics if index == 0 else RequestMetrics(arrival_time=metrics.arrival_time),
             row=SamplingRow(params, seq.token_ids, len(prompt_ids), generator, banned),
             stop_token_ids=frozenset(params.stop_token_ids),
             eos_token_ids=frozenset() if params.ignore_eos else self._eos,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
+            index=index,
         )
-        self.scheduler.add(seq)
-        self._requests[request_id] = req
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text = None
@@ -205,8 +232,12 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
-        req.finish_reason = "abort"
+        for s in req.samples:
+            if s.finish_reason is None:
+                self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
+                s.finish_reason = "abort"
+            self._by_seq.pop(s.seq.seq_id, None)
+        req.unforked = []
         now = StatsCollector.now()
         req.metrics.finished_time = now
         self._stats.request_success_total["abort"] += 1
@@ -225,18 +256,24 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         now = StatsCollector.now()
-        reqs = self._requests
-        rows = []
+        by_seq = self._by_seq
+        rows, repeats = [], []
         for item in sched.scheduled:
-            req = reqs[item.seq.request_id]
+            req = by_seq[item.seq.seq_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 self._stats.queue_times.append(now - req.metrics.arrival_time)
             if item.samples:
+                # Sample 0's first token comes with every other sample's, from the same logits.
                 rows.append(req.row)
+                rows.extend(s.row for s in req.unforked)
+                repeats.append(1 + len(req.unforked))
         tables = [self.block_manager.block_tables[item.seq.seq_id] for item in sched.scheduled]
         try:
-            result = self.runner.execute(sched.scheduled, tables, rows)
+            if len(rows) == len(repeats):
+                result = self.runner.execute(sched.scheduled, tables, rows)
+            else:
+                result = self.runner.execute(sched.scheduled, tables, rows, repeats=repeats)
         except Exception:
             self._fail_step(sched)
             raise
@@ -245,27 +282,50 @@ class LLMEngine:
         now = StatsCollector.now()
         num_prompt = num_generated = 0
         k = 0
+        changed: dict[str, _Request] = {}  # one output per request per step, in schedule order
         for item in sched.scheduled:
             if not item.samples:
                 continue
-            req = reqs[item.seq.request_id]
-            token = result.token_ids[k]
-            lp = result.logprobs[k]
-            k += 1
-            if req.seq.num_output_tokens == 0:
-                num_prompt += req.seq.num_prompt_tokens
-            num_generated += 1
-            self._on_token(req, token, lp, now)
-            outputs.append(self._make_output(req, finished=req.finish_reason is not None))
+            req = by_seq[item.seq.seq_id]
+            samples = [req]
+            if req.unforked:
+                samples += self._fork(req, now)
+            for s in samples:
+                token, lp = result.token_ids[k], result.logprobs[k]
+                k += 1
+                if s.index == 0 and s.seq.num_output_tokens == 0:
+                    num_prompt += s.seq.num_prompt_tokens
+                num_generated += 1
+                self._on_token(s, token, lp, now)
+            head = req.group[0] if req.group else req
+            changed[head.request_id] = head
+        for head in changed.values():
+            outputs.append(self._make_output(head, finished=all(s.finish_reason is not None
+                                                                  for s in head.samples)))
         self._stats.on_tokens(now, num_prompt, num_generated)
         return outputs
+
+    def _fork(self, req: _Request, now: float) -> list[_Request]:
+        """Samples 1..n-1 take sample 0's blocks (its prompt is computed) and start running."""
+        children, req.unforked = req.unforked, []
+        parent = req.seq
+        for child in children:
+            self.block_manager.fork(parent.seq_id, child.seq.seq_id)
+            seq = child.seq
+            seq.num_computed_tokens = parent.num_computed_tokens
+            seq.block_hashes = list(parent.block_hashes)
+            seq.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.add_running(seq)
+            child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
+        return children
 
     def _on_token(self, req: _Request, token: int, lp: dict[int, Logprob] | None, now: float) -> None:
         seq, m = req.seq, req.metrics
         seq.append_token(token)
         if m.first_token_time is None:
             m.first_token_time = now
-            self._stats.time_to_first_token.append(now - m.arrival_time)
+            if req.index == 0:  # one TTFT per request, whatever n is
+                self._stats.time_to_first_token.append(now - m.arrival_time)
         else:
             self._stats.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
@@ -294,9 +354,14 @@ class LLMEngine:
             self.scheduler.finish(seq, status)
             req.finish_reason = status.finish_reason
             m.finished_time = now
-            self._stats.e2e_latencies.append(now - m.arrival_time)
-            self._stats.request_success_total[req.finish_reason] += 1
-            del self._requests[req.request_id]
+            head = req.group[0] if req.group else req
+            if all(s.finish_reason is not None for s in head.samples):
+                head.metrics.finished_time = now
+                self._stats.e2e_latencies.append(now - head.metrics.arrival_time)
+                self._stats.request_success_total[req.finish_reason] += 1
+                del self._requests[req.request_id]
+                for s in head.samples:
+                    self._by_seq.pop(s.seq.seq_id, None)
 
     def _fail_step(self, sched: SchedulerOutput) -> None:
         """A forward pass raised: end the step's requests (their cache state is unknown)."""
@@ -307,20 +372,23 @@ class LLMEngine:
 
     def _make_output(self, req: _Request, finished: bool) -> RequestOutput:
         seq = req.seq
-        completion = CompletionOutput(
-            index=0,
-            text=req.detok.visible_text(finished),
-            token_ids=seq.output_token_ids,
-            finish_reason=req.finish_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            cumulative_logprob=req.cumulative_logprob,
-            stop_reason=req.stop_reason,
-        )
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.visible_text(s.finish_reason is not None),
+                token_ids=s.seq.output_token_ids,
+                finish_reason=s.finish_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.samples
+        ]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
+            outputs=completions,
             finished=finished,
             metrics=req.metrics,
             num_cached_tokens=seq.num_cached_tokens or 0,

@@ -90,16 +90,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence], block_tables: list[list[int]],
-                rows: list[SamplingRow]) -> SamplerOutput:
-        """Runs the step; `rows` describe, in order, the scheduled sequences that sample."""
+                rows: list[SamplingRow], repeats: list[int] | None = None) -> SamplerOutput:
+        """Runs the step; `rows` describe, in order, the scheduled sequences that sample.
+        With `repeats`, sampling sequence i gives repeats[i] rows (n > 1: one logits row, n draws)."""
         for item in scheduled:
             copy_blocks(self.kv_caches, item.block_copies)
         input_ids, positions, meta, logits_rows = self.prepare(scheduled, block_tables)
-        assert len(logits_rows) == len(rows)
+        assert len(logits_rows) == (len(rows) if repeats is None else len(repeats))
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
             return SamplerOutput([], [])
         if len(logits_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(logits_rows, device=hidden.device)]
         logits = self.model.compute_logits(hidden)
+        if repeats is not None:
+            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         return self.sampler(logits, rows)

@@ -97,8 +97,6 @@ class SamplingParams:
 
         if integer("n") < 1:
             fail("n", "must be >= 1")
-        if self.n > 1:
-            raise ValueError("n: values above 1 are not supported yet")
         if number("temperature") < 0 or math.isinf(self.temperature):
             fail("temperature", "must be >= 0 and finite")
         if not 0 < number("top_p") <= 1:

@@ -105,6 +105,12 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Adds a sequence that already has its blocks (a forked sample of an n > 1 request).
+        It may take the running set past max_num_seqs for a while: its prompt is already paid."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg, bm = self.config, self.block_manager

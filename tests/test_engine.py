@@ -71,7 +71,7 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(engine, prompt, 
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(n=2), "n"), (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"),
+    (dict(n=0), "n"), (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"),
     (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(stop=[""]), "stop"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
     (dict(logprobs=-1), "logprobs"), (dict(temperature="hot"), "temperature"),

@@ -149,7 +149,9 @@ def test_chat_stream_chunks_concatenate_and_finish():
     req = ChatCompletionRequest.model_validate({"messages": MSG, "stream": True, "n": 2, "seed": 1,
                                                 "stream_options": {"include_usage": True}})
     plan = serving.make_plan("chat", req, "m", [("<prompt>", [1, 2])])
-    assert [p.seed for _, _, p in plan.engine_requests] == [1, 2]  # choices differ under one seed
+    # One engine request whose two samples share the prompt; the engine seeds sample j with seed + j.
+    assert [(p.n, p.seed) for _, _, p in plan.engine_requests] == [(2, 1)]
+    assert [(c.index, c.sample) for c in plan.choices] == [(0, 0), (1, 1)]
     c0 = plan.choices[0]
     chunks = []
     for text, ids, fin in [("He", [5], None), ("He", [5, 6], None), ("Hello", [5, 6, 7], "stop")]:
@@ -159,7 +161,8 @@ def test_chat_stream_chunks_concatenate_and_finish():
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == plan.id for c in chunks)
-    assert serving.usage_chunk(plan)["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert serving.usage_chunk(plan)["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_final_response_with_echo_and_logprobs():

@@ -223,7 +223,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         by_request = plan.by_request
         if not plan.stream:
             async for out in stream:
-                serving.apply_output(by_request[out.request_id], out)
+                for choice in by_request[out.request_id]:
+                    serving.apply_output(choice, out)
             return web.json_response(serving.final_response(plan))
 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -231,9 +232,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         await resp.prepare(request)
         try:
             async for out in stream:
-                choice = by_request[out.request_id]
-                serving.apply_output(choice, out)
-                chunks = serving.stream_chunks(plan, choice)
+                chunks = []
+                for choice in by_request[out.request_id]:
+                    serving.apply_output(choice, out)
+                    chunks += serving.stream_chunks(plan, choice)
                 if chunks:
                     await resp.write(b"".join(_sse(c) for c in chunks))
             if plan.include_usage:

@@ -32,6 +32,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             kw[name] = value
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
     return kw
 
 
@@ -137,8 +139,6 @@ class Server:
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.enable_prefix_caching:
-        log.warning("--enable-prefix-caching: not implemented by this engine yet; ignored")
     return asyncio.run(Server(args).serve())
 
 

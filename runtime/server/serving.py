@@ -1,8 +1,8 @@
 """From validated requests to engine requests, and from engine outputs to OpenAI responses.
 
 Pure functions of their inputs (no I/O), so the response shapes are tested without a server.
-`n > 1` fans out into n engine requests (the engine samples one sequence per request); with a
-seed, choice j uses seed + j so the choices differ as they do in vLLM.
+`n > 1` is one engine request per prompt with n samples sharing the prompt's KV blocks; with a
+seed, the engine gives sample j seed + j so the choices differ as they do in vLLM.
 """
 
 from __future__ import annotations
@@ -30,12 +30,10 @@ def engine_error(exc: ValueError) -> APIError:
     return APIError(400, msg, param=param)
 
 
-def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
+def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     seed = req.seed
-    if seed is not None and req.n > 1:
-        seed += choice
     fields: dict[str, Any] = dict(
-        n=1,
+        n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
@@ -66,6 +64,8 @@ class Choice:
     index: int
     request_id: str
     prompt_index: int
+    sample: int = 0  # which of the engine request's n samples
+    num_cached_tokens: int = 0
     sent_text: str = ""
     sent_tokens: int = 0
     sent_logprobs: int = 0
@@ -96,8 +96,11 @@ class Plan:
     want_logprobs: bool
 
     @property
-    def by_request(self) -> dict[str, Choice]:
-        return {c.request_id: c for c in self.choices}
+    def by_request(self) -> dict[str, list[Choice]]:
+        out: dict[str, list[Choice]] = {}
+        for c in self.choices:
+            out.setdefault(c.request_id, []).append(c)
+        return out
 
     def prompt_tokens(self) -> int:
         return sum(len(ids) for _, ids in self.prompts)
@@ -107,7 +110,9 @@ class Plan:
 
     def usage(self) -> dict:
         p, c = self.prompt_tokens(), self.completion_tokens()
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = sum(ch.num_cached_tokens for ch in self.choices if ch.sample == 0)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def make_plan(kind: str, req: CompletionRequest | ChatCompletionRequest, model: str,
@@ -125,14 +130,13 @@ def make_plan(kind: str, req: CompletionRequest | ChatCompletionRequest, model: 
         logprobs = (req.top_logprobs or 0) if want else None
         echo = False
     choices, engine_requests = [], []
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     for p, (text, ids) in enumerate(prompts):
+        rid = f"{pid}-{p}"
+        prompt: Any = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
+        engine_requests.append((rid, prompt, params))
         for j in range(req.n):
-            index = p * req.n + j
-            rid = f"{pid}-{index}"
-            params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=j)
-            prompt: Any = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
-            engine_requests.append((rid, prompt, params))
-            choices.append(Choice(index=index, request_id=rid, prompt_index=p))
+            choices.append(Choice(index=p * req.n + j, request_id=rid, prompt_index=p, sample=j))
     opts = req.stream_options
     return Plan(kind=kind, id=pid, created=int(time.time()), model=model, prompts=prompts, choices=choices,
                 engine_requests=engine_requests, stream=req.stream,
@@ -141,7 +145,8 @@ def make_plan(kind: str, req: CompletionRequest | ChatCompletionRequest, model: 
 
 
 def apply_output(choice: Choice, out: Any) -> None:
-    c = out.outputs[0]
+    c = out.outputs[choice.sample]
+    choice.num_cached_tokens = getattr(out, "num_cached_tokens", 0) or 0
     choice.text = c.text
     choice.token_ids = list(c.token_ids)
     choice.logprobs = c.logprobs
