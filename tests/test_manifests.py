@@ -258,3 +258,30 @@ def test_monitoring_targets_every_inference_pod_by_contract_port():
     dash = docs[("ConfigMap", "kvserve-dashboard")]
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert not [d for d in docs.values() if d["kind"] == "ServiceMonitor"]
+
+
+def test_the_operator_can_serve_the_examples():
+    """The examples pass the operator's own parser and servability rules, and the GPU one can
+    really use TP 1, 2 and 4 (heads divide, weights fit in 80 GiB)."""
+    spec_mod = pytest.importorskip("kvserve.operator.spec")
+    autoscaler = pytest.importorskip("kvserve.operator.autoscaler")
+    for doc in build("examples/inferenceservices"):
+        if doc["kind"] != "InferenceService":
+            continue
+        spec = spec_mod.parse_spec(doc["spec"])
+        shape = spec_mod.model_shape(spec)
+        spec_mod.check_servable(spec, shape)
+        if doc["metadata"]["name"] == "llama-8b":
+            assert autoscaler.valid_degrees(spec, shape) == [1, 2, 4]
+
+
+def test_rbac_audit_flags_what_a_role_does_not_grant():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import rbac_audit
+
+    rules = [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"]}]
+    used = [("get", "apps", "deployments"), ("delete", "apps", "deployments"),
+            ("list", "", "pods")]
+    denied, unused = rbac_audit.audit(used, rules)
+    assert denied == {("delete", "apps", "deployments"), ("list", "", "pods")}
+    assert unused == {("patch", "apps", "deployments")}
