@@ -148,8 +148,7 @@ class Reconciler:
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
-                + (scaling_conditions(None, enabled=False, generation=generation)
-                   if not spec.autoscaling.enabled else []),
+                + self._initial_scaling_conditions(spec, status, generation),
                 now)
 
     async def _apply_all(self, body, spec, replicas, tp, status, patch, generation, now):
@@ -165,6 +164,17 @@ class Reconciler:
             self._degraded(body, status, patch, generation, now, "ApplyFailed", str(error))
             raise kopf.TemporaryError(str(error), delay=10)
         return results
+
+    @staticmethod
+    def _initial_scaling_conditions(spec, status, generation) -> list[dict[str, Any]]:
+        """Scaling conditions belong to the timer; reconcile only fills them in when absent or off."""
+        if not spec.autoscaling.enabled:
+            return scaling_conditions(None, enabled=False, generation=generation)
+        known = {c.get("type"): c for c in status.get("conditions") or []}
+        active = known.get("ScalingActive")
+        if active is None or active.get("reason") in ("AutoscalingDisabled", "InvalidSpec"):
+            return scaling_conditions(None, enabled=True, generation=generation)
+        return []
 
     def _degraded(self, body, status, patch, generation, now, reason, message) -> None:
         patch.status["conditions"] = merge_conditions(

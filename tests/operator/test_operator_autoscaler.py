@@ -292,3 +292,23 @@ def test_scale_down_only_after_its_window(levels, window, start):
                 assert t - raws[0][0] >= window  # history covers the window
                 assert all(r < replicas for tt, r in raws if tt >= t - window)
             replicas, state = d.replicas, d.state
+
+
+@FAST
+@given(fresh=st.integers(1, 6), others=st.lists(st.tuples(st.sampled_from(["unready", "stale", "old"]),
+                                                         st.floats(0, 1)), min_size=1, max_size=6),
+       extra=st.integers(0, 3))
+def test_pods_without_fresh_data_never_cause_a_scale_down(fresh, others, extra):
+    """Fresh pods exactly at target plus any not-fresh pods (idle-looking numbers): no scale-down."""
+    spec, shape = make_spec({"maxReplicas": 20})
+    pods_ = list(pods(fresh, kv=0.5, queue=0))
+    for i, (kind, kv) in enumerate(others):
+        pods_.append(PodSignals(f"x{i}", ready=kind != "unready", stale=kind == "stale",
+                                sample_age_seconds=60.0 if kind == "old" else 0.0, kv_cache_utilization=kv * 0.1))
+    current = len(pods_) + extra  # some pods may not even exist yet
+    state = AutoscalerState(recommendations=tuple((t, current) for t in range(-400, 0, 15)),
+                            history_start=-10_000)
+    for t in range(0, 1200, 15):  # long past the down window
+        d = decide(spec, shape, Observation(t, current, 1, tuple(pods_)), state)
+        assert d.replicas >= current, d
+        state = d.state
