@@ -71,6 +71,34 @@ def operator(emulator, kubelet) -> OperatorThread:
     return OperatorThread(emulator.url, config).start()
 
 
+# docs/operator.md "RBAC the operator needs", for an operator serving named namespaces.
+DOCUMENTED_RBAC = {
+    ("kvserve.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
+    ("kvserve.dev", "inferenceservices/status"): {"patch"},
+    ("apps", "deployments"): {"get", "create", "patch", "delete"},
+    ("", "services"): {"get", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
+    ("", "pods"): {"list"},
+    ("", "events"): {"create"},
+    ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
+}
+VERBS = {"list": "list", "watch": "watch", "fetch": "get", "create": "create", "update": "patch", "delete": "delete"}
+
+
+def assert_operator_calls_are_documented(emulator: EmulatorThread) -> None:
+    """Every API call the operator (kopf's client or ours) made is in the documented RBAC."""
+    used = set()
+    for request in list(emulator.emulator):
+        agent = (request.headers or {}).get("User-Agent", "")
+        if request.resource is None or not request.resource.plural or not agent.startswith(("kopf/",
+                                                                                            "kvserve-operator")):
+            continue  # discovery needs no RBAC; the test's own calls are not the operator's
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        used.add((request.resource.group or "", resource, VERBS.get(str(request.action.value).lower(), "?")))
+    denied = {u for u in used if u[2] not in DOCUMENTED_RBAC.get(u[:2], set())}
+    assert used and not denied, denied
+
+
 def deployment_tp(dep: dict) -> int:
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     return int(cmd[cmd.index("--tensor-parallel-size") + 1])
@@ -161,6 +189,7 @@ def test_lifecycle_scale_tp_restart_delete(cluster):
     finally:
         op.stop()
     assert op.error is None
+    assert_operator_calls_are_documented(emulator)
 
 
 def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
@@ -215,6 +244,7 @@ def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
     finally:
         op.stop()
     assert op.error is None
+    assert_operator_calls_are_documented(emulator)
 
 
 def test_peering_keeps_one_instance_active(cluster):
@@ -251,3 +281,4 @@ def test_peering_keeps_one_instance_active(cluster):
     finally:
         op.stop()
     assert op.error is None
+    assert_operator_calls_are_documented(emulator)
