@@ -310,42 +310,52 @@ class Kubelet:
 
 
 class Operator:
-    """The real operator (kvserve's kopf registry) in its own thread and event loop, watching one
-    namespace, as `kvserve-operator run --namespace NS` runs it."""
+    """The real operator: the `kvserve-operator run` console script in its own process, logging in
+    with a KUBECONFIG that points at the emulator, serving one namespace and its liveness
+    endpoint, exactly as in a pod (`--standalone`: one instance, no peering object)."""
 
-    def __init__(self, api_url: str, namespace: str):
-        import kopf
-        from kvserve.operator.handlers import OperatorConfig, build_registry
+    def __init__(self, api_url: str, namespace: str, logs: Path):
+        import socket
 
-        self.kopf = kopf
-        self.config = OperatorConfig(scrape_interval=1.0, scrape_timeout=2.0,
-                                     connection=kopf.ConnectionInfo(server=api_url))
-        self.registry, _ = build_registry(self.config)
-        self.namespace = namespace
-        self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="operator", daemon=True)
-
-    def _run(self) -> None:
-        settings = self.kopf.OperatorSettings()
-        settings.scanning.disabled = True  # the emulator cannot list namespaces
-        settings.watching.reconnect_backoff = 0.2
-        try:
-            asyncio.run(self.kopf.operator(registry=self.registry, settings=settings,
-                                           standalone=True, namespaces=[self.namespace],
-                                           stop_flag=self.stop_flag, ready_flag=self.ready_flag))
-        except BaseException as e:
-            self.error = e
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.liveness = f"http://127.0.0.1:{sock.getsockname()[1]}/healthz"
+        kubeconfig = WORK / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": api_url}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "demo"}}],
+            "users": [{"name": "demo", "user": {"token": "demo"}}]}))
+        self.cmd = [str(BIN / "kvserve-operator"), "run", "--namespace", namespace, "--standalone",
+                    "--scrape-interval", "1", "--liveness", self.liveness]
+        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        self.log = logs / "operator.log"
+        self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Operator":
-        self.thread.start()
-        if not self.ready_flag.wait(30):
-            raise RuntimeError(f"the operator did not start: {self.error!r}")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT)
+
+        def alive():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvserve-operator exited ({self.proc.returncode}); see {self.log}")
+            try:
+                with urllib.request.urlopen(self.liveness, timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait(alive, 60, "the operator's liveness endpoint")
         return self
 
     def stop(self) -> None:
-        self.stop_flag.set()
-        self.thread.join(30)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # kopf stops its handlers and exits
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 # --- the load --------------------------------------------------------------------------------
@@ -521,6 +531,9 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
             f"queue {sig.get('queueDepth')}]")
     if not watcher.decisions:
         say("      (none)")
+    say("    Events (kubectl get events):")
+    for e in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")[-10:]:
+        say(f"      {e.get('type', ''):<8} {e.get('reason', ''):<16} {(e.get('message') or '')[:100]}")
 
 
 def rbac_report(emulator) -> set:
@@ -548,11 +561,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-down-timeout", type=float, default=120)
     args = parser.parse_args(argv)
 
-    # kopf's own chatter (e.g. "OS signals are ignored" in a thread) is not the demo's story;
-    # the operator's errors still show.
-    import logging
-
-    logging.basicConfig(level=logging.ERROR, format="    %(name)s: %(message)s")
     WORK.mkdir(parents=True, exist_ok=True)
     logs = WORK / "logs"
     shutil.rmtree(logs, ignore_errors=True)
@@ -574,12 +582,13 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     duration = 0.0
     try:
-        header("3/6", "Operator: REAL (kvserve's kopf handlers and autoscaler), watching kvserve-demo")
+        header("3/6", "Operator: REAL (kvserve-operator run, KUBECONFIG pointing at the emulator)")
         isvc = yaml.safe_load(EXAMPLE.read_text())
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
-        operator = Operator(emulator.url, ns).start()
+        operator = Operator(emulator.url, ns, logs).start()
         kubelet = Kubelet(api, ns, model, logs).start()
-        say("    operator running; the kubelet emulation is watching Deployments")
+        say(f"    $ {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(operator.cmd))}")
+        say(f"    operator live ({operator.liveness} answers); the kubelet emulation watches Deployments")
 
         header("4/6", f"Apply {EXAMPLE.relative_to(ROOT)} (with demo overrides)")
         isvc["spec"]["model"]["uri"] = str(model)
