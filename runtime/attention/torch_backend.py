@@ -2,7 +2,7 @@
 
 Decode rows (one new token per sequence) are batched: sorted by length into a few groups (so short
 sequences are not padded to the longest), each group's K/V gathered token by token into a reused
-workspace and attended with two batched matmuls per KV head. Prefill and chunked-prefill
+workspace and attended with one scaled_dot_product_attention call. Prefill and chunked-prefill
 sequences go one by one through scaled_dot_product_attention with a causal mask offset by the
 tokens already cached. The gather plan is built once per step (per AttentionMetadata) and reused by
 every layer.
@@ -26,7 +26,7 @@ _MAX_GROUPS = 4
 class _DecodeGroup:
     rows: torch.Tensor  # int64 [S]: the group's query rows in the packed batch
     slots: torch.Tensor  # int64 [S * T]: cache slot of each (sequence, position); past the end, the last one
-    bias: torch.Tensor  # float32 [1, S, 1, T]: 0 where position < seq_len, else -inf
+    visible: torch.Tensor  # bool [S, 1, 1, T]: position < seq_len
     num_seqs: int
     max_len: int
 
@@ -119,13 +119,12 @@ class TorchAttentionBackend:
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)[:, None]
         pos = torch.arange(max_len, device=device)[None, :]
         # Positions past a sequence's end read its last token again: always written, so finite,
-        # and masked out by the bias (0 * NaN from an unwritten slot would poison the output).
+        # and masked out (0 * NaN from an unwritten slot would poison the output).
         clamped = torch.minimum(pos, lens_t - 1)
         blocks = meta.block_tables.index_select(0, idx).long().gather(1, clamped // block_size)
         slots = (blocks * block_size + clamped % block_size).flatten()
-        bias = torch.zeros(len(members), max_len, device=device).masked_fill_(pos >= lens_t, float("-inf"))
         return _DecodeGroup(torch.tensor(rows, dtype=torch.long, device=device), slots,
-                            bias[None, :, None, :], len(members), max_len)
+                            (pos < lens_t)[:, None, None, :], len(members), max_len)
 
     def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
         """K and V rows for `slots`, copied into workspaces reused across layers and steps: fresh
@@ -153,16 +152,13 @@ class TorchAttentionBackend:
         qh = q.transpose(0, 1).to(compute)
         kh = k.transpose(0, 1).to(compute)
         vh = v.transpose(0, 1).to(compute)
-        groups = qh.shape[0] // kh.shape[0]
-        if groups > 1:
-            kh = kh.repeat_interleave(groups, dim=0)
-            vh = vh.repeat_interleave(groups, dim=0)
+        gqa = qh.shape[0] != kh.shape[0]
         if context == 0:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + context
             mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return o.transpose(0, 1).to(dtype)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
@@ -176,15 +172,9 @@ class TorchAttentionBackend:
         k, v = self._gather(k_cache, v_cache, group.slots)
         k = k.view(s, t, kv_heads, d).to(compute)
         v = v.view(s, t, kv_heads, d).to(compute)
-        qh = q.to(compute).view(s, kv_heads, groups, d)
-        scores = torch.empty(kv_heads, s, groups, t, dtype=compute, device=q.device)
-        # Per KV head, k[:, :, j] is a strided view that bmm reads in place; a 4-D matmul over
-        # the whole thing would copy K first.
-        for j in range(kv_heads):
-            torch.bmm(qh[:, j], k[:, :, j].transpose(1, 2), out=scores[j])
-        scores = scores.float().mul_(scale).add_(group.bias)
-        probs = torch.softmax(scores, dim=-1).to(compute)
-        out = torch.empty(kv_heads, s, groups, d, dtype=compute, device=q.device)
-        for j in range(kv_heads):
-            torch.bmm(probs[j], v[:, :, j], out=out[j])
-        return out.permute(1, 0, 2, 3).reshape(s, h, d).to(dtype)
+        # The query heads sharing a KV head play the role of SDPA's query rows: [S, Hkv, G, D]
+        # against [S, Hkv, T, D] (strided views of the workspace, read in place) needs neither a
+        # repeat of K/V nor a causal mask, only the per-sequence length mask.
+        out = F.scaled_dot_product_attention(q.to(compute).view(s, kv_heads, groups, d), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=group.visible, scale=scale)
+        return out.reshape(s, h, d).to(dtype)
