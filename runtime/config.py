@@ -19,6 +19,7 @@ class EngineConfig:
     memory x ``gpu_memory_utilization``, else (CPU) ``DEFAULT_CPU_KV_BYTES``.
     ``max_model_len=None`` means the model's ``max_position_embeddings``.
     ``max_num_batched_tokens=None`` means 2048 with chunked prefill, else ``max_model_len``.
+    With ``tensor_parallel_size`` N every rank (GPU) has its own pool: the byte budgets are per rank.
     """
 
     model: str
@@ -92,10 +93,7 @@ class EngineConfig:
             fail("seed", "must be an integer")
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
-        positive_int("tensor_parallel_size")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size: values above 1 are not supported yet, "
-                             f"got {self.tensor_parallel_size}")
+        positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
                 and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
             fail("max_num_batched_tokens",

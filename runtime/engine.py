@@ -93,12 +93,28 @@ class LLMEngine:
 
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
-        self.model = load_model(config.model, dtype=self.dtype, device=self.device,
-                                attention_backend=backend, config=self.model_config)
-        shape = self.model_config.shape
-        self.num_kv_blocks = determine_num_blocks(config, shape, self.dtype, self.device)
-        self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.dtype,
-                                           self.device, config.tensor_parallel_size)
+        tp = config.tensor_parallel_size
+        # Ranks 1..tp-1 run in worker processes (kvserve.runtime.distributed); this process is
+        # rank 0: it holds a shard too, and keeps the one scheduler and the sampler.
+        self.executor = None
+        if tp > 1:
+            from kvserve.runtime.distributed import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config, self.model_config, self.device, self.dtype)
+        try:
+            self.model = load_model(config.model, dtype=self.dtype, device=self.device,
+                                    attention_backend=backend, config=self.model_config,
+                                    tp_rank=0, tp_size=tp)
+            shape = self.model_config.shape
+            self.num_kv_blocks = determine_num_blocks(config, shape, self.dtype, self.device)
+            if self.executor is not None:
+                self.num_kv_blocks = self.executor.agree_num_blocks(self.num_kv_blocks)
+            self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.dtype,
+                                               self.device, tp)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.shutdown()
+            raise
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           enable_caching=config.enable_prefix_caching)
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
@@ -112,6 +128,8 @@ class LLMEngine:
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device,
                                   Sampler(generator))
+        if self.executor is not None:
+            self.executor.attach(self.runner)
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos |= {self.tokenizer.eos_token_id}
@@ -248,6 +266,22 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
+
+    def check_health(self) -> None:
+        """Raises if the engine can no longer step (a tensor-parallel worker died)."""
+        if self.executor is not None:
+            self.executor.check()
+
+    def close(self) -> None:
+        """Stops and reaps the tensor-parallel workers, if any. Idempotent; no step() after it."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,0 +1,461 @@
+"""Tensor parallelism across processes: rank 0 is the engine's own process, ranks 1..N-1 workers.
+
+Design. The engine keeps its one scheduler and its sampler. ``TensorParallelExecutor`` starts the
+workers (fresh interpreters running ``kvserve.runtime.distributed.worker``, so a user script needs
+no ``if __name__ == "__main__"`` guard), joins a ``torch.distributed`` group with them as rank 0
+(NCCL on CUDA, gloo on CPU) and hooks the engine's ``ModelRunner``: whatever ``prepare`` builds for
+a step (packed token ids, positions, attention metadata, logits rows) plus the step's
+copy-on-write block copies is pickled once and written to every worker's control pipe before
+rank 0's own forward pass. Row-parallel layers all-reduce and the vocab-parallel head
+all-gathers, so rank 0 ends with full logits and samples exactly as a single-process engine.
+
+Failures. Each worker's report pipe doubles as its death signal (the worker holds the only write
+end, so EOF means it exited). A monitor thread waits on those pipes: a death while idle is seen at
+once, the other workers are killed, and on NCCL the process group is aborted so no collective
+waits for its timeout. On gloo a collective with a dead peer fails within milliseconds, and every
+collective has a timeout (``KVSERVE_TP_TIMEOUT_S``, default 120 s) for a peer that hangs without
+dying. Then the step raises ``WorkerDiedError`` naming the rank, pid and cause (signal, exit code,
+or the last line of the worker's traceback); the group is torn down and every later step raises
+the same error. ``shutdown()`` (engine/LLM ``close()``, their context managers, atexit) stops and
+reaps every worker; workers also exit on their own when the engine process disappears.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from kvserve.runtime.distributed import protocol
+from kvserve.runtime.distributed.worker import WorkerArgs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+# After a failed step, how long to wait for a dead worker to show itself before blaming rank 0.
+FAILURE_GRACE_S = 3.0
+
+_BOOT = ("import json, os, sys; sys.path[:0] = json.loads(os.environ.pop('KVSERVE_TP_SYS_PATH', '[]')); "
+         "from kvserve.runtime.distributed.worker import main; main()")
+
+_live: "weakref.WeakSet[TensorParallelExecutor]" = weakref.WeakSet()
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group failed; the engine cannot step any more."""
+
+
+class WorkerDiedError(TensorParallelError):
+    """A worker process died or failed. ``rank``, ``pid`` and ``cause`` say which and why."""
+
+    def __init__(self, rank: int, pid: int | None, cause: str):
+        self.rank, self.pid, self.cause = rank, pid, cause
+        super().__init__(f"tensor-parallel worker rank {rank} (pid {pid}) {cause}")
+
+
+def check_tensor_parallel(model_config, tp: int) -> None:
+    """Raises ValueError when the model cannot be split `tp` ways (before any process starts)."""
+    shape = model_config.shape
+    error = shape.tp_error(tp)
+    if error:
+        raise ValueError(f"tensor_parallel_size: {error}")
+    if shape.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size "
+                         f"{shape.intermediate_size}")
+
+
+def rank_devices(device: torch.device, tp: int) -> list[torch.device]:
+    """Rank r's device: the CPU for every rank, or consecutive GPUs from the engine's."""
+    if device.type == "cpu":
+        return [device] * tp
+    first = device.index or 0
+    count = torch.cuda.device_count()
+    if first + tp > count:
+        raise ValueError(f"tensor_parallel_size: {tp} ranks from cuda:{first} need {first + tp} GPUs, "
+                         f"found {count}")
+    return [torch.device("cuda", first + r) for r in range(tp)]
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get("KVSERVE_TP_TIMEOUT_S")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"KVSERVE_TP_TIMEOUT_S: expected seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"KVSERVE_TP_TIMEOUT_S: must be > 0, got {raw!r}")
+    return value
+
+
+class _Worker:
+    """One worker process and its two pipes (control: engine -> worker; report: worker -> engine)."""
+
+    def __init__(self, args: WorkerArgs, config) -> None:
+        self.rank = args.rank
+        ctrl_r, ctrl_w = os.pipe()
+        report_r, report_w = os.pipe()
+        env = dict(os.environ, KVSERVE_TP_SYS_PATH=json.dumps([p for p in sys.path if p]))
+        try:
+            self.popen = subprocess.Popen([sys.executable, "-c", _BOOT, str(ctrl_r), str(report_w)],
+                                          pass_fds=(ctrl_r, report_w), env=env)
+        finally:
+            os.close(ctrl_r)
+            os.close(report_w)
+        self.pid = self.popen.pid
+        self.ctrl = Connection(ctrl_w, readable=False)
+        self.report = Connection(report_r, writable=False)
+        self.eof = False  # the report pipe closed: the process has exited (or is exiting)
+        self.ctrl.send_bytes(pickle.dumps((args, config), protocol=pickle.HIGHEST_PROTOCOL))
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout_s: float) -> None:
+        try:
+            self.popen.wait(max(0.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+    def close(self) -> None:
+        self.ctrl.close()
+        self.report.close()
+
+
+class TensorParallelExecutor:
+    """Owns the worker processes and the process group of one tensor-parallel engine."""
+
+    def __init__(self, config, model_config, device: torch.device, dtype: torch.dtype) -> None:
+        import torch.distributed as dist
+
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(model_config, tp)
+        devices = rank_devices(device, tp)
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: this process already has a torch.distributed "
+                             "group (another tensor-parallel engine?); close it first")
+        self.world_size = tp
+        self.device = devices[0]
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.timeout_s = _timeout_s()
+        self.failure: TensorParallelError | None = None
+        self.rank_reports: list[dict[str, Any]] = [dict(rank=0, pid=os.getpid())]
+        self._lock = threading.Lock()
+        self._closing = False
+        self._closed = False
+        self._group_up = False
+        self._errors: dict[int, str] = {}
+        self._inbox: dict[int, list[tuple[str, Any]]] = {}
+        self._workers: list[_Worker] = []
+        self._stop_r, self._stop_w = os.pipe()
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank runs on this host
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timeout, wait_for_workers=False)
+        dtype_name = str(dtype).removeprefix("torch.")
+        _live.add(self)
+        try:
+            for rank in range(1, tp):
+                args = WorkerArgs(rank=rank, world_size=tp, store_host="127.0.0.1", store_port=store.port,
+                                  backend=self.backend, device=str(devices[rank]), dtype=dtype_name,
+                                  num_threads=torch.get_num_threads(), timeout_s=self.timeout_s,
+                                  parent_pid=os.getpid())
+                worker = _Worker(args, config)
+                self._workers.append(worker)
+                self.rank_reports.append(dict(rank=rank, pid=worker.pid))
+            # Join the group only once every worker is up: a worker that fails to start is then
+            # reported at once instead of after the rendezvous timeout.
+            self._collect(protocol.HELLO, self.timeout_s)
+            if device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(self.backend, store=store, rank=0, world_size=tp, timeout=timeout)
+            self._group_up = True
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor: threading.Thread | None = None
+        log.info("tensor parallel: %d ranks over %s, worker pids %s", tp, self.backend, self.worker_pids)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self._workers]
+
+    # -- startup handshakes ----------------------------------------------------------------------
+    def _drain_reports(self) -> None:
+        """Reads every report waiting on the workers' pipes (errors into `_errors`)."""
+        with self._lock:
+            for w in self._workers:
+                if w.eof or w.report.closed:
+                    continue
+                try:
+                    while w.report.poll():
+                        kind, payload = protocol.decode(w.report.recv_bytes())
+                        if kind == protocol.ERROR:
+                            self._errors[w.rank] = payload[1]
+                        else:
+                            self._inbox.setdefault(w.rank, []).append((kind, payload))
+                except (EOFError, OSError):
+                    w.eof = True
+
+    def _collect(self, kind: str, timeout_s: float | None) -> dict[int, tuple[Any, ...]]:
+        """Waits for one `kind` report from every worker, failing fast if one dies."""
+        got: dict[int, tuple[Any, ...]] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._drain_reports()
+            for rank, queue in self._inbox.items():
+                while queue and rank not in got:
+                    msg_kind, payload = queue.pop(0)
+                    if msg_kind == kind:
+                        got[rank] = payload
+            if len(got) == len(self._workers):
+                return got
+            for w in self._workers:
+                if w.rank in self._errors or (w.rank not in got and (w.eof or w.exitcode is not None)):
+                    raise self._death(w.rank)
+            pending = [w for w in self._workers if w.rank not in got]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TensorParallelError(f"tensor-parallel workers {[w.rank for w in pending]} did not "
+                                          f"report {kind!r} within {timeout_s:.0f}s")
+            wait([w.report for w in pending], timeout=left)
+
+    def agree_num_blocks(self, rank0_blocks: int) -> int:
+        """Every rank sized its own KV pool; all use the smallest, so block ids mean the same
+        slots everywhere. Returns the agreed count once every worker has allocated it."""
+        try:
+            loaded = self._collect(protocol.LOADED, None)
+            num_blocks = min([rank0_blocks] + [payload[1] for payload in loaded.values()])
+            for rank, payload in loaded.items():
+                self.rank_reports[rank].update(num_kv_blocks_fit=payload[1], weight_bytes=payload[2])
+            self._send_all(protocol.encode(protocol.ALLOCATE, num_blocks))
+            for rank, payload in self._collect(protocol.READY, self.timeout_s).items():
+                self.rank_reports[rank].update(num_kv_blocks=num_blocks, kv_cache_bytes=payload[1])
+        except BaseException:
+            self.shutdown()
+            raise
+        self.rank_reports[0].update(num_kv_blocks_fit=rank0_blocks, num_kv_blocks=num_blocks)
+        return num_blocks
+
+    def attach(self, runner) -> None:
+        """Hooks a ModelRunner: its prepared inputs go to the workers; its failures name the rank."""
+        self.rank_reports[0]["kv_cache_bytes"] = sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
+        self.rank_reports[0]["weight_bytes"] = sum(
+            p.numel() * p.element_size() for p in runner.model.parameters())
+        prepare, execute = runner.prepare, runner.execute
+        state = threading.local()
+
+        def tp_prepare(scheduled, block_tables, *args, **kwargs):
+            prepared = prepare(scheduled, block_tables, *args, **kwargs)
+            copies = [pair for item in scheduled for pair in item.block_copies]
+            state.sent = True
+            self._send_all(protocol.encode(protocol.STEP, copies, prepared))
+            return prepared
+
+        def tp_execute(*args, **kwargs):
+            self.check()
+            state.sent = False
+            try:
+                return execute(*args, **kwargs)
+            except BaseException as exc:
+                if not state.sent and not isinstance(exc, TensorParallelError):
+                    raise  # failed before the workers saw this step: the group is still in step
+                failure = self._step_failed(exc)
+                if isinstance(exc, Exception):
+                    raise failure from exc
+                raise  # KeyboardInterrupt and the like: the group is torn down, the signal goes on
+
+        runner.prepare = tp_prepare
+        runner.execute = tp_execute
+        # Started only now: during startup _collect reads the report pipes itself.
+        self._monitor = threading.Thread(target=self._watch, name="kvserve-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    # -- failure handling ------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raises the group's failure, if any. Cheap: for health checks between steps. Call it
+        from the thread that steps the engine (it may leave the process group)."""
+        if self.failure is not None:
+            self._teardown(graceful=False)
+            raise self.failure
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel engine is closed")
+
+    def _send_all(self, data: bytes) -> None:
+        for w in self._workers:
+            try:
+                w.ctrl.send_bytes(data)
+            except OSError:
+                raise self._death(w.rank, grace_s=FAILURE_GRACE_S) from None
+
+    def _death(self, rank: int, grace_s: float = 1.0) -> WorkerDiedError:
+        w = self._workers[rank - 1]
+        w.join(grace_s)  # a closed pipe may come a moment before the exit status
+        self._drain_reports()
+        if rank in self._errors:
+            cause = f"failed: {protocol.last_line(self._errors[rank])}"
+        elif w.exitcode is None:
+            cause = "closed its pipe but is still running"
+        else:
+            cause = protocol.describe_exit(w.exitcode)
+        return WorkerDiedError(rank, w.pid, cause)
+
+    def _first_dead(self, timeout_s: float) -> int | None:
+        """The rank of a worker that exited or reported an error, waiting up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._drain_reports()
+            for w in self._workers:
+                if w.rank in self._errors or w.eof or w.exitcode is not None:
+                    return w.rank
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            wait([w.report for w in self._workers], timeout=left)
+
+    def _step_failed(self, exc: BaseException) -> TensorParallelError:
+        """Names the failure of a step the workers had joined, and tears the group down."""
+        if self.failure is not None:
+            failure: TensorParallelError = self.failure
+        elif isinstance(exc, WorkerDiedError):
+            failure = exc
+        elif not isinstance(exc, Exception):
+            failure = TensorParallelError(f"a tensor-parallel step was interrupted on rank 0 "
+                                          f"({type(exc).__name__})")
+        else:
+            rank = self._first_dead(FAILURE_GRACE_S)
+            if rank is not None:
+                failure = self._death(rank)
+            else:
+                failure = TensorParallelError(f"tensor-parallel step failed on rank 0: "
+                                              f"{type(exc).__name__}: {exc}")
+        self._fail(failure)
+        self._teardown(graceful=False)
+        return self.failure  # type: ignore[return-value]
+
+    def _fail(self, failure: TensorParallelError) -> None:
+        """Records the first failure and kills every worker. Safe from any thread: leaving the
+        process group is left to the engine's thread (a collective may still be running there)."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = failure
+        log.error("%s; stopping the tensor-parallel group", failure)
+        for w in self._workers:
+            w.kill()
+
+    def _watch(self) -> None:
+        while not self._closing:
+            live = [w for w in self._workers if not w.eof]
+            ready = wait([w.report for w in live] + [self._stop_r])
+            if self._stop_r in ready or self._closing:
+                return
+            self._drain_reports()
+            dead = [w.rank for w in self._workers if w.rank in self._errors or w.eof]
+            if not dead:
+                continue
+            failure = self._death(min(dead), grace_s=1.0)
+            if self._closing:
+                return
+            if self.backend == "nccl":
+                self._abort_group()  # unblocks a rank-0 collective NCCL would hold until timeout
+            self._fail(failure)
+            return
+
+    def _abort_group(self) -> None:
+        try:
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+        except Exception as exc:  # best effort: the collective timeout still bounds the wait
+            log.warning("could not abort the process group: %s", exc)
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stops and reaps every worker and leaves the process group. Idempotent."""
+        self._teardown(graceful=True, timeout_s=timeout_s)
+
+    def _teardown(self, graceful: bool, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._closing = True
+        try:
+            os.write(self._stop_w, b"x")
+        except OSError:
+            pass
+        if graceful and self.failure is None:
+            data = protocol.encode(protocol.SHUTDOWN)
+            for w in self._workers:
+                try:
+                    w.ctrl.send_bytes(data)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + timeout_s
+            for w in self._workers:
+                w.join(deadline - time.monotonic())
+        for w in self._workers:
+            w.kill()
+        for w in self._workers:
+            w.join(timeout_s)
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(1.0)
+        for w in self._workers:
+            w.close()
+        if monitor is None or not monitor.is_alive():
+            for fd in (self._stop_r, self._stop_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        if self._group_up:
+            self._group_up = False
+            self._leave_group()
+        _live.discard(self)
+
+    def _leave_group(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        try:
+            if self.failure is not None and self.backend == "nccl":
+                self._abort_group()
+            else:
+                dist.destroy_process_group()
+        except Exception as exc:
+            log.warning("leaving the process group: %s", exc)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown(timeout_s=1.0)
+        except Exception:
+            pass
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for executor in list(_live):
+        executor.shutdown(timeout_s=2.0)

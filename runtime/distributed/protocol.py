@@ -1,0 +1,101 @@
+"""What travels between the engine (rank 0) and its tensor-parallel workers, as bytes.
+
+Pure and I/O-free. A step message carries whatever ``ModelRunner.prepare`` returned on rank 0
+(tensors, ``AttentionMetadata``, lists, ints), so a field added to the metadata travels without a
+protocol change. Tensors go as numpy arrays (pickled once for all workers) and come back on the
+worker's device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import signal
+from typing import Any
+
+import torch
+
+# Message kinds, engine -> worker.
+STEP = "step"
+ALLOCATE = "allocate"
+SHUTDOWN = "shutdown"
+# Reports, worker -> engine.
+HELLO = "hello"
+LOADED = "loaded"
+READY = "ready"
+ERROR = "error"
+
+
+class _Tensor:
+    __slots__ = ("array", "tensor")
+
+    def __init__(self, t: torch.Tensor):
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        try:
+            self.array, self.tensor = t.numpy(), None
+        except TypeError:  # dtypes numpy lacks (bfloat16): pickle the tensor itself
+            self.array, self.tensor = None, t
+
+
+class _Dataclass:
+    __slots__ = ("cls", "fields")
+
+    def __init__(self, cls: type, fields: dict[str, Any]):
+        self.cls, self.fields = cls, fields
+
+
+def _pack(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _Tensor(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _Dataclass(type(obj), {f.name: _pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                      if f.init})
+    if isinstance(obj, tuple):
+        return tuple(_pack(x) for x in obj)
+    if isinstance(obj, list):
+        return [_pack(x) for x in obj]
+    return obj
+
+
+def _unpack(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, _Tensor):
+        t = torch.from_numpy(obj.array) if obj.tensor is None else obj.tensor
+        return t.to(device, non_blocking=True) if device.type != "cpu" else t
+    if isinstance(obj, _Dataclass):
+        return obj.cls(**{k: _unpack(v, device) for k, v in obj.fields.items()})
+    if isinstance(obj, tuple):
+        return tuple(_unpack(x, device) for x in obj)
+    if isinstance(obj, list):
+        return [_unpack(x, device) for x in obj]
+    return obj
+
+
+def encode(kind: str, *payload: Any) -> bytes:
+    """One message: a kind and a payload of tensors, dataclasses, lists, tuples and scalars."""
+    return pickle.dumps((kind, _pack(payload)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes, device: torch.device | str = "cpu") -> tuple[str, tuple[Any, ...]]:
+    kind, payload = pickle.loads(data)
+    return kind, _unpack(payload, torch.device(device))
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """A process exit code in words: 'killed by signal SIGKILL', 'exited with code 1'."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by signal {name}"
+    return f"exited with code {exitcode}"
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a traceback (the exception and its message)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
