@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from kvserve.runtime.capacity import ModelShape, dtype_bytes, plan_capacity
 
@@ -166,6 +166,11 @@ def _capacity(spec: ServiceSpec, shape: ModelShape, tp: int, observed: list[int]
     anchor = sorted(observed)[len(observed) // 2] if observed else 0
     scale = anchor / model[tp] if anchor and model.get(tp) else 1.0
     return _Capacity(tuple(degrees), {d: model[d] * scale for d in model})
+
+
+def aggregate(pods: Iterable[PodSignals], max_sample_age: float = DEFAULT_MAX_SAMPLE_AGE) -> Signals:
+    """Mean KV utilization and totals over the pods with fresh signals."""
+    return _aggregate([p for p in pods if p.fresh(max_sample_age)])
 
 
 def _aggregate(fresh: list[PodSignals]) -> Signals:

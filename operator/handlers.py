@@ -23,7 +23,7 @@ import kopf
 from kvserve.runtime.capacity import ModelShape
 
 from . import manifests as M
-from .autoscaler import AutoscalerState, Decision, Observation, decide, hold
+from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide, hold
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .sources import AgentSource, PrometheusSource, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
@@ -133,8 +133,6 @@ class Reconciler:
             if shape is not None and shape.tp_error(tp):
                 tp = spec.tensor.initial
             results = await self._apply_all(body, spec, replicas, tp, status, patch, generation, now)
-            if results is None:
-                return
             changed = {k: v for k, v in results.items() if v != "unchanged"}
             if changed:
                 kopf.info(body, reason="Applied",
@@ -222,8 +220,9 @@ class Reconciler:
             pods = await self._pods(namespace, name)
             current_hash = M.template_hash(live)
             rollout = any(self._pod_hash(p) != current_hash for p in pods)
-            signals = await self.source.scrape(namespace, name, pods)
-            self._report_scrape_errors(body, memo)
+            errors: dict[str, str] = {}
+            signals = await self.source.scrape(namespace, name, pods, errors)
+            self._report_scrape_errors(body, memo, errors)
 
             decision: Decision | None = None
             if spec.autoscaling.enabled:
@@ -251,15 +250,15 @@ class Reconciler:
                 self._report_limits(body, status, decision)
             ready = sum(1 for p in pods if pod_ready(p))
             patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
-            patch.status.update(signal_fields(decision))
+            patch.status.update(signal_fields(aggregate(signals, self.config.max_sample_age)))
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
                 + scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation),
                 now)
 
-    def _report_scrape_errors(self, body, memo) -> None:
-        errors = dict(self.source.errors)
+    @staticmethod
+    def _report_scrape_errors(body, memo, errors: dict[str, str]) -> None:
         previous = memo.get("kvserve_scrape_errors") or {}
         for pod, error in errors.items():
             if pod not in previous:

@@ -57,7 +57,6 @@ class AgentSource:
         self.port, self.timeout, self.concurrency = port, timeout, concurrency
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.errors: dict[str, str] = {}  # pod -> last error, for the caller's Events
 
     def _get_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -71,9 +70,11 @@ class AgentSource:
             await self._session.close()
         self._session = None
 
-    async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]]) -> list[PodSignals]:
+    async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]],
+                     errors: dict[str, str] | None = None) -> list[PodSignals]:
+        """Signals for every pod, in order; failures are also put in `errors` (pod -> message)."""
         semaphore = asyncio.Semaphore(self.concurrency)
-        self.errors = {}
+        errors = {} if errors is None else errors
 
         async def one(pod: Mapping[str, Any]) -> PodSignals:
             if not pod_ready(pod) or not pod_ip(pod):
@@ -89,7 +90,7 @@ class AgentSource:
                         raise ValueError("answer is not a JSON object")
                     return PodSignals.from_json(pod_name(pod), data, pod_ready=True)
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
-                    self.errors[pod_name(pod)] = f"{url}: {type(error).__name__}: {error}"
+                    errors[pod_name(pod)] = f"{url}: {type(error).__name__}: {error}"
                     return PodSignals(pod_name(pod), ready=True, stale=True)
 
         return list(await asyncio.gather(*(one(p) for p in pods)))
@@ -131,7 +132,6 @@ class PrometheusSource:
     def __init__(self, url: str, *, timeout: float = 5.0):
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self.errors: dict[str, str] = {}
 
     async def close(self) -> None:
         pass
@@ -144,9 +144,10 @@ class PrometheusSource:
         metrics = "|".join(SIGNAL_METRICS)
         return f'{{__name__=~"{metrics}",namespace="{namespace}",pod=~"{names}"}}'
 
-    async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]]) -> list[PodSignals]:
+    async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]],
+                     errors: dict[str, str] | None = None) -> list[PodSignals]:
         pods = list(pods)
-        self.errors = {}
+        errors = {} if errors is None else errors
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
                 async with session.get(f"{self.url}/api/v1/query",
@@ -156,7 +157,7 @@ class PrometheusSource:
                 raise ValueError(body.get("error") or "query failed")
             return signals_from_prometheus(body["data"]["result"], pods)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as error:
-            self.errors["prometheus"] = f"{self.url}: {type(error).__name__}: {error}"
+            errors["prometheus"] = f"{self.url}: {type(error).__name__}: {error}"
             return [PodSignals(pod_name(p), ready=pod_ready(p), stale=True) for p in pods]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Iterable, Mapping
 
-from .autoscaler import Decision
+from .autoscaler import Decision, Signals
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingActive", "ScalingLimited")
 MAX_DECISIONS = 5
@@ -108,9 +108,9 @@ def append_decision(previous: Iterable[Mapping[str, Any]] | None, record: Mappin
     return [dict(r) for r in (previous or ())][-(MAX_DECISIONS - 1):] + [dict(record)]
 
 
-def signal_fields(decision: Decision | None) -> dict[str, Any]:
-    if decision is None or not decision.metrics_available:
+def signal_fields(s: Signals) -> dict[str, Any]:
+    """The printer-column fields; nothing when no pod had fresh signals (the last values stay)."""
+    if not s.pods:
         return {}
-    s = decision.signals
     return {"kvCacheUtilizationPercent": int(round(100 * s.kv_cache_utilization)),
             "queueDepth": int(round(s.queue_depth)), "requestsRunning": int(round(s.requests_running))}

@@ -53,12 +53,13 @@ async def test_prometheus_source_reads_the_agents_gauges(tmp_path):
         pods = [_pod("tiny-1", ip), _pod("tiny-2", "127.0.0.98")]
         deadline = time.monotonic() + 60
         while True:
-            signals = await source.scrape("default", "tiny", pods)
+            errors: dict[str, str] = {}
+            signals = await source.scrape("default", "tiny", pods, errors)
             if not signals[0].stale or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
         first, missing = signals
-        assert not first.stale, source.errors
+        assert not first.stale, errors
         assert first.kv_cache_utilization == pytest.approx(0.4)  # 0.8 of TP 1's pool at TP 2
         assert (first.queue_depth, first.requests_running, first.tensor_parallel_size) == (3, 5, 2)
         assert first.kv_cache_capacity_tokens == 8192
@@ -71,5 +72,6 @@ async def test_prometheus_source_reads_the_agents_gauges(tmp_path):
 
 async def test_prometheus_unreachable_gives_stale_signals():
     source = PrometheusSource("http://127.0.0.1:9", timeout=1)
-    (signal,) = await source.scrape("default", "tiny", [_pod("tiny-1", "127.0.0.2")])
-    assert signal.stale and "prometheus" in source.errors
+    errors: dict[str, str] = {}
+    (signal,) = await source.scrape("default", "tiny", [_pod("tiny-1", "127.0.0.2")], errors)
+    assert signal.stale and "prometheus" in errors

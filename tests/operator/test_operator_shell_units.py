@@ -99,3 +99,57 @@ def test_prometheus_vector_to_pod_signals():
     assert not d.ready
     query = PrometheusSource.query("ns", [_pod("a.b")])
     assert 'namespace="ns"' in query and 'pod=~"a\\\\.b"' in query and "kvserve_queue_depth" in query
+
+
+async def test_agent_source_timeouts_errors_and_bounded_concurrency():
+    """Ready pods are scraped at most `concurrency` at a time; failures are stale, never zeros."""
+    import asyncio
+
+    from aiohttp import web
+
+    from e2e_harness import free_port_on_all
+    from kvserve.operator.sources import AgentSource
+
+    in_flight, peak = 0, 0
+
+    async def signals(request):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            host = request.host.split(":")[0]
+            if host == "127.0.0.61":
+                return web.Response(status=500)
+            if host == "127.0.0.62":
+                await asyncio.sleep(5)  # past the timeout
+            await asyncio.sleep(0.2)
+            return web.json_response({"ready": True, "stale": False, "kv_cache_utilization": 0.5,
+                                      "queue_depth": 1, "tensor_parallel_size": 1})
+        finally:
+            in_flight -= 1
+
+    hosts = [f"127.0.0.{i}" for i in range(60, 68)]
+    port = free_port_on_all(hosts)
+    app = web.Application()
+    app.router.add_get("/v1/signals", signals)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    for host in hosts:
+        await web.TCPSite(runner, host, port).start()
+    try:
+        pods = [{"metadata": {"name": f"p{i}"},
+                 "status": {"phase": "Running", "podIP": host,
+                            "conditions": [{"type": "Ready", "status": "True"}]}} for i, host in enumerate(hosts)]
+        pods.append({"metadata": {"name": "pending"}, "status": {"phase": "Pending"}})
+        source = AgentSource(port=port, timeout=1.0, concurrency=3)
+        errors: dict[str, str] = {}
+        out = await source.scrape("default", "x", pods, errors)
+        await source.close()
+    finally:
+        await runner.cleanup()
+    by = {p.name: p for p in out}
+    assert by["p0"].kv_cache_utilization == 0.5 and not by["p0"].stale
+    assert by["p1"].stale and "HTTP 500" in errors["p1"]
+    assert by["p2"].stale and "Timeout" in errors["p2"]
+    assert not by["pending"].ready and "pending" not in errors  # never scraped
+    assert peak <= 3
