@@ -34,6 +34,12 @@ CASES = {
                           "monitoring": {"enabled": True, "labels": {"release": "prom"}},
                           "image": {"repository": "registry.local/kvserve", "tag": "dev",
                                     "pullPolicy": "Always"}}},
+    "bring-your-own": {"values": {"rbac": {"create": False},
+                                  "serviceAccount": {"create": False, "name": "platform-sa"},
+                                  "crds": {"install": True, "keep": False},
+                                  "operator": {"verbose": True,
+                                               "extraArgs": ["--scrape-interval", "10"],
+                                               "nodeSelector": {"pool": "system"}}}},
     "bad-scope": {"values": {"rbac": {"scope": "galaxy"}}},
     "bad-key": {"values": {"monitoring": {"enabeld": True}}},
     "bad-interval": {"values": {"monitoring": {"enabled": True, "interval": "soon"}}},
@@ -77,7 +83,7 @@ def by_key(docs) -> dict:
             for d in docs}
 
 
-@pytest.mark.parametrize("case", ["defaults", "cluster", "namespace", "team-a"])
+@pytest.mark.parametrize("case", ["defaults", "cluster", "namespace", "team-a", "bring-your-own"])
 def test_every_rendered_object_validates(rendered, case):
     docs = objects(rendered, case)
     assert docs
@@ -136,3 +142,21 @@ def test_namespace_scope_with_an_explicit_namespace_and_options(rendered):
 def test_values_schema_rejects_bad_values(rendered, case, message):
     assert "values don't meet the specifications" in rendered[case]["error"]
     assert message in rendered[case]["error"]
+
+
+def test_bring_your_own_service_account_and_rbac(rendered):
+    docs = objects(rendered, "bring-your-own")
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "platform-sa"
+    assert pod["nodeSelector"] == {"pool": "system"}
+    args = pod["containers"][0]["args"]
+    assert args[-3:] == ["--verbose", "--scrape-interval", "10"]
+    # Every flag the chart can emit is one `kvserve-operator run` accepts.
+    cli = pytest.importorskip("kvserve.operator.cli")
+    cli.build_parser().parse_args(args)
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    assert crds and not any("annotations" in c["metadata"] and
+                            "helm.sh/resource-policy" in c["metadata"]["annotations"] for c in crds)

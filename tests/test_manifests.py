@@ -152,6 +152,10 @@ def test_operator_deployment_is_hardened(overlay):
     assert c["command"] == ["kvserve-operator"] and c["args"][0] == "run"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert c["livenessProbe"]["httpGet"]["port"] in ports
+    # The flags are the real CLI's, and the liveness endpoint is where the probe looks.
+    cli = pytest.importorskip("kvserve.operator.cli")
+    args = cli.build_parser().parse_args(c["args"])
+    assert args.liveness == f"http://0.0.0.0:{ports[c['livenessProbe']['httpGet']['port']]}/healthz"
 
 
 def test_namespaced_overlay_watches_its_namespace_only():
