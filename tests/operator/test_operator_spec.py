@@ -142,3 +142,16 @@ def test_served_name_defaults():
     assert parse_spec({"model": {"uri": "hf://org/name@v1"}}).model.source.revision == "v1"
     assert parse_spec({"model": {"uri": "pvc://models/a/b"}}).model.served_name == "b"
     assert parse_spec({"model": {"uri": "/opt/models/tiny"}}).model.served_name == "tiny"
+
+
+def test_the_documented_example_is_valid():
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operator.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "kind: InferenceService" in b)
+    obj = yaml.safe_load(block)
+    obj["spec"]["autoscaling"].pop("enabled")  # the reference lists replicas and autoscaling together
+    obj["spec"].pop("replicas")
+    assert crd.validate(obj) == []
+    spec = parse_spec(obj["spec"])
+    check_servable(spec, model_shape(spec))
