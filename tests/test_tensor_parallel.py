@@ -221,3 +221,32 @@ def test_capacity_shape_helpers_agree_with_tp_layout():
                        intermediate_size=128, vocab_size=512)
     assert [shape.kv_heads_per_rank(tp) for tp in (1, 2, 4)] == [2, 1, 1]
     assert shape.valid_tp_degrees(8) == [1, 2, 4]
+
+
+def test_server_exports_tp_capacity_and_fails_health_when_a_worker_dies(tiny_model_factory):
+    from kvserve.runtime.server.main import ServerThread
+    from server_helpers import http, m, metrics, wait_until
+
+    model_dir = tiny_model_factory("llama")
+    srv = ServerThread([str(model_dir), "--served-model-name", "tiny", "--port", "0", "--device", "cpu",
+                        "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(KV_BUDGET),
+                        "--block-size", str(BLOCK_SIZE), "--drain-timeout", "5"]).start()
+    try:
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+        status, _, body = http(srv.url, "POST", "/v1/completions",
+                               {"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0})
+        assert status == 200, body
+        snap = metrics(srv.url)
+        shape = ModelShape.from_hf_config(__import__("json").loads((model_dir / "config.json").read_text()))
+        assert m(snap, "kvserve:tensor_parallel_size") == 2
+        assert m(snap, "kvserve:kv_cache_capacity_tokens") == BLOCK_SIZE * blocks_for_budget(
+            KV_BUDGET, shape, 4, BLOCK_SIZE, 2)
+        (pid,) = tp_worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        # Idle engine: the health check between steps notices, and /health turns 500 for the kubelet.
+        wait_until(lambda: http(srv.url, "GET", "/health")[0] == 500, timeout=5)
+        status, _, body = http(srv.url, "POST", "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+        assert status == 503 and b"rank 1" in body, body
+    finally:
+        srv.stop()
+    assert not tp_worker_pids()

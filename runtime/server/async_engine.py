@@ -201,6 +201,9 @@ class AsyncEngine:
                 if self._dirty:
                     self._refresh_stats()
                     self._dirty = False
+                check_health = getattr(self.engine, "check_health", None)
+                if check_health is not None:
+                    check_health()  # e.g. a dead tensor-parallel worker: end the loop, /health says why
                 self._wake.wait(timeout=1.0)
         except BaseException as exc:  # a step crashed: fail every request rather than hang them
             log.exception("engine loop died")

@@ -122,6 +122,9 @@ class Server:
         await runner.cleanup()
         if state.engine is not None:
             await state.engine.stop()
+            close = getattr(state.engine.engine, "close", None)
+            if close is not None:  # tensor-parallel workers are processes: reap them before exiting
+                await asyncio.to_thread(close)
         log.info("stopped")
         return exit_code
 
