@@ -374,17 +374,19 @@ PROMPTS = ["The cat sat on the mat and watched the dog", "Tokens are merged into
            "Stories about cats and dogs, told one token at a time"]
 
 
-async def one_request(session, ips: list[str], model_name: str, i: int, max_tokens: int) -> Result:
+async def one_request(session, ready_ips, model_name: str, i: int, max_tokens: int) -> Result:
     import aiohttp
 
     body = {"model": model_name, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (request {i})",
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "seed": i,
             "stream": True, "stream_options": {"include_usage": True}}
-    for attempt in range(3):
+    err = "no ready pod"
+    for attempt in range(5):
+        ips = ready_ips()  # the Service's endpoints now
         if not ips:
             await asyncio.sleep(0.5)
             continue
-        ip = random.choice(ips)  # the Service: any ready pod
+        ip = random.choice(ips)  # kube-proxy: any ready pod
         start = time.perf_counter()
         first = last = None
         tokens = 0
@@ -408,8 +410,8 @@ async def one_request(session, ips: list[str], model_name: str, i: int, max_toke
             return Result(True, ttft, tpot, tokens)
         except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as e:
             err = f"{type(e).__name__}: {e}"
-            await asyncio.sleep(0.2)  # a pod going away: retry on another, as a client would
-    return Result(False, error=err if ips else "no ready pod")
+            await asyncio.sleep(0.2 * (attempt + 1))  # a pod going away: retry, as a client would
+    return Result(False, error=err)
 
 
 async def burst(kubelet: Kubelet, model_name: str, n: int, concurrency: int, max_tokens: int,
@@ -424,7 +426,7 @@ async def burst(kubelet: Kubelet, model_name: str, n: int, concurrency: int, max
 
     async def run(i: int):
         async with sem:
-            res = await one_request(session, kubelet.ready_ips(), model_name, i, max_tokens)
+            res = await one_request(session, kubelet.ready_ips, model_name, i, max_tokens)
             results.append(res)
             bar.update(1)
 
