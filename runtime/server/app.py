@@ -201,8 +201,10 @@ async def _prepare(request: web.Request, kind: str):
         prompts = [(text, _tokenize(tok, text, req.add_special_tokens))]
     plan = serving.make_plan(kind, req, state.model_name, prompts)
     limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
-    if engine.num_in_flight + len(plan.engine_requests) > limit:
-        raise APIError(429, f"The server is at capacity ({engine.num_in_flight} requests in flight); retry later.",
+    wanted = sum(getattr(params, "n", 1) for _, _, params in plan.engine_requests)
+    if engine.num_seqs_in_flight + wanted > limit:
+        raise APIError(429, f"The server is at capacity ({engine.num_seqs_in_flight} sequences in flight); "
+                       "retry later.",
                        headers={"Retry-After": str(state.config.retry_after_s)})
     return state, engine, plan
 

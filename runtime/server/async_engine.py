@@ -59,6 +59,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._streams: dict[str, RequestStream] = {}
+        self._seqs: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
         self.last_stats: Any = None
@@ -76,6 +77,11 @@ class AsyncEngine:
         """Engine requests added (or being added) and not yet finished or aborted."""
         return len(self._streams)
 
+    @property
+    def num_seqs_in_flight(self) -> int:
+        """Sequences of those requests (a request with n samples runs n sequences)."""
+        return sum(self._seqs.get(rid, 1) for rid in self._streams)
+
     def _submit(self, kind: str, payload: Any, want_result: bool) -> asyncio.Future | None:
         if self.dead is not None:
             raise EngineDeadError(f"engine stopped: {self.dead!r}")
@@ -91,14 +97,16 @@ class AsyncEngine:
         Raises the engine's ValueError (nothing stays added) or EngineDeadError.
         """
         stream = RequestStream([rid for rid, _, _ in requests])
-        for rid in stream.request_ids:
+        for rid, _, params in requests:
             self._streams[rid] = stream
+            self._seqs[rid] = getattr(params, "n", 1) or 1
         try:
             await self._submit("add", requests, True)
         except BaseException:
             # Also on cancellation: the add may still be applied, so an abort must follow it.
             for rid in stream.request_ids:
                 self._streams.pop(rid, None)
+                self._seqs.pop(rid, None)
             if self.dead is None:
                 self._submit("abort", list(stream.request_ids), False)
             raise
@@ -107,6 +115,8 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Aborts unfinished requests; their blocks are freed before the next step."""
         live = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        for rid in request_ids:
+            self._seqs.pop(rid, None)
         if live and self.dead is None:
             self._submit("abort", live, False)
 
@@ -130,11 +140,13 @@ class AsyncEngine:
                 continue  # aborted meanwhile
             if out.finished:
                 del self._streams[out.request_id]
+                self._seqs.pop(out.request_id, None)
             stream.put(out)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams = set(self._streams.values())
         self._streams.clear()
+        self._seqs.clear()
         for stream in streams:
             stream.put(exc)
 
