@@ -38,6 +38,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": DIR,
+    #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
+    speculative_config: Any = None
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -89,6 +92,10 @@ class EngineConfig:
             fail("enable_chunked_prefill", "must be a boolean")
         if not isinstance(self.enable_prefix_caching, bool):
             fail("enable_prefix_caching", "must be a boolean")
+        if self.speculative_config is not None:
+            from kvserve.runtime.spec_decode.config import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", "must be an integer")
         if self.attention_backend not in _BACKENDS:

@@ -130,6 +130,16 @@ class LLMEngine:
                                   Sampler(generator))
         if self.executor is not None:
             self.executor.attach(self.runner)
+        self.spec_decoder = None
+        if config.speculative_config is not None:
+            if config.tensor_parallel_size > 1:
+                raise ValueError("speculative_config: not supported with tensor_parallel_size > 1 yet")
+            from kvserve.runtime.spec_decode.worker import SpecDecoder
+
+            self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=self.num_kv_blocks,
+                                            block_size=config.block_size, device=self.device, dtype=self.dtype,
+                                            attention_backend=backend, vocab_size=self.vocab_size,
+                                            max_model_len=self.max_model_len)
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos |= {self.tokenizer.eos_token_id}
@@ -286,6 +296,8 @@ class LLMEngine:
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.spec_decoder is not None:
+            self.spec_decoder.plan(self.scheduler.running, self._params_of)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -304,7 +316,9 @@ class LLMEngine:
                 repeats.append(1 + len(req.unforked))
         tables = [self.block_manager.block_tables[item.seq.seq_id] for item in sched.scheduled]
         try:
-            if len(rows) == len(repeats):
+            if self.spec_decoder is not None:
+                result = self.spec_decoder.execute(sched.scheduled, tables, rows, repeats)
+            elif len(rows) == len(repeats):
                 result = self.runner.execute(sched.scheduled, tables, rows)
             else:
                 result = self.runner.execute(sched.scheduled, tables, rows, repeats=repeats)
@@ -329,6 +343,10 @@ class LLMEngine:
                 k += 1
                 if s.index == 0 and s.seq.num_output_tokens == 0:
                     num_prompt += s.seq.num_prompt_tokens
+                if isinstance(token, list):  # verified drafts, then the target's own token
+                    self._on_spec_tokens(s, item, token, now)
+                    num_generated += len(token)
+                    continue
                 num_generated += 1
                 self._on_token(s, token, lp, now)
             head = req.group[0] if req.group else req
@@ -338,6 +356,25 @@ class LLMEngine:
                                                                   for s in head.samples)))
         self._stats.on_tokens(now, num_prompt, num_generated)
         return outputs
+
+    def _params_of(self, seq: Sequence) -> SamplingParams | None:
+        req = self._by_seq.get(seq.seq_id)
+        return None if req is None else req.params
+
+    def _on_spec_tokens(self, req: _Request, item, tokens: list[int], now: float) -> None:
+        """Appends a verified run (stopping early if the request finishes on the way) and rolls the
+        sequence back to its verified length: drafts past the first rejection had K/V written."""
+        s = self._stats
+        s.spec_num_drafts += 1
+        s.spec_num_draft_tokens += item.num_spec
+        s.spec_num_accepted_tokens += len(tokens) - 1
+        for t in tokens:
+            self._on_token(req, t, None, now)
+            if req.finish_reason is not None:
+                return  # finished: its blocks are already freed
+        seq = req.seq
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.truncate(seq.seq_id, seq.num_tokens)
 
     def _fork(self, req: _Request, now: float) -> list[_Request]:
         """Samples 1..n-1 take sample 0's blocks (its prompt is computed) and start running."""

@@ -24,7 +24,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of cached prompt prefixes (on by default)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'')
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on /v1/* (or set KVSERVE_API_KEY)")
     p.add_argument("--max-queue-len", type=int, default=1024,

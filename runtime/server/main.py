@@ -34,6 +34,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = value
     if getattr(args, "enable_prefix_caching", None) is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
+    if getattr(args, "speculative_config", None):
+        kw["speculative_config"] = args.speculative_config  # JSON; the engine validates it
     return kw
 
 

@@ -29,6 +29,8 @@ EXPORTED_NAMES = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
     "vllm:request_success_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info",
     "kvserve:kv_cache_capacity_tokens", "kvserve:max_num_seqs", "kvserve:tensor_parallel_size",
@@ -75,6 +77,12 @@ class _StatsCollector:
                       s.prefix_cache_queries_total)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       s.prefix_cache_hits_total)
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                      getattr(s, "spec_decode_num_drafts_total", 0))
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                      getattr(s, "spec_decode_num_draft_tokens_total", 0))
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      getattr(s, "spec_decode_num_accepted_tokens_total", 0))
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=["model_name", "block_size", "num_gpu_blocks"])
         info.add_metric([name, str(s.block_size), str(s.kv_blocks_total)], 1)

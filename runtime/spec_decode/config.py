@@ -1,0 +1,62 @@
+"""``speculative_config`` (vLLM's keys): method, model, num_speculative_tokens, prompt_lookup_*."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str") -> "SpeculativeConfig":
+        """From a dict or a JSON object string; bad values raise ValueError naming the key."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not valid JSON ({exc.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: expected an object, got {type(value).__name__}")
+        unknown = sorted(set(value) - _KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key; known: {sorted(_KEYS)}")
+        method = value.get("method")
+        if method is None:
+            method = "draft_model" if value.get("model") else None
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method: must be one of {list(METHODS)}, got {method!r}")
+
+        def integer(key: str, default: int | None, low: int = 1) -> int:
+            v = value.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"speculative_config.{key}: must be an integer >= {low}, got {v!r}")
+            return v
+
+        k = integer("num_speculative_tokens", None)
+        lo = integer("prompt_lookup_min", 1)
+        hi = integer("prompt_lookup_max", max(lo, 4))
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max ({hi}), got {lo}")
+        model = value.get("model")
+        if method == "draft_model":
+            if not isinstance(model, (str, os.PathLike)) or not str(model):
+                raise ValueError("speculative_config.model: a draft model directory is required for draft_model")
+            model = str(model)
+        elif model is not None:
+            raise ValueError("speculative_config.model: only used with method 'draft_model'")
+        return cls(method=method, num_speculative_tokens=k, model=model, prompt_lookup_max=hi,
+                   prompt_lookup_min=lo)

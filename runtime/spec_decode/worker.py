@@ -1,0 +1,223 @@
+"""Speculative decoding inside a continuously batched step.
+
+Before scheduling, ``plan`` gives every eligible decoding sequence its drafts (n-gram lookup) or
+k placeholder slots (draft model); the scheduler then runs 1 + k positions for it, next to other
+sequences' prefill chunks and plain decodes. ``execute`` fills draft-model proposals (k batched
+draft decodes), runs the target once over the packed batch and verifies each sequence's drafts
+with the rejection sampler. The engine appends the accepted tokens and rolls the sequence's
+computed length (and any block past it) back to what was verified.
+
+The draft model keeps its own KV pools with the target's block ids and block tables: it mirrors
+every target forward pass (same tokens, same slots), so its cache is complete wherever the
+target's is, prefix-cache hits and copy-on-write copies included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.runtime.attention.backend import AttentionMetadata
+from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks
+from kvserve.runtime.model_runner import ModelRunner
+from kvserve.runtime.sampler import SamplerOutput, SamplingRow
+from kvserve.runtime.sampling_params import SamplingParams
+from kvserve.runtime.scheduler import ScheduledSequence
+from kvserve.runtime.sequence import Sequence
+from kvserve.runtime.spec_decode.config import SpeculativeConfig
+from kvserve.runtime.spec_decode.ngram import ngram_propose
+from kvserve.runtime.spec_decode.probs import sampling_probs
+from kvserve.runtime.spec_decode.rejection import greedy_verify, rejection_sample
+
+
+def eligible(params: SamplingParams, seq: Sequence) -> bool:
+    """Requests whose next-token distribution the rejection sampler reproduces exactly."""
+    return (not params.needs_penalties and params.logprobs is None
+            and seq.num_output_tokens >= params.min_tokens)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, *, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, attention_backend, vocab_size: int,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.runner = runner
+        self.block_size = block_size
+        self.device = device
+        self.max_model_len = max_model_len
+        self.draft_model = None
+        self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if config.method == "draft_model":
+            from kvserve.runtime.model_config import ModelConfig
+            from kvserve.runtime.models import load_model
+
+            cfg = ModelConfig.from_pretrained(config.model)
+            if cfg.vocab_size != vocab_size:
+                raise ValueError(f"speculative_config.model: vocabulary of {cfg.vocab_size} tokens differs from "
+                                 f"the target's {vocab_size}; the draft must share the target's tokenizer")
+            if cfg.default_max_model_len() < max_model_len:
+                raise ValueError(f"speculative_config.model: the draft supports {cfg.default_max_model_len()} "
+                                 f"positions, fewer than max_model_len {max_model_len}")
+            self.draft_model = load_model(config.model, dtype=dtype, device=device,
+                                          attention_backend=attention_backend, config=cfg)
+            self.draft_kv = allocate_kv_cache(cfg.shape, num_blocks, block_size, dtype, device)
+
+    # -- before scheduling -------------------------------------------------------------------------
+    def plan(self, running: list[Sequence], params_of) -> None:
+        """Sets `spec_token_ids` of the running sequences (params_of(seq) -> SamplingParams | None)."""
+        cfg = self.config
+        for seq in running:
+            seq.spec_token_ids = []
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            params = params_of(seq)
+            if params is None or not eligible(params, seq):
+                continue
+            # Never past max_tokens (1 + k tokens may come out) nor past max_model_len (k slots).
+            k = min(cfg.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens)
+            if k < 1:
+                continue
+            if cfg.method == "ngram":
+                seq.spec_token_ids = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            else:
+                seq.spec_token_ids = [0] * k  # slots; the draft model fills them after scheduling
+
+    # -- the step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence], block_tables: list[list[int]],
+                rows: list[SamplingRow], repeats: list[int] | None = None) -> SamplerOutput:
+        runner = self.runner
+        spec = [i for i, item in enumerate(scheduled) if item.num_spec]
+        if not spec and self.draft_model is None:
+            return runner.execute(scheduled, block_tables, rows, repeats)
+        if repeats is None:
+            repeats = [1] * sum(1 for item in scheduled if item.samples)
+        for item in scheduled:
+            copy_blocks(runner.kv_caches, item.block_copies)
+            if self.draft_kv is not None:
+                copy_blocks(self.draft_kv, item.block_copies)
+
+        # Which SamplingRow(s) belong to each scheduled sequence.
+        item_rows: list[list[SamplingRow]] = []
+        r = s = 0
+        for item in scheduled:
+            if item.samples:
+                item_rows.append(rows[r:r + repeats[s]])
+                r += repeats[s]
+                s += 1
+            else:
+                item_rows.append([])
+
+        draft_probs: dict[int, list[torch.Tensor | None]] = {}
+        if self.draft_model is not None and spec:
+            draft_probs = self._propose(scheduled, block_tables, item_rows, spec)
+
+        # Pack with the drafts in place (prepare reads token_ids), then put token_ids back.
+        for i in spec:
+            scheduled[i].seq.token_ids.extend(scheduled[i].seq.spec_token_ids)
+        try:
+            input_ids, positions, meta, _ = runner.prepare(scheduled, block_tables)
+        finally:
+            for i in spec:
+                del scheduled[i].seq.token_ids[-scheduled[i].num_spec:]
+        hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+        if self.draft_model is not None:
+            self.draft_model(input_ids, positions, self.draft_kv, meta)
+
+        # Logits rows: the last one of a plain sampling sequence, the last 1 + k of a verified one.
+        select, spans = [], []
+        end = 0
+        for item in scheduled:
+            end += item.num_new_tokens
+            if item.samples:
+                n = item.num_spec + 1
+                spans.append(len(select))
+                select.extend(range(end - n, end))
+            else:
+                spans.append(-1)
+        if not select:
+            return SamplerOutput([], [])
+        logits = runner.model.compute_logits(hidden[torch.tensor(select, device=hidden.device)])
+
+        plain = [i for i, item in enumerate(scheduled) if item.samples and not item.num_spec]
+        plain_out = None
+        if plain:
+            idx = torch.tensor([spans[i] for i in plain], device=logits.device)
+            reps = torch.tensor([len(item_rows[i]) for i in plain], device=logits.device)
+            plain_logits = logits[idx].repeat_interleave(reps, dim=0)
+            plain_out = runner.sampler(plain_logits, [row for i in plain for row in item_rows[i]])
+
+        token_ids: list = []
+        logprobs: list = []
+        p = 0
+        for i, item in enumerate(scheduled):
+            if not item.samples:
+                continue
+            if not item.num_spec:
+                for _ in item_rows[i]:
+                    token_ids.append(plain_out.token_ids[p])
+                    logprobs.append(plain_out.logprobs[p])
+                    p += 1
+                continue
+            row = item_rows[i][0]
+            drafts = item.seq.spec_token_ids
+            span = logits[spans[i]:spans[i] + item.num_spec + 1]
+            if row.params.greedy:
+                tokens = greedy_verify(span.argmax(dim=-1).tolist(), drafts)
+            else:
+                q = draft_probs.get(i)
+                generator = row.generator if row.generator is not None else runner.sampler.generator
+                tokens = rejection_sample(sampling_probs(span, row.params), drafts,
+                                          torch.stack(q) if q else None, generator)
+            token_ids.append(tokens)
+            logprobs.append(None)
+        for i in spec:
+            scheduled[i].seq.spec_token_ids = []
+        return SamplerOutput(token_ids, logprobs)
+
+    def _propose(self, scheduled: list[ScheduledSequence], block_tables: list[list[int]],
+                 item_rows: list[list[SamplingRow]], spec: list[int]) -> dict[int, list[torch.Tensor | None]]:
+        """k batched draft decodes from each sequence's last token; fills spec_token_ids and
+        returns the draft distributions q (None for greedy rows)."""
+        bs, dev = self.block_size, self.device
+        current = {i: scheduled[i].seq.token_ids[scheduled[i].start] for i in spec}
+        probs: dict[int, list[torch.Tensor | None]] = {i: [] for i in spec}
+        drafts: dict[int, list[int]] = {i: [] for i in spec}
+        for j in range(max(scheduled[i].num_spec for i in spec)):
+            active = [i for i in spec if scheduled[i].num_spec > j]
+            positions = [scheduled[i].start + j for i in active]
+            tables = [block_tables[i] for i in active]
+            width = max(len(t) for t in tables)
+            table_np = np.zeros((len(active), width), dtype=np.int32)
+            for a, t in enumerate(tables):
+                table_np[a, :len(t)] = t
+            meta = AttentionMetadata(
+                query_start_loc=torch.arange(len(active) + 1, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([pos + 1 for pos in positions], dtype=torch.int32, device=dev),
+                block_tables=torch.from_numpy(table_np).to(dev),
+                slot_mapping=torch.tensor([t[pos // bs] * bs + pos % bs for t, pos in zip(tables, positions)],
+                                          dtype=torch.long, device=dev),
+                max_query_len=1,
+                max_seq_len=max(positions) + 1,
+                is_decode_only=True,
+            )
+            ids = torch.tensor([current[i] for i in active], dtype=torch.long, device=dev)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+            hidden = self.draft_model(ids, pos_t, self.draft_kv, meta)
+            logits = self.draft_model.compute_logits(hidden)
+            greedy_tokens = logits.argmax(dim=-1).tolist()
+            for a, i in enumerate(active):
+                row = item_rows[i][0]
+                if row.params.greedy:
+                    token, q = greedy_tokens[a], None
+                else:
+                    q = sampling_probs(logits[a:a + 1], row.params)[0]
+                    generator = row.generator if row.generator is not None else self.runner.sampler.generator
+                    token = int(torch.multinomial(q, 1, generator=generator).item())
+                drafts[i].append(token)
+                probs[i].append(q)
+                current[i] = token
+        for i in spec:
+            scheduled[i].seq.spec_token_ids = drafts[i]
+        return {i: q for i, q in probs.items() if q and q[0] is not None}
