@@ -315,17 +315,18 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
             await reconciler.client.close()
         await reconciler.source.close()
 
-    @kopf.on.create(**resource)
-    @kopf.on.update(**resource, field="spec")
-    @kopf.on.resume(**resource)
+    @kopf.on.create(**resource, id="reconcile")
+    @kopf.on.update(**resource, id="reconcile", field="spec")
+    @kopf.on.resume(**resource, id="reconcile")
     async def reconcile(body, status, patch, memo, logger, **_):
         await reconciler.reconcile(body, status, patch, memo, logger)
 
-    @kopf.on.delete(**resource)
+    @kopf.on.delete(**resource, id="cleanup")
     async def delete(body, logger, **_):
         await reconciler.delete(body, logger)
 
-    @kopf.timer(**resource, interval=config.scrape_interval, initial_delay=config.scrape_interval)
+    @kopf.timer(**resource, id="autoscale", interval=config.scrape_interval,
+                initial_delay=config.scrape_interval)
     async def autoscale(body, status, patch, memo, logger, **_):
         await reconciler.autoscale(body, status, patch, memo, logger)
 
