@@ -153,3 +153,18 @@ async def test_agent_source_timeouts_errors_and_bounded_concurrency():
     assert by["p2"].stale and "Timeout" in errors["p2"]
     assert not by["pending"].ready and "pending" not in errors  # never scraped
     assert peak <= 3
+
+
+def test_shape_from_a_local_model_directory(tmp_path):
+    import json
+
+    from kvserve.operator.handlers import shape_for
+    from kvserve.operator.spec import parse_spec
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 256}))
+    shape = shape_for(parse_spec({"model": {"uri": f"file://{tmp_path}"}}))
+    assert shape.num_attention_heads == 4 and shape.valid_tp_degrees(8) == [1, 2, 4]
+    assert shape_for(parse_spec({"model": {"uri": str(tmp_path / "missing")}})) is None
+    assert shape_for(parse_spec({"model": {"uri": "hf://nobody/not-cached"}})) is None  # no network
