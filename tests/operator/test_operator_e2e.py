@@ -221,6 +221,21 @@ def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
                         and o, what="Degraded cleared")
         assert deployment_tp(api.get("Deployment", "broken")) == 2
 
+        # An owned object deleted behind the operator's back comes back.
+        api.call("DELETE", "/apis/apps/v1/namespaces/default/deployments/broken")
+        wait_for(lambda: api.get("Deployment", "broken"), what="Deployment recreated")
+
+        # A pod whose agent stops answering: a Warning Event, and its (missing) numbers count
+        # for nothing: no metrics, no scaling.
+        pod = wait_for(lambda: next((p for p in kubelet.pods.values() if p.name.startswith("broken-")), None),
+                       what="a broken- pod")
+        pod.agent.kill()
+        wait_for(lambda: any(e["reason"] == "ScrapeFailed" and e["type"] == "Warning" for e in api.events()
+                             if e["involvedObject"].get("name") == "broken"), what="ScrapeFailed event")
+        isvc = wait_for(lambda: (o := api.get_isvc("broken"))
+                        and condition(o, "ScalingActive").get("reason") == "NoMetrics" and o, what="NoMetrics")
+        assert api.get("Deployment", "broken")["spec"]["replicas"] == 1
+
         # An engine the operator does not know (the emulator has no schema to stop it): Degraded,
         # and what already runs is left alone.
         api.patch_spec("broken", {"runtime": {"engine": "sglang"}})
