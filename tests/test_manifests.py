@@ -242,11 +242,14 @@ def test_examples_validate_against_the_crd_and_bad_ones_do_not():
             crd_validate(bad, schema)
 
 
-def test_argocd_application_points_at_the_examples_folder():
-    (app,) = build("examples/argocd")
-    path = app["spec"]["source"]["path"]
-    assert (ROOT / path / "kustomization.yaml").exists()
-    assert "ignoreDifferences" not in app["spec"]
+def test_argocd_applications_point_at_real_folders():
+    apps = {a["metadata"]["name"]: a for a in build("examples/argocd")}
+    assert apps["kvserve-inferenceservices"]["spec"]["source"]["path"] == \
+        "manifests/examples/inferenceservices"
+    assert apps["kvserve-operator"]["spec"]["source"]["path"] == "manifests/base"
+    for app in apps.values():
+        assert (ROOT / app["spec"]["source"]["path"] / "kustomization.yaml").exists()
+        assert "ignoreDifferences" not in app["spec"]
 
 
 def test_monitoring_targets_every_inference_pod_by_contract_port():
