@@ -272,9 +272,12 @@ def test_the_operator_can_serve_the_examples():
     really use TP 1, 2 and 4 (heads divide, weights fit in 80 GiB)."""
     spec_mod = pytest.importorskip("kvserve.operator.spec")
     autoscaler = pytest.importorskip("kvserve.operator.autoscaler")
+    crd = pytest.importorskip("kvserve.operator.crd")
     for doc in build("examples/inferenceservices"):
         if doc["kind"] != "InferenceService":
             continue
+        # What an API server would answer: defaults, unknown fields refused, CEL rules.
+        assert crd.validate(doc) == [], doc["metadata"]["name"]
         spec = spec_mod.parse_spec(doc["spec"])
         shape = spec_mod.model_shape(spec)
         spec_mod.check_servable(spec, shape)
