@@ -295,3 +295,23 @@ def test_rbac_audit_flags_what_a_role_does_not_grant():
     denied, unused = rbac_audit.audit(used, rules)
     assert denied == {("delete", "apps", "deployments"), ("list", "", "pods")}
     assert unused == {("patch", "apps", "deployments")}
+
+
+def test_namespaced_overlay_moves_whole_to_another_namespace(tmp_path):
+    """`namespace: team-a` on top of manifests/namespaced: the operator, its Role, binding and
+    peering all follow, and it watches team-a."""
+    import os
+
+    rel = os.path.relpath(ROOT / "manifests" / "namespaced", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(f"namespace: team-a\nresources:\n  - {rel}\n")
+    out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], check=True, capture_output=True,
+                         text=True).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    for doc in docs:
+        validate(doc)
+        if doc["kind"] == "Namespace":
+            assert doc["metadata"]["name"] == "team-a"
+        elif doc["kind"] != "CustomResourceDefinition":
+            assert doc["metadata"]["namespace"] == "team-a", doc["kind"]
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["subjects"][0]["namespace"] == "team-a"
