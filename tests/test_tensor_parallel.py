@@ -117,6 +117,34 @@ def test_tp2_matches_tp1_and_capacity_model(tiny_model_factory, case):
         assert abs(r["weight_bytes"] - weight_bytes_per_gpu(shape, 4, 2)) <= 0.02 * r["weight_bytes"]
 
 
+def test_tp2_shared_prefixes_and_forks_match_tp1(tiny_model_factory, monkeypatch):
+    """Prefix-cache hits and n > 1 forks (copy-on-write of a shared partial block) under tp=2:
+    rank 0 decides and copies, the workers must copy the same blocks in their own pools."""
+    import kvserve.runtime.model_runner as model_runner
+
+    copied = []
+    real_copy = model_runner.copy_blocks
+    monkeypatch.setattr(model_runner, "copy_blocks", lambda caches, pairs: (copied.extend(pairs),
+                                                                             real_copy(caches, pairs)))
+    model_dir = tiny_model_factory("llama")
+    prefix = list(range(10, 30))  # 5 full blocks of 4
+    prompts = [prefix + [40, 41], prefix + [50], prefix + [40, 41], [7, 8, 9, 10, 11, 12]]
+    params = [SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(n=3, temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=5, max_tokens=9, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.7, seed=11, max_tokens=10, ignore_eos=True)]
+    kw = dict(kv_cache_memory_bytes=KV_BUDGET, block_size=BLOCK_SIZE, dtype="float32", device="cpu")
+    results = {}
+    for tp in (1, 2):
+        with LLM(str(model_dir), tensor_parallel_size=tp, **kw) as llm:
+            llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # cache the prefix
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[tp] = [[list(c.token_ids) for c in o.outputs] for o in outs]
+            assert llm.engine.get_stats().prefix_cache_hits_total > 0
+    assert copied, "the workload must exercise copy-on-write"
+    assert results[2] == results[1]
+
+
 def test_bad_tensor_parallel_size_is_a_value_error(tiny_model_factory):
     llama = tiny_model_factory("llama")  # 4 attention heads, 2 KV heads
     with pytest.raises(ValueError, match=r"tensor_parallel_size.* 3 does not divide the model's 4 attention heads"):

@@ -1,0 +1,158 @@
+"""Tensor parallelism: the same model and workload at tp=1 and tp=N, per-step latency and throughput.
+
+    python bench/tensor_parallel.py                          # CPU: tp=1 (1 and N threads) vs tp=N (1 thread/rank)
+    python bench/tensor_parallel.py --device cuda --tp 2     # GPUs: tp=1 vs tp=2 (NCCL)
+
+Three measurements per configuration, all greedy with ignore_eos:
+  - startup: LLM(...) construction (worker processes, process group, shard loading, KV pools);
+  - TPOT: the median wall time of a pure-decode engine step at each --decode-batch, i.e. the time
+    per output token a running request sees (for tp=N it includes pickling the step's inputs to
+    the workers, 2 all-reduces per layer and the logits all-gather);
+  - throughput: LLM.generate over --num-requests requests (prompts and outputs drawn as in
+    bench/offline_throughput.py), output tokens per second.
+The KV pool is a fixed per-rank byte budget (--kv-cache-memory-bytes), so the block counts show
+the capacity growth as well. Writes bench/results/tensor_parallel[-DEVICE].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+# bench/ holds kernels.py, which would shadow the `kernels` package transformers probes for.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+RESULTS = ROOT / "bench" / "results"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="HF model directory (default: the ~50M Llama "
+                                                            "of bench/offline_throughput.py)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tp", type=int, default=2, help="the tensor-parallel degree compared with tp=1")
+    p.add_argument("--threads", type=int, default=1, help="CPU: torch threads per rank")
+    p.add_argument("--decode-batch", default="1,16", help="comma-separated decode batch sizes for TPOT")
+    p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=128)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=64 << 20, help="per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def _load_offline_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("offline_throughput", HERE / "offline_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(model_dir: Path, tp: int, threads: int, args, prompts, outputs) -> dict:
+    import torch
+
+    from kvserve.runtime import LLM, SamplingParams
+
+    torch.set_num_threads(threads)  # tp workers copy the engine's thread count
+    started = time.perf_counter()
+    llm = LLM(str(model_dir), tensor_parallel_size=tp, device=args.device, dtype=args.dtype,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    startup = time.perf_counter() - started
+    try:
+        engine = llm.engine
+        llm.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        tpot = {}
+        rng = random.Random(args.seed)
+        for batch in [int(b) for b in args.decode_batch.split(",")]:
+            params = SamplingParams(temperature=0, max_tokens=args.decode_steps + 8, ignore_eos=True)
+            ids = [f"tpot-{batch}-{i}" for i in range(batch)]
+            for rid in ids:
+                engine.add_request(rid, [rng.randrange(4, 1000) for _ in range(64)], params)
+            times = []
+            while engine.has_unfinished_requests():
+                decode = all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in engine.scheduler.running) \
+                    and engine.scheduler.num_waiting == 0 and engine.scheduler.num_running == batch
+                t0 = time.perf_counter()
+                engine.step()
+                if decode:
+                    times.append(time.perf_counter() - t0)
+            tpot[batch] = statistics.median(times[2:args.decode_steps + 2]) * 1e3
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+        t0 = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        produced = sum(len(r.outputs[0].token_ids) for r in results)
+        stats = engine.get_stats()
+        return dict(tp=tp, threads_per_rank=threads, startup_s=startup, tpot_ms=tpot,
+                    output_tokens=produced, seconds=elapsed, output_tokens_per_s=produced / elapsed,
+                    kv_blocks=stats.kv_blocks_total, kv_capacity_tokens=stats.kv_cache_capacity_tokens,
+                    ranks=(engine.executor.rank_reports if engine.executor else None))
+    finally:
+        llm.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    offline = _load_offline_bench()
+    model_dir = args.model or offline.build_bench_model(RESULTS / "models" / "llama-50m-gqa4")
+    from kvserve.runtime.model_config import ModelConfig
+
+    mcfg = ModelConfig.from_pretrained(model_dir)
+    wl = argparse.Namespace(seed=args.seed, num_requests=args.num_requests, min_prompt=args.min_prompt,
+                            max_prompt=args.max_prompt, min_output=args.min_output, max_output=args.max_output)
+    prompts, outputs = offline.make_workload(wl, mcfg.vocab_size, {0, 1, 2, 3} | set(mcfg.eos_token_ids))
+    shape = mcfg.shape
+    print(f"model {model_dir} ({mcfg.architecture}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+          f"{shape.num_attention_heads} heads / {shape.num_kv_heads} KV heads), {args.device}; "
+          f"{len(prompts)} requests, {sum(outputs)} output tokens", flush=True)
+
+    if args.device == "cpu":
+        configs = [(1, args.threads), (1, args.threads * args.tp), (args.tp, args.threads)]
+    else:
+        configs = [(1, args.threads), (args.tp, args.threads)]
+    rows = []
+    for tp, threads in configs:
+        row = measure(model_dir, tp, threads, args, prompts, outputs)
+        rows.append(row)
+        print(f"tp={tp} threads/rank={threads}: done", flush=True)
+
+    batches = [int(b) for b in args.decode_batch.split(",")]
+    head = f"{'config':<26} {'startup s':>9} " + " ".join(f"{'TPOT ms b=' + str(b):>13}" for b in batches) + \
+        f" {'output tok/s':>12} {'KV blocks':>9}"
+    print()
+    print(head)
+    for r in rows:
+        name = f"tp={r['tp']}, {r['threads_per_rank']} thread(s)/rank"
+        tpots = " ".join(f"{r['tpot_ms'][b]:>13.2f}" for b in batches)
+        print(f"{name:<26} {r['startup_s']:>9.2f} {tpots} {r['output_tokens_per_s']:>12.1f} {r['kv_blocks']:>9}")
+
+    result = dict(benchmark="tensor_parallel", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  model=str(model_dir), device=args.device, machine=platform.platform(), cpu_count=os.cpu_count(),
+                  torch=torch.__version__, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                  results=rows)
+    out = args.out or RESULTS / f"tensor_parallel-{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
