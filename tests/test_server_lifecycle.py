@@ -159,3 +159,24 @@ def test_sigterm_drains_in_flight_stream_and_exits_0(tiny_llama):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_drain_timeout_aborts_leftovers_cleanly(tiny_llama):
+    """Past --drain-timeout the in-flight stream ends with finish_reason "abort" and [DONE]."""
+    srv = ServerThread([str(tiny_llama), "--port", "0", "--num-kv-blocks", "256", "--drain-timeout", "0.3"])
+    srv.start()
+    wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+    sock = _open_stream(srv.url, dict(LONG, model=None, max_tokens=2000))
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()
+    got = b""
+    sock.settimeout(30)
+    while not got.endswith(b"0\r\n\r\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    sock.close()
+    stopper.join(30)
+    assert b'"finish_reason":"abort"' in got and b"data: [DONE]" in got
+    assert srv.exit_code == 0

@@ -165,6 +165,16 @@ def _tokenize(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+LONG_TEXT_CHARS = 16384
+
+
+async def _tokenize_async(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+    # A long prompt takes milliseconds to tokenize: off the event loop, so streams keep flowing.
+    if len(text) > LONG_TEXT_CHARS:
+        return await asyncio.to_thread(_tokenize, tok, text, add_special_tokens)
+    return _tokenize(tok, text, add_special_tokens)
+
+
 def _chat_prompt(tok: Any, messages: list[dict], *, add_generation_prompt: bool, continue_final_message: bool,
                  kwargs: dict | None) -> str:
     if not getattr(tok, "chat_template", None):
@@ -192,13 +202,13 @@ async def _prepare(request: web.Request, kind: str):
             if isinstance(p, str):
                 if not p:
                     raise APIError(400, "prompt: must not be empty", param="prompt")
-                prompts.append((p, _tokenize(tok, p, req.add_special_tokens)))
+                prompts.append((p, await _tokenize_async(tok, p, req.add_special_tokens)))
             else:
                 prompts.append((tok.decode(p) if req.echo else None, list(p)))
     else:
         text = _chat_prompt(tok, req.template_messages(), add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
-        prompts = [(text, _tokenize(tok, text, req.add_special_tokens))]
+        prompts = [(text, await _tokenize_async(tok, text, req.add_special_tokens))]
     plan = serving.make_plan(kind, req, state.model_name, prompts)
     limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
     wanted = sum(getattr(params, "n", 1) for _, _, params in plan.engine_requests)

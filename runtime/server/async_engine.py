@@ -120,6 +120,14 @@ class AsyncEngine:
         if live and self.dead is None:
             self._submit("abort", live, False)
 
+    def abort_all(self) -> int:
+        """Aborts every request in the engine but keeps their streams: each handler then gets its
+        request's final output (finish_reason "abort") and ends its response cleanly."""
+        live = list(self._streams)
+        if live and self.dead is None:
+            self._submit("abort", live, False)
+        return len(live)
+
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Runs fn(engine) on the engine thread between steps (for stats and admin reads)."""
         return await self._submit("call", fn, True)

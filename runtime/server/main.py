@@ -119,8 +119,8 @@ class Server:
         log.info("draining: up to %.1fs for %d in-flight requests", config.drain_timeout_s, state.http_in_flight)
         drained = await state.drain(config.drain_timeout_s)
         if not drained and state.engine is not None:
-            log.warning("drain timeout: aborting %d requests", state.engine.num_in_flight)
-            state.engine.abort(list(state.engine._streams))
+            log.warning("drain timeout: aborting %d requests", state.engine.abort_all())
+            await state.drain(5.0)  # the handlers now finish their responses with "abort"
         await runner.cleanup()
         if state.engine is not None:
             await state.engine.stop()
