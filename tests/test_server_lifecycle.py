@@ -180,3 +180,34 @@ def test_drain_timeout_aborts_leftovers_cleanly(tiny_llama):
     stopper.join(30)
     assert b'"finish_reason":"abort"' in got and b"data: [DONE]" in got
     assert srv.exit_code == 0
+
+
+def test_ready_503_while_loading_and_exit_1_when_load_fails(tiny_llama):
+    from kvserve.runtime.engine import LLMEngine
+
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(30)
+        return LLMEngine.from_args(model=str(tiny_llama), num_kv_blocks=64)
+
+    srv = ServerThread([str(tiny_llama), "--port", "0"], engine_factory=slow_load).start()
+    try:
+        assert http(srv.url, "GET", "/health")[0] == 200
+        s, h, body = http(srv.url, "GET", "/ready")
+        assert s == 503 and json.loads(body)["status"] == "loading"
+        s, h, body = http(srv.url, "POST", "/v1/completions", {"prompt": "x"})
+        assert s == 503 and "loading" in json.loads(body)["error"]["message"] and h["retry-after"]
+        gate.set()
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=60)
+        assert http(srv.url, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+    finally:
+        gate.set()
+        assert srv.stop() == 0
+
+    def broken():
+        raise ValueError("max_model_len: 99999 exceeds the model's 2048")
+
+    bad = ServerThread([str(tiny_llama), "--port", "0"], engine_factory=broken).start()
+    bad._thread.join(30)
+    assert bad.exit_code == 1
