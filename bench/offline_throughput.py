@@ -164,6 +164,7 @@ def run_kvserve(model_dir, prompts, outputs, args, dtype_name):
     extra = dict(num_kv_blocks=llm.engine.num_kv_blocks,
                  max_num_batched_tokens=llm.engine.max_num_batched_tokens,
                  preemptions=stats.num_preemptions_total - before.num_preemptions_total)
+    llm.close()  # tensor-parallel workers would otherwise hold their cores and memory through (a)/(b)
     return elapsed, produced, extra
 
 
