@@ -215,6 +215,47 @@ def test_worker_death_while_idle_is_seen_by_health_check(tiny_model_factory):
         llm.engine.check_health()
 
 
+def test_worker_exception_mid_generate_is_reported_with_its_cause(tiny_model_factory, tmp_path, monkeypatch):
+    """A worker that raises (here: its 5th step, injected through sitecustomize in the worker
+    processes only) sends its traceback; the engine's error names the rank and the exception."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import kvserve.runtime.kv_cache as kv\n"
+        "real, calls = kv.copy_blocks, [0]\n"
+        "def copy_blocks(caches, pairs):\n"
+        "    calls[0] += 1\n"
+        "    if calls[0] == 5:\n"
+        "        raise RuntimeError('injected failure in step 5')\n"
+        "    return real(caches, pairs)\n"
+        "kv.copy_blocks = copy_blocks\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    llm = LLM(str(tiny_model_factory("llama")), tensor_parallel_size=2, kv_cache_memory_bytes=KV_BUDGET,
+              block_size=BLOCK_SIZE, device="cpu")
+    try:
+        with pytest.raises(WorkerDiedError, match=r"rank 1 .* failed: RuntimeError: injected failure in step 5"):
+            llm.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+        assert not tp_worker_pids()
+    finally:
+        llm.close()
+
+
+def test_startup_failure_stops_the_workers(tiny_model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_factory("llama")
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        LLM(str(tmp_path), tensor_parallel_size=2, kv_cache_memory_bytes=KV_BUDGET, device="cpu")
+    assert not tp_worker_pids()
+    # The process group is gone too: a new tensor-parallel engine can start in this process.
+    with LLM(str(src), tensor_parallel_size=2, kv_cache_memory_bytes=KV_BUDGET, device="cpu") as llm:
+        assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
 def test_step_message_round_trip():
     from kvserve.runtime.attention.backend import AttentionMetadata
 
