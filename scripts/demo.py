@@ -581,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"    API server at {emulator.url}; pods will be local processes on 127.77.x.N")
 
     operator = kubelet = watcher = None
+    cleaned = False
     results: list[Result] = []
     duration = 0.0
     try:
@@ -635,9 +636,17 @@ def main(argv: list[str] | None = None) -> int:
 
         say("\n    shutting down: deleting the InferenceService (the operator removes what it made)...")
         api.call("DELETE", f"{path}/{name}")
-        wait(lambda: api.call("GET", f"{path}/{name}") is None
-             and not api.items(f"/api/v1/namespaces/{ns}/pods"), 60, "the resource and its pods to go")
-        say("    deleted; pods stopped")
+        try:
+            wait(lambda: api.call("GET", f"{path}/{name}") is None
+                 and not api.items(f"/api/v1/namespaces/{ns}/pods"), 90,
+                 "the resource and its pods to go")
+            say("    deleted; pods stopped")
+            cleaned = True
+        except RuntimeError as e:
+            left = api.call("GET", f"{path}/{name}")
+            pods = [p["metadata"]["name"] for p in api.items(f"/api/v1/namespaces/{ns}/pods")]
+            say(f"    {e}: resource {'gone' if left is None else left['metadata']}; pods left {pods}; "
+                f"kubelet errors {kubelet.errors[-3:]}")
     finally:
         if watcher is not None:
             watcher.stop.set()
@@ -650,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         emulator.stop()
     denied = rbac_report(emulator)
     ok = (results and all(r.ok for r in results) and watcher is not None
-          and watcher.max_replicas > 1 and not denied)
+          and watcher.max_replicas > 1 and not denied and cleaned)
     say("\n\033[1mdone\033[0m" + ("" if ok else " (with problems: see above and the logs)"))
     return 0 if ok else 1
 
