@@ -165,6 +165,7 @@ class TensorParallelExecutor:
         self._errors: dict[int, str] = {}
         self._inbox: dict[int, list[tuple[str, Any]]] = {}
         self._workers: list[_Worker] = []
+        self._monitor: threading.Thread | None = None
         self._stop_r, self._stop_w = os.pipe()
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank runs on this host
@@ -192,7 +193,6 @@ class TensorParallelExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self._monitor: threading.Thread | None = None
         log.info("tensor parallel: %d ranks over %s, worker pids %s", tp, self.backend, self.worker_pids)
 
     @property
@@ -288,7 +288,8 @@ class TensorParallelExecutor:
         runner.prepare = tp_prepare
         runner.execute = tp_execute
         # Started only now: during startup _collect reads the report pipes itself.
-        self._monitor = threading.Thread(target=self._watch, name="kvserve-tp-monitor", daemon=True)
+        self._monitor = threading.Thread(target=self._watch, args=(weakref.ref(self), self._stop_r),
+                                         name="kvserve-tp-monitor", daemon=True)
         self._monitor.start()
 
     # -- failure handling ------------------------------------------------------------------------
@@ -364,11 +365,19 @@ class TensorParallelExecutor:
         for w in self._workers:
             w.kill()
 
-    def _watch(self) -> None:
-        while not self._closing:
-            live = [w for w in self._workers if not w.eof]
-            ready = wait([w.report for w in live] + [self._stop_r])
-            if self._stop_r in ready or self._closing:
+    @staticmethod
+    def _watch(ref: "weakref.ref[TensorParallelExecutor]", stop_r: int) -> None:
+        # Holds the executor only weakly between wake-ups, so an engine dropped without close()
+        # is still collected (and __del__ stops its workers).
+        while True:
+            self = ref()
+            if self is None or self._closing:
+                return
+            waitables = [w.report for w in self._workers if not w.eof] + [stop_r]
+            del self
+            ready = wait(waitables)
+            self = ref()
+            if self is None or stop_r in ready or self._closing:
                 return
             self._drain_reports()
             dead = [w.rank for w in self._workers if w.rank in self._errors or w.eof]
@@ -405,7 +414,8 @@ class TensorParallelExecutor:
             os.write(self._stop_w, b"x")
         except OSError:
             pass
-        if graceful and self.failure is None:
+        # Before attach() workers may be mid-load or mid-rendezvous, deaf to a shutdown message.
+        if graceful and self.failure is None and getattr(self, "_monitor", None) is not None:
             data = protocol.encode(protocol.SHUTDOWN)
             for w in self._workers:
                 try:
