@@ -494,6 +494,26 @@ class Watcher:
                 f"queue {st.get('queueDepth', '-')}")
 
 
+def idle_until_one(watcher: "Watcher", timeout: float) -> bool:
+    """A bar of idle seconds, with the live status, until the service is back to 1 replica."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=int(timeout), desc="    idle", unit="s", ncols=100, file=sys.stdout,
+               bar_format="{desc} {bar} {n_fmt}s {postfix}")
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < timeout:
+            st = watcher.obj.get("status") or {}
+            bar.n = int(time.monotonic() - start)
+            bar.set_postfix_str(watcher.line(), refresh=True)
+            if st.get("desiredReplicas") == 1 and st.get("readyReplicas") == 1:
+                return True
+            time.sleep(0.5)
+        return False
+    finally:
+        bar.close()
+
+
 def wait(predicate, timeout: float, what: str, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -623,13 +643,10 @@ def main(argv: list[str] | None = None) -> int:
         say(f"    burst done in {duration:.1f}s; now idle: waiting for the scale-down window "
             f"({DEMO_SPEC['autoscaling']['scaleDownStabilizationSeconds']}s) to bring replicas back to 1")
         t0 = time.monotonic()
-        try:
-            wait(lambda: (watcher.obj.get("status") or {}).get("desiredReplicas") == 1
-                 and (watcher.obj.get("status") or {}).get("readyReplicas") == 1,
-                 args.scale_down_timeout, "scale-down to 1 replica")
+        if idle_until_one(watcher, args.scale_down_timeout):
             say(f"    back to 1 replica after {time.monotonic() - t0:.1f}s idle: {watcher.line()}")
-        except RuntimeError as e:
-            say(f"    {e} ({watcher.line()})")
+        else:
+            say(f"    still not at 1 replica after {args.scale_down_timeout:.0f}s idle ({watcher.line()})")
         events = api.items(f"/api/v1/namespaces/{ns}/events")
         watcher.stop.set()
         summary(results, duration, watcher, events)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def demo_processes() -> list[str]:
@@ -30,6 +30,7 @@ def demo_processes() -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_demo_scales_up_and_down_and_cleans_up():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--requests", "40",
                            "--concurrency", "16", "--max-tokens", "64", "--scale-down-timeout", "90"],
@@ -45,3 +46,24 @@ def test_demo_scales_up_and_down_and_cleans_up():
     assert "deleted; pods stopped" in out
     assert not demo_processes()
 
+
+
+def test_pods_run_the_operators_container_commands_on_their_own_address():
+    """The demo's kubelet runs exactly the pod template's commands, relocated to the pod IP."""
+    import yaml
+
+    import demo
+    from kvserve.operator import manifests as M
+    from kvserve.operator.spec import parse_spec
+
+    isvc = yaml.safe_load(demo.EXAMPLE.read_text())
+    spec = parse_spec(isvc["spec"])
+    template = M.pod_template("tiny-cpu", spec, 1)
+    runtime, agent = demo.pod_commands(template, "127.77.5.2", Path("/m"))
+    containers = {c["name"]: c["command"] for c in template["spec"]["containers"]}
+    assert runtime[0].endswith("/kvserve") and runtime[1:3] == ["serve", "/m"]
+    assert runtime[3:] == [a.replace("0.0.0.0", "127.77.5.2") for a in containers["runtime"][3:]]
+    assert "--host" in runtime and runtime[runtime.index("--host") + 1] == "127.77.5.2"
+    assert agent[agent.index("--engine-url") + 1] == "http://127.77.5.2:8000"
+    assert agent[agent.index("--host") + 1] == "127.77.5.2"
+    assert agent[agent.index("--port") + 1] == "8081"
