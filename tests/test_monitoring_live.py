@@ -132,6 +132,7 @@ def live(tiny_llama, tmp_path_factory):
     work = tmp_path_factory.mktemp("prom")
     rt_port, ag_port, prom_port = free_port(), free_port(), free_port()
     procs = []
+    ksm = None
     stop = threading.Event()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
@@ -185,6 +186,8 @@ def live(tiny_llama, tmp_path_factory):
         yield {"prom": prom, "work": work}
     finally:
         stop.set()
+        if ksm is not None:
+            ksm.server.shutdown()
         for p in reversed(procs):
             p.terminate()
         for p in procs:
