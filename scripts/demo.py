@@ -8,7 +8,7 @@ manifests/examples/inferenceservices/tiny-cpu.yaml; streaming OpenAI requests ov
 What is emulated: the Kubernetes API (kmock's KubernetesEmulator with the project's test-side
 fixes, tests/operator/kube_emulator.py), and what a cluster's controllers would do: this script
 plays the kubelet (a Deployment's pods become runtime + agent processes, each pod on its own
-loopback address 127.77.0.N) and the Service (requests go round-robin to ready pods). The model
+loopback address 127.77.x.N) and the Service (requests go round-robin to ready pods). The model
 is a tiny random-weight Llama built here: its text is noise, its serving is real.
 """
 
@@ -22,7 +22,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -45,7 +44,8 @@ EXAMPLE = ROOT / "manifests" / "examples" / "inferenceservices" / "tiny-cpu.yaml
 RUNTIME_PORT, AGENT_PORT = 8000, 8081
 
 # The demo's changes to the example, printed before they are applied: a local model, a KV pool
-# small enough for a burst to fill, and stabilization windows of seconds instead of minutes.
+# small enough for a burst to fill, stabilization windows of seconds instead of minutes, and no
+# CPU/memory requests (they are for a cluster's scheduler; there is none here).
 DEMO_SPEC = {
     "runtime": {"maxModelLen": 512, "maxNumSeqs": 4, "args": ["--num-kv-blocks", "48"],
                 "resources": None},
@@ -68,7 +68,10 @@ def header(step: str, title: str) -> None:
 # --- the model ---------------------------------------------------------------------------
 
 def demo_model() -> Path:
-    path = WORK / "model"
+    import hashlib
+
+    key = hashlib.sha1(json.dumps(MODEL_CONFIG, sort_keys=True).encode()).hexdigest()[:8]
+    path = WORK / f"model-{key}"
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         say(f"    cached: {path}")
         return path
