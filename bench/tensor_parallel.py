@@ -2,6 +2,8 @@
 
     python bench/tensor_parallel.py                          # CPU: tp=1 (1 and N threads) vs tp=N (1 thread/rank)
     python bench/tensor_parallel.py --device cuda --tp 2     # GPUs: tp=1 vs tp=2 (NCCL)
+    python bench/tensor_parallel.py --tiny                   # a 2-layer hidden-64 model: compute is
+                                                             # ~nothing, so TPOT shows TP's fixed cost
 
 Three measurements per configuration, all greedy with ignore_eos:
   - startup: LLM(...) construction (worker processes, process group, shard loading, KV pools);
@@ -10,6 +12,7 @@ Three measurements per configuration, all greedy with ignore_eos:
     the workers, 2 all-reduces per layer and the logits all-gather);
   - throughput: LLM.generate over --num-requests requests (prompts and outputs drawn as in
     bench/offline_throughput.py), output tokens per second.
+Configurations run interleaved --repeat times; the table shows medians (noisy shared machines).
 The KV pool is a fixed per-rank byte budget (--kv-cache-memory-bytes), so the block counts show
 the capacity growth as well. Writes bench/results/tensor_parallel[-DEVICE].json.
 """
@@ -49,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=64)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=64 << 20, help="per rank")
+    p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, 4 heads / 2 KV heads")
+    p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -61,6 +66,29 @@ def _load_offline_bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def build_tiny_model(path: Path) -> Path:
+    """The tests' tiny Llama shape with a word-level tokenizer (word i <-> token i)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    vocab_size = 1024
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<s>", "</s>", "<unk>"])}
+    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(path)
+    return path
 
 
 def measure(model_dir: Path, tp: int, threads: int, args, prompts, outputs) -> dict:
@@ -111,7 +139,10 @@ def main(argv=None) -> int:
     import torch
 
     offline = _load_offline_bench()
-    model_dir = args.model or offline.build_bench_model(RESULTS / "models" / "llama-50m-gqa4")
+    if args.tiny:
+        model_dir = build_tiny_model(RESULTS / "models" / "llama-tiny")
+    else:
+        model_dir = args.model or offline.build_bench_model(RESULTS / "models" / "llama-50m-gqa4")
     from kvserve.runtime.model_config import ModelConfig
 
     mcfg = ModelConfig.from_pretrained(model_dir)
@@ -127,16 +158,23 @@ def main(argv=None) -> int:
         configs = [(1, args.threads), (1, args.threads * args.tp), (args.tp, args.threads)]
     else:
         configs = [(1, args.threads), (args.tp, args.threads)]
+    runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
+    for i in range(args.repeat):
+        for tp, threads in configs:
+            runs[(tp, threads)].append(measure(model_dir, tp, threads, args, prompts, outputs))
+            print(f"run {i + 1}/{args.repeat} tp={tp} threads/rank={threads}: done "
+                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+    med = statistics.median
     rows = []
-    for tp, threads in configs:
-        row = measure(model_dir, tp, threads, args, prompts, outputs)
-        rows.append(row)
-        print(f"tp={tp} threads/rank={threads}: done", flush=True)
+    for (tp, threads), rs in runs.items():
+        rows.append(dict(rs[0], startup_s=med(r["startup_s"] for r in rs),
+                         tpot_ms={b: med(r["tpot_ms"][b] for r in rs) for b in rs[0]["tpot_ms"]},
+                         output_tokens_per_s=med(r["output_tokens_per_s"] for r in rs), runs=rs))
 
     batches = [int(b) for b in args.decode_batch.split(",")]
+    print(f"\nmedians of {args.repeat} interleaved runs")
     head = f"{'config':<26} {'startup s':>9} " + " ".join(f"{'TPOT ms b=' + str(b):>13}" for b in batches) + \
         f" {'output tok/s':>12} {'KV blocks':>9}"
-    print()
     print(head)
     for r in rows:
         name = f"tp={r['tp']}, {r['threads_per_rank']} thread(s)/rank"
@@ -147,7 +185,7 @@ def main(argv=None) -> int:
                   model=str(model_dir), device=args.device, machine=platform.platform(), cpu_count=os.cpu_count(),
                   torch=torch.__version__, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                   results=rows)
-    out = args.out or RESULTS / f"tensor_parallel-{args.device}.json"
+    out = args.out or RESULTS / f"tensor_parallel-{args.device}{'-tiny' if args.tiny else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwrote {out}")
