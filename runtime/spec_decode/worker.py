@@ -8,8 +8,9 @@ with the rejection sampler. The engine appends the accepted tokens and rolls the
 computed length (and any block past it) back to what was verified.
 
 The draft model keeps its own KV pools with the target's block ids and block tables: it mirrors
-every target forward pass (same tokens, same slots), so its cache is complete wherever the
-target's is, prefix-cache hits and copy-on-write copies included.
+every target forward pass (same tokens, same slots) except verifications, whose positions its
+proposal decodes already wrote (plus one decode of the last draft), so its cache is complete
+wherever the target's is, prefix-cache hits and copy-on-write copies included.
 """
 
 from __future__ import annotations
@@ -123,7 +124,12 @@ class SpecDecoder:
                 del scheduled[i].seq.token_ids[-scheduled[i].num_spec:]
         hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
         if self.draft_model is not None:
-            self.draft_model(input_ids, positions, self.draft_kv, meta)
+            mirror = [i for i, item in enumerate(scheduled) if not item.num_spec]
+            if len(mirror) == len(scheduled):
+                self.draft_model(input_ids, positions, self.draft_kv, meta)
+            elif mirror:
+                ids, pos, sub_meta, _ = runner.prepare([scheduled[i] for i in mirror], [block_tables[i] for i in mirror])
+                self.draft_model(ids, pos, self.draft_kv, sub_meta)
 
         # Logits rows: the last one of a plain sampling sequence, the last 1 + k of a verified one.
         select, spans = [], []
@@ -178,14 +184,15 @@ class SpecDecoder:
 
     def _propose(self, scheduled: list[ScheduledSequence], block_tables: list[list[int]],
                  item_rows: list[list[SamplingRow]], spec: list[int]) -> dict[int, list[torch.Tensor | None]]:
-        """k batched draft decodes from each sequence's last token; fills spec_token_ids and
-        returns the draft distributions q (None for greedy rows)."""
+        """k batched draft decodes from each sequence's last token (then one more that only writes
+        the last draft's K/V); fills spec_token_ids and returns the draft distributions q (None
+        for greedy rows)."""
         bs, dev = self.block_size, self.device
         current = {i: scheduled[i].seq.token_ids[scheduled[i].start] for i in spec}
         probs: dict[int, list[torch.Tensor | None]] = {i: [] for i in spec}
         drafts: dict[int, list[int]] = {i: [] for i in spec}
-        for j in range(max(scheduled[i].num_spec for i in spec)):
-            active = [i for i in spec if scheduled[i].num_spec > j]
+        for j in range(max(scheduled[i].num_spec for i in spec) + 1):
+            active = [i for i in spec if scheduled[i].num_spec >= j]
             positions = [scheduled[i].start + j for i in active]
             tables = [block_tables[i] for i in active]
             width = max(len(t) for t in tables)
@@ -205,14 +212,18 @@ class SpecDecoder:
             ids = torch.tensor([current[i] for i in active], dtype=torch.long, device=dev)
             pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
             hidden = self.draft_model(ids, pos_t, self.draft_kv, meta)
-            logits = self.draft_model.compute_logits(hidden)
+            sampling = [a for a, i in enumerate(active) if scheduled[i].num_spec > j]
+            if not sampling:
+                break
+            logits = self.draft_model.compute_logits(hidden[torch.tensor(sampling, device=hidden.device)])
             greedy_tokens = logits.argmax(dim=-1).tolist()
-            for a, i in enumerate(active):
+            for r, a in enumerate(sampling):
+                i = active[a]
                 row = item_rows[i][0]
                 if row.params.greedy:
-                    token, q = greedy_tokens[a], None
+                    token, q = greedy_tokens[r], None
                 else:
-                    q = sampling_probs(logits[a:a + 1], row.params)[0]
+                    q = sampling_probs(logits[r:r + 1], row.params)[0]
                     generator = row.generator if row.generator is not None else self.runner.sampler.generator
                     token = int(torch.multinomial(q, 1, generator=generator).item())
                 drafts[i].append(token)
