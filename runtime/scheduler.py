@@ -127,6 +127,10 @@ class Scheduler:
                 del seq.spec_token_ids[max(0, budget - 1):]
             num_new = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             while not bm.can_allocate(seq.seq_id, seq.num_computed_tokens, num_new):
+                if seq.spec_token_ids:  # drafts are optional: drop them before preempting anyone
+                    seq.spec_token_ids.clear()
+                    num_new = min(seq.num_uncomputed_tokens, budget)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)

@@ -275,3 +275,48 @@ def test_bad_draft_model_is_refused(tiny_llama, tiny_model_factory):
     other_vocab = tiny_model_factory("llama", vocab_size=600)
     with pytest.raises(ValueError, match="speculative_config.model"):
         make_engine(tiny_llama, {"method": "draft_model", "model": str(other_vocab), "num_speculative_tokens": 2})
+
+
+# -- scheduler with drafts -----------------------------------------------------------------------------
+def _two_decoding(num_blocks):
+    """a: 7 tokens (6 computed, 2 blocks of 4); b: 4 tokens (3 computed, 1 block); budget 6."""
+    from kvserve.runtime.block_manager import BlockManager
+    from kvserve.runtime.scheduler import Scheduler, SchedulerConfig
+    from kvserve.runtime.sequence import Sequence
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6, max_model_len=64),
+                      BlockManager(num_blocks, 4))
+    a, b = Sequence("a", [1, 2, 3, 4, 5], 8), Sequence("b", [6, 7, 8], 8)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(2):  # a: prompt then one decode; b: its prompt in two chunks
+        out = sched.schedule()
+        sched.on_step_done(out)
+        for item in out.scheduled:
+            if item.samples:
+                item.seq.append_token(9)
+    assert (a.num_tokens, a.num_computed_tokens, b.num_tokens, b.num_computed_tokens) == (7, 6, 4, 3)
+    return sched, a, b
+
+
+def test_scheduler_runs_1_plus_k_and_trims_drafts_to_the_budget():
+    sched, a, b = _two_decoding(num_blocks=8)
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    out = sched.schedule()
+    item = out.scheduled[0]
+    assert (item.seq, item.num_new_tokens, item.num_spec, item.samples) == (a, 6, 5, True)
+    assert a.spec_token_ids == [1, 2, 3, 4, 5] and len(out.scheduled) == 1  # budget spent on a
+    sched.on_step_done(out)
+    a.num_computed_tokens = a.num_tokens - 1  # the engine's rollback when nothing is accepted
+    sched.block_manager.truncate(a.seq_id, a.num_tokens)
+    assert len(sched.block_manager.get_block_table(a.seq_id)) == 2
+    sched.block_manager.check_invariants()
+
+
+def test_scheduler_drops_drafts_before_preempting_anyone():
+    sched, a, b = _two_decoding(num_blocks=3)  # every block in use: drafts for a need a new one
+    a.spec_token_ids = [1, 2, 3]
+    out = sched.schedule()
+    assert not out.preempted and [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(a, 1), (b, 1)]
+    assert a.spec_token_ids == []
+    sched.block_manager.check_invariants()
