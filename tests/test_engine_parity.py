@@ -113,7 +113,8 @@ def _random_config(seed: int) -> tuple[str, dict]:
     kv_heads = rng.choice([1, 2, 4])
     heads = kv_heads * rng.choice([1, 2, 3])
     overrides = dict(num_attention_heads=heads, num_key_value_heads=kv_heads,
-                     hidden_size=rng.choice([48, 64, 96]), head_dim=rng.choice([8, 16, 24, 32]),
+                     # transformers wants hidden_size % heads == 0 even with an explicit head_dim
+                     hidden_size=heads * rng.choice([8, 16, 24]), head_dim=rng.choice([8, 16, 24, 32]),
                      intermediate_size=rng.choice([64, 160]), num_hidden_layers=rng.choice([1, 2, 3]),
                      tie_word_embeddings=rng.random() < 0.5, vocab_size=rng.choice([400, 512]),
                      rope_theta=rng.choice([10000.0, 1e6]))
