@@ -101,12 +101,24 @@ class LLMEngine:
             from kvserve.runtime.distributed import TensorParallelExecutor
 
             self.executor = TensorParallelExecutor(config, self.model_config, self.device, self.dtype)
+        draft = None
+        if config.speculative_config is not None:
+            if tp > 1:
+                raise ValueError("speculative_config: not supported with tensor_parallel_size > 1 yet")
+            from kvserve.runtime.spec_decode.worker import load_draft, split_blocks_with_draft
+
+            draft = load_draft(config.speculative_config, device=self.device, dtype=self.dtype,
+                               attention_backend=backend, vocab_size=self.vocab_size,
+                               max_model_len=self.max_model_len)
         try:
             self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                     attention_backend=backend, config=self.model_config,
                                     tp_rank=0, tp_size=tp)
             shape = self.model_config.shape
             self.num_kv_blocks = determine_num_blocks(config, shape, self.dtype, self.device)
+            if draft is not None and config.num_kv_blocks is None:
+                # The draft's pools take as many blocks as the target's, out of the same budget.
+                self.num_kv_blocks = split_blocks_with_draft(self.num_kv_blocks, shape, draft.config.shape)
             if self.executor is not None:
                 self.num_kv_blocks = self.executor.agree_num_blocks(self.num_kv_blocks)
             self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.dtype,
@@ -132,14 +144,11 @@ class LLMEngine:
             self.executor.attach(self.runner)
         self.spec_decoder = None
         if config.speculative_config is not None:
-            if config.tensor_parallel_size > 1:
-                raise ValueError("speculative_config: not supported with tensor_parallel_size > 1 yet")
             from kvserve.runtime.spec_decode.worker import SpecDecoder
 
             self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=self.num_kv_blocks,
                                             block_size=config.block_size, device=self.device, dtype=self.dtype,
-                                            attention_backend=backend, vocab_size=self.vocab_size,
-                                            max_model_len=self.max_model_len)
+                                            max_model_len=self.max_model_len, draft_model=draft)
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos |= {self.tokenizer.eos_token_id}

@@ -320,3 +320,16 @@ def test_scheduler_drops_drafts_before_preempting_anyone():
     assert not out.preempted and [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(a, 1), (b, 1)]
     assert a.spec_token_ids == []
     sched.block_manager.check_invariants()
+
+
+def test_draft_pools_share_the_kv_budget(tiny_llama, draft_dir):
+    budget = 1 << 20
+    plain = LLMEngine.from_args(model=str(tiny_llama), kv_cache_memory_bytes=budget, max_model_len=256)
+    spec = LLMEngine.from_args(model=str(tiny_llama), kv_cache_memory_bytes=budget, max_model_len=256,
+                               speculative_config={"method": "draft_model", "model": str(draft_dir),
+                                                   "num_speculative_tokens": 2})
+    pool_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in spec.kv_caches + spec.spec_decoder.draft_kv)
+    assert pool_bytes <= budget
+    # target 2 layers, draft 1 layer of the same width: two thirds of the blocks
+    assert spec.num_kv_blocks == plain.num_kv_blocks * 2 // 3
+    assert len(spec.spec_decoder.draft_kv[0][0]) == spec.num_kv_blocks

@@ -31,6 +31,34 @@ from kvserve.runtime.spec_decode.probs import sampling_probs
 from kvserve.runtime.spec_decode.rejection import greedy_verify, rejection_sample
 
 
+def load_draft(config: SpeculativeConfig, *, device: torch.device, dtype: torch.dtype, attention_backend,
+               vocab_size: int, max_model_len: int):
+    """The draft model (None for n-gram), checked against the target. Loaded before the KV pools
+    are sized, so that on a GPU the free memory measured afterwards already excludes its weights."""
+    if config.method != "draft_model":
+        return None
+    from kvserve.runtime.model_config import ModelConfig
+    from kvserve.runtime.models import load_model
+
+    cfg = ModelConfig.from_pretrained(config.model)
+    if cfg.vocab_size != vocab_size:
+        raise ValueError(f"speculative_config.model: vocabulary of {cfg.vocab_size} tokens differs from "
+                         f"the target's {vocab_size}; the draft must share the target's tokenizer")
+    if cfg.default_max_model_len() < max_model_len:
+        raise ValueError(f"speculative_config.model: the draft supports {cfg.default_max_model_len()} "
+                         f"positions, fewer than max_model_len {max_model_len}")
+    return load_model(config.model, dtype=dtype, device=device, attention_backend=attention_backend, config=cfg)
+
+
+def split_blocks_with_draft(num_blocks: int, target_shape, draft_shape) -> int:
+    """Blocks for a byte budget sized for the target alone, once every block also has a draft
+    block (same ids, the draft's own pools): the budget is shared in proportion to their sizes."""
+    from kvserve.runtime.capacity import kv_bytes_per_token
+
+    t, d = kv_bytes_per_token(target_shape, 1, 1), kv_bytes_per_token(draft_shape, 1, 1)
+    return max(1, num_blocks * t // (t + d))
+
+
 def eligible(params: SamplingParams, seq: Sequence) -> bool:
     """Requests whose next-token distribution the rejection sampler reproduces exactly."""
     return (not params.needs_penalties and params.logprobs is None
@@ -39,29 +67,19 @@ def eligible(params: SamplingParams, seq: Sequence) -> bool:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, *, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, attention_backend, vocab_size: int,
-                 max_model_len: int) -> None:
+                 device: torch.device, dtype: torch.dtype, max_model_len: int, draft_model=None) -> None:
+        """`draft_model` comes from ``load_draft`` (required for method draft_model)."""
         self.config = config
         self.runner = runner
         self.block_size = block_size
         self.device = device
         self.max_model_len = max_model_len
-        self.draft_model = None
+        self.draft_model = draft_model
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if config.method == "draft_model":
-            from kvserve.runtime.model_config import ModelConfig
-            from kvserve.runtime.models import load_model
-
-            cfg = ModelConfig.from_pretrained(config.model)
-            if cfg.vocab_size != vocab_size:
-                raise ValueError(f"speculative_config.model: vocabulary of {cfg.vocab_size} tokens differs from "
-                                 f"the target's {vocab_size}; the draft must share the target's tokenizer")
-            if cfg.default_max_model_len() < max_model_len:
-                raise ValueError(f"speculative_config.model: the draft supports {cfg.default_max_model_len()} "
-                                 f"positions, fewer than max_model_len {max_model_len}")
-            self.draft_model = load_model(config.model, dtype=dtype, device=device,
-                                          attention_backend=attention_backend, config=cfg)
-            self.draft_kv = allocate_kv_cache(cfg.shape, num_blocks, block_size, dtype, device)
+            if draft_model is None:
+                raise ValueError("speculative_config.model: the draft model was not loaded")
+            self.draft_kv = allocate_kv_cache(draft_model.config.shape, num_blocks, block_size, dtype, device)
 
     # -- before scheduling -------------------------------------------------------------------------
     def plan(self, running: list[Sequence], params_of) -> None:
