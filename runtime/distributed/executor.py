@@ -276,7 +276,7 @@ class TensorParallelExecutor:
             self.check()
             state.sent = False
             try:
-                return execute(*args, **kwargs)
+                result = execute(*args, **kwargs)
             except BaseException as exc:
                 if not state.sent and not isinstance(exc, TensorParallelError):
                     raise  # failed before the workers saw this step: the group is still in step
@@ -284,6 +284,11 @@ class TensorParallelExecutor:
                 if isinstance(exc, Exception):
                     raise failure from exc
                 raise  # KeyboardInterrupt and the like: the group is torn down, the signal goes on
+            if self.failure is not None:
+                # A worker died during the step and the group was aborted under it (NCCL): its
+                # collectives may have returned garbage, so the step's tokens are not used.
+                self.check()
+            return result
 
         runner.prepare = tp_prepare
         runner.execute = tp_execute
@@ -386,9 +391,9 @@ class TensorParallelExecutor:
             failure = self._death(min(dead), grace_s=1.0)
             if self._closing:
                 return
+            self._fail(failure)  # first, so a step that the abort below unblocks is discarded
             if self.backend == "nccl":
                 self._abort_group()  # unblocks a rank-0 collective NCCL would hold until timeout
-            self._fail(failure)
             return
 
     def _abort_group(self) -> None:
