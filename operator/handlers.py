@@ -208,9 +208,15 @@ class Reconciler:
                 status.get("conditions"), degraded_conditions("InvalidSpec", str(error), generation),
                 self.config.wallclock())
             return
+        if meta.get("deletionTimestamp"):
+            return
         live = await self.client.get("Deployment", namespace, name)
         if live is None or not owned_by(live, uid):
-            # Someone deleted it (or the first apply failed): put it back.
+            # Someone deleted it (or the first apply failed): put it back, unless this timer run
+            # holds an old body of a resource that is being deleted now.
+            current = await self.client.get("InferenceService", namespace, name)
+            if current is None or current["metadata"].get("uid") != uid or current["metadata"].get("deletionTimestamp"):
+                return
             await self.reconcile(body, status, patch, memo, logger)
             return
         async with _memo_lock(memo):
@@ -284,6 +290,17 @@ class Reconciler:
                 logger.info(f"deleted {kind} {namespace}/{name}")
 
 
+def _drop_unchanged_status(patch: Any, status: Mapping[str, Any]) -> None:
+    """Keep only status fields that change: a steady resource costs no API writes per tick."""
+    new = patch.get("status")
+    if not new:
+        return
+    for key in [k for k, v in new.items() if status.get(k) == v]:
+        del new[key]
+    if not new:
+        del patch["status"]
+
+
 def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorRegistry, Reconciler]:
     config = config or OperatorConfig()
     registry = kopf.OperatorRegistry()
@@ -299,6 +316,9 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix="kvserve.dev", key="last-handled-configuration")
         settings.watching.server_timeout = 120
+        # A deletion waits for a running autoscale timer to exit; look again every second, not
+        # every minute (kopf's default), so deleting a resource is not held up for a minute.
+        settings.background.cancellation_polling = 1
 
     @kopf.on.login(registry=registry)
     def login(**kwargs):
@@ -319,7 +339,10 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     @kopf.on.update(**resource, id="reconcile", field="spec")
     @kopf.on.resume(**resource, id="reconcile")
     async def reconcile(body, status, patch, memo, logger, **_):
-        await reconciler.reconcile(body, status, patch, memo, logger)
+        try:
+            await reconciler.reconcile(body, status, patch, memo, logger)
+        finally:
+            _drop_unchanged_status(patch, status)
 
     @kopf.on.delete(**resource, id="cleanup")
     async def delete(body, logger, **_):
@@ -328,6 +351,9 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     @kopf.timer(**resource, id="autoscale", interval=config.scrape_interval,
                 initial_delay=config.scrape_interval)
     async def autoscale(body, status, patch, memo, logger, **_):
-        await reconciler.autoscale(body, status, patch, memo, logger)
+        try:
+            await reconciler.autoscale(body, status, patch, memo, logger)
+        finally:
+            _drop_unchanged_status(patch, status)
 
     return registry, reconciler

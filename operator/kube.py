@@ -20,6 +20,7 @@ RESOURCES = {
     "Service": ("/api/v1", "services"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),
+    "InferenceService": ("/apis/kvserve.dev/v1alpha1", "inferenceservices"),
 }
 
 

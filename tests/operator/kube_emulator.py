@@ -4,6 +4,8 @@ Patched here, in a test-side subclass pinned to kmock 0.8:
   * metadata.uid, resourceVersion (monotonic), creationTimestamp and generation (bumped when
     the spec changes) are set, and generateName is honoured (kopf's Events use it);
   * a watch that gives ?resourceVersion= does not replay every object as ADDED again;
+  * a JSON patch whose `test` op fails answers 422 (not 500), and JSON patches bump
+    resourceVersion too;
   * labelSelector (equality terms) is applied to lists;
   * the status subresource only changes status; where a resource has one, the main resource
     never changes status.
@@ -22,6 +24,8 @@ import uuid
 from typing import Any
 
 import attrs
+import jsonpatch
+import jsonpointer
 import kmock
 from kmock._internal import enums, k8s
 
@@ -63,7 +67,21 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                     meta["resourceVersion"] = self._next_rv()
                     if "spec" in data and _merged(live.get("spec"), data["spec"]) != live.get("spec"):
                         meta["generation"] = int(live["metadata"].get("generation", 1)) + 1
+        elif (request.resource is not None and isinstance(request.data, list)
+              and request.action == enums.action.UPDATE and request.name is not None):
+            await self._check_json_patch(request)
         return await super()._handle(request)
+
+    async def _check_json_patch(self, request) -> None:
+        """A JSON patch whose `test` op fails is a 422 (kopf then re-reads), not kmock's 500."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return  # the parent answers 404
+        try:
+            jsonpatch.apply_patch(copy.deepcopy(self._objects[key].raw), request.data)
+        except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as error:
+            raise k8s.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {error}")
+        request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": self._next_rv()})
 
     async def _serve_list(self, request):
         payload = await super()._serve_list(request)
@@ -161,4 +179,3 @@ class EmulatorThread:
         self._thread.join(10)
 
 
-_ = k8s  # the module patched above; imported for readers looking for the parent's code

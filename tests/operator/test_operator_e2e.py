@@ -227,8 +227,13 @@ def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
 
         # A pod whose agent stops answering: a Warning Event, and its (missing) numbers count
         # for nothing: no metrics, no scaling.
-        pod = wait_for(lambda: next((p for p in kubelet.pods.values() if p.name.startswith("broken-")), None),
-                       what="a broken- pod")
+        def one_pod_scraped():
+            pods = [p for p in kubelet.pods.values() if p.name.startswith("broken-")]
+            isvc = api.get_isvc("broken")
+            ok = len(pods) == 1 and condition(isvc, "ScalingActive").get("reason") == "ValidMetrics"
+            return ok and pods[0]
+
+        pod = wait_for(one_pod_scraped, what="the recreated pod scraped")
         pod.agent.kill()
         wait_for(lambda: any(e["reason"] == "ScrapeFailed" and e["type"] == "Warning" for e in api.events()
                              if e["involvedObject"].get("name") == "broken"), what="ScrapeFailed event")
