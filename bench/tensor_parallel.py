@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-memory-bytes", type=int, default=64 << 20, help="per rank")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, 4 heads / 2 KV heads")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--collectives", action="store_true",
+                   help="CPU: also time one gloo all-reduce between 2 processes at the model's hidden size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -89,6 +91,48 @@ def build_tiny_model(path: Path) -> Path:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                          unk_token="<unk>").save_pretrained(path)
     return path
+
+
+def _allreduce_rank(rank: int, port: int, hidden: int, batches: list[int], iters: int, out) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    times = {}
+    for b in batches:
+        x = torch.ones(b, hidden)
+        for _ in range(20):
+            dist.all_reduce(x)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        times[b] = (time.perf_counter() - t0) / iters * 1e6
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def allreduce_latency_us(hidden: int, batches: list[int], iters: int = 300) -> dict[int, float]:
+    """Mean time of one gloo all-reduce of [batch, hidden] fp32 between 2 processes."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, hidden, batches, iters, out)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    times = out.get(timeout=120)
+    for proc in procs:
+        proc.join(30)
+    return times
 
 
 def measure(model_dir: Path, tp: int, threads: int, args, prompts, outputs) -> dict:
@@ -181,7 +225,13 @@ def main(argv=None) -> int:
         tpots = " ".join(f"{r['tpot_ms'][b]:>13.2f}" for b in batches)
         print(f"{name:<26} {r['startup_s']:>9.2f} {tpots} {r['output_tokens_per_s']:>12.1f} {r['kv_blocks']:>9}")
 
-    result = dict(benchmark="tensor_parallel", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    collectives = None
+    if args.collectives:
+        collectives = allreduce_latency_us(shape.hidden_size, batches)
+        print("\ngloo all-reduce, 2 processes, fp32 [batch, hidden]: " +
+              ", ".join(f"batch {b}: {us:.0f} us" for b, us in collectives.items()) +
+              f"; a step runs {2 * shape.num_layers + 1} all-reduces and 1 all-gather")
+    result = dict(benchmark="tensor_parallel", allreduce_us=collectives, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   model=str(model_dir), device=args.device, machine=platform.platform(), cpu_count=os.cpu_count(),
                   torch=torch.__version__, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                   results=rows)
