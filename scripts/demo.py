@@ -113,7 +113,12 @@ class Pod:
     name: str
     ip: str
     template_hash: str
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    template: dict = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)   # container -> command
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    ready: bool = False
+    failures: dict[str, int] = field(default_factory=dict)
+    probed_at: dict[str, float] = field(default_factory=dict)
 
 
 def pod_commands(template: dict, ip: str, model: Path) -> tuple[list[str], list[str]]:
@@ -151,25 +156,35 @@ def ports_free(ip: str, ports: list[int]) -> bool:
     return True
 
 
-def probe_ok(ip: str, container: dict) -> bool:
-    """The container's readiness probe (httpGet on a named or numbered port), as kubelet runs it."""
-    probe = (container.get("readinessProbe") or {}).get("httpGet")
-    if probe is None:
+def probe_ok(ip: str, container: dict, kind: str = "readinessProbe") -> bool:
+    """One of the container's probes (httpGet or tcpSocket, named or numbered port), as kubelet
+    runs it; a container without that probe passes."""
+    import socket
+
+    probe = container.get(kind) or {}
+    check = probe.get("httpGet") or probe.get("tcpSocket")
+    if check is None:
         return True
-    port = probe["port"]
+    port = check["port"]
     if isinstance(port, str):
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == port)
     try:
-        with urllib.request.urlopen(f"http://{ip}:{port}{probe.get('path', '/')}", timeout=2) as r:
-            return 200 <= r.status < 400
+        if "httpGet" in probe:
+            with urllib.request.urlopen(f"http://{ip}:{port}{check.get('path', '/')}",
+                                        timeout=probe.get("timeoutSeconds", 2)) as r:
+                return 200 <= r.status < 400
+        with socket.create_connection((ip, port), timeout=probe.get("timeoutSeconds", 2)):
+            return True
     except (OSError, ValueError):
         return False
 
 
 class Kubelet:
     """Plays kubelet + ReplicaSet controller for the demo namespace: Deployment replicas become
-    pods made of real processes; a pod object is created Ready once its runtime answers /ready
-    and its agent has a fresh sample; removed pods are drained first, as preStop would."""
+    pods made of real processes (a rollout surges one pod and removes an old one only when the
+    new one is Ready); a pod object is created Ready once every container's readiness probe
+    passes; a container that exits or fails its liveness probe is restarted and the pod is
+    unready until its probes pass again; removed pods are drained first, as preStop would."""
 
     def __init__(self, api: Api, namespace: str, model: Path, logs: Path):
         self.api, self.ns, self.model, self.logs = api, namespace, model, logs
@@ -184,6 +199,10 @@ class Kubelet:
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="kubelet", daemon=True)
         self.errors: list[str] = []
+        self.notices: list[str] = []
+        # Each pod gets one CPU's worth of threads, as its resources.requests.cpu would give it
+        # in a cluster; without this, three pods' torch thread pools fight over the same cores.
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
     def start(self) -> "Kubelet":
         self.thread.start()
@@ -193,6 +212,7 @@ class Kubelet:
         while not self.stop.is_set():
             try:
                 self.step()
+                self.check_liveness()
             except Exception as e:  # keep playing; the demo shows the effect
                 self.errors.append(f"{type(e).__name__}: {e}")
             self.stop.wait(0.3)
@@ -209,16 +229,25 @@ class Kubelet:
         for name, dep in deps.items():
             want = int(dep["spec"].get("replicas") or 0)
             current = M.template_hash(dep)
-            mine = [p for p in list(self.pods.values()) + list(self.starting.values())
-                    if p.name.startswith(name + "-")]
+            with self.lock:
+                mine = [p for p in list(self.pods.values()) + list(self.starting.values())
+                        if p.name.startswith(name + "-")]
+                starting = bool(self.starting)
             new = [p for p in mine if p.template_hash == current]
             old = [p for p in mine if p.template_hash != current]
-            if len(new) < want and len(mine) < want + 1:          # maxSurge 1
+            if len(new) < want and len(mine) < want + 1:        # maxSurge 1
                 self.create(name, dep["spec"]["template"], current)
-            elif old and len(mine) > want and not self.starting:  # maxUnavailable 0
+            elif old and len(mine) > want and not starting:     # maxUnavailable 0
                 self.delete(old[0].name)
-            elif len(new) > want and not self.starting:
+            elif len(new) > want and not starting:
                 self.delete(sorted(new, key=lambda p: p.name)[-1].name)
+
+    def _spawn(self, pod: Pod, container: str, mode: str = "w") -> None:
+        log = open(self.logs / f"{pod.name}-{container}.log", mode)
+        proc = subprocess.Popen(pod.commands[container], stdout=log, stderr=subprocess.STDOUT,
+                                env=self.env)
+        pod.procs[container] = proc
+        self.all_procs.append(proc)
 
     def create(self, dep_name: str, template: dict, template_hash: str) -> None:
         self.counter += 1
@@ -226,67 +255,123 @@ class Kubelet:
         ip = self.free_ips.pop(0)
         while not ports_free(ip, [RUNTIME_PORT, AGENT_PORT]):
             ip = self.free_ips.pop(0)
-        pod = Pod(name, ip, template_hash)
         runtime, agent = pod_commands(template, ip, self.model)
-        # Each pod gets one CPU's worth of threads, as its resources.requests.cpu would give it
-        # in a cluster; without this, three pods' torch thread pools fight over the same cores.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        pod.procs.append(subprocess.Popen(runtime, stdout=open(self.logs / f"{name}-runtime.log", "w"),
-                                          stderr=subprocess.STDOUT, env=env))
-        pod.procs.append(subprocess.Popen(agent, stdout=open(self.logs / f"{name}-agent.log", "w"),
-                                          stderr=subprocess.STDOUT, env=env))
-        self.all_procs += pod.procs
-        self.starting[name] = pod
-        threading.Thread(target=self._become_ready, args=(pod, template), daemon=True).start()
+        pod = Pod(name, ip, template_hash, template, {"runtime": runtime, "agent": agent})
+        for container in pod.commands:
+            self._spawn(pod, container)
+        with self.lock:
+            self.starting[name] = pod
+        threading.Thread(target=self._become_ready, args=(pod,), daemon=True).start()
 
-    def _become_ready(self, pod: Pod, template: dict) -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not self.stop.is_set():
-            if any(p.poll() is not None for p in pod.procs):
-                self.errors.append(f"{pod.name}: a container exited; see {self.logs}")
-                break
-            try:
-                if all(probe_ok(pod.ip, c) for c in template["spec"]["containers"]):
+    def _probes_pass(self, pod: Pod) -> bool:
+        return all(probe_ok(pod.ip, c) for c in pod.template["spec"]["containers"])
+
+    def _become_ready(self, pod: Pod) -> None:
+        deadline = time.monotonic() + 180
+        try:
+            while time.monotonic() < deadline and not self.stop.is_set():
+                if any(p.poll() is not None for p in pod.procs.values()):
+                    self.errors.append(f"{pod.name}: a container exited while starting; see {self.logs}")
+                    break
+                if self._probes_pass(pod):
                     obj = {"apiVersion": "v1", "kind": "Pod",
                            "metadata": {"name": pod.name, "namespace": self.ns,
-                                        **copy.deepcopy(template["metadata"])},
-                           "spec": template["spec"],
+                                        **copy.deepcopy(pod.template["metadata"])},
+                           "spec": pod.template["spec"],
                            "status": {"phase": "Running", "podIP": pod.ip,
                                       "conditions": [{"type": "Ready", "status": "True"}]}}
                     self.api.call("POST", f"/api/v1/namespaces/{self.ns}/pods", obj)
                     with self.lock:
-                        self.starting.pop(pod.name, None)
-                        self.pods[pod.name] = pod
-                    return
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.3)
+                        if self.starting.pop(pod.name, None) is not None:
+                            pod.ready = True
+                            self.pods[pod.name] = pod
+                            return
+                    break  # deleted while starting
+                time.sleep(0.3)
+        except Exception as e:  # never leave a pod half-started
+            self.errors.append(f"{pod.name}: {type(e).__name__}: {e}")
         with self.lock:
             self.starting.pop(pod.name, None)
         self._kill(pod)
+
+    def _set_ready(self, pod: Pod, ready: bool) -> None:
+        pod.ready = ready
+        self.api.call("PATCH", f"/api/v1/namespaces/{self.ns}/pods/{pod.name}/status",
+                      {"status": {"conditions": [{"type": "Ready", "status": str(ready)}]}},
+                      "application/merge-patch+json")
+
+    def check_liveness(self) -> None:
+        """Exited containers restart at once; a failing liveness probe restarts after
+        failureThreshold consecutive failures, one probe per periodSeconds."""
+        now = time.monotonic()
+        with self.lock:
+            pods = list(self.pods.values())
+        for pod in pods:
+            for c in pod.template["spec"]["containers"]:
+                name, probe = c["name"], c.get("livenessProbe") or {}
+                exited = pod.procs[name].poll() is not None
+                if not exited:
+                    if not probe or now - pod.probed_at.get(name, 0.0) < probe.get("periodSeconds", 10):
+                        continue
+                    pod.probed_at[name] = now
+                    alive = probe_ok(pod.ip, c, "livenessProbe")
+                    pod.failures[name] = 0 if alive else pod.failures.get(name, 0) + 1
+                    if pod.failures[name] < probe.get("failureThreshold", 3):
+                        continue
+                self.restart(pod, name, "exited" if exited else "failed its liveness probe")
+
+    def restart(self, pod: Pod, container: str, why: str) -> None:
+        self.notices.append(f"{time.strftime('%H:%M:%S')} pod {pod.name}: container {container} "
+                            f"{why}; restarted (see {pod.name}-{container}.log)")
+        if pod.ready:
+            self._set_ready(pod, False)
+        proc = pod.procs[container]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pod.failures[container] = 0
+        self._spawn(pod, container, mode="a")
+
+        def ready_again():
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and not self.stop.is_set() and pod.name in self.pods:
+                if self._probes_pass(pod):
+                    try:
+                        self._set_ready(pod, True)
+                    except RuntimeError as e:
+                        self.errors.append(f"{pod.name}: {e}")
+                    return
+                time.sleep(0.5)
+
+        threading.Thread(target=ready_again, daemon=True).start()
 
     def delete(self, name: str) -> None:
         self.api.call("DELETE", f"/api/v1/namespaces/{self.ns}/pods/{name}")
         with self.lock:
             pod = self.pods.pop(name, None) or self.starting.pop(name, None)
         if pod is not None:
+            pod.ready = False
             t = threading.Thread(target=self._terminate, args=(pod,), daemon=True)
             t.start()
             self.terminating.append(t)
 
     def _terminate(self, pod: Pod) -> None:
         # preStop: the agent drains the engine (in-flight requests finish), then SIGTERM.
-        subprocess.run([str(BIN / "kvserve"), "agent", "drain", "--agent-url",
-                        f"http://{pod.ip}:{AGENT_PORT}", "--timeout", "20"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        try:
+            subprocess.run([str(BIN / "kvserve"), "agent", "drain", "--agent-url",
+                            f"http://{pod.ip}:{AGENT_PORT}", "--timeout", "20"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
         self._kill(pod)
 
     @staticmethod
     def _kill(pod: Pod) -> None:
-        for p in pod.procs:
+        procs = list(pod.procs.values())
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in pod.procs:
+        for p in procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
@@ -295,7 +380,7 @@ class Kubelet:
 
     def ready_ips(self) -> list[str]:
         with self.lock:
-            return [p.ip for p in self.pods.values()]
+            return [p.ip for p in self.pods.values() if p.ready]
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -309,7 +394,8 @@ class Kubelet:
         for t in self.terminating:
             t.join(40)
         # Whatever is still running (a drain that hung, a pod that never became ready): stop it.
-        self._kill(Pod("all", "", "", [p for p in self.all_procs if p.poll() is None]))
+        leftovers = [p for p in self.all_procs if p.poll() is None]
+        self._kill(Pod("all", "", "", procs={str(i): p for i, p in enumerate(leftovers)}))
 
 
 class Operator:
@@ -370,6 +456,7 @@ class Result:
     tpot: float | None = None
     tokens: int = 0
     error: str = ""
+    retries: int = 0
 
 
 PROMPTS = ["The cat sat on the mat and watched the dog", "Tokens are merged into words and words",
@@ -384,11 +471,16 @@ async def one_request(session, ready_ips, model_name: str, i: int, max_tokens: i
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "seed": i,
             "stream": True, "stream_options": {"include_usage": True}}
     err = "no ready pod"
-    for attempt in range(5):
+    # A client behind a Service retries a failed request (connection refused while a pod
+    # restarts, a stream cut when a pod goes away) from scratch, for up to a minute.
+    deadline = time.monotonic() + 60
+    retries = -1
+    while time.monotonic() < deadline:
         ips = ready_ips()  # the Service's endpoints now
         if not ips:
             await asyncio.sleep(0.5)
             continue
+        retries += 1
         ip = random.choice(ips)  # kube-proxy: any ready pod
         start = time.perf_counter()
         first = last = None
@@ -410,11 +502,11 @@ async def one_request(session, ready_ips, model_name: str, i: int, max_tokens: i
                         first = first or last
             ttft = first - start if first else None
             tpot = (last - first) / (tokens - 1) if first and tokens > 1 else None
-            return Result(True, ttft, tpot, tokens)
-        except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as e:
+            return Result(True, ttft, tpot, tokens, retries=retries)
+        except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError, ValueError) as e:
             err = f"{type(e).__name__}: {e}"
-            await asyncio.sleep(0.2 * (attempt + 1))  # a pod going away: retry, as a client would
-    return Result(False, error=err)
+            await asyncio.sleep(0.5)
+    return Result(False, error=err, retries=max(retries, 0))
 
 
 async def burst(kubelet: Kubelet, model_name: str, n: int, concurrency: int, max_tokens: int,
@@ -527,14 +619,16 @@ def wait(predicate, timeout: float, what: str, interval: float = 0.5):
     raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def summary(results: list[Result], duration: float, watcher: Watcher, events: list[dict]) -> None:
+def summary(results: list[Result], duration: float, watcher: Watcher, events: list[dict],
+            kubelet_notices: list[str]) -> None:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
     tokens = sum(r.tokens for r in ok)
     header("6/6", "Summary")
     rows = [
-        ("requests", f"{len(ok)} ok, {len(results) - len(ok)} failed"),
+        ("requests", f"{len(ok)} ok, {len(results) - len(ok)} failed, "
+                     f"{sum(r.retries for r in results)} retries"),
         ("burst duration", f"{duration:.1f} s"),
         ("output throughput", f"{tokens / duration:.1f} tokens/s ({len(ok) / duration:.2f} req/s)"),
         ("TTFT p50 / p99", f"{1000 * pct(ttft, 0.5):.0f} ms / {1000 * pct(ttft, 0.99):.0f} ms"),
@@ -556,6 +650,10 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
             f"queue {sig.get('queueDepth')}]")
     if not watcher.decisions:
         say("      (none)")
+    if kubelet_notices:
+        say("    container restarts (the emulated kubelet):")
+        for n in kubelet_notices:
+            say(f"      {n}")
     say("    Events (kubectl get events):")
     for e in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")[-10:]:
         say(f"      {e.get('type', ''):<8} {e.get('reason', ''):<16} {(e.get('message') or '')[:100]}")
@@ -652,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"    still not at 1 replica after {args.scale_down_timeout:.0f}s idle ({watcher.line()})")
         events = api.items(f"/api/v1/namespaces/{ns}/events")
         watcher.stop.set()
-        summary(results, duration, watcher, events)
+        summary(results, duration, watcher, events, kubelet.notices)
 
         say("\n    shutting down: deleting the InferenceService (the operator removes what it made)...")
         api.call("DELETE", f"{path}/{name}")
