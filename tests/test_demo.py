@@ -24,8 +24,10 @@ def demo_processes() -> list[str]:
         except OSError:
             continue
         argv = [a.decode(errors="replace") for a in args if a]
-        # A pod's container: `python .../kvserve serve|agent ...` on a 127.77.x.y address.
-        if len(argv) > 2 and argv[1].endswith("/kvserve") and any("127.77." in a for a in argv):
+        # A pod's container: `python <this checkout>/.venv/bin/kvserve serve|agent ...` on a
+        # 127.77.x.y address. Other checkouts' demos on the same machine are not ours to judge.
+        if (len(argv) > 2 and argv[1].endswith("/kvserve") and argv[1].startswith(str(ROOT))
+                and any("127.77." in a for a in argv)):
             found.append(" ".join(argv))
     return found
 
