@@ -215,6 +215,34 @@ def test_worker_death_while_idle_is_seen_by_health_check(tiny_model_factory):
         llm.engine.check_health()
 
 
+def test_hung_worker_is_bounded_by_the_collective_timeout(tiny_model_factory, monkeypatch):
+    """A worker that stops responding without dying (SIGSTOP) cannot hang the engine: the step's
+    collective times out, the engine raises, and the stopped worker is killed and reaped."""
+    monkeypatch.setenv("KVSERVE_TP_TIMEOUT_S", "2")
+    llm = LLM(str(tiny_model_factory("llama")), tensor_parallel_size=2, kv_cache_memory_bytes=KV_BUDGET * 4,
+              block_size=BLOCK_SIZE, device="cpu")
+    try:
+        (pid,) = llm.engine.executor.worker_pids
+        step = llm.engine.step
+        steps = 0
+
+        def stopping_step():
+            nonlocal steps
+            steps += 1
+            if steps == 10:
+                os.kill(pid, signal.SIGSTOP)
+            return step()
+
+        llm.engine.step = stopping_step
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="every worker still running .* timeout"):
+            llm.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=1500, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - started < 2 + 3 + 5  # timeout + grace for a death to show + slack
+        assert not tp_worker_pids()
+    finally:
+        llm.close()
+
+
 def test_worker_exception_mid_generate_is_reported_with_its_cause(tiny_model_factory, tmp_path, monkeypatch):
     """A worker that raises (here: its 5th step, injected through sitecustomize in the worker
     processes only) sends its traceback; the engine's error names the rank and the exception."""

@@ -353,8 +353,11 @@ class TensorParallelExecutor:
             if rank is not None:
                 failure = self._death(rank)
             else:
-                failure = TensorParallelError(f"tensor-parallel step failed on rank 0: "
-                                              f"{type(exc).__name__}: {exc}")
+                # Every worker is alive: rank 0 failed, or a worker hangs (a collective timeout).
+                failure = TensorParallelError(
+                    f"tensor-parallel step failed with every worker still running (a hung worker shows "
+                    f"as a collective timeout, KVSERVE_TP_TIMEOUT_S={self.timeout_s:g}s): "
+                    f"{type(exc).__name__}: {exc}")
         self._fail(failure)
         self._teardown(graceful=False)
         return self.failure  # type: ignore[return-value]
