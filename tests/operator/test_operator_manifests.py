@@ -133,3 +133,24 @@ def test_builders_are_deterministic_and_do_not_mutate_input():
     spec = parse_spec(obj["spec"])
     assert M.build_all(obj, spec, replicas=2, tp=2) == M.build_all(obj, spec, replicas=2, tp=2)
     assert obj == before
+
+
+@pytest.mark.parametrize("example,tp", [("tiny-cpu", 1), ("llama-8b-gpu", 4)])
+def test_pod_commands_parse_with_the_real_kvserve_cli(example, tp):
+    """Every kvserve command in the pod template is accepted by `kvserve`'s own argument parser."""
+    from kvserve.runtime.cli import build_parser
+
+    obj = owner(example)
+    dep = M.build_deployment(obj, parse_spec(obj["spec"]), replicas=1, tp=tp)
+    parser = build_parser()
+    c = _containers(dep)
+    commands = [c["runtime"]["command"], c["agent"]["command"], c["fetch-model"]["command"],
+                c["runtime"]["lifecycle"]["preStop"]["exec"]["command"],
+                c["agent"]["lifecycle"]["preStop"]["exec"]["command"]]
+    for command in commands:
+        assert command[0] == "kvserve"
+        args = parser.parse_args(command[1:])  # exits (SystemExit) on an unknown flag
+        if getattr(args, "cmd", None) == "serve":
+            assert args.tensor_parallel_size == tp and args.port == 8000
+        if getattr(args, "agent_cmd", None) == "serve":
+            assert args.port == 8081 and args.engine_url == "http://127.0.0.1:8000"
