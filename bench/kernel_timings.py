@@ -1,8 +1,8 @@
 """Benchmark the Triton kernels on a GPU: time, achieved bandwidth / FLOP rate, and torch baselines.
 
-    python bench/kernels.py                      # full grids on CUDA (writes bench/results/kernels.json)
-    python bench/kernels.py --quick              # smaller grids
-    python bench/kernels.py --interpret          # CPU smoke run under TRITON_INTERPRET=1: tiny shapes,
+    python bench/kernel_timings.py                      # full grids on CUDA (writes bench/results/kernels.json)
+    python bench/kernel_timings.py --quick              # smaller grids
+    python bench/kernel_timings.py --interpret          # CPU smoke run under TRITON_INTERPRET=1: tiny shapes,
                                                  # checks results and that the script works; its
                                                  # timings mean nothing
 
@@ -46,7 +46,7 @@ if ARGS.interpret:
 import torch  # noqa: E402
 
 if not ARGS.interpret and not torch.cuda.is_available():
-    sys.exit("bench/kernels.py measures GPU kernels and needs a CUDA device; none is visible here. "
+    sys.exit("bench/kernel_timings.py measures GPU kernels and needs a CUDA device; none is visible here. "
              "Use --interpret for a CPU smoke run of the script (timings meaningless).")
 
 import triton  # noqa: E402
