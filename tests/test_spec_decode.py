@@ -333,3 +333,24 @@ def test_draft_pools_share_the_kv_budget(tiny_llama, draft_dir):
     # target 2 layers, draft 1 layer of the same width: two thirds of the blocks
     assert spec.num_kv_blocks == plain.num_kv_blocks * 2 // 3
     assert len(spec.spec_decoder.draft_kv[0][0]) == spec.num_kv_blocks
+
+
+def test_greedy_speculation_on_the_triton_kernels_equals_torch(tiny_llama, monkeypatch):
+    """The GPU path's kernels (interpreted on CPU) verify k + 1 positions over a cached context."""
+    pytest.importorskip("triton")
+    from kvserve.kernels import ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = random.Random(0)
+    base = [rng.randrange(3, 512) for _ in range(6)]
+    prompts = [base * 3, [rng.randrange(3, 512) for _ in range(9)], base * 2 + base[:3]]
+    kw = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=12, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with ops.kernel_mode("torch"):
+        want = run_checked(make_engine(tiny_llama, attention_backend="torch", **kw), prompts, params)
+    with ops.kernel_mode("triton"):
+        engine = make_engine(tiny_llama, {"method": "draft_model", "model": str(tiny_llama),
+                                          "num_speculative_tokens": 2}, attention_backend="triton", **kw)
+        got = run_checked(engine, prompts, params)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in want.items()}
+    assert engine.get_stats().spec_decode_num_accepted_tokens_total > 0
