@@ -53,6 +53,9 @@ def test_cached_tokens_and_spec_counters(server):
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     second = post(server, "/v1/completions", {**body, "prompt": system + [9]})
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # six full blocks of 16
+    salted = post(server, "/v1/completions", {**body, "prompt": system + [9], "cache_salt": "tenant-b"})
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another tenant's cache
+    assert salted["choices"][0]["text"] == second["choices"][0]["text"]
     snap = idle(server)
     assert m(snap, "vllm:prefix_cache_hits_total") >= 96
     assert m(snap, "vllm:prefix_cache_queries_total") >= 2 * 101

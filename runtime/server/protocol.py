@@ -51,6 +51,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: prompts share prefix-cache blocks only with prompts of the same salt.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -134,6 +134,8 @@ def make_plan(kind: str, req: CompletionRequest | ChatCompletionRequest, model: 
     for p, (text, ids) in enumerate(prompts):
         rid = f"{pid}-{p}"
         prompt: Any = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
         engine_requests.append((rid, prompt, params))
         for j in range(req.n):
             choices.append(Choice(index=p * req.n + j, request_id=rid, prompt_index=p, sample=j))
