@@ -7,6 +7,7 @@ and nothing is left running afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import signal
@@ -320,6 +321,30 @@ def test_capacity_shape_helpers_agree_with_tp_layout():
     assert shape.valid_tp_degrees(8) == [1, 2, 4]
 
 
+async def _agent_signals(engine_url: str) -> dict:
+    import aiohttp
+    from aiohttp import web
+
+    from kvserve.runtime.agent.app import AgentConfig, build_app
+
+    runner = web.AppRunner(build_app(AgentConfig(engine_url=engine_url, interval_s=0.1)))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/signals"
+    try:
+        async with aiohttp.ClientSession() as client:
+            deadline = time.monotonic() + 10
+            while True:
+                async with client.get(url) as r:
+                    sig = await r.json()
+                if not sig["stale"] or time.monotonic() > deadline:
+                    return sig
+                await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+
+
 def test_server_exports_tp_capacity_and_fails_health_when_a_worker_dies(tiny_model_factory):
     from kvserve.runtime.server.main import ServerThread
     from server_helpers import http, m, metrics, wait_until
@@ -335,9 +360,12 @@ def test_server_exports_tp_capacity_and_fails_health_when_a_worker_dies(tiny_mod
         assert status == 200, body
         snap = metrics(srv.url)
         shape = ModelShape.from_hf_config(__import__("json").loads((model_dir / "config.json").read_text()))
+        capacity = BLOCK_SIZE * blocks_for_budget(KV_BUDGET, shape, 4, BLOCK_SIZE, 2)
         assert m(snap, "kvserve:tensor_parallel_size") == 2
-        assert m(snap, "kvserve:kv_cache_capacity_tokens") == BLOCK_SIZE * blocks_for_budget(
-            KV_BUDGET, shape, 4, BLOCK_SIZE, 2)
+        assert m(snap, "kvserve:kv_cache_capacity_tokens") == capacity
+        # What the operator's autoscaler reads, through the sidecar agent.
+        sig = asyncio.run(_agent_signals(srv.url))
+        assert (sig["tensor_parallel_size"], sig["kv_cache_capacity_tokens"]) == (2, capacity)
         (pid,) = tp_worker_pids()
         os.kill(pid, signal.SIGKILL)
         # Idle engine: the health check between steps notices, and /health turns 500 for the kubelet.
