@@ -94,13 +94,6 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
         tp = config.tensor_parallel_size
-        # Ranks 1..tp-1 run in worker processes (kvserve.runtime.distributed); this process is
-        # rank 0: it holds a shard too, and keeps the one scheduler and the sampler.
-        self.executor = None
-        if tp > 1:
-            from kvserve.runtime.distributed import TensorParallelExecutor
-
-            self.executor = TensorParallelExecutor(config, self.model_config, self.device, self.dtype)
         draft = None
         if config.speculative_config is not None:
             if tp > 1:
@@ -110,6 +103,14 @@ class LLMEngine:
             draft = load_draft(config.speculative_config, device=self.device, dtype=self.dtype,
                                attention_backend=backend, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len)
+        # Ranks 1..tp-1 run in worker processes (kvserve.runtime.distributed); this process is
+        # rank 0: it holds a shard too, and keeps the one scheduler and the sampler. They start
+        # last, right before the try that stops them if anything below fails.
+        self.executor = None
+        if tp > 1:
+            from kvserve.runtime.distributed import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config, self.model_config, self.device, self.dtype)
         try:
             self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                     attention_backend=backend, config=self.model_config,

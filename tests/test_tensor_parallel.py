@@ -155,7 +155,10 @@ def test_bad_tensor_parallel_size_is_a_value_error(tiny_model_factory):
         LLM(str(odd_mlp), tensor_parallel_size=4, device="cpu")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(llama), tensor_parallel_size=0, device="cpu")
-    assert not tp_worker_pids()
+    with pytest.raises(ValueError, match="speculative_config: not supported with tensor_parallel_size > 1"):
+        LLM(str(llama), tensor_parallel_size=2, device="cpu",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert not tp_worker_pids()  # refused before any worker started
 
 
 def test_killed_worker_mid_generate_fails_fast_naming_the_rank(tiny_model_factory):
