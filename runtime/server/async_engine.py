@@ -170,6 +170,11 @@ class AsyncEngine:
             commands = list(self._commands)
             self._commands.clear()
         for kind, payload, fut in commands:
+            # Claiming the future first means a caller that gives up (a timed-out handler, a
+            # client that left) can no longer cancel it under us; if it already did, there is
+            # nobody to answer, and only an abort still has work to do.
+            if fut is not None and not fut.set_running_or_notify_cancel() and kind != "abort":
+                continue
             try:
                 if kind == "add":
                     added: list[str] = []
