@@ -164,3 +164,32 @@ async def test_agent_without_engine_reports_unknown():
         assert "kvserve_queue_depth" not in text and "kvserve_engine_up 0.0" in text
     finally:
         await arunner.cleanup()
+
+
+async def test_explicit_kvserve_engine_is_not_ready_while_loading_even_if_metrics_look_like_vllm():
+    # A kvserve runtime still loading serves vllm:-only metrics, /health 200 and /ready 503.
+    engine = ReplayEngine()
+    app = engine.app()
+
+    async def ready(request):
+        return web.Response(status=503, text="loading")
+
+    app.router.add_get("/ready", ready)
+    erunner, eurl = await _start(app)
+    cfg = AgentConfig(engine_url=eurl, engine="kvserve", interval_s=0.1, scrape_timeout_s=0.3, stale_after_s=0.5)
+    arunner, aurl = await _start(build_app(cfg))
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def scraped():
+                async with http.get(aurl + "/v1/signals") as r:
+                    return (await r.json())["stale"] is False
+
+            await _wait_for(scraped)
+            async with http.get(aurl + "/v1/signals") as r:
+                signals = await r.json()
+            assert signals["engine"] == "kvserve" and signals["ready"] is False
+            async with http.get(aurl + "/ready") as r:
+                assert r.status == 503
+    finally:
+        await arunner.cleanup()
+        await erunner.cleanup()

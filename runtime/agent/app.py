@@ -151,9 +151,11 @@ class Agent:
         return self._session
 
     def _engine_kind(self) -> str:
-        if self.state.sample is not None:
-            return self.state.sample.engine
-        return self.config.engine
+        # An explicit --engine wins: while a kvserve runtime is still loading, its /metrics can
+        # look like another engine's, and guessing wrong would probe /health instead of /ready.
+        if self.config.engine != "auto" or self.state.sample is None:
+            return self.config.engine
+        return self.state.sample.engine
 
     async def probe_ready(self, timeout: float | None = None) -> tuple[int, str]:
         """The engine's readiness status code and body, or 503 when it cannot be reached."""

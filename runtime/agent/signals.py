@@ -133,13 +133,13 @@ def _model_name(samples: dict[str, Series]) -> str | None:
 def standardize(text: str, engine_hint: str = "auto") -> EngineSample:
     """Parses an exposition and maps it onto the standardized fields.
 
-    `engine_hint` ("auto", "kvserve", "vllm", "sglang") only names the engine in the output when
-    the text itself does not reveal it; the mapping is chosen by the names actually present.
+    `engine_hint` ("auto", "kvserve", "vllm", "sglang") names the engine in the output; with
+    "auto" the text decides. The mapping is chosen by the names actually present either way.
     """
     if engine_hint not in ("auto", *ENGINES):
         raise ValueError(f"engine: unsupported value {engine_hint!r}; supported: auto, {', '.join(ENGINES)}")
     samples = index_samples(text)
-    engine = detect_engine(samples) or (engine_hint if engine_hint != "auto" else None)
+    engine = engine_hint if engine_hint != "auto" else detect_engine(samples)
     if engine is None:
         raise ValueError("engine /metrics: no kvserve:, vllm: or sglang: metrics found")
     fields: dict[str, float | None] = {}
