@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 TINY_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
 DOWN_WINDOW = 4.0
+TP_DOWN_WINDOW = 8.0
 
 TINY = {
     "apiVersion": "kvserve.dev/v1alpha1",
@@ -35,7 +36,7 @@ TINY = {
         "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetKVCacheUtilization": 0.5,
                         "targetQueueDepth": 2, "scaleUpStabilizationSeconds": 1,
                         "scaleDownStabilizationSeconds": DOWN_WINDOW, "panicWindowSeconds": 1,
-                        "tensorParallel": {"enabled": True, "scaleDownStabilizationSeconds": 600}},
+                        "tensorParallel": {"enabled": True, "scaleDownStabilizationSeconds": TP_DOWN_WINDOW}},
     },
 }
 
@@ -165,9 +166,14 @@ def test_lifecycle_scale_tp_restart_delete(cluster):
         assert time.monotonic() - dropped >= DOWN_WINDOW - 0.5
         wait_for(lambda: api.get("Deployment", "tiny")["spec"]["replicas"] == 1, timeout=30, what="down to 1")
 
+        # Load stays low for the TP window -> TP comes back down (the smaller fleet is under target).
+        wait_for(lambda: deployment_tp(api.get("Deployment", "tiny")) == 1, timeout=40, what="TP back to 1")
+        assert time.monotonic() - dropped >= TP_DOWN_WINDOW - 0.5
+
         isvc = api.get_isvc("tiny")
         reasons = [d["reason"] for d in isvc["status"]["decisions"]]
-        assert "TensorParallelUpAtMaxReplicas" in reasons and reasons[-1] == "ScaleDown"
+        assert "TensorParallelUpAtMaxReplicas" in reasons and "ScaleDown" in reasons
+        assert reasons[-1] == "TensorParallelDownLowLoad"
         assert isvc["status"]["lastScaleTime"]
         assert all("signals" in d for d in isvc["status"]["decisions"])
         event_reasons = {e["reason"] for e in api.events() if e["involvedObject"].get("name") == "tiny"}
