@@ -32,6 +32,18 @@ class TinyModelFactory:
             return self._built[key]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models run fastest on one thread; two oversubscribe a 2-core CI machine on which the
+    servers and tensor-parallel workers that tests start need cores too (workers copy this)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory) -> TinyModelFactory:
     return TinyModelFactory(tmp_path_factory.mktemp("tiny_models"))

@@ -5,18 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvserve.runtime import LLM, EngineConfig, LLMEngine, SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models run fastest on one thread, and far faster than two on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

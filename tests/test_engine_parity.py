@@ -17,13 +17,6 @@ from kvserve.runtime import LLM, SamplingParams
 NUM_PROMPTS = 18
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models run fastest on one thread, and far faster than two on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def workload(vocab: int, seed: int = 0):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
@@ -19,13 +18,10 @@ from kvserve.runtime import LLM, SamplingParams  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _interpreter_one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest on a busy 2-core machine
+def _interpreter():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         yield
-    torch.set_num_threads(threads)
 
 
 def _workload(vocab, seed=0):

@@ -8,12 +8,6 @@ import torch
 from kvserve.runtime import LLM, LLMEngine, SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_engine(model, **kw):

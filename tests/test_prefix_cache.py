@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 from kvserve.runtime import LLMEngine, SamplingParams
@@ -17,12 +16,6 @@ from kvserve.runtime.block_manager import BlockManager
 from kvserve.runtime.prefix_cache import block_hashes, hash_block
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(engine, prompts, params, ids=None):

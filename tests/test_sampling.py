@@ -11,13 +11,6 @@ from kvserve.runtime import LLM, SamplingParams
 from kvserve.runtime.sampler import Sampler, SamplingRow
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models run fastest on one thread, and far faster than two on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,6 @@ from kvserve.runtime import LLMEngine, SamplingParams
 from kvserve.runtime.spec_decode import SpeculativeConfig, greedy_verify, ngram_propose, rejection_sample
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def chi_square_p(observed: list[int], expected: list[float]) -> float:

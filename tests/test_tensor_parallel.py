@@ -31,12 +31,6 @@ BLOCK_SIZE = 4
 KV_BUDGET = 96 * 1024  # bytes per rank: tp=1 has 96 blocks for the GQA llama, tp=2 192
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # workers copy the engine's thread count
-    yield
-    torch.set_num_threads(threads)
 
 
 def tp_worker_pids() -> set[int]:
