@@ -13,14 +13,10 @@ import argparse
 import asyncio
 import json
 import logging
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
-# bench/ holds kernels.py, which would shadow the `kernels` package transformers probes for.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
 from aiohttp import web  # noqa: E402

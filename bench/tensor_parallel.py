@@ -31,8 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
-# bench/ holds kernels.py, which would shadow the `kernels` package transformers probes for.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 RESULTS = ROOT / "bench" / "results"
 
 
