@@ -262,7 +262,12 @@ def test_never_outside_bounds_and_tp_only_valid(lo, span, tp_lo, tp_hi, steps, s
 @given(load=st.floats(0.3, 12.0), start=st.integers(1, 12), seed=st.integers(0, 2**32 - 1),
        noise=st.floats(0.0, 0.05))
 def test_no_flapping_under_noisy_steady_load(load, start, seed, noise):
-    """A steady load (in replicas' worth at target) with per-pod noise moves the size one way only."""
+    """A steady load (in replicas' worth at target) with per-pod noise inside the tolerance settles.
+
+    Flapping means the size keeps moving. Allowed: one overshoot and its correction (panic mode
+    jumps on a noisy sample, as Knative's does). Not allowed: a second reversal, or any change
+    in the second half hour.
+    """
     spec, shape = make_spec({"minReplicas": 1, "maxReplicas": 15})
     target = spec.autoscaling.target_kv_utilization
     rng = random.Random(seed)
@@ -273,7 +278,9 @@ def test_no_flapping_under_noisy_steady_load(load, start, seed, noise):
 
     ds = run(spec, shape, [(t, fleet) for t in range(0, 3600, 15)], replicas=start)
     moves = [d.replicas - d.from_replicas for d in ds if d.replicas != d.from_replicas]
-    assert all(m > 0 for m in moves) or all(m < 0 for m in moves), moves
+    reversals = sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
+    assert reversals <= 1, moves
+    assert len({d.replicas for d in ds[len(ds) // 2:]}) == 1, moves
 
 
 @FAST
