@@ -31,6 +31,7 @@ log = logging.getLogger("kvserve.server")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass
@@ -140,6 +141,13 @@ async def _read_json(request: web.Request) -> dict:
         raise APIError(400, f"Invalid JSON body: {exc}") from None
     if not isinstance(obj, dict):
         raise APIError(400, "The request body must be a JSON object.")
+    # JSON's \uD800-style escapes can smuggle lone surrogates into a str; the tokenizer then raises
+    # a TypeError (a 500). Only bodies with such an escape pay for the check.
+    if _SURROGATE_ESCAPE.search(body):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise APIError(400, "Invalid JSON body: strings must be valid Unicode (lone surrogate escape).") from None
     return obj
 
 

@@ -1,0 +1,47 @@
+"""Acceptance regressions for `kvserve serve`: bad inputs found in the pre-release pass get a 4xx
+with OpenAI's error body and leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.runtime.server.main import ServerThread
+from server_helpers import http, idle, wait_until
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--num-kv-blocks", "64",
+                        "--max-model-len", "256", "--port", "0"])
+    srv.start()
+    wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+    yield srv.url
+    assert srv.stop() == 0
+
+
+def _error(status: int, body: bytes) -> dict:
+    assert 400 <= status < 500, (status, body[:300])
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.mark.parametrize("path, raw", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\uDFFF"}], "max_tokens": 2}'),
+    ("/tokenize", '{"prompt": "x\\udc80"}'),
+])
+def test_lone_surrogate_escape_is_400_not_500(server, path, raw):
+    status, _, body = http(server, "POST", path, raw)
+    assert "Unicode" in _error(status, body)["message"]
+
+
+def test_valid_surrogate_pair_escape_still_served(server):
+    status, _, body = http(server, "POST", "/tokenize", '{"prompt": "smile \\ud83d\\ude00"}')
+    assert status == 200 and json.loads(body)["count"] > 0
+
+
+def test_nothing_leaked_after_bad_inputs(server):
+    idle(server)
