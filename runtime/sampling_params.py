@@ -62,7 +62,8 @@ class SamplingParams:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
-        self.stop = list(stop)
+        # A non-iterable stop (stop=5) must reach _validate's ValueError, not die in list().
+        self.stop = list(stop) if isinstance(stop, (list, tuple)) else [stop]
         self.stop_token_ids = list(stop_token_ids or [])
         self.ignore_eos = ignore_eos
         self.max_tokens = max_tokens
@@ -105,7 +106,9 @@ class SamplingParams:
             fail("top_k", "must be -1 or 0 (disabled) or >= 1")
         if not 0 <= number("min_p") <= 1:
             fail("min_p", "must be in [0, 1]")
-        integer("seed", optional=True)
+        # torch generators take a signed or unsigned 64-bit seed; vLLM's bound leaves room for seed + j (n > 1).
+        if integer("seed", optional=True) is not None and not -2**63 <= self.seed < 2**63:
+            fail("seed", "must be in [-2**63, 2**63)")
         if not -2 <= number("presence_penalty") <= 2:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2 <= number("frequency_penalty") <= 2:

@@ -43,5 +43,11 @@ def test_valid_surrogate_pair_escape_still_served(server):
     assert status == 200 and json.loads(body)["count"] > 0
 
 
+@pytest.mark.parametrize("seed", [2**64, 2**63, -2**63 - 1])
+def test_seed_outside_64_bits_is_400_naming_seed(server, seed):
+    status, _, body = http(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": seed})
+    assert _error(status, body)["param"] == "seed"
+
+
 def test_nothing_leaked_after_bad_inputs(server):
     idle(server)
