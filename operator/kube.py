@@ -151,6 +151,39 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
+# Optional fields the operator sets from the spec, by kind: when the spec drops one, the merge
+# patch must delete it explicitly (a merge patch never removes a key it does not mention).
+OPTIONAL_FIELDS = {
+    "Deployment": [("spec", "template", "spec", key)
+                   for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName")],
+}
+
+
+def removals(kind: str, desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """A merge patch deleting the operator's optional fields that `desired` no longer has."""
+    patch: dict[str, Any] = {}
+    for path in OPTIONAL_FIELDS.get(kind, ()):
+        want, have = desired, live
+        for key in path:
+            want = want.get(key) if isinstance(want, Mapping) else None
+            have = have.get(key) if isinstance(have, Mapping) else None
+        if want is None and have is not None:
+            node = patch
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = None
+    return patch
+
+
+def _merge(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in b.items():
+        if isinstance(value, Mapping) and isinstance(a.get(key), dict):
+            _merge(a[key], value)
+        else:
+            a[key] = value
+    return a
+
+
 async def apply(client: KubeClient, desired: Mapping[str, Any], owner_uid: str) -> str:
     """Creates `desired` or patches the live object toward it; returns "created", "patched" or "unchanged"."""
     meta = desired["metadata"]
@@ -170,6 +203,7 @@ async def apply(client: KubeClient, desired: Mapping[str, Any], owner_uid: str) 
         raise NotOwned(f"{kind} {namespace}/{name} exists and is not owned by this InferenceService")
     patch = merge_patch_for(
         {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}, live)
+    patch = _merge(patch, removals(kind, desired, live))
     if not patch:
         return "unchanged"
     await client.merge_patch(kind, namespace, name, patch)

@@ -257,6 +257,14 @@ def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
         api.patch_spec("broken", {"runtime": {"engine": "kvserve"}})
         wait_for(lambda: condition(api.get_isvc("broken"), "Degraded").get("status") == "False", what="recovered")
 
+        # An optional field removed from the spec disappears from the Deployment too.
+        api.patch_spec("broken", {"gpu": {"nodeSelector": {"pool": "inference"}}})
+        wait_for(lambda: api.get("Deployment", "broken")["spec"]["template"]["spec"].get("nodeSelector")
+                 == {"pool": "inference"}, what="nodeSelector set")
+        api.patch_spec("broken", {"gpu": {"nodeSelector": None}})
+        wait_for(lambda: "nodeSelector" not in api.get("Deployment", "broken")["spec"]["template"]["spec"],
+                 what="nodeSelector removed")
+
         # Manual mode: the scale subresource (what `kubectl scale` patches) sizes the Deployment.
         api.patch_spec("broken", {"autoscaling": {"enabled": False}})
         api.call("PATCH", api.isvc_path("broken") + "/scale", {"spec": {"replicas": 2}},

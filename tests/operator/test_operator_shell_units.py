@@ -168,3 +168,14 @@ def test_shape_from_a_local_model_directory(tmp_path):
     assert shape.num_attention_heads == 4 and shape.valid_tp_degrees(8) == [1, 2, 4]
     assert shape_for(parse_spec({"model": {"uri": str(tmp_path / "missing")}})) is None
     assert shape_for(parse_spec({"model": {"uri": "hf://nobody/not-cached"}})) is None  # no network
+
+
+def test_optional_fields_dropped_from_the_spec_are_deleted_by_the_patch():
+    from kvserve.operator.kube import _merge, removals
+
+    live = {"spec": {"replicas": 2, "template": {"spec": {"nodeSelector": {"gpu": "h100"},
+                                                          "tolerations": [{"key": "x"}], "containers": []}}}}
+    desired = {"spec": {"replicas": 2, "template": {"spec": {"tolerations": [{"key": "x"}], "containers": []}}}}
+    patch = _merge(merge_patch_for(desired, live), removals("Deployment", desired, live))
+    assert patch == {"spec": {"template": {"spec": {"nodeSelector": None}}}}
+    assert removals("Deployment", live, live) == {} and removals("Service", desired, live) == {}
