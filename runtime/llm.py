@@ -45,9 +45,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of `prompts`."""
-        if isinstance(prompts, (str, dict)) or (
+        if isinstance(prompts, (str, dict, bytes)) or not hasattr(prompts, "__iter__") or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        ):  # one prompt; a non-iterable one (None, 5) is then refused by add_request with a ValueError
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -73,6 +73,8 @@ class LLM:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat_template: the tokenizer has no chat template; pass chat_template=")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not all(isinstance(c, list) and all(isinstance(m, dict) for m in c) for c in conversations):
+            raise ValueError("messages: expected a list of {'role', 'content'} dicts or a list of such lists")
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, chat_template=chat_template,

@@ -24,3 +24,28 @@ def test_edge_values_still_accepted():
     assert SamplingParams(seed=-2**63).seed == -2**63
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(stop="a").stop == ["a"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    from kvserve.runtime import LLM
+    with LLM(model=str(tiny_llama), num_kv_blocks=32) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("prompts", [None, 5, b"hi"])
+def test_generate_non_prompt_is_value_error(llm, prompts):
+    with pytest.raises(ValueError, match="^prompt:"):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+@pytest.mark.parametrize("messages", ["hi", ["hi"], [[{"role": "user", "content": "a"}], "b"]])
+def test_chat_non_message_list_is_value_error(llm, messages):
+    with pytest.raises(ValueError, match="^messages:"):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_engine_clean_after_refusals(llm):
+    stats = llm.engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+    assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].finish_reason == "length"
