@@ -49,5 +49,22 @@ def test_seed_outside_64_bits_is_400_naming_seed(server, seed):
     assert _error(status, body)["param"] == "seed"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_text_offset_counts_the_echoed_prompt(server, stream):
+    body = {"prompt": "hello", "max_tokens": 3, "logprobs": 0, "echo": True, "stream": stream, "ignore_eos": True}
+    status, _, raw = http(server, "POST", "/v1/completions", body)
+    assert status == 200
+    if stream:
+        chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        offsets = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    else:
+        choice = json.loads(raw)["choices"][0]
+        text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+    assert text.startswith("hello") and len(offsets) == 3
+    assert offsets[0] == len("hello")
+
+
+# Last: every bad request above must have left the engine idle with no KV block held.
 def test_nothing_leaked_after_bad_inputs(server):
     idle(server)

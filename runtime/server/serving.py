@@ -192,7 +192,9 @@ def _logprobs_for(plan: Plan, choice: Choice, start: int, end: int) -> dict | No
         return None
     entries, ids = choice.logprobs[start:end], choice.token_ids[start:end]
     if plan.kind == "completion":
-        return _completion_logprobs(entries, ids, len(choice.sent_text))
+        # text_offset indexes the returned text, which starts with the prompt under echo.
+        echoed = len(plan.prompts[choice.prompt_index][0] or "") if plan.echo else 0
+        return _completion_logprobs(entries, ids, echoed + len(choice.sent_text))
     return _chat_logprobs(entries, ids, plan.logprobs or 0)
 
 
