@@ -1,11 +1,13 @@
 """Paged attention in plain torch: runs anywhere, and is the reference the Triton backend must match.
 
-Decode rows (one new token per sequence) are batched: sorted by length into a few groups (so short
-sequences are not padded to the longest), each group's K/V gathered token by token into a reused
-workspace and attended with one scaled_dot_product_attention call. Prefill and chunked-prefill
-sequences go one by one through scaled_dot_product_attention with a causal mask offset by the
-tokens already cached. The gather plan is built once per step (per AttentionMetadata) and reused by
-every layer.
+Short queries are batched: decode rows (one new token per sequence) and queries of up to
+_SHORT_QUERY tokens (speculative verification, small prefill chunks) are sorted by context length
+into a few groups (so short sequences are not padded to the longest), each group's K/V gathered
+token by token into a reused workspace and attended with one scaled_dot_product_attention call;
+decodes and multi-token queries are grouped apart, so a decode is never padded to several query
+rows. Longer prefill and chunked-prefill sequences go one by one through
+scaled_dot_product_attention with a causal mask offset by the tokens already cached. The gather
+plan is built once per step (per AttentionMetadata) and reused by every layer.
 """
 
 from __future__ import annotations
@@ -17,33 +19,46 @@ from torch.nn import functional as F
 
 from kvserve.runtime.attention.backend import AttentionMetadata
 
-# Decode batches at least this large are split into length-sorted groups.
+# Batches of at least this many short-query sequences are split into length-sorted groups.
 _GROUP_MIN_SEQS = 16
 _MAX_GROUPS = 4
+# Queries up to this long take the batched path: one padded SDPA call per group instead of one per
+# sequence, which on CPU costs less than the padding (a verify step of 16 sequences x 5 positions
+# spent 5x a decode step's attention time in the per-sequence loop).
+_SHORT_QUERY = 16
 
 
 @dataclass
-class _DecodeGroup:
-    rows: torch.Tensor  # int64 [S]: the group's query rows in the packed batch
+class _Group:
+    """Sequences attended together, each padded to Q query rows and T context positions."""
+
+    rows: torch.Tensor  # int64 [S * Q]: packed query row of each (sequence, query slot); padding repeats the last
     slots: torch.Tensor  # int64 [S * T]: cache slot of each (sequence, position); past the end, the last one
-    visible: torch.Tensor  # bool [S, 1, 1, T]: position < seq_len
+    # bool: key position visible to the query row; [S, 1, 1, T] when Q == 1 (broadcast over the
+    # query heads), else [S, 1, G * Q, T] in the (KV-head group, query slot) row order of _attend_group.
+    visible: torch.Tensor
     num_seqs: int
-    max_len: int
+    query_len: int  # Q
+    max_len: int  # T
+    # Q > 1: indices into the S * Q padded rows that are real, and their packed rows.
+    keep: torch.Tensor | None = None
+    out_rows: torch.Tensor | None = None
 
 
 @dataclass
 class _Plan:
     meta: AttentionMetadata
     block_size: int
-    decode: list[_DecodeGroup]
+    heads_per_kv: int
+    groups: list[_Group]
     prefill: list[tuple[int, int, int, int]]  # (sequence, first row, end row, seq_len)
 
 
 class TorchAttentionBackend:
     """Pure-torch paged attention. One instance serves every layer of one model: it caches the
     gather plan for the AttentionMetadata object it last saw, so build a fresh metadata object per
-    step (never mutate one in place), and keep one instance per engine thread. Its decode
-    workspaces grow to the largest decode group's K/V (outside the KV cache budget)."""
+    step (never mutate one in place), and keep one instance per engine thread. Its gather
+    workspaces grow to the largest group's K/V (outside the KV cache budget)."""
 
     name = "torch"
 
@@ -67,10 +82,14 @@ class TorchAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = self._get_plan(meta, k_cache.shape[1], query.device)
+        plan = self._get_plan(meta, k_cache.shape[1], query.shape[1] // k_cache.shape[2], query.device)
         out = torch.empty_like(query)
-        for group in plan.decode:
-            out[group.rows] = self._decode(query[group.rows], k_cache, v_cache, group, scale)
+        for group in plan.groups:
+            o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale)
+            if group.keep is None:
+                out[group.rows] = o
+            else:
+                out[group.out_rows] = o[group.keep]
         block_size = plan.block_size
         for i, q0, q1, seq_len in plan.prefill:
             q_len = q1 - q0
@@ -83,38 +102,45 @@ class TorchAttentionBackend:
             out[q0:q1] = self._prefill(query[q0:q1], k, v, seq_len - q_len, scale)
         return out
 
-    def _get_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    def _get_plan(self, meta: AttentionMetadata, block_size: int, heads_per_kv: int,
+                  device: torch.device) -> _Plan:
         # Every layer of one forward pass sees the same metadata object; the plan holds a strong
         # reference to it, so an identity match cannot be a recycled id.
         plan = self._plan
-        if plan is not None and plan.meta is meta and plan.block_size == block_size:
+        if (plan is not None and plan.meta is meta and plan.block_size == block_size
+                and plan.heads_per_kv == heads_per_kv):
             return plan
         q_starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
-        decode_seqs, prefill = [], []
+        decode_seqs, short_seqs, prefill = [], [], []
         for i, seq_len in enumerate(seq_lens):
             q0, q1 = q_starts[i], q_starts[i + 1]
             if q1 - q0 == 1:
                 decode_seqs.append(i)
+            elif 1 < q1 - q0 <= _SHORT_QUERY:
+                short_seqs.append(i)
             elif q1 > q0:
                 prefill.append((i, q0, q1, seq_len))
         groups = []
-        if decode_seqs:
-            decode_seqs.sort(key=lambda i: seq_lens[i])
-            n = len(decode_seqs)
+        for members in (decode_seqs, short_seqs):
+            if not members:
+                continue
+            members.sort(key=lambda i: seq_lens[i])
+            n = len(members)
             count = 1 if n < _GROUP_MIN_SEQS else min(_MAX_GROUPS, n // (_GROUP_MIN_SEQS // 2))
             size = -(-n // count)
             for g in range(0, n, size):
-                members = decode_seqs[g:g + size]
-                groups.append(self._decode_group(meta, members, [q_starts[i] for i in members],
-                                                 [seq_lens[i] for i in members], block_size, device))
-        self._plan = _Plan(meta, block_size, groups, prefill)
+                part = members[g:g + size]
+                groups.append(self._group(meta, part, [q_starts[i] for i in part],
+                                          [q_starts[i + 1] - q_starts[i] for i in part],
+                                          [seq_lens[i] for i in part], block_size, heads_per_kv, device))
+        self._plan = _Plan(meta, block_size, heads_per_kv, groups, prefill)
         return self._plan
 
     @staticmethod
-    def _decode_group(meta: AttentionMetadata, members: list[int], rows: list[int], lens: list[int],
-                      block_size: int, device: torch.device) -> _DecodeGroup:
-        max_len = max(lens)
+    def _group(meta: AttentionMetadata, members: list[int], q_starts: list[int], q_lens: list[int],
+               lens: list[int], block_size: int, heads_per_kv: int, device: torch.device) -> _Group:
+        max_len, q_max = max(lens), max(q_lens)
         idx = torch.tensor(members, dtype=torch.long, device=device)
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)[:, None]
         pos = torch.arange(max_len, device=device)[None, :]
@@ -123,8 +149,21 @@ class TorchAttentionBackend:
         clamped = torch.minimum(pos, lens_t - 1)
         blocks = meta.block_tables.index_select(0, idx).long().gather(1, clamped // block_size)
         slots = (blocks * block_size + clamped % block_size).flatten()
-        return _DecodeGroup(torch.tensor(rows, dtype=torch.long, device=device), slots,
-                            (pos < lens_t)[:, None, None, :], len(members), max_len)
+        s = len(members)
+        if q_max == 1:
+            return _Group(torch.tensor(q_starts, dtype=torch.long, device=device), slots,
+                          (pos < lens_t)[:, None, None, :], s, 1, max_len)
+        # Query slot j of a sequence with q new tokens is its row min(j, q - 1) (padding repeats the
+        # last row) at absolute position len - q + min(j, q - 1); it sees positions up to there.
+        q_lens_t = torch.tensor(q_lens, dtype=torch.long, device=device)[:, None]
+        j = torch.minimum(torch.arange(q_max, device=device)[None, :], q_lens_t - 1)
+        rows = (torch.tensor(q_starts, dtype=torch.long, device=device)[:, None] + j).flatten()
+        visible = pos[:, None, :] <= (lens_t - q_lens_t + j)[:, :, None]  # [S, Q, T]
+        visible = visible[:, None, None].expand(s, 1, heads_per_kv, q_max, max_len)
+        real = (torch.arange(q_max, device=device)[None, :] < q_lens_t).flatten()
+        keep = real.nonzero().flatten()
+        return _Group(rows, slots, visible.reshape(s, 1, heads_per_kv * q_max, max_len), s, q_max, max_len,
+                      keep, rows[keep])
 
     def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
         """K and V rows for `slots`, copied into workspaces reused across layers and steps: fresh
@@ -161,20 +200,22 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return o.transpose(0, 1).to(dtype)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup,
-                scale: float) -> torch.Tensor:
-        """One query row per sequence: q [S, H, D] over each sequence's cached context."""
+    def _attend_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
+                      scale: float) -> torch.Tensor:
+        """q [S * Q, H, D], Q query rows per sequence, over each sequence's cached context."""
         dtype = q.dtype
         compute = torch.float32 if q.device.type == "cpu" else dtype
-        s, h, d = q.shape
+        h, d = q.shape[1], q.shape[2]
+        s, nq, t = group.num_seqs, group.query_len, group.max_len
         kv_heads = k_cache.shape[2]
-        groups, t = h // kv_heads, group.max_len
+        groups = h // kv_heads
         k, v = self._gather(k_cache, v_cache, group.slots)
         k = k.view(s, t, kv_heads, d).to(compute)
         v = v.view(s, t, kv_heads, d).to(compute)
-        # The query heads sharing a KV head play the role of SDPA's query rows: [S, Hkv, G, D]
-        # against [S, Hkv, T, D] (strided views of the workspace, read in place) needs neither a
-        # repeat of K/V nor a causal mask, only the per-sequence length mask.
-        out = F.scaled_dot_product_attention(q.to(compute).view(s, kv_heads, groups, d), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=group.visible, scale=scale)
-        return out.reshape(s, h, d).to(dtype)
+        # The query heads sharing a KV head, times the query slots, play the role of SDPA's query
+        # rows: [S, Hkv, G * Q, D] against [S, Hkv, T, D] (strided views of the workspace, read in
+        # place) needs no repeat of K/V, only the per-row visibility mask.
+        q = q.to(compute).view(s, nq, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, groups * nq, d)
+        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible,
+                                             scale=scale)
+        return out.view(s, kv_heads, groups, nq, d).permute(0, 3, 1, 2, 4).reshape(s * nq, h, d).to(dtype)
