@@ -6,11 +6,26 @@ import argparse
 import os
 
 
+def _bounded(kind, low, high=None):
+    """An argparse type that also checks the range, so a bad value is a usage error, not a traceback."""
+    def parse(text: str):
+        value = kind(text)  # ValueError -> argparse's "invalid value"
+        if value != value or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is out of range ({low}..{high})" if high is not None else f"{text!r} must be >= {low}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
     p.add_argument("model", help="model directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_bounded(int, 0, 65535), default=8000, help="0: a free port")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the `model` field; the first is reported (default: MODEL)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -31,11 +46,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'')
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on /v1/* (or set KVSERVE_API_KEY)")
-    p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="requests admitted but not finished beyond which new ones get 429")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--max-queue-len", type=_bounded(int, 0), default=1024,
+                   help="sequences allowed to wait beyond --max-num-seqs; more get 429")
+    p.add_argument("--drain-timeout", type=_bounded(float, 0.0), default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before exiting")
-    p.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+    p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=8 * 1024 * 1024,
                    help="bigger request bodies get 413")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     return p

@@ -89,7 +89,13 @@ class Server:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, a.host, a.port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # port in use, unknown host: a clear line and exit 1, not a traceback
+            log.error("cannot listen on %s:%d: %s", a.host, a.port, exc.strerror or exc)
+            await runner.cleanup()
+            self.listening.set()
+            return 1
         self.port = site._server.sockets[0].getsockname()[1]
         log.info("listening on http://%s:%d (model loading)", a.host, self.port)
         self.listening.set()
