@@ -21,7 +21,7 @@ import torch
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks
 from kvserve.runtime.model_runner import ModelRunner
-from kvserve.runtime.sampler import SamplerOutput, SamplingRow
+from kvserve.runtime.sampler import SamplerOutput, SamplingRow, argmax_last
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.scheduler import ScheduledSequence
 from kvserve.runtime.sequence import Sequence
@@ -188,7 +188,7 @@ class SpecDecoder:
             drafts = item.seq.spec_token_ids
             span = logits[spans[i]:spans[i] + item.num_spec + 1]
             if row.params.greedy:
-                tokens = greedy_verify(span.argmax(dim=-1).tolist(), drafts)
+                tokens = greedy_verify(argmax_last(span).tolist(), drafts)
             else:
                 q = draft_probs.get(i)
                 generator = row.generator if row.generator is not None else runner.sampler.generator
@@ -234,7 +234,7 @@ class SpecDecoder:
             if not sampling:
                 break
             logits = self.draft_model.compute_logits(hidden[torch.tensor(sampling, device=hidden.device)])
-            greedy_tokens = logits.argmax(dim=-1).tolist()
+            greedy_tokens = argmax_last(logits).tolist()
             for r, a in enumerate(sampling):
                 i = active[a]
                 row = item_rows[i][0]
