@@ -178,6 +178,10 @@ def _hub_snapshot(source: Source) -> tuple[Path, str]:
 
 def fetch(source_text: str, dest_text: str) -> dict:
     """Fetches and verifies; returns a summary. Raises FetchError naming every problem."""
+    # An empty argument (an unset variable in a pod command) would otherwise mean the working directory.
+    for field, text in (("source", source_text), ("dest", dest_text)):
+        if not text.strip():
+            raise FetchError(f"{field}: must not be empty")
     source = parse_source(source_text)
     dest = Path(dest_text).absolute()
     if _marker_matches(dest, source) and not check_model_dir(dest):
@@ -194,12 +198,15 @@ def fetch(source_text: str, dest_text: str) -> dict:
         raise FetchError(f"{source}: incomplete model: " + "; ".join(problems))
 
     files = _listing(src_dir)
-    dest.mkdir(parents=True, exist_ok=True)
-    if src_dir.resolve() != dest.resolve():
-        for name in files:
-            target = dest / name
-            if not (target.is_file() and target.stat().st_size == files[name] and target.samefile(src_dir / name)):
-                _place(src_dir / name, target)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        if src_dir.resolve() != dest.resolve():
+            for name in files:
+                target = dest / name
+                if not (target.is_file() and target.stat().st_size == files[name] and target.samefile(src_dir / name)):
+                    _place(src_dir / name, target)
+    except OSError as exc:  # not a directory, read-only, disk full: say so instead of a traceback
+        raise FetchError(f"dest: cannot write {exc.filename or dest}: {exc.strerror or exc}") from None
     problems = check_model_dir(dest)
     if problems:
         raise FetchError(f"{dest}: incomplete after copy: " + "; ".join(problems))
