@@ -14,6 +14,9 @@ import sys
 
 
 def _add_agent_parsers(sub) -> None:
+    from kvserve.runtime.server.args import _bounded
+
+    positive = _bounded(float, 1e-3)  # a zero or negative interval would scrape in a busy loop
     agent = sub.add_parser("agent", help="the sidecar agent").add_subparsers(dest="agent_cmd", required=True)
 
     f = agent.add_parser("fetch", help="put a model into a directory (hf://org/name[@rev] or a path)")
@@ -24,18 +27,18 @@ def _add_agent_parsers(sub) -> None:
     s.add_argument("--engine-url", default=os.environ.get("KVSERVE_ENGINE_URL", "http://127.0.0.1:8000"))
     s.add_argument("--engine", choices=["auto", "kvserve", "vllm", "sglang"], default="auto")
     s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=8081)
-    s.add_argument("--interval", type=float, default=1.0, help="scrape interval, seconds")
-    s.add_argument("--scrape-timeout", type=float, default=2.0)
-    s.add_argument("--stale-after", type=float, default=5.0, help="sample age that counts as stale")
-    s.add_argument("--drain-timeout", type=float, default=30.0)
+    s.add_argument("--port", type=_bounded(int, 0, 65535), default=8081)
+    s.add_argument("--interval", type=positive, default=1.0, help="scrape interval, seconds")
+    s.add_argument("--scrape-timeout", type=positive, default=2.0)
+    s.add_argument("--stale-after", type=positive, default=5.0, help="sample age that counts as stale")
+    s.add_argument("--drain-timeout", type=_bounded(float, 0.0, 3600.0), default=30.0)
     s.add_argument(
-        "--tensor-parallel-size", type=int, default=None, help="reported for engines that do not export it"
+        "--tensor-parallel-size", type=_bounded(int, 1), default=None, help="reported for engines that do not export it"
     )
 
     d = agent.add_parser("drain", help="ask the local agent to drain the engine (preStop hook)")
     d.add_argument("--agent-url", default="http://127.0.0.1:8081")
-    d.add_argument("--timeout", type=float, default=30.0)
+    d.add_argument("--timeout", type=_bounded(float, 0.0, 3600.0), default=30.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +64,7 @@ def _agent(args) -> int:
     if args.agent_cmd == "serve":
         from kvserve.runtime.agent.app import AgentConfig, serve
 
-        serve(
+        return serve(
             AgentConfig(
                 engine_url=args.engine_url,
                 engine=args.engine,
@@ -74,7 +77,6 @@ def _agent(args) -> int:
                 tensor_parallel_size=args.tensor_parallel_size,
             )
         )
-        return 0
     if args.agent_cmd == "drain":
         from kvserve.runtime.agent.app import request_drain
 

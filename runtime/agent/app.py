@@ -298,9 +298,15 @@ def build_app(config: AgentConfig) -> web.Application:
     return app
 
 
-def serve(config: AgentConfig) -> None:
+def serve(config: AgentConfig) -> int:
+    """Runs until SIGTERM/SIGINT; returns the exit code (1 when the port cannot be bound)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(build_app(config), host=config.host, port=config.port, print=None)
+    try:
+        web.run_app(build_app(config), host=config.host, port=config.port, print=None)
+    except OSError as exc:  # port in use, unknown host: one clear line, not a traceback
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc.strerror or exc)
+        return 1
+    return 0
 
 
 async def request_drain(agent_url: str, timeout: float) -> dict:
