@@ -28,22 +28,36 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(summed, weight, eps), summed
 
 
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
+    """cos and sin, each [num_tokens, 1, rotary_dim // 2], for the tokens' positions."""
+    return cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), one half at a time: the same
+    # products and sums (a + (-b) * c is exactly a - b * c), without building the concatenations.
+    half = cos.shape[-1]
+    rotary_dim = 2 * half
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out[..., half:rotary_dim]).add_(x1 * sin)
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
+
+
 def rotary_ref(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    rotary_dim = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
-    cos = torch.cat((cos, cos), dim=-1)
-    sin = torch.cat((sin, sin), dim=-1)
-    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos + rotated * sin
-    return torch.cat((out, passthrough), dim=-1) if passthrough.numel() else out
+    return _rotate(x, *_cos_sin(positions, cos_sin_cache, x.dtype))
 
 
 def rotary_embedding_ref(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotary_ref(positions, query, cos_sin_cache), rotary_ref(positions, key, cos_sin_cache)
+    if query.dtype != key.dtype:
+        return rotary_ref(positions, query, cos_sin_cache), rotary_ref(positions, key, cos_sin_cache)
+    cos, sin = _cos_sin(positions, cos_sin_cache, query.dtype)  # once for both
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
