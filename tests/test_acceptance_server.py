@@ -14,7 +14,7 @@ from server_helpers import http, idle, wait_until
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--num-kv-blocks", "64",
-                        "--max-model-len", "256", "--port", "0"])
+                        "--max-model-len", "256", "--max-num-seqs", "4", "--max-queue-len", "4", "--port", "0"])
     srv.start()
     wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
     yield srv.url
@@ -63,6 +63,14 @@ def test_echo_logprobs_text_offset_counts_the_echoed_prompt(server, stream):
         text, offsets = choice["text"], choice["logprobs"]["text_offset"]
     assert text.startswith("hello") and len(offsets) == 3
     assert offsets[0] == len("hello")
+
+
+def test_request_that_can_never_be_admitted_is_400_not_429(server):
+    # 2 prompts x n=5 = 10 sequences > 4 running + 4 queued, even on an idle server.
+    status, headers, body = http(server, "POST", "/v1/completions", {"prompt": ["hi", "ho"], "n": 5, "max_tokens": 1})
+    err = _error(status, body)
+    assert status == 400 and err["param"] == "n" and "10 sequences" in err["message"]
+    assert "retry-after" not in headers
 
 
 # Last: every bad request above must have left the engine idle with no KV block held.

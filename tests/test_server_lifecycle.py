@@ -59,7 +59,7 @@ def test_queue_full_gets_429_with_retry_after(tiny_llama):
         s, _, _ = http(srv.url, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
         assert s == 200
         s, _, _ = http(srv.url, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1, "n": 3})
-        assert s == 429  # 3 engine requests never fit in 1 running + 1 queued
+        assert s == 400  # 3 sequences never fit in 1 running + 1 queued: retrying cannot help
     finally:
         assert srv.stop() == 0
 

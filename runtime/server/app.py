@@ -220,6 +220,9 @@ async def _prepare(request: web.Request, kind: str):
     plan = serving.make_plan(kind, req, state.model_name, prompts)
     limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
     wanted = sum(getattr(params, "n", 1) for _, _, params in plan.engine_requests)
+    if wanted > limit:  # could never be admitted: a 429 would have the client retry forever
+        raise APIError(400, f"n: this request needs {wanted} sequences (prompts x n) but the server admits at most "
+                       f"{limit} (--max-num-seqs + --max-queue-len)", param="n")
     if engine.num_seqs_in_flight + wanted > limit:
         raise APIError(429, f"The server is at capacity ({engine.num_seqs_in_flight} sequences in flight); "
                        "retry later.",
