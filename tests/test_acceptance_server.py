@@ -73,6 +73,21 @@ def test_request_that_can_never_be_admitted_is_400_not_429(server):
     assert "retry-after" not in headers
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_body_that_does_not_match_its_content_encoding_is_400(server, encoding):
+    status, _, body = http(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                           headers={"Content-Encoding": encoding})
+    assert "content-encoding" in _error(status, body)["message"].lower()
+
+
+def test_gzip_body_still_served(server):
+    import gzip
+
+    raw = gzip.compress(json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+    status, _, _ = http(server, "POST", "/v1/completions", raw, headers={"Content-Encoding": "gzip"})
+    assert status == 200
+
+
 # Last: every bad request above must have left the engine idle with no KV block held.
 def test_nothing_leaked_after_bad_inputs(server):
     idle(server)

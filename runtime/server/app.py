@@ -134,7 +134,10 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def _read_json(request: web.Request) -> dict:
-    body = await request.read()  # raises 413 past client_max_size
+    try:
+        body = await request.read()  # raises 413 past client_max_size
+    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
+        raise APIError(400, f"Invalid request body: {str(exc).strip()}") from None
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
