@@ -87,7 +87,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.dtype, self.device)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        except (ValueError, OSError) as exc:  # transformers' message is long and names no file
+            raise ValueError(f"model: no usable tokenizer in {str(config.tokenizer or config.model)!r} "
+                             f"(tokenizer.json, tokenizer.model, ...): {' '.join(str(exc).split())[:300]}") from None
         self._decode = make_decode_fn(self.tokenizer)
         self.vocab_size = self.model_config.vocab_size
 

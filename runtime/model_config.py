@@ -34,6 +34,16 @@ _DTYPES = {
 }
 
 
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:  # name the file: a bare JSONDecodeError does not
+        raise ValueError(f"model: {path} is not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model: {path} must hold a JSON object")
+    return data
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A supported decoder-only model's architecture, shape, RoPE and special tokens."""
@@ -67,11 +77,11 @@ class ModelConfig:
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise ValueError(f"model: no config.json in {str(model_dir)!r}")
-        config = json.loads(config_path.read_text())
+        config = _read_json(config_path)
         generation: dict[str, Any] = {}
         gen_path = model_dir / "generation_config.json"
         if gen_path.is_file():
-            generation = json.loads(gen_path.read_text())
+            generation = _read_json(gen_path)
         return cls.from_dict(config, generation, model_dir=model_dir)
 
     @classmethod

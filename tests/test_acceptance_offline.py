@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 from kvserve.runtime import SamplingParams
@@ -49,3 +52,19 @@ def test_engine_clean_after_refusals(llm):
     stats = llm.engine.get_stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
     assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: (d / "config.json").write_text("{bad"), "config.json is not readable JSON"),
+    (lambda d: (d / "generation_config.json").write_text("[1]"), "generation_config.json must hold a JSON object"),
+    (lambda d: (d / "tokenizer.json").unlink(), "no usable tokenizer"),
+    (lambda d: os.truncate(d / "model.safetensors", 1000), "model.safetensors is not a readable safetensors file"),
+])
+def test_damaged_model_dir_is_value_error_naming_the_file(tiny_llama, tmp_path, damage, needle):
+    from kvserve.runtime import LLM
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama, model)
+    damage(model)
+    with pytest.raises(ValueError, match=f"^model: .*{needle}"):
+        LLM(model=str(model))

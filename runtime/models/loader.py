@@ -8,7 +8,7 @@ import pathlib
 import re
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvserve.runtime.attention.backend import AttentionBackend
 from kvserve.runtime.model_config import ModelConfig
@@ -48,17 +48,20 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
     loaded: set[str] = set()
     with torch.no_grad():
         for path in checkpoint_files(model_dir):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    target = targets.get(name)
-                    if target is None:
-                        if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                            log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
-                        continue
-                    param, shard_id = target
-                    tensor = f.get_tensor(name).to(dtype=dtype)
-                    param.weight_loader(param, tensor, shard_id)
-                    loaded.add(name)
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        target = targets.get(name)
+                        if target is None:
+                            if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                                log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
+                            continue
+                        param, shard_id = target
+                        tensor = f.get_tensor(name).to(dtype=dtype)
+                        param.weight_loader(param, tensor, shard_id)
+                        loaded.add(name)
+            except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
+                raise ValueError(f"model: {path} is not a readable safetensors file ({exc})") from None
     missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
