@@ -1,9 +1,10 @@
 """Speculative decoding: acceptance rate and decode speed, n-gram lookup and draft models.
 
     python bench/spec_decode.py                       # ~50M random Llama target, greedy, batch 1
+    python bench/spec_decode.py --num-requests 16 --concurrency 16   # batched verification
     python bench/spec_decode.py --model DIR --draft DIR --device cuda
 
-Runs the same requests (one at a time: speculative decoding is a latency tool) without
+Runs the same requests (one at a time by default: speculative decoding is a latency tool) without
 speculation and with each method, greedy, in interleaved rounds (best round per method), and
 checks that every method reproduces the plain output token for token. Methods:
 
@@ -52,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--methods", default="ngram,draft-truncated,draft-identical")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests run together in waves of this many (decode time: from a wave's first token to its end)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each method keeps its best")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "spec_decode.json")
@@ -93,17 +96,21 @@ def run(engine, prompts, args):
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     base = engine.get_stats()
     outputs, decode_s, tokens = [], 0.0, 0
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+    for w in range(0, len(prompts), args.concurrency):
+        wave = {}
+        for i, prompt in enumerate(prompts[w:w + args.concurrency], start=w):
+            engine.add_request(f"r{i}", prompt, params)
         first = None
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if first is None and out.outputs[0].token_ids:
                     first = time.perf_counter()  # decode speed: from the first token on
                 if out.finished:
-                    outputs.append(out.outputs[0].token_ids)
-                    decode_s += time.perf_counter() - first
-                    tokens += len(out.outputs[0].token_ids) - 1
+                    wave[out.request_id] = out.outputs[0].token_ids
+        decode_s += time.perf_counter() - first
+        for i in range(w, w + len(wave)):
+            outputs.append(wave[f"r{i}"])
+            tokens += len(wave[f"r{i}"]) - 1
     s = engine.get_stats()
     drafts = s.spec_decode_num_drafts_total - base.spec_decode_num_drafts_total
     draft_tokens = s.spec_decode_num_draft_tokens_total - base.spec_decode_num_draft_tokens_total
@@ -138,7 +145,7 @@ def main(argv=None) -> int:
         methods["draft-truncated"] = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
     methods["draft-identical"] = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
     print(f"target {model_dir} ({mcfg.num_layers} layers), {args.device}, {torch.get_num_threads()} threads; "
-          f"{args.num_requests} requests one at a time, prompt {len(prompts[0])} tokens (a passage + its first "
+          f"{args.num_requests} requests, {args.concurrency} at a time, prompt {len(prompts[0])} tokens (a passage + its first "
           f"half), {args.output_len} output tokens, greedy, k={k}", flush=True)
 
     # Rounds interleave the methods and each keeps its best round, so that load drifting on a
@@ -168,7 +175,7 @@ def main(argv=None) -> int:
                                 draft_tokens=r["draft_tokens"], accepted_tokens=r["accepted"],
                                 acceptance_rate=rate, tokens_per_verify_step=per_step, same_output=same))
     record = dict(benchmark="spec_decode", model=str(model_dir), device=args.device, threads=torch.get_num_threads(),
-                  k=k, rounds=args.rounds, num_requests=args.num_requests, prompt_len=len(prompts[0]), output_len=args.output_len,
+                  k=k, rounds=args.rounds, num_requests=args.num_requests, concurrency=args.concurrency, prompt_len=len(prompts[0]), output_len=args.output_len,
                   rows=record_rows, machine=platform.platform(), cpu_count=os.cpu_count(),
                   date=time.strftime("%Y-%m-%d"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
