@@ -88,6 +88,23 @@ def test_gzip_body_still_served(server):
     assert status == 200
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"},
+    {"tokenize": True}, {"messages": []}, {"add_generation_prompt": False},
+])
+def test_chat_template_kwargs_cannot_replace_the_template_or_rendering_args(server, kwargs):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": kwargs}
+    status, _, raw = http(server, "POST", "/v1/chat/completions", body, timeout=10)
+    err = _error(status, raw)
+    assert err["param"] == "chat_template_kwargs" and next(iter(kwargs)) in err["message"]
+
+
+def test_chat_template_kwargs_still_reach_the_template(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    assert http(server, "POST", "/v1/chat/completions", body)[0] == 200
+
+
 # Last: every bad request above must have left the engine idle with no KV block held.
 def test_nothing_leaked_after_bad_inputs(server):
     idle(server)

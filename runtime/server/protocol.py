@@ -173,6 +173,12 @@ class ResponseFormat(BaseModel):
     type: Literal["text"]
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+    "return_dict", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+})
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -185,6 +191,17 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # A request-supplied template is arbitrary Jinja run on the event loop (nested loops hang the
+        # server, "x" * 10**9 exhausts memory); the rest are apply_chat_template's own arguments.
+        bad = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise ValueError(f"{', '.join(bad)} cannot be set here (a request cannot supply its own chat template "
+                             "or override the server's rendering arguments)")
+        return v
 
     @model_validator(mode="after")
     def _chat_only(self) -> "ChatCompletionRequest":
