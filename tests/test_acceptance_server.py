@@ -105,6 +105,21 @@ def test_chat_template_kwargs_still_reach_the_template(server):
     assert http(server, "POST", "/v1/chat/completions", body)[0] == 200
 
 
+def test_long_tokenize_runs_off_the_event_loop(server, monkeypatch):
+    import threading
+
+    from kvserve.runtime.server import app as app_module
+
+    # Record the thread each tokenization runs on: a long /tokenize prompt must not run on the loop's.
+    threads = []
+    real = app_module._tokenize
+    monkeypatch.setattr(app_module, "_tokenize", lambda *a: (threads.append(threading.current_thread().name), real(*a))[1])
+    status, _, _ = http(server, "POST", "/tokenize", {"prompt": "hello " * (app_module.LONG_TEXT_CHARS // 5)})
+    assert status == 200 and threads and "kvserve-server" not in threads[-1]
+    status, _, _ = http(server, "POST", "/tokenize", {"messages": [{"role": "user", "content": "hi " * 6000}]})
+    assert status == 200 and "kvserve-server" not in threads[-1]
+
+
 # Last: every bad request above must have left the engine idle with no KV block held.
 def test_nothing_leaked_after_bad_inputs(server):
     idle(server)

@@ -303,13 +303,13 @@ async def tokenize(request: web.Request) -> web.Response:
     _check_model(state, req.model)
     engine = _check_serving(state)
     tok = engine.engine.tokenizer
-    if req.prompt is not None:
-        ids = _tokenize(tok, req.prompt, req.add_special_tokens)
+    if req.prompt is not None:  # off the event loop when long, as for completions
+        ids = await _tokenize_async(tok, req.prompt, req.add_special_tokens)
     else:
         text = _chat_prompt(tok, [{"role": m.role, "content": m.text()} for m in req.messages],
                             add_generation_prompt=req.add_generation_prompt, continue_final_message=False,
                             kwargs=None)
-        ids = _tokenize(tok, text, False)
+        ids = await _tokenize_async(tok, text, False)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len})
 
 
