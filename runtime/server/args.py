@@ -45,7 +45,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'')
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (or set KVSERVE_API_KEY)")
+                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (or set KVSERVE_API_KEY)")
     p.add_argument("--max-queue-len", type=_bounded(int, 0), default=1024,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429")
     p.add_argument("--drain-timeout", type=_bounded(float, 0.0), default=30.0,
