@@ -77,9 +77,12 @@ class LLM:
             raise ValueError("messages: expected a list of {'role', 'content'} dicts or a list of such lists")
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False)
+            try:
+                text = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     tokenize=False)
+            except Exception as exc:  # Jinja raises anything (UndefinedError, ZeroDivisionError, ...)
+                raise ValueError(f"messages: the chat template rejected them: {type(exc).__name__}: {exc}") from None
             # The template already holds any BOS: do not let the tokenizer add another.
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids, "prompt": text})

@@ -68,3 +68,12 @@ def test_damaged_model_dir_is_value_error_naming_the_file(tiny_llama, tmp_path, 
     damage(model)
     with pytest.raises(ValueError, match=f"^model: .*{needle}"):
         LLM(model=str(model))
+
+
+@pytest.mark.parametrize("messages, template", [
+    ([{"role": "user"}], "{{ messages[0].content.upper() }}"),
+    ([{"role": "user", "content": "hi"}], "{{ 1/0 }}"),
+])
+def test_chat_template_failure_is_value_error(llm, messages, template):
+    with pytest.raises(ValueError, match="^messages: the chat template rejected them"):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=template)
