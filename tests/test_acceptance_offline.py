@@ -77,3 +77,11 @@ def test_damaged_model_dir_is_value_error_naming_the_file(tiny_llama, tmp_path, 
 def test_chat_template_failure_is_value_error(llm, messages, template):
     with pytest.raises(ValueError, match="^messages: the chat template rejected them"):
         llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=template)
+
+
+def test_missing_draft_model_error_names_speculative_config(tiny_llama, tmp_path):
+    from kvserve.runtime import LLM
+
+    with pytest.raises(ValueError, match="^speculative_config.model: no config.json"):
+        LLM(model=str(tiny_llama), speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                                       "num_speculative_tokens": 2})

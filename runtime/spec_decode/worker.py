@@ -40,7 +40,10 @@ def load_draft(config: SpeculativeConfig, *, device: torch.device, dtype: torch.
     from kvserve.runtime.model_config import ModelConfig
     from kvserve.runtime.models import load_model
 
-    cfg = ModelConfig.from_pretrained(config.model)
+    try:
+        cfg = ModelConfig.from_pretrained(config.model)
+    except ValueError as exc:  # "model: ..." would point at the target model, not the draft
+        raise ValueError(f"speculative_config.{exc}") from None
     if cfg.vocab_size != vocab_size:
         raise ValueError(f"speculative_config.model: vocabulary of {cfg.vocab_size} tokens differs from "
                          f"the target's {vocab_size}; the draft must share the target's tokenizer")
