@@ -120,6 +120,13 @@ def test_long_tokenize_runs_off_the_event_loop(server, monkeypatch):
     assert status == 200 and "kvserve-server" not in threads[-1]
 
 
+@pytest.mark.parametrize("raw", ['{"prompt": ' + "[" * 100000 + "]" * 100000 + "}",
+                                 '{"a":' * 50000 + "1" + "}" * 50000])
+def test_deeply_nested_json_is_400(server, raw):
+    status, _, body = http(server, "POST", "/v1/completions", raw)
+    assert "nested too deeply" in _error(status, body)["message"]
+
+
 # Last: every bad request above must have left the engine idle with no KV block held.
 def test_nothing_leaked_after_bad_inputs(server):
     idle(server)

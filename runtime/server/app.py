@@ -142,6 +142,8 @@ async def _read_json(request: web.Request) -> dict:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"Invalid JSON body: {exc}") from None
+    except RecursionError:  # [[[[...]]]] nested deeper than the parser's recursion limit
+        raise APIError(400, "Invalid JSON body: nested too deeply") from None
     if not isinstance(obj, dict):
         raise APIError(400, "The request body must be a JSON object.")
     # JSON's \uD800-style escapes can smuggle lone surrogates into a str; the tokenizer then raises
