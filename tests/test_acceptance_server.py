@@ -127,6 +127,17 @@ def test_deeply_nested_json_is_400(server, raw):
     assert "nested too deeply" in _error(status, body)["message"]
 
 
+def test_openai_client_models_retrieve(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("org/other")
+    assert exc.value.body["code"] == "model_not_found"
+
+
 # Last: every bad request above must have left the engine idle with no KV block held.
 def test_nothing_leaked_after_bad_inputs(server):
     idle(server)

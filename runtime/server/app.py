@@ -287,12 +287,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "chat")
 
 
+def _model_card(state: ServerState, name: str) -> dict:
+    max_len = state.engine.engine.max_model_len if state.engine else None
+    return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "kvserve",
+            "root": name, "parent": None, "max_model_len": max_len}
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    max_len = state.engine.engine.max_model_len if state.engine else None
-    data = [{"id": name, "object": "model", "created": int(state.started_at), "owned_by": "kvserve",
-             "root": name, "parent": None, "max_model_len": max_len} for name in state.config.served_model_names]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_card(state, n) for n in state.config.served_model_names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """OpenAI's GET /v1/models/{model} (the official client's models.retrieve)."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    _check_model(state, name)
+    return web.json_response(_model_card(state, name))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -379,6 +390,7 @@ def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> we
     r.add_post("/v1/completions", completions)
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_get("/v1/models", models)
+    r.add_get("/v1/models/{model:.+}", model)  # served names may contain "/"
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_get("/health", health)
