@@ -49,3 +49,23 @@ def test_unknown_host_is_one_line_and_exit_1(tmp_path):
     proc = _kvserve("serve", str(tmp_path), "--host", "no-such-host.invalid", "--port", "0")
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr and "cannot listen on no-such-host.invalid" in proc.stderr
+
+
+
+def test_serve_quiets_torch_info_logs_unless_debug(monkeypatch):
+    """torch logs FakeTensor cache stats at INFO at every exit; only --log-level debug keeps them."""
+    import logging
+
+    from kvserve.runtime.server import main as server_main
+
+    monkeypatch.setattr(server_main.asyncio, "run", lambda coro: coro.close() or 0)
+    torch_logger, root = logging.getLogger("torch"), logging.getLogger()
+    monkeypatch.setattr(torch_logger, "level", logging.NOTSET)
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setattr(root, "handlers", [])
+    server_main.run_server(build_parser().parse_args(["serve", "/m"]))
+    assert torch_logger.level == logging.WARNING
+    torch_logger.setLevel(logging.NOTSET)
+    root.handlers = []
+    server_main.run_server(build_parser().parse_args(["serve", "/m", "--log-level", "debug"]))
+    assert torch_logger.level == logging.NOTSET

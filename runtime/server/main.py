@@ -150,6 +150,8 @@ class Server:
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.DEBUG:  # torch logs FakeTensor cache stats at INFO on every exit
+        logging.getLogger("torch").setLevel(logging.WARNING)
     return asyncio.run(Server(args).serve())
 
 
