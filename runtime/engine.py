@@ -285,6 +285,18 @@ class LLMEngine:
         self._stats.request_success_total["abort"] += 1
         self._pending.append(self._make_output(req, finished=True))
 
+    def withdraw_request(self, request_id: str) -> None:
+        """Undoes an add_request whose batch failed validation before any step ran: the request
+        disappears without an output and is not counted as aborted (it was a bad request, not an
+        abort). Unknown ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for s in req.samples:
+            self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
+            self._by_seq.pop(s.seq.seq_id, None)
+        req.unforked = []
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending)
 

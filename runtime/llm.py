@@ -96,9 +96,8 @@ class LLM:
             for rid, prompt, params in zip(ids, prompts, params_list):
                 engine.add_request(rid, prompt, params)
         except ValueError:
-            for rid in ids:
-                engine.abort_request(rid)
-            engine.step()  # flush the abort outputs
+            for rid in ids:  # a rejected batch leaves no output and is not counted as aborted
+                engine.withdraw_request(rid)
             raise
         index = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(prompts)

@@ -48,6 +48,15 @@ def test_chat_non_message_list_is_value_error(llm, messages):
         llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+def test_rejected_batch_leaves_nothing_and_counts_no_abort(llm):
+    aborts = llm.engine.get_stats().request_success_total.get("abort", 0)
+    with pytest.raises(ValueError, match="^prompt_token_ids:"):
+        llm.generate(["ok", "fine", [5, 10**6]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+    stats = llm.engine.get_stats()
+    assert stats.request_success_total.get("abort", 0) == aborts
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_engine_clean_after_refusals(llm):
     stats = llm.engine.get_stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)

@@ -138,6 +138,16 @@ def test_openai_client_models_retrieve(server):
     assert exc.value.body["code"] == "model_not_found"
 
 
+def test_rejected_batch_is_not_counted_as_aborted(server):
+    from server_helpers import m, metrics
+
+    before = m(metrics(server), "vllm:request_success_total", finished_reason="abort")
+    status, _, body = http(server, "POST", "/v1/completions", {"prompt": [[5] * 10, [5] * 250], "max_tokens": 10})
+    assert _error(status, body)["param"] == "max_tokens"
+    after = idle(server)
+    assert m(after, "vllm:request_success_total", finished_reason="abort") == before
+
+
 # Last: every bad request above must have left the engine idle with no KV block held.
 def test_nothing_leaked_after_bad_inputs(server):
     idle(server)

@@ -183,8 +183,8 @@ class AsyncEngine:
                             self.engine.add_request(rid, prompt, params)
                             added.append(rid)
                     except BaseException:
-                        for rid in added:
-                            self.engine.abort_request(rid)
+                        for rid in added:  # a rejected batch is not an abort in the metrics
+                            self.engine.withdraw_request(rid)
                         raise
                     result = None
                 elif kind == "abort":
