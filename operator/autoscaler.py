@@ -236,7 +236,11 @@ def decide(spec: ServiceSpec, shape: ModelShape | None, obs: Observation, state:
     panicking = panic_until is not None and now < panic_until
 
     desired, reason = cur, "WithinTolerance"
-    if raw > cur:
+    if raw > cur and cur >= hi:
+        reason = "AtMaxReplicas"  # nothing to do but report it (ScalingLimited below)
+    elif raw < cur and cur <= lo:
+        reason = "AtMinReplicas"  # idle at the floor is the normal resting state, not a wait
+    elif raw > cur:
         up_recs = [r for t, r in recs if t >= now - a.scale_up_window_seconds]
         target = raw if panicking else min(up_recs)
         step = max(a.max_scale_up_step, cur) if panicking else a.max_scale_up_step

@@ -273,8 +273,11 @@ class Reconciler:
 
     @staticmethod
     def _report_limits(body, status, decision: Decision) -> None:
+        """One Warning as the load starts to want more than maxReplicas; resting at minReplicas is
+        normal (the condition says so, no Event)."""
         before = {c.get("type"): c for c in status.get("conditions") or []}.get("ScalingLimited") or {}
-        if decision.limited and (before.get("status") != "True" or before.get("reason") != decision.limited):
+        if decision.limited == "TooManyReplicas" and (before.get("status") != "True"
+                                                     or before.get("reason") != decision.limited):
             kopf.warn(body, reason=decision.limited, message=decision.limited_message)
 
     # --- deletion ------------------------------------------------------------------------------

@@ -319,3 +319,17 @@ def test_pods_without_fresh_data_never_cause_a_scale_down(fresh, others, extra):
         d = decide(spec, shape, Observation(t, current, 1, tuple(pods_)), state)
         assert d.replicas >= current, d
         state = d.state
+
+
+def test_idle_at_min_replicas_says_so_and_changes_nothing():
+    """Regression: 1 -> 1 at minReplicas with no load was `ScaleDownStabilizing` (then `OutsideBounds`)."""
+    spec, shape = make_spec({"minReplicas": 1})
+    for state in (AutoscalerState(), AutoscalerState(history_start=-10_000)):
+        d = decide(spec, shape, Observation(0, 1, 1, pods(1, kv=0.0, running=0)), state)
+        assert (d.replicas, d.reason, d.changed) == (1, "AtMinReplicas", False)
+
+
+def test_loaded_at_max_replicas_says_so_and_is_limited():
+    spec, shape = make_spec({"maxReplicas": 3, "panicThreshold": 100})
+    d = decide(spec, shape, Observation(0, 3, 1, pods(3, kv=1.0, queue=20)), AutoscalerState())
+    assert (d.replicas, d.reason, d.changed, d.limited) == (3, "AtMaxReplicas", False, "TooManyReplicas")

@@ -179,3 +179,20 @@ def test_optional_fields_dropped_from_the_spec_are_deleted_by_the_patch():
     patch = _merge(merge_patch_for(desired, live), removals("Deployment", desired, live))
     assert patch == {"spec": {"template": {"spec": {"nodeSelector": None}}}}
     assert removals("Deployment", live, live) == {} and removals("Service", desired, live) == {}
+
+
+def test_limit_warnings_only_when_too_many_replicas_begins(monkeypatch):
+    """Regression: idle at minReplicas posted a Warning `TooFewReplicas`; resting at a bound is normal."""
+    import kopf
+
+    from kvserve.operator.handlers import Reconciler
+
+    warned = []
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warned.append(reason))
+    limited = lambda reason: {"conditions": [{"type": "ScalingLimited", "status": "True", "reason": reason}]}
+    Reconciler._report_limits({}, {}, _decision(limited="TooFewReplicas", limited_message="x"))
+    assert warned == []
+    Reconciler._report_limits({}, {}, _decision(limited="TooManyReplicas", limited_message="x"))
+    assert warned == ["TooManyReplicas"]
+    Reconciler._report_limits({}, limited("TooManyReplicas"), _decision(limited="TooManyReplicas", limited_message="x"))
+    assert warned == ["TooManyReplicas"]  # once as the state begins, not every tick
