@@ -44,6 +44,9 @@ from kvserve.runtime.distributed.worker import WorkerArgs
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
+# Startup handshakes wait at least this long: a fresh interpreter importing torch on a busy
+# machine can take seconds, and a worker that dies while starting is reported at once anyway.
+STARTUP_TIMEOUT_FLOOR_S = 60.0
 # After a failed step, how long to wait for a dead worker to show itself before blaming rank 0.
 FAILURE_GRACE_S = 3.0
 
@@ -185,7 +188,7 @@ class TensorParallelExecutor:
                 self.rank_reports.append(dict(rank=rank, pid=worker.pid))
             # Join the group only once every worker is up: a worker that fails to start is then
             # reported at once instead of after the rendezvous timeout.
-            self._collect(protocol.HELLO, self.timeout_s)
+            self._collect(protocol.HELLO, max(self.timeout_s, STARTUP_TIMEOUT_FLOOR_S))
             if device.type == "cuda":
                 torch.cuda.set_device(self.device)
             dist.init_process_group(self.backend, store=store, rank=0, world_size=tp, timeout=timeout)
@@ -248,7 +251,7 @@ class TensorParallelExecutor:
             for rank, payload in loaded.items():
                 self.rank_reports[rank].update(num_kv_blocks_fit=payload[1], weight_bytes=payload[2])
             self._send_all(protocol.encode(protocol.ALLOCATE, num_blocks))
-            for rank, payload in self._collect(protocol.READY, self.timeout_s).items():
+            for rank, payload in self._collect(protocol.READY, max(self.timeout_s, STARTUP_TIMEOUT_FLOOR_S)).items():
                 self.rank_reports[rank].update(num_kv_blocks=num_blocks, kv_cache_bytes=payload[1])
         except BaseException:
             self.shutdown()
