@@ -271,15 +271,24 @@ def decide(spec: ServiceSpec, shape: ModelShape | None, obs: Observation, state:
         limited, limited_message = "TooManyReplicas", f"the load asks for {raw} replicas; maxReplicas is {hi}"
     elif raw < lo and bounded <= lo:
         limited, limited_message = "TooFewReplicas", f"the load asks for {raw} replicas; minReplicas is {lo}"
+    clamp = ""
     if bounded != desired:
-        reason = "OutsideBounds"
+        # A move the bounds only shorten keeps its direction's reason; the clamp goes in the message.
+        if desired > cur and bounded > cur:
+            clamp = f"; clamped at maxReplicas {hi}"
+        elif desired < cur and bounded < cur:
+            clamp = f"; clamped at minReplicas {lo}"
+        elif bounded == cur:
+            reason = "AtMaxReplicas" if desired > cur else "AtMinReplicas"
+        else:
+            reason = "OutsideBounds"  # the bounds themselves moved (a spec edit), not the load
     desired = bounded
 
     new_state = replace(state, recommendations=recs, history_start=history_start,
                         panic_until=panic_until if panicking else None)
     message = (f"kv {signals.kv_cache_utilization:.2f} (target {a.target_kv_utilization:.2f}), queue "
                f"{queue:g} (target {a.target_queue_depth:g}/replica) over {ready} fresh pod(s) of {total}; "
-               f"recommend {raw}")
+               f"recommend {raw}{clamp}")
 
     decision = Decision(desired, tp, reason, message, state=new_state, limited=limited,
                         limited_message=limited_message, **base)

@@ -333,3 +333,17 @@ def test_loaded_at_max_replicas_says_so_and_is_limited():
     spec, shape = make_spec({"maxReplicas": 3, "panicThreshold": 100})
     d = decide(spec, shape, Observation(0, 3, 1, pods(3, kv=1.0, queue=20)), AutoscalerState())
     assert (d.replicas, d.reason, d.changed, d.limited) == (3, "AtMaxReplicas", False, "TooManyReplicas")
+
+
+def test_a_move_clamped_by_the_bounds_keeps_its_direction():
+    """Regression: 1 -> 3 clamped at maxReplicas 3 and 2 -> 1 clamped at min were `OutsideBounds`."""
+    spec, shape = make_spec({"maxReplicas": 3, "panicThreshold": 100})
+    d = decide(spec, shape, Observation(0, 1, 1, pods(1, kv=1.0, queue=20)), AutoscalerState())
+    assert (d.replicas, d.reason, d.limited) == (3, "ScaleUp", "TooManyReplicas")
+    assert "clamped at maxReplicas 3" in d.message
+    spec, shape = make_spec({"maxReplicas": 3})  # panic: the same, labelled PanicScaleUp
+    d = decide(spec, shape, Observation(0, 1, 1, pods(1, kv=1.0, queue=20)), AutoscalerState())
+    assert (d.replicas, d.reason, d.limited) == (3, "PanicScaleUp", "TooManyReplicas")
+    spec, shape = make_spec({"minReplicas": 1, "maxScaleDownStep": 4})
+    d = decide(spec, shape, Observation(1000, 2, 1, pods(2, kv=0.0)), AutoscalerState(history_start=0))
+    assert (d.replicas, d.reason) == (1, "ScaleDown") and "clamped at minReplicas 1" in d.message
