@@ -86,6 +86,8 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 REQUEST_ID = web.RequestKey("request_id", str)
+# Set once a streamed response has sent its headers: after that an error can only end the stream.
+STREAM_STARTED = web.RequestKey("stream_started", bool)
 
 
 def _is_loopback(request: web.Request) -> bool:
@@ -128,6 +130,12 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
             response.headers["Allow"] = exc.headers.get("Allow", "")
     except EngineDeadError as exc:
         response = APIError(503, f"The engine has stopped: {exc}").response()
+    except Exception:
+        if request.get(STREAM_STARTED):
+            raise  # the headers are out: closing the connection is all that is left
+        # A bug of ours still answers in OpenAI's error shape, with an id to find it in the log.
+        log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, rid)
+        response = APIError(500, f"Internal server error (request id {rid}); details are in the server log.").response()
     if not response.prepared:
         response.headers["X-Request-Id"] = rid
     return response
@@ -258,6 +266,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": request[REQUEST_ID]})
         await resp.prepare(request)
+        request[STREAM_STARTED] = True
         try:
             async for out in stream:
                 chunks = []
