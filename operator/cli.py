@@ -14,7 +14,7 @@ import aiohttp
 import yaml
 
 from .autoscaler import AutoscalerState, Observation, decide, valid_degrees
-from .spec import SpecError, check_servable, parse_spec
+from .spec import API_VERSION, KIND, SpecError, check_servable, parse_spec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,10 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_spec_file(path: str) -> dict[str, Any]:
-    doc = yaml.safe_load(Path(path).read_text())
+    """The spec of an InferenceService file (the whole object, or a bare spec without kind)."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except UnicodeDecodeError:
+        raise SpecError("spec", f"{path} is not a text (UTF-8) file") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = ", ".join(filter(None, (getattr(error, "context", None), getattr(error, "problem", None)))) \
+            or str(error).splitlines()[0]
+        raise SpecError("spec", f"{path} is not valid YAML{where}: {problem}") from None
     if not isinstance(doc, dict):
         raise SpecError("spec", f"{path} does not hold a YAML mapping")
-    return doc["spec"] if isinstance(doc.get("spec"), dict) else doc
+    kind, api_version = doc.get("kind"), doc.get("apiVersion")
+    if (kind, api_version) != (None, None) and (kind != KIND or api_version != API_VERSION):
+        raise SpecError("kind", f"{path} is not an InferenceService: kind {kind!r}, apiVersion "
+                                f"{api_version!r} (want kind {KIND!r}, apiVersion {API_VERSION!r})")
+    if kind is not None:
+        return doc["spec"] if isinstance(doc.get("spec"), dict) else {}
+    return doc
 
 
 async def _gather_signals(urls: Sequence[str], timeout: float):

@@ -138,3 +138,25 @@ def test_run_subcommand_reconciles_with_kubeconfig_and_serves_liveness(tmp_path)
             _, err = proc.communicate()
         emulator.stop()
     assert proc.returncode in (0, -15), err.decode()[-2000:]
+
+
+async def test_plan_rejects_bad_yaml_and_other_kinds_in_one_line(tmp_path):
+    """Regression: invalid YAML printed a traceback; a kustomization said `spec.model.uri: is required`."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec:\n  model: [1, 2\n  x: 3\n")
+    code, out, err = await run_cli("plan", "--spec", str(broken), "--metrics-url", "http://127.0.0.1:9")
+    assert code == 2 and out == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "broken.yaml is not valid YAML (line 3" in err
+    kust = tmp_path / "kustomization.yaml"
+    kust.write_text("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [a.yaml]\n")
+    code, _, err = await run_cli("plan", "--spec", str(kust), "--metrics-url", "http://127.0.0.1:9")
+    assert code == 2 and "is not an InferenceService: kind 'Kustomization'" in err and "model.uri" not in err
+
+
+def test_load_spec_file_takes_the_object_or_a_bare_spec(tmp_path):
+    from kvserve.operator.cli import load_spec_file
+
+    whole, bare = tmp_path / "whole.yaml", tmp_path / "bare.yaml"
+    whole.write_text(yaml.safe_dump(SPEC))
+    bare.write_text(yaml.safe_dump(SPEC["spec"]))
+    assert load_spec_file(str(whole)) == load_spec_file(str(bare)) == SPEC["spec"]
