@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -15,6 +16,29 @@ import yaml
 
 from .autoscaler import AutoscalerState, Observation, decide, valid_degrees
 from .spec import API_VERSION, KIND, SpecError, check_servable, parse_spec
+
+
+def _number(kind: type, low: float, high: float | None = None, *, open_low: bool = False):
+    """An argparse type: a finite `kind` in range, else a usage error (exit 2) naming the bound."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {text!r}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if (value <= low if open_low else value < low) or (high is not None and value > high):
+            bound = f"> {low:g}" if open_low else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}{f' and <= {high:g}' if high is not None else ''}"
+                                             f", got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+POSITIVE_SECONDS = _number(float, 0, open_low=True)
+POSITIVE_INT = _number(int, 1)
+PORT = _number(int, 1, 65535)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,11 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="kopf peering object name (one active operator among replicas)")
     run.add_argument("--standalone", action="store_true", help="no peering (a single operator)")
     run.add_argument("--priority", type=int, default=0, help="peering priority of this instance")
-    run.add_argument("--scrape-interval", type=float, default=15.0, help="autoscaler period, seconds")
-    run.add_argument("--scrape-timeout", type=float, default=3.0)
-    run.add_argument("--scrape-concurrency", type=int, default=16)
-    run.add_argument("--agent-port", type=int, default=8081)
-    run.add_argument("--max-sample-age", type=float, default=10.0,
+    run.add_argument("--scrape-interval", type=POSITIVE_SECONDS, default=15.0, help="autoscaler period, seconds")
+    run.add_argument("--scrape-timeout", type=POSITIVE_SECONDS, default=3.0)
+    run.add_argument("--scrape-concurrency", type=POSITIVE_INT, default=16)
+    run.add_argument("--agent-port", type=PORT, default=8081)
+    run.add_argument("--max-sample-age", type=POSITIVE_SECONDS, default=10.0,
                      help="older agent samples count as stale (never drive a scale-down)")
     run.add_argument("--prometheus-url", default=None,
                      help="read kvserve_* signals from this Prometheus instead of scraping agents")
@@ -47,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--spec", required=True, help="InferenceService YAML (the whole object or its spec)")
     plan.add_argument("--metrics-url", action="append", required=True,
                       help="an agent (http://host:8081) or runtime (http://host:8000/metrics); repeatable, one per pod")
-    plan.add_argument("--replicas", type=int, default=None, help="current replicas (default: one per URL)")
-    plan.add_argument("--tp", type=int, default=None, help="current TP (default: what the pods report, else initial)")
+    plan.add_argument("--replicas", type=_number(int, 0), default=None, help="current replicas (default: one per URL)")
+    plan.add_argument("--tp", type=POSITIVE_INT, default=None, help="current TP (default: what the pods report, else initial)")
     plan.add_argument("--steady", action="store_true",
                       help="treat the sample as steady for the whole windows (a scale-down may show)")
-    plan.add_argument("--timeout", type=float, default=5.0)
+    plan.add_argument("--timeout", type=POSITIVE_SECONDS, default=5.0)
     return parser
 
 
@@ -106,7 +130,7 @@ def plan(args: argparse.Namespace) -> int:
         return 2
     pods = asyncio.run(_gather_signals(args.metrics_url, args.timeout))
     reported = {p.tensor_parallel_size for p in pods if p.tensor_parallel_size}
-    tp = args.tp or (reported.pop() if len(reported) == 1 else spec.tensor.initial)
+    tp = args.tp if args.tp is not None else (reported.pop() if len(reported) == 1 else spec.tensor.initial)
     replicas = args.replicas if args.replicas is not None else len(pods)
     now = 1_000_000.0
     state = AutoscalerState(history_start=now - 86_400) if args.steady else AutoscalerState()

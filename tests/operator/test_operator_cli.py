@@ -160,3 +160,35 @@ def test_load_spec_file_takes_the_object_or_a_bare_spec(tmp_path):
     whole.write_text(yaml.safe_dump(SPEC))
     bare.write_text(yaml.safe_dump(SPEC["spec"]))
     assert load_spec_file(str(whole)) == load_spec_file(str(bare)) == SPEC["spec"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--replicas", "-1"], "argument --replicas: must be >= 0, got -1"),
+    (["plan", "--tp", "0"], "argument --tp: must be >= 1, got 0"),
+    (["plan", "--timeout", "-1"], "argument --timeout: must be > 0, got -1"),
+    (["run", "--scrape-interval", "-1"], "argument --scrape-interval: must be > 0, got -1"),
+    (["run", "--scrape-timeout", "0"], "argument --scrape-timeout: must be > 0, got 0"),
+    (["run", "--max-sample-age", "nan"], "argument --max-sample-age: must be a finite number, got nan"),
+    (["run", "--scrape-concurrency", "0"], "argument --scrape-concurrency: must be >= 1, got 0"),
+    (["run", "--agent-port", "70000"], "argument --agent-port: must be >= 1 and <= 65535, got 70000"),
+])
+def test_numeric_flags_are_range_checked(argv, message, capsys):
+    """Regression: `plan --replicas -1`/`--timeout -1` and `run --scrape-interval -1` were accepted,
+    `plan --tp 0` silently ignored."""
+    from kvserve.operator.cli import build_parser
+
+    if argv[0] == "plan":
+        argv = argv + ["--spec", "x.yaml", "--metrics-url", "http://127.0.0.1:9"]
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_numeric_flags_accept_their_ranges():
+    from kvserve.operator.cli import build_parser
+
+    args = build_parser().parse_args(["plan", "--spec", "x", "--metrics-url", "u", "--replicas", "0", "--tp", "2",
+                                      "--timeout", "0.5"])
+    assert (args.replicas, args.tp, args.timeout) == (0, 2, 0.5)
+    args = build_parser().parse_args(["run", "--scrape-interval", "0.5", "--agent-port", "9000"])
+    assert (args.scrape_interval, args.agent_port, args.scrape_concurrency) == (0.5, 9000, 16)
