@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -152,6 +153,25 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def find_credentials(settings: Any) -> str | None:
+    """Why `run` cannot log in (one line), or None when kopf will find credentials.
+
+    kopf retries a failing login handler forever, so an operator with nothing to log in with
+    would sit up and broken; checking the same sources first lets `run` exit instead. The result
+    is not kept: the login handler reads them again, so a rotated token is picked up."""
+    import kopf
+
+    try:
+        if kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError, kopf.LoginError) as error:
+        detail = f"{type(error).__name__}: {error}".splitlines()[0]
+        return f"cannot use the kubeconfig ({os.environ.get('KUBECONFIG') or '~/.kube/config'}): {detail}"
+    return ("no Kubernetes credentials: no in-cluster service account "
+            "(/var/run/secrets/kubernetes.io/serviceaccount/token), KUBECONFIG is unset and there is "
+            "no ~/.kube/config")
+
+
 def run(args: argparse.Namespace) -> int:
     import kopf
 
@@ -169,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
         own = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
         namespaces = [own.read_text().strip()] if own.exists() else ["default"]
     settings = kopf.OperatorSettings()
+    problem = find_credentials(settings)
+    if problem:
+        print(f"kvserve-operator run: {problem}", file=sys.stderr)
+        return 1
     settings.peering.name = args.peering
     settings.peering.priority = args.priority
     # With peering, only the highest-priority live instance handles resources; kopf pauses the

@@ -192,3 +192,19 @@ def test_numeric_flags_accept_their_ranges():
     assert (args.replicas, args.tp, args.timeout) == (0, 2, 0.5)
     args = build_parser().parse_args(["run", "--scrape-interval", "0.5", "--agent-port", "9000"])
     assert (args.scrape_interval, args.agent_port, args.scrape_concurrency) == (0.5, 9000, 16)
+
+
+@pytest.mark.skipif(Path("/var/run/secrets/kubernetes.io/serviceaccount/token").exists(),
+                    reason="runs inside a pod: in-cluster credentials exist")
+def test_run_without_credentials_exits_with_one_line(tmp_path):
+    """Regression: `run` with no credentials logged a LoginError traceback and stayed up forever."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"} | {"HOME": str(tmp_path)}
+    for extra in ({}, {"KUBECONFIG": str(tmp_path / "missing")}):
+        done = subprocess.run([OPERATOR, "run", "--standalone", "--liveness", ""], env=env | extra,
+                              capture_output=True, text=True, timeout=30)
+        err = done.stderr.strip()
+        assert done.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert ("no Kubernetes credentials" in err) if not extra else ("missing" in err)
