@@ -16,7 +16,7 @@ import aiohttp
 import yaml
 
 from .autoscaler import AutoscalerState, Observation, decide, valid_degrees
-from .spec import API_VERSION, KIND, SpecError, check_servable, parse_spec
+from .spec import API_VERSION, KIND, SpecError, check_servable, parse_spec, shape_unknown_message
 
 
 def _number(kind: type, low: float, high: float | None = None, *, open_low: bool = False):
@@ -144,6 +144,7 @@ def plan(args: argparse.Namespace) -> int:
         "scalingLimited": decision.limited,
         "signals": decision.signals.as_status(),
         "validTensorParallelDegrees": valid_degrees(spec, shape) if shape else None,
+        **({} if shape else {"tensorParallelNote": shape_unknown_message(spec)}),
         "pods": [{"name": p.name, "ready": p.ready, "stale": p.stale,
                   "kvCacheUtilization": p.kv_cache_utilization, "queueDepth": p.queue_depth,
                   "requestsRunning": p.requests_running, "tensorParallelSize": p.tensor_parallel_size}

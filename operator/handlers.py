@@ -28,7 +28,7 @@ from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .sources import AgentSource, PrometheusSource, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
 from .status import (append_decision, decision_record, degraded_conditions, iso, merge_conditions,
-                     rollout_conditions, scaling_conditions, signal_fields)
+                     rollout_conditions, scaling_conditions, signal_fields, tp_note)
 
 OWNED_KINDS = ("Service", "PodDisruptionBudget", "Deployment")
 
@@ -122,6 +122,7 @@ class Reconciler:
                 logger.warning(f"invalid spec: {error}")
                 return
             memo["kvserve_invalid"] = None
+            self._report_tp_note(body, memo, tp_note(spec, shape))
             live = await self.client.get("Deployment", namespace, name)
             if live is not None and owned_by(live, uid):
                 replicas = (live.get("spec") or {}).get("replicas", 1)
@@ -146,7 +147,7 @@ class Reconciler:
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
-                + self._initial_scaling_conditions(spec, status, generation),
+                + self._initial_scaling_conditions(spec, shape, status, generation),
                 now)
 
     async def _apply_all(self, body, spec, replicas, tp, status, patch, generation, now):
@@ -164,14 +165,21 @@ class Reconciler:
         return results
 
     @staticmethod
-    def _initial_scaling_conditions(spec, status, generation) -> list[dict[str, Any]]:
+    def _report_tp_note(body, memo, note: str) -> None:
+        """One Warning when TP autoscaling is enabled but cannot plan (no model shape)."""
+        if note and memo.get("kvserve_tp_note") != note:
+            kopf.warn(body, reason="TensorParallelUnplanned", message=note)
+        memo["kvserve_tp_note"] = note
+
+    @staticmethod
+    def _initial_scaling_conditions(spec, shape, status, generation) -> list[dict[str, Any]]:
         """Scaling conditions belong to the timer; reconcile only fills them in when absent or off."""
         if not spec.autoscaling.enabled:
             return scaling_conditions(None, enabled=False, generation=generation)
         known = {c.get("type"): c for c in status.get("conditions") or []}
         active = known.get("ScalingActive")
         if active is None or active.get("reason") in ("AutoscalingDisabled", "InvalidSpec"):
-            return scaling_conditions(None, enabled=True, generation=generation)
+            return scaling_conditions(None, enabled=True, generation=generation, note=tp_note(spec, shape))
         return []
 
     def _degraded(self, body, status, patch, generation, now, reason, message) -> None:
@@ -260,7 +268,8 @@ class Reconciler:
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
-                + scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation),
+                + scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
+                                     note=tp_note(spec, shape)),
                 now)
 
     @staticmethod

@@ -375,6 +375,14 @@ def model_shape(spec: ServiceSpec, read_config=None) -> ModelShape | None:
         raise SpecError("spec.model.config", str(error).removeprefix("model config: ")) from None
 
 
+def shape_unknown_message(spec: ServiceSpec) -> str:
+    """What to do when the model's shape is unknown (TP cannot be planned), for status and plan."""
+    where = ("an hf:// model is only read from the operator's local Hugging Face cache"
+             if spec.model.source.kind == "hf" else "the operator cannot read the model's config.json")
+    return (f"TP planning needs the model's shape: set spec.model.config (the model's config.json "
+            f"fields) or use a local model path ({where}); TP stays at {spec.tensor.initial}")
+
+
 def check_servable(spec: ServiceSpec, shape: ModelShape | None) -> None:
     """Rules the schema cannot express: TP degrees must shard this model's heads."""
     if shape is None:

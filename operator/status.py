@@ -9,7 +9,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Iterable, Mapping
 
+from kvserve.runtime.capacity import ModelShape
+
 from .autoscaler import Decision, Signals
+from .spec import ServiceSpec, shape_unknown_message
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingActive", "ScalingLimited")
 MAX_DECISIONS = 5
@@ -74,7 +77,21 @@ def rollout_conditions(*, desired: int, ready: int, rollout_in_progress: bool, g
     return out
 
 
-def scaling_conditions(decision: Decision | None, *, enabled: bool, generation: int | None) -> list[dict[str, Any]]:
+def scaling_conditions(decision: Decision | None, *, enabled: bool, generation: int | None,
+                       note: str = "") -> list[dict[str, Any]]:
+    """`note` (e.g. why TP cannot be autoscaled) is appended to ScalingActive's message."""
+    out = _scaling_conditions(decision, enabled=enabled, generation=generation)
+    if note and enabled:
+        out[0]["message"] = f"{out[0]['message']}; {note}"
+    return out
+
+
+def tp_note(spec: ServiceSpec, shape: ModelShape | None) -> str:
+    """Why TP autoscaling, though enabled, cannot run: the model's shape is unknown."""
+    return shape_unknown_message(spec) if spec.autoscaling.tensor.enabled and shape is None else ""
+
+
+def _scaling_conditions(decision: Decision | None, *, enabled: bool, generation: int | None) -> list[dict[str, Any]]:
     if not enabled:
         return [condition("ScalingActive", False, "AutoscalingDisabled", "spec.autoscaling.enabled is false",
                           generation),

@@ -208,3 +208,16 @@ def test_run_without_credentials_exits_with_one_line(tmp_path):
         err = done.stderr.strip()
         assert done.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
         assert ("no Kubernetes credentials" in err) if not extra else ("missing" in err)
+
+
+async def test_plan_says_why_tp_degrees_are_unknown(tmp_path):
+    """Regression: `validTensorParallelDegrees` was a bare null for an hf:// model without config."""
+    doc = yaml.safe_load(yaml.safe_dump(SPEC))
+    doc["spec"]["model"] = {"uri": "hf://kvserve-test/not-cached"}
+    spec_file = tmp_path / "isvc.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    code, out, err = await run_cli("plan", "--spec", str(spec_file), "--metrics-url", "http://127.0.0.1:9")
+    assert code == 0, err
+    decision = json.loads(out)
+    assert decision["validTensorParallelDegrees"] is None
+    assert "spec.model.config" in decision["tensorParallelNote"]

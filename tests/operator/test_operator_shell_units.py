@@ -196,3 +196,31 @@ def test_limit_warnings_only_when_too_many_replicas_begins(monkeypatch):
     assert warned == ["TooManyReplicas"]
     Reconciler._report_limits({}, limited("TooManyReplicas"), _decision(limited="TooManyReplicas", limited_message="x"))
     assert warned == ["TooManyReplicas"]  # once as the state begins, not every tick
+
+
+def test_unknown_model_shape_is_said_in_status_and_one_event(monkeypatch):
+    """Regression: an hf:// model without `model.config` left TP planning silently off."""
+    import kopf
+
+    from kvserve.operator.handlers import Reconciler, shape_for
+    from kvserve.operator.spec import parse_spec
+    from kvserve.operator.status import tp_note
+
+    spec = parse_spec({"model": {"uri": "hf://kvserve-test/not-cached"},
+                       "parallelism": {"tensor": {"min": 1, "max": 4}},
+                       "autoscaling": {"tensorParallel": {"enabled": True}}})
+    shape = shape_for(spec)
+    assert shape is None
+    note = tp_note(spec, shape)
+    assert "spec.model.config" in note and "TP stays at 1" in note
+    active = scaling_conditions(_decision(), enabled=True, generation=1, note=note)[0]
+    assert active["type"] == "ScalingActive" and active["message"].endswith(note)
+    configured = parse_spec({"model": {"uri": "hf://org/m", "config": {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 256}}, "autoscaling": {"tensorParallel": {"enabled": True}}})
+    assert tp_note(configured, shape_for(configured)) == ""
+    warned, memo = [], {}
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warned.append((reason, message)))
+    for _ in range(3):
+        Reconciler._report_tp_note({}, memo, note)
+    assert warned == [("TensorParallelUnplanned", note)]
