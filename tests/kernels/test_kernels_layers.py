@@ -21,26 +21,6 @@ TOL = {
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _nan_poisoned_allocations(monkeypatch):
-    """Every float buffer the kernels allocate (outputs, split partials) starts as NaN, so an
-    element a kernel forgets to write shows up."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
-
-
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 

@@ -1,0 +1,25 @@
+"""The kernel tests run the Triton kernels on CPU under Triton's interpreter, and every buffer a
+kernel allocates starts as NaN so that an element it forgets to write shows up."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _nan_poisoned_allocations(monkeypatch):
+    """Every float buffer the kernels allocate (outputs, split partials) starts as NaN, so an
+    element a kernel forgets to write shows up."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
