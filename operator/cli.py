@@ -40,6 +40,8 @@ def _number(kind: type, low: float, high: float | None = None, *, open_low: bool
 POSITIVE_SECONDS = _number(float, 0, open_low=True)
 POSITIVE_INT = _number(int, 1)
 PORT = _number(int, 1, 65535)
+PORT_OR_OFF = _number(int, 0, 65535)
+METRICS_PORT = 8082  # 8080 is kopf's liveness endpoint, 8081 the agent contract port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="serve the whole cluster")
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                      help="liveness endpoint URL, or '' to disable")
+    run.add_argument("--metrics-port", type=PORT_OR_OFF, default=METRICS_PORT,
+                     help="serve the operator's Prometheus metrics on this port at /metrics; 0 disables")
     run.add_argument("--peering", default="default",
                      help="kopf peering object name (one active operator among replicas)")
     run.add_argument("--standalone", action="store_true", help="no peering (a single operator)")
@@ -184,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorConfig(scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
                             scrape_concurrency=args.scrape_concurrency, agent_port=args.agent_port,
                             max_sample_age=args.max_sample_age, prometheus_url=args.prometheus_url)
-    registry, _ = build_registry(config)
+    registry, reconciler = build_registry(config)
     namespaces = list(args.namespace)
     if not namespaces and not args.all_namespaces:
         own = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -194,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"kvserve-operator run: {problem}", file=sys.stderr)
         return 1
+    if args.metrics_port:
+        try:
+            reconciler.metrics.serve(args.metrics_port)
+        except OSError as error:
+            print(f"kvserve-operator run: cannot serve metrics on port {args.metrics_port}: {error}", file=sys.stderr)
+            return 1
     settings.peering.name = args.peering
     settings.peering.priority = args.priority
     # With peering, only the highest-priority live instance handles resources; kopf pauses the

@@ -25,6 +25,7 @@ from kvserve.runtime.capacity import ModelShape
 from . import manifests as M
 from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide, hold
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
+from .metrics import OperatorMetrics
 from .sources import AgentSource, PrometheusSource, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
 from .status import (append_decision, decision_record, degraded_conditions, iso, merge_conditions,
@@ -89,6 +90,7 @@ class Reconciler:
     def __init__(self, config: OperatorConfig):
         self.config = config
         self.client: KubeClient | None = None
+        self.metrics = OperatorMetrics()
         self.source = (PrometheusSource(config.prometheus_url, timeout=config.scrape_timeout)
                        if config.prometheus_url else
                        AgentSource(port=config.agent_port, timeout=config.scrape_timeout,
@@ -144,6 +146,7 @@ class Reconciler:
             live_hash = M.template_hash(M.build_deployment(body, spec, replicas=replicas, tp=tp))
             rollout = any(self._pod_hash(p) != live_hash for p in pods)
             patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
+            self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready)
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
@@ -255,6 +258,7 @@ class Reconciler:
                     patch.status["decisions"] = append_decision(status.get("decisions"),
                                                                 decision_record(decision, now))
                     patch.status["lastScaleTime"] = iso(now)
+                    self.metrics.decision(namespace, name, decision.reason)
                     kopf.info(body, reason=decision.reason,
                               message=f"replicas {decision.from_replicas} -> {decision.replicas}, TP "
                                       f"{decision.from_tp} -> {decision.tp}: {decision.message}")
@@ -264,6 +268,7 @@ class Reconciler:
                 self._report_limits(body, status, decision)
             ready = sum(1 for p in pods if pod_ready(p))
             patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
+            self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready)
             patch.status.update(signal_fields(aggregate(signals, self.config.max_sample_age)))
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
@@ -300,6 +305,7 @@ class Reconciler:
             if live is not None and owned_by(live, uid):
                 await self.client.delete(kind, namespace, name)
                 logger.info(f"deleted {kind} {namespace}/{name}")
+        self.metrics.forget(namespace, name)
 
 
 def _drop_unchanged_status(patch: Any, status: Mapping[str, Any]) -> None:
@@ -353,6 +359,9 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     async def reconcile(body, status, patch, memo, logger, **_):
         try:
             await reconciler.reconcile(body, status, patch, memo, logger)
+        except Exception:
+            reconciler.metrics.error(body["metadata"]["namespace"], body["metadata"]["name"])
+            raise
         finally:
             _drop_unchanged_status(patch, status)
 
@@ -365,6 +374,9 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     async def autoscale(body, status, patch, memo, logger, **_):
         try:
             await reconciler.autoscale(body, status, patch, memo, logger)
+        except Exception:
+            reconciler.metrics.error(body["metadata"]["namespace"], body["metadata"]["name"])
+            raise
         finally:
             _drop_unchanged_status(patch, status)
 

@@ -261,9 +261,10 @@ class OperatorThread:
         self.ready_flag = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kopf", daemon=True)
         self.error: BaseException | None = None
+        self.reconciler = None  # its .metrics, for the tests
 
     def _run(self) -> None:
-        registry, _ = build_registry(self.config)
+        registry, self.reconciler = build_registry(self.config)
         settings = kopf.OperatorSettings()
         settings.scanning.disabled = True  # kmock cannot list namespaces
         settings.watching.reconnect_backoff = 0.2

@@ -94,7 +94,7 @@ async def test_run_help():
 
 
 def test_run_subcommand_reconciles_with_kubeconfig_and_serves_liveness(tmp_path):
-    """The console script itself: KUBECONFIG login, a namespace, the liveness endpoint."""
+    """The console script itself: KUBECONFIG login, a namespace, the liveness and metrics endpoints."""
     import os
     import subprocess
     import time
@@ -110,9 +110,10 @@ def test_run_subcommand_reconciles_with_kubeconfig_and_serves_liveness(tmp_path)
         "clusters": [{"name": "emu", "cluster": {"server": emulator.url}}],
         "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "me"}}],
         "users": [{"name": "me", "user": {"token": "t"}}]}))
-    live_port = free_port_on_all(["127.0.0.1"])
+    live_port, metrics_port = free_port_on_all(["127.0.0.1"]), free_port_on_all(["127.0.0.1"])
     proc = subprocess.Popen([OPERATOR, "run", "--namespace", "default", "--standalone",
-                             "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--scrape-interval", "1"],
+                             "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--scrape-interval", "1",
+                             "--metrics-port", str(metrics_port)],
                             env={**os.environ, "KUBECONFIG": str(kubeconfig)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -129,6 +130,18 @@ def test_run_subcommand_reconciles_with_kubeconfig_and_serves_liveness(tmp_path)
                 return False
 
         wait_for(alive, timeout=10, what="liveness endpoint")
+
+        def scraped():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                return None
+            return 'kvserve_operator_desired_replicas{inferenceservice="tiny",namespace="default"} 1.0' in text and text
+
+        text = wait_for(scraped, timeout=10, what="operator metrics")
+        assert "# TYPE kvserve_operator_scaling_decisions_total counter" in text
+        assert 'kvserve_operator_desired_tensor_parallel_size{inferenceservice="tiny",namespace="default"} 1.0' in text
     finally:
         proc.terminate()
         try:
@@ -171,6 +184,7 @@ def test_load_spec_file_takes_the_object_or_a_bare_spec(tmp_path):
     (["run", "--max-sample-age", "nan"], "argument --max-sample-age: must be a finite number, got nan"),
     (["run", "--scrape-concurrency", "0"], "argument --scrape-concurrency: must be >= 1, got 0"),
     (["run", "--agent-port", "70000"], "argument --agent-port: must be >= 1 and <= 65535, got 70000"),
+    (["run", "--metrics-port", "-1"], "argument --metrics-port: must be >= 0 and <= 65535, got -1"),
 ])
 def test_numeric_flags_are_range_checked(argv, message, capsys):
     """Regression: `plan --replicas -1`/`--timeout -1` and `run --scrape-interval -1` were accepted,
@@ -192,6 +206,8 @@ def test_numeric_flags_accept_their_ranges():
     assert (args.replicas, args.tp, args.timeout) == (0, 2, 0.5)
     args = build_parser().parse_args(["run", "--scrape-interval", "0.5", "--agent-port", "9000"])
     assert (args.scrape_interval, args.agent_port, args.scrape_concurrency) == (0.5, 9000, 16)
+    assert args.metrics_port == 8082
+    assert build_parser().parse_args(["run", "--metrics-port", "0"]).metrics_port == 0
 
 
 @pytest.mark.skipif(Path("/var/run/secrets/kubernetes.io/serviceaccount/token").exists(),

@@ -178,6 +178,12 @@ def test_lifecycle_scale_tp_restart_delete(cluster):
         assert all("signals" in d for d in isvc["status"]["decisions"])
         event_reasons = {e["reason"] for e in api.events() if e["involvedObject"].get("name") == "tiny"}
         assert {"Applied", "TensorParallelUpAtMaxReplicas", "ScaleDown"} <= event_reasons
+        # The operator's own metrics (this instance started after the scale-up, so it saw the downs).
+        metrics = op.reconciler.metrics.registry
+        tiny = {"namespace": "default", "inferenceservice": "tiny"}
+        assert metrics.get_sample_value("kvserve_operator_scaling_decisions_total", tiny | {"reason": "ScaleDown"}) >= 1
+        assert metrics.get_sample_value("kvserve_operator_desired_replicas", tiny) == 1
+        assert metrics.get_sample_value("kvserve_operator_desired_tensor_parallel_size", tiny) == 1
 
         # The operator never wrote the spec: it is what the user applied and patched.
         expected = defaulted(TINY)["spec"]
@@ -190,6 +196,8 @@ def test_lifecycle_scale_tp_restart_delete(cluster):
         for kind in ("Deployment", "Service", "PodDisruptionBudget"):
             wait_for(lambda: api.get(kind, "tiny") is None, what=f"{kind} deleted")
         wait_for(lambda: api.get_isvc("tiny") is None, what="resource gone (finalizer released)")
+        assert metrics.get_sample_value("kvserve_operator_desired_replicas", tiny) is None
+        assert metrics.get_sample_value("kvserve_operator_scaling_decisions_total", tiny | {"reason": "ScaleDown"}) is None
         wait_for(lambda: not [p for p in api.list("Pod") if p["metadata"]["name"].startswith("tiny-")],
                  what="pods gone")
     finally:
