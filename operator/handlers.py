@@ -146,7 +146,7 @@ class Reconciler:
             live_hash = M.template_hash(M.build_deployment(body, spec, replicas=replicas, tp=tp))
             rollout = any(self._pod_hash(p) != live_hash for p in pods)
             patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
-            self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready)
+            self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready, uid=uid)
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
@@ -258,7 +258,7 @@ class Reconciler:
                     patch.status["decisions"] = append_decision(status.get("decisions"),
                                                                 decision_record(decision, now))
                     patch.status["lastScaleTime"] = iso(now)
-                    self.metrics.decision(namespace, name, decision.reason)
+                    self.metrics.decision(namespace, name, decision.reason, uid=uid)
                     kopf.info(body, reason=decision.reason,
                               message=f"replicas {decision.from_replicas} -> {decision.replicas}, TP "
                                       f"{decision.from_tp} -> {decision.tp}: {decision.message}")
@@ -268,7 +268,7 @@ class Reconciler:
                 self._report_limits(body, status, decision)
             ready = sum(1 for p in pods if pod_ready(p))
             patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
-            self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready)
+            self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready, uid=uid)
             patch.status.update(signal_fields(aggregate(signals, self.config.max_sample_age)))
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
@@ -305,7 +305,7 @@ class Reconciler:
             if live is not None and owned_by(live, uid):
                 await self.client.delete(kind, namespace, name)
                 logger.info(f"deleted {kind} {namespace}/{name}")
-        self.metrics.forget(namespace, name)
+        self.metrics.forget(namespace, name, uid)
 
 
 def _drop_unchanged_status(patch: Any, status: Mapping[str, Any]) -> None:
@@ -360,7 +360,8 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         try:
             await reconciler.reconcile(body, status, patch, memo, logger)
         except Exception:
-            reconciler.metrics.error(body["metadata"]["namespace"], body["metadata"]["name"])
+            meta = body["metadata"]
+            reconciler.metrics.error(meta["namespace"], meta["name"], meta.get("uid"))
             raise
         finally:
             _drop_unchanged_status(patch, status)
@@ -375,7 +376,8 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         try:
             await reconciler.autoscale(body, status, patch, memo, logger)
         except Exception:
-            reconciler.metrics.error(body["metadata"]["namespace"], body["metadata"]["name"])
+            meta = body["metadata"]
+            reconciler.metrics.error(meta["namespace"], meta["name"], meta.get("uid"))
             raise
         finally:
             _drop_unchanged_status(patch, status)

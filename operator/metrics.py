@@ -7,11 +7,13 @@ never share series. The handlers update it; `serve(port)` exposes it on /metrics
 from __future__ import annotations
 
 import threading
+from collections import deque
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 RESOURCE = ("namespace", "inferenceservice")
+FORGOTTEN = 4096  # uids of deleted resources remembered, so that a late timer run adds nothing
 
 
 class OperatorMetrics:
@@ -31,30 +33,43 @@ class OperatorMetrics:
                                     "Ready, not terminating pods the operator saw", RESOURCE, registry=self.registry)
         self._reasons: dict[tuple[str, str], set[str]] = {}
         self._seen: set[tuple[str, str]] = set()
+        self._gone: deque[str] = deque(maxlen=FORGOTTEN)
         self._lock = threading.Lock()  # the HTTP server thread reads while handlers write
 
-    def decision(self, namespace: str, name: str, reason: str) -> None:
+    def decision(self, namespace: str, name: str, reason: str, uid: str | None = None) -> None:
         with self._lock:
+            if uid in self._gone:
+                return
             self._reasons.setdefault((namespace, name), set()).add(reason)
             self._seen.add((namespace, name))
             self.decisions.labels(namespace, name, reason).inc()
 
-    def error(self, namespace: str, name: str) -> None:
+    def error(self, namespace: str, name: str, uid: str | None = None) -> None:
         with self._lock:
+            if uid in self._gone:
+                return
             self._seen.add((namespace, name))
             self.errors.labels(namespace, name).inc()
 
-    def observe(self, namespace: str, name: str, *, desired: int, tp: int, ready: int) -> None:
+    def observe(self, namespace: str, name: str, *, desired: int, tp: int, ready: int,
+                uid: str | None = None) -> None:
         with self._lock:
+            if uid in self._gone:
+                return
             self._seen.add((namespace, name))
             self.desired_replicas.labels(namespace, name).set(desired)
             self.desired_tp.labels(namespace, name).set(tp)
             self.ready_replicas.labels(namespace, name).set(ready)
 
-    def forget(self, namespace: str, name: str) -> None:
-        """Drop every series of a deleted resource (a recreated one starts from zero)."""
+    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """Drop every series of a deleted resource (a recreated one starts from zero).
+
+        With its uid, updates for that uid are ignored from now on: a timer run that started
+        before the deletion may finish after it and would otherwise bring the series back."""
         key = (namespace, name)
         with self._lock:
+            if uid is not None and uid not in self._gone:
+                self._gone.append(uid)
             if key not in self._seen:
                 return
             self._seen.discard(key)

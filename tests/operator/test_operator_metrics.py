@@ -34,6 +34,22 @@ def test_series_per_resource_and_forget_removes_only_that_resource():
     m.forget("ns", "never-seen")
 
 
+def test_updates_after_forget_with_uid_are_ignored_but_a_recreated_resource_counts():
+    """A timer run that began before the deletion must not bring the series back."""
+    m = OperatorMetrics()
+    get = m.registry.get_sample_value
+    m.observe("ns", "a", desired=2, tp=1, ready=2, uid="u1")
+    m.forget("ns", "a", "u1")
+    m.observe("ns", "a", desired=3, tp=1, ready=2, uid="u1")
+    m.decision("ns", "a", "ScaleUp", uid="u1")
+    m.error("ns", "a", uid="u1")
+    assert get("kvserve_operator_desired_replicas", A) is None
+    assert get("kvserve_operator_scaling_decisions_total", A | {"reason": "ScaleUp"}) is None
+    assert get("kvserve_operator_reconcile_errors_total", A) is None
+    m.observe("ns", "a", desired=1, tp=1, ready=0, uid="u2")  # same name, new resource
+    assert get("kvserve_operator_desired_replicas", A) == 1
+
+
 def test_registries_are_separate():
     one, two = OperatorMetrics(), OperatorMetrics()
     one.decision("ns", "a", "ScaleUp")
