@@ -406,9 +406,12 @@ class Operator:
     def __init__(self, api_url: str, namespace: str, logs: Path):
         import socket
 
-        with socket.socket() as sock:
+        with socket.socket() as sock, socket.socket() as metrics_sock:
             sock.bind(("127.0.0.1", 0))
             self.liveness = f"http://127.0.0.1:{sock.getsockname()[1]}/healthz"
+            # Not the default 8082: a second demo or a local operator may hold it.
+            metrics_sock.bind(("", 0))
+            self.metrics_port = metrics_sock.getsockname()[1]
         kubeconfig = WORK / "kubeconfig"
         kubeconfig.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
@@ -416,7 +419,8 @@ class Operator:
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "demo"}}],
             "users": [{"name": "demo", "user": {"token": "demo"}}]}))
         self.cmd = [str(BIN / "kvserve-operator"), "run", "--namespace", namespace, "--standalone",
-                    "--scrape-interval", "1", "--liveness", self.liveness]
+                    "--scrape-interval", "1", "--liveness", self.liveness,
+                    "--metrics-port", str(self.metrics_port)]
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
         self.log = logs / "operator.log"
         self.proc: subprocess.Popen | None = None

@@ -40,6 +40,8 @@ CASES = {
                                   "operator": {"verbose": True,
                                                "extraArgs": ["--scrape-interval", "10"],
                                                "nodeSelector": {"pool": "system"}}}},
+    "no-operator-monitor": {"values": {"monitoring": {"enabled": True, "operator": {"enabled": False}},
+                                       "operator": {"metricsPort": 9100}}},
     "bad-scope": {"values": {"rbac": {"scope": "galaxy"}}},
     "bad-key": {"values": {"monitoring": {"enabeld": True}}},
     "bad-interval": {"values": {"monitoring": {"enabled": True, "interval": "soon"}}},
@@ -130,8 +132,8 @@ def test_namespace_scope_with_an_explicit_namespace_and_options(rendered):
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in c["args"] and "--all-namespaces" not in c["args"]
     assert c["image"] == "registry.local/kvserve:dev" and c["imagePullPolicy"] == "Always"
-    monitors = [d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")]
-    assert len(monitors) == 3
+    monitors = [d for d in docs if d["kind"] in ("PodMonitor", "ServiceMonitor", "PrometheusRule")]
+    assert len(monitors) == 4
     assert all(d["metadata"]["labels"]["release"] == "prom" for d in monitors)
     assert "in namespace team-a" in rendered["team-a"]["notes"]
 
@@ -160,3 +162,14 @@ def test_bring_your_own_service_account_and_rbac(rendered):
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     assert crds and not any("annotations" in c["metadata"] and
                             "helm.sh/resource-policy" in c["metadata"]["annotations"] for c in crds)
+
+
+def test_operator_monitor_switch_and_metrics_port(rendered):
+    docs = objects(rendered, "no-operator-monitor")
+    assert "PodMonitor" in {d["kind"] for d in docs} and "ServiceMonitor" not in {d["kind"] for d in docs}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-port=9100" in c["args"]
+    assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in c["ports"]
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    assert {"name": "metrics", "port": 9100, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"]["ports"]

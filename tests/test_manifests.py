@@ -71,6 +71,12 @@ FOREIGN_SCHEMAS = {
                                     "required": ["selector", "podMetricsEndpoints"], "properties": {
             "namespaceSelector": _NS_SELECTOR, "selector": _SELECTOR, "jobLabel": {"type": "string"},
             "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}},
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): {"type": "object", "properties": {
+        "metadata": _META, "spec": {"type": "object", "additionalProperties": False,
+                                    "required": ["selector", "endpoints"], "properties": {
+            "namespaceSelector": _NS_SELECTOR, "selector": _SELECTOR, "jobLabel": {"type": "string"},
+            "endpoints": {"type": "array", "minItems": 1, "items": {
+                **_ENDPOINT, "properties": {**_ENDPOINT["properties"], "honorLabels": {"type": "boolean"}}}}}}}},
     ("monitoring.coreos.com/v1", "PrometheusRule"): {"type": "object", "properties": {
         "metadata": _META, "spec": {"type": "object", "additionalProperties": False, "properties": {
             "groups": {"type": "array", "items": {
@@ -156,6 +162,7 @@ def test_operator_deployment_is_hardened(overlay):
     cli = pytest.importorskip("kvserve.operator.cli")
     args = cli.build_parser().parse_args(c["args"])
     assert args.liveness == f"http://0.0.0.0:{ports[c['livenessProbe']['httpGet']['port']]}/healthz"
+    assert args.metrics_port == ports["metrics"]
 
 
 def test_namespaced_overlay_watches_its_namespace_only():
@@ -264,7 +271,19 @@ def test_monitoring_targets_every_inference_pod_by_contract_port():
         assert any(r.get("targetLabel") == "inferenceservice" for r in relabel)
     dash = docs[("ConfigMap", "kvserve-dashboard")]
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert not [d for d in docs.values() if d["kind"] == "ServiceMonitor"]
+    # The operator's own /metrics: the ServiceMonitor picks the base Service's `metrics` port,
+    # which reaches the container port the operator serves on.
+    sm = docs[("ServiceMonitor", "kvserve-operator")]
+    assert sm["metadata"]["namespace"] == "kvserve-system" and "namespaceSelector" not in sm["spec"]
+    base = {(d["kind"], d["metadata"]["name"]): d for d in build("base")}
+    svc = base[("Service", "kvserve-operator")]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True  # kvserve_operator_* keep the InferenceService's namespace
+    (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
+    (container,) = base[("Deployment", "kvserve-operator")]["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+    assert f"--metrics-port={port['port']}" in container["args"]
 
 
 def test_the_operator_can_serve_the_examples():

@@ -2,11 +2,12 @@
 scraping a real kvserve runtime and agent that serve live streaming traffic.
 
 Real: Prometheus (scrape, rule evaluation, query API), the runtime (`kvserve serve` on a tiny
-random-weight model), the agent (`kvserve agent serve`), the rules file, the dashboard.
+random-weight model), the agent (`kvserve agent serve`), the operator's metrics endpoint
+(operator/metrics.py, job kvserve-operator as its ServiceMonitor names it), the rules file, the
+dashboard.
 Emulated: kube-state-metrics. Its series are produced here from an InferenceService status by
 applying manifests/monitoring/kube-state-metrics-crs.yaml (the subset of kube-state-metrics'
-custom-resource-state semantics that config uses; see test_monitoring.ksm_series), plus the
-operator Deployment's availability. The scrape labels namespace/pod/inferenceservice are set as
+custom-resource-state semantics that config uses; see test_monitoring.ksm_series). The scrape labels namespace/pod/inferenceservice are set as
 the PodMonitors' relabelings would set them in a cluster.
 
 Checks: Prometheus loads and evaluates every rule with health "ok"; every recording rule and
@@ -71,7 +72,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
 
 
 class FakeKubeStateMetrics:
-    """Serves what kube-state-metrics would export for one InferenceService and the operator."""
+    """Serves what kube-state-metrics would export for one InferenceService."""
 
     def __init__(self, isvc: dict):
         self.isvc = isvc
@@ -98,8 +99,6 @@ class FakeKubeStateMetrics:
         for name, labels, value in tmon.ksm_series(tmon.ksm_config(), self.isvc):
             lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
             lines.append(f"{name}{{{lab}}} {value}")
-        lines.append('kube_deployment_status_replicas_available{namespace="kvserve-system",'
-                     'deployment="kvserve-operator"} 1')
         return "\n".join(lines) + "\n"
 
 
@@ -132,7 +131,7 @@ def live(tiny_llama, tmp_path_factory):
     work = tmp_path_factory.mktemp("prom")
     rt_port, ag_port, prom_port = free_port(), free_port(), free_port()
     procs = []
-    ksm = None
+    ksm = operator = None
     stop = threading.Event()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
@@ -151,6 +150,11 @@ def live(tiny_llama, tmp_path_factory):
         isvc["metadata"].update(namespace=NS, name=ISVC)
         isvc["status"]["conditions"].append({"type": "Progressing", "status": "False"})
         ksm = FakeKubeStateMetrics(isvc)
+        from kvserve.operator.metrics import OperatorMetrics
+
+        operator_metrics = OperatorMetrics()
+        operator_metrics.observe(NS, ISVC, desired=3, tp=2, ready=3)
+        operator = operator_metrics.serve(0, addr="127.0.0.1")
 
         groups = copy.deepcopy(tmon.rule_groups())
         for g in groups:
@@ -167,6 +171,9 @@ def live(tiny_llama, tmp_path_factory):
                     {"targets": [f"127.0.0.1:{ag_port}"], "labels": {**pod, "container": "agent"}}]},
                 {"job_name": "kube-state-metrics", "honor_labels": True, "static_configs": [
                     {"targets": [f"127.0.0.1:{ksm.port}"]}]},
+                {"job_name": "kvserve-operator", "honor_labels": True, "static_configs": [
+                    {"targets": [f"127.0.0.1:{operator.server_port}"],
+                     "labels": {"namespace": "kvserve-system", "pod": "kvserve-operator-0"}}]},
             ],
         }
         (work / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -188,6 +195,8 @@ def live(tiny_llama, tmp_path_factory):
         stop.set()
         if ksm is not None:
             ksm.server.shutdown()
+        if operator is not None:
+            operator.shutdown()
         for p in reversed(procs):
             p.terminate()
         for p in procs:
@@ -280,3 +289,11 @@ def test_dashboard_variables_find_the_inferenceservice(live):
         url = f"{prom}/api/v1/label/{label}/values?" + urllib.parse.urlencode({"match[]": match})
         values = get_json(url)["data"]
         assert {"namespace": NS, "inferenceservice": ISVC}[label] in values
+
+
+def test_operator_series_keep_the_inferenceservice_namespace(live):
+    """As the ServiceMonitor's honorLabels does: `up` is the operator's, its series the resource's."""
+    prom = live["prom"]
+    wait_for(lambda: query(prom, f'kvserve_operator_desired_replicas{{namespace="{NS}", inferenceservice="{ISVC}"}}'),
+             30, "operator series")
+    assert query(prom, 'up{job="kvserve-operator", namespace="kvserve-system"} == 1')
