@@ -14,7 +14,6 @@ bench/offline_throughput.py (built on the fly), greedy, float32 on CPU.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -24,15 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from offline_throughput import build_bench_model  # sibling script: bench/ is on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-
-
-def _offline_bench():
-    spec = importlib.util.spec_from_file_location("_offline_throughput", ROOT / "bench" / "offline_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def parse_args(argv=None):
@@ -87,7 +81,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = args.model or _offline_bench().build_bench_model(RESULTS / "models" / "llama-50m-gqa4")
+    model_dir = args.model or build_bench_model(RESULTS / "models" / "llama-50m-gqa4")
     from kvserve.runtime.model_config import ModelConfig
 
     mcfg = ModelConfig.from_pretrained(model_dir)

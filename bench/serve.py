@@ -252,12 +252,9 @@ def plot(s: dict, path: Path) -> None:
 def ensure_model(path: Path) -> Path:
     if (path / "config.json").is_file():
         return path
-    import importlib.util
+    from offline_throughput import build_bench_model  # sibling script: bench/ is on sys.path
 
-    spec = importlib.util.spec_from_file_location("offline_throughput", ROOT / "bench" / "offline_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.build_bench_model(path)
+    return build_bench_model(path)
 
 
 def launch(kind: str, model_dir: Path, extra: str, threads: int | None) -> tuple[subprocess.Popen, str]:

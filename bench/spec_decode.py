@@ -21,7 +21,6 @@ speed, not what a trained model pair would accept.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -30,15 +29,10 @@ import sys
 import time
 from pathlib import Path
 
+from offline_throughput import build_bench_model  # sibling script: bench/ is on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-
-
-def _offline_bench():
-    spec = importlib.util.spec_from_file_location("_offline_throughput", ROOT / "bench" / "offline_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def parse_args(argv=None):
@@ -125,7 +119,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = args.model or _offline_bench().build_bench_model(RESULTS / "models" / "llama-50m-gqa4")
+    model_dir = args.model or build_bench_model(RESULTS / "models" / "llama-50m-gqa4")
     from kvserve.runtime.model_config import ModelConfig
 
     mcfg = ModelConfig.from_pretrained(model_dir)

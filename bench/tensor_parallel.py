@@ -59,15 +59,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _load_offline_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("offline_throughput", HERE / "offline_throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def build_tiny_model(path: Path) -> Path:
     """The tests' tiny Llama shape with a word-level tokenizer (word i <-> token i)."""
     import torch
@@ -180,7 +171,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    offline = _load_offline_bench()
+    import offline_throughput as offline  # sibling script: bench/ is on sys.path
+
     if args.tiny:
         model_dir = build_tiny_model(RESULTS / "models" / "llama-tiny")
     else:
