@@ -353,18 +353,23 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
             await reconciler.client.close()
         await reconciler.source.close()
 
-    @kopf.on.create(**resource, id="reconcile")
-    @kopf.on.update(**resource, id="reconcile", field="spec")
-    @kopf.on.resume(**resource, id="reconcile")
-    async def reconcile(body, status, patch, memo, logger, **_):
+    async def counted(step, body, status, patch, memo, logger):
+        """Runs a reconcile or autoscale step: its failures are counted, and status fields it
+        left unchanged are not written."""
         try:
-            await reconciler.reconcile(body, status, patch, memo, logger)
+            await step(body, status, patch, memo, logger)
         except Exception:
             meta = body["metadata"]
             reconciler.metrics.error(meta["namespace"], meta["name"], meta.get("uid"))
             raise
         finally:
             _drop_unchanged_status(patch, status)
+
+    @kopf.on.create(**resource, id="reconcile")
+    @kopf.on.update(**resource, id="reconcile", field="spec")
+    @kopf.on.resume(**resource, id="reconcile")
+    async def reconcile(body, status, patch, memo, logger, **_):
+        await counted(reconciler.reconcile, body, status, patch, memo, logger)
 
     @kopf.on.delete(**resource, id="cleanup")
     async def delete(body, logger, **_):
@@ -373,13 +378,6 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     @kopf.timer(**resource, id="autoscale", interval=config.scrape_interval,
                 initial_delay=config.scrape_interval)
     async def autoscale(body, status, patch, memo, logger, **_):
-        try:
-            await reconciler.autoscale(body, status, patch, memo, logger)
-        except Exception:
-            meta = body["metadata"]
-            reconciler.metrics.error(meta["namespace"], meta["name"], meta.get("uid"))
-            raise
-        finally:
-            _drop_unchanged_status(patch, status)
+        await counted(reconciler.autoscale, body, status, patch, memo, logger)
 
     return registry, reconciler
