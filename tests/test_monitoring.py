@@ -80,6 +80,8 @@ def test_promtool_unit_tests_cover_every_alert(promtool, tmp_path):
               if t.get("exp_alerts")}
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
     assert alerts == tested, f"alerts without a firing unit test: {alerts - tested}"
+    assert tests["group_eval_order"] == [g["name"] for g in rule_groups()], (
+        "every rule group must be in group_eval_order, or promtool orders them at random")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups()}))
     shutil.copy(MON / "tests" / "rules.test.yaml", tmp_path)
     proc = run([promtool, "test", "rules", "rules.test.yaml"], cwd=tmp_path)
