@@ -21,6 +21,7 @@ class ReplayEngine:
     def __init__(self):
         self.text = VLLM_TEXT
         self.delay = 0.0
+        self.health_delay = 0.0
         self.healthy = True
 
     def app(self) -> web.Application:
@@ -31,6 +32,7 @@ class ReplayEngine:
             return web.Response(text=self.text, content_type="text/plain")
 
         async def health(request):
+            await asyncio.sleep(self.health_delay)
             return web.Response(status=200 if self.healthy else 503)
 
         app.router.add_get("/metrics", metrics)
@@ -190,6 +192,31 @@ async def test_explicit_kvserve_engine_is_not_ready_while_loading_even_if_metric
             assert signals["engine"] == "kvserve" and signals["ready"] is False
             async with http.get(aurl + "/ready") as r:
                 assert r.status == 503
+    finally:
+        await arunner.cleanup()
+        await erunner.cleanup()
+
+
+async def test_a_fresh_sample_is_never_published_before_its_readiness():
+    # The readiness probe runs after /metrics; a slow one must not expose a window in which
+    # /v1/signals says "not stale" next to the default ready=False (CI caught that under load).
+    engine = ReplayEngine()
+    engine.health_delay = 0.4
+    erunner, eurl = await _start(engine.app())
+    cfg = AgentConfig(engine_url=eurl, engine="vllm", interval_s=0.05, scrape_timeout_s=2.0, stale_after_s=5.0)
+    arunner, aurl = await _start(build_app(cfg))
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = asyncio.get_running_loop().time() + 5.0
+            seen_fresh = 0
+            while seen_fresh < 5:
+                assert asyncio.get_running_loop().time() < deadline, "never saw a fresh sample"
+                async with http.get(aurl + "/v1/signals") as r:
+                    sig = await r.json()
+                if not sig["stale"]:
+                    assert sig["ready"] is True, sig
+                    seen_fresh += 1
+                await asyncio.sleep(0.02)
     finally:
         await arunner.cleanup()
         await erunner.cleanup()

@@ -150,16 +150,18 @@ class Agent:
             self._session = aiohttp.ClientSession()
         return self._session
 
-    def _engine_kind(self) -> str:
+    def _engine_kind(self, sample: EngineSample | None = None) -> str:
         # An explicit --engine wins: while a kvserve runtime is still loading, its /metrics can
         # look like another engine's, and guessing wrong would probe /health instead of /ready.
-        if self.config.engine != "auto" or self.state.sample is None:
+        sample = sample or self.state.sample
+        if self.config.engine != "auto" or sample is None:
             return self.config.engine
-        return self.state.sample.engine
+        return sample.engine
 
-    async def probe_ready(self, timeout: float | None = None) -> tuple[int, str]:
+    async def probe_ready(self, timeout: float | None = None,
+                          sample: EngineSample | None = None) -> tuple[int, str]:
         """The engine's readiness status code and body, or 503 when it cannot be reached."""
-        path = READY_PATHS.get(self._engine_kind(), "/ready")
+        path = READY_PATHS.get(self._engine_kind(sample), "/ready")
         try:
             t = aiohttp.ClientTimeout(total=timeout or self.config.scrape_timeout_s)
             async with self.session.get(self.base + path, timeout=t) as resp:
@@ -185,11 +187,14 @@ class Agent:
             self.state.failures += 1
             self.state.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             return
+        # Probe before publishing: a /v1/signals read between the two awaits would otherwise
+        # see a fresh sample next to the previous (on the first scrape: default False) readiness.
+        sampled_at = self.clock()
+        status, _ = await self.probe_ready(sample=sample)
         self.state.sample = sample
-        self.state.sampled_at = self.clock()
+        self.state.sampled_at = sampled_at
         self.state.up = True
         self.state.last_error = None
-        status, _ = await self.probe_ready()
         self.state.ready = status == 200
 
     async def run_scraper(self) -> None:
