@@ -59,7 +59,7 @@ async def _wait_for(predicate, timeout=5.0):
 async def test_agent_standardizes_vllm_and_survives_a_dead_engine():
     engine = ReplayEngine()
     erunner, eurl = await _start(engine.app())
-    cfg = AgentConfig(engine_url=eurl, engine="vllm", interval_s=0.1, scrape_timeout_s=0.3, stale_after_s=0.5,
+    cfg = AgentConfig(engine_url=eurl, engine="vllm", interval_s=0.1, scrape_timeout_s=1.0, stale_after_s=2.0,
                       tensor_parallel_size=2)
     arunner, aurl = await _start(build_app(cfg))
     try:
@@ -89,7 +89,7 @@ async def test_agent_standardizes_vllm_and_survives_a_dead_engine():
             assert samples["kvserve_generation_tokens_total"] == 65432
             assert samples["kvserve_tensor_parallel_size"] == 2
             assert samples["kvserve_engine_up"] == 1
-            assert samples["kvserve_engine_sample_age_seconds"] < 0.5
+            assert samples["kvserve_engine_sample_age_seconds"] < cfg.stale_after_s
 
             async with http.get(aurl + "/ready") as r:
                 assert r.status == 200
@@ -98,7 +98,7 @@ async def test_agent_standardizes_vllm_and_survives_a_dead_engine():
                 assert r.status == 503
 
             # Slow engine: scrapes time out, values stay, age grows.
-            engine.delay = 1.0
+            engine.delay = 3.0  # beyond scrape_timeout_s
 
             async def stale():
                 return (await signals())["stale"] is True
@@ -178,7 +178,7 @@ async def test_explicit_kvserve_engine_is_not_ready_while_loading_even_if_metric
 
     app.router.add_get("/ready", ready)
     erunner, eurl = await _start(app)
-    cfg = AgentConfig(engine_url=eurl, engine="kvserve", interval_s=0.1, scrape_timeout_s=0.3, stale_after_s=0.5)
+    cfg = AgentConfig(engine_url=eurl, engine="kvserve", interval_s=0.1, scrape_timeout_s=1.0, stale_after_s=2.0)
     arunner, aurl = await _start(build_app(cfg))
     try:
         async with aiohttp.ClientSession() as http:

@@ -177,7 +177,8 @@ def test_killed_worker_mid_generate_fails_fast_naming_the_rank(tiny_model_factor
     with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) killed by signal SIGKILL") as info:
         llm.generate([[5, 6, 7, 8]] * 4, params, use_tqdm=False)
     raised_after = time.monotonic() - killed_at[0]
-    assert raised_after < 5.0, raised_after
+    # Far below the 120 s collective timeout, with room for a loaded CI machine.
+    assert raised_after < 15.0, raised_after
     assert info.value.rank == 1 and info.value.pid == pid
     # Nothing is left: the dead worker is reaped, the request's blocks are free, and the engine
     # keeps saying why it cannot run instead of hanging.
@@ -190,7 +191,7 @@ def test_killed_worker_mid_generate_fails_fast_naming_the_rank(tiny_model_factor
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(WorkerDiedError):
         llm.engine.check_health()
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0  # answered from the recorded failure, no collective
     llm.close()
     llm.close()  # idempotent
 

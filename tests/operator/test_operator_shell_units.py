@@ -121,7 +121,7 @@ async def test_agent_source_timeouts_errors_and_bounded_concurrency():
             if host == "127.0.0.61":
                 return web.Response(status=500)
             if host == "127.0.0.62":
-                await asyncio.sleep(1.5)  # past the timeout
+                await asyncio.sleep(3.0)  # past the timeout
             await asyncio.sleep(0.2)
             return web.json_response({"ready": True, "stale": False, "kv_cache_utilization": 0.5,
                                       "queue_depth": 1, "tensor_parallel_size": 1})
@@ -141,7 +141,7 @@ async def test_agent_source_timeouts_errors_and_bounded_concurrency():
                  "status": {"phase": "Running", "podIP": host,
                             "conditions": [{"type": "Ready", "status": "True"}]}} for i, host in enumerate(hosts)]
         pods.append({"metadata": {"name": "pending"}, "status": {"phase": "Pending"}})
-        source = AgentSource(port=port, timeout=0.5, concurrency=3)
+        source = AgentSource(port=port, timeout=1.5, concurrency=3)
         errors: dict[str, str] = {}
         out = await source.scrape("default", "x", pods, errors)
         await source.close()
