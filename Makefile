@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
+TORCH_VERSION ?= 2.13.0
+IMAGE ?= kvserve:dev
 
-.PHONY: install test test-fast bench demo clean manifests prometheus helm-env
+.PHONY: install test test-fast bench demo clean manifests prometheus helm-env image
 
 install: $(VENV)/.installed
 
@@ -12,7 +14,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
@@ -41,6 +43,11 @@ prometheus:
 # The real Helm engine for tests/test_helm.py: helm-sdkpy needs Python >= 3.12 (build/helm-venv).
 helm-env:
 	$(PYTHON) scripts/helm_render.py --ensure-env
+
+# The one image for operator, runtime and agent (needs a Docker engine; none runs on CI).
+# CPU-only build: make image DOCKER_BUILD_ARGS="--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+image:
+	docker build --build-arg TORCH_VERSION=$(TORCH_VERSION) $(DOCKER_BUILD_ARGS) -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -20,7 +20,8 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 OWNER_LABEL = "kvserve.dev/inferenceservice"
 TP_ANNOTATION = "kvserve.dev/tensor-parallel-size"
 HASH_ANNOTATION = "kvserve.dev/template-hash"
-NONROOT_UID = 1000
+# The image's `kvserve` user (Dockerfile); the operator's own Deployment runs as the same uid.
+NONROOT_UID = 65532
 
 
 def selector_labels(name: str) -> dict[str, str]:
