@@ -23,10 +23,12 @@ import kopf
 from kvserve.runtime.capacity import ModelShape
 
 from . import manifests as M
+from . import router as R
 from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide, hold
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .metrics import OperatorMetrics
-from .sources import AgentSource, PrometheusSource, pod_ready, pod_terminating
+from .scaletozero import SCALE_TO_ZERO, RouterDemand, ZeroDecision, pods_busy, zero_decision
+from .sources import AgentSource, PrometheusSource, RouterDemandSource, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
 from .status import (append_decision, decision_record, degraded_conditions, iso, merge_conditions,
                      rollout_conditions, scaling_conditions, signal_fields, tp_note)
@@ -42,6 +44,8 @@ class OperatorConfig:
     agent_port: int = M.AGENT_PORT
     max_sample_age: float = 10.0
     prometheus_url: str | None = None
+    router_port: int = R.ROUTER_PORT  # where router pods answer /router/demand
+    wake_interval: float = 2.0  # how often a service at zero asks its router whether requests wait
     connection: kopf.ConnectionInfo | None = None  # None: in-cluster service account, then KUBECONFIG
     clock: Callable[[], float] = time.monotonic
     wallclock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.timezone.utc))
@@ -95,6 +99,7 @@ class Reconciler:
                        if config.prometheus_url else
                        AgentSource(port=config.agent_port, timeout=config.scrape_timeout,
                                    concurrency=config.scrape_concurrency))
+        self.demand_source = RouterDemandSource(port=config.router_port, timeout=config.scrape_timeout)
 
     # --- reconcile ---------------------------------------------------------------------------
 
@@ -130,7 +135,8 @@ class Reconciler:
                 replicas = (live.get("spec") or {}).get("replicas", 1)
                 tp = M.template_tp(live) or spec.tensor.initial
             else:
-                replicas = spec.autoscaling.min_replicas if spec.autoscaling.enabled else (spec.replicas or 1)
+                # A new service starts awake, even with minReplicas 0: it sleeps once it has been idle.
+                replicas = max(1, spec.autoscaling.min_replicas) if spec.autoscaling.enabled else (spec.replicas or 1)
                 tp = spec.tensor.initial
             replicas, tp = hold(spec, replicas, tp)
             if shape is not None and shape.tp_error(tp):
@@ -159,6 +165,7 @@ class Reconciler:
         try:
             for obj in M.build_all(body, spec, replicas=replicas, tp=tp)[::-1]:  # Service, PDB, Deployment
                 results[obj["kind"]] = await apply(self.client, obj, uid)
+            results.update(await self._apply_router(body, spec))
         except NotOwned as error:
             self._degraded(body, status, patch, generation, now, "NotOwned", str(error))
             raise kopf.TemporaryError(str(error), delay=60)
@@ -166,6 +173,72 @@ class Reconciler:
             self._degraded(body, status, patch, generation, now, "ApplyFailed", str(error))
             raise kopf.TemporaryError(str(error), delay=10)
         return results
+
+    async def _apply_router(self, body, spec: ServiceSpec) -> dict[str, str]:
+        """The router's objects when spec.router.enabled, none of them (if they are ours) when not."""
+        meta = body["metadata"]
+        results = {}
+        if spec.router.enabled:
+            for obj in R.build_router_objects(body, spec):
+                results[f"router {obj['kind']}"] = await apply(self.client, obj, meta["uid"])
+            return results
+        for kind in R.ROUTER_KINDS[::-1]:
+            live = await self.client.get(kind, meta["namespace"], R.router_name(meta["name"]))
+            if live is not None and owned_by(live, meta["uid"]):
+                await self.client.delete(kind, meta["namespace"], R.router_name(meta["name"]))
+                results[f"router {kind}"] = "deleted"
+        return results
+
+    async def _router_demand(self, namespace: str, name: str, errors: dict[str, str]) -> tuple[RouterDemand, int]:
+        """What the service's router pods say (held requests, idle time), and how many are Ready."""
+        pods = await self.client.list("Pod", namespace, M.router_selector(name))
+        pods = [p for p in pods if not pod_terminating(p)]
+        demand = await self.demand_source.scrape(pods, errors)
+        return demand, demand.routers
+
+    async def _scale_to_zero_or_back(self, body, spec, zero: ZeroDecision, replicas: int, tp: int, signals,
+                                     status, patch, memo, logger, now) -> None:
+        """Applies a sleep or wake decision: Deployment, status.decisions, the times, an Event."""
+        meta = body["metadata"]
+        dep = M.build_deployment(body, spec, replicas=zero.replicas, tp=tp)
+        try:
+            await apply(self.client, dep, meta["uid"])
+        except (APIError, NotOwned, OSError, asyncio.TimeoutError) as error:
+            kopf.warn(body, reason="ScaleFailed", message=str(error))
+            raise kopf.TemporaryError(str(error), delay=2)
+        # The load history of before the sleep says nothing about after it.
+        memo["kvserve_state"] = AutoscalerState()
+        decision = Decision(zero.replicas, tp, zero.reason, zero.message, aggregate(signals, self.config.max_sample_age),
+                            AutoscalerState(), from_replicas=replicas, from_tp=tp)
+        patch.status["decisions"] = append_decision(status.get("decisions"), decision_record(decision, now))
+        patch.status["lastScaleTime"] = iso(now)
+        patch.status["lastScaledToZeroTime" if zero.reason == SCALE_TO_ZERO else "lastWokenTime"] = iso(now)
+        self.metrics.decision(meta["namespace"], meta["name"], zero.reason, uid=meta["uid"])
+        kopf.info(body, reason=zero.reason, message=f"replicas {replicas} -> {zero.replicas}: {zero.message}")
+        logger.info(f"{zero.reason}: replicas {replicas} -> {zero.replicas}: {zero.message}")
+
+    async def wake(self, body, status, patch, memo, logger) -> None:
+        """The fast path out of zero: a short timer that only asks the router whether requests wait."""
+        meta = body["metadata"]
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except SpecError:
+            return
+        if not spec.router.enabled or meta.get("deletionTimestamp"):
+            return
+        async with _memo_lock(memo):
+            live = await self.client.get("Deployment", meta["namespace"], meta["name"])
+            if live is None or not owned_by(live, meta["uid"]) or (live.get("spec") or {}).get("replicas", 0) != 0:
+                return
+            errors: dict[str, str] = {}
+            demand, routers = await self._router_demand(meta["namespace"], meta["name"], errors)
+            patch.status["router"] = {"readyReplicas": routers, "heldRequests": demand.held}
+            zero = zero_decision(spec, 0, demand, busy=False)
+            if zero is not None:
+                tp = M.template_tp(live) or spec.tensor.initial
+                await self._scale_to_zero_or_back(body, spec, zero, 0, tp, [], status, patch, memo, logger,
+                                                  self.config.wallclock())
+                patch.status["desiredReplicas"] = zero.replicas
 
     @staticmethod
     def _report_tp_note(body, memo, note: str) -> None:
@@ -239,10 +312,21 @@ class Reconciler:
             rollout = any(self._pod_hash(p) != current_hash for p in pods)
             errors: dict[str, str] = {}
             signals = await self.source.scrape(namespace, name, pods, errors)
-            self._report_scrape_errors(body, memo, errors)
 
             decision: Decision | None = None
-            if spec.autoscaling.enabled:
+            zero = None
+            if spec.router.enabled:
+                demand, routers = await self._router_demand(namespace, name, errors)
+                patch.status["router"] = {"readyReplicas": routers, "heldRequests": demand.held}
+                zero = zero_decision(spec, replicas, demand, busy=pods_busy(signals, self.config.max_sample_age))
+            elif status.get("router"):
+                patch.status["router"] = None
+            self._report_scrape_errors(body, memo, errors)
+            if zero is not None:
+                await self._scale_to_zero_or_back(body, spec, zero, replicas, tp, signals, status, patch, memo,
+                                                  logger, now)
+                replicas = zero.replicas
+            elif spec.autoscaling.enabled:
                 obs = Observation(time=self.config.clock(), replicas=replicas, tp=tp, pods=tuple(signals),
                                   rollout_in_progress=rollout)
                 decision = decide(spec, shape, obs, memo.get("kvserve_state") or AutoscalerState(),
@@ -273,8 +357,8 @@ class Reconciler:
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
-                + scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
-                                     note=tp_note(spec, shape)),
+                + (scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
+                                      note=tp_note(spec, shape)) if zero is None else []),
                 now)
 
     @staticmethod
@@ -300,11 +384,13 @@ class Reconciler:
         """Deletes what this resource owns (a real cluster's garbage collector would too)."""
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-        for kind in OWNED_KINDS[::-1]:
-            live = await self.client.get(kind, namespace, name)
+        owned = [(kind, name) for kind in OWNED_KINDS[::-1]] + [(kind, R.router_name(name))
+                                                                for kind in R.ROUTER_KINDS[::-1]]
+        for kind, obj_name in owned:
+            live = await self.client.get(kind, namespace, obj_name)
             if live is not None and owned_by(live, uid):
-                await self.client.delete(kind, namespace, name)
-                logger.info(f"deleted {kind} {namespace}/{name}")
+                await self.client.delete(kind, namespace, obj_name)
+                logger.info(f"deleted {kind} {namespace}/{obj_name}")
         self.metrics.forget(namespace, name, uid)
 
 
@@ -352,6 +438,7 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         if reconciler.client is not None:
             await reconciler.client.close()
         await reconciler.source.close()
+        await reconciler.demand_source.close()
 
     async def counted(step, body, status, patch, memo, logger):
         """Runs a reconcile or autoscale step: its failures are counted, and status fields it
@@ -379,5 +466,12 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
                 initial_delay=config.scrape_interval)
     async def autoscale(body, status, patch, memo, logger, **_):
         await counted(reconciler.autoscale, body, status, patch, memo, logger)
+
+    def sleeping(spec, status, **_) -> bool:
+        return bool((spec or {}).get("router", {}).get("enabled")) and (status or {}).get("desiredReplicas") == 0
+
+    @kopf.timer(**resource, id="wake", interval=config.wake_interval, when=sleeping)
+    async def wake(body, status, patch, memo, logger, **_):
+        await counted(reconciler.wake, body, status, patch, memo, logger)
 
     return registry, reconciler

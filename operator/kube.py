@@ -20,6 +20,9 @@ RESOURCES = {
     "Service": ("/api/v1", "services"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "InferenceService": ("/apis/kvserve.dev/v1alpha1", "inferenceservices"),
 }
 
@@ -156,6 +159,9 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
 OPTIONAL_FIELDS = {
     "Deployment": [("spec", "template", "spec", key)
                    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName")],
+    # The Service selects the runtime pods or, with spec.router, the router pods: switching drops
+    # the other side's label (a merge patch of the selector would otherwise keep both, matching none).
+    "Service": [("spec", "selector", "kvserve.dev/inferenceservice"), ("spec", "selector", "kvserve.dev/router")],
 }
 
 

@@ -213,9 +213,10 @@ class Router:
             last = result
             tried.append(choice.pod)
             self.metrics.retries.labels(choice.pod, result.reason).inc()
+            more = len(tried) < self.config.max_attempts and any(p not in tried for p in self.endpoints)
             log.info("request %s: %s refused (%s); %s", request_id, choice.pod, result.message or result.reason,
-                     "trying another pod" if len(tried) < self.config.max_attempts else "giving up")
-            if len(tried) >= self.config.max_attempts:
+                     "trying another pod" if more else "no other pod to try")
+            if not more:
                 return self._refusal_response(last)
 
     def _refusal_response(self, refused: Refused) -> web.Response:
