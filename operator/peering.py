@@ -27,12 +27,12 @@ def peering_objects(name: str, namespaces: Sequence[str], clusterwide: bool) -> 
 
 def missing_message(name: str, kind: str, namespace: str | None) -> str:
     where = f" in namespace {namespace!r}" if namespace else ""
-    manifest = ("kubectl apply -f manifests/base/peering.yaml" if namespace is None else
-                f"kubectl apply -n {namespace} -f manifests/namespaced/peering.yaml")
+    fields = f"metadata.name {name!r}" + (f", metadata.namespace {namespace!r}" if namespace else "")
+    example = "manifests/namespaced/peering.yaml" if namespace else "manifests/base/peering.yaml"
     return (f"peering object {kind} {name!r}{where} does not exist, so this operator is paused and handles "
-            f"no InferenceService. Create it ({manifest}, or `kubectl create` a {kind} named {name!r}"
-            f"{where}; its CRD is in crds/kopf-peering.yaml), or run the operator with --standalone "
-            f"if it is the only one.")
+            f"no InferenceService. Create it (apiVersion kopf.dev/v1, kind {kind}, {fields}; example: "
+            f"{example}; CRDs: crds/kopf-peering.yaml), or run the operator with --standalone if it is "
+            f"the only one.")
 
 
 async def watch_peering(exists: Callable[[str, str | None], Awaitable[bool]], name: str,

@@ -348,10 +348,9 @@ def test_missing_peering_object_is_said_and_creating_it_resumes(cluster, caplog)
         lines = wait_for(lambda: len(said()) >= 2 and said(), timeout=30, what="the warning, twice")
         assert lines[0] == (
             "peering object KopfPeering 'lonely' in namespace 'default' does not exist, so this operator is "
-            "paused and handles no InferenceService. Create it (kubectl apply -n default -f "
-            "manifests/namespaced/peering.yaml, or `kubectl create` a KopfPeering named 'lonely' in namespace "
-            "'default'; its CRD is in crds/kopf-peering.yaml), or run the operator with --standalone if it is "
-            "the only one.")
+            "paused and handles no InferenceService. Create it (apiVersion kopf.dev/v1, kind KopfPeering, "
+            "metadata.name 'lonely', metadata.namespace 'default'; example: manifests/namespaced/peering.yaml; "
+            "CRDs: crds/kopf-peering.yaml), or run the operator with --standalone if it is the only one.")
         assert api.get("Deployment", "unpeered") is None
 
         api.call("POST", "/apis/kopf.dev/v1/namespaces/default/kopfpeerings",

@@ -233,4 +233,4 @@ def test_peering_objects_to_check_and_the_message():
     assert peering_objects("default", ["ml", "team-*"], False) == [("KopfPeering", "ml")]
     message = missing_message("default", "ClusterKopfPeering", None)
     assert message.startswith("peering object ClusterKopfPeering 'default' does not exist")
-    assert "kubectl apply -f manifests/base/peering.yaml" in message and "--standalone" in message
+    assert "kind ClusterKopfPeering, metadata.name 'default';" in message and "--standalone" in message
