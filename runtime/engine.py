@@ -81,9 +81,11 @@ class LLMEngine:
         from kvserve.runtime.attention.selector import get_attention_backend
         from kvserve.runtime.gguf import is_gguf_path
         from kvserve.runtime.gguf import load_tokenizer as load_gguf_tokenizer
+        from kvserve.runtime.gguf.reader import resolve_model_path
         from kvserve.runtime.model_config import ModelConfig
         from kvserve.runtime.models import load_model
 
+        config.model = resolve_model_path(config.model)  # a fetched GGUF directory -> its file
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = resolve_device(config.device)

@@ -359,3 +359,33 @@ def test_real_smollm2_q4_1_matches_transformers_and_answers(smollm2):
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"
+
+
+def test_serve_a_fetched_gguf_directory_over_the_openai_api(tiny_gguf, tmp_path):
+    """`kvserve serve DIR` where DIR holds one .gguf (what `kvserve agent fetch` of a GGUF
+    source leaves): the chat template from the file renders the messages, greedy output equals
+    the offline engine's."""
+    import shutil
+
+    import openai
+
+    from kvserve.runtime.server.main import ServerThread
+    from server_helpers import http, wait_until
+
+    model_dir = tmp_path / "models" / "tiny"
+    model_dir.mkdir(parents=True)
+    shutil.copyfile(tiny_gguf("Q4_0"), model_dir / "tiny.Q4_0.gguf")
+    srv = ServerThread([str(model_dir), "--served-model-name", "tiny", "--num-kv-blocks", "64",
+                        "--max-model-len", "256", "--port", "0"])
+    srv.start()
+    try:
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "Hello"}]
+        got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    finally:
+        assert srv.stop() == 0
+    offline = LLM(str(model_dir / "tiny.Q4_0.gguf"), num_kv_blocks=64).chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert got.choices[0].message.content == offline.text
+    assert got.usage.completion_tokens == len(offline.token_ids)

@@ -190,3 +190,16 @@ class GGUFFile:
 def is_gguf_path(model: str | pathlib.Path) -> bool:
     """Whether `model` names a GGUF file (by its suffix; the magic is checked when it is read)."""
     return str(model).lower().endswith(".gguf")
+
+
+def resolve_model_path(model: str) -> str:
+    """`model` itself, or, for a directory holding one .gguf file and no config.json (how
+    `kvserve agent fetch` lays out a GGUF model in the pod's volume), that file."""
+    path = pathlib.Path(model)
+    if not path.is_dir() or (path / "config.json").exists():
+        return model
+    files = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(files) > 1:
+        raise ValueError(f"model: {model!r} holds several GGUF files ({', '.join(p.name for p in files)}); "
+                         f"name one of them")
+    return str(files[0]) if files else model
