@@ -1,7 +1,9 @@
-"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm),
+and, with an expert block for the MLP (models.moe) or latent attention (models.mla), Mixtral,
+Qwen2/3-MoE and DeepSeek V2/V3.
 
 They differ only in flags that ModelConfig reads from config.json, so one implementation serves
-all four and one parity test suite covers them. Tokens are packed (no batch axis, no padding);
+them all and one parity test suite covers them. Tokens are packed (no batch axis, no padding);
 attention goes through the AttentionBackend, layer ops through kvserve.kernels.ops.
 """
 
@@ -69,11 +71,26 @@ class Attention(nn.Module):
         out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
+    def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        for part in ("q", "k", "v"):
+            out[f"{pre}{part}_proj.weight"] = (self.qkv_proj.weight, part)
+            if self.qkv_proj.bias is not None:
+                out[f"{pre}{part}_proj.bias"] = (self.qkv_proj.bias, part)
+        out[f"{pre}o_proj.weight"] = (self.o_proj.weight, None)
+        if self.o_proj.bias is not None:
+            out[f"{pre}o_proj.bias"] = (self.o_proj.bias, None)
+        if self.q_norm is not None:
+            out[f"{pre}q_norm.weight"] = (self.q_norm.weight, None)
+            out[f"{pre}k_norm.weight"] = (self.k_norm.weight, None)
+        return out
+
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device,
+                 intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
-        inter = cfg.shape.intermediate_size
+        inter = intermediate_size or cfg.shape.intermediate_size
         if inter % tp_size:
             raise ValueError(f"intermediate_size {inter} is not divisible by tensor_parallel_size {tp_size}")
         shard = inter // tp_size
@@ -83,17 +100,42 @@ class MLP(nn.Module):
             part_names=["gate", "up"],
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank,
-                                           tp_size=tp_size, dtype=dtype, device=device)
+                                           tp_size=tp_size, dtype=dtype, device=device,
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
+    def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        for part in ("gate", "up"):
+            out[f"{pre}{part}_proj.weight"] = (self.gate_up_proj.weight, part)
+            if self.gate_up_proj.bias is not None:
+                out[f"{pre}{part}_proj.bias"] = (self.gate_up_proj.bias, part)
+        out[f"{pre}down_proj.weight"] = (self.down_proj.weight, None)
+        if self.down_proj.bias is not None:
+            out[f"{pre}down_proj.bias"] = (self.down_proj.bias, None)
+        return out
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, **kw):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int = 0, **kw):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, **kw)
-        self.mlp = MLP(cfg, **kw)
+        if cfg.shape.mla is not None:
+            from kvserve.runtime.models.mla import MLAAttention
+
+            self.self_attn = MLAAttention(cfg, backend, **kw)
+        else:
+            self.self_attn = Attention(cfg, backend, **kw)
+        moe = cfg.shape.moe
+        if moe is not None and layer_idx in moe.moe_layers:
+            from kvserve.runtime.models.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(cfg, **kw)
+        else:
+            self.mlp = MLP(cfg, **kw)
+        # Where the checkpoint keeps this layer's MLP (Mixtral: its expert block).
+        self.mlp_prefix = "block_sparse_moe." if cfg.architecture == "MixtralForCausalLM" else "mlp."
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.input_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
         self.post_attention_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
@@ -123,16 +165,15 @@ class CausalLM(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=self.device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, **kw) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, **kw) for i in range(cfg.num_layers))
         self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **kw)
         # float32 regardless of the model dtype: ops.rotary_embedding casts per call, as HF does.
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg, device=self.device), persistent=False)
-        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads if cfg.num_layers else 0
-        self.head_dim = cfg.head_dim
+        _, self.num_kv_heads, self.head_dim = cfg.shape.kv_cache_layout(tp_size)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of one layer's K (or V) pool on this rank."""
+        """Shape of one layer's K (or V) pool on this rank (of its latent pool, for MLA)."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     @torch.inference_mode()
@@ -163,24 +204,8 @@ class CausalLM(nn.Module):
             out["lm_head.weight"] = (self.lm_head.weight, None)
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            for part in ("q", "k", "v"):
-                out[f"{pre}self_attn.{part}_proj.weight"] = (attn.qkv_proj.weight, part)
-                if attn.qkv_proj.bias is not None:
-                    out[f"{pre}self_attn.{part}_proj.bias"] = (attn.qkv_proj.bias, part)
-            out[f"{pre}self_attn.o_proj.weight"] = (attn.o_proj.weight, None)
-            if attn.o_proj.bias is not None:
-                out[f"{pre}self_attn.o_proj.bias"] = (attn.o_proj.bias, None)
-            if attn.q_norm is not None:
-                out[f"{pre}self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
-                out[f"{pre}self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
-            for part in ("gate", "up"):
-                out[f"{pre}mlp.{part}_proj.weight"] = (mlp.gate_up_proj.weight, part)
-                if mlp.gate_up_proj.bias is not None:
-                    out[f"{pre}mlp.{part}_proj.bias"] = (mlp.gate_up_proj.bias, part)
-            out[f"{pre}mlp.down_proj.weight"] = (mlp.down_proj.weight, None)
-            if mlp.down_proj.bias is not None:
-                out[f"{pre}mlp.down_proj.bias"] = (mlp.down_proj.bias, None)
+            out.update(layer.self_attn.checkpoint_params(f"{pre}self_attn."))
+            out.update(layer.mlp.checkpoint_params(pre + layer.mlp_prefix))
             out[f"{pre}input_layernorm.weight"] = (layer.input_layernorm.weight, None)
             out[f"{pre}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
         return out

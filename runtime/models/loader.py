@@ -57,7 +57,9 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
                                 log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
                             continue
                         param, shard_id = target
-                        tensor = f.get_tensor(name).to(dtype=dtype)
+                        # A parameter kept in another dtype than the model's (DeepSeek V3's float32
+                        # routing bias) says so with load_dtype.
+                        tensor = f.get_tensor(name).to(dtype=getattr(param, "load_dtype", dtype))
                         param.weight_loader(param, tensor, shard_id)
                         loaded.add(name)
             except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
