@@ -131,9 +131,19 @@ class ModelConfig:
     # V3 unless rope_interleave is false); the loader permutes them to rotate-half order.
     rope_interleave: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Per-frequency RoPE divisors stored by a GGUF file (llama.cpp's rope_freqs tensor, how it
+    # encodes Llama 3's rope scaling), applied on top of rope_scaling; None for none.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | pathlib.Path) -> "ModelConfig":
+        """Reads a Hugging Face directory's config.json, or a GGUF file's metadata."""
+        from kvserve.runtime.gguf.reader import is_gguf_path
+
+        if is_gguf_path(model_dir):
+            from kvserve.runtime.gguf import model_config
+
+            return model_config(model_dir)
         model_dir = pathlib.Path(model_dir)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
@@ -528,6 +538,8 @@ def rope_inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     dim = cfg.rotary_dim
     base = cfg.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if cfg.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq, 1.0
