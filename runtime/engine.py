@@ -81,19 +81,26 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         from kvserve.runtime.attention.selector import get_attention_backend
+        from kvserve.runtime.gguf import is_gguf_path
+        from kvserve.runtime.gguf import load_tokenizer as load_gguf_tokenizer
+        from kvserve.runtime.gguf.reader import resolve_model_path
         from kvserve.runtime.model_config import ModelConfig
         from kvserve.runtime.models import load_model
 
+        config.model = resolve_model_path(config.model)  # a fetched GGUF directory -> its file
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.dtype, self.device)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        except (ValueError, OSError) as exc:  # transformers' message is long and names no file
-            raise ValueError(f"model: no usable tokenizer in {str(config.tokenizer or config.model)!r} "
-                             f"(tokenizer.json, tokenizer.model, ...): {' '.join(str(exc).split())[:300]}") from None
+        if config.tokenizer is None and is_gguf_path(config.model):
+            self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
+        else:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            except (ValueError, OSError) as exc:  # transformers' message is long and names no file
+                raise ValueError(f"model: no usable tokenizer in {str(config.tokenizer or config.model)!r} "
+                                 f"(tokenizer.json, tokenizer.model, ...): {' '.join(str(exc).split())[:300]}") from None
         self._decode = make_decode_fn(self.tokenizer)
         self.vocab_size = self.model_config.vocab_size
 

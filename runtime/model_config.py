@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,8 +22,17 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# transformers' names for the two kinds of attention layer (config.json "layer_types").
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# Activations of the gated MLP, by config.json name: SiLU (Llama family) or tanh-approximated GELU.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -66,13 +75,38 @@ class ModelConfig:
     o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    # The attention window when the config turns sliding-window attention on, else None. Only
-    # full attention is implemented, so max_model_len must stay within the window.
+    # The attention window of the sliding-window layers (a query at position i sees keys
+    # i - sliding_window < j <= i, as in transformers), or None when no layer has one.
     sliding_window: int | None = None
+    # Per layer: "full_attention" or "sliding_attention" (empty means every layer is full).
+    layer_types: tuple[str, ...] = ()
+    # RoPE of the sliding-window layers when it differs from the global one (Gemma 3's local
+    # base frequency): (theta, scaling), else None.
+    local_rope: tuple[float, dict[str, Any] | None] | None = None
+    # "silu" or "gelu_tanh" (the gated MLP's activation).
+    hidden_act: str = "silu"
+    # Gemma: RMSNorm scales by (1 + weight), embeddings are multiplied by sqrt(hidden_size), each
+    # layer also norms the attention and MLP outputs (post-attention, pre/post feed-forward norms).
+    gemma_norms: bool = False
+    # The attention scale is query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma).
+    query_pre_attn_scalar: float | None = None
+    # tanh soft-capping: cap * tanh(x / cap) on the attention scores / the final logits (Gemma 2).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Per-frequency RoPE divisors stored by a GGUF file (llama.cpp's rope_freqs tensor, how it
+    # encodes Llama 3's rope scaling), applied on top of rope_scaling; None for none.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | pathlib.Path) -> "ModelConfig":
+        """Reads a Hugging Face directory's config.json, or a GGUF file's metadata."""
+        from kvserve.runtime.gguf.reader import is_gguf_path
+
+        if is_gguf_path(model_dir):
+            from kvserve.runtime.gguf import model_config
+
+            return model_config(model_dir)
         model_dir = pathlib.Path(model_dir)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
@@ -91,25 +125,48 @@ class ModelConfig:
         architectures = config.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
+            hint = ""
+            if "Gemma3ForConditionalGeneration" in architectures:
+                hint = (" (Gemma 3's multimodal checkpoint: serve a text-only Gemma3ForCausalLM "
+                        "checkpoint, whose config is Gemma 3's text config)")
             raise ValueError(
-                f"model architecture {architectures or config.get('model_type')!r} is not supported; "
+                f"model architecture {architectures or config.get('model_type')!r} is not supported{hint}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         model_type = config.get("model_type", "")
         shape = ModelShape.from_hf_config(config)
+        is_gemma = arch in GEMMA_ARCHITECTURES
 
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"model config: hidden_act {act!r} is not supported; supported: 'silu'")
+        # Gemma configs name the activation hidden_activation (hidden_act is a legacy alias).
+        act_field = "hidden_activation" if is_gemma and config.get("hidden_activation") else "hidden_act"
+        act = config.get(act_field) or ("gelu_pytorch_tanh" if is_gemma else "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"model config: {act_field} {act!r} is not supported; "
+                             f"supported: {', '.join(repr(a) for a in _ACTIVATIONS)}")
         if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("model config: partial_rotary_factor != 1.0 is not supported")
 
-        rope_theta, rope_scaling = _rope(config, shape.head_dim)
+        layer_types, window = _layer_types(arch, config, shape.num_layers)
+        rope_theta, rope_scaling, local_rope = _rope_per_layer_type(arch, config, shape.head_dim)
         max_pos = int(config.get("max_position_embeddings") or 2048)
 
         is_qwen2 = arch == "Qwen2ForCausalLM"
         is_mistral = arch == "MistralForCausalLM"
         attention_bias = bool(config.get("attention_bias", False))
+        gemma: dict[str, Any] = {}
+        if is_gemma:
+            if config.get("use_bidirectional_attention"):
+                raise ValueError("model config: use_bidirectional_attention is not supported; supported: false "
+                                 "(causal decoding)")
+            gemma = dict(
+                gemma_norms=True,
+                query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
+                final_logit_softcapping=_positive_or_none(config, "final_logit_softcapping"),
+                # transformers 5 does not apply attn_logit_softcapping to Gemma 3 (its checkpoints
+                # set it to null); follow the oracle.
+                attn_logit_softcapping=(_positive_or_none(config, "attn_logit_softcapping")
+                                        if arch == "Gemma2ForCausalLM" else None),
+            )
         return cls(
             model_dir=pathlib.Path(model_dir),
             architecture=arch,
@@ -127,8 +184,12 @@ class ModelConfig:
             qkv_bias=is_qwen2 or (attention_bias and not is_mistral),
             o_proj_bias=attention_bias and not (is_qwen2 or is_mistral),
             mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=_sliding_window(arch, config),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            sliding_window=window,
+            layer_types=layer_types,
+            local_rope=local_rope,
+            hidden_act=_ACTIVATIONS[act],
+            **gemma,
             hf_config=config,
         )
 
@@ -152,11 +213,20 @@ class ModelConfig:
     def rope_type(self) -> str:
         return (self.rope_scaling or {}).get("rope_type", "default")
 
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer`, or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        """Every layer attends within the window: KV behind it is never read again by anyone."""
+        return self.sliding_window is not None and all(t == SLIDING_ATTENTION for t in self.layer_types)
+
     def default_max_model_len(self) -> int:
-        """The longest context this model supports here: its position limit, capped by the
-        sliding window when one is configured (only full attention is implemented)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context this model supports: its position limit (a sliding window does
+        not cap it: sliding-window layers attend within the window at any length)."""
         return self.max_position_embeddings
 
     def resolve_max_model_len(self, max_model_len: int | None) -> int:
@@ -171,11 +241,6 @@ class ModelConfig:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.max_position_embeddings}"
-            )
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's sliding_window {self.sliding_window}; "
-                f"sliding-window attention is not supported, so max_model_len must be <= {self.sliding_window}"
             )
         return max_model_len
 
@@ -212,17 +277,111 @@ def _rope(config: dict[str, Any], head_dim: int) -> tuple[float, dict[str, Any] 
     return theta, {"rope_type": rope_type, **params}
 
 
-def _sliding_window(arch: str, config: dict[str, Any]) -> int | None:
-    window = config.get("sliding_window")
-    if window is None:
+def _positive_or_none(config: dict[str, Any], name: str) -> float | None:
+    value = config.get(name)
+    if value is None:
         return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"model config: {name} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _layer_types(arch: str, config: dict[str, Any], num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """Per-layer attention kinds and the sliding window, following transformers for each family:
+
+    - Mistral: `sliding_window` (when not null) on every layer;
+    - Qwen2/Qwen3: only with `use_sliding_window`, on the layers `layer_types` names, or else on
+      layers i >= `max_window_layers`;
+    - Gemma 2/3: `layer_types`, or else alternating local/global layers (every second layer is
+      global in Gemma 2; every `sliding_window_pattern`-th, default 6, in Gemma 3).
+    """
+    full = tuple([FULL_ATTENTION] * num_layers)
+    window = config.get("sliding_window")
     if arch == "MistralForCausalLM":
-        return int(window)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and config.get("use_sliding_window"):
-        layer_types = config.get("layer_types")
-        if layer_types is None or "sliding_attention" in layer_types:
-            return int(window)
-    return None
+        if window is None:
+            return full, None
+        return tuple([SLIDING_ATTENTION] * num_layers), _window(window)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not config.get("use_sliding_window") or window is None:
+            return full, None
+        types = config.get("layer_types")
+        if types is None:
+            first = int(config.get("max_window_layers") or 0)
+            types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+        types = _check_layer_types(types, num_layers)
+        return types, (_window(window) if SLIDING_ATTENTION in types else None)
+    if arch in GEMMA_ARCHITECTURES:
+        types = config.get("layer_types")
+        if types is None:
+            period = 2 if arch == "Gemma2ForCausalLM" else int(config.get("sliding_window_pattern") or 6)
+            if period < 1:
+                raise ValueError(f"model config: sliding_window_pattern must be >= 1, got {period}")
+            types = [SLIDING_ATTENTION if (i + 1) % period else FULL_ATTENTION for i in range(num_layers)]
+        types = _check_layer_types(types, num_layers)
+        if SLIDING_ATTENTION in types:
+            if window is None:
+                raise ValueError("model config: sliding_window is null but layer_types has sliding_attention "
+                                 "layers; set sliding_window")
+            return types, _window(window)
+        return types, None
+    return full, None
+
+
+def _window(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model config: sliding_window must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_layer_types(types: Any, num_layers: int) -> tuple[str, ...]:
+    if not isinstance(types, (list, tuple)) or len(types) != num_layers:
+        raise ValueError(f"model config: layer_types must list one type per layer ({num_layers}), got {types!r}")
+    for t in types:
+        if t not in LAYER_TYPES:
+            raise ValueError(f"model config: layer_types entry {t!r} is not supported; "
+                             f"supported: {', '.join(LAYER_TYPES)}")
+    return tuple(types)
+
+
+def _rope_per_layer_type(arch: str, config: dict[str, Any], head_dim: int
+                         ) -> tuple[float, dict[str, Any] | None, tuple[float, dict[str, Any] | None] | None]:
+    """(global theta, global scaling, local (theta, scaling) or None).
+
+    Gemma 3 has two RoPEs: global layers use `rope_theta` (default 1e6) with `rope_scaling`, local
+    layers `rope_local_base_freq` (default 1e4) without scaling; transformers 5 writes both as
+    per-layer-type `rope_parameters` {"full_attention": {...}, "sliding_attention": {...}}.
+    """
+    params = config.get("rope_parameters")
+    per_type = isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values())
+    if arch != "Gemma3ForCausalLM":
+        if per_type:
+            unknown = sorted(set(params) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"model config: rope_parameters key {unknown[0]!r} is not supported; "
+                                 f"supported: {', '.join(LAYER_TYPES)}")
+            if len({json.dumps(v, sort_keys=True) for v in params.values()}) > 1:
+                raise ValueError(f"model config: per-layer-type rope_parameters are only supported for "
+                                 f"Gemma3ForCausalLM, not {arch}")
+            config = {**config, "rope_parameters": next(iter(params.values()))}
+        theta, scaling = _rope(config, head_dim)
+        return theta, scaling, None
+    if per_type:
+        unknown = sorted(set(params) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"model config: rope_parameters key {unknown[0]!r} is not supported; "
+                             f"supported: {', '.join(LAYER_TYPES)}")
+        global_params = params.get(FULL_ATTENTION) or {"rope_type": "default"}
+        local_params = params.get(SLIDING_ATTENTION) or {"rope_type": "default"}
+        global_params = {"rope_theta": 1_000_000.0, **global_params}
+        local_params = {"rope_theta": 10_000.0, **local_params}
+    else:
+        scaling = config.get("rope_scaling") or (params if isinstance(params, dict) else None) or {}
+        global_params = {"rope_theta": config.get("rope_theta") or 1_000_000.0, **scaling}
+        local_params = {"rope_theta": config.get("rope_local_base_freq") or 10_000.0}
+    bare = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    theta, scaling = _rope({**bare, "rope_parameters": global_params}, head_dim)
+    local_theta, local_scaling = _rope({**bare, "rope_parameters": local_params}, head_dim)
+    return theta, scaling, (local_theta, local_scaling)
 
 
 def _dtype(config: dict[str, Any]) -> torch.dtype:
@@ -254,6 +413,8 @@ def rope_inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     dim = cfg.head_dim
     base = cfg.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if cfg.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq, 1.0
@@ -311,9 +472,12 @@ def _yarn(cfg: ModelConfig, p: dict[str, Any], factor: float) -> tuple[torch.Ten
 
 
 def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int | None = None,
-                       device: torch.device | str | None = None) -> torch.Tensor:
-    """float32 [max_positions, head_dim]: cos half then sin half, scaling folded in."""
+                       device: torch.device | str | None = None, *, local: bool = False) -> torch.Tensor:
+    """float32 [max_positions, head_dim]: cos half then sin half, scaling folded in. With `local`,
+    the sliding-window layers' RoPE (it differs from the global one in Gemma 3 only)."""
     n = max_positions or cfg.max_position_embeddings
+    if local and cfg.local_rope is not None:
+        cfg = replace(cfg, rope_theta=cfg.local_rope[0], rope_scaling=cfg.local_rope[1])
     inv_freq, mult = rope_inv_freq_and_scale(cfg)
     freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
     cache = torch.cat((freqs.cos() * mult, freqs.sin() * mult), dim=-1)

@@ -75,6 +75,15 @@ CONFIGS = [
                                rope_theta=50000.0), id="llama-rope-llama3"),
     pytest.param("mistral", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24,
                                  tie_word_embeddings=True), id="mistral-gqa4-headdim24-tied"),
+    # Sliding windows (7, 8) shorter than most prompts (up to 40 tokens) and than the chunks (16).
+    pytest.param("mistral", dict(sliding_window=7), id="mistral-window7"),
+    pytest.param("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
+                 id="qwen2-window7-layer1"),
+    pytest.param("gemma2", dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5),
+                 id="gemma2-window8-softcaps"),
+    pytest.param("gemma3", dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                                 "sliding_attention"],
+                                rope_scaling={"rope_type": "linear", "factor": 4.0}), id="gemma3-window8-local-rope"),
 ]
 
 

@@ -11,7 +11,7 @@ import json
 import pathlib
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 INIT_STD = 0.1
 
@@ -71,12 +71,19 @@ def _config(arch: str, overrides: dict[str, Any]):
         kwargs["use_sliding_window"] = False
     if arch == "qwen3":
         kwargs["head_dim"] = 16
+    if arch in ("gemma2", "gemma3"):
+        # Gemma's own defaults are for 2B+ models: a small window (so the test prompts are longer
+        # than it), query_pre_attn_scalar != head_dim (so the scale is checked), tied embeddings.
+        kwargs.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True,
+                      hidden_activation="gelu_pytorch_tanh")
     kwargs.update(overrides)
     cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }[arch]
     return cls(**kwargs)
 
@@ -89,6 +96,8 @@ def _model_class(arch: str):
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM,
     }[arch]
 
 
@@ -142,10 +151,12 @@ def build_tiny_model(path, arch: str = "llama", *, seed: int = 0, **config_overr
     model = _model_class(arch)(config)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed)
+        gemma = arch.startswith("gemma")
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                # Norm gains around 1 with some spread, so q/k norms and final norm are not no-ops.
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                # Norm gains around 1 with some spread, so q/k norms and final norm are not no-ops
+                # (Gemma's norms scale by 1 + weight).
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=gen))
         if config.tie_word_embeddings:

@@ -1,8 +1,14 @@
-"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and
+Gemma 2/3.
 
 They differ only in flags that ModelConfig reads from config.json, so one implementation serves
-all four and one parity test suite covers them. Tokens are packed (no batch axis, no padding);
-attention goes through the AttentionBackend, layer ops through kvserve.kernels.ops.
+them all and one parity test suite covers them. Per layer: a sliding window or full attention
+(Mistral, Qwen2 with max_window_layers, Gemma's alternating local/global layers) and, in Gemma 3,
+the local layers' own RoPE. Gemma adds (1 + weight) RMSNorms with post-attention and pre/post
+feed-forward norms, embeddings scaled by sqrt(hidden_size), a GELU(tanh) MLP, the attention scale
+query_pre_attn_scalar ** -0.5 and tanh soft-capping of attention scores and final logits.
+Tokens are packed (no batch axis, no padding); attention goes through the AttentionBackend, layer
+ops through kvserve.kernels.ops.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.kernels import ops
+from kvserve.kernels import ops, reference
 from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.runtime.model_config import ModelConfig, rope_cos_sin_cache
 from kvserve.runtime.models.layers import (
@@ -24,7 +30,7 @@ from kvserve.runtime.models.layers import (
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layer: int = 0):
         super().__init__()
         shape = cfg.shape
         shape.check_tp(tp_size)
@@ -48,7 +54,10 @@ class Attention(nn.Module):
         self.q_norm = ReplicatedWeight(d, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = ReplicatedWeight(d, dtype=dtype, device=device) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
-        self.scale = d**-0.5
+        self.norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
+        self.scale = (cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else d) ** -0.5
+        self.sliding_window = cfg.layer_window(layer)
+        self.logits_soft_cap = cfg.attn_logit_softcapping
         self.backend = backend
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
@@ -61,12 +70,16 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = ops.rms_norm(q, self.q_norm.weight, self.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.eps)
+            q = self.norm(q, self.q_norm.weight, self.eps)
+            k = self.norm(k, self.k_norm.weight, self.eps)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        if self.sliding_window is None and self.logits_soft_cap is None:
+            out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale,
+                                      sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -84,20 +97,22 @@ class MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank,
                                            tp_size=tp_size, dtype=dtype, device=device)
+        self.act_and_mul = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, **kw):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0, **kw):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, **kw)
+        self.self_attn = Attention(cfg, backend, layer=layer, **kw)
         self.mlp = MLP(cfg, **kw)
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.input_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
         self.post_attention_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
         self.eps = cfg.rms_norm_eps
+        self.norm_names = ("input_layernorm", "post_attention_layernorm")
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin):
         if residual is None:
@@ -108,6 +123,37 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin)
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, self.eps)
         return self.mlp(hidden), residual
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 2/3: every sublayer's output is normed before the residual add ("sandwich" norms).
+
+    Carries (hidden, residual) between layers like DecoderLayer, so the add that closes one
+    sublayer fuses with the norm that opens the next."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0, **kw):
+        super().__init__()
+        self.self_attn = Attention(cfg, backend, layer=layer, **kw)
+        self.mlp = MLP(cfg, **kw)
+        dd = dict(dtype=kw["dtype"], device=kw["device"])
+        self.norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                           "post_feedforward_layernorm")
+        for name in self.norm_names:
+            setattr(self, name, ReplicatedWeight(cfg.hidden_size, **dd))
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin):
+        if residual is None:
+            residual = hidden
+            hidden = ops.gemma_rms_norm(hidden, self.input_layernorm.weight, self.eps)
+        else:
+            hidden, residual = ops.gemma_fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, self.eps)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin)
+        hidden = ops.gemma_rms_norm(hidden, self.post_attention_layernorm.weight, self.eps)
+        hidden, residual = ops.gemma_fused_add_rms_norm(hidden, residual, self.pre_feedforward_layernorm.weight,
+                                                        self.eps)
+        hidden = self.mlp(hidden)
+        return ops.gemma_rms_norm(hidden, self.post_feedforward_layernorm.weight, self.eps), residual
 
 
 class CausalLM(nn.Module):
@@ -123,11 +169,21 @@ class CausalLM(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=self.device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, **kw) for _ in range(cfg.num_layers))
+        layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(cfg, backend, layer=i, **kw) for i in range(cfg.num_layers))
         self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **kw)
         # float32 regardless of the model dtype: ops.rotary_embedding casts per call, as HF does.
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg, device=self.device), persistent=False)
+        # Gemma 3's local layers rotate with their own base frequency.
+        self.register_buffer("local_cos_sin_cache", None if cfg.local_rope is None else
+                             rope_cos_sin_cache(cfg, device=self.device, local=True), persistent=False)
+        self._local_rope_layers = frozenset(i for i in range(cfg.num_layers) if cfg.layer_window(i) is not None)
+        self.final_norm = ops.gemma_fused_add_rms_norm if cfg.gemma_norms else ops.fused_add_rms_norm
+        self.first_norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
+        # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to the model dtype as HF does.
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).to(self.device)
+                            if cfg.gemma_norms else None)
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads if cfg.num_layers else 0
         self.head_dim = cfg.head_dim
 
@@ -141,19 +197,27 @@ class CausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
+        local = self.local_cos_sin_cache
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            cos_sin = local if local is not None and i in self._local_rope_layers else self.cos_sin_cache
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin)
         if residual is None:
-            return ops.rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
-        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
+            return self.first_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
+        hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
         return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [N, vocab_size] for hidden states [N, hidden_size]."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return head.logits(hidden).float()
+        logits = head.logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model dtype, as transformers does, before the float32 cast
+            logits = reference.soft_cap_ref(logits, cap)
+        return logits.float()
 
     def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, str | None]]:
         """Maps every checkpoint tensor name this model consumes to (parameter, shard id)."""
@@ -181,6 +245,6 @@ class CausalLM(nn.Module):
             out[f"{pre}mlp.down_proj.weight"] = (mlp.down_proj.weight, None)
             if mlp.down_proj.bias is not None:
                 out[f"{pre}mlp.down_proj.bias"] = (mlp.down_proj.bias, None)
-            out[f"{pre}input_layernorm.weight"] = (layer.input_layernorm.weight, None)
-            out[f"{pre}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
+            for name in layer.norm_names:
+                out[f"{pre}{name}.weight"] = (getattr(layer, name).weight, None)
         return out

@@ -25,7 +25,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    p.add_argument("model", help="model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("model", help="model directory (config.json, *.safetensors, tokenizer), a .gguf file, "
+                                  "or a directory holding one .gguf file")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_bounded(int, 0, 65535), default=8000, help="0: a free port")
     p.add_argument("--served-model-name", nargs="+", default=None,
