@@ -212,7 +212,7 @@ class Router:
                 return result
             last = result
             tried.append(choice.pod)
-            self.metrics.retries.labels(choice.pod, result.reason).inc()
+            self.metrics.retries.labels(result.reason).inc()
             more = len(tried) < self.config.max_attempts and any(p not in tried for p in self.endpoints)
             log.info("request %s: %s refused (%s); %s", request_id, choice.pod, result.message or result.reason,
                      "trying another pod" if more else "no other pod to try")
