@@ -13,6 +13,7 @@ from torch import nn
 from kvserve.kernels import ops
 from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.runtime.model_config import ModelConfig, rope_cos_sin_cache
+from kvserve.runtime.models.quantization import QuantizationConfig
 from kvserve.runtime.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -24,7 +25,8 @@ from kvserve.runtime.models.layers import (
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, prefix: str = "model.layers.0",
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         shape = cfg.shape
         shape.check_tp(tp_size)
@@ -42,9 +44,12 @@ class Attention(nn.Module):
             shard_sizes=[self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d],
             shard_starts=[tp_rank * self.num_heads * d, kv_start * d, kv_start * d],
             bias=cfg.qkv_bias, dtype=dtype, device=device, part_names=["q", "k", "v"],
+            prefixes=[f"{prefix}.self_attn.{p}_proj" for p in "qkv"], quant_config=quant_config,
+            tp_rank=tp_rank, tp_size=tp_size,
         )
         self.o_proj = RowParallelLinear(shape.num_attention_heads * d, shape.hidden_size, bias=cfg.o_proj_bias,
-                                        tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
+                                        tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device,
+                                        prefix=f"{prefix}.self_attn.o_proj", quant_config=quant_config)
         self.q_norm = ReplicatedWeight(d, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = ReplicatedWeight(d, dtype=dtype, device=device) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
@@ -71,7 +76,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device,
+                 prefix: str = "model.layers.0", quant_config: QuantizationConfig | None = None):
         super().__init__()
         inter = cfg.shape.intermediate_size
         if inter % tp_size:
@@ -80,10 +86,12 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, output_sizes=[inter, inter], shard_sizes=[shard, shard],
             shard_starts=[tp_rank * shard, tp_rank * shard], bias=cfg.mlp_bias, dtype=dtype, device=device,
-            part_names=["gate", "up"],
+            part_names=["gate", "up"], prefixes=[f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"],
+            quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size,
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank,
-                                           tp_size=tp_size, dtype=dtype, device=device)
+                                           tp_size=tp_size, dtype=dtype, device=device,
+                                           prefix=f"{prefix}.mlp.down_proj", quant_config=quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -114,18 +122,22 @@ class CausalLM(nn.Module):
     """A packed-token decoder: forward() gives final hidden states, compute_logits() the logits."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, dtype: torch.dtype,
-                 device: torch.device, tp_rank: int = 0, tp_size: int = 1):
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
         self.config = cfg
         self.dtype, self.device = dtype, torch.device(device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.quant_config = quant_config
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=self.device)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, **kw) for _ in range(cfg.num_layers))
+        qkw = dict(kw, quant_config=quant_config)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **qkw)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, prefix=f"model.layers.{i}", **qkw)
+                                    for i in range(cfg.num_layers))
         self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device)
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **qkw)
         # float32 regardless of the model dtype: ops.rotary_embedding casts per call, as HF does.
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg, device=self.device), persistent=False)
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads if cfg.num_layers else 0
@@ -156,31 +168,24 @@ class CausalLM(nn.Module):
         return head.logits(hidden).float()
 
     def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, str | None]]:
-        """Maps every checkpoint tensor name this model consumes to (parameter, shard id)."""
-        out: dict[str, tuple[torch.Tensor, str | None]] = {"model.embed_tokens.weight": (self.embed_tokens.weight, None),
-                                                           "model.norm.weight": (self.norm.weight, None)}
+        """Maps every checkpoint tensor name this model consumes to (parameter, shard id).
+
+        Linear layers list their own tensors (their weight format decides which: ``weight``, or
+        ``qweight``/``scales``/..., one entry per fused part)."""
+        out: dict[str, tuple[torch.Tensor, str | None]] = {"model.norm.weight": (self.norm.weight, None)}
+        out.update(self.embed_tokens.checkpoint_params())
         if self.lm_head is not None:
-            out["lm_head.weight"] = (self.lm_head.weight, None)
+            out.update(self.lm_head.checkpoint_params())
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            for part in ("q", "k", "v"):
-                out[f"{pre}self_attn.{part}_proj.weight"] = (attn.qkv_proj.weight, part)
-                if attn.qkv_proj.bias is not None:
-                    out[f"{pre}self_attn.{part}_proj.bias"] = (attn.qkv_proj.bias, part)
-            out[f"{pre}self_attn.o_proj.weight"] = (attn.o_proj.weight, None)
-            if attn.o_proj.bias is not None:
-                out[f"{pre}self_attn.o_proj.bias"] = (attn.o_proj.bias, None)
+            out.update(attn.qkv_proj.checkpoint_params())
+            out.update(attn.o_proj.checkpoint_params())
             if attn.q_norm is not None:
                 out[f"{pre}self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
                 out[f"{pre}self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
-            for part in ("gate", "up"):
-                out[f"{pre}mlp.{part}_proj.weight"] = (mlp.gate_up_proj.weight, part)
-                if mlp.gate_up_proj.bias is not None:
-                    out[f"{pre}mlp.{part}_proj.bias"] = (mlp.gate_up_proj.bias, part)
-            out[f"{pre}mlp.down_proj.weight"] = (mlp.down_proj.weight, None)
-            if mlp.down_proj.bias is not None:
-                out[f"{pre}mlp.down_proj.bias"] = (mlp.down_proj.bias, None)
+            out.update(mlp.gate_up_proj.checkpoint_params())
+            out.update(mlp.down_proj.checkpoint_params())
             out[f"{pre}input_layernorm.weight"] = (layer.input_layernorm.weight, None)
             out[f"{pre}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
         return out
