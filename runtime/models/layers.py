@@ -94,13 +94,14 @@ class LinearBase(nn.Module):
             self.bias = None
         register_checkpoint_names(self)
 
-    def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, str | None]]:
-        """Checkpoint tensor name -> (parameter, shard id), for every tensor this layer loads."""
+    def checkpoint_params(self, prefixes: Sequence[str] | None = None) -> dict[str, tuple[torch.Tensor, str | None]]:
+        """Checkpoint tensor name -> (parameter, shard id), for every tensor this layer loads;
+        `prefixes` (one per fused part) default to the spec's."""
         out = {}
         for name, param in self.named_parameters(recurse=False):
             if getattr(param, "weight_loader", None) is None:
                 continue
-            for prefix, part in zip(self.spec.prefixes, self.spec.part_names):
+            for prefix, part in zip(prefixes or self.spec.prefixes, self.spec.part_names):
                 out[f"{prefix}.{name}"] = (param, part)
         return out
 
@@ -141,20 +142,26 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial products are summed with an all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device, prefix: str = "row_parallel",
-                 quant_config: QuantizationConfig | None = None):
+                 dtype: torch.dtype, device: torch.device, reduce_results: bool = True,
+                 prefix: str = "row_parallel", quant_config: QuantizationConfig | None = None):
         if input_size % tp_size:
             raise ValueError(f"row-parallel input size {input_size} is not divisible by tp_size {tp_size}")
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel bias needs reduce_results (it is added once, after the sum)")
         shard = input_size // tp_size
         spec = LinearSpec(input_size=input_size, output_sizes=(output_size,), output_slices=((0, output_size),),
                           input_slice=(tp_rank * shard, shard), prefixes=(prefix,), params_dtype=dtype,
                           device=torch.device(device), tp_rank=tp_rank, tp_size=tp_size)
         super().__init__(spec, quant_config, bias=bias)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # False when the caller sums several partial results first and all-reduces once (MoE).
+        self.reduce_results = reduce_results
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x)
+        if not self.reduce_results:
+            return out
         out = all_reduce(out, self.tp_size)
         # The bias is added once, after the sum, not once per rank.
         return out + self.bias if self.bias is not None else out

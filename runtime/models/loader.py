@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvserve.runtime.attention.backend import AttentionBackend
+from kvserve.runtime.gguf.reader import is_gguf_path
 from kvserve.runtime.model_config import ModelConfig
 from kvserve.runtime.models.layers import LinearBase
 from kvserve.runtime.models.llama import CausalLM
@@ -42,7 +43,8 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
                attention_backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
                config: ModelConfig | None = None,
                quantization: str | QuantizationConfig | None = None) -> CausalLM:
-    """Loads a supported HF causal LM from a local directory, with this rank's weight shards.
+    """Loads a supported HF causal LM from a local directory (or a GGUF file), with this rank's
+    weight shards.
 
     `quantization`: a format name (None: whatever the checkpoint's quantization_config says,
     else full precision) or an already resolved QuantizationConfig."""
@@ -57,22 +59,33 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
                      tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config)
     targets = model.checkpoint_params()
     loaded: set[str] = set()
+
+    def consume(name: str, tensor: torch.Tensor) -> None:
+        param, shard_id = targets[name]
+        # Into the parameter's own dtype: the model's for full-precision weights, float32 for a
+        # parameter kept wider (DeepSeek V3's routing bias, a quantized format's scales), the
+        # integer or FP8 dtype of a quantized format's values.
+        param.weight_loader(param, tensor.to(dtype=getattr(param, "load_dtype", param.dtype)), shard_id)
+        loaded.add(name)
+
     with torch.no_grad():
-        for path in checkpoint_files(model_dir):
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        target = targets.get(name)
-                        if target is None:
-                            if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                                log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
-                            continue
-                        param, shard_id = target
-                        # Cast by the parameter's copy: quantized tensors keep their integer dtype.
-                        param.weight_loader(param, f.get_tensor(name), shard_id)
-                        loaded.add(name)
-            except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
-                raise ValueError(f"model: {path} is not a readable safetensors file ({exc})") from None
+        if is_gguf_path(model_dir):
+            from kvserve.runtime.gguf import checkpoint_tensors
+
+            for name, tensor in checkpoint_tensors(model_dir, cfg, wanted=targets.__contains__):
+                consume(name, tensor)
+        else:
+            for path in checkpoint_files(model_dir):
+                try:
+                    with safe_open(str(path), framework="pt", device="cpu") as f:
+                        for name in f.keys():
+                            if name not in targets:
+                                if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                                    log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
+                                continue
+                            consume(name, f.get_tensor(name))
+                except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
+                    raise ValueError(f"model: {path} is not a readable safetensors file ({exc})") from None
     missing = sorted(name for name in set(targets) - loaded if not getattr(targets[name][0], "optional", False))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
