@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -322,11 +323,13 @@ class LLMEngine:
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        t_start = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.plan(self.scheduler.running, self._params_of)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        t_scheduled = time.perf_counter()
         now = StatsCollector.now()
         by_seq = self._by_seq
         rows, repeats = [], []
@@ -341,6 +344,8 @@ class LLMEngine:
                 rows.extend(s.row for s in req.unforked)
                 repeats.append(1 + len(req.unforked))
         tables = [self.block_manager.block_tables[item.seq.seq_id] for item in sched.scheduled]
+        self.runner.last_timings = None
+        t_execute = time.perf_counter()
         try:
             if self.spec_decoder is not None:
                 result = self.spec_decoder.execute(sched.scheduled, tables, rows, repeats)
@@ -351,6 +356,7 @@ class LLMEngine:
         except Exception:
             self._fail_step(sched)
             raise
+        t_executed = time.perf_counter()
         self.scheduler.on_step_done(sched)
         self._stats.computed_tokens_total += sched.num_batched_tokens
         now = StatsCollector.now()
@@ -381,7 +387,16 @@ class LLMEngine:
             outputs.append(self._make_output(head, finished=all(s.finish_reason is not None
                                                                   for s in head.samples)))
         self._stats.on_tokens(now, num_prompt, num_generated)
+        self._record_phases(t_start, t_scheduled, t_execute, t_executed)
         return outputs
+
+    def _record_phases(self, t_start: float, t_scheduled: float, t_execute: float, t_executed: float) -> None:
+        # Building the sampling rows counts as prepare; a speculative step (whose verification
+        # the runner does not time phase by phase) counts as forward.
+        timings = self.runner.last_timings
+        prepare, forward, sample = timings if timings is not None else (0.0, t_executed - t_execute, 0.0)
+        self._stats.on_step(t_scheduled - t_start, (t_execute - t_scheduled) + prepare, forward, sample,
+                            time.perf_counter() - t_executed)
 
     def _params_of(self, seq: Sequence) -> SamplingParams | None:
         req = self._by_seq.get(seq.seq_id)

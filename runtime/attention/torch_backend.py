@@ -8,6 +8,10 @@ decodes and multi-token queries are grouped apart, so a decode is never padded t
 rows. Longer prefill and chunked-prefill sequences go one by one through
 scaled_dot_product_attention with a causal mask offset by the tokens already cached. The gather
 plan is built once per step (per AttentionMetadata) and reused by every layer.
+
+Pure-decode float32 steps on the CPU go to the native paged decode kernel instead (kernels/cpu,
+when it builds and the kernel mode allows it): it reads K/V straight out of the cache blocks, so
+a decode step's attention is one call per layer instead of a gather, a mask and an SDPA call.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from kvserve.kernels import ops
 from kvserve.runtime.attention.backend import AttentionMetadata
 
 # Batches of at least this many short-query sequences are split into length-sorted groups.
@@ -54,6 +59,12 @@ class _Plan:
     prefill: list[tuple[int, int, int, int]]  # (sequence, first row, end row, seq_len)
 
 
+def _native_decode_ok(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    from kvserve.kernels.cpu import native
+
+    return native.decode_supported(query, k_cache)
+
+
 class TorchAttentionBackend:
     """Pure-torch paged attention. One instance serves every layer of one model: it caches the
     gather plan for the AttentionMetadata object it last saw, so build a fresh metadata object per
@@ -82,6 +93,10 @@ class TorchAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.is_decode_only and ops.use_native(query) and _native_decode_ok(query, k_cache):
+            from kvserve.kernels.cpu import native
+
+            return native.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         plan = self._get_plan(meta, k_cache.shape[1], query.shape[1] // k_cache.shape[2], query.device)
         out = torch.empty_like(query)
         for group in plan.groups:
