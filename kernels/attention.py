@@ -18,6 +18,11 @@ Prefill: packed variable-length queries (``query_start_loc``), query token j of 
 position ``seq_lens[i] - query_len_i + j``, attending causally over the cached prefix and the
 chunk itself (already written to the cache). Rows of a program's tile are (token, group head)
 pairs, so short queries still fill a tile.
+
+Sliding window (``sliding_window`` w): a query at position p sees keys p - w < j <= p. Both
+kernels start their key loop at the first position the program's rows can see, so a slot behind
+the window is never read (its block may be freed) and the work is bounded by the window. Soft-capping
+(``logits_soft_cap`` c, Gemma 2) replaces each scaled score s by c * tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ def _decode_kernel(
     stride_ot, stride_oh,
     stride_ms, stride_mh, stride_mp,
     stride_ls, stride_lh,
-    GROUP, HEAD_DIM, tokens_per_split,
+    GROUP, HEAD_DIM, tokens_per_split, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -67,7 +73,12 @@ def _decode_kernel(
     q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    start = split * tokens_per_split
+    # The query sits at seq_len - 1; with a window it sees seq_len - window .. seq_len - 1, and the
+    # splits cover only that span.
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    start = lo + split * tokens_per_split
     end = tl.minimum(seq_len, start + tokens_per_split)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -84,6 +95,12 @@ def _decode_kernel(
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * scale_log2
         else:
             s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+        if HAS_SOFT_CAP:
+            # In log2 units: c' tanh(s' / c'), both scaled by log2(e); tanh(x) = 1 - 2 / (e^2x + 1)
+            # (inline: the interpreter cannot call a jit helper) saturates cleanly to +-1.
+            x = tl.minimum(tl.maximum(s / soft_cap_log2, -20.0), 20.0)  # tanh(20) is 1 in float32
+            e2x = tl.exp2(x * (2.0 * 1.4426950408889634))
+            s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
         s = tl.where(n_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -150,9 +167,9 @@ def _prefill_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     stride_ot, stride_oh,
-    GROUP, HEAD_DIM,
+    GROUP, HEAD_DIM, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -176,12 +193,17 @@ def _prefill_kernel(
     has_rows = tile * BLOCK_M < q_len * GROUP
     last_tok = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
     kv_end = tl.where(has_rows, ctx_len + last_tok + 1, 0)
+    # With a window, keys before the first row's window are invisible to every row of the tile.
+    kv_lo = 0
+    if HAS_WINDOW:
+        first_tok = (tile * BLOCK_M) // GROUP
+        kv_lo = tl.minimum(tl.maximum(ctx_len + first_tok - window + 1, 0), kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = BT + seq * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_lo, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -192,11 +214,26 @@ def _prefill_kernel(
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * scale_log2
         else:
             s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
-        # Position 0 is in the first tile and visible to every row, so m_new is always finite.
-        s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+        if HAS_SOFT_CAP:
+            # In log2 units: c' tanh(s' / c'), both scaled by log2(e); tanh(x) = 1 - 2 / (e^2x + 1)
+            # (inline: the interpreter cannot call a jit helper) saturates cleanly to +-1.
+            x = tl.minimum(tl.maximum(s / soft_cap_log2, -20.0), 20.0)  # tanh(20) is 1 in float32
+            e2x = tl.exp2(x * (2.0 * 1.4426950408889634))
+            s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
+        visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if HAS_WINDOW:
+            # A later row's window may start past this tile: nothing visible yet, m_new is -inf,
+            # and exp2(-inf - -inf) would be NaN. Subtract 0 instead (p and alpha come out 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            # Position 0 is in the first tile and visible to every row, so m_new is always finite.
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
                     + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -231,6 +268,13 @@ def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables):
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}] and block_tables [{num_seqs}, *], "
                          f"got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
     return query if query.stride(-1) == 1 else query.contiguous()
+
+
+def _check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
+        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap!r}")
 
 
 def _dot_f32(query: torch.Tensor) -> bool:
@@ -268,8 +312,11 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     tokens_per_split: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    _check_options(sliding_window, logits_soft_cap)
     tokens, heads, dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -280,13 +327,15 @@ def paged_decode_attention(
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
+    # The longest span one query reads: the splits cut that, not the whole context.
+    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     block_d = max(16, next_pow2(dim))
     # K and V tiles of 64 tokens, halved where a row is over 512 bytes (fp32 x 256) so that two
     # pipeline stages stay well inside shared memory.
     block_n = (64 if block_d * query.element_size() <= 512 else 32) if query.is_cuda else 32
     if tokens_per_split is None:
-        tokens_per_split = _tokens_per_split(query.device, num_seqs, kv_heads, max_seq_len, block_n)
-    num_splits = max(1, -(-max_seq_len // tokens_per_split))
+        tokens_per_split = _tokens_per_split(query.device, num_seqs, kv_heads, span, block_n)
+    num_splits = max(1, -(-span // tokens_per_split))
     direct = num_splits == 1
     if direct:
         mid_o = mid_lse = out  # unused by the DIRECT variant
@@ -304,9 +353,10 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *mid_strides,
-        group, dim, tokens_per_split,
+        group, dim, tokens_per_split, sliding_window or 0, (logits_soft_cap or 0.0) * _LOG2E,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
+        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
         num_warps=4 if dim <= 128 else 8, num_stages=2,
     )
     if not direct:
@@ -330,8 +380,11 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    _check_options(sliding_window, logits_soft_cap)
     tokens, heads, dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -358,8 +411,10 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        group, dim,
+        group, dim, sliding_window or 0, (logits_soft_cap or 0.0) * _LOG2E,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query), num_warps=warps, num_stages=2,
+        DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
+        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
+        num_warps=warps, num_stages=2,
     )
     return out

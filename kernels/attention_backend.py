@@ -40,13 +40,18 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only or meta.max_query_len <= 1:
             return paged_decode_attention(
                 query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, max_seq_len=meta.max_seq_len,
+                scale, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         return paged_prefill_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, max_query_len=meta.max_query_len,
+            scale, max_query_len=meta.max_query_len, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )

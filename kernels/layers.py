@@ -1,5 +1,5 @@
-"""Triton kernels for the per-token layer ops: RMSNorm (plain and fused with the residual add),
-rotary embedding and SiLU-and-mul. Each mirrors its twin in ``reference.py`` step for step,
+"""Triton kernels for the per-token layer ops: RMSNorm (plain and fused with the residual add;
+Llama's and Gemma's (1 + weight) variant), rotary embedding, SiLU-and-mul and GELU(tanh)-and-mul. Each mirrors its twin in ``reference.py`` step for step,
 including where the twin rounds back to the activation dtype, so they agree to rounding error.
 
 All functions return new tensors (never write their inputs), like the twins.
@@ -23,7 +23,7 @@ def _rms_norm_kernel(
     X, R, W, OUT, RES_OUT,
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GEMMA: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -36,9 +36,14 @@ def _rms_norm_kernel(
         tl.store(RES_OUT + row * stride_ro + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
-    normed = (x32 * inv_rms).to(x.dtype).to(OUT.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(OUT.dtype.element_ty).to(tl.float32)
-    tl.store(OUT + row * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
+    if GEMMA:
+        # Gemma's twin stays in float32 throughout: (x / rms) * (1 + w), one rounding at the end.
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + row * stride_o + cols, (x32 * inv_rms * (1.0 + w)).to(OUT.dtype.element_ty), mask=mask)
+    else:
+        normed = (x32 * inv_rms).to(x.dtype).to(OUT.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(OUT.dtype.element_ty).to(tl.float32)
+        tl.store(OUT + row * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -46,10 +51,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _rms_norm(x, residual, weight, eps):
+def _rms_norm(x, residual, weight, eps, gemma=False):
     shape, hidden = x.shape, x.shape[-1]
     x2 = _rows(x)
-    out_dtype = torch.result_type(weight, x)
+    out_dtype = x.dtype if gemma else torch.result_type(weight, x)
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if residual is not None:
         if residual.shape != x.shape:
@@ -64,7 +69,7 @@ def _rms_norm(x, residual, weight, eps):
             x2, r2, weight, out, summed,
             x2.stride(0), r2.stride(0), out.stride(0), summed.stride(0),
             hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(hidden),
+            HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(hidden), GEMMA=gemma,
             num_warps=_warps(hidden),
         )
     if residual is None:
@@ -84,6 +89,16 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _rms_norm(x, residual, weight, eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, None, weight, eps, gemma=True)
+
+
+def gemma_fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rms_norm(x, residual, weight, eps, gemma=True)
 
 
 @triton.jit
@@ -169,6 +184,38 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and n:
         block = min(next_pow2(n), 1024)
         kernel_for(_silu_and_mul_kernel, x.device)[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
+        )
+    return out.view(*shape[:-1], n)
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(X, OUT, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), with tanh(u) = 1 - 2 / (e^2u + 1); rounded
+    # to the activation dtype before the multiply, as torch's gelu is.
+    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    u = tl.minimum(tl.maximum(u, -20.0), 20.0)  # tanh(20) is 1 in float32; exp stays finite
+    t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    act = (0.5 * g * (1.0 + t)).to(gate.dtype).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (act * up.to(tl.float32)).to(OUT.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % 2:
+        raise ValueError(f"gelu_tanh_and_mul needs an even last dimension, got {x.shape[-1]}")
+    shape = x.shape
+    x2 = _rows(x)
+    n = shape[-1] // 2
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0] and n:
+        block = min(next_pow2(n), 1024)
+        kernel_for(_gelu_tanh_and_mul_kernel, x.device)[(x2.shape[0], triton.cdiv(n, block))](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
         )
     return out.view(*shape[:-1], n)

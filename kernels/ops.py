@@ -122,6 +122,22 @@ def fused_add_rms_norm(
     return reference.fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), in float32, cast back once."""
+    if use_triton(x):
+        return _layers().gemma_rms_norm(x, weight, eps)
+    return reference.gemma_rms_norm_ref(x, weight, eps)
+
+
+def gemma_fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (gemma_rms_norm(x + residual), x + residual)."""
+    if use_triton(x):
+        return _layers().gemma_fused_add_rms_norm(x, residual, weight, eps)
+    return reference.gemma_fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # int64 [num_tokens]
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -148,6 +164,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul_ref(x)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for x = [gate | up] (Gemma's MLP)."""
+    if use_triton(x):
+        return _layers().gelu_tanh_and_mul(x)
+    return reference.gelu_tanh_and_mul_ref(x)
+
+
 # The torch twins under their original names, for callers that reach for them directly.
 _rms_norm_torch = reference.rms_norm_ref
 _rotary_torch = reference.rotary_ref
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts of one MoE layer for tokens x [T, H]: each token's top-k experts
+    (w13 [E, 2I, H] gate|up, w2 [E, H, I]) weighted by topk_weights and summed. Triton: tokens
+    sorted by expert and two grouped GEMMs (kernels.moe); torch: one matmul pair per expert."""
+    if use_triton(x):
+        from kvserve.kernels.moe import fused_moe as fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return reference.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -28,6 +28,20 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(summed, weight, eps), summed
 
 
+def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scales by (1 + weight), everything in float32, one rounding at the end."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+
+def gemma_fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return gemma_rms_norm_ref(summed, weight, eps), summed
+
+
 def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
     """cos and sin, each [num_tokens, 1, rotary_dim // 2], for the tokens' positions."""
     return cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
@@ -64,6 +78,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     # In place into silu's fresh output: a prefill-sized product skips a page-faulting allocation.
     return torch.nn.functional.silu(gate).mul_(up)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for x = [gate | up] (Gemma's gelu_pytorch_tanh MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh").mul_(up)
+
+
+def soft_cap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) in x's dtype, as transformers caps Gemma 2's final logits."""
+    return torch.tanh(x / cap) * cap
 
 
 # ------------------------------------------------------------------------------------- KV cache
@@ -103,11 +128,15 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context (float32 math).
 
     Covers decode (one new token), prefill, chunked prefill and cached prefixes alike: query token
-    j of sequence i sits at position seq_lens[i] - query_len_i + j.
+    j of sequence i sits at position seq_lens[i] - query_len_i + j. With `sliding_window` w it
+    sees positions p - w < j <= p only; with `logits_soft_cap` c each score s becomes c tanh(s / c).
+    Blocks wholly behind every window are never read (they may have been freed).
     """
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -118,12 +147,60 @@ def paged_attention_ref(
         if q_hi == q_lo:
             continue
         q = query[q_lo:q_hi].float().transpose(0, 1)  # [H, q, D]
-        k = gather_kv(k_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
-        scores = (q @ k.permute(1, 2, 0)) * scale  # [H, q, seq_len]
+        lo = 0  # the first position any of these queries can see; nothing before it is read
+        if sliding_window is not None:
+            lo = max(0, seq_len - (q_hi - q_lo) - sliding_window + 1)
+        first = lo // k_cache.shape[1]
+        skip = lo - first * k_cache.shape[1]
+        table = block_tables[i][first:]
+        k = gather_kv(k_cache, table, seq_len - lo + skip)[skip:].float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, table, seq_len - lo + skip)[skip:].float().repeat_interleave(group, dim=1)
+        scores = (q @ k.permute(1, 2, 0)) * scale  # [H, q, seq_len - lo]
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         positions = torch.arange(seq_len - (q_hi - q_lo), seq_len, device=query.device)
-        visible = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+        keys = torch.arange(lo, seq_len, device=query.device)[None, :]
+        visible = keys <= positions[:, None]
+        if sliding_window is not None:
+            visible &= keys > positions[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = scores.softmax(-1)
         out[q_lo:q_hi] = (probs @ v.transpose(0, 1)).transpose(0, 1).to(query.dtype)
+    return out
+
+
+# ------------------------------------------------------------------------- mixture of experts
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]: each expert's gate rows, then its up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]: float32 or x's dtype; the product takes its dtype
+    topk_ids: torch.Tensor,  # int [T, k]
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
+
+    The (token, choice) pairs are sorted by expert and each expert runs once over its tokens, in
+    ascending expert order, accumulating with index_add: transformers' expert loop, product for
+    product, so the CPU path matches it bit for bit in float32.
+    """
+    t, k = topk_ids.shape
+    out = torch.zeros_like(x)
+    if t == 0:
+        return out
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.reshape(-1)
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // k
+        gate, up = torch.nn.functional.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
     return out

@@ -1,4 +1,4 @@
-"""The `kvserve` console script: `serve`, `agent fetch`, `agent serve`, `agent drain`.
+"""The `kvserve` console script: `serve`, `router`, `agent fetch`, `agent serve`, `agent drain`.
 
 Heavy imports (torch, the engine) happen inside the subcommand, so `kvserve agent ...` starts
 fast in its own small container.
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.runtime.server.args import add_serve_parser
 
     add_serve_parser(sub)
+    from kvserve.runtime.router.cli import add_router_parser
+
+    add_router_parser(sub)
     _add_agent_parsers(sub)
     return parser
 
@@ -91,9 +94,16 @@ def _agent(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "serve" and args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.cmd == "agent":
         return _agent(args)
+    if args.cmd == "router":
+        from kvserve.runtime.router.cli import run_router
+
+        return run_router(args)
     from kvserve.runtime.server.main import run_server
 
     return run_server(args)

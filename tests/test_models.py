@@ -38,6 +38,29 @@ CONFIGS = [
     pytest.param("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=32), id="qwen3-mqa-tied"),
     pytest.param("mistral", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=64),
                  id="mistral-rope-dynamic"),
+    # Sliding windows shorter than the prompts (11 and 17 tokens) and than some chunks.
+    pytest.param("mistral", dict(sliding_window=6), id="mistral-window6"),
+    pytest.param("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+                 id="qwen2-window5-from-layer1"),
+    pytest.param("gemma2", {}, id="gemma2-caps50-30-window8"),
+    pytest.param("gemma2", dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5, num_hidden_layers=3,
+                                num_key_value_heads=1, sliding_window=3), id="gemma2-tightcaps-mqa-window3"),
+    pytest.param("gemma3", dict(num_hidden_layers=4, layer_types=["sliding_attention", "sliding_attention",
+                                                                 "full_attention", "sliding_attention"],
+                                rope_scaling={"rope_type": "linear", "factor": 4.0}), id="gemma3-local-global-rope"),
+    # One layer type at a time: every layer local, every layer global.
+    pytest.param("gemma3", dict(layer_types=["sliding_attention"] * 2, sliding_window=5, tie_word_embeddings=False),
+                 id="gemma3-all-local-untied"),
+    pytest.param("gemma3", dict(layer_types=["full_attention"] * 2), id="gemma3-all-global"),
+    # Mixture of experts and MLA: (c) covers MLA's absorbed decode, (a)/(b) its up-projected prefill.
+    pytest.param("mixtral", {}, id="mixtral"),
+    pytest.param("qwen2_moe", dict(tie_word_embeddings=True), id="qwen2moe-shared-expert-tied"),
+    pytest.param("qwen3_moe", {}, id="qwen3moe"),
+    pytest.param("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
+                 id="deepseekv2-mla-group-limited"),
+    pytest.param("deepseek_v3", dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "mscale": 0.9,
+                                                   "mscale_all_dim": 0.7, "original_max_position_embeddings": 32}),
+                 id="deepseekv3-mla-yarn-mscale"),
 ]
 
 
@@ -57,8 +80,9 @@ class PagedCache:
 
     def __init__(self, model, num_blocks: int, seed: int = 0):
         shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE)
+        pools = model.config.shape.kv_cache_layout(model.tp_size)[0]  # K and V, or one MLA latent
         # NaN-filled so that reading an unwritten slot or padding block shows up in the logits.
-        self.caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+        self.caches = [tuple(torch.full(shape, float("nan")) for _ in range(pools))
                        for _ in range(model.config.num_layers)]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -263,13 +287,74 @@ def test_legacy_rope_fields_and_eos_ids(tmp_path):
     assert cfg.eos_token_ids == {2, 7, 9} and cfg.dtype == torch.bfloat16
 
 
-def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+def test_sliding_window_no_longer_caps_max_model_len(tmp_path):
     _write_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256)
     cfg = ModelConfig.from_pretrained(tmp_path)
-    assert cfg.default_max_model_len() == 256
-    assert cfg.resolve_max_model_len(200) == 200
-    with pytest.raises(ValueError, match="sliding_window"):
-        cfg.resolve_max_model_len(512)
+    assert cfg.sliding_window == 256 and cfg.all_layers_sliding
+    assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == [256, 256]
+    assert cfg.default_max_model_len() == cfg.max_position_embeddings == 2048
+    assert cfg.resolve_max_model_len(1024) == 1024
+
+
+@pytest.mark.parametrize("changes,windows", [
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None), [None, None]),
+    # Qwen2/3: only with use_sliding_window, and on layers >= max_window_layers
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=64, use_sliding_window=False),
+     [None, None]),
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=64, use_sliding_window=True,
+          max_window_layers=1, layer_types=None), [None, 64]),
+    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", sliding_window=64, use_sliding_window=True,
+          layer_types=["sliding_attention", "full_attention"]), [64, None]),
+    # Gemma 2 alternates local/global; Gemma 3 (legacy config) has one global layer every
+    # sliding_window_pattern layers.
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=16, layer_types=None,
+          num_hidden_layers=4), [16, None, 16, None]),
+    (dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=16, layer_types=None,
+          sliding_window_pattern=3, num_hidden_layers=7), [16, 16, None, 16, 16, None, 16]),
+])
+def test_layer_windows_follow_each_family(tmp_path, changes, windows):
+    _write_config(tmp_path, **changes)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == windows
+    assert cfg.all_layers_sliding == all(w is not None for w in windows)
+
+
+def test_gemma3_legacy_rope_fields(tmp_path):
+    """Gemma 3's original config.json: rope_theta and rope_scaling for the global layers,
+    rope_local_base_freq (no scaling) for the local ones."""
+    _write_config(tmp_path, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=512,
+                  rope_parameters=None, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0}, hidden_activation="gelu_pytorch_tanh",
+                  query_pre_attn_scalar=256, final_logit_softcapping=None, attn_logit_softcapping=None)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert cfg.local_rope == (1e4, None)
+    assert cfg.gemma_norms and cfg.qk_norm and cfg.hidden_act == "gelu_tanh" and cfg.query_pre_attn_scalar == 256
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3"), "Gemma3ForCausalLM"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_activation="relu"),
+     "hidden_activation 'relu'.*'silu', 'gelu_pytorch_tanh'"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", layer_types=["chunked_attention"] * 2),
+     "layer_types entry 'chunked_attention'.*full_attention, sliding_attention"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", layer_types=["full_attention"]),
+     "layer_types must list one type per layer"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=None, layer_types=None),
+     "sliding_window is null"),
+    (dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", use_bidirectional_attention=True,
+          sliding_window=16),
+     "use_bidirectional_attention"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", final_logit_softcapping=-1.0, sliding_window=16),
+     "final_logit_softcapping"),
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=0), "sliding_window"),
+    (dict(rope_parameters={"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e6}}),
+     "per-layer-type rope_parameters are only supported for Gemma3ForCausalLM"),
+])
+def test_unsupported_window_and_gemma_options_are_named(tmp_path, changes, message):
+    _write_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_pretrained(tmp_path)
 
 
 def test_selector():

@@ -8,9 +8,16 @@ block table lists, in order.
 
 Each attention layer does, in this order:
   1. ``backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)``
-  2. ``out = backend.attend(query, key, value, k_cache, v_cache, meta, scale)``
+  2. ``out = backend.attend(query, key, value, k_cache, v_cache, meta, scale,
+     sliding_window=..., logits_soft_cap=...)``
 so by the time ``attend`` runs, the cache already holds the new tokens' K/V as well; a backend may
 read them from the cache or from ``key``/``value``, whichever is faster for it.
+
+Per layer, ``sliding_window`` (None: full attention) restricts a query at position i to keys at
+positions i - sliding_window < j <= i (transformers' convention), and ``logits_soft_cap`` (None:
+off) replaces each scaled score s by cap * tanh(s / cap) before the mask and softmax (Gemma 2).
+A backend never reads a cache slot outside a query's window: the blocks wholly behind every
+layer's window may already be freed and reused (their block-table entries are then padding).
 """
 
 from __future__ import annotations
@@ -75,5 +82,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], same dtype as query
         ...

@@ -7,11 +7,16 @@ token by token into a reused workspace and attended with one scaled_dot_product_
 decodes and multi-token queries are grouped apart, so a decode is never padded to several query
 rows. Longer prefill and chunked-prefill sequences go one by one through
 scaled_dot_product_attention with a causal mask offset by the tokens already cached. The gather
-plan is built once per step (per AttentionMetadata) and reused by every layer.
+plan is built once per step (per AttentionMetadata and window) and reused by every layer.
+
+A sliding-window layer gathers only the positions inside its queries' windows (never a slot
+behind them: those blocks may be freed), so its cost is bounded by the window, not the context.
+Soft-capped scores (Gemma 2) cannot go through SDPA; they take an explicit float32 softmax.
 
 Pure-decode float32 steps on the CPU go to the native paged decode kernel instead (kernels/cpu,
-when it builds and the kernel mode allows it): it reads K/V straight out of the cache blocks, so
-a decode step's attention is one call per layer instead of a gather, a mask and an SDPA call.
+when it builds and the kernel mode allows it): it reads K/V straight out of the cache blocks
+(within the window, soft-capping included), so a decode step's attention is one call per layer
+instead of a gather, a mask and an SDPA call.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ _SHORT_QUERY = 16
 
 @dataclass
 class _Group:
-    """Sequences attended together, each padded to Q query rows and T context positions."""
+    """Sequences attended together, each padded to Q query rows and T context positions (the
+    positions from the first one visible to any of the sequence's query rows, `lo`, on)."""
 
     rows: torch.Tensor  # int64 [S * Q]: packed query row of each (sequence, query slot); padding repeats the last
     slots: torch.Tensor  # int64 [S * T]: cache slot of each (sequence, position); past the end, the last one
@@ -55,6 +61,7 @@ class _Plan:
     meta: AttentionMetadata
     block_size: int
     heads_per_kv: int
+    window: int | None
     groups: list[_Group]
     prefill: list[tuple[int, int, int, int]]  # (sequence, first row, end row, seq_len)
 
@@ -74,7 +81,7 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        self._plan: _Plan | None = None
+        self._plans: dict[int | None, _Plan] = {}  # by window, all for one metadata object
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -92,15 +99,18 @@ class TorchAttentionBackend:
             v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+               sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+        window = sliding_window
         if meta.is_decode_only and ops.use_native(query) and _native_decode_ok(query, k_cache):
             from kvserve.kernels.cpu import native
 
-            return native.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-        plan = self._get_plan(meta, k_cache.shape[1], query.shape[1] // k_cache.shape[2], query.device)
+            return native.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                                 window=window or 0, softcap=logits_soft_cap or 0.0)
+        plan = self._get_plan(meta, k_cache.shape[1], query.shape[1] // k_cache.shape[2], window, query.device)
         out = torch.empty_like(query)
         for group in plan.groups:
-            o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale)
+            o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale, logits_soft_cap)
             if group.keep is None:
                 out[group.rows] = o
             else:
@@ -108,23 +118,30 @@ class TorchAttentionBackend:
         block_size = plan.block_size
         for i, q0, q1, seq_len in plan.prefill:
             q_len = q1 - q0
-            if seq_len == q_len:  # nothing cached before this step: the new K/V are the whole context
+            context = seq_len - q_len
+            # The first position any query row of this sequence can see.
+            lo = 0 if window is None else max(0, context - window + 1)
+            if context == 0:  # nothing cached before this step: the new K/V are the whole context
                 k, v = key[q0:q1], value[q0:q1]
             else:
-                blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
-                k = k_cache[blocks].flatten(0, 1)[:seq_len]
-                v = v_cache[blocks].flatten(0, 1)[:seq_len]
-            out[q0:q1] = self._prefill(query[q0:q1], k, v, seq_len - q_len, scale)
+                first = lo // block_size
+                blocks = meta.block_tables[i, first: (seq_len + block_size - 1) // block_size].long()
+                k = k_cache[blocks].flatten(0, 1)[lo - first * block_size: seq_len - first * block_size]
+                v = v_cache[blocks].flatten(0, 1)[lo - first * block_size: seq_len - first * block_size]
+            out[q0:q1] = self._prefill(query[q0:q1], k, v, context, lo, scale, window, logits_soft_cap)
         return out
 
-    def _get_plan(self, meta: AttentionMetadata, block_size: int, heads_per_kv: int,
+    def _get_plan(self, meta: AttentionMetadata, block_size: int, heads_per_kv: int, window: int | None,
                   device: torch.device) -> _Plan:
         # Every layer of one forward pass sees the same metadata object; the plan holds a strong
-        # reference to it, so an identity match cannot be a recycled id.
-        plan = self._plan
+        # reference to it, so an identity match cannot be a recycled id. Layers with and without
+        # a window (Gemma) each get a plan of their own for the step.
+        plan = self._plans.get(window)
         if (plan is not None and plan.meta is meta and plan.block_size == block_size
                 and plan.heads_per_kv == heads_per_kv):
             return plan
+        if plan is None or plan.meta is not meta:
+            self._plans = {w: p for w, p in self._plans.items() if p.meta is meta}
         q_starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         decode_seqs, short_seqs, prefill = [], [], []
@@ -146,34 +163,47 @@ class TorchAttentionBackend:
             size = -(-n // count)
             for g in range(0, n, size):
                 part = members[g:g + size]
-                groups.append(self._group(meta, part, [q_starts[i] for i in part],
-                                          [q_starts[i + 1] - q_starts[i] for i in part],
-                                          [seq_lens[i] for i in part], block_size, heads_per_kv, device))
-        self._plan = _Plan(meta, block_size, heads_per_kv, groups, prefill)
-        return self._plan
+                q_lens = [q_starts[i + 1] - q_starts[i] for i in part]
+                lens = [seq_lens[i] for i in part]
+                # Sorted by context length, but a window bounds what each one reads.
+                groups.append(self._group(meta, part, [q_starts[i] for i in part], q_lens, lens,
+                                          block_size, heads_per_kv, window, device))
+        plan = _Plan(meta, block_size, heads_per_kv, window, groups, prefill)
+        self._plans[window] = plan
+        return plan
 
     @staticmethod
     def _group(meta: AttentionMetadata, members: list[int], q_starts: list[int], q_lens: list[int],
-               lens: list[int], block_size: int, heads_per_kv: int, device: torch.device) -> _Group:
-        max_len, q_max = max(lens), max(q_lens)
+               lens: list[int], block_size: int, heads_per_kv: int, window: int | None,
+               device: torch.device) -> _Group:
+        # Sequence i reads positions lo_i .. len_i - 1: from the first one its first query row sees.
+        los = [0 if window is None else max(0, n - q - window + 1) for n, q in zip(lens, q_lens)]
+        max_len, q_max = max(n - lo for n, lo in zip(lens, los)), max(q_lens)
         idx = torch.tensor(members, dtype=torch.long, device=device)
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)[:, None]
+        lo_t = torch.tensor(los, dtype=torch.long, device=device)[:, None]
         pos = torch.arange(max_len, device=device)[None, :]
         # Positions past a sequence's end read its last token again: always written, so finite,
         # and masked out (0 * NaN from an unwritten slot would poison the output).
-        clamped = torch.minimum(pos, lens_t - 1)
+        clamped = torch.minimum(pos + lo_t, lens_t - 1)
         blocks = meta.block_tables.index_select(0, idx).long().gather(1, clamped // block_size)
         slots = (blocks * block_size + clamped % block_size).flatten()
         s = len(members)
         if q_max == 1:
+            # One query row at len - 1: it sees lo .. len - 1, exactly the positions gathered.
             return _Group(torch.tensor(q_starts, dtype=torch.long, device=device), slots,
-                          (pos < lens_t)[:, None, None, :], s, 1, max_len)
+                          (pos + lo_t < lens_t)[:, None, None, :], s, 1, max_len)
         # Query slot j of a sequence with q new tokens is its row min(j, q - 1) (padding repeats the
-        # last row) at absolute position len - q + min(j, q - 1); it sees positions up to there.
+        # last row) at absolute position len - q + min(j, q - 1); it sees positions up to there
+        # (and, with a window, after there - window).
         q_lens_t = torch.tensor(q_lens, dtype=torch.long, device=device)[:, None]
         j = torch.minimum(torch.arange(q_max, device=device)[None, :], q_lens_t - 1)
         rows = (torch.tensor(q_starts, dtype=torch.long, device=device)[:, None] + j).flatten()
-        visible = pos[:, None, :] <= (lens_t - q_lens_t + j)[:, :, None]  # [S, Q, T]
+        key_pos = (pos + lo_t)[:, None, :]  # [S, 1, T]
+        row_pos = (lens_t - q_lens_t + j)[:, :, None]  # [S, Q, 1]
+        visible = key_pos <= row_pos  # [S, Q, T]
+        if window is not None:
+            visible &= key_pos > row_pos - window
         visible = visible[:, None, None].expand(s, 1, heads_per_kv, q_max, max_len)
         real = (torch.arange(q_max, device=device)[None, :] < q_lens_t).flatten()
         keep = real.nonzero().flatten()
@@ -198,8 +228,10 @@ class TorchAttentionBackend:
         return k_out, v_out
 
     @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float) -> torch.Tensor:
-        """q [Q, H, D] at positions context..context+Q-1 over k/v [context+Q, Hkv, D]."""
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, lo: int, scale: float,
+                 window: int | None, soft_cap: float | None) -> torch.Tensor:
+        """q [Q, H, D] at positions context..context+Q-1 over k/v [context+Q-lo, Hkv, D], the
+        positions lo..context+Q-1."""
         dtype = q.dtype
         compute = torch.float32 if q.device.type == "cpu" else dtype
         q_len, kv_len = q.shape[0], k.shape[0]
@@ -210,16 +242,23 @@ class TorchAttentionBackend:
         kh = k.transpose(0, 1).to(compute)[None]
         vh = v.transpose(0, 1).to(compute)[None]
         gqa = qh.shape[1] != kh.shape[1]
-        if context == 0:
+        windowed = window is not None and context + q_len > window
+        if context == 0 and not windowed and soft_cap is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + context
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            keys = torch.arange(kv_len, device=q.device)[None, :] + lo
+            mask = keys <= rows
+            if windowed:
+                mask &= keys > rows - window
+            if soft_cap is None:
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            else:
+                o = _soft_capped_attention(qh, kh, vh, mask, scale, soft_cap)
         return o[0].transpose(0, 1).to(dtype)
 
     def _attend_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
-                      scale: float) -> torch.Tensor:
+                      scale: float, soft_cap: float | None = None) -> torch.Tensor:
         """q [S * Q, H, D], Q query rows per sequence, over each sequence's cached context."""
         dtype = q.dtype
         compute = torch.float32 if q.device.type == "cpu" else dtype
@@ -234,6 +273,23 @@ class TorchAttentionBackend:
         # rows: [S, Hkv, G * Q, D] against [S, Hkv, T, D] (strided views of the workspace, read in
         # place) needs no repeat of K/V, only the per-row visibility mask.
         q = q.to(compute).view(s, nq, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, groups * nq, d)
-        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible,
-                                             scale=scale)
+        if soft_cap is None:
+            out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible,
+                                                 scale=scale)
+        else:
+            out = _soft_capped_attention(q, k.transpose(1, 2), v.transpose(1, 2), group.visible, scale, soft_cap)
         return out.view(s, kv_heads, groups, nq, d).permute(0, 3, 1, 2, 4).reshape(s * nq, h, d).to(dtype)
+
+
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                           scale: float, cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap), masked) v, as transformers' eager attention does it
+    (SDPA has no soft-capping). q [B, H, Q, D], k/v [B, Hkv, T, D] with H a multiple of Hkv."""
+    if q.shape[1] != k.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v)

@@ -1,8 +1,15 @@
-"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and
+Gemma 2/3, and, with an expert block for the MLP (models.moe) or latent attention (models.mla),
+Mixtral, Qwen2/3-MoE and DeepSeek V2/V3.
 
 They differ only in flags that ModelConfig reads from config.json, so one implementation serves
-all four and one parity test suite covers them. Tokens are packed (no batch axis, no padding);
-attention goes through the AttentionBackend, layer ops through kvserve.kernels.ops.
+them all and one parity test suite covers them. Per layer: a sliding window or full attention
+(Mistral, Qwen2 with max_window_layers, Gemma's alternating local/global layers) and, in Gemma 3,
+the local layers' own RoPE. Gemma adds (1 + weight) RMSNorms with post-attention and pre/post
+feed-forward norms, embeddings scaled by sqrt(hidden_size), a GELU(tanh) MLP, the attention scale
+query_pre_attn_scalar ** -0.5 and tanh soft-capping of attention scores and final logits.
+Tokens are packed (no batch axis, no padding); attention goes through the AttentionBackend, layer
+ops through kvserve.kernels.ops.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.kernels import ops
+from kvserve.kernels import ops, reference
 from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.runtime.model_config import ModelConfig, rope_cos_sin_cache
 from kvserve.runtime.models.layers import (
@@ -24,7 +31,7 @@ from kvserve.runtime.models.layers import (
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layer: int = 0):
         super().__init__()
         shape = cfg.shape
         shape.check_tp(tp_size)
@@ -48,7 +55,10 @@ class Attention(nn.Module):
         self.q_norm = ReplicatedWeight(d, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = ReplicatedWeight(d, dtype=dtype, device=device) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
-        self.scale = d**-0.5
+        self.norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
+        self.scale = (cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else d) ** -0.5
+        self.sliding_window = cfg.layer_window(layer)
+        self.logits_soft_cap = cfg.attn_logit_softcapping
         self.backend = backend
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
@@ -61,19 +71,38 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = ops.rms_norm(q, self.q_norm.weight, self.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.eps)
+            q = self.norm(q, self.q_norm.weight, self.eps)
+            k = self.norm(k, self.k_norm.weight, self.eps)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        if self.sliding_window is None and self.logits_soft_cap is None:
+            out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale,
+                                      sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        for part in ("q", "k", "v"):
+            out[f"{pre}{part}_proj.weight"] = (self.qkv_proj.weight, part)
+            if self.qkv_proj.bias is not None:
+                out[f"{pre}{part}_proj.bias"] = (self.qkv_proj.bias, part)
+        out[f"{pre}o_proj.weight"] = (self.o_proj.weight, None)
+        if self.o_proj.bias is not None:
+            out[f"{pre}o_proj.bias"] = (self.o_proj.bias, None)
+        if self.q_norm is not None:
+            out[f"{pre}q_norm.weight"] = (self.q_norm.weight, None)
+            out[f"{pre}k_norm.weight"] = (self.k_norm.weight, None)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device,
+                 intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
-        inter = cfg.shape.intermediate_size
+        inter = intermediate_size or cfg.shape.intermediate_size
         if inter % tp_size:
             raise ValueError(f"intermediate_size {inter} is not divisible by tensor_parallel_size {tp_size}")
         shard = inter // tp_size
@@ -83,21 +112,48 @@ class MLP(nn.Module):
             part_names=["gate", "up"],
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank,
-                                           tp_size=tp_size, dtype=dtype, device=device)
+                                           tp_size=tp_size, dtype=dtype, device=device,
+                                           reduce_results=reduce_results)
+        self.act_and_mul = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+    def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        for part in ("gate", "up"):
+            out[f"{pre}{part}_proj.weight"] = (self.gate_up_proj.weight, part)
+            if self.gate_up_proj.bias is not None:
+                out[f"{pre}{part}_proj.bias"] = (self.gate_up_proj.bias, part)
+        out[f"{pre}down_proj.weight"] = (self.down_proj.weight, None)
+        if self.down_proj.bias is not None:
+            out[f"{pre}down_proj.bias"] = (self.down_proj.bias, None)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, **kw):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0, **kw):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, **kw)
-        self.mlp = MLP(cfg, **kw)
+        if cfg.shape.mla is not None:
+            from kvserve.runtime.models.mla import MLAAttention
+
+            self.self_attn = MLAAttention(cfg, backend, **kw)
+        else:
+            self.self_attn = Attention(cfg, backend, layer=layer, **kw)
+        moe = cfg.shape.moe
+        if moe is not None and layer in moe.moe_layers:
+            from kvserve.runtime.models.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(cfg, **kw)
+        else:
+            self.mlp = MLP(cfg, **kw)
+        # Where the checkpoint keeps this layer's MLP (Mixtral: its expert block).
+        self.mlp_prefix = "block_sparse_moe." if cfg.architecture == "MixtralForCausalLM" else "mlp."
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.input_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
         self.post_attention_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
         self.eps = cfg.rms_norm_eps
+        self.norm_names = ("input_layernorm", "post_attention_layernorm")
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin):
         if residual is None:
@@ -108,6 +164,38 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin)
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, self.eps)
         return self.mlp(hidden), residual
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 2/3: every sublayer's output is normed before the residual add ("sandwich" norms).
+
+    Carries (hidden, residual) between layers like DecoderLayer, so the add that closes one
+    sublayer fuses with the norm that opens the next."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0, **kw):
+        super().__init__()
+        self.self_attn = Attention(cfg, backend, layer=layer, **kw)
+        self.mlp = MLP(cfg, **kw)
+        self.mlp_prefix = "mlp."
+        dd = dict(dtype=kw["dtype"], device=kw["device"])
+        self.norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                           "post_feedforward_layernorm")
+        for name in self.norm_names:
+            setattr(self, name, ReplicatedWeight(cfg.hidden_size, **dd))
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin):
+        if residual is None:
+            residual = hidden
+            hidden = ops.gemma_rms_norm(hidden, self.input_layernorm.weight, self.eps)
+        else:
+            hidden, residual = ops.gemma_fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, self.eps)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin)
+        hidden = ops.gemma_rms_norm(hidden, self.post_attention_layernorm.weight, self.eps)
+        hidden, residual = ops.gemma_fused_add_rms_norm(hidden, residual, self.pre_feedforward_layernorm.weight,
+                                                        self.eps)
+        hidden = self.mlp(hidden)
+        return ops.gemma_rms_norm(hidden, self.post_feedforward_layernorm.weight, self.eps), residual
 
 
 class CausalLM(nn.Module):
@@ -123,16 +211,25 @@ class CausalLM(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=self.device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, **kw) for _ in range(cfg.num_layers))
+        layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(cfg, backend, layer=i, **kw) for i in range(cfg.num_layers))
         self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **kw)
         # float32 regardless of the model dtype: ops.rotary_embedding casts per call, as HF does.
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg, device=self.device), persistent=False)
-        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads if cfg.num_layers else 0
-        self.head_dim = cfg.head_dim
+        # Gemma 3's local layers rotate with their own base frequency.
+        self.register_buffer("local_cos_sin_cache", None if cfg.local_rope is None else
+                             rope_cos_sin_cache(cfg, device=self.device, local=True), persistent=False)
+        self._local_rope_layers = frozenset(i for i in range(cfg.num_layers) if cfg.layer_window(i) is not None)
+        self.final_norm = ops.gemma_fused_add_rms_norm if cfg.gemma_norms else ops.fused_add_rms_norm
+        self.first_norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
+        # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to the model dtype as HF does.
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).to(self.device)
+                            if cfg.gemma_norms else None)
+        _, self.num_kv_heads, self.head_dim = cfg.shape.kv_cache_layout(tp_size)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of one layer's K (or V) pool on this rank."""
+        """Shape of one layer's K (or V) pool on this rank (of its latent pool, for MLA)."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     @torch.inference_mode()
@@ -141,19 +238,27 @@ class CausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
+        local = self.local_cos_sin_cache
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            cos_sin = local if local is not None and i in self._local_rope_layers else self.cos_sin_cache
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin)
         if residual is None:
-            return ops.rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
-        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
+            return self.first_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
+        hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
         return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [N, vocab_size] for hidden states [N, hidden_size]."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return head.logits(hidden).float()
+        logits = head.logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model dtype, as transformers does, before the float32 cast
+            logits = reference.soft_cap_ref(logits, cap)
+        return logits.float()
 
     def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, str | None]]:
         """Maps every checkpoint tensor name this model consumes to (parameter, shard id)."""
@@ -163,24 +268,8 @@ class CausalLM(nn.Module):
             out["lm_head.weight"] = (self.lm_head.weight, None)
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            for part in ("q", "k", "v"):
-                out[f"{pre}self_attn.{part}_proj.weight"] = (attn.qkv_proj.weight, part)
-                if attn.qkv_proj.bias is not None:
-                    out[f"{pre}self_attn.{part}_proj.bias"] = (attn.qkv_proj.bias, part)
-            out[f"{pre}self_attn.o_proj.weight"] = (attn.o_proj.weight, None)
-            if attn.o_proj.bias is not None:
-                out[f"{pre}self_attn.o_proj.bias"] = (attn.o_proj.bias, None)
-            if attn.q_norm is not None:
-                out[f"{pre}self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
-                out[f"{pre}self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
-            for part in ("gate", "up"):
-                out[f"{pre}mlp.{part}_proj.weight"] = (mlp.gate_up_proj.weight, part)
-                if mlp.gate_up_proj.bias is not None:
-                    out[f"{pre}mlp.{part}_proj.bias"] = (mlp.gate_up_proj.bias, part)
-            out[f"{pre}mlp.down_proj.weight"] = (mlp.down_proj.weight, None)
-            if mlp.down_proj.bias is not None:
-                out[f"{pre}mlp.down_proj.bias"] = (mlp.down_proj.bias, None)
-            out[f"{pre}input_layernorm.weight"] = (layer.input_layernorm.weight, None)
-            out[f"{pre}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
+            out.update(layer.self_attn.checkpoint_params(f"{pre}self_attn."))
+            out.update(layer.mlp.checkpoint_params(pre + layer.mlp_prefix))
+            for name in layer.norm_names:
+                out[f"{pre}{name}.weight"] = (getattr(layer, name).weight, None)
         return out

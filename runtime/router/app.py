@@ -1,0 +1,410 @@
+"""`kvserve router`: one front door for an InferenceService's pods (the imperative shell).
+
+Every OpenAI route passes through, streamed chunk by chunk. Completions and chat completions are
+placed by the policy (policy.py); the other routes go to the least-loaded pod. A pod that refuses
+a request before the router has sent the client a single byte (connection refused or reset, 503
+while loading or draining, 429 at capacity) is excluded and the request goes to another pod; once
+bytes reached the client the stream is the pod's, and a pod dying mid-stream ends it. A client
+that goes away closes the upstream connection, which aborts the request in the runtime.
+
+With no ready pod, requests are held (hold.py) and `/router/demand` says so: that is the signal
+the operator wakes a service scaled to zero on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .endpoints import Endpoint
+from .hold import HoldFull, HoldQueue, HoldTimeout, Ticket
+from .load import LoadPoller
+from .metrics import CONTENT_TYPE, RouterMetrics
+from .policy import PREFIX_HIT, Choice, PolicyConfig, PolicyState, choose, chunk_hashes, routing_key
+
+log = logging.getLogger("kvserve.router")
+
+# Refusals that mean "not now, not here": safe to send elsewhere, nothing was generated.
+RETRY_STATUSES = (429, 503)
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+              "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "content-encoding"}
+ROUTED = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+@dataclass
+class RouterConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    hold_timeout_s: float = 300.0
+    max_held: int = 1024
+    max_attempts: int = 3  # pods tried per request before the refusal is passed on
+    connect_timeout_s: float = 5.0
+    retry_after_s: int = 5
+    served_model_name: str | None = None  # /v1/models answers this while no pod is ready
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    signals_interval_s: float = 1.0
+    signals_stale_after_s: float = 5.0
+
+
+def error_response(status: int, message: str, *, headers: dict[str, str] | None = None) -> web.Response:
+    kinds = {404: ("invalid_request_error", "model_not_found"), 413: ("invalid_request_error", "request_too_large"), 429: ("rate_limit_error", "rate_limit_exceeded"),
+             502: ("server_error", "bad_gateway"), 503: ("service_unavailable_error", "service_unavailable")}
+    kind, code = kinds.get(status, ("server_error", None))
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
+
+
+@dataclass
+class Refused:
+    """An attempt that a pod turned down before the client saw anything."""
+
+    reason: str
+    status: int | None = None
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    message: str = ""
+
+
+class Router:
+    def __init__(self, config: RouterConfig, source, *, clock=time.monotonic):
+        self.config, self.source, self.clock = config, source, clock
+        self.metrics = RouterMetrics()
+        self.policy = PolicyState(config.policy)
+        self.hold = HoldQueue(max_held=config.max_held, timeout=config.hold_timeout_s, clock=clock)
+        self.loads = LoadPoller(interval=config.signals_interval_s, stale_after=config.signals_stale_after_s,
+                                clock=clock)
+        self.endpoints: dict[str, Endpoint] = {}
+        self.in_flight: collections.Counter[str] = collections.Counter()
+        self.active = 0  # client requests being handled (held ones included)
+        self.requests_total = 0
+        self.last_activity = clock()
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # --- endpoints ---------------------------------------------------------------------------
+
+    def publish(self, endpoints: list[Endpoint]) -> None:
+        new = {e.name: e for e in endpoints}
+        if set(new) != set(self.endpoints):
+            log.info("ready pods: %s", ", ".join(sorted(new)) or "none")
+        self.endpoints = new
+        self.policy.set_pods(new)
+        self.metrics.endpoints.set(len(new))
+        self.hold.set_available(bool(new))
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, app: web.Application) -> None:
+        trace = aiohttp.TraceConfig()
+
+        async def headers_sent(session, ctx, params):
+            ticket = ctx.trace_request_ctx
+            if isinstance(ticket, Ticket):
+                ticket.sent.set()
+
+        trace.on_request_headers_sent.append(headers_sent)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True), trace_configs=[trace],
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
+            auto_decompress=False)
+        self._tasks = [asyncio.create_task(self.source.run(self.publish)),
+                       asyncio.create_task(self.loads.run(self.session, lambda: list(self.endpoints.values())))]
+
+    async def stop(self, app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.session is not None:
+            await self.session.close()
+
+    # --- the demand signal -------------------------------------------------------------------
+
+    def touch(self) -> None:
+        self.last_activity = self.clock()
+
+    def demand(self) -> dict[str, Any]:
+        """What the operator reads: held requests wake a sleeping service; a long idle time with
+        nothing in flight lets it sleep."""
+        return {"held": len(self.hold), "oldest_held_seconds": round(self.hold.oldest_age(), 3),
+                "in_flight": self.active, "idle_seconds": round(0.0 if self.active else self.clock() - self.last_activity, 3),
+                "requests_total": self.requests_total, "held_total": self.hold.held_total,
+                "hold_timeouts_total": self.hold.timeouts_total, "ready_endpoints": len(self.endpoints),
+                "endpoints": sorted(self.endpoints), "policy": self.config.policy.policy,
+                "synced": bool(getattr(self.source, "synced", True))}
+
+    # --- forwarding --------------------------------------------------------------------------
+
+    def _choose(self, hashes: list[int], tried: list[str]) -> Choice | None:
+        names = list(self.endpoints)
+        loads = {n: self.loads.load(n, self.in_flight[n]) for n in names}
+        return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried)
+
+    async def _wait_for_pod(self) -> Ticket:
+        self.metrics.held.inc()
+        try:
+            ticket, waited = await self.hold.wait()
+        except HoldFull:
+            self.metrics.holds.labels("rejected").inc()
+            raise
+        except HoldTimeout:
+            self.metrics.holds.labels("timeout").inc()
+            raise
+        except BaseException:
+            self.metrics.holds.labels("client_gone").inc()
+            raise
+        finally:
+            self.metrics.held.dec()
+        self.metrics.holds.labels("released").inc()
+        self.metrics.hold_seconds.observe(waited)
+        return ticket
+
+    def _forward_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["X-Request-Id"] = request_id
+        if request.remote:
+            prior = request.headers.get("X-Forwarded-For")
+            headers["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else request.remote
+        return headers
+
+    async def forward(self, request: web.Request, body: bytes, hashes: list[int], stream: bool) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = self._forward_headers(request, request_id)
+        tried: list[str] = []
+        last: Refused | None = None
+        while True:
+            ticket = None
+            if self.hold.must_hold():
+                try:
+                    ticket = await self._wait_for_pod()
+                except HoldFull as error:
+                    return error_response(503, f"No ready pod and the hold queue is full ({error}); retry later.",
+                                          headers={"Retry-After": str(self.config.retry_after_s)})
+                except HoldTimeout as error:
+                    return error_response(503, f"No pod became ready in time ({error}); the service may be "
+                                          "scaling from zero, retry later.",
+                                          headers={"Retry-After": str(self.config.retry_after_s)})
+            choice = self._choose(hashes, tried)
+            if choice is None:
+                if ticket is not None:
+                    ticket.sent.set()
+                if self.endpoints and last is not None:
+                    return self._refusal_response(last)
+                continue  # the pods went away between release and choice: hold again
+            try:
+                result = await self._attempt(request, body, headers, self.endpoints[choice.pod], choice, hashes,
+                                             stream, ticket)
+            finally:
+                if ticket is not None:
+                    ticket.sent.set()
+            if isinstance(result, web.StreamResponse):
+                return result
+            last = result
+            tried.append(choice.pod)
+            self.metrics.retries.labels(choice.pod, result.reason).inc()
+            log.info("request %s: %s refused (%s); %s", request_id, choice.pod, result.message or result.reason,
+                     "trying another pod" if len(tried) < self.config.max_attempts else "giving up")
+            if len(tried) >= self.config.max_attempts:
+                return self._refusal_response(last)
+
+    def _refusal_response(self, refused: Refused) -> web.Response:
+        if refused.status is not None:  # the pod's own answer (a 503 or 429 in OpenAI's shape)
+            headers = {k: v for k, v in refused.headers.items() if k.lower() not in HOP_BY_HOP}
+            return web.Response(status=refused.status, body=refused.body, headers=headers)
+        return error_response(503, f"No pod could take the request: {refused.message}",
+                              headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def _attempt(self, request: web.Request, body: bytes, headers: dict[str, str], endpoint: Endpoint,
+                       choice: Choice, hashes: list[int], stream: bool,
+                       ticket: Ticket | None) -> web.StreamResponse | Refused:
+        pod = endpoint.name
+        url = endpoint.url + request.path_qs
+        self.in_flight[pod] += 1
+        self.metrics.in_flight.labels(pod).set(self.in_flight[pod])
+        sent = time.monotonic()
+        upstream: aiohttp.ClientResponse | None = None
+        done = False
+        try:
+            try:
+                upstream = await self.session.request(request.method, url, data=body, headers=headers,
+                                                      trace_request_ctx=ticket)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as error:
+                return Refused("connect", message=f"{type(error).__name__}: {error}")
+            if upstream.status in RETRY_STATUSES:
+                data = await upstream.read()
+                return Refused(f"http_{upstream.status}", upstream.status, data, dict(upstream.headers),
+                               message=f"HTTP {upstream.status}")
+            try:
+                # Nothing goes to the client before the pod's first body bytes: until then a pod
+                # that dies can still be replaced.
+                first = await upstream.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+                return Refused("disconnected", message=f"{type(error).__name__}: {error}")
+            if stream and upstream.status == 200:
+                self.metrics.ttft.labels(pod).observe(time.monotonic() - sent)
+            if upstream.status == 200:
+                self.policy.record(hashes, pod, self.clock())
+            self._count(choice)
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in HOP_BY_HOP:
+                    response.headers.add(key, value)
+            response.headers["X-Kvserve-Pod"] = pod
+            response.headers["X-Kvserve-Route"] = choice.decision
+            await response.prepare(request)
+            if first:
+                await response.write(first)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            done = True
+            return response
+        finally:
+            if upstream is not None:
+                if done:
+                    upstream.release()
+                else:  # client gone, pod gone, or a refusal: never reuse a half-read connection
+                    upstream.close()
+            self.in_flight[pod] -= 1
+            self.metrics.in_flight.labels(pod).set(self.in_flight[pod])
+            if self.in_flight[pod] <= 0:
+                del self.in_flight[pod]
+
+    def _count(self, choice: Choice) -> None:
+        self.metrics.requests.labels(choice.pod, choice.decision).inc()
+        if choice.total_chunks:
+            self.metrics.prefix_query_chunks.inc(choice.total_chunks)
+            self.metrics.prefix_matched_chunks.inc(choice.matched_chunks)
+        if choice.decision == PREFIX_HIT or choice.matched_chunks:
+            self.metrics.prefix_hits.inc()
+
+    # --- /v1/models ----------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> list[dict[str, Any]] | web.Response:
+        """The union of every ready pod's models (pods of one service normally agree)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization",)}
+
+        async def one(e: Endpoint):
+            try:
+                async with self.session.get(e.url + "/v1/models", headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    return r.status, await r.read(), dict(r.headers)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return None
+
+        answers = [a for a in await asyncio.gather(*(one(e) for e in self.endpoints.values())) if a is not None]
+        cards: dict[str, dict] = {}
+        for status, data, _ in answers:
+            if status != 200:
+                continue
+            try:
+                for card in json.loads(data).get("data") or []:
+                    cards.setdefault(card.get("id"), card)
+            except (ValueError, AttributeError):
+                continue
+        if not cards and answers and all(s == 401 for s, _, _ in answers):
+            status, data, hdrs = answers[0]
+            return web.Response(status=status, body=data, content_type="application/json")
+        if not cards and self.config.served_model_name:  # scaled to zero: still say what is served
+            name = self.config.served_model_name
+            cards[name] = {"id": name, "object": "model", "created": 0, "owned_by": "kvserve", "root": name,
+                           "parent": None}
+        return list(cards.values())
+
+
+ROUTER = web.AppKey("router", Router)
+
+
+def build_app(config: RouterConfig, source) -> web.Application:
+    router = Router(config, source)
+    app = web.Application(client_max_size=config.max_request_body_bytes)
+    app[ROUTER] = router
+
+    async def proxied(request: web.Request) -> web.StreamResponse:
+        route = ROUTED.get(request.path)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"Request body too large (limit {config.max_request_body_bytes} bytes)")
+        hashes: list[int] = []
+        stream = False
+        if route is not None:
+            try:
+                obj = json.loads(body) if body else None
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                obj = None  # the pod answers the 400 in its own words
+            if isinstance(obj, dict):
+                stream = obj.get("stream") is True
+                if config.policy.policy == "prefix":
+                    hashes = chunk_hashes(routing_key(route, obj), block_tokens=config.policy.block_tokens,
+                                          chunk_chars=config.policy.chunk_chars)
+        router.requests_total += 1
+        router.active += 1
+        router.touch()
+        status = 499
+        try:
+            response = await router.forward(request, body, hashes, stream)
+            status = response.status
+            return response
+        finally:
+            router.active -= 1
+            router.touch()
+            router.metrics.responses.labels(str(status)).inc()
+
+    async def models(request: web.Request) -> web.Response:
+        cards = await router.models(request)
+        if isinstance(cards, web.Response):
+            return cards
+        return web.json_response({"object": "list", "data": cards})
+
+    async def model(request: web.Request) -> web.Response:
+        cards = await router.models(request)
+        if isinstance(cards, web.Response):
+            return cards
+        name = request.match_info["model"]
+        for card in cards:
+            if card.get("id") == name:
+                return web.json_response(card)
+        return error_response(404, f"The model `{name}` does not exist.")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(request: web.Request) -> web.Response:
+        # Ready with zero pods too: the router holds requests then, which is the point of it.
+        if getattr(router.source, "synced", True):
+            return web.json_response({"status": "ready", "ready_endpoints": len(router.endpoints)})
+        return web.json_response({"status": "waiting for the first pod list",
+                                  "error": getattr(router.source, "last_error", None)}, status=503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        router.metrics.held.set(len(router.hold))
+        return web.Response(body=router.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def demand(request: web.Request) -> web.Response:
+        return web.json_response(router.demand())
+
+    r = app.router
+    r.add_get("/v1/models", models)
+    r.add_get("/v1/models/{model:.+}", model)
+    r.add_route("*", "/v1/{tail:.*}", proxied)
+    r.add_post("/tokenize", proxied)
+    r.add_post("/detokenize", proxied)
+    r.add_get("/health", health)
+    r.add_get("/ready", ready)
+    r.add_get("/metrics", metrics)
+    r.add_get("/router/demand", demand)
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    return app

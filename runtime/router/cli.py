@@ -1,0 +1,146 @@
+"""`kvserve router` flags and entry point. No heavy imports (no torch): the router is a small process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .policy import POLICIES, PolicyConfig
+
+
+def add_router_parser(sub) -> argparse.ArgumentParser:
+    from kvserve.runtime.server.args import LOG_LEVELS, _bounded
+
+    p = sub.add_parser("router", help="cache-aware router in front of runtime pods (holds requests at zero)",
+                       description="Routes OpenAI requests to the pods of one InferenceService (watched through "
+                                   "the Kubernetes API) or to fixed URLs. See docs/router.md.")
+    where = p.add_argument_group("pods (one of --endpoints or --inferenceservice/--selector)")
+    where.add_argument("--endpoints", default=None, metavar="URL[,URL...]",
+                       help="fixed runtime URLs, e.g. http://10.0.0.5:8000,http://10.0.0.6:8000")
+    where.add_argument("--inferenceservice", default=None, metavar="NAME",
+                       help="route to the Ready pods of this InferenceService (its pod labels)")
+    where.add_argument("--selector", default=None, metavar="K=V[,K=V...]",
+                       help="route to the Ready pods with these labels instead")
+    where.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE") or None,
+                       help="namespace of the pods (default: $POD_NAMESPACE, else the service account's)")
+    where.add_argument("--runtime-port", type=_bounded(int, 1, 65535), default=8000,
+                       help="the pods' OpenAI port")
+    where.add_argument("--agent-port", type=_bounded(int, -1, 65535), default=8081,
+                       help="where each pod's agent serves /v1/signals (load); 0: read the runtime's /metrics; "
+                            "-1: no load signals (the router's own in-flight counts only)")
+
+    pol = p.add_argument_group("policy")
+    pol.add_argument("--policy", choices=POLICIES, default="prefix",
+                     help="prefix (default): longest cached prefix, bounded consistent hashing for new ones; "
+                          "least-load; round-robin")
+    d = PolicyConfig()
+    pol.add_argument("--block-size", type=_bounded(int, 1), default=d.block_tokens,
+                     help="chunk size for token-id prompts (the runtime's KV block size)")
+    pol.add_argument("--chunk-chars", type=_bounded(int, 1), default=d.chunk_chars,
+                     help="chunk size for text prompts and chat messages, in characters")
+    pol.add_argument("--balance-factor", type=_bounded(float, 1.0), default=d.balance_factor,
+                     help="bounded load: a pod takes a new prefix only below this x the mean in-flight count")
+    pol.add_argument("--max-queue-depth", type=_bounded(float, 0.0), default=d.max_queue_depth,
+                     help="a pod with more waiting requests than this loses its prefix affinity")
+    pol.add_argument("--max-kv-utilization", type=_bounded(float, 0.01, 1.0), default=d.max_kv_utilization,
+                     help="... or with more KV-cache use than this (0..1)")
+    pol.add_argument("--prefix-ttl", type=_bounded(float, 1.0), default=d.prefix_ttl_seconds,
+                     help="seconds a pod counts as holding a prefix it served")
+
+    hold = p.add_argument_group("holding requests while no pod is ready (scale from zero)")
+    hold.add_argument("--hold-timeout", type=_bounded(float, 0.0, 86400.0), default=300.0,
+                      help="seconds a request waits for a ready pod before a 503 with Retry-After")
+    hold.add_argument("--max-held", type=_bounded(int, 0), default=1024,
+                      help="requests held at most; more get a 503 at once")
+    p.add_argument("--max-attempts", type=_bounded(int, 1, 16), default=3,
+                   help="pods tried per request when they refuse before the first byte")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model /v1/models lists while no pod is ready")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_bounded(int, 0, 65535), default=8000, help="0: a free port")
+    p.add_argument("--drain-timeout", type=_bounded(float, 0.0, 3600.0), default=30.0,
+                   help="seconds SIGTERM waits for open streams")
+    p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=8 * 1024 * 1024)
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+    return p
+
+
+def _selector(text: str) -> dict[str, str]:
+    out = {}
+    for term in (t.strip() for t in text.split(",")):
+        if not term:
+            continue
+        key, eq, value = term.partition("=")
+        if not eq or not key:
+            raise ValueError(f"selector: {term!r} is not key=value")
+        out[key.strip()] = value.strip()
+    if not out:
+        raise ValueError("selector: empty")
+    return out
+
+
+def _service_account_namespace() -> str | None:
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def build_source(args: argparse.Namespace):
+    """The endpoint source the flags describe; ValueError with the flag's name when they do not."""
+    from .endpoints import KubeEndpoints, StaticEndpoints, inferenceservice_selector, parse_endpoints
+
+    agent_port = None if args.agent_port == -1 else args.agent_port
+    kube = args.inferenceservice or args.selector
+    if args.endpoints is not None and kube:
+        raise ValueError("--endpoints cannot be combined with --inferenceservice/--selector")
+    if args.endpoints is not None:
+        return StaticEndpoints(parse_endpoints(args.endpoints, agent_port=agent_port))
+    if not kube:
+        raise ValueError("no pods to route to: give --endpoints URL[,URL...] or --inferenceservice NAME "
+                         "(or --selector K=V)")
+    selector = _selector(args.selector) if args.selector else inferenceservice_selector(args.inferenceservice)
+    namespace = args.namespace or _service_account_namespace()
+    if not namespace:
+        raise ValueError("--namespace is required outside a pod (no $POD_NAMESPACE, no service account)")
+    return KubeEndpoints(namespace, selector, runtime_port=args.runtime_port, agent_port=agent_port)
+
+
+def config_from_args(args: argparse.Namespace):
+    from .app import RouterConfig
+
+    policy = PolicyConfig(policy=args.policy, block_tokens=args.block_size, chunk_chars=args.chunk_chars,
+                          balance_factor=args.balance_factor, max_queue_depth=args.max_queue_depth,
+                          max_kv_utilization=args.max_kv_utilization, prefix_ttl_seconds=args.prefix_ttl)
+    return RouterConfig(policy=policy, hold_timeout_s=args.hold_timeout, max_held=args.max_held,
+                        max_attempts=args.max_attempts, served_model_name=args.served_model_name,
+                        max_request_body_bytes=args.max_request_body_bytes)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvserve.router")
+    try:
+        source = build_source(args)
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"kvserve router: {error}", file=sys.stderr)
+        return 2
+    from aiohttp import web
+
+    from .app import build_app
+
+    app = build_app(config, source)
+    log.info("router on http://%s:%d, policy %s, pods from %s", args.host, args.port, args.policy,
+             args.endpoints or f"{getattr(source, 'namespace', '')}/{args.inferenceservice or args.selector}")
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True,
+                    shutdown_timeout=args.drain_timeout, access_log=None)
+    except OSError as error:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, error.strerror or error)
+        return 1
+    return 0

@@ -1,0 +1,95 @@
+"""Each pod's load as its agent reports it (`/v1/signals`), or read off the runtime's `/metrics`.
+
+Polled on an interval; a pod whose answer is older than `stale_after` counts as unknown (the
+policy then relies on the router's own in-flight count). Parsing is pure (`load_from_signals`,
+`load_from_metrics`); the poller is the I/O around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import aiohttp
+
+from .endpoints import Endpoint
+from .policy import EndpointLoad
+
+
+@dataclass(frozen=True)
+class Sample:
+    running: float
+    queue_depth: float
+    kv_cache_utilization: float
+    ok: bool  # the agent says its engine sample is fresh and the engine ready
+    at: float
+
+
+def _num(data: Mapping[str, Any], key: str) -> float:
+    value = data.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def load_from_signals(data: Mapping[str, Any], at: float) -> Sample:
+    return Sample(running=max(0.0, _num(data, "requests_running")), queue_depth=max(0.0, _num(data, "queue_depth")),
+                  kv_cache_utilization=min(1.0, max(0.0, _num(data, "kv_cache_utilization"))),
+                  ok=not data.get("stale", False) and data.get("ready", True) is not False, at=at)
+
+
+def load_from_metrics(text: str, at: float) -> Sample:
+    from kvserve.runtime.agent.signals import standardize
+
+    s = standardize(text)
+    return Sample(running=s.requests_running or 0.0, queue_depth=s.queue_depth or 0.0,
+                  kv_cache_utilization=min(1.0, max(0.0, s.kv_cache_utilization or 0.0)), ok=True, at=at)
+
+
+def current_load(sample: Sample | None, in_flight: int, now: float, stale_after: float) -> EndpointLoad:
+    if sample is None or not sample.ok or now - sample.at > stale_after:
+        return EndpointLoad(in_flight=in_flight)
+    return EndpointLoad(in_flight=in_flight, running=sample.running, queue_depth=sample.queue_depth,
+                        kv_cache_utilization=sample.kv_cache_utilization, fresh=True)
+
+
+class LoadPoller:
+    def __init__(self, *, interval: float = 1.0, timeout: float = 1.0, stale_after: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.interval, self.timeout, self.stale_after, self.clock = interval, timeout, stale_after, clock
+        self.samples: dict[str, Sample] = {}
+        self.errors: dict[str, str] = {}
+
+    def load(self, name: str, in_flight: int) -> EndpointLoad:
+        return current_load(self.samples.get(name), in_flight, self.clock(), self.stale_after)
+
+    async def poll_once(self, session: aiohttp.ClientSession, endpoints: Iterable[Endpoint]) -> None:
+        endpoints = [e for e in endpoints if e.signals_url]
+
+        async def one(e: Endpoint) -> None:
+            try:
+                async with session.get(e.signals_url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                    if r.status != 200:
+                        raise ValueError(f"HTTP {r.status}")
+                    if e.signals_url.endswith("/metrics"):
+                        sample = load_from_metrics(await r.text(), self.clock())
+                    else:
+                        data = await r.json()
+                        if not isinstance(data, dict):
+                            raise ValueError("not a JSON object")
+                        sample = load_from_signals(data, self.clock())
+                self.samples[e.name] = sample
+                self.errors.pop(e.name, None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as error:
+                self.errors[e.name] = f"{e.signals_url}: {type(error).__name__}: {error}"
+
+        await asyncio.gather(*(one(e) for e in endpoints))
+        names = {e.name for e in endpoints}
+        for gone in [n for n in self.samples if n not in names]:
+            del self.samples[gone]
+
+    async def run(self, session: aiohttp.ClientSession, endpoints: Callable[[], list[Endpoint]]) -> None:
+        while True:
+            started = self.clock()
+            await self.poll_once(session, endpoints())
+            await asyncio.sleep(max(0.05, self.interval - (self.clock() - started)))

@@ -1,0 +1,45 @@
+"""The router's /metrics (`kvserve_router_*`): what it decided, what it held, how fast pods answered."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0]
+HOLD_BUCKETS = [0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]
+
+
+class RouterMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvserve_router_requests", "Requests sent to a pod, by pod and routing decision.",
+                                ["pod", "decision"], registry=r)
+        self.prefix_hits = Counter("kvserve_router_prefix_hits",
+                                   "Requests sent to a pod that had served a prefix of the prompt recently.",
+                                   registry=r)
+        self.prefix_query_chunks = Counter("kvserve_router_prefix_query_chunks",
+                                           "Prefix chunks of routed prompts (prefix policy).", registry=r)
+        self.prefix_matched_chunks = Counter("kvserve_router_prefix_matched_chunks",
+                                             "Of those, chunks the chosen pod had served recently.", registry=r)
+        self.retries = Counter("kvserve_router_retries",
+                               "Requests sent again to another pod after one refused before the first byte.",
+                               ["pod", "reason"], registry=r)
+        self.responses = Counter("kvserve_router_responses", "Responses to clients, by HTTP status.", ["code"],
+                                 registry=r)
+        self.held = Gauge("kvserve_router_held_requests", "Requests waiting for a ready pod now.", registry=r)
+        self.holds = Counter("kvserve_router_holds", "Requests that had to wait for a ready pod, by outcome.",
+                             ["outcome"], registry=r)
+        self.hold_seconds = Histogram("kvserve_router_hold_seconds",
+                                      "How long held requests waited for a ready pod.", buckets=HOLD_BUCKETS,
+                                      registry=r)
+        self.ttft = Histogram("kvserve_router_upstream_ttft_seconds",
+                              "From sending a streaming request to a pod to its first body bytes.",
+                              ["pod"], buckets=TTFT_BUCKETS, registry=r)
+        self.in_flight = Gauge("kvserve_router_in_flight_requests", "Requests open to each pod.", ["pod"],
+                               registry=r)
+        self.endpoints = Gauge("kvserve_router_ready_endpoints", "Ready pods the router sends to.", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

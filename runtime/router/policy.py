@@ -1,0 +1,338 @@
+"""Which pod serves a request: pure, deterministic, no I/O (the router's functional core).
+
+A request is reduced to its *prefix chunks*: the prompt (token ids, or the text of a completion
+or of a chat's messages) cut into fixed-size chunks, each hashed together with everything before
+it, so chunk i's hash names the whole prefix up to and including chunk i. Runtimes cache KV in
+blocks of the same kind (a block's hash covers its prefix), so a pod that served a prompt with
+chunks h0..h5 very likely still holds the KV of that prefix.
+
+Policies:
+  * `prefix` (default): when some pods served most of the prompt recently (at least
+    `sticky_fraction` of its chunks: a conversation's history, a long shared document), the one
+    with the longest match wins (ties: least loaded), unless its agent reports a queue or KV use
+    over the thresholds, in which case the least-loaded pod does. Any other prompt (new, or
+    sharing only a short prefix such as a system prompt that every pod soon holds) goes where
+    consistent hashing with bounded load puts it (Mirrokni et al.): the ring position of the
+    whole prompt, skipping pods that already carry more than `balance_factor` x the mean load,
+    so identical prompts land together while no pod takes more than its share.
+  * `least-load`: the pod with the fewest requests in flight (the router's own count, or the
+    agent's running + waiting when that is higher), then the lowest KV use.
+  * `round-robin`: each ready pod in turn (what a plain Service does, for comparison).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+POLICIES = ("prefix", "least-load", "round-robin")
+
+# Decision labels (metrics, logs, the X-Kvserve-Route header).
+PREFIX_HIT = "prefix-hit"
+PREFIX_NEW = "prefix-new"
+OVERLOADED = "overloaded-fallback"
+LEAST_LOAD = "least-load"
+ROUND_ROBIN = "round-robin"
+DECISIONS = (PREFIX_HIT, PREFIX_NEW, OVERLOADED, LEAST_LOAD, ROUND_ROBIN)
+
+# Hashing a very long prompt costs ~1 us per chunk; past this many chunks the prefix is long
+# enough to tell conversations apart.
+MAX_CHUNKS = 4096
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    policy: str = "prefix"
+    block_tokens: int = 16  # chunk size for token-id prompts: the runtime's KV block size
+    chunk_chars: int = 64  # chunk size for text (about block_tokens tokens of English)
+    balance_factor: float = 1.25  # bounded load: no pod above this x the mean in-flight count
+    max_queue_depth: float = 8.0  # the best-match pod is overloaded above this many waiting
+    max_kv_utilization: float = 0.95  # ... or above this KV use (0..1)
+    sticky_fraction: float = 0.5  # a pod must hold this much of the prompt to win it by affinity
+    prefix_ttl_seconds: float = 600.0  # how long "served recently" lasts
+    index_capacity: int = 200_000  # prefix chunks remembered (LRU), over all pods
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: unknown policy {self.policy!r}; supported: {', '.join(POLICIES)}")
+        for name, low in (("block_tokens", 1), ("chunk_chars", 1), ("index_capacity", 1)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < low:
+                raise ValueError(f"{name}: must be an integer >= {low}, got {getattr(self, name)!r}")
+        if not self.balance_factor >= 1.0:
+            raise ValueError(f"balance_factor: must be >= 1, got {self.balance_factor!r}")
+        if not self.max_queue_depth >= 0:
+            raise ValueError(f"max_queue_depth: must be >= 0, got {self.max_queue_depth!r}")
+        if not 0 < self.max_kv_utilization <= 1:
+            raise ValueError(f"max_kv_utilization: must be in (0, 1], got {self.max_kv_utilization!r}")
+        if not 0 <= self.sticky_fraction <= 1:
+            raise ValueError(f"sticky_fraction: must be in [0, 1], got {self.sticky_fraction!r}")
+        if not self.prefix_ttl_seconds > 0:
+            raise ValueError(f"prefix_ttl_seconds: must be > 0, got {self.prefix_ttl_seconds!r}")
+
+
+# --- request -> prefix chunks -----------------------------------------------------------------
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: the text ones carry the prefix
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                parts.append(repr(part))
+        return "".join(parts)
+    return "" if content is None else repr(content)
+
+
+def chat_text(messages: Sequence[Any]) -> str:
+    """A chat's messages as one string that only grows as the conversation does: the request of
+    turn n+1 starts with the string of turn n's request (plus its answer)."""
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            out.append(repr(message))
+            continue
+        out.append(f"{message.get('role', '')}\x1f{_content_text(message.get('content'))}\x1e")
+    return "".join(out)
+
+
+def routing_key(route: str, body: Mapping[str, Any]) -> str | list[int] | None:
+    """What a request's prefix is: token ids, text, or None (nothing to route on)."""
+    if route == "chat":
+        messages = body.get("messages")
+        return chat_text(messages) if isinstance(messages, list) and messages else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        prompt = prompt[0]  # a batch of prompts goes to one pod: route on the first
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    return None
+
+
+def chunk_hashes(key: str | Sequence[int] | None, *, block_tokens: int = 16, chunk_chars: int = 64,
+                 max_chunks: int = MAX_CHUNKS) -> list[int]:
+    """Chained 64-bit hashes of the key's full chunks (a key shorter than one chunk gives one
+    hash of the whole key, so a short prompt still has a home). blake2b, not hash(): every
+    router replica and every restart must agree."""
+    if key is None:
+        return []
+    if isinstance(key, str):
+        data = key.encode("utf-8", "surrogatepass")
+        size = chunk_chars
+        chunks = [key[i:i + size].encode("utf-8", "surrogatepass") for i in range(0, len(key) - size + 1, size)]
+        tag = b"t"
+    else:
+        size = block_tokens
+        chunks = [b",".join(str(t).encode() for t in key[i:i + size]) for i in range(0, len(key) - size + 1, size)]
+        data = b",".join(str(t).encode() for t in key)
+        tag = b"i"
+    if not chunks:
+        chunks = [data]
+    out = []
+    digest = tag
+    for chunk in chunks[:max_chunks]:
+        digest = hashlib.blake2b(digest + b"\x00" + chunk, digest_size=8).digest()
+        out.append(int.from_bytes(digest, "big"))
+    return out
+
+
+# --- what the router knows about each pod ----------------------------------------------------
+
+@dataclass(frozen=True)
+class EndpointLoad:
+    in_flight: int = 0  # requests this router has open to the pod
+    running: float = 0.0  # from the pod's agent (all routers and direct clients)
+    queue_depth: float = 0.0
+    kv_cache_utilization: float = 0.0
+    fresh: bool = False  # the agent answered recently; stale signals count as zero
+
+    def busy(self) -> float:
+        agent = self.running + self.queue_depth if self.fresh else 0.0
+        return max(float(self.in_flight), agent)
+
+    def score(self) -> tuple[float, float]:
+        return self.busy(), (self.kv_cache_utilization if self.fresh else 0.0)
+
+
+def overloaded(load: EndpointLoad, config: PolicyConfig) -> bool:
+    return load.fresh and (load.queue_depth > config.max_queue_depth
+                           or load.kv_cache_utilization > config.max_kv_utilization)
+
+
+# --- prefix index ----------------------------------------------------------------------------
+
+class PrefixIndex:
+    """chunk hash -> {pod: last time it served a prompt with that prefix}, LRU-bounded."""
+
+    def __init__(self, capacity: int = 200_000, ttl: float = 600.0):
+        self.capacity, self.ttl = capacity, ttl
+        self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, hashes: Sequence[int], pod: str, now: float) -> None:
+        # Reversed: the first chunks end up most recently used, so LRU eviction trims a prefix
+        # from its tail and never leaves a long match without its start.
+        for h in reversed(hashes):
+            entry = self._entries.pop(h, None) or {}
+            entry[pod] = now
+            self._entries[h] = entry
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def match(self, hashes: Sequence[int], pods: Iterable[str], now: float) -> dict[str, int]:
+        """pod -> number of leading chunks it served within the TTL (pods without a match absent)."""
+        alive = set(pods)
+        lengths: dict[str, int] = {}
+        for i, h in enumerate(hashes):
+            entry = self._entries.get(h)
+            if not entry:
+                break
+            holders = [p for p, t in entry.items() if p in alive and now - t <= self.ttl]
+            if not holders:
+                break
+            for p in holders:
+                lengths[p] = i + 1
+        return lengths
+
+    def forget(self, pod: str) -> None:
+        """A pod that went away: its cache went with it."""
+        for h in list(self._entries):
+            entry = self._entries[h]
+            if entry.pop(pod, None) is not None and not entry:
+                del self._entries[h]
+
+
+# --- consistent hashing ----------------------------------------------------------------------
+
+class HashRing:
+    """Each pod at `vnodes` points of a 64-bit ring; a key walks clockwise from its point."""
+
+    def __init__(self, names: Iterable[str], vnodes: int = 64):
+        points = []
+        for name in sorted(set(names)):
+            for v in range(vnodes):
+                h = hashlib.blake2b(f"{name}#{v}".encode(), digest_size=8).digest()
+                points.append((int.from_bytes(h, "big"), name))
+        points.sort()
+        self._keys = [p for p, _ in points]
+        self._names = [n for _, n in points]
+        self.names = tuple(sorted(set(names)))
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Every pod once, in ring order from the key's point."""
+        if not self._keys:
+            return
+        start = bisect.bisect_left(self._keys, key % (1 << 64))
+        seen: set[str] = set()
+        n = len(self._keys)
+        for i in range(n):
+            name = self._names[(start + i) % n]
+            if name not in seen:
+                seen.add(name)
+                yield name
+                if len(seen) == len(self.names):
+                    return
+
+
+def bounded_capacity(loads: Mapping[str, EndpointLoad], pods: Sequence[str], factor: float) -> int:
+    """The most requests one pod may carry once this one is added: ceil(factor x mean)."""
+    total = sum(loads.get(p, EndpointLoad()).busy() for p in pods) + 1
+    return max(1, math.ceil(factor * total / len(pods)))
+
+
+# --- the decision ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Choice:
+    pod: str
+    decision: str
+    matched_chunks: int = 0  # leading chunks the chosen pod had served
+    total_chunks: int = 0
+
+
+@dataclass
+class PolicyState:
+    """What a policy remembers between requests (the router's one mutable piece of routing)."""
+
+    config: PolicyConfig
+    index: PrefixIndex = field(init=False)
+    ring: HashRing = field(init=False)
+    turn: int = 0  # round-robin position, also breaks least-load ties in turn
+
+    def __post_init__(self):
+        self.index = PrefixIndex(self.config.index_capacity, self.config.prefix_ttl_seconds)
+        self.ring = HashRing(())
+
+    def set_pods(self, names: Iterable[str]) -> None:
+        names = tuple(sorted(set(names)))
+        if names != self.ring.names:
+            gone = set(self.ring.names) - set(names)
+            self.ring = HashRing(names)
+            for pod in gone:
+                self.index.forget(pod)
+
+    def record(self, hashes: Sequence[int], pod: str, now: float) -> None:
+        if self.config.policy == "prefix" and hashes:
+            self.index.record(hashes, pod, now)
+
+
+def _least_loaded(pods: Sequence[str], loads: Mapping[str, EndpointLoad], turn: int) -> str:
+    # Ties (an idle service) go in turn, so a burst at idle does not all land on one pod.
+    n = len(pods)
+    rotated = [pods[(turn + i) % n] for i in range(n)]
+    return min(rotated, key=lambda p: loads.get(p, EndpointLoad()).score())
+
+
+def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads: Mapping[str, EndpointLoad],
+           now: float, exclude: Iterable[str] = ()) -> Choice | None:
+    """The pod for a request, or None when no pod is left (all excluded, or none ready).
+
+    `pods` are the ready pods; `exclude` the ones this request already failed on.
+    """
+    skip = set(exclude)
+    candidates = sorted(p for p in set(pods) if p not in skip)
+    if not candidates:
+        return None
+    config = state.config
+    state.turn += 1
+    total = len(hashes)
+    if config.policy == "round-robin":
+        return Choice(candidates[state.turn % len(candidates)], ROUND_ROBIN, 0, total)
+    if config.policy == "least-load" or not hashes:
+        return Choice(_least_loaded(candidates, loads, state.turn), LEAST_LOAD, 0, total)
+
+    def load(p: str) -> EndpointLoad:
+        return loads.get(p, EndpointLoad())
+
+    usable = [p for p in candidates if not overloaded(load(p), config)]
+    matches = state.index.match(hashes, candidates, now)
+    longest = max(matches.values(), default=0)
+    if longest and longest >= config.sticky_fraction * total:
+        # Most of the prompt is cached on these pods (a conversation's history, a long shared
+        # document): worth more than balance, until the pod itself says it is overloaded.
+        holders = sorted(p for p, n in matches.items() if n == longest)
+        best = _least_loaded(holders, loads, state.turn)
+        if best in usable:
+            return Choice(best, PREFIX_HIT, longest, total)
+        pick = _least_loaded(usable or candidates, loads, state.turn)
+        return Choice(pick, OVERLOADED, matches.get(pick, 0), total)
+    # A new prompt, or one that shares only a short prefix (a system prompt every pod soon holds):
+    # the ring position of the whole prompt, skipping pods at the load bound, so identical
+    # prompts land together and new conversations spread.
+    cap = bounded_capacity(loads, candidates, config.balance_factor)
+    ring = state.ring if set(candidates) <= set(state.ring.names) else HashRing(candidates)
+    for pod in ring.walk(hashes[-1]):
+        if pod in usable and load(pod).busy() + 1 <= cap:
+            return Choice(pod, PREFIX_NEW, matches.get(pod, 0), total)
+    pick = _least_loaded(usable or candidates, loads, state.turn)
+    return Choice(pick, OVERLOADED, matches.get(pick, 0), total)

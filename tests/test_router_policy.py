@@ -1,0 +1,256 @@
+"""The router's policies (pure): prefix chunks, the prefix index, consistent hashing with bounded
+load, and the decision itself, with table and property tests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.runtime.router.policy import (LEAST_LOAD, OVERLOADED, PREFIX_HIT, PREFIX_NEW, ROUND_ROBIN,
+                                           EndpointLoad, HashRing, PolicyConfig, PolicyState, PrefixIndex,
+                                           bounded_capacity, chat_text, choose, chunk_hashes, routing_key)
+
+PODS = ["pod-a", "pod-b", "pod-c"]
+
+
+def state(**kw) -> PolicyState:
+    s = PolicyState(PolicyConfig(**kw))
+    s.set_pods(PODS)
+    return s
+
+
+# --- prefix chunks ---------------------------------------------------------------------------
+
+@given(st.text(max_size=300), st.text(max_size=300), st.integers(1, 40))
+def test_text_chunk_hashes_of_a_prefix_are_a_prefix(base, extension, size):
+    short = chunk_hashes(base, chunk_chars=size)
+    full = chunk_hashes(base + extension, chunk_chars=size)
+    whole = len(base) // size  # only full chunks are shared; a short key hashes whole
+    assert full[:whole] == short[:whole]
+
+
+@given(st.lists(st.integers(0, 100_000), max_size=200), st.lists(st.integers(0, 100_000), max_size=100),
+       st.integers(1, 32))
+def test_token_chunk_hashes_of_a_prefix_are_a_prefix(base, extension, size):
+    whole = len(base) // size
+    assert chunk_hashes(base + extension, block_tokens=size)[:whole] == chunk_hashes(base, block_tokens=size)[:whole]
+
+
+def test_chunk_hashes_table():
+    assert chunk_hashes(None) == []
+    assert len(chunk_hashes("x" * 130, chunk_chars=64)) == 2  # the partial tail is not a chunk
+    assert len(chunk_hashes("short", chunk_chars=64)) == 1  # a short prompt still has a home
+    # Chained: the same chunk text after different prefixes is a different chunk.
+    a = chunk_hashes("A" * 4 + "C" * 4, chunk_chars=4)
+    b = chunk_hashes("B" * 4 + "C" * 4, chunk_chars=4)
+    assert a[1] != b[1]
+    # Text and token ids never collide by construction of the same digits.
+    assert chunk_hashes("1,2", chunk_chars=64) != chunk_hashes([1, 2], block_tokens=16)
+    assert chunk_hashes("same") == chunk_hashes("same")  # stable across calls (and processes: blake2b)
+    assert len(chunk_hashes("y" * 10_000, chunk_chars=1, max_chunks=50)) == 50
+
+
+@given(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                       "content": st.text(max_size=50)}), min_size=1, max_size=8),
+       st.integers(0, 8))
+def test_chat_text_grows_with_the_conversation(messages, k):
+    assert chat_text(messages).startswith(chat_text(messages[:k]))
+
+
+def test_routing_key_table():
+    assert routing_key("completion", {"prompt": "hello"}) == "hello"
+    assert routing_key("completion", {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert routing_key("completion", {"prompt": ["first", "second"]}) == "first"
+    assert routing_key("completion", {"prompt": [[5, 6], [7]]}) == [5, 6]
+    assert routing_key("completion", {"prompt": ""}) is None
+    assert routing_key("completion", {}) is None
+    assert routing_key("completion", {"prompt": [True, 1]}) is None
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert routing_key("chat", chat) == "user\x1fhi\x1e"
+    assert routing_key("chat", {"messages": []}) is None
+    assert routing_key("chat", {"messages": "not a list"}) is None
+
+
+# --- the prefix index ------------------------------------------------------------------------
+
+def test_index_longest_match_ttl_and_forget():
+    index = PrefixIndex(capacity=100, ttl=10)
+    index.record([1, 2, 3], "a", now=0)
+    index.record([1, 2], "b", now=5)
+    assert index.match([1, 2, 3, 4], ["a", "b"], now=6) == {"a": 3, "b": 2}
+    assert index.match([1, 2, 3], ["b"], now=6) == {"b": 2}  # only pods still ready count
+    assert index.match([1, 2, 3], ["a", "b"], now=12) == {"b": 2}  # a's entries are older than the TTL
+    assert index.match([9, 1], ["a", "b"], now=6) == {}  # a match starts at the first chunk
+    index.forget("b")
+    assert index.match([1, 2], ["a", "b"], now=6) == {"a": 2}
+
+
+def test_index_eviction_trims_prefixes_from_the_tail():
+    index = PrefixIndex(capacity=4, ttl=100)
+    index.record([1, 2, 3], "a", now=0)
+    index.record([7, 8, 9], "b", now=1)  # 6 entries > 4: the oldest tails go first
+    assert len(index) == 4
+    assert index.match([7, 8, 9], ["a", "b"], now=2) == {"b": 3}
+    assert index.match([1, 2, 3], ["a", "b"], now=2) == {"a": 1}
+
+
+# --- consistent hashing with bounded load ------------------------------------------------------
+
+@given(st.sets(st.text(min_size=1, max_size=8), min_size=1, max_size=8), st.integers(0, 2**64 - 1))
+def test_ring_walk_visits_every_pod_once(names, key):
+    walk = list(HashRing(names).walk(key))
+    assert sorted(walk) == sorted(names)
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=50))
+def test_ring_removing_a_pod_moves_only_its_keys(keys):
+    full, smaller = HashRing(["a", "b", "c", "d"]), HashRing(["a", "b", "c"])
+    for key in keys:
+        owner = next(full.walk(key))
+        if owner != "d":
+            assert next(smaller.walk(key)) == owner
+
+
+@settings(max_examples=50)
+@given(st.integers(1, 6), st.integers(1, 60), st.floats(1.0, 2.0))
+def test_new_prefixes_respect_the_load_bound(n_pods, n_requests, factor):
+    pods = [f"p{i}" for i in range(n_pods)]
+    s = PolicyState(PolicyConfig(balance_factor=factor))
+    s.set_pods(pods)
+    in_flight = {p: 0 for p in pods}
+    for i in range(n_requests):
+        loads = {p: EndpointLoad(in_flight=in_flight[p]) for p in pods}
+        cap = bounded_capacity(loads, pods, factor)
+        choice = choose(s, chunk_hashes(f"conversation {i}"), pods, loads, now=0)
+        assert choice.decision == PREFIX_NEW
+        in_flight[choice.pod] += 1
+        assert in_flight[choice.pod] <= cap
+    assert max(in_flight.values()) <= math.ceil(factor * n_requests / n_pods)
+
+
+# --- the decision ----------------------------------------------------------------------------
+
+loads_strategy = st.dictionaries(
+    st.sampled_from(PODS),
+    st.builds(EndpointLoad, in_flight=st.integers(0, 20), running=st.floats(0, 20), queue_depth=st.floats(0, 20),
+              kv_cache_utilization=st.floats(0, 1), fresh=st.booleans()))
+
+
+@given(st.sampled_from(["prefix", "least-load", "round-robin"]), st.lists(st.integers(0, 2**63), max_size=6),
+       loads_strategy, st.sets(st.sampled_from(PODS)), st.lists(st.sampled_from(PODS), max_size=5))
+def test_choice_is_always_a_ready_pod_not_excluded(policy, hashes, loads, exclude, history):
+    s = state(policy=policy)
+    for pod in history:
+        s.record(hashes, pod, now=0)
+    choice = choose(s, hashes, PODS, loads, now=1, exclude=exclude)
+    left = [p for p in PODS if p not in exclude]
+    if not left:
+        assert choice is None
+    else:
+        assert choice.pod in left
+        assert 0 <= choice.matched_chunks <= choice.total_chunks == len(hashes)
+
+
+def test_prefix_hit_goes_to_the_longest_match():
+    s = state()
+    conv = chunk_hashes("system prompt " * 20 + "user: tell me about cats" * 5)
+    s.record(conv[:3], "pod-a", now=0)
+    s.record(conv, "pod-b", now=0)
+    choice = choose(s, conv + [123], PODS, {}, now=1)
+    assert (choice.pod, choice.decision, choice.matched_chunks) == ("pod-b", PREFIX_HIT, len(conv))
+
+
+def test_an_overloaded_best_pod_loses_its_affinity():
+    s = state(max_queue_depth=4)
+    conv = chunk_hashes("q" * 640)
+    s.record(conv, "pod-a", now=0)
+    busy = {"pod-a": EndpointLoad(queue_depth=9, fresh=True), "pod-b": EndpointLoad(in_flight=1),
+            "pod-c": EndpointLoad()}
+    choice = choose(s, conv, PODS, busy, now=1)
+    assert choice.pod in ("pod-b", "pod-c") and choice.decision == OVERLOADED
+    # KV over the threshold counts too; stale signals do not.
+    kv = {"pod-a": EndpointLoad(kv_cache_utilization=0.99, fresh=True)}
+    assert choose(s, conv, PODS, kv, now=1).decision == OVERLOADED
+    stale = {"pod-a": EndpointLoad(queue_depth=99, fresh=False)}
+    assert choose(s, conv, PODS, stale, now=1).pod == "pod-a"
+
+
+def test_a_short_shared_match_does_not_pile_onto_one_pod():
+    """Conversations that only share a system prompt are placed by the ring like new ones (and
+    spread); a pod holding most of a prompt keeps it."""
+    s = state(balance_factor=1.0)
+    system = "S" * 128  # 2 chunks shared by everyone
+    s.record(chunk_hashes(system), "pod-a", now=0)
+    loads = {"pod-a": EndpointLoad(in_flight=3), "pod-b": EndpointLoad(), "pod-c": EndpointLoad()}
+    spread = choose(s, chunk_hashes(system + "U" * 640), PODS, loads, now=1)
+    assert spread.pod != "pod-a" and spread.decision == PREFIX_NEW
+    long_conv = chunk_hashes(system + "U" * 640)
+    s.record(long_conv, "pod-a", now=1)
+    stays = choose(s, long_conv + chunk_hashes("more")[:1], PODS, loads, now=2)
+    assert (stays.pod, stays.decision) == ("pod-a", PREFIX_HIT)
+
+
+def test_multi_turn_conversations_stay_on_their_pod_and_spread():
+    s = state()
+    in_flight = {p: 0 for p in PODS}
+    homes: dict[int, set[str]] = {}
+    histories = {c: [{"role": "system", "content": "You are a helpful assistant. " * 4}] for c in range(12)}
+    for turn in range(4):
+        for c, history in histories.items():
+            history.append({"role": "user", "content": f"conversation {c} turn {turn}: " + "words " * 30})
+            hashes = chunk_hashes(chat_text(history))
+            loads = {p: EndpointLoad(in_flight=in_flight[p]) for p in PODS}
+            choice = choose(s, hashes, PODS, loads, now=turn)
+            s.record(hashes, choice.pod, now=turn)
+            homes.setdefault(c, set()).add(choice.pod)
+            in_flight[choice.pod] += 1
+            if turn:
+                assert choice.decision == PREFIX_HIT
+            history.append({"role": "assistant", "content": "an answer " * 10})
+        in_flight = {p: 0 for p in PODS}
+    assert all(len(h) == 1 for h in homes.values())
+    per_pod = [sum(1 for h in homes.values() if p in h) for p in PODS]
+    assert max(per_pod) <= 5 and min(per_pod) >= 3  # 12 conversations, balance factor 1.25
+
+
+def test_concurrent_new_conversations_with_one_system_prompt_spread_evenly():
+    s = state(balance_factor=1.0)
+    in_flight = {p: 0 for p in PODS}
+    for c in range(6):
+        hashes = chunk_hashes(chat_text([{"role": "system", "content": "shared " * 40},
+                                         {"role": "user", "content": f"question {c} " * 10}]))
+        choice = choose(s, hashes, PODS, {p: EndpointLoad(in_flight=n) for p, n in in_flight.items()}, now=0)
+        in_flight[choice.pod] += 1
+    assert sorted(in_flight.values()) == [2, 2, 2]
+
+
+def test_round_robin_and_least_load():
+    s = state(policy="round-robin")
+    picks = [choose(s, [], PODS, {}, now=0) for _ in range(6)]
+    assert {c.decision for c in picks} == {ROUND_ROBIN}
+    assert sorted(c.pod for c in picks) == sorted(PODS * 2)
+    s = state(policy="least-load")
+    loads = {"pod-a": EndpointLoad(in_flight=2), "pod-b": EndpointLoad(running=1, queue_depth=3, fresh=True),
+             "pod-c": EndpointLoad(in_flight=1)}
+    assert (choose(s, [1], PODS, loads, now=0).pod, choose(s, [1], PODS, loads, now=0).decision) == \
+        ("pod-c", LEAST_LOAD)
+    idle = [choose(s, [], PODS, {}, now=0).pod for _ in range(3)]
+    assert sorted(idle) == PODS  # ties go in turn
+
+
+def test_no_pod_left_is_none():
+    assert choose(state(), [1], [], {}, now=0) is None
+    assert choose(state(), [1], PODS, {}, now=0, exclude=PODS) is None
+
+
+@pytest.mark.parametrize("kw, field", [({"policy": "random"}, "policy"), ({"block_tokens": 0}, "block_tokens"),
+                                       ({"balance_factor": 0.5}, "balance_factor"),
+                                       ({"max_kv_utilization": 0}, "max_kv_utilization"),
+                                       ({"prefix_ttl_seconds": 0}, "prefix_ttl_seconds"),
+                                       ({"sticky_fraction": 2}, "sticky_fraction")])
+def test_bad_config_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        PolicyConfig(**kw)
