@@ -157,6 +157,7 @@ class LLMEngine:
                                   Sampler(generator))
         if self.executor is not None:
             self.executor.attach(self.runner)
+        self._setup_compilation()
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
@@ -179,6 +180,36 @@ class LLMEngine:
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, backend %s",
                  self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
                  config.block_size, self.max_model_len, self.attention_backend)
+
+    def _setup_compilation(self) -> None:
+        """torch.compile (compilation_config level 3, CUDA) and CUDA graphs for decode steps."""
+        cc = self.config.compilation_config
+        if cc.level == 3:
+            if self.device.type == "cuda":
+                self.model.forward = torch.compile(self.model.forward, dynamic=True)
+            else:
+                log.warning("compilation_config level 3: torch.compile is used on CUDA only; on the CPU the "
+                            "native kernels already fuse each layer's elementwise work")
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        sizes = cc.capture_sizes(self.config.max_num_seqs)
+        why_not = ("no capture sizes" if not sizes
+                   else "tensor_parallel_size > 1" if self.config.tensor_parallel_size > 1
+                   else f"the {self.attention_backend} attention backend syncs with the host"
+                   if self.attention_backend != "triton" else None)
+        if why_not:
+            log.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
+            return
+        from kvserve.runtime.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
+                              max_model_len=self.max_model_len, sizes=sizes, device=self.device, capture=True)
+        try:
+            graphs.capture()
+        except Exception as exc:  # a model whose forward cannot be captured still serves, eagerly
+            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+            return
+        self.runner.graphs = graphs
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> "LLMEngine":

@@ -29,6 +29,8 @@ class ModelRunner:
         # Seconds spent in (prepare, forward, sample) by the latest execute(); on a GPU, forward is
         # the time to launch the kernels and sample includes waiting for them (the one sync).
         self.last_timings: tuple[float, float, float] | None = None
+        # Decode-only steps whose batch fits a bucket replay a CUDA graph (runtime/cuda_graphs.py).
+        self.graphs = None
 
     def prepare(self, scheduled: list[ScheduledSequence],
                 block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -104,7 +106,11 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self.prepare(scheduled, block_tables)
         assert len(logits_rows) == (len(rows) if repeats is None else len(repeats))
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        graphs = self.graphs
+        if graphs is not None and meta.is_decode_only and graphs.bucket(input_ids.shape[0]) is not None:
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
             self.last_timings = (t1 - t0, time.perf_counter() - t1, 0.0)
             return SamplerOutput([], [])
