@@ -1,7 +1,7 @@
 """`kvserve serve`: listen first, load the engine in the background, drain on SIGTERM, exit 0.
 
-Listening before the model is loaded lets /health answer (the process is alive) while /ready says
-503, so Kubernetes neither kills a slow-loading pod nor routes traffic to it.
+Listening before the model is loaded lets /live answer (the process is alive) while /health and
+/ready say 503, so Kubernetes neither kills a slow-loading pod nor routes traffic to it.
 """
 
 from __future__ import annotations
