@@ -44,6 +44,11 @@ class EngineConfig:
     # Weight format (vLLM's names): None follows the checkpoint's quantization_config (full
     # precision if it has none); "int8"/"int4"/"fp8" quantize a full-precision checkpoint at load.
     quantization: str | None = None
+    # CUDA graphs for decode steps are on by default on a GPU; True runs every step eagerly.
+    enforce_eager: bool = False
+    # {"level": 0 | 3, "cudagraph_capture_sizes": [1, 2, 4, ...], "max_capture_size": 512}, that
+    # as a JSON string, or a bare level (kvserve.runtime.cuda_graphs.CompilationConfig).
+    compilation_config: Any = None
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -99,6 +104,11 @@ class EngineConfig:
             from kvserve.runtime.spec_decode.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if not isinstance(self.enforce_eager, bool):
+            fail("enforce_eager", "must be a boolean")
+        from kvserve.runtime.cuda_graphs import CompilationConfig
+
+        self.compilation_config = CompilationConfig.parse(self.compilation_config)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", "must be an integer")
         if self.attention_backend not in _BACKENDS:

@@ -40,6 +40,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["quantization"] = args.quantization
     if getattr(args, "speculative_config", None):
         kw["speculative_config"] = args.speculative_config  # JSON; the engine validates it
+    if getattr(args, "enforce_eager", None):
+        kw["enforce_eager"] = True
+    if getattr(args, "compilation_config", None):
+        kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw
 
 
