@@ -375,13 +375,37 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": engine.engine.tokenizer.decode(req.tokens)})
 
 
-async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+def _broken(state: ServerState) -> web.Response | None:
+    """500 when the process can never serve (a restart might): the load failed or the engine died."""
     if state.engine is not None and state.engine.dead is not None:
         return web.json_response({"status": "engine dead", "error": repr(state.engine.dead)}, status=500)
     if state.load_error:
         return web.json_response({"status": "load failed", "error": state.load_error}, status=500)
+    return None
+
+
+async def health(request: web.Request) -> web.Response:
+    """vLLM's meaning: 200 once the engine can serve (still while draining), 503 while loading.
+
+    Clients and charts written for vLLM wait on /health before sending requests, and probe it for
+    readiness; a 200 during loading would send them requests that get 503."""
+    state = request.app[STATE]
+    broken = _broken(state)
+    if broken is not None:
+        return broken
+    if state.engine is None:
+        return web.json_response({"status": "loading"}, status=503,
+                                 headers={"Retry-After": str(state.config.retry_after_s)})
     return web.json_response({"status": "ok"})
+
+
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while loading or serving, 500 once the process can never serve."""
+    state = request.app[STATE]
+    broken = _broken(state)
+    if broken is not None:
+        return broken
+    return web.json_response({"status": "loading" if state.engine is None else "ok"})
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -427,6 +451,7 @@ def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> we
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_get("/health", health)
+    r.add_get("/live", live)
     r.add_get("/ready", ready)
     r.add_get("/metrics", metrics)
     r.add_post("/drain", drain)

@@ -47,6 +47,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'')
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="run every step eagerly: no CUDA graphs for decode steps (they are on by default on a GPU)")
+    p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
+                   help='e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8], "level": 0}\'; a bare 3 turns on '
+                        "torch.compile of the model (GPU)")
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (or set KVSERVE_API_KEY)")
     p.add_argument("--max-queue-len", type=_bounded(int, 0), default=1024,
