@@ -149,6 +149,7 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for mode, params in (("free", free), ("json", constrained)):
                 step, mask = decode_round(llm, [prompt] * b, params, args.tokens, timer)
+                print(f"  batch {b} {mode}: {step * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
                 results[mode].append(step)
                 if mode == "json":
                     masks.append(mask)
