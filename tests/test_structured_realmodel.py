@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                          "country": {"type": "string", "maxLength": 40},
-                                         "population": {"type": "integer", "minimum": 0}},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 100000000}},
         "required": ["city", "country", "population"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
