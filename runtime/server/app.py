@@ -25,7 +25,7 @@ from . import serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
 from .errors import APIError, from_validation_error
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages
 
 log = logging.getLogger("kvserve.server")
 
@@ -352,9 +352,12 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.prompt is not None:  # off the event loop when long, as for completions
         ids = await _tokenize_async(tok, req.prompt, req.add_special_tokens)
     else:
-        text = _chat_prompt(tok, [{"role": m.role, "content": m.text()} for m in req.messages],
-                            add_generation_prompt=req.add_generation_prompt, continue_final_message=False,
-                            kwargs=None)
+        try:
+            messages = template_messages(req.messages)
+        except ValueError as exc:
+            raise serving.engine_error(exc) from None
+        text = _chat_prompt(tok, messages, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=False, kwargs=None, tools=req.template_tools())
         ids = await _tokenize_async(tok, text, False)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len})
 
