@@ -202,10 +202,13 @@ def _chat_prompt(tok: Any, messages: list[dict], *, add_generation_prompt: bool,
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
     try:
-        # Templates that know tools render them from `tools`; the others ignore it.
+        # Templates that know tools render them from `tools`; the others ignore it. The request's
+        # tools win over a `tools` template variable.
+        extra = dict(kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, tools=tools,
-                                       **(kwargs or {}))
+                                       continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # jinja raises arbitrary errors for messages the template rejects
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
 
