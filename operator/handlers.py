@@ -26,6 +26,7 @@ from . import manifests as M
 from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide, hold
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .metrics import OperatorMetrics
+from .peering import REPEAT_SECONDS, peering_objects, watch_peering
 from .retry import handler_delay
 from .sources import AgentSource, PrometheusSource, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
@@ -47,6 +48,12 @@ class OperatorConfig:
     max_sample_age: float = 10.0
     prometheus_url: str | None = None
     connection: kopf.ConnectionInfo | None = None  # None: in-cluster service account, then KUBECONFIG
+    # Not standalone: the kopf peering object's name, and where the operator serves (for the
+    # missing-peering warning); None: standalone, nothing to check.
+    peering_name: str | None = None
+    namespaces: tuple[str, ...] = ()
+    clusterwide: bool = False
+    peering_check_interval: float = REPEAT_SECONDS
     clock: Callable[[], float] = time.monotonic
     wallclock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.timezone.utc))
 
@@ -94,11 +101,17 @@ class Reconciler:
     def __init__(self, config: OperatorConfig):
         self.config = config
         self.client: KubeClient | None = None
+        self.peering_task: asyncio.Task | None = None
         self.metrics = OperatorMetrics()
         self.source = (PrometheusSource(config.prometheus_url, timeout=config.scrape_timeout)
                        if config.prometheus_url else
                        AgentSource(port=config.agent_port, timeout=config.scrape_timeout,
                                    concurrency=config.scrape_concurrency))
+
+    async def peering_exists(self, kind: str, namespace: str | None) -> bool:
+        while self.client is None:  # startup runs before kopf's login
+            await asyncio.sleep(0.2)
+        return await self.client.get(kind, namespace, self.config.peering_name) is not None
 
     # --- reconcile ---------------------------------------------------------------------------
 
@@ -378,8 +391,17 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
             asyncio.get_running_loop().create_task(previous.close())
         return info
 
+    @kopf.on.startup(registry=registry)
+    async def start_peering_watch(**_):
+        targets = peering_objects(config.peering_name or "", config.namespaces, config.clusterwide)
+        if config.peering_name and targets:
+            reconciler.peering_task = asyncio.get_running_loop().create_task(watch_peering(
+                reconciler.peering_exists, config.peering_name, targets, interval=config.peering_check_interval))
+
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_):
+        if reconciler.peering_task is not None:
+            reconciler.peering_task.cancel()
         if reconciler.client is not None:
             await reconciler.client.close()
         await reconciler.source.close()

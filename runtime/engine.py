@@ -5,8 +5,10 @@ Single-threaded by design: the server calls add_request/abort_request/step from 
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.runtime.sequence import Sequence, SequenceStatus
 from kvserve.runtime.stats import EngineStats, StatsCollector
+from kvserve.runtime.structured_outputs.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +157,7 @@ class LLMEngine:
                                   Sampler(generator))
         if self.executor is not None:
             self.executor.attach(self.runner)
+        self._setup_compilation()
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
@@ -164,6 +168,10 @@ class LLMEngine:
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos |= {self.tokenizer.eos_token_id}
+        # Grammars compile in the manager's threads; a request whose grammar is still compiling
+        # waits here (not in the scheduler) and costs the running batch nothing.
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self._eos)
+        self._awaiting_grammar: dict[str, tuple[_Request, concurrent.futures.Future]] = {}
         self._requests: dict[str, _Request] = {}  # request id -> its sample 0
         self._by_seq: dict[int, _Request] = {}  # seq id -> the sample it belongs to
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs, sent by step()
@@ -172,6 +180,36 @@ class LLMEngine:
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, backend %s",
                  self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
                  config.block_size, self.max_model_len, self.attention_backend)
+
+    def _setup_compilation(self) -> None:
+        """torch.compile (compilation_config level 3, CUDA) and CUDA graphs for decode steps."""
+        cc = self.config.compilation_config
+        if cc.level == 3:
+            if self.device.type == "cuda":
+                self.model.forward = torch.compile(self.model.forward, dynamic=True)
+            else:
+                log.warning("compilation_config level 3: torch.compile is used on CUDA only; on the CPU the "
+                            "native kernels already fuse each layer's elementwise work")
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        sizes = cc.capture_sizes(self.config.max_num_seqs)
+        why_not = ("no capture sizes" if not sizes
+                   else "tensor_parallel_size > 1" if self.config.tensor_parallel_size > 1
+                   else f"the {self.attention_backend} attention backend syncs with the host"
+                   if self.attention_backend != "triton" else None)
+        if why_not:
+            log.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
+            return
+        from kvserve.runtime.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
+                              max_model_len=self.max_model_len, sizes=sizes, device=self.device, capture=True)
+        try:
+            graphs.capture()
+        except Exception as exc:  # a model whose forward cannot be captured still serves, eagerly
+            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+            return
+        self.runner.graphs = graphs
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> "LLMEngine":
@@ -202,6 +240,11 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_outputs.compile(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()
 
         now = StatsCollector.now()
         metrics = RequestMetrics(arrival_time=arrival_time or now)
@@ -214,8 +257,39 @@ class LLMEngine:
                 s.group = samples
         for s in samples:
             self._by_seq[s.seq.seq_id] = s
-        self.scheduler.add(req.seq)
         self._requests[request_id] = req
+        if grammar is not None:
+            self._stats.structured_output_requests_total += 1
+            if not grammar.done():
+                self._awaiting_grammar[request_id] = (req, grammar)
+                return
+            self._attach_grammar(req, grammar.result())
+        self.scheduler.add(req.seq)
+
+    def _attach_grammar(self, req: _Request, compiled) -> None:
+        for s in req.samples:  # one matcher per sample: n > 1 samples diverge
+            s.row.grammar = self.structured_outputs.new_state(compiled)
+
+    def _admit_compiled(self) -> None:
+        """Moves requests whose grammar finished compiling into the scheduler; one whose grammar
+        failed ends with finish_reason "abort" (the server compiles first and answers 400)."""
+        if not self._awaiting_grammar:
+            return
+        if not self.scheduler.has_unfinished():
+            # Nothing else to run: wait a little for a compile rather than spin the caller's loop.
+            concurrent.futures.wait([f for _, f in self._awaiting_grammar.values()], timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for request_id, (req, fut) in list(self._awaiting_grammar.items()):
+            if not fut.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            exc = fut.exception()
+            if exc is not None:
+                log.warning("request %s: %s", request_id, exc)
+                self.abort_request(request_id)
+                continue
+            self._attach_grammar(req, fut.result())
+            self.scheduler.add(req.seq)
 
     def _new_sample(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], max_tokens: int,
                     params: SamplingParams, metrics: RequestMetrics, cache_extra: bytes | None,
@@ -281,6 +355,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        self._awaiting_grammar.pop(request_id, None)
         for s in req.samples:
             if s.finish_reason is None:
                 self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
@@ -299,6 +374,9 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        self._awaiting_grammar.pop(request_id, None)
+        if req.params.structured_outputs is not None:  # a withdrawn request was never served
+            self._stats.structured_output_requests_total -= 1
         for s in req.samples:
             self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
             self._by_seq.pop(s.seq.seq_id, None)
@@ -319,6 +397,7 @@ class LLMEngine:
         """Stops and reaps the tensor-parallel workers, if any. Idempotent; no step() after it."""
         if self.executor is not None:
             self.executor.shutdown()
+        self.structured_outputs.close()
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -328,12 +407,15 @@ class LLMEngine:
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._admit_compiled()
         outputs, self._pending = self._pending, []
+        t_start = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.plan(self.scheduler.running, self._params_of)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        t_scheduled = time.perf_counter()
         now = StatsCollector.now()
         by_seq = self._by_seq
         rows, repeats = [], []
@@ -348,6 +430,8 @@ class LLMEngine:
                 rows.extend(s.row for s in req.unforked)
                 repeats.append(1 + len(req.unforked))
         tables = [self.block_manager.block_tables[item.seq.seq_id] for item in sched.scheduled]
+        self.runner.last_timings = None
+        t_execute = time.perf_counter()
         try:
             if self.spec_decoder is not None:
                 result = self.spec_decoder.execute(sched.scheduled, tables, rows, repeats)
@@ -358,6 +442,7 @@ class LLMEngine:
         except Exception:
             self._fail_step(sched)
             raise
+        t_executed = time.perf_counter()
         self.scheduler.on_step_done(sched)
         self._stats.computed_tokens_total += sched.num_batched_tokens
         now = StatsCollector.now()
@@ -388,7 +473,16 @@ class LLMEngine:
             outputs.append(self._make_output(head, finished=all(s.finish_reason is not None
                                                                   for s in head.samples)))
         self._stats.on_tokens(now, num_prompt, num_generated)
+        self._record_phases(t_start, t_scheduled, t_execute, t_executed)
         return outputs
+
+    def _record_phases(self, t_start: float, t_scheduled: float, t_execute: float, t_executed: float) -> None:
+        # Building the sampling rows counts as prepare; a speculative step (whose verification
+        # the runner does not time phase by phase) counts as forward.
+        timings = self.runner.last_timings
+        prepare, forward, sample = timings if timings is not None else (0.0, t_executed - t_execute, 0.0)
+        self._stats.on_step(t_scheduled - t_start, (t_execute - t_scheduled) + prepare, forward, sample,
+                            time.perf_counter() - t_executed)
 
     def _params_of(self, seq: Sequence) -> SamplingParams | None:
         req = self._by_seq.get(seq.seq_id)
@@ -440,7 +534,14 @@ class LLMEngine:
             req.cumulative_logprob += lp[token].logprob
 
         status = None
-        if token in req.stop_token_ids:
+        grammar = req.row.grammar
+        if grammar is not None and not grammar.is_terminated and not grammar.accept(token):
+            # Only reachable when every allowed token was also banned (min_tokens against a
+            # finished grammar): end the sample rather than emit text the grammar refuses.
+            log.warning("request %s: token %d is not allowed by its grammar; stopping", req.request_id, token)
+            status = SequenceStatus.FINISHED_STOPPED
+            req.detok.flush()
+        elif token in req.stop_token_ids:
             status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, token
             req.detok.flush()
         elif token in req.eos_token_ids:
@@ -454,6 +555,10 @@ class LLMEngine:
                 status = SequenceStatus.FINISHED_LENGTH
                 if req.detok.flush() is not None:
                     status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, req.detok.stop_reason
+        if status is None and grammar is not None and grammar.is_terminated:
+            # The grammar took its stop token: nothing may follow it, even with ignore_eos.
+            status = SequenceStatus.FINISHED_STOPPED
+            req.detok.flush()
         if status is not None:
             self.scheduler.finish(seq, status)
             req.finish_reason = status.finish_reason
@@ -522,6 +627,8 @@ class LLMEngine:
             generation_tokens_total=s.generation_tokens_total,
             request_success_total=dict(s.request_success_total),
             generation_tokens_per_second=s.rate(now),
+            structured_output_requests_total=s.structured_output_requests_total,
+            grammar_compile_times=self.structured_outputs.drain_compile_times(),
             timestamp=now,
             **s.drain(),
         )

@@ -19,6 +19,8 @@ def _bounded(kind, low, high=None):
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# kvserve.runtime.server.tool_parsers.PARSERS (named here so that parsing flags imports nothing).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -45,6 +47,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'')
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="run every step eagerly: no CUDA graphs for decode steps (they are on by default on a GPU)")
+    p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
+                   help='e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8], "level": 0}\'; a bare 3 turns on '
+                        "torch.compile of the model (GPU)")
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (or set KVSERVE_API_KEY)")
     p.add_argument("--max-queue-len", type=_bounded(int, 0), default=1024,
@@ -53,5 +60,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="seconds SIGTERM waits for in-flight requests before exiting")
     p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=8 * 1024 * 1024,
                    help="bigger request bodies get 413")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto", the default when tools are '
+                        "given); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool calls are read out of the model's text: hermes (<tool_call> tags: Qwen, "
+                        "Hermes), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS]), pythonic ([f(a=1)])")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     return p

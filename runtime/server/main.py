@@ -1,7 +1,7 @@
 """`kvserve serve`: listen first, load the engine in the background, drain on SIGTERM, exit 0.
 
-Listening before the model is loaded lets /health answer (the process is alive) while /ready says
-503, so Kubernetes neither kills a slow-loading pod nor routes traffic to it.
+Listening before the model is loaded lets /live answer (the process is alive) while /health and
+/ready say 503, so Kubernetes neither kills a slow-loading pod nor routes traffic to it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from aiohttp import web
 
 from .app import STATE, ServerConfig, build_app
 from .async_engine import AsyncEngine
+from .structured import ToolSettings
 
 log = logging.getLogger("kvserve.server")
 
@@ -36,6 +37,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
     if getattr(args, "speculative_config", None):
         kw["speculative_config"] = args.speculative_config  # JSON; the engine validates it
+    if getattr(args, "enforce_eager", None):
+        kw["enforce_eager"] = True
+    if getattr(args, "compilation_config", None):
+        kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw
 
 
@@ -83,6 +88,8 @@ class Server:
             max_queue_len=a.max_queue_len,
             drain_timeout_s=a.drain_timeout,
             max_request_body_bytes=a.max_request_body_bytes,
+            tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
+                               tool_call_parser=getattr(a, "tool_call_parser", None)),
         )
         app = build_app(config)
         state = self.state = app[STATE]
