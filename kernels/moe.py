@@ -77,7 +77,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     flat = topk_ids.reshape(-1).long()
     pairs = flat.numel()
     device = topk_ids.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the largest id back to the host, which a CUDA
+    # graph capturing this step cannot do.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded

@@ -113,14 +113,22 @@ class MLAAttention(nn.Module):
         impl = self.impl
         impl.write_latent(torch.cat((c, k_pe), dim=-1), cache, meta.slot_mapping)
         plan = impl.plan(meta)
-        out = torch.empty(t, self.num_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
+        out = None
         if plan.decode_meta is not None:
+            every = plan.decode_meta is meta  # a pure decode step: every row, no gather
             rows = plan.decode_rows
             w_uk, w_uv = self._absorbed()
-            q_lat = torch.bmm(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
-            o_lat = impl.decode(torch.cat((q_lat, q_pe[rows]), dim=-1), cache, plan, self.kv_lora_rank,
-                                self.scale)
-            out[rows] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            qn, qp = (q_nope, q_pe) if every else (q_nope[rows], q_pe[rows])
+            q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
+            o_lat = impl.decode(torch.cat((q_lat, qp), dim=-1), cache, plan, self.kv_lora_rank, self.scale)
+            o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            if every:
+                out = o
+            else:
+                out = torch.empty(t, self.num_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
+                out[rows] = o
+        if out is None:
+            out = torch.empty(t, self.num_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
         for seq, q0, q1, seq_len in plan.prefill:
             q_len = q1 - q0
             if seq_len == q_len:  # nothing cached before: the chunk's own latents are the context
