@@ -205,12 +205,25 @@ class Reconciler:
             for obj in R.build_router_objects(body, spec):
                 results[f"router {obj['kind']}"] = await apply(self.client, obj, meta["uid"])
             return results
-        for kind in R.ROUTER_KINDS[::-1]:
-            live = await self.client.get(kind, meta["namespace"], R.router_name(meta["name"]))
-            if live is not None and owned_by(live, meta["uid"]):
-                await self.client.delete(kind, meta["namespace"], R.router_name(meta["name"]))
-                results[f"router {kind}"] = "deleted"
+        for kind in await self._router_leftovers(meta):
+            await self.client.delete(kind, meta["namespace"], R.router_name(meta["name"]))
+            results[f"router {kind}"] = "deleted"
         return results
+
+    async def _router_leftovers(self, meta) -> list[str]:
+        """The kinds of router objects of this resource that exist, in deletion order. The
+        ServiceAccount is made first and removed last, so without it there is nothing to look for
+        (one read, not four, for the many services that never had a router)."""
+        name, namespace = R.router_name(meta["name"]), meta["namespace"]
+        account = await self.client.get("ServiceAccount", namespace, name)
+        if account is None or not owned_by(account, meta["uid"]):
+            return []
+        out = []
+        for kind in R.ROUTER_KINDS[::-1]:  # Deployment, RoleBinding, Role, ServiceAccount
+            live = account if kind == "ServiceAccount" else await self.client.get(kind, namespace, name)
+            if live is not None and owned_by(live, meta["uid"]):
+                out.append(kind)
+        return out
 
     async def _router_demand(self, namespace: str, name: str, errors: dict[str, str]) -> tuple[RouterDemand, int]:
         """What the service's router pods say (held requests, idle time), and how many are Ready."""
@@ -341,6 +354,11 @@ class Reconciler:
             decision: Decision | None = None
             zero = None
             if spec.router.enabled:
+                # The wake timer may have just changed the size while this run waited for the
+                # lock: decide on the Deployment as it is now, or a wake would be recorded twice.
+                now_live = await self.client.get("Deployment", namespace, name)
+                if now_live is not None and owned_by(now_live, uid):
+                    replicas = (now_live.get("spec") or {}).get("replicas", 0)
                 demand, routers = await self._router_demand(namespace, name, errors)
                 patch.status["router"] = {"readyReplicas": routers, "heldRequests": demand.held}
                 zero = zero_decision(spec, replicas, demand, busy=pods_busy(signals, self.config.max_sample_age))
@@ -445,14 +463,15 @@ class Reconciler:
         """Deletes what this resource owns (a real cluster's garbage collector would too)."""
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-        owned = [(kind, name) for kind in OWNED_KINDS[::-1]] + [(kind, R.router_name(name))
-                                                                for kind in R.ROUTER_KINDS[::-1]]
         try:
-            for kind, obj_name in owned:
-                live = await self.client.get(kind, namespace, obj_name)
+            for kind in OWNED_KINDS[::-1]:
+                live = await self.client.get(kind, namespace, name)
                 if live is not None and owned_by(live, uid):
-                    await self.client.delete(kind, namespace, obj_name)
-                    logger.info(f"deleted {kind} {namespace}/{obj_name}")
+                    await self.client.delete(kind, namespace, name)
+                    logger.info(f"deleted {kind} {namespace}/{name}")
+            for kind in await self._router_leftovers(meta):
+                await self.client.delete(kind, namespace, R.router_name(name))
+                logger.info(f"deleted {kind} {namespace}/{R.router_name(name)}")
         except APIError as error:
             # The finalizer stays until every owned object is gone; try again in seconds.
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
