@@ -246,7 +246,11 @@ class Reconciler:
         memo["kvserve_state"] = AutoscalerState()
         decision = Decision(zero.replicas, tp, zero.reason, zero.message, aggregate(signals, self.config.max_sample_age),
                             AutoscalerState(), from_replicas=replicas, from_tp=tp)
-        patch.status["decisions"] = append_decision(status.get("decisions"), decision_record(decision, now))
+        # Sleep and wake come from two timers: append to the decisions as they are now, not to
+        # the body this run started with (which may predate the other timer's last write).
+        current = await self.client.get("InferenceService", meta["namespace"], meta["name"])
+        decisions = ((current or {}).get("status") or {}).get("decisions", status.get("decisions"))
+        patch.status["decisions"] = append_decision(decisions, decision_record(decision, now))
         patch.status["lastScaleTime"] = iso(now)
         patch.status["lastScaledToZeroTime" if zero.reason == SCALE_TO_ZERO else "lastWokenTime"] = iso(now)
         self.metrics.decision(meta["namespace"], meta["name"], zero.reason, uid=meta["uid"])
@@ -361,7 +365,8 @@ class Reconciler:
                     replicas = (now_live.get("spec") or {}).get("replicas", 0)
                 demand, routers = await self._router_demand(namespace, name, errors)
                 patch.status["router"] = {"readyReplicas": routers, "heldRequests": demand.held}
-                zero = zero_decision(spec, replicas, demand, busy=pods_busy(signals, self.config.max_sample_age))
+                zero = zero_decision(spec, replicas, demand, busy=pods_busy(signals, self.config.max_sample_age),
+                                     awake_seconds=awake_seconds(body, status, now))
             elif status.get("router"):
                 patch.status["router"] = None
             self._report_scrape_errors(body, memo, errors)
@@ -476,6 +481,18 @@ class Reconciler:
             # The finalizer stays until every owned object is gone; try again in seconds.
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
         self.metrics.forget(namespace, name, uid)
+
+
+def awake_seconds(body: Mapping[str, Any], status: Mapping[str, Any], now: dt.datetime) -> float | None:
+    """Seconds since the resource was created or last woken from zero (None: unknown)."""
+    times = [t for t in (status.get("lastWokenTime"), body["metadata"].get("creationTimestamp")) if t]
+    parsed = []
+    for t in times:
+        try:
+            parsed.append(dt.datetime.fromisoformat(str(t).replace("Z", "+00:00")))
+        except ValueError:
+            continue
+    return (now - max(parsed)).total_seconds() if parsed else None
 
 
 def _drop_unchanged_status(patch: Any, status: Mapping[str, Any]) -> None:

@@ -5,8 +5,9 @@ waiting while no pod runs (it holds them), and how long ago the last request cam
 pod answers `GET /router/demand`; the operator reads them and decides here:
   * wake: the service is at 0 replicas and some router holds requests -> max(1, minReplicas);
   * sleep: minReplicas is 0, every Ready router pod answered, none holds or serves a request,
-    the last request is at least scaleToZeroAfterSeconds old, and no pod reports running or
-    waiting work (a client that bypasses the router still counts) -> 0.
+    the last request is at least scaleToZeroAfterSeconds old, the service has been up at least
+    that long since it was created or woken, and no pod reports running or waiting work (a
+    client that bypasses the router still counts) -> 0.
 Anything unknown (a router that does not answer, no router pod ready) never puts a service to
 sleep; waking needs only one router that holds a request.
 """
@@ -69,8 +70,13 @@ def pods_busy(pods: Iterable[PodSignals], max_sample_age: float) -> bool:
     return any(p.fresh(max_sample_age) and (p.requests_running > 0 or p.queue_depth > 0) for p in pods)
 
 
-def zero_decision(spec: ServiceSpec, replicas: int, demand: RouterDemand | None, *, busy: bool) -> ZeroDecision | None:
-    """A sleep or wake decision, or None to leave the replica count to the autoscaler."""
+def zero_decision(spec: ServiceSpec, replicas: int, demand: RouterDemand | None, *, busy: bool,
+                  awake_seconds: float | None = None) -> ZeroDecision | None:
+    """A sleep or wake decision, or None to leave the replica count to the autoscaler.
+
+    `awake_seconds`: since the service was created or last woken; it stays up at least
+    scaleToZeroAfterSeconds from then, so a pod still loading is not put to sleep before it
+    could serve anyone."""
     a = spec.autoscaling
     if not (spec.router.enabled and a.enabled):
         return None
@@ -83,6 +89,8 @@ def zero_decision(spec: ServiceSpec, replicas: int, demand: RouterDemand | None,
     if a.min_replicas > 0 or demand is None or not demand.complete or busy:
         return None
     if demand.held or demand.in_flight:
+        return None
+    if awake_seconds is not None and awake_seconds < a.scale_to_zero_after_seconds:
         return None
     if demand.idle_seconds >= a.scale_to_zero_after_seconds:
         return ZeroDecision(0, SCALE_TO_ZERO, f"no request through the router for {demand.idle_seconds:.0f}s "

@@ -37,20 +37,20 @@ def demo_processes() -> list[str]:
 @pytest.mark.slow
 def test_demo_scales_up_routes_sleeps_wakes_and_cleans_up():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--conversations", "16",
-                           "--turns", "3", "--concurrency", "16", "--max-tokens", "48",
+                           "--turns", "2", "--concurrency", "16", "--max-tokens", "32",
                            "--scale-down-timeout", "120"],
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     print(out)  # shown by pytest when an assertion below fails
     assert proc.returncode == 0, out[-4000:]
-    assert re.search(r"requests\s+49 ok, 0 failed", out), out[-3000:]  # 16 x 3 turns, and the wake
+    assert re.search(r"requests\s+33 ok, 0 failed", out), out[-3000:]  # 16 x 2 turns, and the wake
     most = int(re.search(r"most ready replicas\s+(\d+)", out).group(1))
     assert most >= 2, out[-3000:]
     assert re.search(r"replicas 1 -> [23]", out)
-    # The router found the conversations' history: a hit rate well above what spreading the
-    # turns over the pods would find.
-    assert int(re.search(r"prefix-cache hit rate\s+(\d+)%", out).group(1)) >= 30, out[-3000:]
-    assert re.search(r"router decisions\s+.*prefix-hit \d+", out)
+    # The router sent most second turns to the pod holding the conversation (at most 16 can be
+    # hits), and the pods found those prompts' prefixes cached.
+    assert int(re.search(r"router decisions\s+.*prefix-hit (\d+)", out).group(1)) >= 8, out[-3000:]
+    assert int(re.search(r"prefix-cache hit rate\s+(\d+)%", out).group(1)) >= 20, out[-3000:]
     assert re.search(r"scale to zero\s+after \d+ s idle", out) and "ScaleToZero" in out
     assert re.search(r"wake from zero\s+held request answered", out) and "WakeOnDemand" in out
     assert "all allowed by manifests/base/rbac.yaml" in out

@@ -109,6 +109,12 @@ def test_sleep_and_wake_table(replicas, demand, busy, expected):
     assert (got.replicas, got.reason) == expected if expected else got is None
 
 
+def test_a_service_stays_up_a_full_window_after_creation_or_wake():
+    _, spec = routed()
+    assert zero_decision(spec, 1, IDLE, busy=False, awake_seconds=30) is None
+    assert zero_decision(spec, 1, IDLE, busy=False, awake_seconds=60).reason == SCALE_TO_ZERO
+
+
 def test_wake_goes_to_min_replicas_and_only_services_with_a_router_sleep():
     _, spec = routed(min_replicas=2)
     assert zero_decision(spec, 0, RouterDemand(1, 1, 1, 1, 0), busy=False).replicas == 2
