@@ -25,14 +25,19 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
         (f"hf://org/name@{COMMIT}", "hf", "org/name", COMMIT),
         ("/models/x", "local", "/models/x", None),
         ("file:///pvc/m", "local", "/pvc/m", None),
+        ("hf://org/name/m.Q4_K_M.gguf", "hf", "org/name", None),
+        ("hf://org/name@v2/sub/m.gguf", "hf", "org/name", "v2"),
     ],
 )
 def test_parse_source(text, kind, location, revision):
     s = parse_source(text)
     assert (s.kind, s.location, s.revision) == (kind, location, revision)
+    assert s.filename == (text.split("/", 4)[-1] if text.endswith(".gguf") else None)
+    assert str(s) == text.removeprefix("file://")
 
 
-@pytest.mark.parametrize("bad", ["hf://name", "hf://a/b/c", "hf://org/name@", "s3://bucket/m", "hf:///x"])
+@pytest.mark.parametrize("bad", ["hf://name", "hf://a/b/c", "hf://org/name@", "s3://bucket/m", "hf:///x",
+                                 "hf://a/b//x.gguf", "hf://a/b/x.bin"])
 def test_parse_source_rejects(bad):
     with pytest.raises(FetchError, match="source"):
         parse_source(bad)
@@ -165,3 +170,54 @@ def test_cli_hub_fetch_falls_back_to_cache_when_hub_unreachable(hub_home, tmp_pa
     r = subprocess.run(cmd[:-2] + ["hf://kvserve-test/absent", str(tmp_path / "d2")], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "unreachable" in r.stderr
+
+
+# ------------------------------------------------------------------------------------- GGUF
+
+
+@pytest.fixture
+def tiny_gguf_file(tiny_llama, tmp_path):
+    from ggufmodels import write_gguf
+
+    src = tmp_path / "src"
+    src.mkdir()
+    return write_gguf(tiny_llama, src / "tiny.Q8_0.gguf", "Q8_0")
+
+
+def test_local_gguf_file_fetch_gives_a_servable_directory(tiny_gguf_file, tmp_path):
+    from kvserve.runtime.gguf.reader import resolve_model_path
+
+    dest = tmp_path / "dest"
+    out = fetch(str(tiny_gguf_file), str(dest))
+    assert out["action"] == "fetched" and out["files"] == 1
+    assert sorted(p.name for p in dest.iterdir()) == [MARKER, "tiny.Q8_0.gguf"]
+    assert check_model_dir(dest) == []
+    assert fetch(f"file://{tiny_gguf_file}", str(dest))["action"] == "up-to-date"
+    assert resolve_model_path(str(dest)) == str(dest / "tiny.Q8_0.gguf")
+
+
+def test_truncated_gguf_is_refused(tiny_gguf_file, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf_file.read_bytes()[:-64])
+    with pytest.raises(FetchError, match="incomplete model: cut.gguf: .*truncated"):
+        fetch(str(cut), str(tmp_path / "dest"))
+    assert not (tmp_path / "dest" / MARKER).exists()
+    two = tmp_path / "two"
+    two.mkdir()
+    shutil.copyfile(tiny_gguf_file, two / "a.gguf")
+    shutil.copyfile(tiny_gguf_file, two / "b.gguf")
+    assert "several GGUF files" in check_model_dir(two)[0]
+
+
+def test_hub_gguf_file_from_offline_cache(tiny_gguf_file, tmp_path, monkeypatch):
+    home = tmp_path / "hf_home"
+    _hub_cache(home, tiny_gguf_file.parent, repo="kvserve-test/tiny-gguf")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dest = tmp_path / "dest"
+    out = fetch("hf://kvserve-test/tiny-gguf/tiny.Q8_0.gguf", str(dest))
+    assert out["revision"] == COMMIT and out["files"] == 1
+    assert check_model_dir(dest) == [] and not (dest / "tiny.Q8_0.gguf").is_symlink()
+    with pytest.raises(FetchError):
+        fetch("hf://kvserve-test/tiny-gguf/other.gguf", str(tmp_path / "d2"))

@@ -1,7 +1,9 @@
 """`kvserve agent fetch SOURCE DEST`: puts a model into the pod's shared volume.
 
 SOURCE is `hf://org/name[@revision]` (through huggingface_hub, which honours HF_HOME, HF_TOKEN,
-HF_HUB_OFFLINE and falls back to its cache when the Hub is unreachable) or a local/PVC directory.
+HF_HUB_OFFLINE and falls back to its cache when the Hub is unreachable) or a local/PVC directory;
+a GGUF model is one file: `hf://org/name[@revision]/FILE.gguf` or a local `.gguf` path, and DEST
+then holds that file alone (the runtime serves a directory with one .gguf and no config.json).
 DEST gets real files (hard links where the filesystem allows, else copies), then a marker
 written last; a re-run finding a matching marker and an intact directory does nothing.
 """
@@ -29,23 +31,27 @@ class FetchError(RuntimeError):
 @dataclass(frozen=True)
 class Source:
     kind: str  # "hf" | "local"
-    location: str  # repo id or directory
+    location: str  # repo id, directory, or (local GGUF) file
     revision: str | None = None
+    filename: str | None = None  # hf: the one GGUF file of the repo to fetch
 
     def __str__(self) -> str:
         if self.kind == "hf":
-            return f"hf://{self.location}" + (f"@{self.revision}" if self.revision else "")
+            return (f"hf://{self.location}" + (f"@{self.revision}" if self.revision else "")
+                    + (f"/{self.filename}" if self.filename else ""))
         return self.location
 
 
 def parse_source(source: str) -> Source:
     if source.startswith("hf://"):
-        rest = source[len("hf://") :]
-        repo, _, revision = rest.partition("@")
-        parts = repo.split("/")
-        if len(parts) != 2 or not all(parts) or (_ and not revision):
-            raise FetchError(f"source: {source!r} is not hf://org/name[@revision]")
-        return Source("hf", repo, revision or None)
+        parts = source[len("hf://") :].split("/")
+        name, at, revision = (parts[1] if len(parts) > 1 else "").partition("@")
+        filename = "/".join(parts[2:]) or None
+        if (len(parts) < 2 or not parts[0] or not name or (at and not revision)
+                or (filename is not None and (not filename.endswith(".gguf") or "" in parts[2:]))):
+            raise FetchError(f"source: {source!r} is not hf://org/name[@revision] or "
+                             f"hf://org/name[@revision]/FILE.gguf")
+        return Source("hf", f"{parts[0]}/{name}", revision or None, filename)
     if source.startswith("file://"):
         source = source[len("file://") :]
     if "://" in source:
@@ -73,11 +79,29 @@ def _safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def _gguf_problem(path: Path) -> str | None:
+    """Reads the GGUF header and tensor table, which also catches a truncated download."""
+    from kvserve.runtime.gguf.reader import GGUFFile
+
+    try:
+        with GGUFFile(path):
+            return None
+    except ValueError as exc:
+        return f"{path.name}: {str(exc).removeprefix('model: ')}"
+
+
 def check_model_dir(directory: str | os.PathLike) -> list[str]:
-    """Every reason the directory is not a loadable HF model (config, weights, tokenizer)."""
+    """Every reason the directory is not a loadable model: an HF directory (config, weights,
+    tokenizer), or a directory with one GGUF file and no config.json."""
     d = Path(directory)
     if not d.is_dir():
         return [f"{d}: not a directory"]
+    ggufs = sorted(d.glob("*.gguf"))
+    if ggufs and not (d / "config.json").exists():
+        if len(ggufs) > 1:
+            return [f"several GGUF files ({', '.join(p.name for p in ggufs)}): keep one per model directory"]
+        problem = _gguf_problem(ggufs[0])
+        return [problem] if problem else []
     problems: list[str] = []
     try:
         config = json.loads((d / "config.json").read_text())
@@ -164,7 +188,7 @@ def _hub_snapshot(source: Source) -> tuple[Path, str]:
             cache_dir=cache_dir,
             token=env.get("HF_TOKEN") or None,
             local_files_only=offline,
-            allow_patterns=HUB_PATTERNS,
+            allow_patterns=[source.filename] if source.filename else HUB_PATTERNS,
         )
     except LocalEntryNotFoundError as exc:
         where = "HF_HUB_OFFLINE is set and " if offline else "the Hub is unreachable and "
@@ -187,24 +211,38 @@ def fetch(source_text: str, dest_text: str) -> dict:
     if _marker_matches(dest, source) and not check_model_dir(dest):
         return {"source": str(source), "dest": str(dest), "action": "up-to-date"}
 
+    single: Path | None = None  # a GGUF model: that one file, placed at the top of dest
     if source.kind == "hf":
         src_dir, revision = _hub_snapshot(source)
+        if source.filename:
+            single = src_dir / source.filename
+            if not single.is_file():
+                raise FetchError(f"{source}: the repository has no file {source.filename!r}")
     else:
         src_dir, revision = Path(source.location), None
-        if not src_dir.is_dir():
-            raise FetchError(f"source: {src_dir} is not a directory")
-    problems = check_model_dir(src_dir)
-    if problems:
-        raise FetchError(f"{source}: incomplete model: " + "; ".join(problems))
+        if src_dir.is_file() and src_dir.suffix.lower() == ".gguf":
+            single, src_dir = src_dir, src_dir.parent
+        elif not src_dir.is_dir():
+            raise FetchError(f"source: {src_dir} is not a directory or a .gguf file")
+    if single is not None:
+        problem = _gguf_problem(single)
+        if problem:
+            raise FetchError(f"{source}: incomplete model: {problem}")
+        files = {single.name: single.stat().st_size}
+        sources = {single.name: single}
+    else:
+        problems = check_model_dir(src_dir)
+        if problems:
+            raise FetchError(f"{source}: incomplete model: " + "; ".join(problems))
+        files = _listing(src_dir)
+        sources = {name: src_dir / name for name in files}
 
-    files = _listing(src_dir)
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        if src_dir.resolve() != dest.resolve():
-            for name in files:
-                target = dest / name
-                if not (target.is_file() and target.stat().st_size == files[name] and target.samefile(src_dir / name)):
-                    _place(src_dir / name, target)
+        for name in files:
+            target = dest / name
+            if not (target.is_file() and target.stat().st_size == files[name] and target.samefile(sources[name])):
+                _place(sources[name], target)
     except OSError as exc:  # not a directory, read-only, disk full: say so instead of a traceback
         raise FetchError(f"dest: cannot write {exc.filename or dest}: {exc.strerror or exc}") from None
     problems = check_model_dir(dest)

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvserve.runtime.attention.backend import AttentionBackend
+from kvserve.runtime.gguf.reader import is_gguf_path
 from kvserve.runtime.model_config import ModelConfig
 from kvserve.runtime.models.llama import CausalLM
 
@@ -39,29 +40,40 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: torch.device | str,
                attention_backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
                config: ModelConfig | None = None) -> CausalLM:
-    """Loads a supported HF causal LM from a local directory, with this rank's weight shards."""
+    """Loads a supported HF causal LM from a local directory (or a GGUF file), with this rank's
+    weight shards."""
     model_dir = pathlib.Path(model_dir)
     cfg = config or ModelConfig.from_pretrained(model_dir)
     model = CausalLM(cfg, attention_backend, dtype=dtype, device=torch.device(device),
                      tp_rank=tp_rank, tp_size=tp_size)
     targets = model.checkpoint_params()
     loaded: set[str] = set()
+
+    def consume(name: str, tensor: torch.Tensor) -> None:
+        param, shard_id = targets[name]
+        # A parameter kept in another dtype than the model's (DeepSeek V3's float32 routing bias)
+        # says so with load_dtype.
+        param.weight_loader(param, tensor.to(dtype=getattr(param, "load_dtype", dtype)), shard_id)
+        loaded.add(name)
+
     with torch.no_grad():
-        for path in checkpoint_files(model_dir):
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        target = targets.get(name)
-                        if target is None:
-                            if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                                log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
-                            continue
-                        param, shard_id = target
-                        tensor = f.get_tensor(name).to(dtype=dtype)
-                        param.weight_loader(param, tensor, shard_id)
-                        loaded.add(name)
-            except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
-                raise ValueError(f"model: {path} is not a readable safetensors file ({exc})") from None
+        if is_gguf_path(model_dir):
+            from kvserve.runtime.gguf import checkpoint_tensors
+
+            for name, tensor in checkpoint_tensors(model_dir, cfg, wanted=targets.__contains__):
+                consume(name, tensor)
+        else:
+            for path in checkpoint_files(model_dir):
+                try:
+                    with safe_open(str(path), framework="pt", device="cpu") as f:
+                        for name in f.keys():
+                            if name not in targets:
+                                if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                                    log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
+                                continue
+                            consume(name, f.get_tensor(name))
+                except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
+                    raise ValueError(f"model: {path} is not a readable safetensors file ({exc})") from None
     missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
