@@ -213,3 +213,12 @@ def test_prequantized_deepseek_checkpoint_with_interleaved_rope_is_refused(tiny_
                                          "for DeepseekV2ForCausalLM"):
         load_model(tiny_model_factory("deepseek_v2"), dtype=torch.float32, device="cpu",
                    attention_backend=TorchAttentionBackend(), quantization=PackedConfig())
+
+
+def test_tp_that_splits_an_expert_unevenly_is_refused_before_any_worker(tiny_model_factory):
+    from kvserve.runtime import LLM
+
+    model_dir = tiny_model_factory("mixtral", intermediate_size=130)  # Mixtral's expert size
+    with pytest.raises(ValueError, match="tensor_parallel_size: tensor_parallel_size 4 does not divide the "
+                                         "model's expert intermediate size 130"):
+        LLM(str(model_dir), tensor_parallel_size=4, device="cpu")
