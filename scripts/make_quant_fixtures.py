@@ -18,7 +18,8 @@ the tool versions.
   compressed (pack-quantized / float-quantized); expected outputs from transformers loading the
   saved directory (compressed-tensors decompresses it on CPU).
 - ``gptq-g32``, ``gptq-g32-actorder``: GPTQModel's GPTQ on a few calibration sentences, saved in
-  the classic ``gptq`` checkpoint format; expected outputs from GPTQModel's own CPU kernel.
+  the classic ``gptq`` checkpoint format; expected outputs from GPTQModel's own dequantization of
+  each layer (``dequantize_weight``) in a float32 model.
   (Run with GPTQMODEL_CPU_WORKERS=2 on a 2-core machine: its default thread plan asks for more
   workers than such a machine has.)
 """
@@ -91,10 +92,22 @@ def gptq_fixture(base: pathlib.Path, name: str, desc_act: bool) -> None:
     model = GPTQModel.load(str(base), cfg, device="cpu")
     model.quantize(calibration, batch_size=1)
     model.save(str(dest))
-    # Its own CPU kernel, run in float32 (its default on CPU is bfloat16): the same arithmetic
-    # width as the tests' kvserve runs, so greedy near-ties do not depend on rounding.
+    # GPTQModel's CPU kernels take bfloat16 activations; the oracle is its own dequantization
+    # (QuantLinear.dequantize_weight) in a float32 model, so greedy near-ties do not hinge on
+    # bf16 rounding.
     quantized = GPTQModel.load(str(dest), device="cpu", dtype=torch.float32)
-    torch.save(expected_outputs(quantized.model), dest / "expected.pt")
+    model = quantized.model
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "dequantize_weight"):
+            w = module.dequantize_weight().float().t().contiguous()  # [out, in]
+            dense = torch.nn.Linear(w.shape[1], w.shape[0], bias=getattr(module, "bias", None) is not None)
+            with torch.no_grad():
+                dense.weight.copy_(w)
+                if dense.bias is not None:
+                    dense.bias.copy_(module.bias.float())
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, dense)
+    torch.save(expected_outputs(model.float()), dest / "expected.pt")
 
 
 def main() -> None:
