@@ -385,8 +385,9 @@ def shape_unknown_message(spec: ServiceSpec) -> str:
     """What to do when the model's shape is unknown (TP cannot be planned), for status and plan."""
     where = ("an hf:// model is only read from the operator's local Hugging Face cache"
              if spec.model.source.kind == "hf" else "the operator cannot read the model's config.json")
-    return (f"TP planning needs the model's shape: set spec.model.config (the model's config.json "
-            f"fields) or use a local model path ({where}); TP stays at {spec.tensor.initial}")
+    return (f"TP planning needs the model's shape: it is learned from the pods' agents once a pod has "
+            f"fetched the model (status.model), or set spec.model.config (the model's config.json fields) "
+            f"or use a local model path ({where}); TP stays at {spec.tensor.initial} until then")
 
 
 def check_servable(spec: ServiceSpec, shape: ModelShape | None) -> None:
