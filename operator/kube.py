@@ -59,6 +59,8 @@ KINDS: dict[str, Kind] = {
                                 "namespaced_pod_disruption_budget"),
     "Pod": Kind("/api/v1", "pods", k8s.CoreV1Api, "namespaced_pod"),
     "InferenceService": Kind("/apis/kvserve.dev/v1alpha1", "inferenceservices"),
+    "KopfPeering": Kind("/apis/kopf.dev/v1", "kopfpeerings"),
+    "ClusterKopfPeering": Kind("/apis/kopf.dev/v1", "clusterkopfpeerings"),  # cluster-scoped
 }
 # kind -> (API prefix, plural), for callers that build paths themselves.
 RESOURCES = {kind: (k.prefix, k.plural) for kind, k in KINDS.items()}
@@ -167,9 +169,10 @@ class KubeClient:
             self._files = None
 
     @staticmethod
-    def path(kind: str, namespace: str, name: str | None = None) -> str:
+    def path(kind: str, namespace: str | None, name: str | None = None) -> str:
+        """The REST path; `namespace` None for a cluster-scoped kind."""
         k = KINDS[kind]
-        path = f"{k.prefix}/namespaces/{namespace}/{k.plural}"
+        path = f"{k.prefix}/namespaces/{namespace}/{k.plural}" if namespace else f"{k.prefix}/{k.plural}"
         return f"{path}/{name}" if name else path
 
     def _method(self, verb: str, kind: str, namespace: str, name: str | None):
@@ -180,9 +183,11 @@ class KubeClient:
             group, version = k.group_version
             custom = k8s.CustomObjectsApi(api)
             action, _, sub = verb.partition("_")
-            fn = getattr(custom, f"{'get' if action == 'read' else action}_namespaced_custom_object"
+            scope = "namespaced" if namespace else "cluster"
+            fn = getattr(custom, f"{'get' if action == 'read' else action}_{scope}_custom_object"
                                  + (f"_{sub}" if sub else ""))
-            return lambda *rest, **kw: fn(group, version, namespace, k.plural, *((name,) if name else ()), *rest, **kw)
+            where = (namespace,) if namespace else ()
+            return lambda *rest, **kw: fn(group, version, *where, k.plural, *((name,) if name else ()), *rest, **kw)
         action, _, sub = verb.partition("_")
         fn = getattr(k.api(api), f"{action}_{k.suffix}" + (f"_{sub}" if sub else ""))
         return lambda *rest, **kw: fn(*((name,) if name else ()), namespace, *rest, **kw)
@@ -220,7 +225,7 @@ class KubeClient:
             self.retries += 1
             await self._sleep(delay)
 
-    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
             return await self._call("GET", self.path(kind, namespace, name), self._method("read", kind, namespace, name))
         except APIError as error:
