@@ -41,6 +41,9 @@ class EngineConfig:
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": DIR,
     #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
     speculative_config: Any = None
+    # Weight format (vLLM's names): None follows the checkpoint's quantization_config (full
+    # precision if it has none); "int8"/"int4"/"fp8" quantize a full-precision checkpoint at load.
+    quantization: str | None = None
     # CUDA graphs for decode steps are on by default on a GPU; True runs every step eagerly.
     enforce_eager: bool = False
     # {"level": 0 | 3, "cudagraph_capture_sizes": [1, 2, 4, ...], "max_capture_size": 512}, that
@@ -115,6 +118,13 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
+        if self.quantization is not None:
+            from kvserve.runtime.capacity import WEIGHT_FORMATS
+
+            name = str(self.quantization).lower().replace("_", "-")
+            if name not in WEIGHT_FORMATS:
+                fail("quantization", f"must be one of {list(WEIGHT_FORMATS)} (or None: the checkpoint's own)")
+            self.quantization = name
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
                 and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
             fail("max_num_batched_tokens",

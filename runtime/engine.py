@@ -119,11 +119,18 @@ class LLMEngine:
         from kvserve.runtime.model_config import ModelConfig
         from kvserve.runtime.models import load_model
 
+        from kvserve.runtime.models.quantization import resolve_quantization
+
         config.model = resolve_model_path(config.model)  # a fetched GGUF directory -> its file
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.dtype, self.device)
+        # Before the tokenizer and any worker: a format this checkpoint or device cannot take fails first.
+        self.quant_config = resolve_quantization(config.quantization, self.model_config.hf_config)
+        if self.quant_config is not None:
+            self.quant_config.check_supported(self.device, self.dtype)
+        self.quantization = self.quant_config.name if self.quant_config is not None else None
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         if config.tokenizer is None and is_gguf_path(config.model):
             self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
@@ -159,7 +166,7 @@ class LLMEngine:
         try:
             self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                     attention_backend=backend, config=self.model_config,
-                                    tp_rank=0, tp_size=tp)
+                                    tp_rank=0, tp_size=tp, quantization=self.quant_config)
             shape = self.model_config.shape
             self.num_kv_blocks = determine_num_blocks(config, shape, self.dtype, self.device)
             if draft is not None and config.num_kv_blocks is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvserve.runtime.capacity import WEIGHT_FORMATS
+
 
 def _bounded(kind, low, high=None):
     """An argparse type that also checks the range, so a bad value is a usage error, not a traceback."""
@@ -38,6 +40,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--quantization", "-q", default=None, type=lambda v: v.lower().replace("_", "-"),
+                   choices=WEIGHT_FORMATS,
+                   help="weight format (default: the checkpoint's quantization_config, else full precision); "
+                        "int8/int4/fp8 quantize a full-precision checkpoint at load")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory sizing)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
