@@ -82,6 +82,7 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.latent_dim, **dd)
         self.kv_a_layernorm = ReplicatedWeight(m.kv_lora_rank, **dd)
         self.kv_b_proj = by_heads(m.kv_lora_rank, self.nope + self.v_dim, "kv_b")
+        self.kv_b_proj.keeps_raw_weight = True  # _absorbed() reads its rows head by head
         self.o_proj = RowParallelLinear(shape.num_attention_heads * self.v_dim, h, bias=False,
                                         tp_rank=tp_rank, tp_size=tp_size, **dd)
         if cfg.rope_interleave:
