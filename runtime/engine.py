@@ -149,6 +149,8 @@ class LLMEngine:
             if self.executor is not None:
                 self.executor.shutdown()
             raise
+        # Rank 0's weights (every rank holds a same-sized shard): values, scales, zeros.
+        self.model_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           enable_caching=config.enable_prefix_caching)
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
@@ -635,6 +637,10 @@ class LLMEngine:
             request_success_total=dict(s.request_success_total),
             generation_tokens_per_second=s.rate(now),
             structured_output_requests_total=s.structured_output_requests_total,
+            model_weight_bytes=self.model_weight_bytes,
+            quantization=self.quantization or "none",
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
             timestamp=now,
             **s.drain(),
