@@ -72,6 +72,12 @@ def _native_decode_ok(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return native.decode_supported(query, k_cache)
 
 
+def _native_write_ok(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    from kvserve.kernels.cpu import native
+
+    return native.write_kv_supported(key, value, k_cache)
+
+
 class TorchAttentionBackend:
     """Pure-torch paged attention. One instance serves every layer of one model: it caches the
     gather plan for the AttentionMetadata object it last saw, so build a fresh metadata object per
@@ -86,6 +92,11 @@ class TorchAttentionBackend:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
+        if ops.use_native(key) and _native_write_ok(key, value, k_cache):
+            from kvserve.kernels.cpu import native
+
+            native.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            return
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         k_flat = k_cache.view(num_slots, *k_cache.shape[2:])
         v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
