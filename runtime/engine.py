@@ -102,6 +102,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def kv_release_window(model_config, draft=None) -> int | None:
+    """The window behind which no layer reads K/V again, so the block manager may give those
+    blocks back: only when every layer of the model (and of a draft model sharing its block
+    tables) is a sliding-window layer; the widest window wins. None keeps every block."""
+    configs = [model_config] + ([draft.config] if draft is not None else [])
+    if not all(c.all_layers_sliding for c in configs):
+        return None
+    return max(c.sliding_window for c in configs)
+
+
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return checkpoint_dtype if device.type == "cuda" else torch.float32
@@ -183,7 +193,8 @@ class LLMEngine:
         # Rank 0's weights (every rank holds a same-sized shard): values, scales, zeros.
         self.model_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=config.enable_prefix_caching,
+                                          sliding_window=kv_release_window(self.model_config, draft))
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
