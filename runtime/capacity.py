@@ -29,8 +29,14 @@ _DTYPE_BYTES = {
     "float8": 1,
     "fp8": 1,
     "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
     "int8": 1,
 }
+
+# `kv_cache_dtype` values (vLLM's names): "auto" stores K/V in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 GiB = 1024**3
 
@@ -42,6 +48,14 @@ def dtype_bytes(dtype: Any) -> int:
         return _DTYPE_BYTES[name]
     except KeyError:
         raise ValueError(f"dtype: unsupported value {dtype!r}; supported: {sorted(_DTYPE_BYTES)}") from None
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: Any) -> int:
+    """Bytes per stored K/V element: the model dtype's for "auto", 1 for the fp8 formats."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: unsupported value {kv_cache_dtype!r}; supported: "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return dtype_bytes(model_dtype) if kv_cache_dtype == "auto" else 1
 
 
 @dataclass(frozen=True)
@@ -180,12 +194,16 @@ def plan_capacity(
     gpu_memory_bytes: int,
     gpu_memory_utilization: float = 0.9,
     activation_reserve_bytes: int | None = None,
+    kv_dtype_size: int | None = None,
 ) -> ReplicaCapacity:
     """KV capacity of one replica at degree `tp` on GPUs of `gpu_memory_bytes` each.
 
     The KV budget per GPU is ``gpu_memory_bytes * gpu_memory_utilization`` minus the weight shard
     minus a reserve for activations and the CUDA context (default: 5% of the GPU, at least 512 MiB).
+    ``kv_dtype_size`` is the bytes per stored K/V element (``kv_cache_dtype_bytes``; default
+    ``dtype_size``): an fp8 KV cache holds twice the tokens of a bf16 one in the same budget.
     """
+    kv_size = dtype_size if kv_dtype_size is None else kv_dtype_size
     shape.check_tp(tp)
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -193,11 +211,11 @@ def plan_capacity(
         activation_reserve_bytes = max(512 * 1024**2, int(0.05 * gpu_memory_bytes))
     weights = weight_bytes_per_gpu(shape, dtype_size, tp)
     kv_budget = max(0, int(gpu_memory_bytes * gpu_memory_utilization) - weights - activation_reserve_bytes)
-    blocks = blocks_for_budget(kv_budget, shape, dtype_size, block_size, tp)
+    blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
     return ReplicaCapacity(
         tensor_parallel_size=tp,
         weight_bytes_per_gpu=weights,
-        kv_bytes_per_token_per_gpu=kv_bytes_per_token(shape, dtype_size, tp),
+        kv_bytes_per_token_per_gpu=kv_bytes_per_token(shape, kv_size, tp),
         kv_cache_bytes_per_gpu=kv_budget,
         block_size=block_size,
         kv_blocks=blocks,

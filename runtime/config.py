@@ -41,6 +41,9 @@ class EngineConfig:
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": DIR,
     #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
     speculative_config: Any = None
+    # "auto" (the model dtype) or "fp8" / "fp8_e4m3" / "fp8_e5m2": K/V stored as float8 with
+    # per-layer scales (1.0, or the checkpoint's k_scale / v_scale), read back dequantized.
+    kv_cache_dtype: str = "auto"
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -101,6 +104,10 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
+        from kvserve.runtime.capacity import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
                 and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
             fail("max_num_batched_tokens",

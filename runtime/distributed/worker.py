@@ -83,7 +83,7 @@ def _run(args: WorkerArgs, config, ctrl: Connection, report: Connection) -> None
     import torch.distributed as dist
 
     from kvserve.runtime.attention.selector import get_attention_backend
-    from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks, determine_num_blocks
+    from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks, determine_num_blocks, kv_cache_torch_dtype
     from kvserve.runtime.model_config import ModelConfig
     from kvserve.runtime.models import load_model
 
@@ -104,13 +104,14 @@ def _run(args: WorkerArgs, config, ctrl: Connection, report: Connection) -> None
         model = load_model(config.model, dtype=dtype, device=device, attention_backend=backend,
                            tp_rank=args.rank, tp_size=args.world_size, config=model_config)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        num_blocks = determine_num_blocks(config, model_config.shape, dtype, device)
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        num_blocks = determine_num_blocks(config, model_config.shape, kv_dtype, device)
         report.send_bytes(protocol.encode(protocol.LOADED, args.rank, num_blocks, weight_bytes))
 
         kind, (num_blocks,) = protocol.decode(ctrl.recv_bytes())
         if kind != protocol.ALLOCATE:
             return
-        kv_caches = allocate_kv_cache(model_config.shape, num_blocks, config.block_size, dtype, device,
+        kv_caches = allocate_kv_cache(model_config.shape, num_blocks, config.block_size, kv_dtype, device,
                                       args.world_size)
         kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
         report.send_bytes(protocol.encode(protocol.READY, args.rank, kv_bytes))

@@ -47,9 +47,14 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
     model = CausalLM(cfg, attention_backend, dtype=dtype, device=torch.device(device),
                      tp_rank=tp_rank, tp_size=tp_size)
     targets = model.checkpoint_params()
+    optional = model.optional_checkpoint_params()
     loaded: set[str] = set()
 
     def consume(name: str, tensor: torch.Tensor) -> None:
+        if name in optional:  # float8 KV scales: float32 whatever the model dtype
+            param, shard_id = optional[name]
+            param.weight_loader(param, tensor, shard_id)
+            return
         param, shard_id = targets[name]
         param.weight_loader(param, tensor.to(dtype=dtype), shard_id)
         loaded.add(name)
@@ -65,7 +70,7 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
                 try:
                     with safe_open(str(path), framework="pt", device="cpu") as f:
                         for name in f.keys():
-                            if name not in targets:
+                            if name not in targets and name not in optional:
                                 if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
                                     log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
                                 continue
