@@ -141,3 +141,15 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 # The torch twins under their original names, for callers that reach for them directly.
 _rms_norm_torch = reference.rms_norm_ref
 _rotary_torch = reference.rotary_ref
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts of one MoE layer for tokens x [T, H]: each token's top-k experts
+    (w13 [E, 2I, H] gate|up, w2 [E, H, I]) weighted by topk_weights and summed. Triton: tokens
+    sorted by expert and two grouped GEMMs (kernels.moe); torch: one matmul pair per expert."""
+    if use_triton(x):
+        from kvserve.kernels.moe import fused_moe as fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return reference.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

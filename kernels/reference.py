@@ -195,3 +195,40 @@ def paged_attention_ref(
         probs = scores.softmax(-1)
         out[q_lo:q_hi] = (probs @ v.transpose(0, 1)).transpose(0, 1).to(query.dtype)
     return out
+
+
+# ------------------------------------------------------------------------- mixture of experts
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]: each expert's gate rows, then its up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]: float32 or x's dtype; the product takes its dtype
+    topk_ids: torch.Tensor,  # int [T, k]
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
+
+    The (token, choice) pairs are sorted by expert and each expert runs once over its tokens, in
+    ascending expert order, accumulating with index_add: transformers' expert loop, product for
+    product, so the CPU path matches it bit for bit in float32.
+    """
+    t, k = topk_ids.shape
+    out = torch.zeros_like(x)
+    if t == 0:
+        return out
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.reshape(-1)
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // k
+        gate, up = torch.nn.functional.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
+    return out

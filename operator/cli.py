@@ -188,11 +188,14 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorConfig(scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
                             scrape_concurrency=args.scrape_concurrency, agent_port=args.agent_port,
                             max_sample_age=args.max_sample_age, prometheus_url=args.prometheus_url)
-    registry, reconciler = build_registry(config)
     namespaces = list(args.namespace)
     if not namespaces and not args.all_namespaces:
         own = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
         namespaces = [own.read_text().strip()] if own.exists() else ["default"]
+    if not args.standalone:
+        config.peering_name, config.namespaces = args.peering, tuple(namespaces)
+        config.clusterwide = args.all_namespaces
+    registry, reconciler = build_registry(config)
     settings = kopf.OperatorSettings()
     problem = find_credentials(settings)
     if problem:

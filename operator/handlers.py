@@ -26,12 +26,17 @@ from . import manifests as M
 from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide, hold
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .metrics import OperatorMetrics
+from .peering import REPEAT_SECONDS, peering_objects, watch_peering
+from .retry import handler_delay
 from .sources import AgentSource, PrometheusSource, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
 from .status import (append_decision, decision_record, degraded_conditions, iso, merge_conditions,
                      rollout_conditions, scaling_conditions, signal_fields, tp_note)
 
 OWNED_KINDS = ("Service", "PodDisruptionBudget", "Deployment")
+HANDLER_BACKOFF = 2.0
+# Quick first retries; about a minute in all, as kopf's default, before a call gives up.
+KOPF_ERROR_BACKOFFS = (0.1, 0.2, 0.5, 1, 2, 3, 5, 8, 13, 21)
 
 
 @dataclass
@@ -43,6 +48,12 @@ class OperatorConfig:
     max_sample_age: float = 10.0
     prometheus_url: str | None = None
     connection: kopf.ConnectionInfo | None = None  # None: in-cluster service account, then KUBECONFIG
+    # Not standalone: the kopf peering object's name, and where the operator serves (for the
+    # missing-peering warning); None: standalone, nothing to check.
+    peering_name: str | None = None
+    namespaces: tuple[str, ...] = ()
+    clusterwide: bool = False
+    peering_check_interval: float = REPEAT_SECONDS
     clock: Callable[[], float] = time.monotonic
     wallclock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.timezone.utc))
 
@@ -90,11 +101,17 @@ class Reconciler:
     def __init__(self, config: OperatorConfig):
         self.config = config
         self.client: KubeClient | None = None
+        self.peering_task: asyncio.Task | None = None
         self.metrics = OperatorMetrics()
         self.source = (PrometheusSource(config.prometheus_url, timeout=config.scrape_timeout)
                        if config.prometheus_url else
                        AgentSource(port=config.agent_port, timeout=config.scrape_timeout,
                                    concurrency=config.scrape_concurrency))
+
+    async def peering_exists(self, kind: str, namespace: str | None) -> bool:
+        while self.client is None:  # startup runs before kopf's login
+            await asyncio.sleep(0.2)
+        return await self.client.get(kind, namespace, self.config.peering_name) is not None
 
     # --- reconcile ---------------------------------------------------------------------------
 
@@ -105,7 +122,7 @@ class Reconciler:
         check_servable(spec, shape)
         return spec, shape
 
-    async def reconcile(self, body, status, patch, memo, logger) -> None:
+    async def reconcile(self, body, status, patch, memo, logger, retry: int = 0) -> None:
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         generation = meta.get("generation")
@@ -135,7 +152,7 @@ class Reconciler:
             replicas, tp = hold(spec, replicas, tp)
             if shape is not None and shape.tp_error(tp):
                 tp = spec.tensor.initial
-            results = await self._apply_all(body, spec, replicas, tp, status, patch, generation, now)
+            results = await self._apply_all(body, spec, replicas, tp, status, patch, generation, now, retry)
             changed = {k: v for k, v in results.items() if v != "unchanged"}
             if changed:
                 kopf.info(body, reason="Applied",
@@ -153,18 +170,19 @@ class Reconciler:
                 + self._initial_scaling_conditions(spec, shape, status, generation),
                 now)
 
-    async def _apply_all(self, body, spec, replicas, tp, status, patch, generation, now):
+    async def _apply_all(self, body, spec, replicas, tp, status, patch, generation, now, retry=0):
         uid = body["metadata"]["uid"]
         results = {}
         try:
             for obj in M.build_all(body, spec, replicas=replicas, tp=tp)[::-1]:  # Service, PDB, Deployment
                 results[obj["kind"]] = await apply(self.client, obj, uid)
         except NotOwned as error:
+            # Someone else's object: nothing changes until a person acts, so look less often.
             self._degraded(body, status, patch, generation, now, "NotOwned", str(error))
-            raise kopf.TemporaryError(str(error), delay=60)
-        except (APIError, OSError, asyncio.TimeoutError) as error:
+            raise kopf.TemporaryError(str(error), delay=handler_delay(retry, first=5, cap=60))
+        except APIError as error:
             self._degraded(body, status, patch, generation, now, "ApplyFailed", str(error))
-            raise kopf.TemporaryError(str(error), delay=10)
+            raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
         return results
 
     @staticmethod
@@ -206,7 +224,7 @@ class Reconciler:
 
     # --- autoscaling timer -----------------------------------------------------------------------
 
-    async def autoscale(self, body, status, patch, memo, logger) -> None:
+    async def autoscale(self, body, status, patch, memo, logger, retry: int = 0) -> None:
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         generation = meta.get("generation")
@@ -228,7 +246,7 @@ class Reconciler:
             current = await self.client.get("InferenceService", namespace, name)
             if current is None or current["metadata"].get("uid") != uid or current["metadata"].get("deletionTimestamp"):
                 return
-            await self.reconcile(body, status, patch, memo, logger)
+            await self.reconcile(body, status, patch, memo, logger, retry)
             return
         async with _memo_lock(memo):
             now = self.config.wallclock()
@@ -252,9 +270,9 @@ class Reconciler:
                     dep = M.build_deployment(body, spec, replicas=decision.replicas, tp=decision.tp)
                     try:
                         await apply(self.client, dep, uid)
-                    except (APIError, NotOwned, OSError, asyncio.TimeoutError) as error:
+                    except (APIError, NotOwned) as error:
                         kopf.warn(body, reason="ScaleFailed", message=str(error))
-                        raise kopf.TemporaryError(str(error), delay=5)
+                        raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
                     patch.status["decisions"] = append_decision(status.get("decisions"),
                                                                 decision_record(decision, now))
                     patch.status["lastScaleTime"] = iso(now)
@@ -294,17 +312,36 @@ class Reconciler:
                                                      or before.get("reason") != decision.limited):
             kopf.warn(body, reason=decision.limited, message=decision.limited_message)
 
+    async def write_status(self, body, patch) -> None:
+        """Sends `patch`'s status (if any) as a merge patch of the status subresource, then
+        removes it from `patch`. A resource that is gone needs no status."""
+        new = patch.get("status")
+        if not new:
+            return
+        meta = body["metadata"]
+        payload = {"status": json.loads(json.dumps(new))}
+        del patch["status"]
+        try:
+            await self.client.merge_patch("InferenceService", meta["namespace"], meta["name"], payload, status=True)
+        except APIError as error:
+            if error.status != 404:
+                raise
+
     # --- deletion ------------------------------------------------------------------------------
 
-    async def delete(self, body, logger) -> None:
+    async def delete(self, body, logger, retry: int = 0) -> None:
         """Deletes what this resource owns (a real cluster's garbage collector would too)."""
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-        for kind in OWNED_KINDS[::-1]:
-            live = await self.client.get(kind, namespace, name)
-            if live is not None and owned_by(live, uid):
-                await self.client.delete(kind, namespace, name)
-                logger.info(f"deleted {kind} {namespace}/{name}")
+        try:
+            for kind in OWNED_KINDS[::-1]:
+                live = await self.client.get(kind, namespace, name)
+                if live is not None and owned_by(live, uid):
+                    await self.client.delete(kind, namespace, name)
+                    logger.info(f"deleted {kind} {namespace}/{name}")
+        except APIError as error:
+            # The finalizer stays until every owned object is gone; try again in seconds.
+            raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
         self.metrics.forget(namespace, name, uid)
 
 
@@ -337,47 +374,70 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         # A deletion waits for a running autoscale timer to exit; look again every second, not
         # every minute (kopf's default), so deleting a resource is not held up for a minute.
         settings.background.cancellation_polling = 1
+        # kopf's own calls (watches, status and finalizer patches, Events) retry 5xx and 429 by
+        # themselves; start in fractions of a second instead of kopf's 1, 1, 2, 3, 5 ... 21 s.
+        settings.networking.error_backoffs = KOPF_ERROR_BACKOFFS
+        settings.networking.request_timeout = 30
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs):
+    async def login(**kwargs):
         info = (config.connection or kopf.login_with_service_account(**kwargs)
                 or kopf.login_with_kubeconfig(**kwargs))
         if info is None:
             raise kopf.LoginError("no in-cluster service account and no KUBECONFIG or ~/.kube/config")
-        reconciler.client = KubeClient(info)
+        # kopf logs in again when its credentials stop working (a rotated token): follow it.
+        previous, reconciler.client = reconciler.client, KubeClient(info)
+        if previous is not None:
+            asyncio.get_running_loop().create_task(previous.close())
         return info
+
+    @kopf.on.startup(registry=registry)
+    async def start_peering_watch(**_):
+        targets = peering_objects(config.peering_name or "", config.namespaces, config.clusterwide)
+        if config.peering_name and targets:
+            reconciler.peering_task = asyncio.get_running_loop().create_task(watch_peering(
+                reconciler.peering_exists, config.peering_name, targets, interval=config.peering_check_interval))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_):
+        if reconciler.peering_task is not None:
+            reconciler.peering_task.cancel()
         if reconciler.client is not None:
             await reconciler.client.close()
         await reconciler.source.close()
 
-    async def counted(step, body, status, patch, memo, logger):
+    async def counted(step, body, status, patch, memo, logger, retry, *, own_status=False):
         """Runs a reconcile or autoscale step: its failures are counted, and status fields it
-        left unchanged are not written."""
+        left unchanged are not written. With `own_status`, the status is written here, through
+        the operator's retrying client, and kopf is left nothing to patch."""
         try:
-            await step(body, status, patch, memo, logger)
+            await step(body, status, patch, memo, logger, retry)
         except Exception:
             meta = body["metadata"]
             reconciler.metrics.error(meta["namespace"], meta["name"], meta.get("uid"))
             raise
         finally:
             _drop_unchanged_status(patch, status)
+            if own_status:
+                await reconciler.write_status(body, patch)
 
-    @kopf.on.create(**resource, id="reconcile")
-    @kopf.on.update(**resource, id="reconcile", field="spec")
-    @kopf.on.resume(**resource, id="reconcile")
-    async def reconcile(body, status, patch, memo, logger, **_):
-        await counted(reconciler.reconcile, body, status, patch, memo, logger)
+    # `backoff`: an unexpected error (not a kopf.TemporaryError with its own delay) is retried
+    # in seconds, not after kopf's default minute.
+    @kopf.on.create(**resource, id="reconcile", backoff=HANDLER_BACKOFF)
+    @kopf.on.update(**resource, id="reconcile", field="spec", backoff=HANDLER_BACKOFF)
+    @kopf.on.resume(**resource, id="reconcile", backoff=HANDLER_BACKOFF)
+    async def reconcile(body, status, patch, memo, logger, retry, **_):
+        await counted(reconciler.reconcile, body, status, patch, memo, logger, retry)
 
-    @kopf.on.delete(**resource, id="cleanup")
-    async def delete(body, logger, **_):
-        await reconciler.delete(body, logger)
+    @kopf.on.delete(**resource, id="cleanup", backoff=HANDLER_BACKOFF)
+    async def delete(body, logger, retry, **_):
+        await reconciler.delete(body, logger, retry)
 
     @kopf.timer(**resource, id="autoscale", interval=config.scrape_interval,
-                initial_delay=config.scrape_interval)
-    async def autoscale(body, status, patch, memo, logger, **_):
-        await counted(reconciler.autoscale, body, status, patch, memo, logger)
+                initial_delay=config.scrape_interval, backoff=HANDLER_BACKOFF)
+    async def autoscale(body, status, patch, memo, logger, retry, **_):
+        # A failed patch after a timer run ends kopf's timer for good (kopf 1.45 lets the
+        # error kill the timer's task): this handler writes its own status, with retries.
+        await counted(reconciler.autoscale, body, status, patch, memo, logger, retry, own_status=True)
 
     return registry, reconciler

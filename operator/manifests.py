@@ -106,6 +106,29 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
     return command + list(rt.args)
 
 
+def _http_probe(path: str, **timing: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, **timing}
+
+
+def runtime_probes(engine: str) -> dict[str, Any]:
+    """Startup, liveness and readiness probes of the runtime container.
+
+    kvserve listens at once and loads the model behind `/live` (200 while loading or serving, 500
+    once the load failed or the engine died), so the startup probe only waits for the process to
+    listen and liveness catches a dead engine even during a long load; `/ready` takes the pod out
+    of the Service while loading or draining. (`/health` keeps vLLM's meaning, "can serve", for
+    clients and gateways that wait on it.) vLLM listens only once its model is loaded and has
+    only `/health`: the startup probe gives the load up to 30 minutes.
+    """
+    if engine == "kvserve":
+        return {"startupProbe": _http_probe("/live", periodSeconds=2, failureThreshold=150),
+                "livenessProbe": _http_probe("/live", periodSeconds=10, timeoutSeconds=5, failureThreshold=3),
+                "readinessProbe": _http_probe("/ready", periodSeconds=5, timeoutSeconds=3, failureThreshold=2)}
+    return {"startupProbe": _http_probe("/health", periodSeconds=5, failureThreshold=360),
+            "livenessProbe": _http_probe("/health", periodSeconds=10, timeoutSeconds=5, failureThreshold=3),
+            "readinessProbe": _http_probe("/health", periodSeconds=5, timeoutSeconds=3, failureThreshold=2)}
+
+
 def _fetch_source(name: str, spec: ServiceSpec) -> str:
     source = spec.model.source
     if source.kind == "pvc":
@@ -157,13 +180,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "resources": _gpu_resources(spec, tp),
         "volumeMounts": runtime_mounts,
         "securityContext": _security_context(),
-        # Loading weights can take minutes; the startup probe holds liveness off until then.
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
-                         "failureThreshold": 360},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
-                          "timeoutSeconds": 5, "failureThreshold": 3},
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
-                           "timeoutSeconds": 3, "failureThreshold": 2},
+        **runtime_probes(rt.engine),
     }
     if rt.engine == "kvserve":
         # vLLM's image has no kvserve binary; it drains on SIGTERM by itself.

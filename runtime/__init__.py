@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": "kvserve.runtime.engine",
     "EngineConfig": "kvserve.runtime.config",
     "SamplingParams": "kvserve.runtime.sampling_params",
+    "StructuredOutputsParams": "kvserve.runtime.structured_outputs.params",
     "RequestOutput": "kvserve.runtime.outputs",
     "CompletionOutput": "kvserve.runtime.outputs",
     "RequestMetrics": "kvserve.runtime.outputs",
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from kvserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from kvserve.runtime.sampling_params import SamplingParams
     from kvserve.runtime.stats import EngineStats
+    from kvserve.runtime.structured_outputs.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,13 @@ Tensor parallelism splits attention heads across ranks. When a model has fewer K
 ranks, each rank keeps one KV head (replicated), so per-token KV bytes per GPU stop shrinking
 there. Every rank stores its slice of every token, so a replica's capacity in tokens equals one
 GPU's.
+
+Two model families change the arithmetic. Multi-head latent attention (MLA, DeepSeek V2/V3)
+caches one latent of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer instead of
+per-head K and V; every rank needs the whole latent, so its KV bytes do not shrink with TP.
+Mixture-of-experts models keep every expert resident: weights grow with the expert count while
+the compute per token follows only the experts it is routed to. Experts are sharded like dense
+MLPs (each expert's intermediate dimension split across ranks), so TP must divide it.
 """
 
 from __future__ import annotations
@@ -59,6 +66,99 @@ def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: Any) -> int:
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """The mixture-of-experts part of a model: routed experts, shared experts, which layers."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    # Indices of the layers whose MLP is the expert block; the others have a dense MLP of
+    # `intermediate_size` (DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers).
+    moe_layers: tuple[int, ...]
+    # Total width of the always-on shared expert(s) (0: none), and whether a sigmoid gate
+    # (hidden -> 1, Qwen2-MoE) scales them.
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention (DeepSeek V2/V3): low-rank queries and a cached KV latent."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token and layer: the KV latent and the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def _positive(config: Mapping[str, Any], key: str, default: Any = None) -> int:
+    value = config.get(key, default)
+    if value is None:
+        raise ValueError(f"model config: missing field {key!r}")
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"model config: {key} must be an integer, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"model config: {key} must be >= 1, got {value}")
+    return value
+
+
+def _num_experts(config: Mapping[str, Any]) -> int:
+    for key in ("n_routed_experts", "num_local_experts", "num_experts"):
+        if config.get(key):
+            return _positive(config, key)
+    return 0
+
+
+def moe_shape_from_hf_config(config: Mapping[str, Any], num_layers: int) -> MoEShape | None:
+    """The expert layout of Mixtral, Qwen2/3-MoE and DeepSeek V2/V3 configs; None for dense ones."""
+    experts = _num_experts(config)
+    if not experts:
+        return None
+    top_k = _positive(config, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"model config: num_experts_per_tok ({top_k}) exceeds the {experts} experts")
+    model_type = str(config.get("model_type") or "")
+    if model_type.startswith("deepseek") or config.get("n_routed_experts"):
+        dense = int(config.get("first_k_dense_replace") or 0)
+        freq = int(config.get("moe_layer_freq") or 1)
+        if freq != 1:
+            raise ValueError(f"model config: moe_layer_freq {freq} is not supported; supported: 1")
+        moe_layers = tuple(range(dense, num_layers))
+        shared = int(config.get("n_shared_experts") or 0) * _positive(config, "moe_intermediate_size")
+        return MoEShape(experts, top_k, _positive(config, "moe_intermediate_size"), moe_layers, shared)
+    if not (model_type.startswith("qwen") or config.get("moe_intermediate_size")):  # Mixtral
+        return MoEShape(experts, top_k, _positive(config, "intermediate_size"), tuple(range(num_layers)))
+    # Qwen2-MoE / Qwen3-MoE: every decoder_sparse_step-th layer, minus mlp_only_layers.
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_mlp = {int(i) for i in config.get("mlp_only_layers") or ()}
+    moe_layers = tuple(i for i in range(num_layers) if i not in only_mlp and (i + 1) % step == 0)
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    return MoEShape(experts, top_k, _positive(config, "moe_intermediate_size"), moe_layers, shared,
+                    shared_expert_gate=shared > 0)
+
+
+def mla_shape_from_hf_config(config: Mapping[str, Any]) -> MLAShape | None:
+    if config.get("kv_lora_rank") is None:
+        return None
+    q_lora = config.get("q_lora_rank")
+    return MLAShape(
+        kv_lora_rank=_positive(config, "kv_lora_rank"),
+        qk_rope_head_dim=_positive(config, "qk_rope_head_dim"),
+        qk_nope_head_dim=_positive(config, "qk_nope_head_dim"),
+        v_head_dim=_positive(config, "v_head_dim"),
+        q_lora_rank=None if q_lora is None else _positive(config, "q_lora_rank"),
+    )
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The parts of a decoder-only transformer's config that decide memory and sharding."""
 
@@ -71,15 +171,19 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    moe: MoEShape | None = None
+    mla: MLAShape | None = None
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelShape":
-        """Reads a Hugging Face `config.json` mapping (Llama, Mistral, Qwen2, Qwen3 style)."""
+        """Reads a Hugging Face `config.json` mapping (Llama, Mistral, Qwen2, Qwen3 style; the
+        expert fields of Mixtral, Qwen2/3-MoE and DeepSeek; DeepSeek's MLA fields)."""
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
+            layers = int(config["num_hidden_layers"])
             shape = cls(
-                num_layers=int(config["num_hidden_layers"]),
+                num_layers=layers,
                 hidden_size=hidden,
                 num_attention_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
@@ -89,6 +193,8 @@ class ModelShape:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=bool(config.get("attention_bias", False))
                 or config.get("model_type") == "qwen2",
+                moe=moe_shape_from_hf_config(config, layers),
+                mla=mla_shape_from_hf_config(config),
             )
         except KeyError as missing:
             raise ValueError(f"model config: missing field {missing.args[0]!r}") from None
@@ -113,6 +219,16 @@ class ModelShape:
         if self.num_attention_heads % tp:
             return (f"tensor_parallel_size {tp} does not divide the model's "
                     f"{self.num_attention_heads} attention heads")
+        if self.moe is not None:
+            for what, size in (("expert intermediate size", self.moe.expert_intermediate_size),
+                               ("shared-expert intermediate size", self.moe.shared_intermediate_size)):
+                if size % tp:
+                    return f"tensor_parallel_size {tp} does not divide the model's {what} {size}"
+            if len(self.moe.moe_layers) < self.num_layers and self.intermediate_size % tp:
+                return (f"tensor_parallel_size {tp} does not divide the model's dense intermediate size "
+                        f"{self.intermediate_size}")
+        if self.mla is not None:  # one latent "KV head" that every rank keeps whole
+            return None
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             return (f"tensor_parallel_size {tp} and the model's {self.num_kv_heads} KV heads: one "
                     f"must divide the other")
@@ -134,28 +250,78 @@ class ModelShape:
         return degrees
 
     def kv_heads_per_rank(self, tp: int = 1) -> int:
+        if self.mla is not None:
+            return 1
         return max(1, self.num_kv_heads // tp)
+
+    def kv_cache_layout(self, tp: int = 1) -> tuple[int, int, int]:
+        """One layer's KV pools on a rank: (pools, heads, values per head). Each pool is
+        [num_blocks, block_size, heads, values]: K and V for standard attention, one latent pool
+        for MLA (its V is the first kv_lora_rank values of the latent, so no V pool)."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.kv_heads_per_rank(tp), self.head_dim
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_size: int, tp: int = 1) -> int:
-    """KV bytes one token takes on each GPU of a replica: 2 (K and V) x layers x heads x dim."""
-    return 2 * shape.num_layers * shape.kv_heads_per_rank(tp) * shape.head_dim * dtype_size
+    """KV bytes one token takes on each GPU of a replica: pools (2: K and V; 1: an MLA latent)
+    x layers x heads x values per head."""
+    pools, heads, size = shape.kv_cache_layout(tp)
+    return pools * shape.num_layers * heads * size * dtype_size
 
 
-def weight_bytes_per_gpu(shape: ModelShape, dtype_size: int, tp: int = 1) -> int:
-    """Weight bytes on each GPU: matmuls and the vocabulary are sharded, norms replicated."""
-    h, d = shape.hidden_size, shape.head_dim
+def _attention_elements(shape: ModelShape, tp: int) -> int:
+    h = shape.hidden_size
+    if shape.mla is not None:
+        m = shape.mla
+        heads = shape.num_attention_heads // tp
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        # Low-rank projections and their norms are replicated; per-head up-projections split.
+        q = h * heads * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk
+        kv = h * m.latent_dim + m.kv_lora_rank + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + heads * m.v_head_dim * h
+    d = shape.head_dim
     q_out = shape.num_attention_heads * d // tp
     kv_out = shape.kv_heads_per_rank(tp) * d
     attention = h * q_out + 2 * h * kv_out + q_out * h
     if shape.attention_bias:
         attention += q_out + 2 * kv_out
-    mlp = 3 * h * (math.ceil(shape.intermediate_size / tp))
-    norms = 2 * h + 2 * d  # two RMSNorms per layer (+ Qwen3's q/k norms, small either way)
-    per_layer = attention + mlp + norms
+    return attention + 2 * d  # Qwen3's q/k norms, small either way
+
+
+def _mlp_elements(shape: ModelShape, tp: int) -> int:
+    """MLP weights of all layers on one rank: dense layers, and every expert of the MoE layers."""
+    h = shape.hidden_size
+    dense = 3 * h * math.ceil(shape.intermediate_size / tp)
+    moe = shape.moe
+    if moe is None:
+        return shape.num_layers * dense
+    experts = moe.num_experts * 3 * h * math.ceil(moe.expert_intermediate_size / tp)
+    router = moe.num_experts * h  # replicated: every rank routes every token
+    shared = 3 * h * math.ceil(moe.shared_intermediate_size / tp) + (h if moe.shared_expert_gate else 0)
+    moe_layers = len(moe.moe_layers)
+    return moe_layers * (experts + router + shared) + (shape.num_layers - moe_layers) * dense
+
+
+def weight_bytes_per_gpu(shape: ModelShape, dtype_size: int, tp: int = 1) -> int:
+    """Weight bytes on each GPU: matmuls and the vocabulary are sharded, norms replicated; for
+    MoE models every expert of every MoE layer is resident."""
+    h = shape.hidden_size
+    norms = 2 * h  # two RMSNorms per layer
+    per_layer = _attention_elements(shape, tp) + norms
     vocab_shard = math.ceil(shape.vocab_size / tp) * h
     embeddings = vocab_shard if shape.tie_word_embeddings else 2 * vocab_shard
-    return (shape.num_layers * per_layer + embeddings + h) * dtype_size
+    return (shape.num_layers * per_layer + _mlp_elements(shape, tp) + embeddings + h) * dtype_size
+
+
+def active_parameters(shape: ModelShape) -> int:
+    """Weights one token's forward pass reads (tp=1): the routed experts it picks, not all."""
+    if shape.moe is None:
+        return weight_bytes_per_gpu(shape, 1)
+    moe = shape.moe
+    h = shape.hidden_size
+    idle = len(moe.moe_layers) * (moe.num_experts - moe.experts_per_token) * 3 * h * moe.expert_intermediate_size
+    return weight_bytes_per_gpu(shape, 1) - idle
 
 
 @dataclass(frozen=True)

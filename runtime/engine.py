@@ -5,6 +5,7 @@ Single-threaded by design: the server calls add_request/abort_request/step from 
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.runtime.sequence import Sequence, SequenceStatus
 from kvserve.runtime.stats import EngineStats, StatsCollector
+from kvserve.runtime.structured_outputs.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.dtype, self.device)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if config.kv_cache_dtype != "auto" and self.model_config.shape.mla is not None:
+            raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported for multi-head latent "
+                             f"attention models ({self.model_config.architecture}) yet; use 'auto'")
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         if config.tokenizer is None and is_gguf_path(config.model):
             self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
@@ -177,6 +182,10 @@ class LLMEngine:
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos |= {self.tokenizer.eos_token_id}
+        # Grammars compile in the manager's threads; a request whose grammar is still compiling
+        # waits here (not in the scheduler) and costs the running batch nothing.
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self._eos)
+        self._awaiting_grammar: dict[str, tuple[_Request, concurrent.futures.Future]] = {}
         self._requests: dict[str, _Request] = {}  # request id -> its sample 0
         self._by_seq: dict[int, _Request] = {}  # seq id -> the sample it belongs to
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs, sent by step()
@@ -216,6 +225,11 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_outputs.compile(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()
 
         now = StatsCollector.now()
         metrics = RequestMetrics(arrival_time=arrival_time or now)
@@ -228,8 +242,39 @@ class LLMEngine:
                 s.group = samples
         for s in samples:
             self._by_seq[s.seq.seq_id] = s
-        self.scheduler.add(req.seq)
         self._requests[request_id] = req
+        if grammar is not None:
+            self._stats.structured_output_requests_total += 1
+            if not grammar.done():
+                self._awaiting_grammar[request_id] = (req, grammar)
+                return
+            self._attach_grammar(req, grammar.result())
+        self.scheduler.add(req.seq)
+
+    def _attach_grammar(self, req: _Request, compiled) -> None:
+        for s in req.samples:  # one matcher per sample: n > 1 samples diverge
+            s.row.grammar = self.structured_outputs.new_state(compiled)
+
+    def _admit_compiled(self) -> None:
+        """Moves requests whose grammar finished compiling into the scheduler; one whose grammar
+        failed ends with finish_reason "abort" (the server compiles first and answers 400)."""
+        if not self._awaiting_grammar:
+            return
+        if not self.scheduler.has_unfinished():
+            # Nothing else to run: wait a little for a compile rather than spin the caller's loop.
+            concurrent.futures.wait([f for _, f in self._awaiting_grammar.values()], timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for request_id, (req, fut) in list(self._awaiting_grammar.items()):
+            if not fut.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            exc = fut.exception()
+            if exc is not None:
+                log.warning("request %s: %s", request_id, exc)
+                self.abort_request(request_id)
+                continue
+            self._attach_grammar(req, fut.result())
+            self.scheduler.add(req.seq)
 
     def _new_sample(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], max_tokens: int,
                     params: SamplingParams, metrics: RequestMetrics, cache_extra: bytes | None,
@@ -295,6 +340,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        self._awaiting_grammar.pop(request_id, None)
         for s in req.samples:
             if s.finish_reason is None:
                 self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
@@ -313,6 +359,9 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        self._awaiting_grammar.pop(request_id, None)
+        if req.params.structured_outputs is not None:  # a withdrawn request was never served
+            self._stats.structured_output_requests_total -= 1
         for s in req.samples:
             self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
             self._by_seq.pop(s.seq.seq_id, None)
@@ -333,6 +382,7 @@ class LLMEngine:
         """Stops and reaps the tensor-parallel workers, if any. Idempotent; no step() after it."""
         if self.executor is not None:
             self.executor.shutdown()
+        self.structured_outputs.close()
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -342,6 +392,7 @@ class LLMEngine:
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._admit_compiled()
         outputs, self._pending = self._pending, []
         if self.spec_decoder is not None:
             self.spec_decoder.plan(self.scheduler.running, self._params_of)
@@ -454,7 +505,14 @@ class LLMEngine:
             req.cumulative_logprob += lp[token].logprob
 
         status = None
-        if token in req.stop_token_ids:
+        grammar = req.row.grammar
+        if grammar is not None and not grammar.is_terminated and not grammar.accept(token):
+            # Only reachable when every allowed token was also banned (min_tokens against a
+            # finished grammar): end the sample rather than emit text the grammar refuses.
+            log.warning("request %s: token %d is not allowed by its grammar; stopping", req.request_id, token)
+            status = SequenceStatus.FINISHED_STOPPED
+            req.detok.flush()
+        elif token in req.stop_token_ids:
             status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, token
             req.detok.flush()
         elif token in req.eos_token_ids:
@@ -468,6 +526,10 @@ class LLMEngine:
                 status = SequenceStatus.FINISHED_LENGTH
                 if req.detok.flush() is not None:
                     status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, req.detok.stop_reason
+        if status is None and grammar is not None and grammar.is_terminated:
+            # The grammar took its stop token: nothing may follow it, even with ignore_eos.
+            status = SequenceStatus.FINISHED_STOPPED
+            req.detok.flush()
         if status is not None:
             self.scheduler.finish(seq, status)
             req.finish_reason = status.finish_reason
@@ -536,6 +598,8 @@ class LLMEngine:
             generation_tokens_total=s.generation_tokens_total,
             request_success_total=dict(s.request_success_total),
             generation_tokens_per_second=s.rate(now),
+            structured_output_requests_total=s.structured_output_requests_total,
+            grammar_compile_times=self.structured_outputs.drain_compile_times(),
             timestamp=now,
             **s.drain(),
         )

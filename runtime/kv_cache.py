@@ -1,6 +1,10 @@
-"""Sizes and allocates the paged KV cache: per layer a K pool and a V pool.
+"""Sizes and allocates the paged KV cache: per layer a tuple of pools sharing one block table.
 
-Each pool is ``[num_blocks, block_size, num_kv_heads_per_rank, head_dim]``. The block count comes
+Each pool is ``[num_blocks, block_size, heads, values]``. What a layer holds is the model's
+cache layout (``ModelShape.kv_cache_layout``): a K pool and a V pool of
+``[.., num_kv_heads_per_rank, head_dim]`` for standard attention, or one latent pool of
+``[.., 1, kv_lora_rank + qk_rope_head_dim]`` for MLA. Code that handles whole layers (block
+copies, byte counts) iterates over a layer's pools and never assumes two. The block count comes
 from, in order: an explicit ``num_kv_blocks``; a byte budget ``kv_cache_memory_bytes``; on CUDA,
 free GPU memory x ``gpu_memory_utilization`` (measured after the weights are loaded); on CPU,
 ``EngineConfig.DEFAULT_CPU_KV_BYTES``. Bytes per token come from the shared capacity model.
@@ -60,26 +64,29 @@ def determine_num_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.d
 
 
 def allocate_kv_cache(shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device, tp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    pool_shape = (num_blocks, block_size, shape.kv_heads_per_rank(tp), shape.head_dim)
-    return [
-        (torch.zeros(pool_shape, dtype=dtype, device=device),
-         torch.zeros(pool_shape, dtype=dtype, device=device))
-        for _ in range(shape.num_layers)
-    ]
+                      device: torch.device, tp: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    pools, heads, size = shape.kv_cache_layout(tp)
+    pool_shape = (num_blocks, block_size, heads, size)
+    return [tuple(torch.zeros(pool_shape, dtype=dtype, device=device) for _ in range(pools))
+            for _ in range(shape.num_layers)]
 
 
-def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+def kv_cache_bytes(kv_caches: list[tuple[torch.Tensor, ...]]) -> int:
+    """Bytes all layers' pools hold."""
+    return sum(pool.numel() * pool.element_size() for layer in kv_caches for pool in layer)
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, ...]], pairs: list[tuple[int, int]]) -> None:
     """Applies copy-on-write pairs (src_block, dst_block) to every layer's pools."""
     if not pairs:
         return
     device = kv_caches[0][0].device
     src = torch.tensor([s for s, _ in pairs], device=device)
     dst = torch.tensor([d for _, d in pairs], device=device)
-    for k, v in kv_caches:
-        k, v = as_storage(k), as_storage(v)
-        k[dst] = k[src]
-        v[dst] = v[src]
+    for layer in kv_caches:
+        for pool in layer:
+            pool = as_storage(pool)
+            pool[dst] = pool[src]
 
 
 def as_storage(cache: torch.Tensor) -> torch.Tensor:

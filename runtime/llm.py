@@ -67,8 +67,14 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Renders one conversation (or a list of them) with the tokenizer's chat template."""
+        """Renders one conversation (or a list of them) with the tokenizer's chat template.
+
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) go to the template as
+        its ``tools`` variable; templates that know tools render them. Assistant messages may
+        carry ``tool_calls`` and ``tool`` messages the results, as templates expect them."""
         tokenizer = self.engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat_template: the tokenizer has no chat template; pass chat_template=")
@@ -80,7 +86,8 @@ class LLM:
             try:
                 text = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
                                                      add_generation_prompt=add_generation_prompt,
-                                                     tokenize=False)
+                                                     tokenize=False, tools=tools,
+                                                     **(chat_template_kwargs or {}))
             except Exception as exc:  # Jinja raises anything (UndefinedError, ZeroDivisionError, ...)
                 raise ValueError(f"messages: the chat template rejected them: {type(exc).__name__}: {exc}") from None
             # The template already holds any BOS: do not let the tokenizer add another.
@@ -91,6 +98,12 @@ class LLM:
     def _run(self, prompts: list[Prompt], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        # Compile every grammar first (in the engine's compile threads, in parallel), so that a
+        # bad schema raises here, before anything is queued.
+        grammars = [engine.structured_outputs.compile(p.structured_outputs)
+                    for p in params_list if isinstance(p, SamplingParams) and p.structured_outputs is not None]
+        for fut in grammars:
+            fut.result()
         ids = [f"llm-{next(self._counter)}" for _ in prompts]
         try:
             for rid, prompt, params in zip(ids, prompts, params_list):

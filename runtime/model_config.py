@@ -24,7 +24,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' names for the two kinds of attention layer (config.json "layer_types").
@@ -52,6 +60,30 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"model: {path} must hold a JSON object")
     return data
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How an MoE layer picks each token's experts and weighs them, as transformers does it.
+
+    scoring "softmax" (Mixtral, Qwen-MoE, DeepSeek V2) or "sigmoid" (DeepSeek V3) over the
+    router logits; topk_method "greedy" (plain top-k), "group_limited_greedy" (V2: top-k within
+    the topk_group groups of highest max score) or "noaux_tc" (V3: groups ranked by the sum of
+    their two best bias-corrected scores, experts chosen on score + e_score_correction_bias but
+    weighted by the uncorrected score); then the chosen weights are renormalized to sum to 1 when
+    norm_topk_prob, and multiplied by routed_scaling_factor.
+    """
+
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    # Router logits in float32 from float32 weights (DeepSeek), rather than in the model dtype.
+    float32_logits: bool = False
+    # Apply the routing weights in float32 (Mixtral) or cast to the model dtype first (Qwen-MoE).
+    float32_weights: bool = False
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -93,6 +125,11 @@ class ModelConfig:
     # tanh soft-capping: cap * tanh(x / cap) on the attention scores / the final logits (Gemma 2).
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts: routing (shapes are in shape.moe); None for dense models.
+    routing: RoutingConfig | None = None
+    # MLA (shapes in shape.mla): DeepSeek's rotary dims come in interleaved pairs (V2 always;
+    # V3 unless rope_interleave is false); the loader permutes them to rotate-half order.
+    rope_interleave: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # Per-frequency RoPE divisors stored by a GGUF file (llama.cpp's rope_freqs tensor, how it
     # encodes Llama 3's rope scaling), applied on top of rope_scaling; None for none.
@@ -145,14 +182,29 @@ class ModelConfig:
                              f"supported: {', '.join(repr(a) for a in _ACTIVATIONS)}")
         if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("model config: partial_rotary_factor != 1.0 is not supported")
+        routing = _routing(arch, config, shape) if arch in MOE_ARCHITECTURES else None
+        if arch in MOE_ARCHITECTURES and act != "silu":  # the fused experts are SiLU-gated
+            raise ValueError(f"model config: hidden_act {act!r} is not supported for {arch}; supported: 'silu'")
+        if arch in MLA_ARCHITECTURES and shape.mla is None:
+            raise ValueError(f"model config: {arch} needs kv_lora_rank (multi-head latent attention)")
+        if arch in MOE_ARCHITECTURES and shape.moe is None:
+            raise ValueError(f"model config: {arch} needs a positive expert count "
+                             f"(num_local_experts, num_experts or n_routed_experts)")
 
         layer_types, window = _layer_types(arch, config, shape.num_layers)
-        rope_theta, rope_scaling, local_rope = _rope_per_layer_type(arch, config, shape.head_dim)
+        rotary_dim = shape.mla.qk_rope_head_dim if shape.mla is not None else shape.head_dim
+        rope_theta, rope_scaling, local_rope = _rope_per_layer_type(arch, config, rotary_dim)
         max_pos = int(config.get("max_position_embeddings") or 2048)
 
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        is_mistral = arch == "MistralForCausalLM"
+        is_mistral = arch in ("MistralForCausalLM", "MixtralForCausalLM")
         attention_bias = bool(config.get("attention_bias", False))
+        if arch == "Qwen2MoeForCausalLM":  # q/k/v bias unless qkv_bias is false; never o_proj's
+            is_qwen2, attention_bias = bool(config.get("qkv_bias", True)), False
+        if arch in MLA_ARCHITECTURES and attention_bias:
+            raise ValueError(f"model config: attention_bias true is not supported for {arch}; supported: false")
+        if arch in MLA_ARCHITECTURES and config.get("mlp_bias"):
+            raise ValueError(f"model config: mlp_bias true is not supported for {arch}; supported: false")
         gemma: dict[str, Any] = {}
         if is_gemma:
             if config.get("use_bidirectional_attention"):
@@ -184,12 +236,15 @@ class ModelConfig:
             qkv_bias=is_qwen2 or (attention_bias and not is_mistral),
             o_proj_bias=attention_bias and not (is_qwen2 or is_mistral),
             mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=window,
             layer_types=layer_types,
             local_rope=local_rope,
             hidden_act=_ACTIVATIONS[act],
             **gemma,
+            routing=routing,
+            rope_interleave=(arch == "DeepseekV2ForCausalLM"
+                             or (arch == "DeepseekV3ForCausalLM" and bool(config.get("rope_interleave", True)))),
             hf_config=config,
         )
 
@@ -204,6 +259,26 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.shape.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions the rotary embedding turns: the head, or MLA's qk_rope_head_dim."""
+        return self.shape.mla.qk_rope_head_dim if self.shape.mla is not None else self.shape.head_dim
+
+    def attention_scale(self) -> float:
+        """The softmax scale: head_dim ** -0.5; for MLA (nope + rope dims) ** -0.5 times yarn's
+        mscale(factor, mscale_all_dim) squared, as DeepSeek (and transformers) apply it."""
+        mla = self.shape.mla
+        if mla is None:
+            return self.head_dim**-0.5
+        scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+        params = self.rope_scaling or {}
+        m_all = params.get("mscale_all_dim")
+        if params and m_all:
+            factor = float(params["factor"])
+            mscale = 1.0 if factor <= 1 else 0.1 * float(m_all) * math.log(factor) + 1.0
+            scale *= mscale * mscale
+        return scale
 
     @property
     def vocab_size(self) -> int:
@@ -297,7 +372,11 @@ def _layer_types(arch: str, config: dict[str, Any], num_layers: int) -> tuple[tu
     """
     full = tuple([FULL_ATTENTION] * num_layers)
     window = config.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        if config.get("use_sliding_window"):  # released Qwen MoE checkpoints all set false
+            raise ValueError(f"model config: use_sliding_window true is not supported for {arch}; supported: false")
+        return full, None
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         if window is None:
             return full, None
         return tuple([SLIDING_ATTENTION] * num_layers), _window(window)
@@ -384,6 +463,52 @@ def _rope_per_layer_type(arch: str, config: dict[str, Any], head_dim: int
     return theta, scaling, (local_theta, local_scaling)
 
 
+_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
+                 "DeepseekV3ForCausalLM": ("noaux_tc",)}
+_SCORING = {"DeepseekV2ForCausalLM": "softmax", "DeepseekV3ForCausalLM": "sigmoid"}
+
+
+def _routing(arch: str, config: dict[str, Any], shape: ModelShape) -> RoutingConfig:
+    """The routing each architecture's transformers implementation applies; anything else in the
+    config is refused with the field and the values this runtime supports."""
+    if arch == "MixtralForCausalLM":
+        return RoutingConfig(norm_topk_prob=True, float32_weights=True)
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return RoutingConfig(norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+    scoring = config.get("scoring_func") or _SCORING[arch]
+    if scoring != _SCORING[arch]:
+        raise ValueError(f"model config: scoring_func {scoring!r} is not supported for {arch}; "
+                         f"supported: {_SCORING[arch]!r}")
+    method = config.get("topk_method") or _TOPK_METHODS[arch][0]
+    if method not in _TOPK_METHODS[arch]:
+        raise ValueError(f"model config: topk_method {method!r} is not supported for {arch}; "
+                         f"supported: {', '.join(repr(m) for m in _TOPK_METHODS[arch])}")
+    norm = bool(config.get("norm_topk_prob", False))
+    if arch == "DeepseekV2ForCausalLM" and norm:
+        # transformers' DeepSeek-V2 ignores it while DeepSeek's own code renormalizes; released V2
+        # checkpoints all set false, so refuse rather than pick one silently.
+        raise ValueError(f"model config: norm_topk_prob true is not supported for {arch}; supported: false")
+    experts = shape.moe.num_experts if shape.moe is not None else 0
+    grouped = method != "greedy"
+    n_group = int(config.get("n_group") or 1) if grouped else 1
+    topk_group = int(config.get("topk_group") or 1) if grouped else 1
+    if grouped:
+        if n_group < 1 or experts % n_group:
+            raise ValueError(f"model config: n_group {n_group} must divide the {experts} routed experts")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"model config: topk_group {topk_group} must be in [1, n_group {n_group}]")
+        per_group = experts // n_group
+        if method == "noaux_tc" and per_group < 2:
+            raise ValueError(f"model config: noaux_tc routing ranks groups by their two best experts; "
+                             f"n_group {n_group} leaves {per_group} per group")
+        if shape.moe is not None and shape.moe.experts_per_token > topk_group * per_group:
+            raise ValueError(f"model config: num_experts_per_tok {shape.moe.experts_per_token} exceeds the "
+                             f"{topk_group * per_group} experts in topk_group {topk_group} groups")
+    return RoutingConfig(scoring=scoring, topk_method=method, norm_topk_prob=norm,
+                         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+                         n_group=n_group, topk_group=topk_group, float32_logits=True, float32_weights=True)
+
+
 def _dtype(config: dict[str, Any]) -> torch.dtype:
     name = config.get("torch_dtype") or config.get("dtype") or "float32"
     name = str(name).removeprefix("torch.")
@@ -408,9 +533,9 @@ def _first(value: Any) -> int | None:
 
 
 def rope_inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float32 [head_dim / 2]) and the cos/sin multiplier, following
+    """Inverse frequencies (float32 [rotary_dim / 2]) and the cos/sin multiplier, following
     transformers' RoPE initialisers for each supported rope type."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     base = cfg.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
     if cfg.rope_freq_factors is not None:
@@ -442,7 +567,7 @@ def rope_inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def _yarn(cfg: ModelConfig, p: dict[str, Any], factor: float) -> tuple[torch.Tensor, float]:
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = cfg.rotary_dim, cfg.rope_theta
     orig = float(p["original_max_position_embeddings"])
 
     def mscale_of(scale: float, m: float = 1.0) -> float:
@@ -473,7 +598,7 @@ def _yarn(cfg: ModelConfig, p: dict[str, Any], factor: float) -> tuple[torch.Ten
 
 def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int | None = None,
                        device: torch.device | str | None = None, *, local: bool = False) -> torch.Tensor:
-    """float32 [max_positions, head_dim]: cos half then sin half, scaling folded in. With `local`,
+    """float32 [max_positions, rotary_dim]: cos half then sin half, scaling folded in. With `local`,
     the sliding-window layers' RoPE (it differs from the global one in Gemma 3 only)."""
     n = max_positions or cfg.max_position_embeddings
     if local and cfg.local_rope is not None:

@@ -5,6 +5,7 @@ argmax, or temperature -> top_k -> top_p -> min_p -> a draw. Draws use the expon
 (argmax of p / Exp(1) noise, equivalent to sampling from p) with noise from the row's own
 generator when the request has a seed, so a seeded request gives the same tokens whatever else
 is in the batch. Logprobs are of the model's raw distribution (before penalties/temperature).
+Rows with a grammar (structured outputs) first get their grammar's token mask, in place.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from kvserve.runtime.outputs import Logprob
 from kvserve.runtime.sampling_params import SamplingParams
+from kvserve.runtime.structured_outputs.manager import GrammarState, apply_grammar_bitmask
 
 
 @dataclass
@@ -25,6 +27,8 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # Token ids banned while fewer than min_tokens have been generated (EOS + stop_token_ids).
     min_tokens_banned: list[int] = field(default_factory=list)
+    # Structured outputs: the sample's grammar matcher (its bitmask masks this row's logits).
+    grammar: GrammarState | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -54,6 +58,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.shape[0] == len(rows)
+        if any(r.grammar is not None for r in rows):
+            apply_grammar_bitmask(logits, [r.grammar for r in rows])
         if all(_plain_greedy(r.params) for r in rows):
             return SamplerOutput(argmax_last(logits).tolist(), [None] * len(rows))
 

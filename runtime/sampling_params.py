@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvserve.runtime.structured_outputs.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
+
 _GREEDY_EPS = 1e-5
 
 
@@ -14,13 +18,16 @@ class SamplingParams:
     ``temperature=0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` means
     "up to max_model_len". ``logprobs=N`` returns the sampled token's and the top-N log-probabilities
     of the model's raw distribution (before penalties and temperature) for each generated token.
+    ``structured_outputs=StructuredOutputsParams(json=..., regex=..., choice=..., grammar=...,
+    json_object=True)`` constrains the output to a grammar (only its tokens can be sampled; the
+    logprobs are those of the masked distribution).
     """
 
     __slots__ = (
         "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
         "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens",
-        "include_stop_str_in_output",
+        "include_stop_str_in_output", "structured_outputs",
     )
 
     def __init__(
@@ -44,6 +51,7 @@ class SamplingParams:
         prompt_logprobs: int | None = None,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        structured_outputs: StructuredOutputsParams | dict | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -72,6 +80,8 @@ class SamplingParams:
         self.prompt_logprobs = prompt_logprobs
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
+        # A dict of its fields is accepted too (JSON configs, kwargs); bad ones raise ValueError.
+        self.structured_outputs = StructuredOutputsParams.coerce(structured_outputs)
         self._validate()
 
     @classmethod

@@ -34,11 +34,14 @@ class EngineStats:
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
     generation_tokens_per_second: float = 0.0
+    # Requests that asked for structured outputs (a JSON schema, regex, choice, grammar, tools).
+    structured_output_requests_total: int = 0
     # Observations since the previous get_stats() (seconds).
     queue_times: list[float] = field(default_factory=list)
     time_to_first_token: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     e2e_latencies: list[float] = field(default_factory=list)
+    grammar_compile_times: list[float] = field(default_factory=list)
     timestamp: float = 0.0
 
     @property
@@ -65,6 +68,7 @@ class StatsCollector:
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        self.structured_output_requests_total = 0
         self._reset_observations()
         self._recent: deque[tuple[float, int]] = deque()
 

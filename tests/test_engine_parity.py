@@ -84,6 +84,22 @@ CONFIGS = [
     pytest.param("gemma3", dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
                                                                  "sliding_attention"],
                                 rope_scaling={"rope_type": "linear", "factor": 4.0}), id="gemma3-window8-local-rope"),
+    # Mixture of experts (tests/tinymodels.py holds each family's small expert layout).
+    pytest.param("mixtral", {}, id="mixtral-top2of4"),
+    pytest.param("qwen2_moe", {}, id="qwen2moe-gated-shared-expert"),
+    pytest.param("qwen2_moe", dict(norm_topk_prob=True, decoder_sparse_step=2, num_hidden_layers=3),
+                 id="qwen2moe-normtopk-sparse-step"),
+    pytest.param("qwen3_moe", dict(mlp_only_layers=[0]), id="qwen3moe-qknorm-mlp-only-layer"),
+    # DeepSeek: MLA (latent cache, absorbed decode, up-projected prefill) + MoE with shared experts.
+    pytest.param("deepseek_v2", {}, id="deepseekv2-mla-greedy"),
+    pytest.param("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                     routed_scaling_factor=1.5, q_lora_rank=40),
+                 id="deepseekv2-group-limited-qlora"),
+    pytest.param("deepseek_v3", {}, id="deepseekv3-noaux-tc"),
+    pytest.param("deepseek_v3", dict(rope_interleave=False, first_k_dense_replace=0,
+                                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                   "mscale_all_dim": 0.8, "original_max_position_embeddings": 64}),
+                 id="deepseekv3-yarn-mscale-no-interleave"),
 ]
 
 

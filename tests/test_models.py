@@ -52,6 +52,15 @@ CONFIGS = [
     pytest.param("gemma3", dict(layer_types=["sliding_attention"] * 2, sliding_window=5, tie_word_embeddings=False),
                  id="gemma3-all-local-untied"),
     pytest.param("gemma3", dict(layer_types=["full_attention"] * 2), id="gemma3-all-global"),
+    # Mixture of experts and MLA: (c) covers MLA's absorbed decode, (a)/(b) its up-projected prefill.
+    pytest.param("mixtral", {}, id="mixtral"),
+    pytest.param("qwen2_moe", dict(tie_word_embeddings=True), id="qwen2moe-shared-expert-tied"),
+    pytest.param("qwen3_moe", {}, id="qwen3moe"),
+    pytest.param("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
+                 id="deepseekv2-mla-group-limited"),
+    pytest.param("deepseek_v3", dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "mscale": 0.9,
+                                                   "mscale_all_dim": 0.7, "original_max_position_embeddings": 32}),
+                 id="deepseekv3-mla-yarn-mscale"),
 ]
 
 
@@ -71,8 +80,9 @@ class PagedCache:
 
     def __init__(self, model, num_blocks: int, seed: int = 0):
         shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE)
+        pools = model.config.shape.kv_cache_layout(model.tp_size)[0]  # K and V, or one MLA latent
         # NaN-filled so that reading an unwritten slot or padding block shows up in the logits.
-        self.caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+        self.caches = [tuple(torch.full(shape, float("nan")) for _ in range(pools))
                        for _ in range(model.config.num_layers)]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)

@@ -193,14 +193,20 @@ def test_ready_503_while_loading_and_exit_1_when_load_fails(tiny_llama):
 
     srv = ServerThread([str(tiny_llama), "--port", "0"], engine_factory=slow_load).start()
     try:
-        assert http(srv.url, "GET", "/health")[0] == 200
+        # Loading: alive, but neither healthy (vLLM's meaning) nor ready.
+        s, h, body = http(srv.url, "GET", "/live")
+        assert s == 200 and json.loads(body)["status"] == "loading"
+        s, h, body = http(srv.url, "GET", "/health")
+        assert s == 503 and json.loads(body)["status"] == "loading" and h["retry-after"]
         s, h, body = http(srv.url, "GET", "/ready")
         assert s == 503 and json.loads(body)["status"] == "loading"
         s, h, body = http(srv.url, "POST", "/v1/completions", {"prompt": "x"})
         assert s == 503 and "loading" in json.loads(body)["error"]["message"] and h["retry-after"]
         gate.set()
-        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=60)
+        # A client that waits on /health (as vLLM's users do) gets served on its first request.
+        wait_until(lambda: http(srv.url, "GET", "/health")[0] == 200, timeout=60)
         assert http(srv.url, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+        assert http(srv.url, "GET", "/ready")[0] == 200 and http(srv.url, "GET", "/live")[0] == 200
     finally:
         gate.set()
         assert srv.stop() == 0
@@ -211,3 +217,43 @@ def test_ready_503_while_loading_and_exit_1_when_load_fails(tiny_llama):
     bad = ServerThread([str(tiny_llama), "--port", "0"], engine_factory=broken).start()
     bad._thread.join(30)
     assert bad.exit_code == 1
+
+
+async def test_health_live_and_ready_through_each_state():
+    """/live: alive (restart only when it can never serve); /health: vLLM's "can serve";
+    /ready: "send me traffic" (not while draining)."""
+    import types
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvserve.runtime.server.app import STATE, ServerConfig, build_app
+
+    app = build_app(ServerConfig(served_model_names=["m"]))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    state = app[STATE]
+
+    async def codes() -> tuple[int, int, int]:
+        async with aiohttp.ClientSession() as http:
+            out = []
+            for route in ("/live", "/health", "/ready"):
+                async with http.get(url + route) as r:
+                    out.append(r.status)
+            return tuple(out)
+
+    try:
+        assert await codes() == (200, 503, 503)  # loading
+        state.engine = types.SimpleNamespace(dead=None)
+        assert await codes() == (200, 200, 200)  # serving
+        state.draining = True
+        assert await codes() == (200, 200, 503)  # draining: healthy, takes no new traffic
+        state.engine.dead = RuntimeError("rank 1 exited")
+        assert await codes() == (500, 500, 503)  # dead engine: restart it
+        state.engine, state.draining, state.load_error = None, False, "ValueError: bad config"
+        assert await codes() == (500, 500, 503)  # load failed
+    finally:
+        await runner.cleanup()

@@ -11,7 +11,8 @@ import json
 import pathlib
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
+         "deepseek_v2", "deepseek_v3")
 
 INIT_STD = 0.1
 
@@ -59,6 +60,26 @@ Café, naïve, résumé, 東京, Привет, emoji 🙂 — multi-byte text mu
 """
 
 
+# Mixture-of-experts and MLA families: few, small experts (every expert is still exercised by a few
+# dozen tokens) and latent sizes that differ from every other dimension, so a transposed or
+# mis-split weight cannot go unnoticed.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, use_sliding_window=False),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                      norm_topk_prob=True, use_sliding_window=False),
+    "deepseek_v2": dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                        topk_method="greedy", routed_scaling_factor=1.0),
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+}
+
+
 def _config(arch: str, overrides: dict[str, Any]):
     import transformers
 
@@ -76,12 +97,18 @@ def _config(arch: str, overrides: dict[str, Any]):
         # than it), query_pre_attn_scalar != head_dim (so the scale is checked), tied embeddings.
         kwargs.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True,
                       hidden_activation="gelu_pytorch_tanh")
+    kwargs.update(_FAMILY_DEFAULTS.get(arch, {}))
     kwargs.update(overrides)
     cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
     }[arch]
@@ -96,6 +123,11 @@ def _model_class(arch: str):
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+        "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "deepseek_v2": transformers.DeepseekV2ForCausalLM,
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
     }[arch]
@@ -145,8 +177,10 @@ def build_tiny_model(path, arch: str = "llama", *, seed: int = 0, **config_overr
     if config.vocab_size < len(SPECIAL_TOKENS) + 260:
         raise ValueError(f"vocab_size must be >= {len(SPECIAL_TOKENS) + 260} for the byte-level tokenizer")
 
-    # Each arch gets its own weights so that llama and mistral do not test the identical model.
-    seed = seed * len(ARCHS) + ARCHS.index(arch)
+    # Each arch gets its own weights so that llama and mistral do not test the identical model. The
+    # stride stays 4 (the arch count when seeds were first drawn) as ARCHS grows: tests pin models
+    # by seed (a draft that must resemble its target), so existing (arch, seed) weights never change.
+    seed = seed * 4 + ARCHS.index(arch)
     torch.manual_seed(seed)
     model = _model_class(arch)(config)
     with torch.no_grad():
@@ -159,6 +193,11 @@ def build_tiny_model(path, arch: str = "llama", *, seed: int = 0, **config_overr
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # DeepSeek V3's routing bias starts at zero; a random one tests that it steers the
+                # choice of experts but not their weights.
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
         if config.tie_word_embeddings:
             model.tie_weights()
     model.eval()

@@ -261,8 +261,9 @@ class TensorParallelExecutor:
 
     def attach(self, runner) -> None:
         """Hooks a ModelRunner: its prepared inputs go to the workers; its failures name the rank."""
-        self.rank_reports[0]["kv_cache_bytes"] = sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
+        from kvserve.runtime.kv_cache import kv_cache_bytes
+
+        self.rank_reports[0]["kv_cache_bytes"] = kv_cache_bytes(runner.kv_caches)
         self.rank_reports[0]["weight_bytes"] = sum(
             p.numel() * p.element_size() for p in runner.model.parameters())
         prepare, execute = runner.prepare, runner.execute

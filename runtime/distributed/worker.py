@@ -83,7 +83,13 @@ def _run(args: WorkerArgs, config, ctrl: Connection, report: Connection) -> None
     import torch.distributed as dist
 
     from kvserve.runtime.attention.selector import get_attention_backend
-    from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks, determine_num_blocks, kv_cache_torch_dtype
+    from kvserve.runtime.kv_cache import (
+        allocate_kv_cache,
+        copy_blocks,
+        determine_num_blocks,
+        kv_cache_bytes,
+        kv_cache_torch_dtype,
+    )
     from kvserve.runtime.model_config import ModelConfig
     from kvserve.runtime.models import load_model
 
@@ -113,7 +119,7 @@ def _run(args: WorkerArgs, config, ctrl: Connection, report: Connection) -> None
             return
         kv_caches = allocate_kv_cache(model_config.shape, num_blocks, config.block_size, kv_dtype, device,
                                       args.world_size)
-        kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
+        kv_bytes = kv_cache_bytes(kv_caches)
         report.send_bytes(protocol.encode(protocol.READY, args.rank, kv_bytes))
 
         with torch.inference_mode():

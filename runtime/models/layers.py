@@ -113,11 +113,15 @@ class RowParallelLinear(nn.Module):
     """Input features split across ranks; the partial products are summed with an all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, reduce_results: bool = True):
         super().__init__()
         if input_size % tp_size:
             raise ValueError(f"row-parallel input size {input_size} is not divisible by tp_size {tp_size}")
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel bias needs reduce_results (it is added once, after the sum)")
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # False when the caller sums several partial results first and all-reduces once (MoE).
+        self.reduce_results = reduce_results
         self.shard = input_size // tp_size
         self.weight = _param((output_size, self.shard), dtype, device, self._load_weight)
         self.bias = _param((output_size,), dtype, device, self._load_bias) if bias else None
@@ -131,6 +135,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
+        if not self.reduce_results:
+            return out
         out = all_reduce(out, self.tp_size)
         # The bias is added once, after the sum, not once per rank.
         return out + self.bias if self.bias is not None else out

@@ -1,5 +1,6 @@
 """One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and
-Gemma 2/3.
+Gemma 2/3, and, with an expert block for the MLP (models.moe) or latent attention (models.mla),
+Mixtral, Qwen2/3-MoE and DeepSeek V2/V3.
 
 They differ only in flags that ModelConfig reads from config.json, so one implementation serves
 them all and one parity test suite covers them. Per layer: a sliding window or full attention
@@ -101,11 +102,26 @@ class Attention(nn.Module):
         for target in ((self.k_scale, self.v_scale) if shard_id == "kv" else (param,)):
             target.copy_(value)
 
+    def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        for part in ("q", "k", "v"):
+            out[f"{pre}{part}_proj.weight"] = (self.qkv_proj.weight, part)
+            if self.qkv_proj.bias is not None:
+                out[f"{pre}{part}_proj.bias"] = (self.qkv_proj.bias, part)
+        out[f"{pre}o_proj.weight"] = (self.o_proj.weight, None)
+        if self.o_proj.bias is not None:
+            out[f"{pre}o_proj.bias"] = (self.o_proj.bias, None)
+        if self.q_norm is not None:
+            out[f"{pre}q_norm.weight"] = (self.q_norm.weight, None)
+            out[f"{pre}k_norm.weight"] = (self.k_norm.weight, None)
+        return out
+
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device,
+                 intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
-        inter = cfg.shape.intermediate_size
+        inter = intermediate_size or cfg.shape.intermediate_size
         if inter % tp_size:
             raise ValueError(f"intermediate_size {inter} is not divisible by tensor_parallel_size {tp_size}")
         shard = inter // tp_size
@@ -115,18 +131,43 @@ class MLP(nn.Module):
             part_names=["gate", "up"],
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank,
-                                           tp_size=tp_size, dtype=dtype, device=device)
+                                           tp_size=tp_size, dtype=dtype, device=device,
+                                           reduce_results=reduce_results)
         self.act_and_mul = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
+    def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        for part in ("gate", "up"):
+            out[f"{pre}{part}_proj.weight"] = (self.gate_up_proj.weight, part)
+            if self.gate_up_proj.bias is not None:
+                out[f"{pre}{part}_proj.bias"] = (self.gate_up_proj.bias, part)
+        out[f"{pre}down_proj.weight"] = (self.down_proj.weight, None)
+        if self.down_proj.bias is not None:
+            out[f"{pre}down_proj.bias"] = (self.down_proj.bias, None)
+        return out
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0, **kw):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, layer=layer, **kw)
-        self.mlp = MLP(cfg, **kw)
+        if cfg.shape.mla is not None:
+            from kvserve.runtime.models.mla import MLAAttention
+
+            self.self_attn = MLAAttention(cfg, backend, **kw)
+        else:
+            self.self_attn = Attention(cfg, backend, layer=layer, **kw)
+        moe = cfg.shape.moe
+        if moe is not None and layer in moe.moe_layers:
+            from kvserve.runtime.models.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(cfg, **kw)
+        else:
+            self.mlp = MLP(cfg, **kw)
+        # Where the checkpoint keeps this layer's MLP (Mixtral: its expert block).
+        self.mlp_prefix = "block_sparse_moe." if cfg.architecture == "MixtralForCausalLM" else "mlp."
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.input_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
         self.post_attention_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
@@ -154,6 +195,7 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, backend, layer=layer, **kw)
         self.mlp = MLP(cfg, **kw)
+        self.mlp_prefix = "mlp."
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                            "post_feedforward_layernorm")
@@ -203,11 +245,10 @@ class CausalLM(nn.Module):
         # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to the model dtype as HF does.
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).to(self.device)
                             if cfg.gemma_norms else None)
-        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads if cfg.num_layers else 0
-        self.head_dim = cfg.head_dim
+        _, self.num_kv_heads, self.head_dim = cfg.shape.kv_cache_layout(tp_size)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of one layer's K (or V) pool on this rank."""
+        """Shape of one layer's K (or V) pool on this rank (of its latent pool, for MLA)."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     @torch.inference_mode()
@@ -245,6 +286,8 @@ class CausalLM(nn.Module):
         out: dict[str, tuple[torch.Tensor, str | None]] = {}
         for i, layer in enumerate(self.layers):
             attn, pre = layer.self_attn, f"model.layers.{i}.self_attn."
+            if not hasattr(attn, "k_scale"):  # MLA: its latent cache has no float8 form yet
+                continue
             out[f"{pre}k_scale"] = out[f"{pre}k_proj.k_scale"] = (attn.k_scale, None)
             out[f"{pre}v_scale"] = out[f"{pre}v_proj.v_scale"] = (attn.v_scale, None)
             out[f"{pre}kv_scale"] = (attn.k_scale, "kv")
@@ -258,24 +301,8 @@ class CausalLM(nn.Module):
             out["lm_head.weight"] = (self.lm_head.weight, None)
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            for part in ("q", "k", "v"):
-                out[f"{pre}self_attn.{part}_proj.weight"] = (attn.qkv_proj.weight, part)
-                if attn.qkv_proj.bias is not None:
-                    out[f"{pre}self_attn.{part}_proj.bias"] = (attn.qkv_proj.bias, part)
-            out[f"{pre}self_attn.o_proj.weight"] = (attn.o_proj.weight, None)
-            if attn.o_proj.bias is not None:
-                out[f"{pre}self_attn.o_proj.bias"] = (attn.o_proj.bias, None)
-            if attn.q_norm is not None:
-                out[f"{pre}self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
-                out[f"{pre}self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
-            for part in ("gate", "up"):
-                out[f"{pre}mlp.{part}_proj.weight"] = (mlp.gate_up_proj.weight, part)
-                if mlp.gate_up_proj.bias is not None:
-                    out[f"{pre}mlp.{part}_proj.bias"] = (mlp.gate_up_proj.bias, part)
-            out[f"{pre}mlp.down_proj.weight"] = (mlp.down_proj.weight, None)
-            if mlp.down_proj.bias is not None:
-                out[f"{pre}mlp.down_proj.bias"] = (mlp.down_proj.bias, None)
+            out.update(layer.self_attn.checkpoint_params(f"{pre}self_attn."))
+            out.update(layer.mlp.checkpoint_params(pre + layer.mlp_prefix))
             for name in layer.norm_names:
                 out[f"{pre}{name}.weight"] = (getattr(layer, name).weight, None)
         return out

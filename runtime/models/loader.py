@@ -56,7 +56,9 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
             param.weight_loader(param, tensor, shard_id)
             return
         param, shard_id = targets[name]
-        param.weight_loader(param, tensor.to(dtype=dtype), shard_id)
+        # A parameter kept in another dtype than the model's (DeepSeek V3's float32 routing bias)
+        # says so with load_dtype.
+        param.weight_loader(param, tensor.to(dtype=getattr(param, "load_dtype", dtype)), shard_id)
         loaded.add(name)
 
     with torch.no_grad():

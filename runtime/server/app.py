@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from . import serving
+from . import serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
 from .errors import APIError, from_validation_error
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -42,6 +42,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     max_request_body_bytes: int = 8 * 1024 * 1024
     retry_after_s: int = 1
+    tools: structured.ToolSettings = field(default_factory=structured.ToolSettings)
 
 
 @dataclass
@@ -197,12 +198,14 @@ async def _tokenize_async(tok: Any, text: str, add_special_tokens: bool) -> list
 
 
 def _chat_prompt(tok: Any, messages: list[dict], *, add_generation_prompt: bool, continue_final_message: bool,
-                 kwargs: dict | None) -> str:
+                 kwargs: dict | None, tools: list[dict] | None = None) -> str:
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
     try:
+        # Templates that know tools render them from `tools`; the others ignore it.
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, **(kwargs or {}))
+                                       continue_final_message=continue_final_message, tools=tools,
+                                       **(kwargs or {}))
     except Exception as exc:  # jinja raises arbitrary errors for messages the template rejects
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
 
@@ -227,10 +230,16 @@ async def _prepare(request: web.Request, kind: str):
             else:
                 prompts.append((tok.decode(p) if req.echo else None, list(p)))
     else:
-        text = _chat_prompt(tok, req.template_messages(), add_generation_prompt=req.add_generation_prompt,
-                            continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs)
+        try:
+            messages = req.template_messages()
+        except ValueError as exc:
+            raise serving.engine_error(exc) from None
+        text = _chat_prompt(tok, messages, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs,
+                            tools=req.template_tools())
         prompts = [(text, await _tokenize_async(tok, text, req.add_special_tokens))]
-    plan = serving.make_plan(kind, req, state.model_name, prompts)
+    outputs = structured.plan_outputs(req, state.config.tools)
+    plan = serving.make_plan(kind, req, state.model_name, prompts, outputs)
     limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
     wanted = sum(getattr(params, "n", 1) for _, _, params in plan.engine_requests)
     if wanted > limit:  # could never be admitted: a 429 would have the client retry forever
@@ -247,11 +256,26 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def _compile_grammar(engine: AsyncEngine, outputs: structured.OutputPlan) -> None:
+    """Waits (without holding the event loop or the engine thread) for the request's grammar; a
+    schema, regex or grammar that does not compile is a 400 naming the field it came from."""
+    if outputs.structured is None:
+        return
+    fut = engine.engine.structured_outputs.compile(outputs.structured)
+    try:
+        # shield: a client that leaves must not cancel a compilation other requests share.
+        await asyncio.shield(asyncio.wrap_future(fut))
+    except ValueError as exc:
+        why = str(exc).partition(": ")[2] or str(exc)
+        raise APIError(400, f"{outputs.field}: {why}", param=outputs.field) from None
+
+
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state, engine, plan = await _prepare(request, kind)
     state.enter()
     stream = None
     try:
+        await _compile_grammar(engine, plan.outputs)
         try:
             stream = await engine.add(plan.engine_requests)
         except ValueError as exc:
@@ -351,13 +375,37 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": engine.engine.tokenizer.decode(req.tokens)})
 
 
-async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+def _broken(state: ServerState) -> web.Response | None:
+    """500 when the process can never serve (a restart might): the load failed or the engine died."""
     if state.engine is not None and state.engine.dead is not None:
         return web.json_response({"status": "engine dead", "error": repr(state.engine.dead)}, status=500)
     if state.load_error:
         return web.json_response({"status": "load failed", "error": state.load_error}, status=500)
+    return None
+
+
+async def health(request: web.Request) -> web.Response:
+    """vLLM's meaning: 200 once the engine can serve (still while draining), 503 while loading.
+
+    Clients and charts written for vLLM wait on /health before sending requests, and probe it for
+    readiness; a 200 during loading would send them requests that get 503."""
+    state = request.app[STATE]
+    broken = _broken(state)
+    if broken is not None:
+        return broken
+    if state.engine is None:
+        return web.json_response({"status": "loading"}, status=503,
+                                 headers={"Retry-After": str(state.config.retry_after_s)})
     return web.json_response({"status": "ok"})
+
+
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while loading or serving, 500 once the process can never serve."""
+    state = request.app[STATE]
+    broken = _broken(state)
+    if broken is not None:
+        return broken
+    return web.json_response({"status": "loading" if state.engine is None else "ok"})
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -403,6 +451,7 @@ def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> we
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_get("/health", health)
+    r.add_get("/live", live)
     r.add_get("/ready", ready)
     r.add_get("/metrics", metrics)
     r.add_post("/drain", drain)

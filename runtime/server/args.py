@@ -19,6 +19,8 @@ def _bounded(kind, low, high=None):
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# kvserve.runtime.server.tool_parsers.PARSERS (named here so that parsing flags imports nothing).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -56,5 +58,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="seconds SIGTERM waits for in-flight requests before exiting")
     p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=8 * 1024 * 1024,
                    help="bigger request bodies get 413")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto", the default when tools are '
+                        "given); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool calls are read out of the model's text: hermes (<tool_call> tags: Qwen, "
+                        "Hermes), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS]), pythonic ([f(a=1)])")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     return p

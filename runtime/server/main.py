@@ -1,7 +1,7 @@
 """`kvserve serve`: listen first, load the engine in the background, drain on SIGTERM, exit 0.
 
-Listening before the model is loaded lets /health answer (the process is alive) while /ready says
-503, so Kubernetes neither kills a slow-loading pod nor routes traffic to it.
+Listening before the model is loaded lets /live answer (the process is alive) while /health and
+/ready say 503, so Kubernetes neither kills a slow-loading pod nor routes traffic to it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from aiohttp import web
 
 from .app import STATE, ServerConfig, build_app
 from .async_engine import AsyncEngine
+from .structured import ToolSettings
 
 log = logging.getLogger("kvserve.server")
 
@@ -83,6 +84,8 @@ class Server:
             max_queue_len=a.max_queue_len,
             drain_timeout_s=a.drain_timeout,
             max_request_body_bytes=a.max_request_body_bytes,
+            tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
+                               tool_call_parser=getattr(a, "tool_call_parser", None)),
         )
         app = build_app(config)
         state = self.state = app[STATE]

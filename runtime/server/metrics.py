@@ -35,7 +35,11 @@ EXPORTED_NAMES = (
     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info",
     "kvserve:kv_cache_capacity_tokens", "kvserve:max_num_seqs", "kvserve:tensor_parallel_size",
     "kvserve:generation_tokens_per_second",
+    "kvserve:structured_output_requests_total", "kvserve:grammar_compile_seconds",
 )
+
+# Grammar compilation: milliseconds for a small schema, seconds for a large one.
+COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
 class _StatsCollector:
@@ -94,6 +98,9 @@ class _StatsCollector:
                     s.tensor_parallel_size)
         yield gauge("kvserve:generation_tokens_per_second", "Generated tokens per second over the last 10 s.",
                     s.generation_tokens_per_second)
+        yield counter("kvserve:structured_output_requests",
+                      "Requests with structured outputs (response_format, structured_outputs, forced tool calls).",
+                      getattr(s, "structured_output_requests_total", 0))
 
 
 class ServerMetrics:
@@ -118,10 +125,14 @@ class ServerMetrics:
                         REQUEST_BUCKETS)
         self.queue = hist("vllm:request_queue_time_seconds",
                           "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
+        self.grammar_compile = hist("kvserve:grammar_compile_seconds",
+                                    "Histogram of grammar compilation time (a cached grammar is not compiled again).",
+                                    COMPILE_BUCKETS)
 
     def update(self, stats) -> None:
         for hist, values in ((self.ttft, stats.time_to_first_token), (self.itl, stats.inter_token_latencies),
-                             (self.e2e, stats.e2e_latencies), (self.queue, stats.queue_times)):
+                             (self.e2e, stats.e2e_latencies), (self.queue, stats.queue_times),
+                             (self.grammar_compile, getattr(stats, "grammar_compile_times", ()))):
             for v in values:
                 hist.observe(v)
         self.stats = stats

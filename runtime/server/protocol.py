@@ -7,6 +7,7 @@ that need the model (context length, vocabulary) happen in the server, not here.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,6 +23,47 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str = Field(default="response", min_length=1, max_length=64)
+    description: str | None = None
+    # OpenAI's field is "schema"; pydantic reserves that name on models.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is json_schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` body field (its ``StructuredOutputsParams``); exactly one kind."""
+
+    model_config = _STRICT
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredOutputs":
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar), ("json_object", self.json_object)) if v]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of json, regex, choice, grammar or json_object must be set, got {given or 'none'}")
+        return self
 
 
 class _Sampling(BaseModel):
@@ -53,6 +95,9 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's: prompts share prefix-cache blocks only with prompts of the same salt.
     cache_salt: str | None = Field(default=None, min_length=1)
+    response_format: ResponseFormat | None = None
+    # vLLM's extra body: {"json": schema, "regex", "choice", "grammar", "json_object"}.
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -80,6 +125,9 @@ class _Sampling(BaseModel):
             raise ValueError("logit_bias: not supported by this server")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens: must be <= max_tokens")
+        if (self.structured_outputs is not None and self.response_format is not None
+                and self.response_format.type != "text"):
+            raise ValueError("structured_outputs: cannot be combined with a response_format other than text")
         return self
 
     def stop_list(self) -> list[str]:
@@ -140,12 +188,34 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    model_config = _STRICT
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: required on tool messages")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -168,9 +238,29 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(BaseModel):
+class FunctionDefinition(BaseModel):
     model_config = _STRICT
-    type: Literal["text"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -188,9 +278,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -209,18 +299,53 @@ class ChatCompletionRequest(_Sampling):
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ValueError("max_completion_tokens: conflicts with max_tokens")
             self.max_tokens = self.max_completion_tokens
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: tool calling is not supported by this server")
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"  # OpenAI's and vLLM's default
+        if self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice: needs tools (none were given)")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: names the function {self.tool_choice.function.name!r}, "
+                                 f"which is not in tools ({', '.join(names)})")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and ((self.response_format is not None and self.response_format.type != "text")
+                       or self.structured_outputs is not None):
+            raise ValueError("tool_choice: a required or named tool choice already sets the output format; "
+                             "it cannot be combined with response_format or structured_outputs")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates take them: tool calls' arguments as dicts (Hugging Face's
+        convention, which templates index into), tool results with their call id."""
+        out = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                calls = []
+                for j, call in enumerate(m.tool_calls):
+                    try:
+                        args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+                    except ValueError:
+                        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments: not valid JSON") from None
+                    calls.append({"id": call.id, "type": "function",
+                                  "function": {"name": call.function.name, "arguments": args}})
+                msg["tool_calls"] = calls
+            out.append(msg)
+        return out
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools]
 
 
 class TokenizeRequest(BaseModel):

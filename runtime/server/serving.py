@@ -16,6 +16,8 @@ from kvserve.runtime.sampling_params import SamplingParams
 
 from .errors import APIError
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .structured import OutputPlan
+from .tool_parsers import ToolParser
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI and vLLM default for /v1/completions
 
@@ -30,7 +32,9 @@ def engine_error(exc: ValueError) -> APIError:
     return APIError(400, msg, param=param)
 
 
-def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | None,
+                    outputs: OutputPlan | None = None) -> SamplingParams:
+    outputs = outputs or OutputPlan()
     seed = req.seed
     fields: dict[str, Any] = dict(
         n=req.n,
@@ -48,8 +52,9 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, logprobs: int | N
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens if outputs.skip_special_tokens is None else outputs.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_outputs=outputs.structured,
     )
     try:
         return SamplingParams(**fields)
@@ -75,6 +80,10 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: Any = None
     role_sent: bool = False
+    # Tool calls: the parser reading this choice's text, and what has been streamed of it.
+    tool_parser: ToolParser | None = None
+    sent_content: str = ""
+    sent_calls: list[dict] = field(default_factory=list)  # {"id", "arguments"} per streamed call
 
 
 @dataclass
@@ -94,6 +103,7 @@ class Plan:
     echo: bool
     logprobs: int | None  # completions: top-N; chat: top_logprobs (0 with logprobs=true)
     want_logprobs: bool
+    outputs: OutputPlan = field(default_factory=OutputPlan)
 
     @property
     def by_request(self) -> dict[str, list[Choice]]:
@@ -116,7 +126,7 @@ class Plan:
 
 
 def make_plan(kind: str, req: CompletionRequest | ChatCompletionRequest, model: str,
-              prompts: list[tuple[str | None, list[int]]]) -> Plan:
+              prompts: list[tuple[str | None, list[int]]], outputs: OutputPlan | None = None) -> Plan:
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     pid = f"{prefix}-{uuid.uuid4().hex}"
     if kind == "completion":
@@ -130,7 +140,8 @@ def make_plan(kind: str, req: CompletionRequest | ChatCompletionRequest, model: 
         logprobs = (req.top_logprobs or 0) if want else None
         echo = False
     choices, engine_requests = [], []
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    outputs = outputs or OutputPlan()
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, outputs=outputs)
     for p, (text, ids) in enumerate(prompts):
         rid = f"{pid}-{p}"
         prompt: Any = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
@@ -138,12 +149,13 @@ def make_plan(kind: str, req: CompletionRequest | ChatCompletionRequest, model: 
             prompt["cache_salt"] = req.cache_salt
         engine_requests.append((rid, prompt, params))
         for j in range(req.n):
-            choices.append(Choice(index=p * req.n + j, request_id=rid, prompt_index=p, sample=j))
+            choices.append(Choice(index=p * req.n + j, request_id=rid, prompt_index=p, sample=j,
+                                  tool_parser=outputs.parser() if outputs.parser is not None else None))
     opts = req.stream_options
     return Plan(kind=kind, id=pid, created=int(time.time()), model=model, prompts=prompts, choices=choices,
                 engine_requests=engine_requests, stream=req.stream,
                 include_usage=bool(opts and opts.include_usage), continuous_usage=bool(opts and opts.continuous_usage_stats),
-                echo=echo, logprobs=logprobs, want_logprobs=want)
+                echo=echo, logprobs=logprobs, want_logprobs=want, outputs=outputs)
 
 
 def apply_output(choice: Choice, out: Any) -> None:
@@ -198,6 +210,56 @@ def _logprobs_for(plan: Plan, choice: Choice, start: int, end: int) -> dict | No
     return _chat_logprobs(entries, ids, plan.logprobs or 0)
 
 
+# -- tool calls -----------------------------------------------------------------------------------
+def _tool_finish_reason(plan: Plan, choice: Choice, num_calls: int) -> str | None:
+    # As OpenAI and vLLM: calls the model chose to make (auto, required) end with "tool_calls";
+    # a named tool choice is an answer in a forced format and ends with "stop".
+    if num_calls and choice.finish_reason == "stop" and plan.outputs.tool_mode in ("auto", "required"):
+        return "tool_calls"
+    return choice.finish_reason
+
+
+def _chat_message(plan: Plan, choice: Choice) -> tuple[dict, str | None]:
+    if choice.tool_parser is None:
+        return {"role": "assistant", "content": choice.text}, choice.finish_reason
+    parsed = choice.tool_parser.parse(choice.text, True)
+    calls = [c for c in parsed.calls if c.complete]
+    if not calls:
+        return {"role": "assistant", "content": parsed.content}, choice.finish_reason
+    message = {"role": "assistant", "content": parsed.content if parsed.content.strip() else None,
+               "tool_calls": [{"id": choice.tool_parser.new_call_id(), "type": "function",
+                               "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+    return message, _tool_finish_reason(plan, choice, len(calls))
+
+
+def _tool_stream_delta(choice: Choice, finished: bool) -> dict:
+    """The delta that brings the client from what it was sent to the parser's latest snapshot:
+    new content, then each new call's id and name (once known), then argument fragments."""
+    parser = choice.tool_parser
+    parsed = parser.parse(choice.text, finished)
+    delta: dict = {}
+    if parsed.content.startswith(choice.sent_content) and len(parsed.content) > len(choice.sent_content):
+        delta["content"] = parsed.content[len(choice.sent_content):]
+        choice.sent_content = parsed.content
+    calls = []
+    for k, call in enumerate(parsed.calls):
+        if k < len(choice.sent_calls):
+            sent = choice.sent_calls[k]
+            if call.arguments.startswith(sent["arguments"]) and len(call.arguments) > len(sent["arguments"]):
+                calls.append({"index": k, "function": {"arguments": call.arguments[len(sent["arguments"]):]}})
+                sent["arguments"] = call.arguments
+            continue
+        if call.name is None:
+            break  # its name comes first, whatever order the model wrote the keys in
+        cid = parser.new_call_id()
+        choice.sent_calls.append({"id": cid, "arguments": call.arguments})
+        calls.append({"index": k, "id": cid, "type": "function",
+                      "function": {"name": call.name, "arguments": call.arguments}})
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
 # -- full responses -------------------------------------------------------------------------------
 def final_response(plan: Plan) -> dict:
     choices = []
@@ -211,8 +273,9 @@ def final_response(plan: Plan) -> dict:
             choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
         else:
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            message, finish_reason = _chat_message(plan, c)
+            choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason,
+                            "stop_reason": c.stop_reason})
     obj = "text_completion" if plan.kind == "completion" else "chat.completion"
     return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model, "choices": choices,
             "usage": plan.usage()}
@@ -243,11 +306,17 @@ def stream_chunks(plan: Plan, choice: Choice) -> list[dict]:
     delta = choice.text[len(choice.sent_text):]
     new_tokens = len(choice.token_ids)
     finished = choice.finish_reason is not None
+    tool_delta = _tool_stream_delta(choice, finished) if choice.tool_parser is not None and (delta or finished) else None
+    if tool_delta is not None and not tool_delta and not finished:
+        return out  # everything new is held back (a tool-call marker may be starting)
     if delta or finished:
         lp = _logprobs_for(plan, choice, choice.sent_tokens, new_tokens) if delta or finished else None
         fr = choice.finish_reason
         if plan.kind == "completion":
             body = {"index": choice.index, "text": delta, "logprobs": lp, "finish_reason": fr}
+        elif tool_delta is not None:
+            fr = _tool_finish_reason(plan, choice, len(choice.sent_calls)) if finished else None
+            body = {"index": choice.index, "delta": tool_delta, "logprobs": lp, "finish_reason": fr}
         else:
             body = {"index": choice.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
                     "finish_reason": fr}

@@ -63,9 +63,11 @@ def split_blocks_with_draft(num_blocks: int, target_shape, draft_shape) -> int:
 
 
 def eligible(params: SamplingParams, seq: Sequence) -> bool:
-    """Requests whose next-token distribution the rejection sampler reproduces exactly."""
+    """Requests whose next-token distribution the rejection sampler reproduces exactly. A request
+    with structured outputs decodes one token per step: its grammar mask is applied by the
+    sampler, which verification does not go through."""
     return (not params.needs_penalties and params.logprobs is None
-            and seq.num_output_tokens >= params.min_tokens)
+            and seq.num_output_tokens >= params.min_tokens and params.structured_outputs is None)
 
 
 class SpecDecoder:

@@ -254,9 +254,12 @@ class Kubelet:
 class OperatorThread:
     """The real operator (kopf) in its own thread and event loop, as `kvserve-operator run` would run."""
 
-    def __init__(self, api_url: str, config: OperatorConfig, *, peering: bool = False, priority: int = 0):
+    def __init__(self, api_url: str, config: OperatorConfig, *, peering: bool = False, priority: int = 0,
+                 peering_name: str = "default"):
         self.api_url, self.config = api_url, config
-        self.peering, self.priority = peering, priority
+        self.peering, self.priority, self.peering_name = peering, priority, peering_name
+        if peering:  # as `kvserve-operator run` sets it when not --standalone
+            config.peering_name, config.namespaces = peering_name, (NAMESPACE,)
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kopf", daemon=True)
@@ -269,9 +272,10 @@ class OperatorThread:
         settings.scanning.disabled = True  # kmock cannot list namespaces
         settings.watching.reconnect_backoff = 0.2
         settings.networking.request_timeout = 10
+        settings.peering.name = self.peering_name
         try:
             asyncio.run(kopf.operator(registry=registry, settings=settings, standalone=not self.peering,
-                                      priority=self.priority, peering_name="default" if self.peering else None,
+                                      priority=self.priority, peering_name=self.peering_name if self.peering else None,
                                       namespaces=[NAMESPACE], stop_flag=self.stop_flag,
                                       ready_flag=self.ready_flag))
         except BaseException as error:  # surfaced by the test

@@ -3,7 +3,12 @@
 Patched here, in a test-side subclass pinned to kmock 0.8:
   * metadata.uid, resourceVersion (monotonic), creationTimestamp and generation (bumped when
     the spec changes) are set, and generateName is honoured (kopf's Events use it);
-  * a watch that gives ?resourceVersion= does not replay every object as ADDED again;
+  * a watch that gives ?resourceVersion= does not replay every object as ADDED again: it
+    streams what changed after that version (kept in a per-resource history, as etcd's watch
+    cache does), so a client that reconnects after a cut stream misses nothing; a version older
+    than the history answers 410 Gone, as a real server does; DELETED events get a version of
+    their own, a delete that only sets deletionTimestamp (finalizers) bumps the version, and a
+    list's resourceVersion is the latest one given out;
   * a JSON patch whose `test` op fails answers 422 (not 500), and JSON patches bump
     resourceVersion too;
   * labelSelector (equality terms) is applied to lists;
@@ -16,6 +21,7 @@ no schema validation or defaulting, no server-side apply.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import datetime
 import itertools
@@ -27,14 +33,50 @@ import attrs
 import jsonpatch
 import jsonpointer
 import kmock
-from kmock._internal import enums, k8s
+from kmock._internal import aiobus, enums, k8s
 
 CRD_RESOURCE = "kvserve.dev/v1alpha1/inferenceservices"
+
+
+HISTORY = 20_000  # watch events kept per resource for resuming watches
+
+
+@attrs.mutable(weakref_slot=True)
+class HistoryBus(aiobus.Bus):
+    """kmock's event bus, also remembering each event (with its resourceVersion) for replays."""
+
+    history: list = attrs.field(factory=list)
+    trimmed_up_to: int = 0  # versions at or below this may be missing from `history`
+    stamp: Any = None  # gives out the next resourceVersion
+
+    async def put(self, item):
+        # A deletion gets a version of its own, as in a real watch (the object is gone, so no
+        # stored version disagrees with it).
+        item = copy.deepcopy(item)
+        if self.stamp is not None and item.get("type") == "DELETED":
+            item["object"].setdefault("metadata", {})["resourceVersion"] = self.stamp()
+        self.history.append(item)
+        if len(self.history) > HISTORY:
+            dropped = self.history[: len(self.history) - HISTORY]
+            del self.history[: len(dropped)]
+            self.trimmed_up_to = max([self.trimmed_up_to] + [_rv(e) for e in dropped])
+        await super().put(item)
+
+
+def _rv(event) -> int:
+    try:
+        return int(event.get("object", {}).get("metadata", {}).get("resourceVersion"))
+    except (TypeError, ValueError):
+        return 0
 
 
 @attrs.define(kw_only=True)
 class PatchedEmulator(kmock.KubernetesEmulator):
     _counter: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._buses = collections.defaultdict(lambda: HistoryBus(stamp=self._next_rv))
 
     def _next_rv(self) -> str:
         return str(next(self._counter))
@@ -50,6 +92,13 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                 meta["resourceVersion"] = self._next_rv()
                 meta["generation"] = 1
                 meta["creationTimestamp"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            elif request.action == enums.action.DELETE and request.name is not None:
+                # With finalizers a delete only sets deletionTimestamp: a change, so a new version.
+                key = (request.resource, request.namespace, request.name)
+                live = self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None
+                meta = (live or {}).get("metadata", {})
+                if meta.get("finalizers") and not meta.get("deletionTimestamp"):
+                    self._objects[key].patch({"metadata": {"resourceVersion": self._next_rv()}})
             elif request.action == enums.action.UPDATE and request.name is not None:
                 key = (request.resource, request.namespace, request.name)
                 live = self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None
@@ -85,7 +134,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request):
         payload = await super()._serve_list(request)
-        payload["metadata"]["resourceVersion"] = str(next(copy.copy(self._counter)))
+        payload["metadata"]["resourceVersion"] = str(next(copy.copy(self._counter)) - 1)  # the latest given out
         selector = request.params.get("labelSelector")
         if selector:
             terms = dict(t.split("=", 1) for t in selector.split(",") if "=" in t)
@@ -95,16 +144,39 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         return payload
 
     async def _serve_watch(self, request):
-        if not request.params.get("resourceVersion"):
+        try:
+            since = int(request.params.get("resourceVersion") or "")
+        except ValueError:
+            since = None
+        if since is None:
             async for event in super()._serve_watch(request):
                 yield event
             return
-        # The client has just listed: stream only what happens from now on.
-        yield b""
-        async for event in self._buses[request.resource]:
-            obj = event.get("object", {}).get("metadata", {})
-            if request.namespace is None or obj.get("namespace") == request.namespace:
-                yield event
+        # Continue after `since`: first what the history holds after it, then the live bus.
+        bus = self._buses[request.resource]
+        mark = await bus.mark()  # before reading the history: nothing falls between the two
+        try:
+            yield b""
+            if since < bus.trimmed_up_to:
+                yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                   "reason": "Expired", "code": 410,
+                                                   "message": f"too old resource version: {since}"}}
+                return
+            replayed = set()  # events both in the history and after the mark: send them once
+            for event in list(bus.history):
+                if _rv(event) > since and self._in_namespace(request, event):
+                    replayed.add(id(event))
+                    yield event
+            async for event in mark:
+                if id(event) not in replayed and self._in_namespace(request, event):
+                    yield event
+        finally:
+            await bus.unmark(mark)
+
+    @staticmethod
+    def _in_namespace(request, event) -> bool:
+        meta = event.get("object", {}).get("metadata", {})
+        return request.namespace is None or meta.get("namespace") == request.namespace
 
 
 def _merged(base: Any, patch: Any) -> Any:

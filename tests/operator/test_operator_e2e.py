@@ -324,3 +324,44 @@ def test_peering_keeps_one_instance_active(cluster):
         op.stop()
     assert op.error is None
     assert_operator_calls_are_documented(emulator)
+
+
+def test_missing_peering_object_is_said_and_creating_it_resumes(cluster, caplog):
+    """Regression: a non-standalone operator without its peering object sat paused in silence."""
+    import logging
+
+    import kopf
+
+    emulator, api, kubelet, load = cluster
+    config = OperatorConfig(scrape_interval=0.3, agent_port=kubelet.agent_port, peering_check_interval=0.5,
+                            connection=kopf.ConnectionInfo(server=emulator.url))
+    caplog.set_level(logging.WARNING, logger="kvserve.operator.peering")
+    op = OperatorThread(emulator.url, config, peering=True, priority=1, peering_name="lonely").start()
+    try:
+        obj = copy.deepcopy(TINY)
+        obj["metadata"]["name"] = "unpeered"
+        api.apply_isvc(defaulted(obj))
+
+        def said():
+            return [r.getMessage() for r in caplog.records if "does not exist" in r.getMessage()]
+
+        lines = wait_for(lambda: len(said()) >= 2 and said(), timeout=30, what="the warning, twice")
+        assert lines[0] == (
+            "peering object KopfPeering 'lonely' in namespace 'default' does not exist, so this operator is "
+            "paused and handles no InferenceService. Create it (apiVersion kopf.dev/v1, kind KopfPeering, "
+            "metadata.name 'lonely', metadata.namespace 'default'; example: manifests/namespaced/peering.yaml; "
+            "CRDs: crds/kopf-peering.yaml), or run the operator with --standalone if it is the only one.")
+        assert api.get("Deployment", "unpeered") is None
+
+        api.call("POST", "/apis/kopf.dev/v1/namespaces/default/kopfpeerings",
+                 {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+                  "metadata": {"name": "lonely", "namespace": "default"}})
+        wait_for(lambda: api.get("Deployment", "unpeered"), timeout=30, what="work resumed")
+        wait_for(lambda: any("found in namespace 'default'; the operator resumes" in r.getMessage()
+                             for r in caplog.records), what="the all-clear")
+        api.delete_isvc("unpeered")
+        wait_for(lambda: api.get_isvc("unpeered") is None, what="deleted")
+    finally:
+        op.stop()
+    assert op.error is None
+    assert_operator_calls_are_documented(emulator)

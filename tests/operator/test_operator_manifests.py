@@ -72,8 +72,9 @@ def test_gpu_deployment_shape():
         assert sc["capabilities"] == {"drop": ["ALL"]}
     assert runtime["lifecycle"]["preStop"]["exec"]["command"][:3] == ["kvserve", "agent", "drain"]
     assert agent["lifecycle"]["preStop"]["exec"]["command"][:3] == ["kvserve", "agent", "drain"]
-    assert runtime["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert runtime["livenessProbe"]["httpGet"]["path"] == "/health"
+    # kvserve: alive while loading (/live), in the Service only when serving (/ready).
+    assert [runtime[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")] \
+        == ["/live", "/live", "/ready"]
     pod = dep["spec"]["template"]["spec"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]  # NCCL needs shm at TP > 1
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
@@ -154,3 +155,13 @@ def test_pod_commands_parse_with_the_real_kvserve_cli(example, tp):
             assert args.tensor_parallel_size == tp and args.port == 8000
         if getattr(args, "agent_cmd", None) == "serve":
             assert args.port == 8081 and args.engine_url == "http://127.0.0.1:8000"
+
+
+def test_vllm_pods_probe_the_only_route_vllm_has():
+    """vLLM has no /live or /ready and listens only once loaded: /health, with a long startup."""
+    obj = owner("manual-vllm")
+    assert obj["spec"]["runtime"]["engine"] == "vllm"
+    runtime = _containers(M.build_deployment(obj, parse_spec(obj["spec"]), replicas=1, tp=1))["runtime"]
+    probes = [runtime[p] for p in ("startupProbe", "livenessProbe", "readinessProbe")]
+    assert [p["httpGet"]["path"] for p in probes] == ["/health"] * 3
+    assert probes[0]["periodSeconds"] * probes[0]["failureThreshold"] >= 30 * 60

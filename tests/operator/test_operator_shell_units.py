@@ -224,3 +224,13 @@ def test_unknown_model_shape_is_said_in_status_and_one_event(monkeypatch):
     for _ in range(3):
         Reconciler._report_tp_note({}, memo, note)
     assert warned == [("TensorParallelUnplanned", note)]
+
+
+def test_peering_objects_to_check_and_the_message():
+    from kvserve.operator.peering import missing_message, peering_objects
+
+    assert peering_objects("default", [], True) == [("ClusterKopfPeering", None)]
+    assert peering_objects("default", ["ml", "team-*"], False) == [("KopfPeering", "ml")]
+    message = missing_message("default", "ClusterKopfPeering", None)
+    assert message.startswith("peering object ClusterKopfPeering 'default' does not exist")
+    assert "kind ClusterKopfPeering, metadata.name 'default';" in message and "--standalone" in message

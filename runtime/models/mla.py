@@ -1,0 +1,151 @@
+"""DeepSeek V2/V3's multi-head latent attention layer (the attention math: runtime.attention.mla).
+
+Queries: hidden -> q_a_proj -> RMSNorm -> q_b_proj (or one q_proj without q_lora_rank), split per
+head into a no-position part (qk_nope_head_dim) and a rotary part (qk_rope_head_dim). Keys and
+values: hidden -> kv_a_proj_with_mqa -> [c (kv_lora_rank) | k_pe (qk_rope_head_dim)]; c is
+RMS-normalized, k_pe rotated (one rotary key shared by all heads), and [c | k_pe] is what the
+cache keeps. kv_b_proj up-projects c to each head's K_nope and V.
+
+Tensor parallelism splits heads (q_b_proj/q_proj and kv_b_proj by output rows, o_proj by input
+columns); the low-rank down-projections are small and replicated, so every rank computes the
+whole latent and keeps a full copy of the latent cache.
+
+DeepSeek's rotary dims come in interleaved pairs (x0, x1), (x2, x3), ...; the loader permutes
+the rotary rows of q and kv_a_proj_with_mqa to (x0, x2, ..., x1, x3, ...) so the usual
+rotate-half rotation applies. Queries and keys are permuted alike, so every score is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.kernels import ops
+from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.runtime.attention.mla import mla_attention_for
+from kvserve.runtime.model_config import ModelConfig
+from kvserve.runtime.models.layers import MergedColumnParallelLinear, ReplicatedWeight, RowParallelLinear
+from kvserve.runtime.models.moe import ReplicatedLinear
+
+# DeepSeek's q_a_layernorm and kv_a_layernorm use RMSNorm's default eps, not rms_norm_eps.
+_LORA_NORM_EPS = 1e-6
+
+
+def _deinterleave(rope_dim: int) -> torch.Tensor:
+    return torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
+
+
+def _with_rope_rows_permuted(loader, head_size: int, rope_dim: int):
+    """Wraps a weight loader so that, in every head_size-row group of the checkpoint tensor, the
+    last rope_dim rows go from interleaved pairs to rotate-half order."""
+    perm = _deinterleave(rope_dim)
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded.shape[0]
+        if rows % head_size:
+            raise ValueError(f"weight: checkpoint has {rows} rows, not a multiple of {head_size}")
+        heads = loaded.view(rows // head_size, head_size, *loaded.shape[1:])
+        nope, rope = heads.split([head_size - rope_dim, rope_dim], dim=1)
+        fixed = torch.cat((nope, rope.index_select(1, perm.to(loaded.device))), dim=1)
+        loader(param, fixed.reshape(loaded.shape), shard_id)
+
+    return load
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, tp_rank: int, tp_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        shape, m = cfg.shape, cfg.shape.mla
+        assert m is not None
+        shape.check_tp(tp_size)
+        self.num_heads = shape.num_attention_heads // tp_size
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.kv_lora_rank = m.kv_lora_rank
+        qk = self.nope + self.rope
+        h = shape.hidden_size
+        dd = dict(dtype=dtype, device=device)
+
+        def by_heads(input_size: int, per_head: int, name: str) -> MergedColumnParallelLinear:
+            return MergedColumnParallelLinear(
+                input_size, output_sizes=[shape.num_attention_heads * per_head],
+                shard_sizes=[self.num_heads * per_head], shard_starts=[tp_rank * self.num_heads * per_head],
+                bias=False, part_names=[name], **dd)
+
+        if m.q_lora_rank is None:
+            self.q_a_proj = self.q_a_layernorm = None
+            self.q_proj = by_heads(h, qk, "q")
+        else:
+            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, **dd)
+            self.q_a_layernorm = ReplicatedWeight(m.q_lora_rank, **dd)
+            self.q_proj = by_heads(m.q_lora_rank, qk, "q")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.latent_dim, **dd)
+        self.kv_a_layernorm = ReplicatedWeight(m.kv_lora_rank, **dd)
+        self.kv_b_proj = by_heads(m.kv_lora_rank, self.nope + self.v_dim, "kv_b")
+        self.o_proj = RowParallelLinear(shape.num_attention_heads * self.v_dim, h, bias=False,
+                                        tp_rank=tp_rank, tp_size=tp_size, **dd)
+        if cfg.rope_interleave:
+            self.q_proj.weight.weight_loader = _with_rope_rows_permuted(  # type: ignore[attr-defined]
+                self.q_proj.weight.weight_loader, qk, self.rope)
+            self.kv_a_proj_with_mqa.weight.weight_loader = _with_rope_rows_permuted(  # type: ignore[attr-defined]
+                self.kv_a_proj_with_mqa.weight.weight_loader, m.latent_dim, self.rope)
+        self.scale = cfg.attention_scale()
+        self.impl = mla_attention_for(backend)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, L] and W_UV [H, v, L]: views of kv_b_proj's rows, head by head."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        if self.q_a_proj is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_proj(ops.rms_norm(self.q_a_proj(hidden), self.q_a_layernorm.weight, _LORA_NORM_EPS))
+        q_nope, q_pe = q.view(t, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
+        c = ops.rms_norm(c.contiguous(), self.kv_a_layernorm.weight, _LORA_NORM_EPS)
+        q_pe, k_pe = ops.rotary_embedding(positions, q_pe.contiguous(), k_pe.reshape(t, 1, self.rope), cos_sin)
+        k_pe = k_pe.reshape(t, self.rope)
+        (cache,) = kv_cache
+        impl = self.impl
+        impl.write_latent(torch.cat((c, k_pe), dim=-1), cache, meta.slot_mapping)
+        plan = impl.plan(meta)
+        out = torch.empty(t, self.num_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
+        if plan.decode_meta is not None:
+            rows = plan.decode_rows
+            w_uk, w_uv = self._absorbed()
+            q_lat = torch.bmm(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
+            o_lat = impl.decode(torch.cat((q_lat, q_pe[rows]), dim=-1), cache, plan, self.kv_lora_rank,
+                                self.scale)
+            out[rows] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        for seq, q0, q1, seq_len in plan.prefill:
+            q_len = q1 - q0
+            if seq_len == q_len:  # nothing cached before: the chunk's own latents are the context
+                ctx_c, ctx_pe = c[q0:q1], k_pe[q0:q1]
+            else:
+                ctx_c, ctx_pe = impl.gather_context(cache, meta, seq, seq_len).split(
+                    [self.kv_lora_rank, self.rope], dim=-1)
+                ctx_c, ctx_pe = ctx_c.to(hidden.dtype), ctx_pe.to(hidden.dtype)
+            kv = self.kv_b_proj(ctx_c).view(seq_len, self.num_heads, self.nope + self.v_dim)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k = torch.cat((k_nope, ctx_pe[:, None, :].expand(seq_len, self.num_heads, self.rope)), dim=-1)
+            qs = torch.cat((q_nope[q0:q1], q_pe[q0:q1]), dim=-1)
+            out[q0:q1] = impl.prefill(qs, k, v, seq_len - q_len, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+    def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        if self.q_a_proj is None:
+            out[f"{pre}q_proj.weight"] = (self.q_proj.weight, "q")
+        else:
+            out[f"{pre}q_a_proj.weight"] = (self.q_a_proj.weight, None)
+            out[f"{pre}q_a_layernorm.weight"] = (self.q_a_layernorm.weight, None)
+            out[f"{pre}q_b_proj.weight"] = (self.q_proj.weight, "q")
+        out[f"{pre}kv_a_proj_with_mqa.weight"] = (self.kv_a_proj_with_mqa.weight, None)
+        out[f"{pre}kv_a_layernorm.weight"] = (self.kv_a_layernorm.weight, None)
+        out[f"{pre}kv_b_proj.weight"] = (self.kv_b_proj.weight, "kv_b")
+        out[f"{pre}o_proj.weight"] = (self.o_proj.weight, None)
+        return out

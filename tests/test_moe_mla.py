@@ -1,0 +1,123 @@
+"""MoE routing and MLA pieces against transformers' own modules, and the config checks that
+refuse variants this runtime does not implement (naming the field and what is supported)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from kvserve.runtime.model_config import ModelConfig
+from kvserve.runtime.models.moe import select_experts
+
+
+def _sorted(weights, ids):
+    """(ids, weights) sorted by id per token: routers may return the top-k in any order."""
+    order = ids.argsort(dim=-1)
+    return ids.gather(1, order), weights.float().gather(1, order)
+
+
+def _routing(tmp_path: pathlib.Path, hf_config) -> ModelConfig:
+    d = tmp_path / hf_config.model_type
+    d.mkdir(exist_ok=True)
+    hf_config.save_pretrained(d)
+    return ModelConfig.from_pretrained(d)
+
+
+ROUTERS = {
+    "mixtral": ("MixtralConfig", "modeling_mixtral", "MixtralTopKRouter",
+                dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "modeling_qwen2_moe", "Qwen2MoeTopKRouter",
+                  dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "modeling_qwen3_moe", "Qwen3MoeTopKRouter",
+                  dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)),
+    "deepseek_v2-greedy": ("DeepseekV2Config", "modeling_deepseek_v2", "DeepseekV2TopkRouter",
+                           dict(n_routed_experts=16, num_experts_per_tok=3, topk_method="greedy",
+                                routed_scaling_factor=1.7)),
+    "deepseek_v2-group": ("DeepseekV2Config", "modeling_deepseek_v2", "DeepseekV2TopkRouter",
+                          dict(n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
+                               n_group=4, topk_group=2, routed_scaling_factor=1.0)),
+    "deepseek_v3": ("DeepseekV3Config", "modeling_deepseek_v3", "DeepseekV3TopkRouter",
+                    dict(n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=3,
+                         norm_topk_prob=True, routed_scaling_factor=2.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_select_experts_matches_transformers_router(tmp_path, name):
+    import importlib
+
+    import transformers
+
+    cfg_cls, module, router_cls, fields = ROUTERS[name]
+    hf_cfg = getattr(transformers, cfg_cls)(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                            num_key_value_heads=4, vocab_size=300, **fields)
+    hf_cfg.architectures = [cfg_cls.removesuffix("Config") + "ForCausalLM"]
+    model_type = name.split("-")[0]
+    router = getattr(importlib.import_module(f"transformers.models.{model_type}.{module}"), router_cls)(hf_cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(0.3 * torch.randn(router.e_score_correction_bias.shape, generator=g))
+    hidden = torch.randn(64, 32, generator=g)
+    cfg = _routing(tmp_path, hf_cfg)
+    with torch.no_grad():
+        _, want_w, want_ids = router(hidden)
+        logits = torch.nn.functional.linear(hidden, router.weight)
+        bias = getattr(router, "e_score_correction_bias", None)
+        got_w, got_ids = select_experts(logits, cfg.shape.moe.experts_per_token, cfg.routing, bias)
+    want_ids, want_w = _sorted(want_w, want_ids)
+    got_ids, got_w = _sorted(got_w, got_ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
+
+
+def _write(tmp_path: pathlib.Path, arch: str, **changes) -> pathlib.Path:
+    base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 256}
+    if arch.startswith("Deepseek"):
+        base.update(model_type="deepseek_v3" if "V3" in arch else "deepseek_v2", kv_lora_rank=32,
+                    q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
+    else:
+        base.update(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    base.update(architectures=[arch], **changes)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    return tmp_path
+
+
+@pytest.mark.parametrize("arch,changes,message", [
+    ("DeepseekV3ForCausalLM", dict(scoring_func="softmax"), "scoring_func 'softmax'.*supported: 'sigmoid'"),
+    ("DeepseekV2ForCausalLM", dict(scoring_func="sigmoid"), "scoring_func 'sigmoid'.*supported: 'softmax'"),
+    ("DeepseekV3ForCausalLM", dict(topk_method="greedy"), "topk_method 'greedy'.*supported: 'noaux_tc'"),
+    ("DeepseekV2ForCausalLM", dict(topk_method="noaux_tc"),
+     "topk_method 'noaux_tc'.*supported: 'greedy', 'group_limited_greedy'"),
+    ("DeepseekV2ForCausalLM", dict(norm_topk_prob=True), "norm_topk_prob true.*supported: false"),
+    ("DeepseekV3ForCausalLM", dict(n_group=3, topk_group=1), "n_group 3 must divide the 8 routed experts"),
+    ("DeepseekV3ForCausalLM", dict(n_group=2, topk_group=3), "topk_group 3 must be in"),
+    ("DeepseekV3ForCausalLM", dict(n_group=8, topk_group=2), "noaux_tc.*two best experts"),
+    ("DeepseekV3ForCausalLM", dict(n_group=4, topk_group=1, num_experts_per_tok=3), "num_experts_per_tok 3 exceeds"),
+    ("DeepseekV3ForCausalLM", dict(attention_bias=True), "attention_bias true.*supported: false"),
+    ("DeepseekV2ForCausalLM", dict(kv_lora_rank=None), "needs kv_lora_rank"),
+    ("DeepseekV3ForCausalLM", dict(moe_layer_freq=2), "moe_layer_freq 2.*supported: 1"),
+    ("MixtralForCausalLM", dict(num_local_experts=0), "positive expert count"),
+    ("MixtralForCausalLM", dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_unsupported_moe_and_mla_variants_are_named(tmp_path, arch, changes, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_pretrained(_write(tmp_path, arch, **changes))
+
+
+def test_mla_softmax_scale_and_rotary_dim_follow_transformers(tmp_path):
+    rope = {"rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    cfg = ModelConfig.from_pretrained(_write(tmp_path, "DeepseekV2ForCausalLM", rope_parameters=rope))
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import yarn_apply_mscale
+
+    assert cfg.rotary_dim == 8 and cfg.rope_interleave
+    assert cfg.attention_scale() == pytest.approx(yarn_apply_mscale(rope, 24**-0.5), rel=1e-12)
+    v3 = ModelConfig.from_pretrained(_write(tmp_path, "DeepseekV3ForCausalLM", rope_interleave=False))
+    assert not v3.rope_interleave and v3.attention_scale() == pytest.approx(24**-0.5)
