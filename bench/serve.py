@@ -12,6 +12,9 @@ PNG under bench/results/.
     # start a server and benchmark it in one go (kvserve, or the transformers baseline):
     python bench/serve.py --launch kvserve --num-prompts 64 --max-concurrency 16
     python bench/serve.py --launch hf-baseline --num-prompts 16 --max-concurrency 16
+    # llama.cpp's llama-server on a GGUF (KVSERVE_LLAMACPP_DIR points at its build):
+    python bench/serve.py --launch llama-server --gguf build/gguf/SmolLM2-135M-Instruct.f32.gguf \
+        --model-dir build/smollm2/SmolLM2-135M-Instruct --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ def parse_args(argv=None):
     p.add_argument("--base-url", default=None, help="server to benchmark (default: the one --launch starts)")
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--launch", choices=["kvserve", "hf-baseline"], default=None,
+    p.add_argument("--launch", choices=["kvserve", "hf-baseline", "llama-server"], default=None,
                    help="start this server on a free port for the run, then stop it")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the GGUF file llama-server serves (--launch llama-server); --model-dir still gives "
+                        "the vocabulary size")
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                    help="model for --launch (default: the ~50M random Llama of bench/offline_throughput.py)")
     p.add_argument("--server-args", default="", help="extra flags for the launched server")
@@ -136,7 +142,7 @@ async def run(args, base_url: str) -> dict:
         model = args.model
         vocab = args.vocab_size
         async with session.get(base_url.rstrip("/") + "/v1/models") as r:
-            info = (await r.json())["data"][0]
+            info = (await r.json())["data"][0]  # llama-server answers {"models": [...], "data": [...]} too
         model = model or info["id"]
         vocab = vocab or 500
         dataset = make_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
@@ -257,6 +263,36 @@ def ensure_model(path: Path) -> Path:
     return build_bench_model(path)
 
 
+class _LlamaServerProcess:
+    """bench/llamacpp.py's LlamaServer, stopped like the other launched servers' processes."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def send_signal(self, sig) -> None:
+        self.server.__exit__(None, None, None)
+
+    def wait(self, timeout=None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def launch_llama_server(gguf: Path | None, args) -> tuple[_LlamaServerProcess, str]:
+    from llamacpp import LlamaServer  # sibling script: bench/ is on sys.path
+
+    if gguf is None:
+        raise SystemExit("--launch llama-server needs --gguf FILE")
+    # One slot per concurrent request, each with room for the longest prompt + output.
+    slots = max(1, min(args.max_concurrency or args.num_prompts, args.num_prompts))
+    longest = int((args.random_input_len + args.random_output_len) * (1 + args.random_range_ratio)) + 16
+    server = LlamaServer(gguf, parallel=slots, ctx_per_slot=longest, threads=args.server_threads or 2,
+                         extra_args=args.server_args.split())
+    server.__enter__()
+    return _LlamaServerProcess(server), server.url
+
+
 def launch(kind: str, model_dir: Path, extra: str, threads: int | None) -> tuple[subprocess.Popen, str]:
     if kind == "kvserve":
         cmd = [sys.executable, "-m", "kvserve.runtime.cli", "serve", str(model_dir), "--port", "0"]
@@ -299,7 +335,10 @@ def main(argv=None) -> int:
         model_dir = ensure_model(args.model_dir)
         if args.vocab_size is None:
             args.vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        proc, base_url = launch(args.launch, model_dir, args.server_args, args.server_threads)
+        if args.launch == "llama-server":
+            proc, base_url = launch_llama_server(args.gguf, args)
+        else:
+            proc, base_url = launch(args.launch, model_dir, args.server_args, args.server_threads)
         args.label = args.label or args.launch
     if base_url is None:
         raise SystemExit("--base-url or --launch is required")

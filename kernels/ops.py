@@ -1,14 +1,18 @@
 """The layer operations that the model code calls: the one place that picks Triton or torch.
 
 Model code calls these functions and never a kernel directly, so the engine can run the Triton
-kernels on CUDA and their pure-torch twins everywhere else (or be forced either way for tests).
-The twins follow Hugging Face's numerics (norms in float32, cast back) so that the torch path
-matches transformers token for token.
+kernels on CUDA, the native C kernels (kernels/cpu) on float32 CPU tensors, and the pure-torch
+twins everywhere else (or be forced either way for tests). The twins follow Hugging Face's
+numerics (norms in float32, cast back) so that the torch path matches transformers token for
+token; the native kernels compute the same expressions in the same order except for the order of
+the sums inside a norm (rotary is bit-identical).
 
 Mode (``set_kernel_mode`` or the ``KVSERVE_KERNELS`` environment variable; the call wins):
-  - ``auto`` (default): Triton for CUDA tensors when triton imports, torch otherwise;
+  - ``auto`` (default): Triton for CUDA tensors when triton imports, the native kernels for
+    float32 CPU tensors when they build (``KVSERVE_CPU_KERNELS=0`` turns them off), torch otherwise;
   - ``torch``: always the twins;
-  - ``triton``: always the kernels (CPU tensors then need TRITON_INTERPRET=1).
+  - ``triton``: always the kernels (CPU tensors then need TRITON_INTERPRET=1);
+  - ``native``: the native CPU kernels wherever they apply (float32 CPU tensors), the twins elsewhere.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from kvserve.kernels import reference
 from kvserve.kernels.triton_utils import triton_available
 
-KERNEL_MODES = ("auto", "torch", "triton")
+KERNEL_MODES = ("auto", "torch", "triton", "native")
 ENV_VAR = "KVSERVE_KERNELS"
 
 _mode_override: str | None = None
@@ -71,6 +75,27 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+def use_native(t: torch.Tensor) -> bool:
+    """Whether the ops called on tensor ``t`` go to the native CPU kernels under the current mode."""
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return False
+    mode = get_kernel_mode()
+    if mode not in ("auto", "native"):
+        return False
+    from kvserve.kernels.cpu import native
+
+    if mode == "native" and not native.available():
+        raise RuntimeError(f"kernel mode 'native' was requested but the native CPU kernels are unavailable: "
+                           f"{native.status()}")
+    return native.available()
+
+
+def _native():
+    from kvserve.kernels.cpu import native
+
+    return native
+
+
 def _layers():
     from kvserve.kernels import layers  # imports triton: only on the Triton path
 
@@ -81,6 +106,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32 and cast back to x's dtype."""
     if use_triton(x):
         return _layers().rms_norm(x, weight, eps)
+    if use_native(x) and weight.dtype == torch.float32:
+        return _native().rms_norm(x, weight, eps)
     return reference.rms_norm_ref(x, weight, eps)
 
 
@@ -90,6 +117,8 @@ def fused_add_rms_norm(
     """Returns (rms_norm(x + residual), x + residual): the pre-norm residual stream in one pass."""
     if use_triton(x):
         return _layers().fused_add_rms_norm(x, residual, weight, eps)
+    if use_native(x) and residual.dtype == weight.dtype == torch.float32:
+        return _native().fused_add_rms_norm(x, residual, weight, eps)
     return reference.fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -121,6 +150,8 @@ def rotary_embedding(
     """
     if use_triton(query):
         return _layers().rotary_embedding(positions, query, key, cos_sin_cache)
+    if use_native(query) and _native().rotary_supported(query, key, cos_sin_cache):
+        return _native().rotary_embedding(positions, query, key, cos_sin_cache)
     return reference.rotary_embedding_ref(positions, query, key, cos_sin_cache)
 
 
@@ -128,6 +159,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for x = [gate | up] along the last dimension (the fused gate_up output)."""
     if use_triton(x):
         return _layers().silu_and_mul(x)
+    if use_native(x):
+        return _native().silu_and_mul(x)
     return reference.silu_and_mul_ref(x)
 
 

@@ -47,6 +47,13 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 GiB = 1024**3
 
+# Weight formats, by vLLM's names (`quantization=` / `--quantization` / spec.runtime.quantization).
+WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8")
+# Formats a checkpoint can already be in (config.json's quantization_config.quant_method).
+CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8")
+# Formats that quantize a full-precision checkpoint while loading it.
+LOAD_TIME_FORMATS = ("int8", "int4", "fp8")
+
 
 def dtype_bytes(dtype: Any) -> int:
     """Bytes per element for a dtype given as a string ("bfloat16", "fp16", ...) or torch dtype."""

@@ -44,6 +44,14 @@ class EngineConfig:
     # "auto" (the model dtype) or "fp8" / "fp8_e4m3" / "fp8_e5m2": K/V stored as float8 with
     # per-layer scales (1.0, or the checkpoint's k_scale / v_scale), read back dequantized.
     kv_cache_dtype: str = "auto"
+    # Weight format (vLLM's names): None follows the checkpoint's quantization_config (full
+    # precision if it has none); "int8"/"int4"/"fp8" quantize a full-precision checkpoint at load.
+    quantization: str | None = None
+    # CUDA graphs for decode steps are on by default on a GPU; True runs every step eagerly.
+    enforce_eager: bool = False
+    # {"level": 0 | 3, "cudagraph_capture_sizes": [1, 2, 4, ...], "max_capture_size": 512}, that
+    # as a JSON string, or a bare level (kvserve.runtime.cuda_graphs.CompilationConfig).
+    compilation_config: Any = None
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -99,6 +107,11 @@ class EngineConfig:
             from kvserve.runtime.spec_decode.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if not isinstance(self.enforce_eager, bool):
+            fail("enforce_eager", "must be a boolean")
+        from kvserve.runtime.cuda_graphs import CompilationConfig
+
+        self.compilation_config = CompilationConfig.parse(self.compilation_config)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", "must be an integer")
         if self.attention_backend not in _BACKENDS:
@@ -108,6 +121,13 @@ class EngineConfig:
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
+        if self.quantization is not None:
+            from kvserve.runtime.capacity import WEIGHT_FORMATS
+
+            name = str(self.quantization).lower().replace("_", "-")
+            if name not in WEIGHT_FORMATS:
+                fail("quantization", f"must be one of {list(WEIGHT_FORMATS)} (or None: the checkpoint's own)")
+            self.quantization = name
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
                 and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
             fail("max_num_batched_tokens",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,11 +99,18 @@ class LLMEngine:
         from kvserve.runtime.model_config import ModelConfig
         from kvserve.runtime.models import load_model
 
+        from kvserve.runtime.models.quantization import resolve_quantization
+
         config.model = resolve_model_path(config.model)  # a fetched GGUF directory -> its file
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.dtype, self.device)
+        # Before the tokenizer and any worker: a format this checkpoint or device cannot take fails first.
+        self.quant_config = resolve_quantization(config.quantization, self.model_config.hf_config)
+        if self.quant_config is not None:
+            self.quant_config.check_supported(self.device, self.dtype)
+        self.quantization = self.quant_config.name if self.quant_config is not None else None
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         if config.kv_cache_dtype != "auto" and self.model_config.shape.mla is not None:
             raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported for multi-head latent "
@@ -143,7 +151,7 @@ class LLMEngine:
         try:
             self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                     attention_backend=backend, config=self.model_config,
-                                    tp_rank=0, tp_size=tp)
+                                    tp_rank=0, tp_size=tp, quantization=self.quant_config)
             shape = self.model_config.shape
             self.num_kv_blocks = determine_num_blocks(config, shape, self.kv_cache_dtype, self.device)
             if draft is not None and config.num_kv_blocks is None:
@@ -172,6 +180,7 @@ class LLMEngine:
                                   Sampler(generator))
         if self.executor is not None:
             self.executor.attach(self.runner)
+        self._setup_compilation()
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
@@ -195,6 +204,36 @@ class LLMEngine:
                  self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
                  config.block_size, str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
                  self.attention_backend)
+
+    def _setup_compilation(self) -> None:
+        """torch.compile (compilation_config level 3, CUDA) and CUDA graphs for decode steps."""
+        cc = self.config.compilation_config
+        if cc.level == 3:
+            if self.device.type == "cuda":
+                self.model.forward = torch.compile(self.model.forward, dynamic=True)
+            else:
+                log.warning("compilation_config level 3: torch.compile is used on CUDA only; on the CPU the "
+                            "native kernels already fuse each layer's elementwise work")
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        sizes = cc.capture_sizes(self.config.max_num_seqs)
+        why_not = ("no capture sizes" if not sizes
+                   else "tensor_parallel_size > 1" if self.config.tensor_parallel_size > 1
+                   else f"the {self.attention_backend} attention backend syncs with the host"
+                   if self.attention_backend != "triton" else None)
+        if why_not:
+            log.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
+            return
+        from kvserve.runtime.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
+                              max_model_len=self.max_model_len, sizes=sizes, device=self.device, capture=True)
+        try:
+            graphs.capture()
+        except Exception as exc:  # a model whose forward cannot be captured still serves, eagerly
+            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+            return
+        self.runner.graphs = graphs
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> "LLMEngine":
@@ -394,11 +433,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._admit_compiled()
         outputs, self._pending = self._pending, []
+        t_start = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.plan(self.scheduler.running, self._params_of)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        t_scheduled = time.perf_counter()
         now = StatsCollector.now()
         by_seq = self._by_seq
         rows, repeats = [], []
@@ -413,6 +454,8 @@ class LLMEngine:
                 rows.extend(s.row for s in req.unforked)
                 repeats.append(1 + len(req.unforked))
         tables = [self.block_manager.block_tables[item.seq.seq_id] for item in sched.scheduled]
+        self.runner.last_timings = None
+        t_execute = time.perf_counter()
         try:
             if self.spec_decoder is not None:
                 result = self.spec_decoder.execute(sched.scheduled, tables, rows, repeats)
@@ -423,6 +466,7 @@ class LLMEngine:
         except Exception:
             self._fail_step(sched)
             raise
+        t_executed = time.perf_counter()
         self.scheduler.on_step_done(sched)
         self._stats.computed_tokens_total += sched.num_batched_tokens
         now = StatsCollector.now()
@@ -453,7 +497,16 @@ class LLMEngine:
             outputs.append(self._make_output(head, finished=all(s.finish_reason is not None
                                                                   for s in head.samples)))
         self._stats.on_tokens(now, num_prompt, num_generated)
+        self._record_phases(t_start, t_scheduled, t_execute, t_executed)
         return outputs
+
+    def _record_phases(self, t_start: float, t_scheduled: float, t_execute: float, t_executed: float) -> None:
+        # Building the sampling rows counts as prepare; a speculative step (whose verification
+        # the runner does not time phase by phase) counts as forward.
+        timings = self.runner.last_timings
+        prepare, forward, sample = timings if timings is not None else (0.0, t_executed - t_execute, 0.0)
+        self._stats.on_step(t_scheduled - t_start, (t_execute - t_scheduled) + prepare, forward, sample,
+                            time.perf_counter() - t_executed)
 
     def _params_of(self, seq: Sequence) -> SamplingParams | None:
         req = self._by_seq.get(seq.seq_id)

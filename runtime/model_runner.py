@@ -7,6 +7,8 @@ whose chunk reaches its end; a partial prefill chunk only fills the cache.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -24,6 +26,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        # Seconds spent in (prepare, forward, sample) by the latest execute(); on a GPU, forward is
+        # the time to launch the kernels and sample includes waiting for them (the one sync).
+        self.last_timings: tuple[float, float, float] | None = None
+        # Decode-only steps whose batch fits a bucket replay a CUDA graph (runtime/cuda_graphs.py).
+        self.graphs = None
 
     def prepare(self, scheduled: list[ScheduledSequence],
                 block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -93,16 +100,26 @@ class ModelRunner:
                 rows: list[SamplingRow], repeats: list[int] | None = None) -> SamplerOutput:
         """Runs the step; `rows` describe, in order, the scheduled sequences that sample.
         With `repeats`, sampling sequence i gives repeats[i] rows (n > 1: one logits row, n draws)."""
+        t0 = time.perf_counter()
         for item in scheduled:
             copy_blocks(self.kv_caches, item.block_copies)
         input_ids, positions, meta, logits_rows = self.prepare(scheduled, block_tables)
         assert len(logits_rows) == (len(rows) if repeats is None else len(repeats))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        t1 = time.perf_counter()
+        graphs = self.graphs
+        if graphs is not None and meta.is_decode_only and graphs.bucket(input_ids.shape[0]) is not None:
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
+            self.last_timings = (t1 - t0, time.perf_counter() - t1, 0.0)
             return SamplerOutput([], [])
         if len(logits_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(logits_rows, device=hidden.device)]
         logits = self.model.compute_logits(hidden)
         if repeats is not None:
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
-        return self.sampler(logits, rows)
+        t2 = time.perf_counter()
+        out = self.sampler(logits, rows)
+        self.last_timings = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return out

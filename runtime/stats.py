@@ -42,6 +42,9 @@ class EngineStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     e2e_latencies: list[float] = field(default_factory=list)
     grammar_compile_times: list[float] = field(default_factory=list)
+    # Step phase ("schedule" | "prepare" | "forward" | "sample" | "output") -> durations of the
+    # steps since the previous get_stats() (seconds), for kvserve:step_duration_seconds.
+    step_phase_durations: dict[str, list[float]] = field(default_factory=dict)
     timestamp: float = 0.0
 
     @property
@@ -52,6 +55,9 @@ class EngineStats:
     @property
     def kv_cache_capacity_tokens(self) -> int:
         return self.kv_blocks_total * self.block_size
+
+
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
 
 class StatsCollector:
@@ -92,12 +98,22 @@ class StatsCollector:
         self.time_to_first_token: deque[float] = deque(maxlen=self.MAX_OBSERVATIONS)
         self.inter_token_latencies: deque[float] = deque(maxlen=self.MAX_OBSERVATIONS)
         self.e2e_latencies: deque[float] = deque(maxlen=self.MAX_OBSERVATIONS)
+        self.step_phases: dict[str, deque[float]] = {p: deque(maxlen=self.MAX_OBSERVATIONS) for p in STEP_PHASES}
+
+    def on_step(self, schedule: float, prepare: float, forward: float, sample: float, output: float) -> None:
+        phases = self.step_phases
+        phases["schedule"].append(schedule)
+        phases["prepare"].append(prepare)
+        phases["forward"].append(forward)
+        phases["sample"].append(sample)
+        phases["output"].append(output)
 
     def drain(self) -> dict[str, list[float]]:
         out = dict(queue_times=list(self.queue_times),
                    time_to_first_token=list(self.time_to_first_token),
                    inter_token_latencies=list(self.inter_token_latencies),
-                   e2e_latencies=list(self.e2e_latencies))
+                   e2e_latencies=list(self.e2e_latencies),
+                   step_phase_durations={p: list(v) for p, v in self.step_phases.items()})
         self._reset_observations()
         return out
 

@@ -232,6 +232,10 @@ def test_metric_values_after_known_workload(server, client):
     assert d("vllm:request_queue_time_seconds_count") == k
     assert d("vllm:inter_token_latency_seconds_count") == k * (n_out - 1)
     assert d("vllm:e2e_request_latency_seconds_sum") > 0
+    # One engine step per token (each request runs alone): every phase is observed once per step.
+    for phase in ("schedule", "prepare", "forward", "sample", "output"):
+        assert d("kvserve:step_duration_seconds_count", phase=phase) == k * n_out, phase
+    assert d("kvserve:step_duration_seconds_sum", phase="forward") > 0
     assert m(after, "vllm:cache_config_info", block_size="16", num_gpu_blocks="128") == 1
     assert m(after, "kvserve:kv_cache_capacity_tokens") == 128 * 16
     assert m(after, "kvserve:max_num_seqs") == 256 and m(after, "kvserve:tensor_parallel_size") == 1

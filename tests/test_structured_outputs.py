@@ -165,15 +165,28 @@ def test_grammar_survives_preemption_chunked_prefill_and_prefix_cache(tiny_model
         assert again.outputs[0].text == outs[0].outputs[0].text  # seeded: the same despite the cache
 
 
-def test_speculative_decoding_with_structured_requests(tiny_model_factory):
+def test_speculative_decoding_verifies_drafts_against_the_grammar(tiny_model_factory):
+    # Greedy: the verified output must equal plain decoding token for token, drafts or not; the
+    # repetitive grammar makes the n-gram proposer draft (and drafts the grammar refuses get cut).
     path = tiny_model_factory("llama")
+    prompts = ["ab ab ab ab ab", "Hello world", "The quick brown fox"]
+    params = [sp(so(regex="(ab ){3,12}(cd ){3,12}"), temperature=0, max_tokens=60),
+              sp(so(json=PERSON, disable_any_whitespace=True), temperature=0, max_tokens=200),
+              sp(temperature=0, max_tokens=30, ignore_eos=True)]
+    with LLM(str(path), num_kv_blocks=64, max_model_len=512) as m:
+        plain = m.generate(prompts, params, use_tqdm=False)
     with LLM(str(path), num_kv_blocks=64, max_model_len=512,
              speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as m:
-        free = sp(temperature=0, max_tokens=30, ignore_eos=True)
-        outs = m.generate(["a b a b a b a b", "Hello world"], [free, sp(so(json=PERSON), seed=1, max_tokens=400)],
-                          use_tqdm=False)
-        check_json(outs[1].outputs[0].text, PERSON)
-        assert m.engine.get_stats().spec_decode_num_drafts_total > 0  # the free request still speculates
+        spec = m.generate(prompts, params, use_tqdm=False)
+        sampled = m.generate(["ab ab ab ab"] * 2, sp(so(regex="(ab ){3,12}(cd ){3,12}"), seed=9, max_tokens=60),
+                             use_tqdm=False)  # rejection sampling over the masked distribution
+        stats = m.engine.get_stats()
+    for o in sampled:
+        assert re.fullmatch("(ab ){3,12}(cd ){3,12}", o.outputs[0].text), o.outputs[0]
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert re.fullmatch("(ab ){3,12}(cd ){3,12}", spec[0].outputs[0].text)
+    check_json(spec[1].outputs[0].text, PERSON)
+    assert stats.spec_decode_num_drafts_total > 0 and stats.spec_decode_num_accepted_tokens_total > 0
 
 
 def test_waiting_for_a_compile_does_not_hold_other_requests(llm):

@@ -12,6 +12,11 @@ plan is built once per step (per AttentionMetadata and window) and reused by eve
 A sliding-window layer gathers only the positions inside its queries' windows (never a slot
 behind them: those blocks may be freed), so its cost is bounded by the window, not the context.
 Soft-capped scores (Gemma 2) cannot go through SDPA; they take an explicit float32 softmax.
+
+Pure-decode float32 steps on the CPU go to the native paged decode kernel instead (kernels/cpu,
+when it builds and the kernel mode allows it): it reads K/V straight out of the cache blocks
+(within the window, soft-capping included), so a decode step's attention is one call per layer
+instead of a gather, a mask and an SDPA call.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from kvserve.kernels import ops
 from kvserve.kernels.reference import is_fp8, quantize_kv_ref
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.kv_cache import as_storage
@@ -62,6 +68,12 @@ class _Plan:
     prefill: list[tuple[int, int, int, int]]  # (sequence, first row, end row, seq_len)
 
 
+def _native_decode_ok(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    from kvserve.kernels.cpu import native
+
+    return native.decode_supported(query, k_cache)
+
+
 class TorchAttentionBackend:
     """Pure-torch paged attention. One instance serves every layer of one model: it caches the
     gather plan for the AttentionMetadata object it last saw, so build a fresh metadata object per
@@ -98,6 +110,11 @@ class TorchAttentionBackend:
                sliding_window: int | None = None, logits_soft_cap: float | None = None,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         window = sliding_window
+        if meta.is_decode_only and ops.use_native(query) and _native_decode_ok(query, k_cache):
+            from kvserve.kernels.cpu import native
+
+            return native.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                                 window=window or 0, softcap=logits_soft_cap or 0.0)
         # float8 pools: K/V are read as stored and upcast; k_scale is folded into the queries and
         # v_scale into the output (q . (k8 * ks) == (q * ks) . k8), so no dequantized copy is made.
         fp8 = is_fp8(k_cache)

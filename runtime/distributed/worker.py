@@ -108,7 +108,8 @@ def _run(args: WorkerArgs, config, ctrl: Connection, report: Connection) -> None
         model_config = ModelConfig.from_pretrained(config.model)
         backend = get_attention_backend(config.attention_backend, device)
         model = load_model(config.model, dtype=dtype, device=device, attention_backend=backend,
-                           tp_rank=args.rank, tp_size=args.world_size, config=model_config)
+                           tp_rank=args.rank, tp_size=args.world_size, config=model_config,
+                           quantization=config.quantization)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         num_blocks = determine_num_blocks(config, model_config.shape, kv_dtype, device)

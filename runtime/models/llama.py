@@ -21,6 +21,7 @@ from kvserve.kernels import ops, reference
 from kvserve.kernels.reference import is_fp8
 from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.runtime.model_config import ModelConfig, rope_cos_sin_cache
+from kvserve.runtime.models.quantization import QuantizationConfig
 from kvserve.runtime.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -32,7 +33,8 @@ from kvserve.runtime.models.layers import (
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device, layer: int = 0):
+                 dtype: torch.dtype, device: torch.device, layer: int = 0,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         shape = cfg.shape
         shape.check_tp(tp_size)
@@ -50,9 +52,12 @@ class Attention(nn.Module):
             shard_sizes=[self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d],
             shard_starts=[tp_rank * self.num_heads * d, kv_start * d, kv_start * d],
             bias=cfg.qkv_bias, dtype=dtype, device=device, part_names=["q", "k", "v"],
+            prefixes=[f"model.layers.{layer}.self_attn.{p}_proj" for p in "qkv"], quant_config=quant_config,
+            tp_rank=tp_rank, tp_size=tp_size,
         )
         self.o_proj = RowParallelLinear(shape.num_attention_heads * d, shape.hidden_size, bias=cfg.o_proj_bias,
-                                        tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
+                                        tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device,
+                                        prefix=f"model.layers.{layer}.self_attn.o_proj", quant_config=quant_config)
         self.q_norm = ReplicatedWeight(d, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = ReplicatedWeight(d, dtype=dtype, device=device) if cfg.qk_norm else None
         self.eps = cfg.rms_norm_eps
@@ -103,14 +108,9 @@ class Attention(nn.Module):
             target.copy_(value)
 
     def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
-        out: dict[str, tuple[torch.Tensor, str | None]] = {}
-        for part in ("q", "k", "v"):
-            out[f"{pre}{part}_proj.weight"] = (self.qkv_proj.weight, part)
-            if self.qkv_proj.bias is not None:
-                out[f"{pre}{part}_proj.bias"] = (self.qkv_proj.bias, part)
-        out[f"{pre}o_proj.weight"] = (self.o_proj.weight, None)
-        if self.o_proj.bias is not None:
-            out[f"{pre}o_proj.bias"] = (self.o_proj.bias, None)
+        # The linear layers list their own tensors: their weight format decides which.
+        out = self.qkv_proj.checkpoint_params([f"{pre}{p}_proj" for p in "qkv"])
+        out.update(self.o_proj.checkpoint_params([f"{pre}o_proj"]))
         if self.q_norm is not None:
             out[f"{pre}q_norm.weight"] = (self.q_norm.weight, None)
             out[f"{pre}k_norm.weight"] = (self.k_norm.weight, None)
@@ -119,7 +119,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device,
-                 intermediate_size: int | None = None, reduce_results: bool = True):
+                 intermediate_size: int | None = None, reduce_results: bool = True, prefix: str = "mlp",
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         inter = intermediate_size or cfg.shape.intermediate_size
         if inter % tp_size:
@@ -128,44 +129,44 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, output_sizes=[inter, inter], shard_sizes=[shard, shard],
             shard_starts=[tp_rank * shard, tp_rank * shard], bias=cfg.mlp_bias, dtype=dtype, device=device,
-            part_names=["gate", "up"],
+            part_names=["gate", "up"], prefixes=[f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+            quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size,
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank,
                                            tp_size=tp_size, dtype=dtype, device=device,
-                                           reduce_results=reduce_results)
+                                           reduce_results=reduce_results, prefix=f"{prefix}.down_proj",
+                                           quant_config=quant_config)
         self.act_and_mul = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
     def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
-        out: dict[str, tuple[torch.Tensor, str | None]] = {}
-        for part in ("gate", "up"):
-            out[f"{pre}{part}_proj.weight"] = (self.gate_up_proj.weight, part)
-            if self.gate_up_proj.bias is not None:
-                out[f"{pre}{part}_proj.bias"] = (self.gate_up_proj.bias, part)
-        out[f"{pre}down_proj.weight"] = (self.down_proj.weight, None)
-        if self.down_proj.bias is not None:
-            out[f"{pre}down_proj.bias"] = (self.down_proj.bias, None)
+        out = self.gate_up_proj.checkpoint_params([f"{pre}gate_proj", f"{pre}up_proj"])
+        out.update(self.down_proj.checkpoint_params([f"{pre}down_proj"]))
         return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0, **kw):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0,
+                 quant_config: QuantizationConfig | None = None, **kw):
         super().__init__()
+        if quant_config is not None and (cfg.shape.mla is not None or cfg.shape.moe is not None):
+            raise ValueError(f"quantization: {quant_config.name} is not supported yet for {cfg.architecture} "
+                             "(latent attention and expert layers are full precision only)")
         if cfg.shape.mla is not None:
             from kvserve.runtime.models.mla import MLAAttention
 
             self.self_attn = MLAAttention(cfg, backend, **kw)
         else:
-            self.self_attn = Attention(cfg, backend, layer=layer, **kw)
+            self.self_attn = Attention(cfg, backend, layer=layer, quant_config=quant_config, **kw)
         moe = cfg.shape.moe
         if moe is not None and layer in moe.moe_layers:
             from kvserve.runtime.models.moe import SparseMoeBlock
 
             self.mlp = SparseMoeBlock(cfg, **kw)
         else:
-            self.mlp = MLP(cfg, **kw)
+            self.mlp = MLP(cfg, prefix=f"model.layers.{layer}.mlp", quant_config=quant_config, **kw)
         # Where the checkpoint keeps this layer's MLP (Mixtral: its expert block).
         self.mlp_prefix = "block_sparse_moe." if cfg.architecture == "MixtralForCausalLM" else "mlp."
         dd = dict(dtype=kw["dtype"], device=kw["device"])
@@ -191,10 +192,11 @@ class GemmaDecoderLayer(nn.Module):
     Carries (hidden, residual) between layers like DecoderLayer, so the add that closes one
     sublayer fuses with the norm that opens the next."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0, **kw):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0,
+                 quant_config: QuantizationConfig | None = None, **kw):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, layer=layer, **kw)
-        self.mlp = MLP(cfg, **kw)
+        self.self_attn = Attention(cfg, backend, layer=layer, quant_config=quant_config, **kw)
+        self.mlp = MLP(cfg, prefix=f"model.layers.{layer}.mlp", quant_config=quant_config, **kw)
         self.mlp_prefix = "mlp."
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -221,19 +223,22 @@ class CausalLM(nn.Module):
     """A packed-token decoder: forward() gives final hidden states, compute_logits() the logits."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, dtype: torch.dtype,
-                 device: torch.device, tp_rank: int = 0, tp_size: int = 1):
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
         self.config = cfg
         self.dtype, self.device = dtype, torch.device(device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.quant_config = quant_config
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=self.device)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        qkw = dict(kw, quant_config=quant_config)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **qkw)
         layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_cls(cfg, backend, layer=i, **kw) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, backend, layer=i, **qkw) for i in range(cfg.num_layers))
         self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device)
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **qkw)
         # float32 regardless of the model dtype: ops.rotary_embedding casts per call, as HF does.
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg, device=self.device), persistent=False)
         # Gemma 3's local layers rotate with their own base frequency.
@@ -295,10 +300,10 @@ class CausalLM(nn.Module):
 
     def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, str | None]]:
         """Maps every checkpoint tensor name this model consumes to (parameter, shard id)."""
-        out: dict[str, tuple[torch.Tensor, str | None]] = {"model.embed_tokens.weight": (self.embed_tokens.weight, None),
-                                                           "model.norm.weight": (self.norm.weight, None)}
+        out: dict[str, tuple[torch.Tensor, str | None]] = {"model.norm.weight": (self.norm.weight, None)}
+        out.update(self.embed_tokens.checkpoint_params())
         if self.lm_head is not None:
-            out["lm_head.weight"] = (self.lm_head.weight, None)
+            out.update(self.lm_head.checkpoint_params())
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
             out.update(layer.self_attn.checkpoint_params(f"{pre}self_attn."))

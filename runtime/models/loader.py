@@ -13,7 +13,9 @@ from safetensors import SafetensorError, safe_open
 from kvserve.runtime.attention.backend import AttentionBackend
 from kvserve.runtime.gguf.reader import is_gguf_path
 from kvserve.runtime.model_config import ModelConfig
+from kvserve.runtime.models.layers import LinearBase
 from kvserve.runtime.models.llama import CausalLM
+from kvserve.runtime.models.quantization import QuantizationConfig, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +41,22 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 
 def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: torch.device | str,
                attention_backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
-               config: ModelConfig | None = None) -> CausalLM:
+               config: ModelConfig | None = None,
+               quantization: str | QuantizationConfig | None = None) -> CausalLM:
     """Loads a supported HF causal LM from a local directory (or a GGUF file), with this rank's
-    weight shards."""
+    weight shards.
+
+    `quantization`: a format name (None: whatever the checkpoint's quantization_config says,
+    else full precision) or an already resolved QuantizationConfig."""
     model_dir = pathlib.Path(model_dir)
     cfg = config or ModelConfig.from_pretrained(model_dir)
-    model = CausalLM(cfg, attention_backend, dtype=dtype, device=torch.device(device),
-                     tp_rank=tp_rank, tp_size=tp_size)
+    device = torch.device(device)
+    quant_config = (quantization if isinstance(quantization, QuantizationConfig)
+                    else resolve_quantization(quantization, cfg.hf_config))
+    if quant_config is not None:
+        quant_config.check_supported(device, dtype)
+    model = CausalLM(cfg, attention_backend, dtype=dtype, device=device,
+                     tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config)
     targets = model.checkpoint_params()
     optional = model.optional_checkpoint_params()
     loaded: set[str] = set()
@@ -56,9 +67,10 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
             param.weight_loader(param, tensor, shard_id)
             return
         param, shard_id = targets[name]
-        # A parameter kept in another dtype than the model's (DeepSeek V3's float32 routing bias)
-        # says so with load_dtype.
-        param.weight_loader(param, tensor.to(dtype=getattr(param, "load_dtype", dtype)), shard_id)
+        # Into the parameter's own dtype: the model's for full-precision weights, float32 for a
+        # parameter kept wider (DeepSeek V3's routing bias, a quantized format's scales), the
+        # integer or FP8 dtype of a quantized format's values.
+        param.weight_loader(param, tensor.to(dtype=getattr(param, "load_dtype", param.dtype)), shard_id)
         loaded.add(name)
 
     with torch.no_grad():
@@ -79,8 +91,13 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
                             consume(name, f.get_tensor(name))
                 except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
                     raise ValueError(f"model: {path} is not a readable safetensors file ({exc})") from None
-    missing = sorted(set(targets) - loaded)
+    missing = sorted(name for name in set(targets) - loaded if not getattr(targets[name][0], "optional", False))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"model: checkpoint in {str(model_dir)!r} lacks weights: {shown}")
+        fmt = f" (quantization {quant_config.name})" if quant_config is not None else ""
+        raise ValueError(f"model: checkpoint in {str(model_dir)!r} lacks weights{fmt}: {shown}")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.process_weights_after_loading()
     return model.eval()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvserve.runtime.capacity import WEIGHT_FORMATS
+
 
 def _bounded(kind, low, high=None):
     """An argparse type that also checks the range, so a bad value is a usage error, not a traceback."""
@@ -38,6 +40,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--quantization", "-q", default=None, type=lambda v: v.lower().replace("_", "-"),
+                   choices=WEIGHT_FORMATS,
+                   help="weight format (default: the checkpoint's quantization_config, else full precision); "
+                        "int8/int4/fp8 quantize a full-precision checkpoint at load")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory sizing)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
@@ -50,6 +56,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'')
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="run every step eagerly: no CUDA graphs for decode steps (they are on by default on a GPU)")
+    p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
+                   help='e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8], "level": 0}\'; a bare 3 turns on '
+                        "torch.compile of the model (GPU)")
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (or set KVSERVE_API_KEY)")
     p.add_argument("--max-queue-len", type=_bounded(int, 0), default=1024,

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -35,8 +36,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = value
     if getattr(args, "enable_prefix_caching", None) is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
+    if getattr(args, "quantization", None):
+        kw["quantization"] = args.quantization
     if getattr(args, "speculative_config", None):
         kw["speculative_config"] = args.speculative_config  # JSON; the engine validates it
+    if getattr(args, "enforce_eager", None):
+        kw["enforce_eager"] = True
+    if getattr(args, "compilation_config", None):
+        kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw
 
 
@@ -150,7 +157,30 @@ class Server:
         return build
 
 
+def preflight(args: argparse.Namespace) -> str | None:
+    """Checks what can be refused before listening (the weight format against the checkpoint and
+    device) and returns the one-line reason, or None. A model directory that cannot be read is
+    left to the load, which reports it on /ready and exits 1."""
+    from kvserve.runtime.models.quantization import check_quantization
+
+    try:
+        from kvserve.runtime.model_config import ModelConfig
+
+        hf_config = ModelConfig.from_pretrained(args.model).hf_config
+    except ValueError:
+        return None
+    try:
+        check_quantization(args.quantization, hf_config, args.device, args.dtype)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def run_server(args: argparse.Namespace) -> int:
+    problem = preflight(args)
+    if problem is not None:
+        print(f"kvserve serve: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:  # torch logs FakeTensor cache stats at INFO on every exit

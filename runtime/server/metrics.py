@@ -22,6 +22,11 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
 
+# Engine step phases: from 100 us (a schedule or output phase) to seconds (a long CPU prefill).
+STEP_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0]
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 # Every series the runtime exports (sample names, as they appear in the exposition).
@@ -36,6 +41,7 @@ EXPORTED_NAMES = (
     "kvserve:kv_cache_capacity_tokens", "kvserve:max_num_seqs", "kvserve:tensor_parallel_size",
     "kvserve:generation_tokens_per_second",
     "kvserve:structured_output_requests_total", "kvserve:grammar_compile_seconds",
+    "kvserve:step_duration_seconds",
 )
 
 # Grammar compilation: milliseconds for a small schema, seconds for a large one.
@@ -128,6 +134,11 @@ class ServerMetrics:
         self.grammar_compile = hist("kvserve:grammar_compile_seconds",
                                     "Histogram of grammar compilation time (a cached grammar is not compiled again).",
                                     COMPILE_BUCKETS)
+        step = Histogram("kvserve:step_duration_seconds",
+                         "Engine step time by phase: schedule, prepare (inputs), forward (model), sample, "
+                         "output (detokenize, stop checks, outputs).",
+                         labelnames=["model_name", "phase"], buckets=STEP_BUCKETS, registry=self.registry)
+        self.step_phases = {phase: step.labels(model_name, phase) for phase in STEP_PHASES}
 
     def update(self, stats) -> None:
         for hist, values in ((self.ttft, stats.time_to_first_token), (self.itl, stats.inter_token_latencies),
@@ -135,6 +146,11 @@ class ServerMetrics:
                              (self.grammar_compile, getattr(stats, "grammar_compile_times", ()))):
             for v in values:
                 hist.observe(v)
+        for phase, values in getattr(stats, "step_phase_durations", {}).items():
+            hist = self.step_phases.get(phase)
+            if hist is not None:
+                for v in values:
+                    hist.observe(v)
         self.stats = stats
 
     def render(self) -> bytes:

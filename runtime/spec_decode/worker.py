@@ -29,6 +29,7 @@ from kvserve.runtime.spec_decode.config import SpeculativeConfig
 from kvserve.runtime.spec_decode.ngram import ngram_propose
 from kvserve.runtime.spec_decode.probs import sampling_probs
 from kvserve.runtime.spec_decode.rejection import greedy_verify, rejection_sample
+from kvserve.runtime.structured_outputs.manager import apply_grammar_to_drafts
 
 
 def load_draft(config: SpeculativeConfig, *, device: torch.device, dtype: torch.dtype, attention_backend,
@@ -63,11 +64,10 @@ def split_blocks_with_draft(num_blocks: int, target_shape, draft_shape) -> int:
 
 
 def eligible(params: SamplingParams, seq: Sequence) -> bool:
-    """Requests whose next-token distribution the rejection sampler reproduces exactly. A request
-    with structured outputs decodes one token per step: its grammar mask is applied by the
-    sampler, which verification does not go through."""
+    """Requests whose next-token distribution the rejection sampler reproduces exactly (with
+    structured outputs, the distribution masked by the grammar at every verified position)."""
     return (not params.needs_penalties and params.logprobs is None
-            and seq.num_output_tokens >= params.min_tokens and params.structured_outputs is None)
+            and seq.num_output_tokens >= params.min_tokens)
 
 
 class SpecDecoder:
@@ -195,6 +195,8 @@ class SpecDecoder:
             row = item_rows[i][0]
             drafts = item.seq.spec_token_ids
             span = logits[spans[i]:spans[i] + item.num_spec + 1]
+            if row.grammar is not None:
+                apply_grammar_to_drafts(span, row.grammar, drafts)
             if row.params.greedy:
                 tokens = greedy_verify(argmax_last(span).tolist(), drafts)
             else:

@@ -223,3 +223,31 @@ def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState | None
     if logits.shape[1] > manager.vocab_size:
         logits[rows, manager.vocab_size:] = float("-inf")
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=manager.vocab_size, indices=rows)
+
+
+def apply_grammar_to_drafts(logits: torch.Tensor, state: GrammarState, drafts: list[int]) -> None:
+    """Masks a verification span in place: row j (of len(drafts) + 1) gets the mask of the
+    grammar state after drafts[:j]. The matcher walks the drafts and rolls back to where it was;
+    a draft the grammar refuses leaves the rows after it unmasked (verification stops at that
+    draft anyway: its masked probability is 0)."""
+    import xgrammar as xgr
+
+    if state.is_terminated:
+        return
+    mask = state.manager.bitmask(len(drafts) + 1)
+    rows, walked = [], 0
+    for j in range(len(drafts) + 1):
+        state.matcher.fill_next_token_bitmask(mask, j)
+        rows.append(j)
+        if j == len(drafts) or not state.accept(drafts[j]):
+            break
+        walked += 1
+        if state.is_terminated:
+            break
+    state.rollback(walked)
+    if logits.device.type != "cpu":
+        mask = mask.to(logits.device, non_blocking=True)
+    vocab = state.manager.vocab_size
+    if logits.shape[1] > vocab:
+        logits[rows, vocab:] = float("-inf")
+    xgr.apply_token_bitmask_inplace(logits, mask[: len(drafts) + 1], vocab_size=vocab, indices=rows)

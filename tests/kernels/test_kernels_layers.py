@@ -111,11 +111,19 @@ def clean_mode(monkeypatch):
     ops.set_kernel_mode(None)
 
 
-def test_auto_mode_uses_the_torch_twins_on_cpu(clean_mode):
+def test_auto_mode_on_cpu_uses_the_native_kernels_for_float32_and_the_twins_otherwise(clean_mode):
+    from kvserve.kernels.cpu import native
+
     x = torch.randn(3, 64)
     assert ops.get_kernel_mode() == "auto" and not ops.use_triton(x)
+    assert ops.use_native(x) == native.available()
+    xb, wb = x.bfloat16(), torch.randn(64).bfloat16()
+    assert not ops.use_native(xb)
+    assert torch.equal(ops.rms_norm(xb, wb, 1e-6), reference.rms_norm_ref(xb, wb, 1e-6))
     w = torch.randn(64)
-    assert torch.equal(ops.rms_norm(x, w, 1e-6), reference.rms_norm_ref(x, w, 1e-6))
+    with ops.kernel_mode("torch"):
+        assert not ops.use_native(x)
+        assert torch.equal(ops.rms_norm(x, w, 1e-6), reference.rms_norm_ref(x, w, 1e-6))
 
 
 def test_triton_mode_runs_the_kernels_through_ops(clean_mode):

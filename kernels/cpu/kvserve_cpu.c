@@ -1,0 +1,322 @@
+/* kvserve's native CPU kernels (float32, AVX2 + FMA), built at first use by kernels/cpu/native.py.
+
+Why they exist: at batch 1 a decode step reads every weight once, so it runs at the speed the
+weights stream from memory. torch's float32 matrix-vector path (MKL sgemm with M = 1 on a
+row-major [N, K] weight) reads each output row as a short separate stream and reaches well under
+the copy bandwidth; the small per-layer ops (norms, rotary, SiLU, the gather + SDPA of decode
+attention) each cost tens of microseconds of dispatch and allocation, 30 layers a step.
+
+Weights are repacked once into panels of TILE output rows interleaved along K,
+P[t][k][j] = W[t * TILE + j][k], so a matmul reads its weight as one sequential stream and every
+load feeds TILE outputs. The same micro-kernel serves every batch size, and each output is summed
+over k in the same order whatever the batch size, so a sequence's result does not depend on what
+else is in the batch.
+
+Threads: OpenMP, from the same libgomp as torch (one pool), count passed in by the caller.
+Compiled with -ffp-contract=off so that scalar code rounds like torch's (no silent FMA fusion);
+the matmul and attention dot products use explicit FMA.
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 16
+#define MR_MAX 6
+
+int kv_abi_version(void) { return 3; }
+
+/* ---------------------------------------------------------------------------------- packing */
+
+void kv_pack_f32(const float* w, int64_t n, int64_t k, float* out, int nthreads) {
+  int64_t tiles = (n + TILE - 1) / TILE;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < tiles; t++) {
+    float* dst = out + t * k * TILE;
+    for (int64_t j = 0; j < TILE; j++) {
+      int64_t row = t * TILE + j;
+      if (row < n) {
+        const float* src = w + row * k;
+        for (int64_t kk = 0; kk < k; kk++) dst[kk * TILE + j] = src[kk];
+      } else {
+        for (int64_t kk = 0; kk < k; kk++) dst[kk * TILE + j] = 0.0f;
+      }
+    }
+  }
+}
+
+/* Rows `ids` of the original [n, k] matrix, read back out of its packed form (tied embeddings
+   keep only the packed copy). */
+void kv_gather_packed_rows_f32(const int64_t* ids, int64_t m, const float* packed, int64_t k, float* out) {
+  for (int64_t i = 0; i < m; i++) {
+    int64_t row = ids[i];
+    const float* src = packed + (row / TILE) * k * TILE + (row % TILE);
+    float* dst = out + i * k;
+    for (int64_t kk = 0; kk < k; kk++) dst[kk] = src[kk * TILE];
+  }
+}
+
+/* ---------------------------------------------------------------------------------- matmul */
+
+static inline __attribute__((always_inline)) void micro_kernel(const float* x, int64_t ldx, const float* p,
+                                                               int64_t k, float* y, int64_t ldy, int64_t ncols,
+                                                               const float* bias, const int mr) {
+  __m256 acc[MR_MAX][2];
+  for (int m = 0; m < mr; m++) {
+    acc[m][0] = _mm256_setzero_ps();
+    acc[m][1] = _mm256_setzero_ps();
+  }
+  for (int64_t kk = 0; kk < k; kk++) {
+    __m256 w0 = _mm256_load_ps(p + kk * TILE);
+    __m256 w1 = _mm256_load_ps(p + kk * TILE + 8);
+    for (int m = 0; m < mr; m++) {
+      __m256 xb = _mm256_broadcast_ss(x + m * ldx + kk);
+      acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < mr; m++) {
+    if (bias) {
+      acc[m][0] = _mm256_add_ps(acc[m][0], _mm256_loadu_ps(bias));
+      acc[m][1] = _mm256_add_ps(acc[m][1], _mm256_loadu_ps(bias + 8));
+    }
+    if (ncols == TILE) {
+      _mm256_storeu_ps(y + m * ldy, acc[m][0]);
+      _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
+    } else {
+      float tmp[TILE];
+      _mm256_storeu_ps(tmp, acc[m][0]);
+      _mm256_storeu_ps(tmp + 8, acc[m][1]);
+      memcpy(y + m * ldy, tmp, (size_t)ncols * sizeof(float));
+    }
+  }
+}
+
+/* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]); `packed` from kv_pack_f32, 32-byte aligned. */
+void kv_linear_f32(const float* x, int64_t m, int64_t k, int64_t ldx, const float* packed, int64_t n,
+                   const float* bias, float* y, int64_t ldy, int nthreads) {
+  int64_t tiles = (n + TILE - 1) / TILE;
+  float bias_tail[TILE];
+#pragma omp parallel for num_threads(nthreads) schedule(static) private(bias_tail)
+  for (int64_t t = 0; t < tiles; t++) {
+    const float* p = packed + t * k * TILE;
+    int64_t col = t * TILE;
+    int64_t ncols = n - col < TILE ? n - col : TILE;
+    const float* b = NULL;
+    if (bias) {
+      if (ncols == TILE) {
+        b = bias + col;
+      } else {
+        memset(bias_tail, 0, sizeof bias_tail);
+        memcpy(bias_tail, bias + col, (size_t)ncols * sizeof(float));
+        b = bias_tail;
+      }
+    }
+    int64_t r = 0;
+    for (; r + MR_MAX <= m; r += MR_MAX) micro_kernel(x + r * ldx, ldx, p, k, y + r * ldy + col, ldy, ncols, b, MR_MAX);
+    switch (m - r) {
+      case 1: micro_kernel(x + r * ldx, ldx, p, k, y + r * ldy + col, ldy, ncols, b, 1); break;
+      case 2: micro_kernel(x + r * ldx, ldx, p, k, y + r * ldy + col, ldy, ncols, b, 2); break;
+      case 3: micro_kernel(x + r * ldx, ldx, p, k, y + r * ldy + col, ldy, ncols, b, 3); break;
+      case 4: micro_kernel(x + r * ldx, ldx, p, k, y + r * ldy + col, ldy, ncols, b, 4); break;
+      case 5: micro_kernel(x + r * ldx, ldx, p, k, y + r * ldy + col, ldy, ncols, b, 5); break;
+      default: break;
+    }
+  }
+}
+
+/* ----------------------------------------------------------------------------- elementwise */
+
+/* exp(x) for 8 floats: range reduction by ln 2 and a degree-6 polynomial (Cephes' expf
+   coefficients), within 2 ulp of expf over the float range; saturates to 0 / inf outside it. */
+static inline __m256 exp256(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(x, hi);
+  x = _mm256_max_ps(x, lo);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, c1));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, c2));
+  __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, z, x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(under, y);
+}
+
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* out = silu(gate) * up for rows [gate | up] of width 2 * inter. */
+void kv_silu_and_mul_f32(const float* x, int64_t m, int64_t inter, int64_t ldx, float* out, int64_t ldo,
+                         int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * inter >= 65536)
+  for (int64_t r = 0; r < m; r++) {
+    const float* g = x + r * ldx;
+    const float* u = g + inter;
+    float* o = out + r * ldo;
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= inter; i += 8) {
+      __m256 gv = _mm256_loadu_ps(g + i);
+      __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+  }
+}
+
+/* RMSNorm over rows of width h, in Hugging Face's order: x * rsqrt(mean(x^2) + eps), then weight *
+   that. With `residual`, the rows are x + residual first, and that sum goes to `sum_out`. */
+void kv_rms_norm_f32(const float* x, int64_t ldx, const float* residual, int64_t ldr, float* sum_out,
+                     const float* weight, float* out, int64_t m, int64_t h, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * h >= 65536)
+  for (int64_t r = 0; r < m; r++) {
+    const float* xr = x + r * ldx;
+    const float* src = xr;
+    if (residual) {
+      const float* rr = residual + r * ldr;
+      float* s = sum_out + r * h;
+      for (int64_t i = 0; i < h; i++) s[i] = xr[i] + rr[i];
+      src = s;
+    }
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= h; i += 8) {
+      __m256 v = _mm256_loadu_ps(src + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum256(acc);
+    for (; i < h; i++) ss += src[i] * src[i];
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    float* o = out + r * h;
+    for (i = 0; i < h; i++) o[i] = weight[i] * (src[i] * inv);
+  }
+}
+
+/* Rotate-half rotary embedding (as HF Llama) of the first `rot` dims of each head, out of place:
+   q [m, hq, d] at row stride ldq -> q_out (contiguous), the same for k. */
+static inline void rotate_rows(const float* x, int64_t ldx, int64_t heads, int64_t d, int64_t rot,
+                               const float* cs, float* out, int64_t r) {
+  int64_t half = rot / 2;
+  const float* cosv = cs;
+  const float* sinv = cs + half;
+  for (int64_t hd = 0; hd < heads; hd++) {
+    const float* src = x + r * ldx + hd * d;
+    float* dst = out + (r * heads + hd) * d;
+    for (int64_t i = 0; i < half; i++) {
+      float x1 = src[i], x2 = src[i + half];
+      dst[i] = x1 * cosv[i] - x2 * sinv[i];
+      dst[i + half] = x2 * cosv[i] + x1 * sinv[i];
+    }
+    for (int64_t i = rot; i < d; i++) dst[i] = src[i];
+  }
+}
+
+void kv_rotary_f32(const int64_t* positions, int64_t m, const float* q, int64_t ldq, int64_t hq, const float* k,
+                   int64_t ldk, int64_t hk, int64_t d, int64_t rot, const float* cos_sin, float* q_out,
+                   float* k_out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * (hq + hk) * d >= 65536)
+  for (int64_t r = 0; r < m; r++) {
+    const float* cs = cos_sin + positions[r] * rot;
+    rotate_rows(q, ldq, hq, d, rot, cs, q_out, r);
+    rotate_rows(k, ldk, hk, d, rot, cs, k_out, r);
+  }
+}
+
+/* ------------------------------------------------------------------------- decode attention */
+
+/* One new token per sequence over its paged context: q [s, hq, d] (contiguous), caches
+   [blocks, block_size, hkv, d], block tables int32 [s, max_blocks], seq_lens int32 [s] (context
+   including the new token, already written). `window` > 0 keeps only the last `window` positions;
+   `softcap` > 0 applies softcap * tanh(score / softcap). out [s, hq, d]. */
+void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int64_t d, const float* k_cache,
+                         const float* v_cache, int64_t block_size, const int32_t* block_tables,
+                         int64_t max_blocks, const int32_t* seq_lens, float scale, int64_t window, float softcap,
+                         float* out, int nthreads) {
+  int64_t group = hq / hkv;
+  int64_t tasks = s * hkv;
+  int64_t row = hkv * d;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+  for (int64_t task = 0; task < tasks; task++) {
+    int64_t seq = task / hkv, g = task % hkv;
+    int64_t len = seq_lens[seq];
+    int64_t first = (window > 0 && len > window) ? len - window : 0;
+    int64_t n = len - first;
+    const int32_t* table = block_tables + seq * max_blocks;
+    float* scores = (float*)malloc(sizeof(float) * (size_t)(n * group + 8));
+    float maxv[64], sums[64];
+    for (int64_t j = 0; j < group; j++) maxv[j] = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+      int64_t pos = first + t;
+      const float* kr = k_cache + ((int64_t)table[pos / block_size] * block_size + pos % block_size) * row + g * d;
+      for (int64_t j = 0; j < group; j++) {
+        const float* qr = q + (seq * hq + g * group + j) * d;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc);
+        float dot = hsum256(acc);
+        for (; i < d; i++) dot += qr[i] * kr[i];
+        float sc = dot * scale;
+        if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+        scores[j * n + t] = sc;
+        if (sc > maxv[j]) maxv[j] = sc;
+      }
+    }
+    for (int64_t j = 0; j < group; j++) {
+      float* sj = scores + j * n;
+      __m256 mx = _mm256_set1_ps(maxv[j]);
+      __m256 acc = _mm256_setzero_ps();
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mx));
+        _mm256_storeu_ps(sj + t, e);
+        acc = _mm256_add_ps(acc, e);
+      }
+      float sum = hsum256(acc);
+      for (; t < n; t++) {
+        sj[t] = expf(sj[t] - maxv[j]);
+        sum += sj[t];
+      }
+      sums[j] = sum;
+    }
+    /* out = sum_t p_t v_t / sum, accumulated in registers for d <= 256. */
+    for (int64_t j = 0; j < group; j++) {
+      float* o = out + (seq * hq + g * group + j) * d;
+      for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+    }
+    for (int64_t t = 0; t < n; t++) {
+      int64_t pos = first + t;
+      const float* vr = v_cache + ((int64_t)table[pos / block_size] * block_size + pos % block_size) * row + g * d;
+      for (int64_t j = 0; j < group; j++) {
+        float* o = out + (seq * hq + g * group + j) * d;
+        __m256 p = _mm256_set1_ps(scores[j * n + t]);
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8)
+          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(o + i)));
+        for (; i < d; i++) o[i] += scores[j * n + t] * vr[i];
+      }
+    }
+    for (int64_t j = 0; j < group; j++) {
+      float* o = out + (seq * hq + g * group + j) * d;
+      float inv = 1.0f / sums[j];
+      for (int64_t i = 0; i < d; i++) o[i] *= inv;
+    }
+    free(scores);
+  }
+}

@@ -1,0 +1,305 @@
+"""kvserve's native CPU kernels: kvserve_cpu.c built with the system C compiler at first use.
+
+The library is compiled once per (source, flags, compiler) into a cache folder
+(``$KVSERVE_CPU_KERNELS_CACHE``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``,
+else the temp folder) and loaded with ctypes: no torch headers, so a build takes a few seconds.
+Every wrapper takes and returns torch CPU float32 tensors; the callers (kernels/ops.py, the
+linear layers, the torch attention backend) decide when to use them through ``available()``.
+
+Nothing here is required: without an x86-64 CPU with AVX2 and FMA, without a C compiler, or with
+``KVSERVE_CPU_KERNELS=0``, ``available()`` is False (``status()`` says why) and every caller keeps
+its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
+ENV_VAR = "KVSERVE_CPU_KERNELS"
+CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+ABI_VERSION = 3
+TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
+MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_T = ctypes.c_int
+_SIGNATURES = {
+    "kv_abi_version": ([], ctypes.c_int),
+    "kv_pack_f32": ([_P, _I, _I, _P, _T], None),
+    "kv_gather_packed_rows_f32": ([_P, _I, _P, _I, _P], None),
+    "kv_linear_f32": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _T], None),
+    "kv_silu_and_mul_f32": ([_P, _I, _I, _I, _P, _I, _T], None),
+    "kv_rms_norm_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _T], None),
+    "kv_rotary_f32": ([_P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _T], None),
+    "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _T], None),
+}
+
+
+class _State:
+    lib: ctypes.CDLL | None = None
+    reason: str = "not loaded yet"
+
+
+_state = _State()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cache_dir() -> pathlib.Path:
+    if os.environ.get(CACHE_ENV_VAR):
+        return pathlib.Path(os.environ[CACHE_ENV_VAR])
+    base = os.environ.get("XDG_CACHE_HOME") or (pathlib.Path.home() / ".cache")
+    return pathlib.Path(base) / "kvserve"
+
+
+def _build(compiler: str) -> pathlib.Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    for folder in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / "kvserve"):
+        target = folder / f"kvserve_cpu-{key}.so"
+        if target.is_file():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        # A unique temporary name, then an atomic rename: concurrent builders never see half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True, timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+            os.replace(tmp, target)
+            return target
+        except OSError:
+            continue
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("no writable cache folder for the compiled kernels")
+
+
+def _load() -> None:
+    if os.environ.get(ENV_VAR, "1").strip().lower() in {"0", "false", "no", "off"}:
+        _state.reason = f"disabled by {ENV_VAR}=0"
+        return
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        _state.reason = f"needs an x86-64 CPU (this is {platform.machine()})"
+        return
+    flags = _cpu_flags()
+    if flags and not {"avx2", "fma"} <= flags:
+        _state.reason = "needs a CPU with AVX2 and FMA"
+        return
+    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if compiler is None:
+        _state.reason = "no C compiler (gcc or $CC) on PATH"
+        return
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+        for name, (args, res) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        if lib.kv_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"ABI version {lib.kv_abi_version()} != {ABI_VERSION}")
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        _state.reason = f"build or load failed: {exc}"
+        log.warning("native CPU kernels unavailable (%s); using the torch path", _state.reason)
+        return
+    _state.lib, _state.reason = lib, "loaded"
+
+
+@functools.cache
+def _ensure_loaded() -> None:
+    _load()
+
+
+def available() -> bool:
+    """True when the native kernels are built and loaded (builds them on first call)."""
+    _ensure_loaded()
+    return _state.lib is not None
+
+
+def status() -> str:
+    """'loaded', or why the native kernels are not in use."""
+    _ensure_loaded()
+    return _state.reason
+
+
+def _lib() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError(f"native CPU kernels unavailable: {_state.reason}")
+    return _state.lib  # type: ignore[return-value]
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _check_f32(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        raise ValueError(f"{name}: native CPU kernels take float32 CPU tensors, got {t.dtype} on {t.device}")
+
+
+def supports(t: torch.Tensor) -> bool:
+    """Whether the native kernels can take this activation tensor (float32 on the CPU)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and available()
+
+
+# ------------------------------------------------------------------------------------ matmul
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 -> the packed panels [ceil(N / 16), K, 16] that linear() reads."""
+    _check_f32("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected 2-D [out, in], got shape {tuple(weight.shape)}")
+    w = weight.contiguous()
+    n, k = w.shape
+    out = torch.empty(-(-n // TILE), k, TILE, dtype=torch.float32)
+    _lib().kv_pack_f32(w.data_ptr(), n, k, out.data_ptr(), _threads())
+    return out
+
+
+def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the original weight, read out of its packed panels (an embedding lookup)."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    k = packed.shape[1]
+    out = torch.empty(ids.shape[0], k, dtype=torch.float32)
+    _lib().kv_gather_packed_rows_f32(ids.data_ptr(), ids.shape[0], packed.data_ptr(), k, out.data_ptr())
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) over the last dimension of x, W given as pack_weight(W)."""
+    _check_f32("x", x)
+    k = packed.shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dimension {x.shape[-1]} != the weight's in_features {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        b = None
+        if bias is not None:
+            b = bias.contiguous()
+        _lib().kv_linear_f32(x2.data_ptr(), m, k, x2.stride(0), packed.data_ptr(), out_features,
+                             None if b is None else b.data_ptr(), out.data_ptr(), out_features, _threads())
+    return out.view(*lead, out_features)
+
+
+# ------------------------------------------------------------------------------- layer ops
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=torch.float32)
+    w = weight.contiguous()
+    _lib().kv_rms_norm_f32(x2.data_ptr(), x2.stride(0), None, 0, None, w.data_ptr(), out.data_ptr(),
+                           x2.shape[0], x2.shape[1], eps, _threads())
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    x2, r2 = _rows(x), _rows(residual)
+    out = torch.empty(x2.shape, dtype=torch.float32)
+    summed = torch.empty(x2.shape, dtype=torch.float32)
+    w = weight.contiguous()
+    _lib().kv_rms_norm_f32(x2.data_ptr(), x2.stride(0), r2.data_ptr(), r2.stride(0), summed.data_ptr(),
+                           w.data_ptr(), out.data_ptr(), x2.shape[0], x2.shape[1], eps, _threads())
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    x2 = _rows(x)
+    inter = x2.shape[1] // 2
+    out = torch.empty(x2.shape[0], inter, dtype=torch.float32)
+    _lib().kv_silu_and_mul_f32(x2.data_ptr(), x2.shape[0], inter, x2.stride(0), out.data_ptr(), inter, _threads())
+    return out.view(*x.shape[:-1], inter)
+
+
+def _heads_view_ok(t: torch.Tensor) -> bool:
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def rotary_supported(query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+    return (query.dtype == key.dtype == torch.float32 and cos_sin_cache.dtype == torch.float32
+            and _heads_view_ok(query) and _heads_view_ok(key) and query.shape[2] == key.shape[2]
+            and cos_sin_cache.shape[1] <= query.shape[2] and cos_sin_cache.shape[1] % 2 == 0)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place rotate-half rotary of q [T, Hq, D] and k [T, Hk, D] (row-strided views are fine)."""
+    t, hq, d = query.shape
+    hk = key.shape[1]
+    pos = positions.to(torch.int64).contiguous()
+    cs = cos_sin_cache.contiguous()
+    q_out = torch.empty(t, hq, d, dtype=torch.float32)
+    k_out = torch.empty(t, hk, d, dtype=torch.float32)
+    _lib().kv_rotary_f32(pos.data_ptr(), t, query.data_ptr(), query.stride(0), hq, key.data_ptr(), key.stride(0), hk,
+                         d, cs.shape[1], cs.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), _threads())
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------------- attention
+
+
+def decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (query.dtype == k_cache.dtype == torch.float32 and query.device.type == "cpu"
+            and k_cache.is_contiguous() and query.shape[1] % k_cache.shape[2] == 0
+            and query.shape[1] // k_cache.shape[2] <= MAX_GQA_GROUP and available())
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """One query token per sequence (query [S, Hq, D]) over its paged K/V; float32 math."""
+    q = query.contiguous()
+    s, hq, d = q.shape
+    bt = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    _lib().kv_paged_decode_f32(q.data_ptr(), s, hq, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
+                               k_cache.shape[1], bt.data_ptr(), bt.shape[1], lens.data_ptr(), scale, window,
+                               softcap, out.data_ptr(), _threads())
+    return out

@@ -1,0 +1,59 @@
+"""``int8``: weight-only int8 quantization of a full-precision checkpoint at load time.
+
+Per output channel, symmetric (absmax / 127). Every linear layer, the LM head and the embedding
+table are quantized; activations stay in the compute dtype (see `packed` for the CPU kernel's
+bfloat16 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig, replace_param
+from kvserve.runtime.models.quantization.packed import Int8Weight, quantize_int8
+from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
+
+
+class Int8WeightOnlyMethod(LinearMethod):
+    name = "int8"
+
+    def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
+        UnquantizedLinearMethod().create_weights(layer, spec)  # the checkpoint's float weight, then:
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        q, scale = quantize_int8(w, w.shape[1])
+        set_int8(layer, Int8Weight(q, scale, w.shape[1], layer.weight.dtype, what=layer.spec.name))
+        replace_param(layer, "weight", None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = layer.int8.matmul(x)
+        return out + bias if bias is not None else out
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return layer.int8.rows(ids)
+
+
+def set_int8(layer: nn.Module, weight: Int8Weight) -> None:
+    """Keeps an `Int8Weight` on the layer, its tensors registered as parameters (memory, devices)."""
+    layer.int8 = weight
+    for name, t in weight.tensors().items():
+        replace_param(layer, name, t)
+
+
+class Int8Config(QuantizationConfig):
+    @classmethod
+    def from_config(cls, quantization_config=None) -> "Int8Config":
+        return cls()
+
+    name = "int8"
+
+    def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
+        return Int8WeightOnlyMethod()
+
+    def quantizes_vocab(self) -> bool:
+        return True
+
+    def describe(self) -> dict:
+        return {"quantization": "int8", "bits": 8, "group_size": "per-channel"}

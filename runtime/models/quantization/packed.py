@@ -1,0 +1,251 @@
+"""The two integer weight forms every integer format ends in, and the kernels that multiply them.
+
+All integer formats are converted at load time into one of two canonical forms:
+
+- **int4 affine, group-wise**: 4-bit values ``q`` in 0..15 with a float ``scale`` and ``offset`` per
+  (output row, group of ``group_size`` input features): ``w = q * scale + offset``. AWQ and GPTQ
+  (``(q - zero) * scale``), compressed-tensors W4A16, int4 load-time quantization and GGUF's
+  Q4_0 (``(q - 8) * d``), Q4_1 (``q * d + m``) and Q4_K (per-32 scales and mins) all are this.
+- **int8 symmetric**: ``w = q * scale`` with int8 ``q`` and one scale per (row, group); per-output
+  channel when the group is the whole input (int8 load-time quantization, compressed-tensors
+  W8A16), group 32 for GGUF's Q8_0.
+
+Kernels, by device (`Int4Weight.matmul` / `Int8Weight.matmul` pick):
+
+- CPU: torch's packed weight-only kernels (``aten._weight_int4pack_mm_for_cpu`` for int4 with
+  groups of 32/64/128/256 and rows a multiple of 16; ``aten._weight_int8pack_mm`` for per-channel
+  int8). They are fast only with bfloat16 inputs, so activations enter them in bfloat16 (fp32
+  accumulation) and the result is cast back to the compute dtype. Anything else (grouped int8,
+  small groups, odd row counts) dequantizes then multiplies.
+- CUDA: the Triton dequant-GEMM kernels of `kvserve.kernels.quant` (split-K for small batches).
+- Everywhere, the pure-torch twins of those kernels (`kvserve.kernels.reference`) are the oracle,
+  and ``set_cpu_packed(False)`` / ``KVSERVE_QUANT_CPU_PACKED=0`` makes the CPU use them (exact
+  dequantize-then-matmul in the compute dtype) instead of the packed kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvserve.kernels import quant_reference as ref
+from kvserve.kernels.ops import use_triton
+
+log = logging.getLogger(__name__)
+
+CPU_INT4_GROUPS = (32, 64, 128, 256)
+_ENV = "KVSERVE_QUANT_CPU_PACKED"
+_cpu_packed_override: bool | None = None
+
+
+def set_cpu_packed(enabled: bool | None) -> None:
+    """True/False forces torch's packed CPU kernels on/off; None goes back to the environment."""
+    global _cpu_packed_override
+    _cpu_packed_override = enabled
+
+
+def cpu_packed_enabled() -> bool:
+    if _cpu_packed_override is not None:
+        return _cpu_packed_override
+    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_int4_group(group_size: int, k: int) -> int | None:
+    """A group size torch's CPU int4 kernel takes that represents `group_size` exactly (a group
+    larger than 256 is the same scale repeated over several kernel groups), or None."""
+    if group_size in CPU_INT4_GROUPS:
+        return group_size
+    for g in reversed(CPU_INT4_GROUPS):
+        if group_size % g == 0 and k % g == 0:
+            return g
+    return None
+
+
+def _triton_ok(x: torch.Tensor, group_size: int) -> bool:
+    if not use_triton(x):
+        return False
+    from kvserve.kernels import quant
+
+    return quant.supports_group(group_size)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """The Triton dequant-GEMM where it runs (CUDA), else its torch twin."""
+    if _triton_ok(x, group_size):
+        from kvserve.kernels import quant
+
+        return quant.int4_matmul(x, packed, scale, offset, group_size)
+    return ref.int4_matmul_ref(x, packed, scale, offset, group_size)
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    if _triton_ok(x, group_size):
+        from kvserve.kernels import quant
+
+        return quant.int8_matmul(x, q, scale, group_size)
+    return ref.int8_matmul_ref(x, q, scale, group_size)
+
+
+# ------------------------------------------------------------------------------------------- int4
+
+
+def pack_int4_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K/2] uint8, even k in the low nibble (the Triton/twin layout)."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
+
+
+def _cpu_pack_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Rows `ids` (values 0..15, [len(ids), K]) read back out of torch's CPU int4 packing.
+
+    torch packs blocks of 32 rows as byte k*16 + row%16 (nibble row%32 // 16), and a last block of
+    16 rows as byte k*8 + (row%16)//2 (nibble row%2). `Int4Weight` checks this against the source
+    values when it packs, so a torch release that packs differently is caught at load."""
+    flat = packed.reshape(-1)
+    full = (n // 32) * 32
+    ids = ids.long()
+    kk = torch.arange(k, device=packed.device)
+    in_full = ids < full
+    block = torch.where(in_full, ids // 32, 0)
+    byte_full = block[:, None] * (32 * k // 2) + kk[None, :] * 16 + (ids % 16)[:, None]
+    shift_full = ((ids % 32) // 16 * 4)[:, None]
+    tail = (ids - full).clamp(min=0)
+    byte_tail = full * k // 2 + kk[None, :] * 8 + ((tail % 16) // 2)[:, None]
+    shift_tail = (tail % 2 * 4)[:, None]
+    byte = torch.where(in_full[:, None], byte_full, byte_tail)
+    shift = torch.where(in_full[:, None], shift_full, shift_tail)
+    return (flat[byte].to(torch.int32) >> shift) & 0xF
+
+
+class Int4Weight:
+    """An int4 affine group-wise weight [N, K] ready for the device's kernel."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int,
+                 dtype: torch.dtype, *, what: str = "layer"):
+        n, k = q.shape
+        if k % group_size or scale.shape != (n, k // group_size) or offset.shape != scale.shape:
+            raise ValueError(f"{what}: int4 weight [{n}, {k}] with group {group_size} needs scale/offset of "
+                             f"shape ({n}, {k // group_size}), got {tuple(scale.shape)}/{tuple(offset.shape)}")
+        self.n, self.k, self.group_size, self.dtype = n, k, group_size, dtype
+        self.device = q.device
+        self.cpu_group = _cpu_int4_group(group_size, k) if q.device.type == "cpu" else None
+        self.cpu_packed = None
+        if self.cpu_group is not None and n % 16 == 0 and cpu_packed_enabled():
+            rep = group_size // self.cpu_group
+            s = scale.float().repeat_interleave(rep, dim=1)
+            o = offset.float().repeat_interleave(rep, dim=1)
+            # torch's kernel computes (q - 8) * s + z: z = offset + 8 * scale.
+            sz = torch.stack([s.t(), (o + 8 * s).t()], dim=-1).to(torch.bfloat16).contiguous()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            probe = torch.unique(torch.tensor([0, n - 1, n // 2, min(n - 1, 17), max(0, n - 9)]))
+            if torch.equal(_cpu_pack_rows(packed, probe, n, k), q[probe].to(torch.int32)):
+                self.cpu_packed, self.cpu_scales_zeros = packed, sz
+            else:
+                log.warning("%s: torch's CPU int4 packing is not the layout this version expects; "
+                            "using dequantize-then-matmul", what)
+        if self.cpu_packed is None:
+            self.packed = pack_int4_nibbles(q)
+            self.scale, self.offset = scale.to(dtype).contiguous(), offset.to(dtype).contiguous()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What the layer keeps (registered as its parameters, so memory is counted)."""
+        if self.cpu_packed is not None:
+            return {"int4_cpu_packed": self.cpu_packed, "int4_scales_zeros": self.cpu_scales_zeros}
+        return {"int4_packed": self.packed, "int4_scale": self.scale, "int4_offset": self.offset}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_packed is not None and x.device.type == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.cpu_packed, self.cpu_group, self.cpu_scales_zeros)
+            return out.to(x.dtype)
+        return int4_matmul(x, self.packed, self.scale, self.offset, self.group_size)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` ([T, K] in the compute dtype): embedding lookups."""
+        t = len(ids)
+        if self.cpu_packed is not None:  # the kernel's own numbers: (q - 8) * s + z, bf16 s and z
+            g = self.cpu_group
+            q = _cpu_pack_rows(self.cpu_packed, ids, self.n, self.k).view(t, self.k // g, g)
+            sz = self.cpu_scales_zeros[:, ids].transpose(0, 1).float()  # [T, K/g, 2]
+            w = (q - 8).float() * sz[..., 0:1] + sz[..., 1:2]
+            return w.view(t, self.k).to(self.dtype)
+        g = self.group_size
+        q = unpack_int4_nibbles(self.packed[ids]).view(t, self.k // g, g)
+        w = q.to(self.dtype) * self.scale[ids][..., None] + self.offset[ids][..., None]
+        return w.view(t, self.k)
+
+
+# ------------------------------------------------------------------------------------------- int8
+
+
+class Int8Weight:
+    """An int8 symmetric weight [N, K] with one scale per (row, group); group == K is per-channel."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype, *,
+                 what: str = "layer"):
+        n, k = q.shape
+        if k % group_size or scale.shape != (n, k // group_size):
+            raise ValueError(f"{what}: int8 weight [{n}, {k}] with group {group_size} needs a scale of "
+                             f"shape ({n}, {k // group_size}), got {tuple(scale.shape)}")
+        self.n, self.k, self.group_size, self.dtype = n, k, group_size, dtype
+        self.q = q.to(torch.int8).contiguous()
+        self.scale = scale.to(dtype).contiguous()
+        self.per_channel = group_size == k
+        self.use_cpu_packed = self.per_channel and q.device.type == "cpu" and cpu_packed_enabled()
+        self.scale_bf16 = self.scale[:, 0].to(torch.bfloat16).contiguous() if self.use_cpu_packed else None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"int8_weight": self.q, "int8_scale": self.scale}
+        if self.scale_bf16 is not None:
+            out["int8_scale_bf16"] = self.scale_bf16
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_packed and x.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16).to(x.dtype)
+        return int8_matmul(x, self.q, self.scale, self.group_size)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        g = self.group_size
+        q = self.q[ids].view(len(ids), self.k // g, g).to(self.dtype)
+        return (q * self.scale[ids][..., None]).view(len(ids), self.k)
+
+
+# ------------------------------------------------------------------------------- load-time quantizers
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max int4 of a float [N, K] weight: (q 0..15 uint8, scale, offset) per group."""
+    n, k = w.shape
+    g = w.float().view(n, k // group_size, group_size)
+    lo = g.amin(-1).clamp(max=0)
+    hi = g.amax(-1).clamp(min=0)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
+    return q.view(n, k).to(torch.uint8), scale, -zero * scale
+
+
+def quantize_int8(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 of a float [N, K] weight: (q int8 in -127..127, scale) per group."""
+    n, k = w.shape
+    g = w.float().view(n, k // group_size, group_size)
+    scale = g.abs().amax(-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(g / scale[..., None]).clamp(-127, 127)
+    return q.view(n, k).to(torch.int8), scale

@@ -1,0 +1,237 @@
+"""Weight formats through the linear-method interface: format resolution, the canonical int4/int8
+weights and their CPU kernels against float64 dequantize-then-matmul, load-time int8/int4 models
+against transformers running the same (dequantized) weights, and the tensor-parallel group rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.runtime.attention import TorchAttentionBackend
+from kvserve.runtime.models import load_model
+from kvserve.runtime.models.quantization import resolve_quantization
+from kvserve.runtime.models.quantization.base import LinearSpec
+from kvserve.runtime.models.quantization.int4 import Int4Config, check_group, group_size_for
+from kvserve.runtime.models.quantization.packed import (
+    Int4Weight,
+    Int8Weight,
+    _cpu_pack_rows,
+    quantize_int4,
+    quantize_int8,
+    set_cpu_packed,
+)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------ format resolution
+
+
+@pytest.mark.parametrize("requested, config, match", [
+    ("int3", {}, "quantization: unknown format 'int3'; supported: int8, int4, awq"),
+    ("awq", {}, "quantization: 'awq' needs a checkpoint quantized with it"),
+    ("gptq", {"quantization_config": {"quant_method": "awq"}}, "'gptq' was requested but the checkpoint is "
+                                                              "quantized as 'awq'"),
+    ("int8", {"quantization_config": {"quant_method": "awq"}}, "checkpoint is quantized as 'awq'"),
+    (None, {"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes' is not supported"),
+])
+def test_bad_quantization_requests_name_the_field(requested, config, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        resolve_quantization(requested, config)
+
+
+def test_resolution_follows_the_checkpoint():
+    assert resolve_quantization(None, {}) is None
+    assert resolve_quantization("INT4", {}).name == "int4"
+    assert resolve_quantization("int8", {}).name == "int8"
+
+
+def test_engine_config_refuses_unknown_quantization(tiny_llama):
+    from kvserve.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^quantization: must be one of \['int8', 'int4'"):
+        EngineConfig(model=str(tiny_llama), quantization="q4_0")
+    assert EngineConfig(model=str(tiny_llama), quantization="compressed_tensors").quantization == "compressed-tensors"
+
+
+# ------------------------------------------------------------------------------ canonical weights
+
+
+@pytest.fixture(params=[True, False], ids=["cpu-packed", "dequant-twin"])
+def cpu_packed(request):
+    set_cpu_packed(request.param)
+    yield request.param
+    set_cpu_packed(None)
+
+
+def _dequant_int4(q, scale, offset, g):
+    n, k = q.shape
+    return (q.double().view(n, k // g, g) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
+
+
+@pytest.mark.parametrize("n, k, g", [(64, 128, 32), (48, 192, 64), (32, 512, 512), (40, 96, 32), (96, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_weight_matches_float64_dequantized(cpu_packed, n, k, g, dtype):
+    gen = _gen(n + k + g)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // g, generator=gen) * 0.02 + 0.001
+    offset = torch.randn(n, k // g, generator=gen) * 0.05
+    weight = Int4Weight(q, scale, offset, g, dtype)
+    x = torch.randn(5, k, generator=gen).to(dtype)
+    want = x.double() @ _dequant_int4(q, scale, offset, g).t()
+    got = weight.matmul(x)
+    assert got.dtype == dtype and got.shape == (5, n)
+    # The packed CPU kernel takes bf16 inputs and bf16 scales: bf16 rounding, relative to |x||w|.
+    bf16_path = cpu_packed or dtype == torch.bfloat16
+    tol = 2e-2 if bf16_path else 1e-5
+    scale_of = (x.double().abs() @ _dequant_int4(q, scale, offset, g).abs().t()).max().item()
+    assert (got.double() - want).abs().max().item() <= tol * scale_of
+    ids = torch.tensor([0, n - 1, n // 2, 3])
+    rows_tol = 1e-2 if bf16_path else 1e-6
+    torch.testing.assert_close(weight.rows(ids).double(), _dequant_int4(q, scale, offset, g)[ids],
+                               atol=rows_tol, rtol=rows_tol)
+
+
+@pytest.mark.parametrize("n", [32, 48, 96, 112])
+def test_cpu_int4_pack_rows_reads_torch_layout(n):
+    k = 64
+    q = torch.randint(0, 16, (n, k), generator=_gen(n), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    ids = torch.arange(n)
+    assert torch.equal(_cpu_pack_rows(packed, ids, n, k), q)
+
+
+@pytest.mark.parametrize("n, k, g", [(64, 96, 96), (48, 64, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weight_matches_float64_dequantized(cpu_packed, n, k, g, dtype):
+    gen = _gen(n * k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, k // g, generator=gen) * 0.01 + 1e-4
+    weight = Int8Weight(q, scale, g, dtype)
+    x = torch.randn(3, k, generator=gen).to(dtype)
+    w = (q.double().view(n, k // g, g) * scale.double()[..., None]).view(n, k)
+    got = weight.matmul(x)
+    bf16_path = (cpu_packed and g == k) or dtype == torch.bfloat16
+    tol = 2e-2 if bf16_path else 1e-5
+    assert (got.double() - x.double() @ w.t()).abs().max().item() <= tol * (x.double().abs() @ w.abs().t()).max()
+    ids = torch.tensor([1, n - 1])
+    torch.testing.assert_close(weight.rows(ids).double(), w[ids], atol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                               rtol=1e-2)
+
+
+def test_load_time_quantizers_round_trip_within_half_a_step():
+    w = torch.randn(32, 256, generator=_gen(3)) * 0.1
+    q, scale, offset = quantize_int4(w, 128)
+    deq = _dequant_int4(q, scale, offset, 128)
+    step = scale.double().repeat_interleave(128, dim=1)
+    assert ((deq - w.double()).abs() <= step / 2 + 1e-7).all()
+    q8, s8 = quantize_int8(w, 256)
+    assert ((q8.double() * s8.double() - w.double()).abs() <= s8.double() / 2 + 1e-7).all()
+
+
+# --------------------------------------------------------------- load-time int8/int4 whole models
+
+
+def _fake_quantized_hf(model_dir, quantization, g_for):
+    """transformers' model with every linear (and the vocabulary) replaced by its dequantized
+    int8/int4 weights: what our quantized model must compute."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() != 2:
+                continue
+            w = p.data
+            if quantization == "int8":
+                q, s = quantize_int8(w, w.shape[1])
+                p.copy_(q.float() * s)
+            else:
+                g = g_for(w.shape[1])
+                q, s, o = quantize_int4(w, g)
+                p.copy_(_dequant_int4(q, s, o, g).float())
+    return hf
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_load_time_quantized_model_matches_transformers_on_dequantized_weights(tiny_model_factory, quantization):
+    from test_models import PagedCache, _hf_logits, _prompts
+
+    model_dir = tiny_model_factory("qwen2", tie_word_embeddings=True, hidden_size=64, intermediate_size=192)
+    hf = _fake_quantized_hf(model_dir, quantization, group_size_for)
+    set_cpu_packed(False)  # the exact twin: the packed kernels' bf16 inputs are checked above
+    try:
+        model = load_model(model_dir, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend(),
+                           quantization=quantization)
+    finally:
+        set_cpu_packed(None)
+    assert model.embed_tokens.quant_method.name == quantization
+    assert not hasattr(model.layers[0].mlp.down_proj, "weight")  # no full-precision copy kept
+    prompt = _prompts(512, [11])[0]
+    got = PagedCache(model, num_blocks=8).step(model, [(0, prompt)])
+    torch.testing.assert_close(got, _hf_logits(hf, prompt), atol=2e-4, rtol=0)
+
+
+def test_load_time_int8_engine_greedy_matches_float_closely(tiny_model_factory):
+    """Through the engine with the packed CPU kernels: int8 decode stays on the float model's
+    greedy path for a short continuation (weights differ by < 0.4%)."""
+    from kvserve.runtime import LLM, SamplingParams
+
+    model_dir = tiny_model_factory("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for q in (None, "int8"):
+        with LLM(str(model_dir), quantization=q, dtype="float32", device="cpu", num_kv_blocks=32) as llm:
+            runs[q] = llm.generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert llm.engine.quantization == q
+    assert runs["int8"][:4] == runs[None][:4]
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+
+def _row_spec(input_size, tp_size, tp_rank=0):
+    shard = input_size // tp_size
+    return LinearSpec(input_size=input_size, output_sizes=(64,), output_slices=((0, 64),),
+                      input_slice=(tp_rank * shard, shard), prefixes=("model.layers.0.self_attn.o_proj",),
+                      tp_rank=tp_rank, tp_size=tp_size)
+
+
+def test_tp_degree_that_splits_a_group_is_refused():
+    check_group(_row_spec(256, 2), 128, "int4")  # 128 per rank: whole groups
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2: model.layers.0.self_attn.o_proj would split "
+                                         r"int4 quantization groups of 128 input features between ranks "
+                                         r"\(128 input features, 64 per rank\)"):
+        check_group(_row_spec(128, 2), 128, "int4")
+
+
+def test_int4_group_size_follows_the_input_size():
+    assert [group_size_for(k) for k in (4096, 576, 1536, 96, 40)] == [128, 64, 128, 32, None]
+    with pytest.raises(ValueError, match="int4 needs input sizes divisible by 32"):
+        Int4Config().get_linear_method(_row_spec(40, 1))
+
+
+def test_int4_tp2_matches_tp1(tiny_model_factory):
+    """Real worker processes and gloo: each rank quantizes its own shard, whole groups only, and
+    greedy decoding at tp=2 equals tp=1 token for token."""
+    from kvserve.runtime import LLM, SamplingParams
+
+    model_dir = tiny_model_factory("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    prompts = [[5, 6, 7, 8, 9], [30, 31, 32]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(quantization="int4", dtype="float32", device="cpu", num_kv_blocks=32, block_size=4)
+    runs = []
+    for tp in (1, 2):
+        with LLM(str(model_dir), tensor_parallel_size=tp, **kw) as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
+def test_int4_tp_that_splits_groups_fails_before_serving(tiny_llama):
+    from kvserve.runtime import LLM
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: .* would split int4 quantization groups of 64"):
+        LLM(str(tiny_llama), quantization="int4", tensor_parallel_size=2, device="cpu", num_kv_blocks=16)
