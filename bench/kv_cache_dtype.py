@@ -138,7 +138,8 @@ def main(argv=None) -> int:
             tokens = engine.num_kv_blocks * engine.config.block_size
             predicted = round(GiB / kv_bytes_per_token(shape, kv_cache_dtype_bytes(kv, dtype)))
             agree = [common_prefix(a, r) for a, r in zip(texts[kv][0], ref_tokens)]
-            rows.append(dict(dtype=dtype, kv_cache_dtype=kv, pool_dtype=str(engine.kv_caches[0][0].dtype).removeprefix("torch."),
+            pool_dtype = str(engine.kv_caches[0][0].dtype).removeprefix("torch.")
+            rows.append(dict(dtype=dtype, kv_cache_dtype=kv, pool_dtype=pool_dtype,
                              kv_bytes_per_token=kv_bytes_per_token(shape, kv_cache_dtype_bytes(kv, dtype)),
                              pool_bytes=pool_bytes, pool_tokens=tokens,
                              tokens_per_gib=round(tokens * GiB / pool_bytes), predicted_tokens_per_gib=predicted,
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
         del engines
 
     head = f"{'dtype':<10}{'kv cache':<10}{'B/token':>9}{'tokens/GiB':>12}{'predicted':>11}"
-    head += "".join(f"{'ms/step b=' + str(b):>15}" for b in batches) + f"{'  same greedy prefix (of ' + str(args.agree_tokens) + ')':<34}chat answer"
+    head += "".join(f"{'ms/step b=' + str(b):>15}" for b in batches)
+    head += f"{'  same greedy prefix (of ' + str(args.agree_tokens) + ')':<34}chat answer"
     print("\n" + head)
     for r in rows:
         line = (f"{r['dtype']:<10}{r['kv_cache_dtype']:<10}{r['kv_bytes_per_token']:>9}{r['tokens_per_gib']:>12}"

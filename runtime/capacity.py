@@ -48,9 +48,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 GiB = 1024**3
 
 # Weight formats, by vLLM's names (`quantization=` / `--quantization` / spec.runtime.quantization).
-WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8")
+WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # Formats a checkpoint can already be in (config.json's quantization_config.quant_method).
-CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8")
+CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # Formats that quantize a full-precision checkpoint while loading it.
 LOAD_TIME_FORMATS = ("int8", "int4", "fp8")
 

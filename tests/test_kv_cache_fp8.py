@@ -89,10 +89,11 @@ def _forward(model, pools, tokens, start, block_table):
     n = len(tokens)
     bs = pools[0][0].shape[1]
     positions = torch.arange(start, start + n)
+    slots = [block_table[p // bs] * bs + p % bs for p in positions.tolist()]
     meta = AttentionMetadata(query_start_loc=torch.tensor([0, n], dtype=torch.int32),
                              seq_lens=torch.tensor([start + n], dtype=torch.int32),
                              block_tables=torch.tensor([block_table], dtype=torch.int32),
-                             slot_mapping=torch.tensor([block_table[p // bs] * bs + p % bs for p in positions.tolist()]),
+                             slot_mapping=torch.tensor(slots),
                              max_query_len=n, max_seq_len=start + n, is_decode_only=n == 1)
     return model.compute_logits(model(torch.tensor(tokens), positions, pools, meta))
 

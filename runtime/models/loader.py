@@ -77,8 +77,21 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
         if is_gguf_path(model_dir):
             from kvserve.runtime.gguf import checkpoint_tensors
 
-            for name, tensor in checkpoint_tensors(model_dir, cfg, wanted=targets.__contains__):
-                consume(name, tensor)
+            from kvserve.runtime.gguf import GroupQuantized
+
+            def keep_quantized(name: str, ggml_type) -> bool:  # the layer's method holds codes
+                return getattr(targets[name][0], "gguf_codes", False)
+
+            for name, tensor in checkpoint_tensors(model_dir, cfg, keep_quantized=keep_quantized,
+                                                   wanted=targets.__contains__):
+                if isinstance(tensor, GroupQuantized):
+                    prefix = name.removesuffix(".weight")
+                    consume(name, tensor.codes)
+                    consume(f"{prefix}.gguf_scale", tensor.scales)
+                    if tensor.offsets is not None:
+                        consume(f"{prefix}.gguf_offset", tensor.offsets)
+                else:
+                    consume(name, tensor)
         else:
             for path in checkpoint_files(model_dir):
                 try:
