@@ -232,3 +232,29 @@ def fused_moe_ref(
         y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
         out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
     return out
+
+
+# ------------------------------------------------------------------ multi-head latent attention
+
+
+def mla_decode_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank + rope_dim]: absorbed queries
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, 1, kv_lora_rank + rope_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]; query lengths 0 or 1
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Each sequence's query heads over its cached latents, float32 math: scores against the whole
+    latent (c and k_pe), output the softmax-weighted c's: [num_tokens, num_heads, kv_lora_rank]."""
+    out = torch.zeros(query.shape[0], query.shape[1], kv_lora_rank, dtype=query.dtype, device=query.device)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if starts[i + 1] == starts[i]:
+            continue
+        latents = gather_kv(kv_cache, block_tables[i], seq_len)[:, 0].float()  # [S, L + R]
+        q = query[starts[i]].float()  # [H, L + R]
+        probs = ((q @ latents.T) * scale).softmax(-1)
+        out[starts[i]] = (probs @ latents[:, :kv_lora_rank]).to(query.dtype)
+    return out

@@ -93,11 +93,14 @@ def cel_available() -> bool:
     return True
 
 
-def validate(obj: Mapping[str, Any], *, cel: bool = True) -> list[str]:
-    """Errors an API server would answer for `obj` (after defaulting); [] when it is accepted."""
+def validate(obj: Mapping[str, Any], *, cel: bool = True, crd: Mapping[str, Any] | None = None,
+             version: str = "v1alpha1") -> list[str]:
+    """Errors an API server would answer for `obj` (after defaulting); [] when it is accepted.
+
+    `crd`/`version`: another CRD's schema (tests check other projects' custom resources too)."""
     import jsonschema
 
-    schema = openapi_schema()
+    schema = openapi_schema(crd, version)
     defaulted = apply_defaults(obj, schema)
     validator = jsonschema.Draft4Validator(_strict(schema))
     errors = [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"

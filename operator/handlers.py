@@ -28,10 +28,11 @@ from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .metrics import OperatorMetrics
 from .peering import REPEAT_SECONDS, peering_objects, watch_peering
 from .retry import handler_delay
-from .sources import AgentSource, PrometheusSource, pod_ready, pod_terminating
+from .sources import AgentSource, PrometheusSource, pod_name, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
-from .status import (append_decision, decision_record, degraded_conditions, iso, merge_conditions,
-                     rollout_conditions, scaling_conditions, signal_fields, tp_note)
+from .status import (append_decision, decision_record, degraded_conditions, iso, learned_config, merge_conditions,
+                     model_status, replacing, rollout_conditions, same_model, scaling_conditions, signal_fields,
+                     tp_note)
 
 OWNED_KINDS = ("Service", "PodDisruptionBudget", "Deployment")
 HANDLER_BACKOFF = 2.0
@@ -118,6 +119,10 @@ class Reconciler:
     def _validate(self, body: Mapping[str, Any]):
         check_name(body["metadata"]["name"])
         spec = parse_spec(body.get("spec") or {})
+        learned = learned_config(body.get("status"), spec.model.uri)
+        if spec.model.config is None and learned is not None:
+            # What the pods' agents reported about this very model: plan TP with it.
+            spec = replace(spec, model=replace(spec.model, config=dict(learned)))
         shape = shape_for(spec)
         check_servable(spec, shape)
         return spec, shape
@@ -256,8 +261,10 @@ class Reconciler:
             current_hash = M.template_hash(live)
             rollout = any(self._pod_hash(p) != current_hash for p in pods)
             errors: dict[str, str] = {}
-            signals = await self.source.scrape(namespace, name, pods, errors)
+            models: dict[str, dict[str, Any]] = {}
+            signals = await self.source.scrape(namespace, name, pods, errors, models)
             self._report_scrape_errors(body, memo, errors)
+            self._learn_model(body, status, patch, spec, pods, models, current_hash, now)
 
             decision: Decision | None = None
             if spec.autoscaling.enabled:
@@ -294,6 +301,27 @@ class Reconciler:
                 + scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
                                      note=tp_note(spec, shape)),
                 now)
+
+    def _learn_model(self, body, status, patch, spec, pods, models, current_hash, now) -> None:
+        """Records in status.model what a pod of the current template reports about its model
+        (the next runs plan TP with its config when the spec has none), with one Event."""
+        current = sorted(pod_name(p) for p in pods if self._pod_hash(p) == current_hash and pod_name(p) in models)
+        if not current:
+            return
+        record = model_status(models[current[0]], uri=spec.model.uri, pod=current[0], now=now)
+        previous = status.get("model")
+        if same_model(previous, record):
+            return
+        patch.status["model"] = replacing(previous, record)
+        shape = ("TP planning uses its config" if "config" in record else
+                 f"its shape cannot be read ({record.get('shapeError')}); TP stays fixed")
+        weights = record.get("weightBytes")
+        kopf.info(body, reason="ModelLearned", message=(
+            f"pod {current[0]} serves {record.get('architecture') or record.get('modelType') or 'a model'}: "
+            f"{record.get('numLayers')} layers, {record.get('numAttentionHeads')} heads / "
+            f"{record.get('numKeyValueHeads')} KV heads, head dim {record.get('headDim')}, "
+            f"{record.get('dtype')}{', ' + record['quantization'] if record.get('quantization') else ''}"
+            f"{f', {weights / 1e9:.2f} GB of weights' if isinstance(weights, int) else ''}; {shape}"))
 
     @staticmethod
     def _report_scrape_errors(body, memo, errors: dict[str, str]) -> None:

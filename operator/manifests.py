@@ -99,6 +99,10 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
         command += ["--max-model-len", str(rt.max_model_len)]
     if rt.max_num_seqs:
         command += ["--max-num-seqs", str(rt.max_num_seqs)]
+    if rt.quantization:
+        command += ["--quantization", rt.quantization]
+    if rt.kv_cache_dtype != "auto":
+        command += ["--kv-cache-dtype", rt.kv_cache_dtype]
     if rt.engine == "kvserve":
         command += ["--drain-timeout", str(rt.drain_timeout_seconds)]
         if spec.gpu.per_shard == 0:
@@ -192,11 +196,15 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "command": ["kvserve", "agent", "serve", "--engine-url", f"http://127.0.0.1:{RUNTIME_PORT}",
                     "--port", str(AGENT_PORT), "--engine", rt.engine,
                     "--tensor-parallel-size", str(tp),
-                    "--drain-timeout", str(rt.drain_timeout_seconds)],
+                    "--drain-timeout", str(rt.drain_timeout_seconds),
+                    # Reported in /v1/signals: the operator learns the model's shape from it.
+                    "--model-dir", model_dir(name)],
         "env": _cache_env(),
         "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        # 512Mi: reading a GGUF file's metadata runs the GGUF reader (and torch) in a short child.
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
+        "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": _security_context(),
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "agent"}, "periodSeconds": 5},
         # tcp, not /ready: a dead engine must not get the agent restarted.

@@ -71,10 +71,13 @@ class AgentSource:
         self._session = None
 
     async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]],
-                     errors: dict[str, str] | None = None) -> list[PodSignals]:
-        """Signals for every pod, in order; failures are also put in `errors` (pod -> message)."""
+                     errors: dict[str, str] | None = None,
+                     models: dict[str, dict[str, Any]] | None = None) -> list[PodSignals]:
+        """Signals for every pod, in order; failures are also put in `errors` (pod -> message),
+        and what each agent reports about its model in `models` (pod -> the agent's `model`)."""
         semaphore = asyncio.Semaphore(self.concurrency)
         errors = {} if errors is None else errors
+        models = {} if models is None else models
 
         async def one(pod: Mapping[str, Any]) -> PodSignals:
             if not pod_ready(pod) or not pod_ip(pod):
@@ -88,6 +91,8 @@ class AgentSource:
                         data = await response.json()
                     if not isinstance(data, dict):
                         raise ValueError("answer is not a JSON object")
+                    if isinstance(data.get("model"), dict):
+                        models[pod_name(pod)] = data["model"]
                     return PodSignals.from_json(pod_name(pod), data, pod_ready=True)
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
                     errors[pod_name(pod)] = f"{url}: {type(error).__name__}: {error}"
@@ -145,7 +150,9 @@ class PrometheusSource:
         return f'{{__name__=~"{metrics}",namespace="{namespace}",pod=~"{names}"}}'
 
     async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]],
-                     errors: dict[str, str] | None = None) -> list[PodSignals]:
+                     errors: dict[str, str] | None = None,
+                     models: dict[str, dict[str, Any]] | None = None) -> list[PodSignals]:
+        # Prometheus carries numbers only: no model reports through this source.
         pods = list(pods)
         errors = {} if errors is None else errors
         try:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvserve.runtime.capacity import ModelShape
+from kvserve.runtime.capacity import WEIGHT_FORMATS, ModelShape, WeightFormat, weight_format
 
 GROUP = "kvserve.dev"
 VERSION = "v1alpha1"
@@ -22,6 +22,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 ENGINES = ("kvserve", "vllm")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+QUANTIZATIONS = WEIGHT_FORMATS  # vLLM's names; unset: the checkpoint's own (or full precision)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -105,6 +107,8 @@ class RuntimeSpec:
     env: tuple[tuple[str, str], ...] = ()
     max_model_len: int | None = None
     dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_seqs: int | None = None
@@ -294,6 +298,8 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         env=tuple(env),
         max_model_len=r.integer("maxModelLen", None, lo=16, hi=10_000_000),
         dtype=r.string("dtype", "auto", choices=DTYPES),
+        quantization=r.string("quantization", None, choices=QUANTIZATIONS),
+        kv_cache_dtype=r.string("kvCacheDtype", "auto", choices=KV_CACHE_DTYPES),
         block_size=r.integer("blockSize", 16, choices=BLOCK_SIZES),
         enable_prefix_caching=r.boolean("enablePrefixCaching", True),
         max_num_seqs=r.integer("maxNumSeqs", None, lo=1, hi=65536),
@@ -384,8 +390,9 @@ def shape_unknown_message(spec: ServiceSpec) -> str:
     """What to do when the model's shape is unknown (TP cannot be planned), for status and plan."""
     where = ("an hf:// model is only read from the operator's local Hugging Face cache"
              if spec.model.source.kind == "hf" else "the operator cannot read the model's config.json")
-    return (f"TP planning needs the model's shape: set spec.model.config (the model's config.json "
-            f"fields) or use a local model path ({where}); TP stays at {spec.tensor.initial}")
+    return (f"TP planning needs the model's shape: it is learned from the pods' agents once a pod has "
+            f"fetched the model (status.model), or set spec.model.config (the model's config.json fields) "
+            f"or use a local model path ({where}); TP stays at {spec.tensor.initial} until then")
 
 
 def check_servable(spec: ServiceSpec, shape: ModelShape | None) -> None:
@@ -405,6 +412,27 @@ def dtype_for_capacity(spec: ServiceSpec) -> str:
         return spec.runtime.dtype
     config_dtype = (spec.model.config or {}).get("torch_dtype") or (spec.model.config or {}).get("dtype")
     return config_dtype if config_dtype in DTYPES[1:] else "bfloat16"
+
+
+def weight_format_for_capacity(spec: ServiceSpec, dtype_size: int) -> WeightFormat | None:
+    """The weight format to plan with: spec.runtime.quantization, else the inline config's own
+    quantization_config (an AWQ checkpoint is AWQ whatever the spec says), else full precision."""
+    config = spec.model.config or {}
+    qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), Mapping) else None
+    name = spec.runtime.quantization
+    if name is None and qc is not None:
+        name = str(qc.get("quant_method", "")).lower().replace("_", "-") or None
+        if name not in WEIGHT_FORMATS:
+            return None  # the runtime refuses it; plan as full precision meanwhile
+    if name is None:
+        return None
+    hidden = int(config.get("hidden_size") or 4096)
+    return weight_format(name, dtype_size, hidden, qc)
+
+
+def kv_dtype_size_for_capacity(spec: ServiceSpec) -> int | None:
+    """Bytes per KV element when the KV cache dtype differs from the model's (FP8: 1)."""
+    return 1 if spec.runtime.kv_cache_dtype.startswith("fp8") else None
 
 
 def check_name(name: str) -> None:

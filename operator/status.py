@@ -131,3 +131,59 @@ def signal_fields(s: Signals) -> dict[str, Any]:
         return {}
     return {"kvCacheUtilizationPercent": int(round(100 * s.kv_cache_utilization)),
             "queueDepth": int(round(s.queue_depth)), "requestsRunning": int(round(s.requests_running))}
+
+
+# status.model: what the pods' agents report about the model (agent field -> status field).
+MODEL_FIELDS = {
+    "architecture": "architecture", "model_type": "modelType", "num_layers": "numLayers",
+    "hidden_size": "hiddenSize", "num_attention_heads": "numAttentionHeads", "num_kv_heads": "numKeyValueHeads",
+    "head_dim": "headDim", "intermediate_size": "intermediateSize", "vocab_size": "vocabSize",
+    "dtype": "dtype", "quantization": "quantization", "weight_bytes": "weightBytes", "format": "format",
+}
+
+
+def model_status(info: Mapping[str, Any], *, uri: str, pod: str, now: dt.datetime) -> dict[str, Any]:
+    """status.model from one agent's `model` report, for the model `uri` the spec names.
+
+    `config` (config.json's fields) is kept only when the shared capacity model can read a shape
+    from it; otherwise `shapeError` says why, and TP planning keeps waiting for spec.model.config."""
+    out: dict[str, Any] = {"uri": uri, "learnedFrom": pod, "learnedAt": iso(now)}
+    for src, dst in MODEL_FIELDS.items():
+        value = info.get(src)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            out[dst] = value
+    config = info.get("config")
+    if isinstance(config, Mapping):
+        try:
+            ModelShape.from_hf_config(config)
+            out["config"] = dict(config)
+        except (ValueError, TypeError) as error:
+            out["shapeError"] = str(error)[:500]
+    return out
+
+
+def same_model(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether two status.model records describe the same model (not who reported it, or when)."""
+    def key(m):
+        return {k: v for k, v in (m or {}).items() if k not in ("learnedFrom", "learnedAt")}
+
+    return key(a) == key(b)
+
+
+def learned_config(status: Mapping[str, Any] | None, uri: str) -> Mapping[str, Any] | None:
+    """The config the agents reported for this very model `uri` (a spec pointing at another
+    model must not be planned with the old one's shape), or None."""
+    model = (status or {}).get("model")
+    if not isinstance(model, Mapping) or model.get("uri") != uri:
+        return None
+    config = model.get("config")
+    return config if isinstance(config, Mapping) else None
+
+
+def replacing(old: Any, new: Any) -> Any:
+    """A merge patch turning `old` into `new` exactly: keys `new` lacks are deleted (null)."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return new
+    out = {k: replacing(old.get(k), v) for k, v in new.items()}
+    out.update({k: None for k in old if k not in new})
+    return out

@@ -310,15 +310,86 @@ def _mlp_elements(shape: ModelShape, tp: int) -> int:
     return moe_layers * (experts + router + shared) + (shape.num_layers - moe_layers) * dense
 
 
-def weight_bytes_per_gpu(shape: ModelShape, dtype_size: int, tp: int = 1) -> int:
+@dataclass(frozen=True)
+class WeightFormat:
+    """Bytes one weight takes in a format, as the runtime holds it (values, scales, zeros/offsets).
+
+    `linear_bytes`: per parameter of a quantized matmul; `vocab_bytes`: per parameter of the
+    embedding table and LM head (the compute dtype's size unless the format covers them)."""
+
+    name: str
+    linear_bytes: float
+    vocab_bytes: float
+
+
+def weight_format(quantization: str | None, dtype_size: int, hidden_size: int = 4096,
+                  quantization_config: Mapping[str, Any] | None = None) -> WeightFormat:
+    """The memory a weight format takes per parameter (for TP planning and pool sizing).
+
+    Integer formats end as 4- or 8-bit values plus a scale (and, 4-bit, an offset) per group in
+    the compute dtype; per-channel scales count once per row (``hidden_size`` stands in for the
+    row length). FP8 keeps a float32 scale per row. Group sizes come from the checkpoint's
+    ``quantization_config`` when given (else 128, the common default)."""
+    s = dtype_size
+    if quantization is None:
+        return WeightFormat("none", s, s)
+    if quantization not in WEIGHT_FORMATS:
+        raise ValueError(f"quantization: unknown format {quantization!r}; supported: {', '.join(WEIGHT_FORMATS)}")
+    qc = dict(quantization_config or {})
+
+    def int4(group: int) -> float:
+        return 0.5 + 2 * s / (group if group > 0 else hidden_size)
+
+    def int8(group: int | None) -> float:
+        return 1 + s / (group if group and group > 0 else hidden_size)
+
+    if quantization == "int8":
+        return WeightFormat("int8", int8(None), int8(None))
+    if quantization == "int4":
+        return WeightFormat("int4", int4(128), int4(128))
+    if quantization == "fp8":
+        return WeightFormat("fp8", 1 + 4 / hidden_size, s)
+    if quantization == "gguf":
+        # As a GPU holds a GGUF file (kvserve.runtime.models.quantization.gguf): 4-bit types as
+        # int4 group 32, Q8_0 as int8 group 32, the rest dequantized. Matmul tensors averaged by
+        # count (the file's tensor_types carry no sizes): close when one type dominates.
+        types = qc.get("tensor_types") or {}
+
+        def gguf_bytes(t: str) -> float:
+            return int4(32) if t in ("Q4_0", "Q4_1", "Q4_K") else int8(32) if t == "Q8_0" else s
+
+        linear = [gguf_bytes(t) for n, t in types.items()
+                  if ".layers." in n and n.endswith(".weight") and not n.endswith("norm.weight")]
+        vocab = [gguf_bytes(types[n]) for n in ("model.embed_tokens.weight", "lm_head.weight") if n in types]
+        return WeightFormat("gguf", sum(linear) / len(linear) if linear else s, max(vocab) if vocab else s)
+    if quantization == "awq":
+        return WeightFormat("awq", int4(int(qc.get("group_size", qc.get("q_group_size", 128)))), s)
+    if quantization == "gptq":
+        group = int(qc.get("group_size", 128))
+        return WeightFormat("gptq", int4(group) if int(qc.get("bits", 4)) == 4 else int8(group), s)
+    weights = {}
+    for group in (qc.get("config_groups") or {}).values():  # compressed-tensors: the first group decides
+        weights = group.get("weights") or {}
+        break
+    bits, kind = int(weights.get("num_bits", 4)), str(weights.get("type", "int"))
+    group = int(weights.get("group_size") or 0) if weights.get("strategy", "group") == "group" else 0
+    if kind == "float":
+        return WeightFormat("compressed-tensors", 1 + 4 / hidden_size, s)
+    return WeightFormat("compressed-tensors", int4(group or 128 if weights else 128) if bits == 4 else int8(group), s)
+
+
+def weight_bytes_per_gpu(shape: ModelShape, dtype_size: int, tp: int = 1, fmt: WeightFormat | None = None) -> int:
     """Weight bytes on each GPU: matmuls and the vocabulary are sharded, norms replicated; for
-    MoE models every expert of every MoE layer is resident."""
+    MoE models every expert of every MoE layer is resident. `fmt` (`weight_format`) sizes
+    quantized matmuls; None is full precision in `dtype_size`."""
     h = shape.hidden_size
-    norms = 2 * h  # two RMSNorms per layer
-    per_layer = _attention_elements(shape, tp) + norms
+    norms = shape.num_layers * 2 * h + h  # two RMSNorms per layer, and the final one
+    linear = shape.num_layers * _attention_elements(shape, tp) + _mlp_elements(shape, tp)
     vocab_shard = math.ceil(shape.vocab_size / tp) * h
     embeddings = vocab_shard if shape.tie_word_embeddings else 2 * vocab_shard
-    return (shape.num_layers * per_layer + _mlp_elements(shape, tp) + embeddings + h) * dtype_size
+    if fmt is None:
+        return (linear + embeddings + norms) * dtype_size
+    return int(math.ceil(linear * fmt.linear_bytes + embeddings * fmt.vocab_bytes + norms * dtype_size))
 
 
 def active_parameters(shape: ModelShape) -> int:
@@ -367,14 +438,16 @@ def plan_capacity(
     gpu_memory_bytes: int,
     gpu_memory_utilization: float = 0.9,
     activation_reserve_bytes: int | None = None,
+    weight_format: WeightFormat | None = None,
     kv_dtype_size: int | None = None,
 ) -> ReplicaCapacity:
     """KV capacity of one replica at degree `tp` on GPUs of `gpu_memory_bytes` each.
 
     The KV budget per GPU is ``gpu_memory_bytes * gpu_memory_utilization`` minus the weight shard
     minus a reserve for activations and the CUDA context (default: 5% of the GPU, at least 512 MiB).
-    ``kv_dtype_size`` is the bytes per stored K/V element (``kv_cache_dtype_bytes``; default
-    ``dtype_size``): an fp8 KV cache holds twice the tokens of a bf16 one in the same budget.
+    `weight_format` sizes quantized weights (an AWQ model's shard is about a quarter of bf16's);
+    `kv_dtype_size` is the bytes per stored K/V element (``kv_cache_dtype_bytes``; default
+    `dtype_size`): an fp8 KV cache holds twice the tokens of a bf16 one in the same budget.
     """
     kv_size = dtype_size if kv_dtype_size is None else kv_dtype_size
     shape.check_tp(tp)
@@ -382,7 +455,7 @@ def plan_capacity(
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if activation_reserve_bytes is None:
         activation_reserve_bytes = max(512 * 1024**2, int(0.05 * gpu_memory_bytes))
-    weights = weight_bytes_per_gpu(shape, dtype_size, tp)
+    weights = weight_bytes_per_gpu(shape, dtype_size, tp, weight_format)
     kv_budget = max(0, int(gpu_memory_bytes * gpu_memory_utilization) - weights - activation_reserve_bytes)
     blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
     return ReplicaCapacity(

@@ -35,6 +35,11 @@ def _add_agent_parsers(sub) -> None:
     s.add_argument(
         "--tensor-parallel-size", type=_bounded(int, 1), default=None, help="reported for engines that do not export it"
     )
+    s.add_argument("--model-dir", default=None,
+                   help="the pod's model directory (fetch's DEST): its config is reported in /v1/signals as `model`")
+
+    m = agent.add_parser("model-info", help="print what the agent reports about a model directory (JSON)")
+    m.add_argument("model_dir")
 
     d = agent.add_parser("drain", help="ask the local agent to drain the engine (preStop hook)")
     d.add_argument("--agent-url", default="http://127.0.0.1:8081")
@@ -78,8 +83,18 @@ def _agent(args) -> int:
                 stale_after_s=args.stale_after,
                 drain_timeout_s=args.drain_timeout,
                 tensor_parallel_size=args.tensor_parallel_size,
+                model_dir=args.model_dir,
             )
         )
+    if args.agent_cmd == "model-info":
+        from kvserve.runtime.agent.model_info import read_model_dir
+
+        try:
+            print(json.dumps(read_model_dir(args.model_dir)))
+        except (OSError, ValueError) as exc:
+            print(f"kvserve agent model-info: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if args.agent_cmd == "drain":
         from kvserve.runtime.agent.app import request_drain
 

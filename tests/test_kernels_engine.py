@@ -75,3 +75,36 @@ def test_engine_greedy_output_on_triton_equals_torch(tiny_model_factory, monkeyp
     assert engine.get_stats().num_preemptions_total > 0
     assert got == expected
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_moe_and_mla_engine_on_triton_equals_torch(tiny_model_factory, monkeypatch):
+    """DeepSeek V3 (MLA + routed and shared experts): the fused MoE kernel and the absorbed MLA
+    decode kernel in the engine, with chunks and preemptions, give the torch path's tokens."""
+    from kvserve.kernels import mla_backend, moe
+
+    model_dir = tiny_model_factory("deepseek_v3")
+    rng = random.Random(1)
+    # Smaller than _workload (the interpreter runs every expert GEMM): the three prompts fit the
+    # 6 blocks of 4 (2 + 3 + 1) but their growth does not, so a running one is preempted; 6-token
+    # steps chunk the 10-token prompt.
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 10, 2)]
+    max_tokens = [6, 5, 2]
+    squeezed = dict(block_size=4, num_kv_blocks=6, max_num_batched_tokens=6, max_num_seqs=3)
+    with ops.kernel_mode("torch"):
+        expected, _ = _greedy(model_dir, prompts, max_tokens, attention_backend="torch", **squeezed)
+    calls = {"fused_moe": 0, "mla_decode": 0}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(moe, "fused_moe", spy("fused_moe", moe.fused_moe))
+    monkeypatch.setattr(mla_backend, "mla_decode_attention", spy("mla_decode", mla_backend.mla_decode_attention))
+    with ops.kernel_mode("triton"):
+        got, engine = _greedy(model_dir, prompts, max_tokens, attention_backend="triton", **squeezed)
+    assert all(calls.values()), calls
+    assert engine.get_stats().num_preemptions_total > 0
+    assert got == expected
+    assert engine.block_manager.num_used_blocks == 0

@@ -121,3 +121,130 @@ def test_mla_softmax_scale_and_rotary_dim_follow_transformers(tmp_path):
     assert cfg.attention_scale() == pytest.approx(yarn_apply_mscale(rope, 24**-0.5), rel=1e-12)
     v3 = ModelConfig.from_pretrained(_write(tmp_path, "DeepseekV3ForCausalLM", rope_interleave=False))
     assert not v3.rope_interleave and v3.attention_scale() == pytest.approx(24**-0.5)
+
+
+# ----------------------------------------------------------------- quantized experts and MLA
+
+
+def _fake_quantized_moe_hf(model_dir, quantization):
+    """transformers' model with every weight our quantized model quantizes replaced by its
+    dequantized int8/int4 values: each expert's matrices (stored 3-D, [E, out, in]), attention and
+    dense/shared MLP projections, the vocabulary; not the router, the shared-expert gate or MLA's
+    kv_b_proj, which stay in full precision."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.runtime.models.quantization.int4 import group_size_for
+    from kvserve.runtime.models.quantization.packed import quantize_int4, quantize_int8
+
+    def fake(w):
+        if quantization == "int8":
+            q, s = quantize_int8(w, w.shape[1])
+            return q.float() * s
+        g = group_size_for(w.shape[1])
+        q, s, o = quantize_int4(w, g)
+        return (q.float().view(w.shape[0], -1, g) * s[..., None] + o[..., None]).reshape(w.shape)
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    keep = ("mlp.gate.weight", "shared_expert_gate.weight", "kv_b_proj.weight")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(keep) or p.dim() < 2:
+                continue
+            if p.dim() == 3:
+                for e in range(p.shape[0]):
+                    p[e].copy_(fake(p[e].clone()))
+            else:
+                p.copy_(fake(p.data.clone()))
+    return hf
+
+
+@pytest.mark.parametrize("arch,quantization", [("mixtral", "int8"), ("qwen3_moe", "int4"),
+                                               ("deepseek_v3", "int8")])
+def test_quantized_experts_and_mla_match_transformers_on_dequantized_weights(tiny_model_factory, arch,
+                                                                             quantization):
+    from test_models import PagedCache, _hf_logits, _prompts
+
+    from kvserve.runtime.attention import TorchAttentionBackend
+    from kvserve.runtime.models import load_model
+    from kvserve.runtime.models.moe import QuantizedExperts
+    from kvserve.runtime.models.quantization.packed import set_cpu_packed
+
+    model_dir = tiny_model_factory(arch)
+    hf = _fake_quantized_moe_hf(model_dir, quantization)
+    set_cpu_packed(False)  # the exact dequantize-then-matmul twin (quant's tests cover the packed kernels)
+    try:
+        model = load_model(model_dir, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend(),
+                           quantization=quantization)
+    finally:
+        set_cpu_packed(None)
+    moe_layer = model.layers[model.config.shape.moe.moe_layers[0]].mlp
+    assert isinstance(moe_layer.experts, QuantizedExperts)
+    assert moe_layer.experts.down[0].quant_method.name == quantization
+    assert not hasattr(moe_layer.experts.gate_up[0], "weight")  # no full-precision copy kept
+    prompt = _prompts(512, [13])[0]
+    cache = PagedCache(model, num_blocks=16)
+    got = cache.step(model, [(0, prompt)])
+    torch.testing.assert_close(got, _hf_logits(hf, prompt), atol=2e-4, rtol=0)
+    # one decode step too (MLA: the absorbed path, with kv_b_proj in full precision)
+    nxt = cache.step(model, [(0, [7])])
+    torch.testing.assert_close(nxt, _hf_logits(hf, prompt + [7])[-1:], atol=2e-4, rtol=0)
+
+
+def test_prequantized_deepseek_checkpoint_with_interleaved_rope_is_refused(tiny_model_factory):
+    """A packed format's tensors cannot take the row permutation of the interleaved rotary dims."""
+    from kvserve.runtime.attention import TorchAttentionBackend
+    from kvserve.runtime.models import load_model
+    from kvserve.runtime.models.quantization.base import LinearMethod, QuantizationConfig, sharded_param
+
+    class PackedMethod(LinearMethod):
+        name = "packed-test"
+
+        def create_weights(self, layer, spec):
+            sharded_param(layer, "qweight", spec, (spec.out_features, spec.in_features // 8), torch.int32,
+                          out_dim=0, in_dim=1, in_div=8)
+
+    class PackedConfig(QuantizationConfig):
+        name = "packed-test"
+
+        def get_linear_method(self, spec):
+            return PackedMethod()
+
+    with pytest.raises(ValueError, match="quantization: a checkpoint quantized as 'packed-test' is not supported "
+                                         "for DeepseekV2ForCausalLM"):
+        load_model(tiny_model_factory("deepseek_v2"), dtype=torch.float32, device="cpu",
+                   attention_backend=TorchAttentionBackend(), quantization=PackedConfig())
+
+
+def test_tp_that_splits_an_expert_unevenly_is_refused_before_any_worker(tiny_model_factory):
+    from kvserve.runtime import LLM
+
+    model_dir = tiny_model_factory("mixtral", intermediate_size=130)  # Mixtral's expert size
+    with pytest.raises(ValueError, match="tensor_parallel_size: tensor_parallel_size 4 does not divide the "
+                                         "model's expert intermediate size 130"):
+        LLM(str(model_dir), tensor_parallel_size=4, device="cpu")
+
+
+def test_mla_latent_pool_with_prefix_hits_and_forked_samples(tiny_model_factory, monkeypatch):
+    """Prefix-cache hits and n > 1 forks (copy-on-write of a shared partial block) on the latent
+    pool: every greedy completion equals transformers' continuation of its prompt."""
+    import kvserve.runtime.model_runner as model_runner
+    from test_engine_parity import hf_greedy
+
+    from kvserve.runtime import LLM, SamplingParams
+
+    copied = []
+    real_copy = model_runner.copy_blocks
+    monkeypatch.setattr(model_runner, "copy_blocks", lambda caches, pairs: (copied.extend(pairs),
+                                                                             real_copy(caches, pairs)))
+    model_dir = tiny_model_factory("deepseek_v2")
+    prefix = list(range(10, 31))  # 5 full blocks of 4 and one partial
+    prompts = [prefix + [40, 41], prefix + [50], prefix]
+    want = hf_greedy(model_dir, prompts, [6, 6, 6])
+    with LLM(str(model_dir), block_size=4, num_kv_blocks=64) as llm:
+        llm.generate([prefix], SamplingParams(max_tokens=1), use_tqdm=False)  # cache the prefix
+        outs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)
+        assert llm.engine.get_stats().prefix_cache_hits_total > 0
+    assert copied, "the workload must exercise copy-on-write"
+    for out, expected in zip(outs, want):
+        assert [list(c.token_ids) for c in out.outputs] == [expected, expected]

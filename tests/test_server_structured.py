@@ -166,7 +166,7 @@ def test_auto_tool_choice_parses_hermes_tool_calls(client):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
 
 
-def test_tool_messages_go_through_the_template(client, model_dir):
+def test_tool_messages_go_through_the_template(server, client, model_dir):
     from transformers import AutoTokenizer
 
     conversation = MSGS + [
@@ -182,6 +182,8 @@ def test_tool_messages_go_through_the_template(client, model_dir):
     text = tok.apply_chat_template(hf_messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert "<tool_response>sunny, 21 C</tool_response>" in text and '"name": "get_weather"' in text
     assert r.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+    status, _, body = http(server.url, "POST", "/tokenize", {"messages": conversation, "tools": TOOLS})
+    assert status == 200 and json.loads(body)["count"] == r.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("kw, param", [

@@ -261,3 +261,18 @@ def test_property_random_schemas_always_give_valid_json(llm, schema, seed, compa
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop", (schema, out)
     check_json(out.text, schema)
+
+
+def test_llm_chat_passes_tools_to_the_template(llm):
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}<call {{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}"
+                "<|end|>{% endfor %}<|assistant|>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    out = llm.chat(messages, sp(max_tokens=2), chat_template=template, tools=tools, use_tqdm=False)[0]
+    assert out.prompt.startswith("[tool get_weather]<|user|>weather?")
+    assert "<call get_weather Paris>" in out.prompt and "<|tool|>sunny" in out.prompt

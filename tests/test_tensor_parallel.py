@@ -67,6 +67,10 @@ CASES = {
     "qwen3-mqa-replicated": ("qwen3", dict(num_key_value_heads=1)),
     # q/k/v bias, tied embeddings and a vocabulary that 2 does not divide (padded shards).
     "qwen2-tied-odd-vocab": ("qwen2", dict(tie_word_embeddings=True, vocab_size=509)),
+    # Experts split by intermediate size (routed and the gated shared expert), router replicated.
+    "qwen2moe-experts-split": ("qwen2_moe", {}),
+    # MLA: heads split, the latent (and its cache) replicated, so KV capacity does not grow.
+    "deepseekv3-mla-latent-replicated": ("deepseek_v3", {}),
 }
 
 
@@ -101,7 +105,7 @@ def test_tp2_matches_tp1_and_capacity_model(tiny_model_factory, case):
         assert plan.kv_tokens == stats.kv_cache_capacity_tokens
     # ... capacity grows with tp exactly as KV bytes per token per rank shrink ...
     growth = kv_bytes_per_token(shape, 4, 1) / kv_bytes_per_token(shape, 4, 2)
-    assert growth == (1 if shape.num_kv_heads == 1 else 2)
+    assert growth == (1 if shape.num_kv_heads == 1 or shape.mla is not None else 2)
     assert stats2.kv_blocks_total == growth * stats1.kv_blocks_total
     # ... and every rank really allocated that many bytes, holding only its weight shard.
     assert [r["rank"] for r in reports] == [0, 1]

@@ -169,3 +169,13 @@ def test_template_messages_carry_tool_calls_as_dicts():
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}])
     with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\].function.arguments"):
         bad.template_messages()
+
+
+def test_auto_tool_choice_flag_needs_a_parser(capsys):
+    from kvserve.runtime.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "/nonexistent", "--enable-auto-tool-choice"])
+    assert exc.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "/nonexistent", "--tool-call-parser", "nope"])

@@ -36,6 +36,8 @@ class AgentConfig:
     stale_after_s: float = 5.0
     drain_timeout_s: float = 30.0
     tensor_parallel_size: int | None = None  # for engines that do not export it (vLLM, SGLang)
+    model_dir: str | None = None  # the pod's model directory: its config goes into /v1/signals
+    model_retry_s: float = 5.0  # how often to look again while the directory holds no model yet
 
 
 @dataclass
@@ -50,6 +52,8 @@ class ScrapeState:
     last_error: str | None = None
     scrapes: int = 0
     failures: int = 0
+    model: dict | None = None  # model_info.describe() of the model directory, once read
+    model_error: str | None = None
 
     def age(self, now: float) -> float:
         return now - (self.sampled_at if self.sampled_at is not None else self.started_at)
@@ -84,6 +88,8 @@ def signals_json(state: ScrapeState, config: AgentConfig, now: float) -> dict:
         "model_name": sample.model_name if sample else None,
         "engine_up": state.up,
         "last_error": state.last_error,
+        "model": state.model,
+        "model_error": state.model_error,
     }
 
 
@@ -136,6 +142,7 @@ class Agent:
         self.registry.register(_SignalsCollector(self))
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
+        self._model_task: asyncio.Task | None = None
 
     def signals(self) -> dict:
         return signals_json(self.state, self.config, self.clock())
@@ -247,16 +254,36 @@ class Agent:
         result["waited_seconds"] = round(self.clock() - started, 3)
         return result
 
+    async def read_model(self) -> None:
+        """Reads the model directory until it holds a model (the pod's fetch step puts it there
+        before the agent starts; elsewhere it may come later). A model does not change within a
+        pod, so once read it is kept."""
+        from .model_info import read_model_info
+
+        while self.state.model is None:
+            try:
+                self.state.model = await asyncio.to_thread(read_model_info, self.config.model_dir)
+                self.state.model_error = None
+            except Exception as exc:  # unreadable now; the error is reported, and tried again
+                self.state.model_error = f"{type(exc).__name__}: {exc}"
+            if self.state.model is None:
+                await asyncio.sleep(self.config.model_retry_s)
+        log.info("model: %s, %s layers, %s heads / %s KV heads, %s", self.state.model.get("architecture"),
+                 self.state.model.get("num_layers"), self.state.model.get("num_attention_heads"),
+                 self.state.model.get("num_kv_heads"), self.state.model.get("dtype"))
+
     async def start(self, app: web.Application) -> None:
         self._task = asyncio.create_task(self.run_scraper())
+        self._model_task = asyncio.create_task(self.read_model()) if self.config.model_dir else None
 
     async def stop(self, app: web.Application) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._model_task):
+            if task:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         if self._session:
             await self._session.close()
 

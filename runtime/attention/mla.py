@@ -47,12 +47,31 @@ class MLAPlan:
     # each, packed in the same order) for the decode kernel.
     decode_rows: torch.Tensor
     decode_meta: AttentionMetadata | None
-    # Torch path: decode sequences in length-sorted groups (indices into decode_meta's sequences).
-    decode_groups: list[torch.Tensor]
     prefill: list[tuple[int, int, int, int]]  # (sequence, first row, end row, seq_len)
+    # Torch path: decode sequences in length-sorted groups (indices into decode_meta's sequences),
+    # made on first use (the Triton path never needs them).
+    decode_groups: list[torch.Tensor] | None = None
+
+
+def _decode_groups(meta: AttentionMetadata) -> list[torch.Tensor]:
+    lens = meta.seq_lens.tolist()
+    device = meta.seq_lens.device
+    groups, group = [], []
+    for j in sorted(range(len(lens)), key=lambda j: lens[j]):
+        if group and (len(group) + 1) * lens[j] > _DECODE_GROUP_TOKENS:
+            groups.append(torch.tensor(group, dtype=torch.long, device=device))
+            group = []
+        group.append(j)
+    groups.append(torch.tensor(group, dtype=torch.long, device=device))
+    return groups
 
 
 def build_plan(meta: AttentionMetadata) -> MLAPlan:
+    if meta.is_decode_only:
+        # Every row is one sequence's decode: the metadata is already the decode kernel's, and
+        # nothing here may read the device (a CUDA graph captures this step).
+        rows = torch.arange(meta.seq_lens.shape[0], device=meta.seq_lens.device)
+        return MLAPlan(meta, rows, meta, [])
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     decode_seqs, prefill = [], []
@@ -63,27 +82,18 @@ def build_plan(meta: AttentionMetadata) -> MLAPlan:
         elif q1 > q0:
             prefill.append((i, q0, q1, seq_len))
     device = meta.seq_lens.device
-    decode_meta, groups = None, []
+    decode_meta = None
     rows = torch.tensor([starts[i] for i in decode_seqs], dtype=torch.long, device=device)
     if decode_seqs:
         idx = torch.tensor(decode_seqs, dtype=torch.long, device=device)
-        lens = [seq_lens[i] for i in decode_seqs]
         n = len(decode_seqs)
         decode_meta = AttentionMetadata(
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
             seq_lens=meta.seq_lens.index_select(0, idx),
             block_tables=meta.block_tables.index_select(0, idx),
             slot_mapping=meta.slot_mapping.index_select(0, rows),
-            max_query_len=1, max_seq_len=max(lens), is_decode_only=True)
-        order = sorted(range(n), key=lambda j: lens[j])
-        group: list[int] = []
-        for j in order:
-            if group and (len(group) + 1) * lens[j] > _DECODE_GROUP_TOKENS:
-                groups.append(torch.tensor(group, dtype=torch.long, device=device))
-                group = []
-            group.append(j)
-        groups.append(torch.tensor(group, dtype=torch.long, device=device))
-    return MLAPlan(meta, rows, decode_meta, groups, prefill)
+            max_query_len=1, max_seq_len=max(seq_lens[i] for i in decode_seqs), is_decode_only=True)
+    return MLAPlan(meta, rows, decode_meta, prefill)
 
 
 class TorchMLAAttention:
@@ -122,6 +132,8 @@ class TorchMLAAttention:
         out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=dtype, device=q.device)
         block_size = cache.shape[1]
         flat = cache.view(-1, cache.shape[-1])
+        if plan.decode_groups is None:
+            plan.decode_groups = _decode_groups(meta)
         for members in plan.decode_groups:
             lens = meta.seq_lens.index_select(0, members).long()[:, None]
             max_len = int(lens.max())

@@ -151,24 +151,22 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, layer: int = 0,
                  quant_config: QuantizationConfig | None = None, **kw):
         super().__init__()
-        if quant_config is not None and (cfg.shape.mla is not None or cfg.shape.moe is not None):
-            raise ValueError(f"quantization: {quant_config.name} is not supported yet for {cfg.architecture} "
-                             "(latent attention and expert layers are full precision only)")
         if cfg.shape.mla is not None:
             from kvserve.runtime.models.mla import MLAAttention
 
-            self.self_attn = MLAAttention(cfg, backend, **kw)
+            self.self_attn = MLAAttention(cfg, backend, layer=layer, quant_config=quant_config, **kw)
         else:
             self.self_attn = Attention(cfg, backend, layer=layer, quant_config=quant_config, **kw)
+        # Where the checkpoint keeps this layer's MLP (Mixtral: its expert block).
+        self.mlp_prefix = "block_sparse_moe." if cfg.architecture == "MixtralForCausalLM" else "mlp."
         moe = cfg.shape.moe
         if moe is not None and layer in moe.moe_layers:
             from kvserve.runtime.models.moe import SparseMoeBlock
 
-            self.mlp = SparseMoeBlock(cfg, **kw)
+            self.mlp = SparseMoeBlock(cfg, prefix=f"model.layers.{layer}.{self.mlp_prefix[:-1]}",
+                                      quant_config=quant_config, **kw)
         else:
             self.mlp = MLP(cfg, prefix=f"model.layers.{layer}.mlp", quant_config=quant_config, **kw)
-        # Where the checkpoint keeps this layer's MLP (Mixtral: its expert block).
-        self.mlp_prefix = "block_sparse_moe." if cfg.architecture == "MixtralForCausalLM" else "mlp."
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.input_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
         self.post_attention_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)

@@ -13,6 +13,11 @@ whole latent and keeps a full copy of the latent cache.
 DeepSeek's rotary dims come in interleaved pairs (x0, x1), (x2, x3), ...; the loader permutes
 the rotary rows of q and kv_a_proj_with_mqa to (x0, x2, ..., x1, x3, ...) so the usual
 rotate-half rotation applies. Queries and keys are permuted alike, so every score is unchanged.
+
+With `quantization=` the projections go through the quantization interface like any linear
+layer, except kv_b_proj: decode folds its weight into the query and the output (absorption), so
+it stays in the compute dtype. A pre-quantized checkpoint is refused when its rotary rows would
+need the permutation (its packed tensors cannot be permuted row by row).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadat
 from kvserve.runtime.attention.mla import mla_attention_for
 from kvserve.runtime.model_config import ModelConfig
 from kvserve.runtime.models.layers import MergedColumnParallelLinear, ReplicatedWeight, RowParallelLinear
-from kvserve.runtime.models.moe import ReplicatedLinear
+from kvserve.runtime.models.quantization import QuantizationConfig
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm use RMSNorm's default eps, not rms_norm_eps.
 _LORA_NORM_EPS = 1e-6
@@ -54,7 +59,8 @@ def _with_rope_rows_permuted(loader, head_size: int, rope_dim: int):
 
 class MLAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layer: int = 0,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         shape, m = cfg.shape, cfg.shape.mla
         assert m is not None
@@ -65,26 +71,40 @@ class MLAAttention(nn.Module):
         qk = self.nope + self.rope
         h = shape.hidden_size
         dd = dict(dtype=dtype, device=device)
+        pre = f"model.layers.{layer}.self_attn."
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size)
 
-        def by_heads(input_size: int, per_head: int, name: str) -> MergedColumnParallelLinear:
+        def by_heads(input_size: int, per_head: int, name: str, quant) -> MergedColumnParallelLinear:
             return MergedColumnParallelLinear(
                 input_size, output_sizes=[shape.num_attention_heads * per_head],
                 shard_sizes=[self.num_heads * per_head], shard_starts=[tp_rank * self.num_heads * per_head],
-                bias=False, part_names=[name], **dd)
+                bias=False, part_names=[name], prefixes=[pre + name], quant_config=quant, **dd, **tp)
+
+        def replicated(input_size: int, output_size: int, name: str) -> MergedColumnParallelLinear:
+            return MergedColumnParallelLinear(
+                input_size, output_sizes=[output_size], shard_sizes=[output_size], shard_starts=[0], bias=False,
+                part_names=[name], prefixes=[pre + name], quant_config=quant_config, **dd, **tp)
 
         if m.q_lora_rank is None:
             self.q_a_proj = self.q_a_layernorm = None
-            self.q_proj = by_heads(h, qk, "q")
+            self.q_proj = by_heads(h, qk, "q_proj", quant_config)
         else:
-            self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank, **dd)
+            self.q_a_proj = replicated(h, m.q_lora_rank, "q_a_proj")
             self.q_a_layernorm = ReplicatedWeight(m.q_lora_rank, **dd)
-            self.q_proj = by_heads(m.q_lora_rank, qk, "q")
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.latent_dim, **dd)
+            self.q_proj = by_heads(m.q_lora_rank, qk, "q_b_proj", quant_config)
+        self.kv_a_proj_with_mqa = replicated(h, m.latent_dim, "kv_a_proj_with_mqa")
         self.kv_a_layernorm = ReplicatedWeight(m.kv_lora_rank, **dd)
-        self.kv_b_proj = by_heads(m.kv_lora_rank, self.nope + self.v_dim, "kv_b")
+        self.kv_b_proj = by_heads(m.kv_lora_rank, self.nope + self.v_dim, "kv_b_proj", None)
         self.o_proj = RowParallelLinear(shape.num_attention_heads * self.v_dim, h, bias=False,
-                                        tp_rank=tp_rank, tp_size=tp_size, **dd)
+                                        prefix=pre + "o_proj", quant_config=quant_config, **dd, **tp)
         if cfg.rope_interleave:
+            for proj in (self.q_proj, self.kv_a_proj_with_mqa):
+                w = getattr(proj, "weight", None)
+                if not isinstance(w, torch.Tensor) or w.dtype != dtype or w.dim() != 2:
+                    raise ValueError(f"quantization: a checkpoint quantized as {quant_config.name!r} is not "
+                                     f"supported for {cfg.architecture} (its interleaved rotary rows are "
+                                     "permuted at load, which a packed format cannot be); load a full-precision "
+                                     "checkpoint with quantization='int8' or 'int4'")
             self.q_proj.weight.weight_loader = _with_rope_rows_permuted(  # type: ignore[attr-defined]
                 self.q_proj.weight.weight_loader, qk, self.rope)
             self.kv_a_proj_with_mqa.weight.weight_loader = _with_rope_rows_permuted(  # type: ignore[attr-defined]
@@ -113,14 +133,22 @@ class MLAAttention(nn.Module):
         impl = self.impl
         impl.write_latent(torch.cat((c, k_pe), dim=-1), cache, meta.slot_mapping)
         plan = impl.plan(meta)
-        out = torch.empty(t, self.num_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
+        out = None
         if plan.decode_meta is not None:
+            every = plan.decode_meta is meta  # a pure decode step: every row, no gather
             rows = plan.decode_rows
             w_uk, w_uv = self._absorbed()
-            q_lat = torch.bmm(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
-            o_lat = impl.decode(torch.cat((q_lat, q_pe[rows]), dim=-1), cache, plan, self.kv_lora_rank,
-                                self.scale)
-            out[rows] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            qn, qp = (q_nope, q_pe) if every else (q_nope[rows], q_pe[rows])
+            q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
+            o_lat = impl.decode(torch.cat((q_lat, qp), dim=-1), cache, plan, self.kv_lora_rank, self.scale)
+            o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            if every:
+                out = o
+            else:
+                out = torch.empty(t, self.num_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
+                out[rows] = o
+        if out is None:
+            out = torch.empty(t, self.num_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
         for seq, q0, q1, seq_len in plan.prefill:
             q_len = q1 - q0
             if seq_len == q_len:  # nothing cached before: the chunk's own latents are the context
@@ -139,13 +167,13 @@ class MLAAttention(nn.Module):
     def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
         out: dict[str, tuple[torch.Tensor, str | None]] = {}
         if self.q_a_proj is None:
-            out[f"{pre}q_proj.weight"] = (self.q_proj.weight, "q")
+            out.update(self.q_proj.checkpoint_params([f"{pre}q_proj"]))
         else:
-            out[f"{pre}q_a_proj.weight"] = (self.q_a_proj.weight, None)
+            out.update(self.q_a_proj.checkpoint_params([f"{pre}q_a_proj"]))
             out[f"{pre}q_a_layernorm.weight"] = (self.q_a_layernorm.weight, None)
-            out[f"{pre}q_b_proj.weight"] = (self.q_proj.weight, "q")
-        out[f"{pre}kv_a_proj_with_mqa.weight"] = (self.kv_a_proj_with_mqa.weight, None)
+            out.update(self.q_proj.checkpoint_params([f"{pre}q_b_proj"]))
+        out.update(self.kv_a_proj_with_mqa.checkpoint_params([f"{pre}kv_a_proj_with_mqa"]))
         out[f"{pre}kv_a_layernorm.weight"] = (self.kv_a_layernorm.weight, None)
-        out[f"{pre}kv_b_proj.weight"] = (self.kv_b_proj.weight, "kv_b")
-        out[f"{pre}o_proj.weight"] = (self.o_proj.weight, None)
+        out.update(self.kv_b_proj.checkpoint_params([f"{pre}kv_b_proj"]))
+        out.update(self.o_proj.checkpoint_params([f"{pre}o_proj"]))
         return out

@@ -10,6 +10,13 @@ replicated), computes partial outputs for its slice, and one all-reduce per bloc
 That keeps each rank's work balanced whatever the routing does (expert parallelism would idle
 ranks whose experts no token picked) and needs no token all-to-all; the cost is that TP must
 divide the expert intermediate size (checked by the capacity model's `tp_error`).
+
+Quantized models (`quantization=`, or a quantized checkpoint) keep each expert as two linear
+layers of the quantization interface (gate|up column-parallel, down row-parallel), so every
+weight format the interface has (int8/int4 weight-only, AWQ, GPTQ, ...) applies to experts with
+the checkpoint's per-expert tensor names; they run one expert at a time through the format's
+matmul instead of the fused kernel. The router and Qwen2-MoE's shared-expert gate (one row) stay
+in full precision, as in vLLM.
 """
 
 from __future__ import annotations
@@ -20,7 +27,14 @@ from torch.nn import functional as F
 
 from kvserve.kernels import ops
 from kvserve.runtime.model_config import ModelConfig, RoutingConfig
-from kvserve.runtime.models.layers import _copy, _param, all_reduce
+from kvserve.runtime.models.layers import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    _copy,
+    _param,
+    all_reduce,
+)
+from kvserve.runtime.models.quantization import QuantizationConfig
 
 # Checkpoint names of an expert's three projections: Mixtral's w1/w3/w2, everyone else's.
 _PART_NAMES = {"gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj")}
@@ -109,6 +123,66 @@ class FusedExperts(nn.Module):
         return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
 
+def route_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """Yields (expert, pair ids, token ids) for every expert that has tokens, in ascending expert
+    order (the order transformers accumulates in). Pair p is token p // top_k's choice p % top_k."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    start = 0
+    for expert, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if n:
+            pairs = order[start:start + n]
+            start += n
+            yield expert, pairs, pairs // k
+
+
+class QuantizedExperts(nn.Module):
+    """The routed experts as per-expert linear layers of the quantization interface, for formats
+    the fused kernel does not read. Same TP split as FusedExperts (intermediate dimension)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, prefix: str,
+                 names: dict[str, str], quant_config: QuantizationConfig, tp_rank: int, tp_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if intermediate_size % tp_size:
+            raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by "
+                             f"tensor_parallel_size {tp_size}")
+        shard = intermediate_size // tp_size
+        self.num_experts = num_experts
+        self.names = names
+        self.prefix = prefix
+        dd = dict(dtype=dtype, device=device)
+        self.gate_up = nn.ModuleList(
+            MergedColumnParallelLinear(
+                hidden_size, output_sizes=[intermediate_size] * 2, shard_sizes=[shard] * 2,
+                shard_starts=[tp_rank * shard] * 2, bias=False, part_names=["gate", "up"],
+                prefixes=[f"{prefix}.{e}.{names['gate']}", f"{prefix}.{e}.{names['up']}"],
+                quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size, **dd)
+            for e in range(num_experts))
+        self.down = nn.ModuleList(
+            RowParallelLinear(intermediate_size, hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size,
+                              reduce_results=False, prefix=f"{prefix}.{e}.{names['down']}",
+                              quant_config=quant_config, **dd)
+            for e in range(num_experts))
+
+    def checkpoint_params(self, prefix: str, mixtral_names: bool) -> dict[str, tuple[torch.Tensor, object]]:
+        out: dict[str, tuple[torch.Tensor, object]] = {}
+        for e in range(self.num_experts):
+            out.update(self.gate_up[e].checkpoint_params([f"{prefix}{e}.{self.names['gate']}",
+                                                          f"{prefix}{e}.{self.names['up']}"]))
+            out.update(self.down[e].checkpoint_params([f"{prefix}{e}.{self.names['down']}"]))
+        return out
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        weights = topk_weights.reshape(-1)
+        for expert, pairs, tokens in route_by_expert(topk_ids, self.num_experts):
+            y = self.down[expert](ops.silu_and_mul(self.gate_up[expert](x[tokens])))
+            out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
+        return out
+
+
 class ReplicatedLinear(nn.Module):
     """A small projection every rank holds whole (the router, Qwen2-MoE's shared-expert gate)."""
 
@@ -127,7 +201,8 @@ class ReplicatedLinear(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ shared experts): the MLP of an MoE layer."""
 
-    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device,
+                 prefix: str = "mlp", quant_config: QuantizationConfig | None = None):
         super().__init__()
         from kvserve.runtime.models.llama import MLP
 
@@ -146,10 +221,18 @@ class SparseMoeBlock(nn.Module):
             if routing.topk_method == "noaux_tc" else None)
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.load_dtype = torch.float32  # type: ignore[attr-defined]
-        self.experts = FusedExperts(moe.num_experts, h, moe.expert_intermediate_size, tp_rank=tp_rank,
-                                    tp_size=tp_size, dtype=dtype, device=device)
+        if quant_config is None:
+            self.experts = FusedExperts(moe.num_experts, h, moe.expert_intermediate_size, tp_rank=tp_rank,
+                                        tp_size=tp_size, dtype=dtype, device=device)
+        else:
+            names = {part: n[0] if self.mixtral_names else n[1] for part, n in _PART_NAMES.items()}
+            self.experts = QuantizedExperts(moe.num_experts, h, moe.expert_intermediate_size,
+                                            prefix=f"{prefix}.experts", names=names, quant_config=quant_config,
+                                            tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
-        self.shared = (MLP(cfg, intermediate_size=moe.shared_intermediate_size, reduce_results=False, **kw)
+        shared_name = "shared_experts" if self.deepseek else "shared_expert"
+        self.shared = (MLP(cfg, intermediate_size=moe.shared_intermediate_size, reduce_results=False,
+                           prefix=f"{prefix}.{shared_name}", quant_config=quant_config, **kw)
                        if moe.shared_intermediate_size else None)
         self.shared_gate = ReplicatedLinear(h, 1, dtype=dtype, device=device) if moe.shared_expert_gate else None
 

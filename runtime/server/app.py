@@ -25,7 +25,7 @@ from . import serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
 from .errors import APIError, from_validation_error
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages
 
 log = logging.getLogger("kvserve.server")
 
@@ -202,10 +202,13 @@ def _chat_prompt(tok: Any, messages: list[dict], *, add_generation_prompt: bool,
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
     try:
-        # Templates that know tools render them from `tools`; the others ignore it.
+        # Templates that know tools render them from `tools`; the others ignore it. The request's
+        # tools win over a `tools` template variable.
+        extra = dict(kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, tools=tools,
-                                       **(kwargs or {}))
+                                       continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # jinja raises arbitrary errors for messages the template rejects
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
 
@@ -352,9 +355,12 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.prompt is not None:  # off the event loop when long, as for completions
         ids = await _tokenize_async(tok, req.prompt, req.add_special_tokens)
     else:
-        text = _chat_prompt(tok, [{"role": m.role, "content": m.text()} for m in req.messages],
-                            add_generation_prompt=req.add_generation_prompt, continue_final_message=False,
-                            kwargs=None)
+        try:
+            messages = template_messages(req.messages)
+        except ValueError as exc:
+            raise serving.engine_error(exc) from None
+        text = _chat_prompt(tok, messages, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=False, kwargs=None, tools=req.template_tools())
         ids = await _tokenize_async(tok, text, False)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len})
 

@@ -320,27 +320,7 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as chat templates take them: tool calls' arguments as dicts (Hugging Face's
-        convention, which templates index into), tool results with their call id."""
-        out = []
-        for i, m in enumerate(self.messages):
-            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                msg["name"] = m.name
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            if m.tool_calls:
-                calls = []
-                for j, call in enumerate(m.tool_calls):
-                    try:
-                        args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
-                    except ValueError:
-                        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments: not valid JSON") from None
-                    calls.append({"id": call.id, "type": "function",
-                                  "function": {"name": call.function.name, "arguments": args}})
-                msg["tool_calls"] = calls
-            out.append(msg)
-        return out
+        return template_messages(self.messages)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         if not self.tools:
@@ -348,13 +328,42 @@ class ChatCompletionRequest(_Sampling):
         return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools]
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: tool calls' arguments as dicts (Hugging Face's
+    convention, which templates index into), tool results with their call id. Raises ValueError
+    naming a tool call whose arguments are not JSON."""
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for j, call in enumerate(m.tool_calls):
+                try:
+                    args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+                except ValueError:
+                    raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments: not valid JSON") from None
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": args}})
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
 class TokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _one(self) -> "TokenizeRequest":

@@ -146,8 +146,12 @@ class StructuredOutputManager:
             return self._compiler
 
     def _compile(self, params: StructuredOutputsParams):
-        compiler = self._get_compiler()
         kind = params.kind
+        try:
+            compiler = self._get_compiler()
+        except Exception as exc:  # e.g. a tokenizer type xgrammar does not know
+            raise ValueError(f"structured_outputs.{kind}: this model's tokenizer cannot be used by the grammar "
+                             f"engine: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
         start = time.perf_counter()
         try:
             if kind == "json":

@@ -123,8 +123,9 @@ class Load:
 
 
 class StubPod:
-    def __init__(self, name: str, ip: str, tp: int, engine_port: int, agent_port: int, load: Load):
-        self.name, self.ip, self.tp = name, ip, tp
+    def __init__(self, name: str, ip: str, tp: int, engine_port: int, agent_port: int, load: Load,
+                 model_dir: str | None = None):
+        self.name, self.ip, self.tp, self.model_dir = name, ip, tp, model_dir
         self.engine_port, self.agent_port, self.load = engine_port, agent_port, load
         self.runner: web.AppRunner | None = None
         self.agent: subprocess.Popen | None = None
@@ -152,7 +153,8 @@ class StubPod:
         self.agent = subprocess.Popen(
             [KVSERVE, "agent", "serve", "--engine-url", f"http://{self.ip}:{self.engine_port}",
              "--host", self.ip, "--port", str(self.agent_port), "--engine", "kvserve",
-             "--interval", "0.2", "--stale-after", "3"],
+             "--interval", "0.2", "--stale-after", "3",
+             *(["--model-dir", self.model_dir] if self.model_dir else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         async with aiohttp.ClientSession() as session:
             for _ in range(200):
@@ -186,6 +188,8 @@ class Kubelet:
         self.counter = 0
         self.stopped = False
         self.created: list[str] = []
+        # A model directory for the pods of each Deployment (name -> path): its agent reports it.
+        self.model_dirs: dict[str, str] = {}
 
     async def _req(self, session, method, path, body=None):
         async with session.request(method, self.api_url + path, json=body) as r:
@@ -233,7 +237,8 @@ class Kubelet:
         self.counter += 1
         name = f"{dep['metadata']['name']}-{self.counter}"
         tp = int(template["metadata"]["annotations"][M.TP_ANNOTATION])
-        stub = StubPod(name, next(self.ips), tp, self.engine_port, self.agent_port, self.load)
+        stub = StubPod(name, next(self.ips), tp, self.engine_port, self.agent_port, self.load,
+                       self.model_dirs.get(dep["metadata"]["name"]))
         await stub.start()
         self.pods[name] = stub
         self.created.append(name)
