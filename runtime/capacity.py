@@ -16,6 +16,14 @@ per-head K and V; every rank needs the whole latent, so its KV bytes do not shri
 Mixture-of-experts models keep every expert resident: weights grow with the expert count while
 the compute per token follows only the experts it is routed to. Experts are sharded like dense
 MLPs (each expert's intermediate dimension split across ranks), so TP must divide it.
+
+Sliding window: when every layer attends within a window (Mistral), the runtime gives back the
+blocks behind each sequence's window, so a sequence holds at most about window + one step of
+tokens, whatever its context length (``kv_tokens_held``); a long context then costs fewer bytes
+per context token (``kv_bytes_per_context_token``), and a pool serves more such sequences
+(``plan_capacity(context_len=...)``). When only some layers are local (Gemma's alternating
+local/global layers, Qwen2's max_window_layers), every layer's K/V is kept for the whole context:
+the window bounds their attention work, not their memory, and the capacity model says so.
 """
 
 from __future__ import annotations
@@ -178,6 +186,9 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # The window of the sliding-window layers and how many layers have it (see layer_types.py).
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
     moe: MoEShape | None = None
     mla: MLAShape | None = None
 
@@ -200,6 +211,7 @@ class ModelShape:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=bool(config.get("attention_bias", False))
                 or config.get("model_type") == "qwen2",
+                **_sliding_layers(config, int(config["num_hidden_layers"])),
                 moe=moe_shape_from_hf_config(config, layers),
                 mla=mla_shape_from_hf_config(config),
             )
@@ -268,6 +280,46 @@ class ModelShape:
         if self.mla is not None:
             return 1, 1, self.mla.latent_dim
         return 2, self.kv_heads_per_rank(tp), self.head_dim
+
+    @property
+    def kv_release_window(self) -> int | None:
+        """The window behind which the runtime gives KV blocks back: only when every layer is a
+        sliding-window layer (one block table serves all layers; a global layer reads them all)."""
+        if self.sliding_window is not None and self.num_sliding_layers == self.num_layers:
+            return self.sliding_window
+        return None
+
+
+def _sliding_layers(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    from kvserve.runtime.layer_types import SLIDING_ATTENTION, attention_layer_types
+
+    arch = next(iter(config.get("architectures") or []), "")
+    types, window = attention_layer_types(arch, dict(config), num_layers)
+    return dict(sliding_window=window, num_sliding_layers=sum(t == SLIDING_ATTENTION for t in types))
+
+
+def kv_tokens_held(shape: ModelShape, context_len: int, *, block_size: int, max_step_tokens: int) -> int:
+    """The most K/V slots (whole blocks) one sequence of `context_len` tokens holds at once when
+    each step computes at most `max_step_tokens` of its tokens: all of its blocks, or, with a
+    window on every layer, the window before a step plus the step at the worst block alignment
+    (the same bound as BlockManager.max_blocks_held)."""
+    if context_len < 1 or block_size < 1 or max_step_tokens < 1:
+        raise ValueError("context_len, block_size and max_step_tokens must be >= 1")
+    whole = -(-context_len // block_size)
+    window = shape.kv_release_window
+    if window is not None:
+        span = window - 1 + min(max_step_tokens, context_len)
+        whole = min(whole, -(-span // block_size) + 1)
+    return whole * block_size
+
+
+def kv_bytes_per_context_token(shape: ModelShape, dtype_size: int, context_len: int, tp: int = 1, *,
+                               block_size: int = 16, max_step_tokens: int = 2048) -> float:
+    """KV bytes per GPU that one token of a `context_len`-token sequence costs on average: the
+    sequence's held slots times `kv_bytes_per_token`, over its length. Without a window on every
+    layer that is `kv_bytes_per_token` (plus block rounding); with one it falls as 1 / context_len."""
+    held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens)
+    return kv_bytes_per_token(shape, dtype_size, tp) * held / context_len
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_size: int, tp: int = 1) -> int:
@@ -413,6 +465,11 @@ class ReplicaCapacity:
     block_size: int
     kv_blocks: int
     kv_tokens: int
+    # With plan_capacity(context_len=L): how many L-token sequences the pool holds at once
+    # (window-bounded when every layer is local), and the context tokens they add up to.
+    context_len: int | None = None
+    max_sequences_at_context_len: int | None = None
+    context_tokens: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -440,6 +497,8 @@ def plan_capacity(
     activation_reserve_bytes: int | None = None,
     weight_format: WeightFormat | None = None,
     kv_dtype_size: int | None = None,
+    context_len: int | None = None,
+    max_step_tokens: int = 2048,
 ) -> ReplicaCapacity:
     """KV capacity of one replica at degree `tp` on GPUs of `gpu_memory_bytes` each.
 
@@ -448,6 +507,9 @@ def plan_capacity(
     `weight_format` sizes quantized weights (an AWQ model's shard is about a quarter of bf16's);
     `kv_dtype_size` is the bytes per stored K/V element (``kv_cache_dtype_bytes``; default
     `dtype_size`): an fp8 KV cache holds twice the tokens of a bf16 one in the same budget.
+    ``kv_tokens`` counts the pool's slots (what ``kvserve:kv_cache_capacity_tokens`` reports);
+    with `context_len`, the plan also says how many sequences of that length fit at once when
+    each step computes at most `max_step_tokens` (max_num_batched_tokens) of a sequence.
     """
     kv_size = dtype_size if kv_dtype_size is None else kv_dtype_size
     shape.check_tp(tp)
@@ -458,6 +520,12 @@ def plan_capacity(
     weights = weight_bytes_per_gpu(shape, dtype_size, tp, weight_format)
     kv_budget = max(0, int(gpu_memory_bytes * gpu_memory_utilization) - weights - activation_reserve_bytes)
     blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
+    at_context: dict[str, int] = {}
+    if context_len is not None:
+        held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens)
+        sequences = blocks * block_size // held
+        at_context = dict(context_len=context_len, max_sequences_at_context_len=sequences,
+                          context_tokens=sequences * context_len)
     return ReplicaCapacity(
         tensor_parallel_size=tp,
         weight_bytes_per_gpu=weights,
@@ -466,4 +534,5 @@ def plan_capacity(
         block_size=block_size,
         kv_blocks=blocks,
         kv_tokens=blocks * block_size,
+        **at_context,
     )

@@ -52,6 +52,8 @@ class EngineConfig:
     # {"level": 0 | 3, "cudagraph_capture_sizes": [1, 2, 4, ...], "max_capture_size": 512}, that
     # as a JSON string, or a bare level (kvserve.runtime.cuda_graphs.CompilationConfig).
     compilation_config: Any = None
+    # Overlap: run step N+1's forward pass while step N's tokens are detokenized and streamed.
+    async_scheduling: bool = False
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -109,6 +111,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.enforce_eager, bool):
             fail("enforce_eager", "must be a boolean")
+        if not isinstance(self.async_scheduling, bool):
+            fail("async_scheduling", "must be a boolean")
         from kvserve.runtime.cuda_graphs import CompilationConfig
 
         self.compilation_config = CompilationConfig.parse(self.compilation_config)

@@ -6,6 +6,7 @@ Single-threaded by design: the server calls add_request/abort_request/step from 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import time
@@ -21,7 +22,7 @@ from kvserve.runtime.kv_cache import allocate_kv_cache, determine_num_blocks, kv
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.runtime.prefix_cache import extra_key
-from kvserve.runtime.sampler import Sampler, SamplingRow
+from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.runtime.sequence import Sequence, SequenceStatus
@@ -63,12 +64,52 @@ class _Request:
         return self.group or [self]
 
 
+@dataclass(eq=False)
+class _Step:
+    """One scheduled step on its way through the engine (and, overlapped, the forward thread)."""
+
+    sched: SchedulerOutput
+    tables: list[list[int]]
+    rows: list[SamplingRow]
+    repeats: list[int]  # sampling rows per sampling item, in schedule order
+    t_start: float
+    t_scheduled: float
+    t_execute: float
+    t_executed: float = 0.0
+    timings: tuple[float, float, float] | None = None
+    future: concurrent.futures.Future | None = None
+
+    def without_finished(self, result: SamplerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
+        """The step and its sampled rows without the sequences that finished meanwhile."""
+        tokens, logprobs, live = [], [], []
+        k = 0
+        repeats = iter(self.repeats)
+        for item in self.sched.scheduled:
+            n = next(repeats) if item.samples else 0
+            if not item.seq.status.finished:
+                live.append(item)
+                tokens += result.token_ids[k:k + n]
+                logprobs += result.logprobs[k:k + n]
+            k += n
+        return dataclasses.replace(self.sched, scheduled=live), SamplerOutput(tokens, logprobs)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} requested but CUDA is not available")
     return torch.device(device)
+
+
+def kv_release_window(model_config, draft=None) -> int | None:
+    """The window behind which no layer reads K/V again, so the block manager may give those
+    blocks back: only when every layer of the model (and of a draft model sharing its block
+    tables) is a sliding-window layer; the widest window wins. None keeps every block."""
+    configs = [model_config] + ([draft.config] if draft is not None else [])
+    if not all(c.all_layers_sliding for c in configs):
+        return None
+    return max(c.sliding_window for c in configs)
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -166,7 +207,8 @@ class LLMEngine:
                 self.executor.shutdown()
             raise
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=config.enable_prefix_caching,
+                                          sliding_window=kv_release_window(self.model_config, draft))
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -200,6 +242,17 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs, sent by step()
         self._stats = StatsCollector()
         self._ids = itertools.count()
+        # async_scheduling: step N+1's forward pass runs in this one thread while the engine thread
+        # detokenizes step N. Speculative steps (their drafts read the newest tokens) and tensor
+        # parallelism (workers step in lockstep with rank 0's calls) keep the synchronous loop.
+        self._overlap = (config.async_scheduling and self.spec_decoder is None
+                         and config.tensor_parallel_size == 1)
+        if config.async_scheduling and not self._overlap:
+            log.info("async_scheduling: not with %s; steps run synchronously",
+                     "speculative decoding" if self.spec_decoder is not None else "tensor parallelism")
+        self._forward_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-forward")
+                              if self._overlap else None)
+        self._inflight: _Step | None = None
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%s), max_model_len %d, backend %s",
                  self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
                  config.block_size, str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
@@ -407,7 +460,7 @@ class LLMEngine:
         req.unforked = []
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._pending) or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -421,6 +474,8 @@ class LLMEngine:
         """Stops and reaps the tensor-parallel workers, if any. Idempotent; no step() after it."""
         if self.executor is not None:
             self.executor.shutdown()
+        if self._forward_pool is not None:
+            self._forward_pool.shutdown(wait=True)
         self.structured_outputs.close()
 
     def __enter__(self) -> "LLMEngine":
@@ -433,12 +488,53 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._admit_compiled()
         outputs, self._pending = self._pending, []
+        if self._overlap:
+            return outputs + self._step_overlapped()
+        begun = self._begin_step()
+        if begun is None:
+            return outputs
+        result = self._run_step(begun)
+        changed = self._finish_step(begun, result)
+        outputs += self._emit(changed)
+        self._record_phases(begun, time.perf_counter() - begun.t_executed)
+        return outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """async_scheduling: the forward pass of step N+1 runs in the forward thread while this
+        thread detokenizes step N's tokens and builds its outputs, and while the caller streams
+        them. Scheduling waits for step N's tokens as always, so every decision (and every
+        output) is the one the synchronous engine makes."""
+        changed = None
+        done, self._inflight = self._inflight, None
+        if done is not None:
+            try:
+                result = done.future.result()
+            except Exception:
+                self._fail_step(done.sched)
+                raise
+            t_joined = time.perf_counter()
+            changed = self._finish_step(done, result)
+            bookkeeping = time.perf_counter() - t_joined
+        begun = self._begin_step()
+        if begun is not None:
+            # The forward thread reads only what _begin_step built (copied block tables, rows) and
+            # the sequences' token lists, which this thread does not touch until the next join.
+            begun.future = self._forward_pool.submit(self._run_step, begun)
+            self._inflight = begun
+        if changed is None:
+            return []
+        t_emit = time.perf_counter()
+        outputs = self._emit(changed)
+        self._record_phases(done, bookkeeping + time.perf_counter() - t_emit)
+        return outputs
+
+    def _begin_step(self) -> "_Step | None":
         t_start = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.plan(self.scheduler.running, self._params_of)
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return outputs
+            return None
         t_scheduled = time.perf_counter()
         now = StatsCollector.now()
         by_seq = self._by_seq
@@ -453,9 +549,14 @@ class LLMEngine:
                 rows.append(req.row)
                 rows.extend(s.row for s in req.unforked)
                 repeats.append(1 + len(req.unforked))
-        tables = [self.block_manager.block_tables[item.seq.seq_id] for item in sched.scheduled]
+        # Copies: an abort between steps frees (and edits) a sequence's table while a forward
+        # pass of the overlapped engine may still read it.
+        tables = [list(self.block_manager.block_tables[item.seq.seq_id]) for item in sched.scheduled]
+        return _Step(sched, tables, rows, repeats, t_start, t_scheduled, time.perf_counter())
+
+    def _run_step(self, step: "_Step"):
         self.runner.last_timings = None
-        t_execute = time.perf_counter()
+        sched, tables, rows, repeats = step.sched, step.tables, step.rows, step.repeats
         try:
             if self.spec_decoder is not None:
                 result = self.spec_decoder.execute(sched.scheduled, tables, rows, repeats)
@@ -464,12 +565,24 @@ class LLMEngine:
             else:
                 result = self.runner.execute(sched.scheduled, tables, rows, repeats=repeats)
         except Exception:
-            self._fail_step(sched)
+            if not self._overlap:
+                self._fail_step(sched)
             raise
-        t_executed = time.perf_counter()
+        step.timings = self.runner.last_timings
+        step.t_executed = time.perf_counter()
+        return result
+
+    def _finish_step(self, step: "_Step", result) -> dict[str, _Request]:
+        """Appends the step's tokens and finishes sequences (EOS, stop tokens, length, stop
+        strings); returns the requests whose outputs changed, in schedule order."""
+        sched = step.sched
+        if self._overlap and any(item.seq.status.finished for item in sched.scheduled):
+            # Requests aborted while the forward pass ran: their tokens are dropped.
+            sched, result = step.without_finished(result)
         self.scheduler.on_step_done(sched)
         self._stats.computed_tokens_total += sched.num_batched_tokens
         now = StatsCollector.now()
+        by_seq = self._by_seq
         num_prompt = num_generated = 0
         k = 0
         changed: dict[str, _Request] = {}  # one output per request per step, in schedule order
@@ -493,20 +606,22 @@ class LLMEngine:
                 self._on_token(s, token, lp, now)
             head = req.group[0] if req.group else req
             changed[head.request_id] = head
-        for head in changed.values():
-            outputs.append(self._make_output(head, finished=all(s.finish_reason is not None
-                                                                  for s in head.samples)))
         self._stats.on_tokens(now, num_prompt, num_generated)
-        self._record_phases(t_start, t_scheduled, t_execute, t_executed)
-        return outputs
+        return changed
 
-    def _record_phases(self, t_start: float, t_scheduled: float, t_execute: float, t_executed: float) -> None:
+    def _emit(self, changed: dict[str, _Request]) -> list[RequestOutput]:
+        # Detokenization happens here (lazily, for requests without stop strings).
+        return [self._make_output(head, finished=all(s.finish_reason is not None for s in head.samples))
+                for head in changed.values()]
+
+    def _record_phases(self, step: "_Step", output: float) -> None:
         # Building the sampling rows counts as prepare; a speculative step (whose verification
-        # the runner does not time phase by phase) counts as forward.
-        timings = self.runner.last_timings
-        prepare, forward, sample = timings if timings is not None else (0.0, t_executed - t_execute, 0.0)
-        self._stats.on_step(t_scheduled - t_start, (t_execute - t_scheduled) + prepare, forward, sample,
-                            time.perf_counter() - t_executed)
+        # the runner does not time phase by phase) counts as forward. Output is the token
+        # bookkeeping plus detokenization and building the outputs.
+        timings = step.timings
+        prepare, forward, sample = timings if timings is not None else (0.0, step.t_executed - step.t_execute, 0.0)
+        self._stats.on_step(step.t_scheduled - step.t_start, (step.t_execute - step.t_scheduled) + prepare,
+                            forward, sample, output)
 
     def _params_of(self, seq: Sequence) -> SamplingParams | None:
         req = self._by_seq.get(seq.seq_id)

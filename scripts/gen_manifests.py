@@ -110,6 +110,13 @@ def dashboard() -> dict:
         _panel(13, "Prefix-cache hit rate",
                [(f"inferenceservice:vllm_prefix_cache_hit_ratio:rate5m{{{SEL}}}", "hit rate")],
                (12, 36, 12, 8), unit="percentunit", max_value=1),
+        _panel(14, "Engine step time by phase (mean per step)",
+               [(f"sum by (phase) (rate(kvserve:step_duration_seconds_sum{{{SEL}}}[$__rate_interval]))"
+                 f" / sum by (phase) (rate(kvserve:step_duration_seconds_count{{{SEL}}}[$__rate_interval]))",
+                 "{{phase}}")],
+               (0, 44, 24, 8), unit="s",
+               description="schedule, prepare (inputs), forward (model), sample, output (detokenize, "
+                           "outputs): a regression in one phase shows here first."),
     ]
     ds = {"type": "prometheus", "uid": "${datasource}"}
     annotations = [

@@ -74,6 +74,12 @@ def _native_decode_ok(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return native.decode_supported(query, k_cache)
 
 
+def _native_write_ok(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    from kvserve.kernels.cpu import native
+
+    return native.write_kv_supported(key, value, k_cache)
+
+
 class TorchAttentionBackend:
     """Pure-torch paged attention. One instance serves every layer of one model: it caches the
     gather plan for the AttentionMetadata object it last saw, so build a fresh metadata object per
@@ -89,6 +95,11 @@ class TorchAttentionBackend:
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
+        if ops.use_native(key) and _native_write_ok(key, value, k_cache):  # float32 pools only
+            from kvserve.kernels.cpu import native
+
+            native.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            return
         if is_fp8(k_cache):  # stored as x / scale in float8, written through uint8 views
             key = quantize_kv_ref(key, k_scale, k_cache.dtype).view(torch.uint8)
             value = quantize_kv_ref(value, v_scale, v_cache.dtype).view(torch.uint8)

@@ -58,6 +58,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'')
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run every step eagerly: no CUDA graphs for decode steps (they are on by default on a GPU)")
+    p.add_argument("--async-scheduling", action="store_true", default=None,
+                   help="overlap: run the next step's forward pass while this step's tokens are detokenized "
+                        "and streamed (outputs are the same)")
     p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
                    help='e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8], "level": 0}\'; a bare 3 turns on '
                         "torch.compile of the model (GPU)")

@@ -42,6 +42,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["speculative_config"] = args.speculative_config  # JSON; the engine validates it
     if getattr(args, "enforce_eager", None):
         kw["enforce_eager"] = True
+    if getattr(args, "async_scheduling", None):
+        kw["async_scheduling"] = True
     if getattr(args, "compilation_config", None):
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw

@@ -227,6 +227,7 @@ class SpecDecoder:
             table_np = np.zeros((len(active), width), dtype=np.int32)
             for a, t in enumerate(tables):
                 table_np[a, :len(t)] = t
+            np.maximum(table_np, 0, out=table_np)  # blocks FREED behind a sliding window are never read
             meta = AttentionMetadata(
                 query_start_loc=torch.arange(len(active) + 1, dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor([pos + 1 for pos in positions], dtype=torch.int32, device=dev),
