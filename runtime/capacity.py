@@ -44,15 +44,21 @@ _DTYPE_BYTES = {
     "float8": 1,
     "fp8": 1,
     "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
     "int8": 1,
 }
+
+# `kv_cache_dtype` values (vLLM's names): "auto" stores K/V in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 GiB = 1024**3
 
 # Weight formats, by vLLM's names (`quantization=` / `--quantization` / spec.runtime.quantization).
-WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8")
+WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # Formats a checkpoint can already be in (config.json's quantization_config.quant_method).
-CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8")
+CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # Formats that quantize a full-precision checkpoint while loading it.
 LOAD_TIME_FORMATS = ("int8", "int4", "fp8")
 
@@ -64,6 +70,14 @@ def dtype_bytes(dtype: Any) -> int:
         return _DTYPE_BYTES[name]
     except KeyError:
         raise ValueError(f"dtype: unsupported value {dtype!r}; supported: {sorted(_DTYPE_BYTES)}") from None
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: Any) -> int:
+    """Bytes per stored K/V element: the model dtype's for "auto", 1 for the fp8 formats."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: unsupported value {kv_cache_dtype!r}; supported: "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return dtype_bytes(model_dtype) if kv_cache_dtype == "auto" else 1
 
 
 @dataclass(frozen=True)
@@ -387,6 +401,19 @@ def weight_format(quantization: str | None, dtype_size: int, hidden_size: int = 
         return WeightFormat("int4", int4(128), int4(128))
     if quantization == "fp8":
         return WeightFormat("fp8", 1 + 4 / hidden_size, s)
+    if quantization == "gguf":
+        # As a GPU holds a GGUF file (kvserve.runtime.models.quantization.gguf): 4-bit types as
+        # int4 group 32, Q8_0 as int8 group 32, the rest dequantized. Matmul tensors averaged by
+        # count (the file's tensor_types carry no sizes): close when one type dominates.
+        types = qc.get("tensor_types") or {}
+
+        def gguf_bytes(t: str) -> float:
+            return int4(32) if t in ("Q4_0", "Q4_1", "Q4_K") else int8(32) if t == "Q8_0" else s
+
+        linear = [gguf_bytes(t) for n, t in types.items()
+                  if ".layers." in n and n.endswith(".weight") and not n.endswith("norm.weight")]
+        vocab = [gguf_bytes(types[n]) for n in ("model.embed_tokens.weight", "lm_head.weight") if n in types]
+        return WeightFormat("gguf", sum(linear) / len(linear) if linear else s, max(vocab) if vocab else s)
     if quantization == "awq":
         return WeightFormat("awq", int4(int(qc.get("group_size", qc.get("q_group_size", 128)))), s)
     if quantization == "gptq":
@@ -478,11 +505,13 @@ def plan_capacity(
     The KV budget per GPU is ``gpu_memory_bytes * gpu_memory_utilization`` minus the weight shard
     minus a reserve for activations and the CUDA context (default: 5% of the GPU, at least 512 MiB).
     `weight_format` sizes quantized weights (an AWQ model's shard is about a quarter of bf16's);
-    `kv_dtype_size` is the KV cache's bytes per element when it differs from `dtype_size` (FP8).
+    `kv_dtype_size` is the bytes per stored K/V element (``kv_cache_dtype_bytes``; default
+    `dtype_size`): an fp8 KV cache holds twice the tokens of a bf16 one in the same budget.
     ``kv_tokens`` counts the pool's slots (what ``kvserve:kv_cache_capacity_tokens`` reports);
     with `context_len`, the plan also says how many sequences of that length fit at once when
     each step computes at most `max_step_tokens` (max_num_batched_tokens) of a sequence.
     """
+    kv_size = dtype_size if kv_dtype_size is None else kv_dtype_size
     shape.check_tp(tp)
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -490,7 +519,6 @@ def plan_capacity(
         activation_reserve_bytes = max(512 * 1024**2, int(0.05 * gpu_memory_bytes))
     weights = weight_bytes_per_gpu(shape, dtype_size, tp, weight_format)
     kv_budget = max(0, int(gpu_memory_bytes * gpu_memory_utilization) - weights - activation_reserve_bytes)
-    kv_size = kv_dtype_size or dtype_size
     blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
     at_context: dict[str, int] = {}
     if context_len is not None:

@@ -140,8 +140,9 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, model_dir: str | pathlib.Path) -> "ModelConfig":
         """Reads a Hugging Face directory's config.json, or a GGUF file's metadata."""
-        from kvserve.runtime.gguf.reader import is_gguf_path
+        from kvserve.runtime.gguf.reader import is_gguf_path, resolve_model_path
 
+        model_dir = resolve_model_path(str(model_dir))  # a directory holding one .gguf: that file
         if is_gguf_path(model_dir):
             from kvserve.runtime.gguf import model_config
 
