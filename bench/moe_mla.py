@@ -111,7 +111,6 @@ def measured_pool() -> dict:
 def build_pair(expert_inter: int) -> tuple[Path, Path]:
     import torch
     import transformers
-    from offline_throughput import build_bench_model  # noqa: F401  (its tokenizer recipe)
 
     common = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,

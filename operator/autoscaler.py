@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 
 from kvserve.runtime.capacity import ModelShape, dtype_bytes, plan_capacity
 
-from .spec import ServiceSpec, dtype_for_capacity
+from .spec import ServiceSpec, dtype_for_capacity, kv_dtype_size_for_capacity, weight_format_for_capacity
 
 DEFAULT_MAX_SAMPLE_AGE = 10.0
 
@@ -145,7 +145,9 @@ def valid_degrees(spec: ServiceSpec, shape: ModelShape) -> list[int]:
             continue
         plan = plan_capacity(shape, dtype_size=dsize, block_size=spec.runtime.block_size, tp=tp,
                              gpu_memory_bytes=spec.gpu.memory_bytes,
-                             gpu_memory_utilization=spec.runtime.gpu_memory_utilization)
+                             gpu_memory_utilization=spec.runtime.gpu_memory_utilization,
+                             weight_format=weight_format_for_capacity(spec, dsize),
+                             kv_dtype_size=kv_dtype_size_for_capacity(spec))
         if plan.fits:
             out.append(tp)
     return out
@@ -159,7 +161,9 @@ def _capacity(spec: ServiceSpec, shape: ModelShape, tp: int, observed: list[int]
         try:
             model[d] = plan_capacity(shape, dtype_size=dsize, block_size=spec.runtime.block_size, tp=d,
                                      gpu_memory_bytes=spec.gpu.memory_bytes,
-                                     gpu_memory_utilization=spec.runtime.gpu_memory_utilization).kv_tokens
+                                     gpu_memory_utilization=spec.runtime.gpu_memory_utilization,
+                                     weight_format=weight_format_for_capacity(spec, dsize),
+                                     kv_dtype_size=kv_dtype_size_for_capacity(spec)).kv_tokens
         except ValueError:
             model[d] = 0
     # Pods know their real pool size; the model only supplies the ratio between degrees.

@@ -108,6 +108,10 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
         command += ["--max-model-len", str(rt.max_model_len)]
     if rt.max_num_seqs:
         command += ["--max-num-seqs", str(rt.max_num_seqs)]
+    if rt.quantization:
+        command += ["--quantization", rt.quantization]
+    if rt.kv_cache_dtype != "auto":
+        command += ["--kv-cache-dtype", rt.kv_cache_dtype]
     if rt.engine == "kvserve":
         command += ["--drain-timeout", str(rt.drain_timeout_seconds)]
         if spec.gpu.per_shard == 0:

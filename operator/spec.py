@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvserve.runtime.capacity import ModelShape
+from kvserve.runtime.capacity import WEIGHT_FORMATS, ModelShape, WeightFormat, weight_format
 
 GROUP = "kvserve.dev"
 VERSION = "v1alpha1"
@@ -22,13 +22,15 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 ENGINES = ("kvserve", "vllm")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+QUANTIZATIONS = WEIGHT_FORMATS  # vLLM's names; unset: the checkpoint's own (or full precision)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 ROUTER_POLICIES = ("prefix", "least-load", "round-robin")  # kvserve.runtime.router.policy.POLICIES
 DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve:0.1.0"
 
-_URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$")
+_URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?(/[\w./-]+\.gguf)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$")
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 _SUFFIX = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5,
            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
@@ -72,7 +74,12 @@ class ModelSource:
 
 def parse_uri(uri: str) -> ModelSource:
     if uri.startswith("hf://"):
+        # hf://org/name[@revision][/FILE.gguf]: the GGUF file is for the fetch step (it gets the
+        # whole URI); the repo and revision name the model.
         repo, _, revision = uri[len("hf://"):].partition("@")
+        if revision.endswith(".gguf") and "/" in revision:
+            revision = revision.partition("/")[0]
+        repo = "/".join(repo.split("/")[:2])
         return ModelSource("hf", repo, revision or None)
     if uri.startswith("pvc://"):
         claim, _, sub = uri[len("pvc://"):].partition("/")
@@ -101,6 +108,8 @@ class RuntimeSpec:
     env: tuple[tuple[str, str], ...] = ()
     max_model_len: int | None = None
     dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_seqs: int | None = None
@@ -270,7 +279,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     m = top.sub("model")
     uri = m.string("uri", required=True)
     if not _URI.match(uri):
-        raise SpecError("spec.model.uri", f"must be hf://org/name[@revision], pvc://claim[/path], "
+        raise SpecError("spec.model.uri", f"must be hf://org/name[@revision][/FILE.gguf], pvc://claim[/path], "
                         f"file:///path or /path, got {uri!r}")
     source = parse_uri(uri)
     config = m.mapping("config")
@@ -302,6 +311,8 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         env=tuple(env),
         max_model_len=r.integer("maxModelLen", None, lo=16, hi=10_000_000),
         dtype=r.string("dtype", "auto", choices=DTYPES),
+        quantization=r.string("quantization", None, choices=QUANTIZATIONS),
+        kv_cache_dtype=r.string("kvCacheDtype", "auto", choices=KV_CACHE_DTYPES),
         block_size=r.integer("blockSize", 16, choices=BLOCK_SIZES),
         enable_prefix_caching=r.boolean("enablePrefixCaching", True),
         max_num_seqs=r.integer("maxNumSeqs", None, lo=1, hi=65536),
@@ -427,6 +438,27 @@ def dtype_for_capacity(spec: ServiceSpec) -> str:
         return spec.runtime.dtype
     config_dtype = (spec.model.config or {}).get("torch_dtype") or (spec.model.config or {}).get("dtype")
     return config_dtype if config_dtype in DTYPES[1:] else "bfloat16"
+
+
+def weight_format_for_capacity(spec: ServiceSpec, dtype_size: int) -> WeightFormat | None:
+    """The weight format to plan with: spec.runtime.quantization, else the inline config's own
+    quantization_config (an AWQ checkpoint is AWQ whatever the spec says), else full precision."""
+    config = spec.model.config or {}
+    qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), Mapping) else None
+    name = spec.runtime.quantization
+    if name is None and qc is not None:
+        name = str(qc.get("quant_method", "")).lower().replace("_", "-") or None
+        if name not in WEIGHT_FORMATS:
+            return None  # the runtime refuses it; plan as full precision meanwhile
+    if name is None:
+        return None
+    hidden = int(config.get("hidden_size") or 4096)
+    return weight_format(name, dtype_size, hidden, qc)
+
+
+def kv_dtype_size_for_capacity(spec: ServiceSpec) -> int | None:
+    """Bytes per KV element when the KV cache dtype differs from the model's (FP8: 1)."""
+    return 1 if spec.runtime.kv_cache_dtype.startswith("fp8") else None
 
 
 def check_name(name: str) -> None:

@@ -16,6 +16,14 @@ per-head K and V; every rank needs the whole latent, so its KV bytes do not shri
 Mixture-of-experts models keep every expert resident: weights grow with the expert count while
 the compute per token follows only the experts it is routed to. Experts are sharded like dense
 MLPs (each expert's intermediate dimension split across ranks), so TP must divide it.
+
+Sliding window: when every layer attends within a window (Mistral), the runtime gives back the
+blocks behind each sequence's window, so a sequence holds at most about window + one step of
+tokens, whatever its context length (``kv_tokens_held``); a long context then costs fewer bytes
+per context token (``kv_bytes_per_context_token``), and a pool serves more such sequences
+(``plan_capacity(context_len=...)``). When only some layers are local (Gemma's alternating
+local/global layers, Qwen2's max_window_layers), every layer's K/V is kept for the whole context:
+the window bounds their attention work, not their memory, and the capacity model says so.
 """
 
 from __future__ import annotations
@@ -36,15 +44,21 @@ _DTYPE_BYTES = {
     "float8": 1,
     "fp8": 1,
     "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
     "int8": 1,
 }
+
+# `kv_cache_dtype` values (vLLM's names): "auto" stores K/V in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 GiB = 1024**3
 
 # Weight formats, by vLLM's names (`quantization=` / `--quantization` / spec.runtime.quantization).
-WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8")
+WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # Formats a checkpoint can already be in (config.json's quantization_config.quant_method).
-CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8")
+CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # Formats that quantize a full-precision checkpoint while loading it.
 LOAD_TIME_FORMATS = ("int8", "int4", "fp8")
 
@@ -56,6 +70,14 @@ def dtype_bytes(dtype: Any) -> int:
         return _DTYPE_BYTES[name]
     except KeyError:
         raise ValueError(f"dtype: unsupported value {dtype!r}; supported: {sorted(_DTYPE_BYTES)}") from None
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: Any) -> int:
+    """Bytes per stored K/V element: the model dtype's for "auto", 1 for the fp8 formats."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: unsupported value {kv_cache_dtype!r}; supported: "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return dtype_bytes(model_dtype) if kv_cache_dtype == "auto" else 1
 
 
 @dataclass(frozen=True)
@@ -164,6 +186,9 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # The window of the sliding-window layers and how many layers have it (see layer_types.py).
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
     moe: MoEShape | None = None
     mla: MLAShape | None = None
 
@@ -186,6 +211,7 @@ class ModelShape:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=bool(config.get("attention_bias", False))
                 or config.get("model_type") == "qwen2",
+                **_sliding_layers(config, int(config["num_hidden_layers"])),
                 moe=moe_shape_from_hf_config(config, layers),
                 mla=mla_shape_from_hf_config(config),
             )
@@ -255,6 +281,46 @@ class ModelShape:
             return 1, 1, self.mla.latent_dim
         return 2, self.kv_heads_per_rank(tp), self.head_dim
 
+    @property
+    def kv_release_window(self) -> int | None:
+        """The window behind which the runtime gives KV blocks back: only when every layer is a
+        sliding-window layer (one block table serves all layers; a global layer reads them all)."""
+        if self.sliding_window is not None and self.num_sliding_layers == self.num_layers:
+            return self.sliding_window
+        return None
+
+
+def _sliding_layers(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    from kvserve.runtime.layer_types import SLIDING_ATTENTION, attention_layer_types
+
+    arch = next(iter(config.get("architectures") or []), "")
+    types, window = attention_layer_types(arch, dict(config), num_layers)
+    return dict(sliding_window=window, num_sliding_layers=sum(t == SLIDING_ATTENTION for t in types))
+
+
+def kv_tokens_held(shape: ModelShape, context_len: int, *, block_size: int, max_step_tokens: int) -> int:
+    """The most K/V slots (whole blocks) one sequence of `context_len` tokens holds at once when
+    each step computes at most `max_step_tokens` of its tokens: all of its blocks, or, with a
+    window on every layer, the window before a step plus the step at the worst block alignment
+    (the same bound as BlockManager.max_blocks_held)."""
+    if context_len < 1 or block_size < 1 or max_step_tokens < 1:
+        raise ValueError("context_len, block_size and max_step_tokens must be >= 1")
+    whole = -(-context_len // block_size)
+    window = shape.kv_release_window
+    if window is not None:
+        span = window - 1 + min(max_step_tokens, context_len)
+        whole = min(whole, -(-span // block_size) + 1)
+    return whole * block_size
+
+
+def kv_bytes_per_context_token(shape: ModelShape, dtype_size: int, context_len: int, tp: int = 1, *,
+                               block_size: int = 16, max_step_tokens: int = 2048) -> float:
+    """KV bytes per GPU that one token of a `context_len`-token sequence costs on average: the
+    sequence's held slots times `kv_bytes_per_token`, over its length. Without a window on every
+    layer that is `kv_bytes_per_token` (plus block rounding); with one it falls as 1 / context_len."""
+    held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens)
+    return kv_bytes_per_token(shape, dtype_size, tp) * held / context_len
+
 
 def kv_bytes_per_token(shape: ModelShape, dtype_size: int, tp: int = 1) -> int:
     """KV bytes one token takes on each GPU of a replica: pools (2: K and V; 1: an MLA latent)
@@ -296,15 +362,86 @@ def _mlp_elements(shape: ModelShape, tp: int) -> int:
     return moe_layers * (experts + router + shared) + (shape.num_layers - moe_layers) * dense
 
 
-def weight_bytes_per_gpu(shape: ModelShape, dtype_size: int, tp: int = 1) -> int:
+@dataclass(frozen=True)
+class WeightFormat:
+    """Bytes one weight takes in a format, as the runtime holds it (values, scales, zeros/offsets).
+
+    `linear_bytes`: per parameter of a quantized matmul; `vocab_bytes`: per parameter of the
+    embedding table and LM head (the compute dtype's size unless the format covers them)."""
+
+    name: str
+    linear_bytes: float
+    vocab_bytes: float
+
+
+def weight_format(quantization: str | None, dtype_size: int, hidden_size: int = 4096,
+                  quantization_config: Mapping[str, Any] | None = None) -> WeightFormat:
+    """The memory a weight format takes per parameter (for TP planning and pool sizing).
+
+    Integer formats end as 4- or 8-bit values plus a scale (and, 4-bit, an offset) per group in
+    the compute dtype; per-channel scales count once per row (``hidden_size`` stands in for the
+    row length). FP8 keeps a float32 scale per row. Group sizes come from the checkpoint's
+    ``quantization_config`` when given (else 128, the common default)."""
+    s = dtype_size
+    if quantization is None:
+        return WeightFormat("none", s, s)
+    if quantization not in WEIGHT_FORMATS:
+        raise ValueError(f"quantization: unknown format {quantization!r}; supported: {', '.join(WEIGHT_FORMATS)}")
+    qc = dict(quantization_config or {})
+
+    def int4(group: int) -> float:
+        return 0.5 + 2 * s / (group if group > 0 else hidden_size)
+
+    def int8(group: int | None) -> float:
+        return 1 + s / (group if group and group > 0 else hidden_size)
+
+    if quantization == "int8":
+        return WeightFormat("int8", int8(None), int8(None))
+    if quantization == "int4":
+        return WeightFormat("int4", int4(128), int4(128))
+    if quantization == "fp8":
+        return WeightFormat("fp8", 1 + 4 / hidden_size, s)
+    if quantization == "gguf":
+        # As a GPU holds a GGUF file (kvserve.runtime.models.quantization.gguf): 4-bit types as
+        # int4 group 32, Q8_0 as int8 group 32, the rest dequantized. Matmul tensors averaged by
+        # count (the file's tensor_types carry no sizes): close when one type dominates.
+        types = qc.get("tensor_types") or {}
+
+        def gguf_bytes(t: str) -> float:
+            return int4(32) if t in ("Q4_0", "Q4_1", "Q4_K") else int8(32) if t == "Q8_0" else s
+
+        linear = [gguf_bytes(t) for n, t in types.items()
+                  if ".layers." in n and n.endswith(".weight") and not n.endswith("norm.weight")]
+        vocab = [gguf_bytes(types[n]) for n in ("model.embed_tokens.weight", "lm_head.weight") if n in types]
+        return WeightFormat("gguf", sum(linear) / len(linear) if linear else s, max(vocab) if vocab else s)
+    if quantization == "awq":
+        return WeightFormat("awq", int4(int(qc.get("group_size", qc.get("q_group_size", 128)))), s)
+    if quantization == "gptq":
+        group = int(qc.get("group_size", 128))
+        return WeightFormat("gptq", int4(group) if int(qc.get("bits", 4)) == 4 else int8(group), s)
+    weights = {}
+    for group in (qc.get("config_groups") or {}).values():  # compressed-tensors: the first group decides
+        weights = group.get("weights") or {}
+        break
+    bits, kind = int(weights.get("num_bits", 4)), str(weights.get("type", "int"))
+    group = int(weights.get("group_size") or 0) if weights.get("strategy", "group") == "group" else 0
+    if kind == "float":
+        return WeightFormat("compressed-tensors", 1 + 4 / hidden_size, s)
+    return WeightFormat("compressed-tensors", int4(group or 128 if weights else 128) if bits == 4 else int8(group), s)
+
+
+def weight_bytes_per_gpu(shape: ModelShape, dtype_size: int, tp: int = 1, fmt: WeightFormat | None = None) -> int:
     """Weight bytes on each GPU: matmuls and the vocabulary are sharded, norms replicated; for
-    MoE models every expert of every MoE layer is resident."""
+    MoE models every expert of every MoE layer is resident. `fmt` (`weight_format`) sizes
+    quantized matmuls; None is full precision in `dtype_size`."""
     h = shape.hidden_size
-    norms = 2 * h  # two RMSNorms per layer
-    per_layer = _attention_elements(shape, tp) + norms
+    norms = shape.num_layers * 2 * h + h  # two RMSNorms per layer, and the final one
+    linear = shape.num_layers * _attention_elements(shape, tp) + _mlp_elements(shape, tp)
     vocab_shard = math.ceil(shape.vocab_size / tp) * h
     embeddings = vocab_shard if shape.tie_word_embeddings else 2 * vocab_shard
-    return (shape.num_layers * per_layer + _mlp_elements(shape, tp) + embeddings + h) * dtype_size
+    if fmt is None:
+        return (linear + embeddings + norms) * dtype_size
+    return int(math.ceil(linear * fmt.linear_bytes + embeddings * fmt.vocab_bytes + norms * dtype_size))
 
 
 def active_parameters(shape: ModelShape) -> int:
@@ -328,6 +465,11 @@ class ReplicaCapacity:
     block_size: int
     kv_blocks: int
     kv_tokens: int
+    # With plan_capacity(context_len=L): how many L-token sequences the pool holds at once
+    # (window-bounded when every layer is local), and the context tokens they add up to.
+    context_len: int | None = None
+    max_sequences_at_context_len: int | None = None
+    context_tokens: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -353,26 +495,44 @@ def plan_capacity(
     gpu_memory_bytes: int,
     gpu_memory_utilization: float = 0.9,
     activation_reserve_bytes: int | None = None,
+    weight_format: WeightFormat | None = None,
+    kv_dtype_size: int | None = None,
+    context_len: int | None = None,
+    max_step_tokens: int = 2048,
 ) -> ReplicaCapacity:
     """KV capacity of one replica at degree `tp` on GPUs of `gpu_memory_bytes` each.
 
     The KV budget per GPU is ``gpu_memory_bytes * gpu_memory_utilization`` minus the weight shard
     minus a reserve for activations and the CUDA context (default: 5% of the GPU, at least 512 MiB).
+    `weight_format` sizes quantized weights (an AWQ model's shard is about a quarter of bf16's);
+    `kv_dtype_size` is the bytes per stored K/V element (``kv_cache_dtype_bytes``; default
+    `dtype_size`): an fp8 KV cache holds twice the tokens of a bf16 one in the same budget.
+    ``kv_tokens`` counts the pool's slots (what ``kvserve:kv_cache_capacity_tokens`` reports);
+    with `context_len`, the plan also says how many sequences of that length fit at once when
+    each step computes at most `max_step_tokens` (max_num_batched_tokens) of a sequence.
     """
+    kv_size = dtype_size if kv_dtype_size is None else kv_dtype_size
     shape.check_tp(tp)
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if activation_reserve_bytes is None:
         activation_reserve_bytes = max(512 * 1024**2, int(0.05 * gpu_memory_bytes))
-    weights = weight_bytes_per_gpu(shape, dtype_size, tp)
+    weights = weight_bytes_per_gpu(shape, dtype_size, tp, weight_format)
     kv_budget = max(0, int(gpu_memory_bytes * gpu_memory_utilization) - weights - activation_reserve_bytes)
-    blocks = blocks_for_budget(kv_budget, shape, dtype_size, block_size, tp)
+    blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
+    at_context: dict[str, int] = {}
+    if context_len is not None:
+        held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens)
+        sequences = blocks * block_size // held
+        at_context = dict(context_len=context_len, max_sequences_at_context_len=sequences,
+                          context_tokens=sequences * context_len)
     return ReplicaCapacity(
         tensor_parallel_size=tp,
         weight_bytes_per_gpu=weights,
-        kv_bytes_per_token_per_gpu=kv_bytes_per_token(shape, dtype_size, tp),
+        kv_bytes_per_token_per_gpu=kv_bytes_per_token(shape, kv_size, tp),
         kv_cache_bytes_per_gpu=kv_budget,
         block_size=block_size,
         kv_blocks=blocks,
         kv_tokens=blocks * block_size,
+        **at_context,
     )

@@ -8,6 +8,11 @@ incomplete character (U+FFFD). Emitted pieces therefore concatenate exactly to t
 
 Stop strings are searched in the accumulated text; a suffix that could still grow into a stop
 string is held back from ``visible_text`` until it can no longer match.
+
+Without stop strings nothing the engine decides depends on the text, so the decoding is lazy:
+tokens are queued and decoded when the text is read (the same operations in the same order, so
+the same text). That lets the engine launch its next forward pass before it detokenizes the
+tokens of the last one.
 """
 
 from __future__ import annotations
@@ -47,11 +52,40 @@ class IncrementalDetokenizer:
         self.stop = list(stop or [])
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._include_stop = include_stop_str_in_output
-        self.output_text = ""
+        self._text = ""
         self.stop_reason: str | None = None
+        self._lazy = not self.stop
+        self._queued: list[int | None] = []  # lazy mode: token ids to add, None for a flush
+
+    @property
+    def output_text(self) -> str:
+        self._catch_up()
+        return self._text
 
     def add_token(self, token_id: int) -> str | None:
         """Adds one generated token; returns the stop string it completed, if any."""
+        if self._lazy:
+            self._queued.append(token_id)
+            return None
+        return self._add(token_id)
+
+    def flush(self) -> str | None:
+        """At the end of generation: emits whatever is pending, even an incomplete character."""
+        if self._lazy:
+            self._queued.append(None)
+            return None
+        return self._flush()
+
+    def _catch_up(self) -> None:
+        if self._queued:
+            queued, self._queued = self._queued, []
+            for token_id in queued:
+                if token_id is None:
+                    self._flush()
+                else:
+                    self._add(token_id)
+
+    def _add(self, token_id: int) -> str | None:
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
         new_text = self._decode(self._ids[self._prefix_offset:], self._skip)
@@ -67,8 +101,7 @@ class IncrementalDetokenizer:
                 self._read_offset -= cut
         return self.stop_reason
 
-    def flush(self) -> str | None:
-        """At the end of generation: emits whatever is pending, even an incomplete character."""
+    def _flush(self) -> str | None:
         if self.stop_reason is None and self._read_offset < len(self._ids):
             prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
             new_text = self._decode(self._ids[self._prefix_offset:], self._skip)
@@ -80,23 +113,23 @@ class IncrementalDetokenizer:
     def _append(self, piece: str) -> None:
         if self.stop_reason is not None:
             return
-        start = max(0, len(self.output_text) - self._max_stop_len + 1)
-        self.output_text += piece
+        start = max(0, len(self._text) - self._max_stop_len + 1)
+        self._text += piece
         if not self.stop:
             return
         best: tuple[int, str] | None = None
         for s in self.stop:
-            idx = self.output_text.find(s, start)
+            idx = self._text.find(s, start)
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is not None:
             idx, s = best
-            self.output_text = self.output_text[: idx + len(s) if self._include_stop else idx]
+            self._text = self._text[: idx + len(s) if self._include_stop else idx]
             self.stop_reason = s
 
     def visible_text(self, finished: bool) -> str:
         """The text safe to show: without a tail that might still become a stop string."""
-        text = self.output_text
+        text = self.output_text  # catches up a lazy detokenizer
         if finished or not self.stop or self.stop_reason is not None:
             return text
         for k in range(min(self._max_stop_len - 1, len(text)), 0, -1):

@@ -6,6 +6,7 @@ Single-threaded by design: the server calls add_request/abort_request/step from 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import time
@@ -17,11 +18,11 @@ import torch
 from kvserve.runtime.block_manager import BlockManager
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.detokenizer import IncrementalDetokenizer, make_decode_fn
-from kvserve.runtime.kv_cache import allocate_kv_cache, determine_num_blocks
+from kvserve.runtime.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_torch_dtype
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.runtime.prefix_cache import extra_key
-from kvserve.runtime.sampler import Sampler, SamplingRow
+from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.runtime.sequence import Sequence, SequenceStatus
@@ -63,6 +64,36 @@ class _Request:
         return self.group or [self]
 
 
+@dataclass(eq=False)
+class _Step:
+    """One scheduled step on its way through the engine (and, overlapped, the forward thread)."""
+
+    sched: SchedulerOutput
+    tables: list[list[int]]
+    rows: list[SamplingRow]
+    repeats: list[int]  # sampling rows per sampling item, in schedule order
+    t_start: float
+    t_scheduled: float
+    t_execute: float
+    t_executed: float = 0.0
+    timings: tuple[float, float, float] | None = None
+    future: concurrent.futures.Future | None = None
+
+    def without_finished(self, result: SamplerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
+        """The step and its sampled rows without the sequences that finished meanwhile."""
+        tokens, logprobs, live = [], [], []
+        k = 0
+        repeats = iter(self.repeats)
+        for item in self.sched.scheduled:
+            n = next(repeats) if item.samples else 0
+            if not item.seq.status.finished:
+                live.append(item)
+                tokens += result.token_ids[k:k + n]
+                logprobs += result.logprobs[k:k + n]
+            k += n
+        return dataclasses.replace(self.sched, scheduled=live), SamplerOutput(tokens, logprobs)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,10 +102,31 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def kv_release_window(model_config, draft=None) -> int | None:
+    """The window behind which no layer reads K/V again, so the block manager may give those
+    blocks back: only when every layer of the model (and of a draft model sharing its block
+    tables) is a sliding-window layer; the widest window wins. None keeps every block."""
+    configs = [model_config] + ([draft.config] if draft is not None else [])
+    if not all(c.all_layers_sliding for c in configs):
+        return None
+    return max(c.sliding_window for c in configs)
+
+
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return checkpoint_dtype if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
+
+
+def _check_kv_cache_dtype(kv_dtype: torch.dtype, backend: str, device: torch.device) -> None:
+    """Triton reads float8 e4m3 with the conversion GPUs have from sm_89 (Ada, Hopper) on; on an
+    older GPU that kernel cannot compile, so say so before any weight is loaded."""
+    if kv_dtype == torch.float8_e4m3fn and backend == "triton" and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"kv_cache_dtype: fp8 / fp8_e4m3 needs a GPU of compute capability 8.9 or "
+                             f"newer with the triton attention backend (this one is {major}.{minor}); "
+                             f"use fp8_e5m2, attention_backend='torch', or kv_cache_dtype='auto'")
 
 
 class LLMEngine:
@@ -100,6 +152,10 @@ class LLMEngine:
         if self.quant_config is not None:
             self.quant_config.check_supported(self.device, self.dtype)
         self.quantization = self.quant_config.name if self.quant_config is not None else None
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if config.kv_cache_dtype != "auto" and self.model_config.shape.mla is not None:
+            raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported for multi-head latent "
+                             f"attention models ({self.model_config.architecture}) yet; use 'auto'")
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         if config.tokenizer is None and is_gguf_path(config.model):
             self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
@@ -114,6 +170,7 @@ class LLMEngine:
 
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
+        _check_kv_cache_dtype(self.kv_cache_dtype, backend.name, self.device)
         tp = config.tensor_parallel_size
         draft = None
         if config.speculative_config is not None:
@@ -137,20 +194,23 @@ class LLMEngine:
                                     attention_backend=backend, config=self.model_config,
                                     tp_rank=0, tp_size=tp, quantization=self.quant_config)
             shape = self.model_config.shape
-            self.num_kv_blocks = determine_num_blocks(config, shape, self.dtype, self.device)
+            self.num_kv_blocks = determine_num_blocks(config, shape, self.kv_cache_dtype, self.device)
             if draft is not None and config.num_kv_blocks is None:
                 # The draft's pools take as many blocks as the target's, out of the same budget.
                 self.num_kv_blocks = split_blocks_with_draft(self.num_kv_blocks, shape, draft.config.shape)
             if self.executor is not None:
                 self.num_kv_blocks = self.executor.agree_num_blocks(self.num_kv_blocks)
-            self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.dtype,
+            self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.kv_cache_dtype,
                                                self.device, tp)
         except BaseException:
             if self.executor is not None:
                 self.executor.shutdown()
             raise
+        # Rank 0's weights (every rank holds a same-sized shard): values, scales, zeros.
+        self.model_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=config.enable_prefix_caching,
+                                          sliding_window=kv_release_window(self.model_config, draft))
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -170,7 +230,7 @@ class LLMEngine:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
 
             self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=self.num_kv_blocks,
-                                            block_size=config.block_size, device=self.device, dtype=self.dtype,
+                                            block_size=config.block_size, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
                                             max_model_len=self.max_model_len, draft_model=draft)
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -184,9 +244,21 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborted requests' final outputs, sent by step()
         self._stats = StatsCollector()
         self._ids = itertools.count()
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, backend %s",
+        # async_scheduling: step N+1's forward pass runs in this one thread while the engine thread
+        # detokenizes step N. Speculative steps (their drafts read the newest tokens) and tensor
+        # parallelism (workers step in lockstep with rank 0's calls) keep the synchronous loop.
+        self._overlap = (config.async_scheduling and self.spec_decoder is None
+                         and config.tensor_parallel_size == 1)
+        if config.async_scheduling and not self._overlap:
+            log.info("async_scheduling: not with %s; steps run synchronously",
+                     "speculative decoding" if self.spec_decoder is not None else "tensor parallelism")
+        self._forward_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-forward")
+                              if self._overlap else None)
+        self._inflight: _Step | None = None
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%s), max_model_len %d, backend %s",
                  self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
-                 config.block_size, self.max_model_len, self.attention_backend)
+                 config.block_size, str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
+                 self.attention_backend)
 
     def _setup_compilation(self) -> None:
         """torch.compile (compilation_config level 3, CUDA) and CUDA graphs for decode steps."""
@@ -390,7 +462,7 @@ class LLMEngine:
         req.unforked = []
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._pending) or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -404,6 +476,8 @@ class LLMEngine:
         """Stops and reaps the tensor-parallel workers, if any. Idempotent; no step() after it."""
         if self.executor is not None:
             self.executor.shutdown()
+        if self._forward_pool is not None:
+            self._forward_pool.shutdown(wait=True)
         self.structured_outputs.close()
 
     def __enter__(self) -> "LLMEngine":
@@ -416,12 +490,53 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._admit_compiled()
         outputs, self._pending = self._pending, []
+        if self._overlap:
+            return outputs + self._step_overlapped()
+        begun = self._begin_step()
+        if begun is None:
+            return outputs
+        result = self._run_step(begun)
+        changed = self._finish_step(begun, result)
+        outputs += self._emit(changed)
+        self._record_phases(begun, time.perf_counter() - begun.t_executed)
+        return outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """async_scheduling: the forward pass of step N+1 runs in the forward thread while this
+        thread detokenizes step N's tokens and builds its outputs, and while the caller streams
+        them. Scheduling waits for step N's tokens as always, so every decision (and every
+        output) is the one the synchronous engine makes."""
+        changed = None
+        done, self._inflight = self._inflight, None
+        if done is not None:
+            try:
+                result = done.future.result()
+            except Exception:
+                self._fail_step(done.sched)
+                raise
+            t_joined = time.perf_counter()
+            changed = self._finish_step(done, result)
+            bookkeeping = time.perf_counter() - t_joined
+        begun = self._begin_step()
+        if begun is not None:
+            # The forward thread reads only what _begin_step built (copied block tables, rows) and
+            # the sequences' token lists, which this thread does not touch until the next join.
+            begun.future = self._forward_pool.submit(self._run_step, begun)
+            self._inflight = begun
+        if changed is None:
+            return []
+        t_emit = time.perf_counter()
+        outputs = self._emit(changed)
+        self._record_phases(done, bookkeeping + time.perf_counter() - t_emit)
+        return outputs
+
+    def _begin_step(self) -> "_Step | None":
         t_start = time.perf_counter()
         if self.spec_decoder is not None:
             self.spec_decoder.plan(self.scheduler.running, self._params_of)
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return outputs
+            return None
         t_scheduled = time.perf_counter()
         now = StatsCollector.now()
         by_seq = self._by_seq
@@ -436,9 +551,14 @@ class LLMEngine:
                 rows.append(req.row)
                 rows.extend(s.row for s in req.unforked)
                 repeats.append(1 + len(req.unforked))
-        tables = [self.block_manager.block_tables[item.seq.seq_id] for item in sched.scheduled]
+        # Copies: an abort between steps frees (and edits) a sequence's table while a forward
+        # pass of the overlapped engine may still read it.
+        tables = [list(self.block_manager.block_tables[item.seq.seq_id]) for item in sched.scheduled]
+        return _Step(sched, tables, rows, repeats, t_start, t_scheduled, time.perf_counter())
+
+    def _run_step(self, step: "_Step"):
         self.runner.last_timings = None
-        t_execute = time.perf_counter()
+        sched, tables, rows, repeats = step.sched, step.tables, step.rows, step.repeats
         try:
             if self.spec_decoder is not None:
                 result = self.spec_decoder.execute(sched.scheduled, tables, rows, repeats)
@@ -447,12 +567,24 @@ class LLMEngine:
             else:
                 result = self.runner.execute(sched.scheduled, tables, rows, repeats=repeats)
         except Exception:
-            self._fail_step(sched)
+            if not self._overlap:
+                self._fail_step(sched)
             raise
-        t_executed = time.perf_counter()
+        step.timings = self.runner.last_timings
+        step.t_executed = time.perf_counter()
+        return result
+
+    def _finish_step(self, step: "_Step", result) -> dict[str, _Request]:
+        """Appends the step's tokens and finishes sequences (EOS, stop tokens, length, stop
+        strings); returns the requests whose outputs changed, in schedule order."""
+        sched = step.sched
+        if self._overlap and any(item.seq.status.finished for item in sched.scheduled):
+            # Requests aborted while the forward pass ran: their tokens are dropped.
+            sched, result = step.without_finished(result)
         self.scheduler.on_step_done(sched)
         self._stats.computed_tokens_total += sched.num_batched_tokens
         now = StatsCollector.now()
+        by_seq = self._by_seq
         num_prompt = num_generated = 0
         k = 0
         changed: dict[str, _Request] = {}  # one output per request per step, in schedule order
@@ -476,20 +608,22 @@ class LLMEngine:
                 self._on_token(s, token, lp, now)
             head = req.group[0] if req.group else req
             changed[head.request_id] = head
-        for head in changed.values():
-            outputs.append(self._make_output(head, finished=all(s.finish_reason is not None
-                                                                  for s in head.samples)))
         self._stats.on_tokens(now, num_prompt, num_generated)
-        self._record_phases(t_start, t_scheduled, t_execute, t_executed)
-        return outputs
+        return changed
 
-    def _record_phases(self, t_start: float, t_scheduled: float, t_execute: float, t_executed: float) -> None:
+    def _emit(self, changed: dict[str, _Request]) -> list[RequestOutput]:
+        # Detokenization happens here (lazily, for requests without stop strings).
+        return [self._make_output(head, finished=all(s.finish_reason is not None for s in head.samples))
+                for head in changed.values()]
+
+    def _record_phases(self, step: "_Step", output: float) -> None:
         # Building the sampling rows counts as prepare; a speculative step (whose verification
-        # the runner does not time phase by phase) counts as forward.
-        timings = self.runner.last_timings
-        prepare, forward, sample = timings if timings is not None else (0.0, t_executed - t_execute, 0.0)
-        self._stats.on_step(t_scheduled - t_start, (t_execute - t_scheduled) + prepare, forward, sample,
-                            time.perf_counter() - t_executed)
+        # the runner does not time phase by phase) counts as forward. Output is the token
+        # bookkeeping plus detokenization and building the outputs.
+        timings = step.timings
+        prepare, forward, sample = timings if timings is not None else (0.0, step.t_executed - step.t_execute, 0.0)
+        self._stats.on_step(step.t_scheduled - step.t_start, (step.t_execute - step.t_scheduled) + prepare,
+                            forward, sample, output)
 
     def _params_of(self, seq: Sequence) -> SamplingParams | None:
         req = self._by_seq.get(seq.seq_id)
@@ -635,6 +769,10 @@ class LLMEngine:
             request_success_total=dict(s.request_success_total),
             generation_tokens_per_second=s.rate(now),
             structured_output_requests_total=s.structured_output_requests_total,
+            model_weight_bytes=self.model_weight_bytes,
+            quantization=self.quantization or "none",
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
             timestamp=now,
             **s.drain(),

@@ -86,3 +86,22 @@ def test_special_tokens_skipped_or_kept(tok):
     kept, _ = stream(tok, [], ids, skip_special_tokens=False)
     assert "".join(skipped) == "hi there"
     assert "".join(kept) == "hi<|end|> there"
+
+
+@settings(max_examples=30, deadline=None)
+@given(text=st.sampled_from(TEXTS), reads=st.lists(st.booleans(), min_size=1, max_size=80))
+def test_lazy_decoding_reads_the_same_text_as_eager(tok, text, reads):
+    """Without stop strings tokens are decoded when the text is read; whenever it is read, it is
+    the text token-by-token decoding gives at that point."""
+    decode = make_decode_fn(tok)
+    ids = tok.encode(text, add_special_tokens=False)
+    lazy = IncrementalDetokenizer(decode, [5, 6])
+    eager = IncrementalDetokenizer(decode, [5, 6])
+    eager._lazy = False
+    assert lazy._lazy
+    for t, read in zip(ids, reads * (len(ids) // len(reads) + 1)):
+        assert lazy.add_token(t) is None and eager.add_token(t) is None
+        if read:
+            assert lazy.visible_text(False) == eager.visible_text(False)
+    lazy.flush(), eager.flush()
+    assert lazy.visible_text(True) == eager.visible_text(True) == eager.output_text

@@ -75,8 +75,9 @@ def _serve_args(*argv: str):
 def test_server_flags_reach_the_engine():
     from kvserve.runtime.server.main import engine_kwargs
 
-    kw = engine_kwargs(_serve_args("m", "--enforce-eager", "--compilation-config", '{"max_capture_size": 8}'))
-    assert kw["enforce_eager"] is True and json.loads(kw["compilation_config"]) == {"max_capture_size": 8}
+    kw = engine_kwargs(_serve_args("m", "--enforce-eager", "--compilation-config", '{"max_capture_size": 8}',
+                                   "--async-scheduling"))
+    assert kw["enforce_eager"] is True and kw["async_scheduling"] is True and json.loads(kw["compilation_config"]) == {"max_capture_size": 8}
     kw = engine_kwargs(_serve_args("m", "-O", "3"))
     assert EngineConfig(**kw).compilation_config.level == 3
     assert "enforce_eager" not in engine_kwargs(_serve_args("m"))
@@ -184,6 +185,7 @@ def _install_twin_graphs(llm: LLM) -> DecodeGraphs:
 
 def _generate(model_dir, prompts, params, *, graphs: bool, **kw):
     llm = LLM(str(model_dir), **{**SQUEEZED, **kw})
+    assert llm.engine._overlap == (kw.get("async_scheduling", False) and "speculative_config" not in kw)
     twin = _install_twin_graphs(llm) if graphs else None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
@@ -200,13 +202,15 @@ def _generate(model_dir, prompts, params, *, graphs: bool, **kw):
     pytest.param("qwen2_moe", {}, id="qwen2moe"),
     pytest.param("deepseek_v2", {}, id="deepseekv2-mla"),
 ])
-def test_padded_static_decode_gives_the_same_greedy_outputs(tiny_model_factory, arch, overrides):
+def test_static_decode_and_overlap_give_the_same_greedy_outputs(tiny_model_factory, arch, overrides):
     model_dir = tiny_model_factory(arch, **overrides)
     prompts, params = _workload(512)
     want, stats, _ = _generate(model_dir, prompts, params, graphs=False)
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
     got, _, twin = _generate(model_dir, prompts, params, graphs=True)
-    assert got == want
-    assert twin.replays > 0 and stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
+    assert got == want and twin.replays > 0
+    got, _, twin = _generate(model_dir, prompts, params, graphs=True, async_scheduling=True)
+    assert got == want and twin.replays > 0
 
 
 def test_speculative_decoding_with_the_static_decode_path(tiny_llama):
@@ -220,9 +224,56 @@ def test_speculative_decoding_with_the_static_decode_path(tiny_llama):
     assert stats.spec_decode_num_drafts_total > 0 and twin.replays > 0
 
 
+def _stream(model_dir, *, async_scheduling: bool, abort_after: int | None = None):
+    """Final (text, tokens, finish reason) per request; streamed texts must extend each other."""
+    llm = LLM(str(model_dir), async_scheduling=async_scheduling, **SQUEEZED)
+    eng = llm.engine
+    for i, stop in enumerate([[], ["e"], [" t", "the"], []]):
+        eng.add_request(f"r{i}", f"The quick brown fox {i}", SamplingParams(max_tokens=12, stop=stop))
+    eng.add_request("gone", {"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=30, ignore_eos=True))
+    final, texts, steps = {}, {}, 0
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        for out in outs:
+            text = out.outputs[0].text
+            assert text.startswith(texts.get(out.request_id, ""))
+            texts[out.request_id] = text
+            if out.finished:
+                final[out.request_id] = (text, out.outputs[0].token_ids, out.outputs[0].finish_reason)
+        steps += bool(outs)  # an overlapped engine's first call only launches step 1
+        if steps == abort_after:
+            eng.abort_request("gone")
+    assert eng.block_manager.num_used_blocks == 0 and eng._inflight is None
+    llm.close()
+    return final
+
+
+def test_overlapped_steps_stream_the_same_texts(tiny_llama):
+    sync = _stream(tiny_llama, async_scheduling=False)
+    assert _stream(tiny_llama, async_scheduling=True) == sync
+    assert any(reason == "stop" for _, _, reason in sync.values())  # a stop string ended one
+
+
+def test_an_abort_during_an_overlapped_forward_pass_drops_its_token(tiny_llama):
+    """The abort lands while step N+1 is in flight: that request's token is dropped, its blocks are
+    freed, and the others finish. (Which step it lands in can differ from the synchronous
+    engine's by one, and so can the batches after it: only invariants are compared.)"""
+    final = _stream(tiny_llama, async_scheduling=True, abort_after=4)
+    text, tokens, reason = final.pop("gone")
+    assert reason == "abort" and 0 < len(tokens) < 30
+    assert sorted(final) == ["r0", "r1", "r2", "r3"]
+    assert all(0 < len(t) <= 12 and r in ("stop", "length") for _, t, r in final.values())
+
+
+def test_async_scheduling_keeps_speculative_steps_synchronous(tiny_llama):
+    llm = LLM(str(tiny_llama), async_scheduling=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert not llm.engine._overlap
+    llm.close()
+
+
 def test_step_phases_are_timed_once_per_step(tiny_llama):
     llm = LLM(str(tiny_llama), **SQUEEZED)
-    llm.get_stats = llm.engine.get_stats
     llm.engine.get_stats()
     steps = 0
     llm.engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=5, ignore_eos=True))

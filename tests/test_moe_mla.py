@@ -213,3 +213,38 @@ def test_prequantized_deepseek_checkpoint_with_interleaved_rope_is_refused(tiny_
                                          "for DeepseekV2ForCausalLM"):
         load_model(tiny_model_factory("deepseek_v2"), dtype=torch.float32, device="cpu",
                    attention_backend=TorchAttentionBackend(), quantization=PackedConfig())
+
+
+def test_tp_that_splits_an_expert_unevenly_is_refused_before_any_worker(tiny_model_factory):
+    from kvserve.runtime import LLM
+
+    model_dir = tiny_model_factory("mixtral", intermediate_size=130)  # Mixtral's expert size
+    with pytest.raises(ValueError, match="tensor_parallel_size: tensor_parallel_size 4 does not divide the "
+                                         "model's expert intermediate size 130"):
+        LLM(str(model_dir), tensor_parallel_size=4, device="cpu")
+
+
+def test_mla_latent_pool_with_prefix_hits_and_forked_samples(tiny_model_factory, monkeypatch):
+    """Prefix-cache hits and n > 1 forks (copy-on-write of a shared partial block) on the latent
+    pool: every greedy completion equals transformers' continuation of its prompt."""
+    import kvserve.runtime.model_runner as model_runner
+    from test_engine_parity import hf_greedy
+
+    from kvserve.runtime import LLM, SamplingParams
+
+    copied = []
+    real_copy = model_runner.copy_blocks
+    monkeypatch.setattr(model_runner, "copy_blocks", lambda caches, pairs: (copied.extend(pairs),
+                                                                             real_copy(caches, pairs)))
+    model_dir = tiny_model_factory("deepseek_v2")
+    prefix = list(range(10, 31))  # 5 full blocks of 4 and one partial
+    prompts = [prefix + [40, 41], prefix + [50], prefix]
+    want = hf_greedy(model_dir, prompts, [6, 6, 6])
+    with LLM(str(model_dir), block_size=4, num_kv_blocks=64) as llm:
+        llm.generate([prefix], SamplingParams(max_tokens=1), use_tqdm=False)  # cache the prefix
+        outs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)
+        assert llm.engine.get_stats().prefix_cache_hits_total > 0
+    assert copied, "the workload must exercise copy-on-write"
+    for out, expected in zip(outs, want):
+        assert [list(c.token_ids) for c in out.outputs] == [expected, expected]

@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 3; }
+int kv_abi_version(void) { return 4; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -236,6 +236,20 @@ void kv_rotary_f32(const int64_t* positions, int64_t m, const float* q, int64_t 
     const float* cs = cos_sin + positions[r] * rot;
     rotate_rows(q, ldq, hq, d, rot, cs, q_out, r);
     rotate_rows(k, ldk, hk, d, rot, cs, k_out, r);
+  }
+}
+
+/* ------------------------------------------------------------------------------ cache write */
+
+/* K/V rows (row = kv_heads * head_dim floats, contiguous within a row, rows ldk / ldv apart) into
+   flat cache slots; slot -1 is skipped. */
+void kv_write_kv_f32(const float* key, int64_t ldk, const float* value, int64_t ldv, int64_t n, int64_t row,
+                     const int64_t* slots, float* k_cache, float* v_cache) {
+  for (int64_t i = 0; i < n; i++) {
+    int64_t slot = slots[i];
+    if (slot < 0) continue;
+    memcpy(k_cache + slot * row, key + i * ldk, (size_t)row * sizeof(float));
+    memcpy(v_cache + slot * row, value + i * ldv, (size_t)row * sizeof(float));
   }
 }
 

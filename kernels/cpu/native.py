@@ -32,7 +32,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 3
+ABI_VERSION = 4
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -48,6 +48,7 @@ _SIGNATURES = {
     "kv_silu_and_mul_f32": ([_P, _I, _I, _I, _P, _I, _T], None),
     "kv_rms_norm_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _T], None),
     "kv_rotary_f32": ([_P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _T], None),
+    "kv_write_kv_f32": ([_P, _I, _P, _I, _I, _I, _P, _P, _P], None),
     "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _T], None),
 }
 
@@ -282,6 +283,27 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 # --------------------------------------------------------------------------------- attention
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def write_kv_supported(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (key.dtype == value.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and _rows_contiguous(key) and _rows_contiguous(value) and key.shape == value.shape
+            and key.shape[1:] == k_cache.shape[2:])
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Rows of key/value [T, Hkv, D] (row-strided views are fine) into flat cache slots; -1 skips."""
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if not v_cache.is_contiguous():
+        raise ValueError("v_cache must be contiguous")
+    row = key.shape[1] * key.shape[2]
+    _lib().kv_write_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key.shape[0], row,
+                           slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
 
 
 def decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -74,7 +74,7 @@ def check_tensor_parallel(model_config, tp: int) -> None:
     error = shape.tp_error(tp)
     if error:
         raise ValueError(f"tensor_parallel_size: {error}")
-    if shape.intermediate_size % tp:
+    if shape.moe is None and shape.intermediate_size % tp:  # MoE models: tp_error checks each MLP's size
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size "
                          f"{shape.intermediate_size}")
 

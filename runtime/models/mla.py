@@ -95,6 +95,7 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = replicated(h, m.latent_dim, "kv_a_proj_with_mqa")
         self.kv_a_layernorm = ReplicatedWeight(m.kv_lora_rank, **dd)
         self.kv_b_proj = by_heads(m.kv_lora_rank, self.nope + self.v_dim, "kv_b_proj", None)
+        self.kv_b_proj.keeps_raw_weight = True  # _absorbed() reads its rows head by head
         self.o_proj = RowParallelLinear(shape.num_attention_heads * self.v_dim, h, bias=False,
                                         prefix=pre + "o_proj", quant_config=quant_config, **dd, **tp)
         if cfg.rope_interleave:

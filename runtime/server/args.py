@@ -46,6 +46,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "int8/int4/fp8 quantize a full-precision checkpoint at load")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory sizing)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="KV cache storage: auto (the model dtype) or float8 (half of bf16, twice the tokens); "
+                        "fp8 is fp8_e4m3")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -55,6 +58,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'')
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run every step eagerly: no CUDA graphs for decode steps (they are on by default on a GPU)")
+    p.add_argument("--async-scheduling", action="store_true", default=None,
+                   help="overlap: run the next step's forward pass while this step's tokens are detokenized "
+                        "and streamed (outputs are the same)")
     p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
                    help='e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8], "level": 0}\'; a bare 3 turns on '
                         "torch.compile of the model (GPU)")

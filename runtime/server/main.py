@@ -30,7 +30,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device,
                               tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
     for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                 "kv_cache_memory_bytes", "gpu_memory_utilization"):
+                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype"):
         value = getattr(args, name, None)
         if value is not None:
             kw[name] = value
@@ -42,6 +42,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["speculative_config"] = args.speculative_config  # JSON; the engine validates it
     if getattr(args, "enforce_eager", None):
         kw["enforce_eager"] = True
+    if getattr(args, "async_scheduling", None):
+        kw["async_scheduling"] = True
     if getattr(args, "compilation_config", None):
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw

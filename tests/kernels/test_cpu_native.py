@@ -96,6 +96,19 @@ def test_rotary_is_bit_identical_to_the_twin(rotary_dim):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_write_kv_matches_the_reference_and_skips_minus_one():
+    qkv = torch.randn(5, 4 * 8 + 2 * 2 * 8)
+    k = qkv[:, 32:48].view(5, 2, 8)  # strided views, as the attention layer passes them
+    v = qkv[:, 48:].view(5, 2, 8)
+    slots = torch.tensor([3, -1, 0, 9, 6])
+    got = [torch.full((3, 4, 2, 8), 7.0), torch.full((3, 4, 2, 8), 7.0)]
+    want = [c.clone() for c in got]
+    assert native.write_kv_supported(k, v, got[0])
+    native.write_kv(k, v, got[0], got[1], slots)
+    reference.write_kv_ref(k, v, want[0], want[1], slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def _manual_decode(q, k_cache, v_cache, table, seq_len, scale, window=0, softcap=0.0):
     bs = k_cache.shape[1]
     k = reference.gather_kv(k_cache, table, seq_len)
