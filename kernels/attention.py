@@ -23,6 +23,10 @@ Sliding window (``sliding_window`` w): a query at position p sees keys p - w < j
 kernels start their key loop at the first position the program's rows can see, so a slot behind
 the window is never read (its block may be freed) and the work is bounded by the window. Soft-capping
 (``logits_soft_cap`` c, Gemma 2) replaces each scaled score s by c * tanh(s / c) before the softmax.
+
+float8 K/V pools (kv_cache_dtype fp8): tiles are loaded as float8 (half the bytes of bf16) and
+upcast to the query dtype in registers; the per-layer k_scale multiplies the score scale and
+v_scale the normalised output, both read from one-element tensors.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(
-    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, MID_O, MID_LSE,
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, MID_O, MID_LSE, K_SCALE, V_SCALE,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -52,11 +56,16 @@ def _decode_kernel(
     GROUP, HEAD_DIM, tokens_per_split, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    # float8 K/V: upcast each tile to the query dtype; k_scale joins the score scale and v_scale
+    # the output, so the tiles are never multiplied element by element.
+    qk_scale = scale_log2
+    if KV_FP8:
+        qk_scale = scale_log2 * tl.load(K_SCALE)
     q_row = tl.load(QSL + seq).to(tl.int64)
     q_len = tl.load(QSL + seq + 1) - q_row
     # A sequence with no new token this step has no query row: attend over nothing.
@@ -91,10 +100,12 @@ def _decode_kernel(
         off = (n % BLOCK_SIZE).to(tl.int64)
         k = tl.load(KC + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh
                     + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
+        if KV_FP8:
+            k = k.to(Q.dtype.element_ty)
         if DOT_F32:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * scale_log2
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * qk_scale
         else:
-            s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
         if HAS_SOFT_CAP:
             # In log2 units: c' tanh(s' / c'), both scaled by log2(e); tanh(x) = 1 - 2 / (e^2x + 1)
             # (inline: the interpreter cannot call a jit helper) saturates cleanly to +-1.
@@ -109,6 +120,8 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
                     + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        if KV_FP8:
+            v = v.to(Q.dtype.element_ty)
         p = p.to(v.dtype)
         if DOT_F32:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=DOT_PREC)
@@ -118,6 +131,8 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(V_SCALE)
     if DIRECT:
         tl.store(OUT + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -160,7 +175,7 @@ def _merge_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    Q, KC, VC, BT, SEQ_LENS, QSL, OUT,
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, K_SCALE, V_SCALE,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -170,10 +185,14 @@ def _prefill_kernel(
     GROUP, HEAD_DIM, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
+    qk_scale = scale_log2
+    if KV_FP8:
+        qk_scale = scale_log2 * tl.load(K_SCALE)
     q_start = tl.load(QSL + seq).to(tl.int64)
     q_len = tl.load(QSL + seq + 1) - q_start
     seq_len = tl.load(SEQ_LENS + seq)
@@ -210,10 +229,12 @@ def _prefill_kernel(
         off = (n % BLOCK_SIZE).to(tl.int64)
         k = tl.load(KC + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh
                     + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(Q.dtype.element_ty)
         if DOT_F32:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * scale_log2
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * qk_scale
         else:
-            s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2
+            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
         if HAS_SOFT_CAP:
             # In log2 units: c' tanh(s' / c'), both scaled by log2(e); tanh(x) = 1 - 2 / (e^2x + 1)
             # (inline: the interpreter cannot call a jit helper) saturates cleanly to +-1.
@@ -237,6 +258,8 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
                     + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(Q.dtype.element_ty)
         p = p.to(v.dtype)
         if DOT_F32:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=DOT_PREC)
@@ -245,6 +268,8 @@ def _prefill_kernel(
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(V_SCALE)
     o_ptr = OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
@@ -275,6 +300,25 @@ def _check_options(sliding_window: int | None, logits_soft_cap: float | None) ->
         raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap!r}")
+
+
+def _kv_scales(query: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(float8 pools?, k scale, v scale) as kernel arguments: float32 one-element tensors read
+    in-kernel (no host sync, and a captured CUDA graph sees scale updates); unused otherwise."""
+    if k_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return False, query, query
+    one = None
+
+    def as_arg(scale):
+        nonlocal one
+        if scale is None:
+            if one is None:
+                one = torch.ones(1, dtype=torch.float32, device=query.device)
+            return one
+        return scale.reshape(1).to(device=query.device, dtype=torch.float32)
+
+    return True, as_arg(k_scale), as_arg(v_scale)
 
 
 def _dot_f32(query: torch.Tensor) -> bool:
@@ -314,9 +358,12 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
+    kv_fp8, k_scale, v_scale = _kv_scales(query, k_cache, k_scale, v_scale)
     tokens, heads, dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -346,7 +393,7 @@ def paged_decode_attention(
         mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     kernel_for(_decode_kernel, query.device)[(num_seqs, kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, mid_o, mid_lse,
-        scale * _LOG2E,
+        k_scale, v_scale, scale * _LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -356,7 +403,7 @@ def paged_decode_attention(
         group, dim, tokens_per_split, sliding_window or 0, (logits_soft_cap or 0.0) * _LOG2E,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
-        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
         num_warps=4 if dim <= 128 else 8, num_stages=2,
     )
     if not direct:
@@ -382,9 +429,12 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
+    kv_fp8, k_scale, v_scale = _kv_scales(query, k_cache, k_scale, v_scale)
     tokens, heads, dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -404,7 +454,7 @@ def paged_prefill_attention(
         block_m, block_n, warps = 32, 32, 4
     tiles = triton.cdiv(max_query_len * group, block_m)
     kernel_for(_prefill_kernel, query.device)[(num_seqs, kv_heads, tiles)](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale,
         scale * _LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -414,7 +464,7 @@ def paged_prefill_attention(
         group, dim, sliding_window or 0, (logits_soft_cap or 0.0) * _LOG2E,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
-        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
         num_warps=warps, num_stages=2,
     )
     return out

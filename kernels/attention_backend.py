@@ -28,8 +28,11 @@ class TritonAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -43,15 +46,17 @@ class TritonAttentionBackend:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only or meta.max_query_len <= 1:
             return paged_decode_attention(
                 query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap,
+                logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
             )
         return paged_prefill_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale, max_query_len=meta.max_query_len, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
+            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
         )

@@ -94,17 +94,38 @@ def soft_cap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- KV cache
 
 
+def is_fp8(cache: torch.Tensor) -> bool:
+    """Whether a KV pool stores float8 (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2)."""
+    return cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv_ref(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale as float8 `dtype`, saturated at the format's largest finite value (e4m3fn has no
+    infinity: an unclamped overflow would be NaN; e5m2 would be inf). scale None means 1."""
+    x = x.float()
+    if scale is not None:
+        x = x / scale
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
 def write_kv_ref(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes key/value row i to flat cache slot slot_mapping[i] (block * block_size + offset)."""
+    """Writes key/value row i to flat cache slot slot_mapping[i] (block * block_size + offset);
+    into a float8 pool as row / scale (`quantize_kv_ref`)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     num_blocks, block_size, heads, dim = k_cache.shape
+    if is_fp8(k_cache):
+        key = quantize_kv_ref(key, k_scale, k_cache.dtype)
+        value = quantize_kv_ref(value, v_scale, v_cache.dtype)
     k_cache.view(num_blocks * block_size, heads, dim)[slots] = key[keep].to(k_cache.dtype)
     v_cache.view(num_blocks * block_size, heads, dim)[slots] = value[keep].to(v_cache.dtype)
 
@@ -130,8 +151,11 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context (float32 math).
+    float8 pools are dequantized with `k_scale` / `v_scale` (None: 1) before anything else.
 
     Covers decode (one new token), prefill, chunked prefill and cached prefixes alike: query token
     j of sequence i sits at position seq_lens[i] - query_len_i + j. With `sliding_window` w it
@@ -153,8 +177,12 @@ def paged_attention_ref(
         first = lo // k_cache.shape[1]
         skip = lo - first * k_cache.shape[1]
         table = block_tables[i][first:]
-        k = gather_kv(k_cache, table, seq_len - lo + skip)[skip:].float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, table, seq_len - lo + skip)[skip:].float().repeat_interleave(group, dim=1)
+        k = gather_kv(k_cache, table, seq_len - lo + skip)[skip:].float()
+        v = gather_kv(v_cache, table, seq_len - lo + skip)[skip:].float()
+        if is_fp8(k_cache):
+            k = k * k_scale if k_scale is not None else k
+            v = v * v_scale if v_scale is not None else v
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q @ k.permute(1, 2, 0)) * scale  # [H, q, seq_len - lo]
         if logits_soft_cap is not None:
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap

@@ -48,34 +48,37 @@ def _interpreted_version(fn):
 
 
 @contextlib.contextmanager
-def _interpretable_stdlib():
-    """Swaps triton.language's own jit helpers (tl.sum, tl.max, tl.zeros, ...) for interpreted
-    copies while a kernel is interpreted: when triton was imported without TRITON_INTERPRET they
-    are compiled-only functions, which the interpreter cannot call."""
+def _interpretable_stdlib(kernel_globals: dict | None = None):
+    """Swaps triton.language's own jit helpers (tl.sum, tl.max, tl.zeros, ...), and the jit
+    helpers of the kernel's own module, for interpreted copies while a kernel is interpreted: when
+    they were decorated without TRITON_INTERPRET they are compiled-only functions, which the
+    interpreter cannot call."""
     import triton.language as tl
     import triton.language.standard as standard
     from triton.runtime.jit import JITFunction
 
+    namespaces = [vars(tl), vars(standard)] + ([kernel_globals] if kernel_globals is not None else [])
     saved = []
-    for module in (tl, standard):
-        for name, value in list(vars(module).items()):
+    for namespace in namespaces:
+        for name, value in list(namespace.items()):
             if isinstance(value, JITFunction):
-                saved.append((module, name, value))
-                setattr(module, name, _interpreted_version(value))
+                saved.append((namespace, name, value))
+                namespace[name] = _interpreted_version(value)
     try:
         yield
     finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
+        for namespace, name, value in saved:
+            namespace[name] = value
 
 
 class _InterpretedLauncher:
     def __init__(self, kernel):
         self._kernel = _interpreted_version(kernel)
+        self._globals = getattr(getattr(kernel, "fn", None), "__globals__", None)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            with _interpretable_stdlib():
+            with _interpretable_stdlib(self._globals):
                 return self._kernel[grid](*args, **kwargs)
 
         return launch

@@ -29,7 +29,7 @@ TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve:0.1.0"
 
-_URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$")
+_URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?(/[\w./-]+\.gguf)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$")
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 _SUFFIX = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5,
            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
@@ -73,7 +73,12 @@ class ModelSource:
 
 def parse_uri(uri: str) -> ModelSource:
     if uri.startswith("hf://"):
+        # hf://org/name[@revision][/FILE.gguf]: the GGUF file is for the fetch step (it gets the
+        # whole URI); the repo and revision name the model.
         repo, _, revision = uri[len("hf://"):].partition("@")
+        if revision.endswith(".gguf") and "/" in revision:
+            revision = revision.partition("/")[0]
+        repo = "/".join(repo.split("/")[:2])
         return ModelSource("hf", repo, revision or None)
     if uri.startswith("pvc://"):
         claim, _, sub = uri[len("pvc://"):].partition("/")
@@ -261,7 +266,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     m = top.sub("model")
     uri = m.string("uri", required=True)
     if not _URI.match(uri):
-        raise SpecError("spec.model.uri", f"must be hf://org/name[@revision], pvc://claim[/path], "
+        raise SpecError("spec.model.uri", f"must be hf://org/name[@revision][/FILE.gguf], pvc://claim[/path], "
                         f"file:///path or /path, got {uri!r}")
     source = parse_uri(uri)
     config = m.mapping("config")

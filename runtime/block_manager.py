@@ -16,6 +16,13 @@ later features slot in without a rewrite:
 - A cached block's contents never change: writes go to positions past the cached prefix, or,
   for the one recomputed last token of a fully cached prompt, into a private copy when the block
   is shared (copy-on-write) or in place with the identical K/V when it is not.
+- Sliding window (``sliding_window`` w, for models whose every layer attends within w tokens):
+  a query at position p reads only positions > p - w, so once a sequence's next query is at
+  position c (its computed length), every block wholly before c - w + 1 is dead for it.
+  ``release_behind_window`` gives those back (their table entries become ``FREED``, keeping
+  positions aligned with table indices), so a long sequence holds about w + one step of tokens,
+  not its whole context. A prefix-cache hit then needs only the blocks inside the window of the
+  hit's end: the blocks before it may have been evicted, and come back as ``FREED`` entries.
 """
 
 from __future__ import annotations
@@ -26,16 +33,25 @@ from typing import Sequence
 from kvserve.runtime.prefix_cache import BlockHash
 
 
+# Block-table entry of a block given back because it lies wholly behind the sliding window.
+FREED = -1
+
+
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation is attempted without checking ``can_allocate`` first."""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self._num_freed: dict[int, int] = {}  # seq -> leading FREED entries of its table
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
@@ -62,6 +78,22 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_held(self, num_kv_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of `num_kv_tokens` K/V slots ever holds at once when each
+        step computes at most `max_step_tokens` of them: all of them without a window; with one,
+        the window before a step plus the step, at the worst block alignment."""
+        whole = self.blocks_for_tokens(num_kv_tokens)
+        if self.sliding_window is None:
+            return whole
+        span = self.sliding_window - 1 + min(max_step_tokens, num_kv_tokens)
+        return min(whole, self.blocks_for_tokens(span) + 1)
+
+    def first_live_block(self, num_computed: int) -> int:
+        """Index of the first block a query at position `num_computed` (or later) can read."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
     def get_block_table(self, seq_id: int) -> list[int]:
         return self.block_tables.get(seq_id, [])
 
@@ -79,16 +111,32 @@ class BlockManager:
 
     # -- prefix caching --------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Blocks holding the longest cached prefix of `hashes` (empty when caching is off)."""
+        """Blocks holding the longest cached prefix of `hashes` (empty when caching is off).
+
+        With a sliding window, a prefix of n blocks is a hit when the blocks a query at its end
+        can read (from ``first_live_block(n * block_size - 1)`` on) are cached; the entries before
+        them are ``FREED``."""
         blocks: list[int] = []
         if not self.enable_caching:
             return blocks
-        for h in hashes:
+        if self.sliding_window is None:
+            for h in hashes:
+                block = self.cached.get(h)
+                if block is None:
+                    break
+                blocks.append(block)
+            return blocks
+        best, run_start = 0, 0
+        for j, h in enumerate(hashes):
             block = self.cached.get(h)
+            blocks.append(block if block is not None else FREED)
             if block is None:
-                break
-            blocks.append(block)
-        return blocks
+                run_start = j + 1
+            # The scheduler recomputes from position n * block_size - 1 at the earliest.
+            elif run_start <= self.first_live_block((j + 1) * self.block_size - 1):
+                best = j + 1
+        first = self.first_live_block(best * self.block_size - 1) if best else 0
+        return [FREED] * first + blocks[first:best]
 
     def can_allocate_with_prefix(self, prefix: Sequence[int], num_computed: int, num_new: int) -> bool:
         """Whether a sequence without blocks can take `prefix` and then write slots
@@ -97,8 +145,8 @@ class BlockManager:
         needed = max(0, end - len(prefix))
         # A written prefix block someone else holds is copied first.
         needed += sum(1 for i in range(num_computed // self.block_size, min(len(prefix), end))
-                      if self.ref_counts[prefix[i]] >= 1)
-        revived = sum(1 for b in prefix if self.ref_counts[b] == 0)
+                      if prefix[i] != FREED and self.ref_counts[prefix[i]] >= 1)
+        revived = sum(1 for b in prefix if b != FREED and self.ref_counts[b] == 0)
         return needed <= len(self._free) - revived
 
     def take_prefix(self, seq_id: int, prefix: Sequence[int]) -> None:
@@ -106,11 +154,14 @@ class BlockManager:
         if self.block_tables.get(seq_id):
             raise ValueError(f"sequence {seq_id} already has blocks")
         for block in prefix:
+            if block == FREED:
+                continue
             if self.ref_counts[block] == 0:
                 del self._free[block]
             self.ref_counts[block] += 1
         self.block_tables[seq_id] = list(prefix)
         self._num_registered[seq_id] = len(prefix)
+        self._num_freed[seq_id] = sum(1 for b in prefix if b == FREED)
 
     def register(self, seq_id: int, hashes: Sequence[BlockHash]) -> None:
         """Keys the sequence's leading full, computed blocks; `hashes[i]` is block i's key.
@@ -122,6 +173,8 @@ class BlockManager:
         end = min(len(hashes), len(table))
         for i in range(start, end):
             block, h = table[i], hashes[i]
+            if block == FREED:
+                continue
             if self.block_hashes[block] is None and h not in self.cached:
                 self.block_hashes[block] = h
                 self.cached[h] = block
@@ -138,6 +191,22 @@ class BlockManager:
             self._release(table.pop())
         if self._num_registered.get(seq_id, 0) > keep:
             self._num_registered[seq_id] = keep
+
+    def release_behind_window(self, seq_id: int, num_computed: int) -> int:
+        """Gives back the blocks of `seq_id` that no query at position >= `num_computed` can read
+        (none without a sliding window). Returns how many entries became FREED."""
+        table = self.block_tables.get(seq_id)
+        if self.sliding_window is None or not table:
+            return 0
+        start = self._num_freed.get(seq_id, 0)
+        end = min(self.first_live_block(num_computed), len(table))
+        for i in range(start, end):
+            if table[i] != FREED:
+                self._release(table[i])
+                table[i] = FREED
+        if end > start:
+            self._num_freed[seq_id] = end
+        return max(0, end - start)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every key (blocks in use keep their contents)."""
@@ -175,15 +244,19 @@ class BlockManager:
             raise ValueError(f"sequence {child_seq_id} already has a block table")
         table = list(self.block_tables.get(parent_seq_id, []))
         for block in table:
-            self.ref_counts[block] += 1
+            if block != FREED:
+                self.ref_counts[block] += 1
         self.block_tables[child_seq_id] = table
         if parent_seq_id in self._num_registered:
             self._num_registered[child_seq_id] = self._num_registered[parent_seq_id]
+        if parent_seq_id in self._num_freed:
+            self._num_freed[child_seq_id] = self._num_freed[parent_seq_id]
 
     def free(self, seq_id: int) -> None:
         """Releases every block of `seq_id`; unknown ids are ignored (free is idempotent)."""
         table = self.block_tables.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
+        self._num_freed.pop(seq_id, None)
         if not table:
             return
         # Reversed so the sequence's tail blocks, least likely shared by a future prefix, are
@@ -192,6 +265,8 @@ class BlockManager:
             self._release(block)
 
     def _release(self, block: int) -> None:
+        if block == FREED:
+            return
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self._free[block] = None
@@ -212,12 +287,17 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for table in self.block_tables.values():
             for block in table:
-                counts[block] += 1
+                if block != FREED:
+                    counts[block] += 1
         assert counts == self.ref_counts, "reference counts disagree with the block tables"
         for block in range(self.num_blocks):
             assert (block in self._free) == (counts[block] == 0), f"block {block} free-list state"
-        for table in self.block_tables.values():
-            assert len(set(table)) == len(table), "a block is listed twice in one table"
+        for seq_id, table in self.block_tables.items():
+            live = [b for b in table if b != FREED]
+            assert len(set(live)) == len(live), "a block is listed twice in one table"
+            freed = self._num_freed.get(seq_id, 0)
+            assert all(b == FREED for b in table[:freed]) and FREED not in table[freed:], \
+                "FREED entries must be exactly the table's leading ones"
         for h, block in self.cached.items():
             assert self.block_hashes[block] == h, f"cached key of block {block} disagrees"
         assert len(self.cached) == sum(h is not None for h in self.block_hashes), "unindexed keyed block"

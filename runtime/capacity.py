@@ -16,6 +16,14 @@ per-head K and V; every rank needs the whole latent, so its KV bytes do not shri
 Mixture-of-experts models keep every expert resident: weights grow with the expert count while
 the compute per token follows only the experts it is routed to. Experts are sharded like dense
 MLPs (each expert's intermediate dimension split across ranks), so TP must divide it.
+
+Sliding window: when every layer attends within a window (Mistral), the runtime gives back the
+blocks behind each sequence's window, so a sequence holds at most about window + one step of
+tokens, whatever its context length (``kv_tokens_held``); a long context then costs fewer bytes
+per context token (``kv_bytes_per_context_token``), and a pool serves more such sequences
+(``plan_capacity(context_len=...)``). When only some layers are local (Gemma's alternating
+local/global layers, Qwen2's max_window_layers), every layer's K/V is kept for the whole context:
+the window bounds their attention work, not their memory, and the capacity model says so.
 """
 
 from __future__ import annotations
@@ -36,15 +44,21 @@ _DTYPE_BYTES = {
     "float8": 1,
     "fp8": 1,
     "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
     "int8": 1,
 }
+
+# `kv_cache_dtype` values (vLLM's names): "auto" stores K/V in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 GiB = 1024**3
 
 # Weight formats, by vLLM's names (`quantization=` / `--quantization` / spec.runtime.quantization).
-WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8")
+WEIGHT_FORMATS = ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # Formats a checkpoint can already be in (config.json's quantization_config.quant_method).
-CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8")
+CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8", "gguf")
 # Formats that quantize a full-precision checkpoint while loading it.
 LOAD_TIME_FORMATS = ("int8", "int4", "fp8")
 
@@ -56,6 +70,14 @@ def dtype_bytes(dtype: Any) -> int:
         return _DTYPE_BYTES[name]
     except KeyError:
         raise ValueError(f"dtype: unsupported value {dtype!r}; supported: {sorted(_DTYPE_BYTES)}") from None
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: Any) -> int:
+    """Bytes per stored K/V element: the model dtype's for "auto", 1 for the fp8 formats."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: unsupported value {kv_cache_dtype!r}; supported: "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return dtype_bytes(model_dtype) if kv_cache_dtype == "auto" else 1
 
 
 @dataclass(frozen=True)
@@ -164,6 +186,9 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # The window of the sliding-window layers and how many layers have it (see layer_types.py).
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
     moe: MoEShape | None = None
     mla: MLAShape | None = None
 
@@ -186,6 +211,7 @@ class ModelShape:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=bool(config.get("attention_bias", False))
                 or config.get("model_type") == "qwen2",
+                **_sliding_layers(config, int(config["num_hidden_layers"])),
                 moe=moe_shape_from_hf_config(config, layers),
                 mla=mla_shape_from_hf_config(config),
             )
@@ -254,6 +280,46 @@ class ModelShape:
         if self.mla is not None:
             return 1, 1, self.mla.latent_dim
         return 2, self.kv_heads_per_rank(tp), self.head_dim
+
+    @property
+    def kv_release_window(self) -> int | None:
+        """The window behind which the runtime gives KV blocks back: only when every layer is a
+        sliding-window layer (one block table serves all layers; a global layer reads them all)."""
+        if self.sliding_window is not None and self.num_sliding_layers == self.num_layers:
+            return self.sliding_window
+        return None
+
+
+def _sliding_layers(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    from kvserve.runtime.layer_types import SLIDING_ATTENTION, attention_layer_types
+
+    arch = next(iter(config.get("architectures") or []), "")
+    types, window = attention_layer_types(arch, dict(config), num_layers)
+    return dict(sliding_window=window, num_sliding_layers=sum(t == SLIDING_ATTENTION for t in types))
+
+
+def kv_tokens_held(shape: ModelShape, context_len: int, *, block_size: int, max_step_tokens: int) -> int:
+    """The most K/V slots (whole blocks) one sequence of `context_len` tokens holds at once when
+    each step computes at most `max_step_tokens` of its tokens: all of its blocks, or, with a
+    window on every layer, the window before a step plus the step at the worst block alignment
+    (the same bound as BlockManager.max_blocks_held)."""
+    if context_len < 1 or block_size < 1 or max_step_tokens < 1:
+        raise ValueError("context_len, block_size and max_step_tokens must be >= 1")
+    whole = -(-context_len // block_size)
+    window = shape.kv_release_window
+    if window is not None:
+        span = window - 1 + min(max_step_tokens, context_len)
+        whole = min(whole, -(-span // block_size) + 1)
+    return whole * block_size
+
+
+def kv_bytes_per_context_token(shape: ModelShape, dtype_size: int, context_len: int, tp: int = 1, *,
+                               block_size: int = 16, max_step_tokens: int = 2048) -> float:
+    """KV bytes per GPU that one token of a `context_len`-token sequence costs on average: the
+    sequence's held slots times `kv_bytes_per_token`, over its length. Without a window on every
+    layer that is `kv_bytes_per_token` (plus block rounding); with one it falls as 1 / context_len."""
+    held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens)
+    return kv_bytes_per_token(shape, dtype_size, tp) * held / context_len
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_size: int, tp: int = 1) -> int:
@@ -335,6 +401,19 @@ def weight_format(quantization: str | None, dtype_size: int, hidden_size: int = 
         return WeightFormat("int4", int4(128), int4(128))
     if quantization == "fp8":
         return WeightFormat("fp8", 1 + 4 / hidden_size, s)
+    if quantization == "gguf":
+        # As a GPU holds a GGUF file (kvserve.runtime.models.quantization.gguf): 4-bit types as
+        # int4 group 32, Q8_0 as int8 group 32, the rest dequantized. Matmul tensors averaged by
+        # count (the file's tensor_types carry no sizes): close when one type dominates.
+        types = qc.get("tensor_types") or {}
+
+        def gguf_bytes(t: str) -> float:
+            return int4(32) if t in ("Q4_0", "Q4_1", "Q4_K") else int8(32) if t == "Q8_0" else s
+
+        linear = [gguf_bytes(t) for n, t in types.items()
+                  if ".layers." in n and n.endswith(".weight") and not n.endswith("norm.weight")]
+        vocab = [gguf_bytes(types[n]) for n in ("model.embed_tokens.weight", "lm_head.weight") if n in types]
+        return WeightFormat("gguf", sum(linear) / len(linear) if linear else s, max(vocab) if vocab else s)
     if quantization == "awq":
         return WeightFormat("awq", int4(int(qc.get("group_size", qc.get("q_group_size", 128)))), s)
     if quantization == "gptq":
@@ -386,6 +465,11 @@ class ReplicaCapacity:
     block_size: int
     kv_blocks: int
     kv_tokens: int
+    # With plan_capacity(context_len=L): how many L-token sequences the pool holds at once
+    # (window-bounded when every layer is local), and the context tokens they add up to.
+    context_len: int | None = None
+    max_sequences_at_context_len: int | None = None
+    context_tokens: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -413,14 +497,21 @@ def plan_capacity(
     activation_reserve_bytes: int | None = None,
     weight_format: WeightFormat | None = None,
     kv_dtype_size: int | None = None,
+    context_len: int | None = None,
+    max_step_tokens: int = 2048,
 ) -> ReplicaCapacity:
     """KV capacity of one replica at degree `tp` on GPUs of `gpu_memory_bytes` each.
 
     The KV budget per GPU is ``gpu_memory_bytes * gpu_memory_utilization`` minus the weight shard
     minus a reserve for activations and the CUDA context (default: 5% of the GPU, at least 512 MiB).
     `weight_format` sizes quantized weights (an AWQ model's shard is about a quarter of bf16's);
-    `kv_dtype_size` is the KV cache's bytes per element when it differs from `dtype_size` (FP8).
+    `kv_dtype_size` is the bytes per stored K/V element (``kv_cache_dtype_bytes``; default
+    `dtype_size`): an fp8 KV cache holds twice the tokens of a bf16 one in the same budget.
+    ``kv_tokens`` counts the pool's slots (what ``kvserve:kv_cache_capacity_tokens`` reports);
+    with `context_len`, the plan also says how many sequences of that length fit at once when
+    each step computes at most `max_step_tokens` (max_num_batched_tokens) of a sequence.
     """
+    kv_size = dtype_size if kv_dtype_size is None else kv_dtype_size
     shape.check_tp(tp)
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -428,8 +519,13 @@ def plan_capacity(
         activation_reserve_bytes = max(512 * 1024**2, int(0.05 * gpu_memory_bytes))
     weights = weight_bytes_per_gpu(shape, dtype_size, tp, weight_format)
     kv_budget = max(0, int(gpu_memory_bytes * gpu_memory_utilization) - weights - activation_reserve_bytes)
-    kv_size = kv_dtype_size or dtype_size
     blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
+    at_context: dict[str, int] = {}
+    if context_len is not None:
+        held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens)
+        sequences = blocks * block_size // held
+        at_context = dict(context_len=context_len, max_sequences_at_context_len=sequences,
+                          context_tokens=sequences * context_len)
     return ReplicaCapacity(
         tensor_parallel_size=tp,
         weight_bytes_per_gpu=weights,
@@ -438,4 +534,5 @@ def plan_capacity(
         block_size=block_size,
         kv_blocks=blocks,
         kv_tokens=blocks * block_size,
+        **at_context,
     )

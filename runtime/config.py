@@ -41,6 +41,9 @@ class EngineConfig:
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": DIR,
     #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
     speculative_config: Any = None
+    # "auto" (the model dtype) or "fp8" / "fp8_e4m3" / "fp8_e5m2": K/V stored as float8 with
+    # per-layer scales (1.0, or the checkpoint's k_scale / v_scale), read back dequantized.
+    kv_cache_dtype: str = "auto"
     # Weight format (vLLM's names): None follows the checkpoint's quantization_config (full
     # precision if it has none); "int8"/"int4"/"fp8" quantize a full-precision checkpoint at load.
     quantization: str | None = None
@@ -118,6 +121,10 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
+        from kvserve.runtime.capacity import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:
             from kvserve.runtime.capacity import WEIGHT_FORMATS
 

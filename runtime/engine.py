@@ -18,7 +18,7 @@ import torch
 from kvserve.runtime.block_manager import BlockManager
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.detokenizer import IncrementalDetokenizer, make_decode_fn
-from kvserve.runtime.kv_cache import allocate_kv_cache, determine_num_blocks
+from kvserve.runtime.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_torch_dtype
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.runtime.prefix_cache import extra_key
@@ -102,10 +102,31 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def kv_release_window(model_config, draft=None) -> int | None:
+    """The window behind which no layer reads K/V again, so the block manager may give those
+    blocks back: only when every layer of the model (and of a draft model sharing its block
+    tables) is a sliding-window layer; the widest window wins. None keeps every block."""
+    configs = [model_config] + ([draft.config] if draft is not None else [])
+    if not all(c.all_layers_sliding for c in configs):
+        return None
+    return max(c.sliding_window for c in configs)
+
+
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return checkpoint_dtype if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
+
+
+def _check_kv_cache_dtype(kv_dtype: torch.dtype, backend: str, device: torch.device) -> None:
+    """Triton reads float8 e4m3 with the conversion GPUs have from sm_89 (Ada, Hopper) on; on an
+    older GPU that kernel cannot compile, so say so before any weight is loaded."""
+    if kv_dtype == torch.float8_e4m3fn and backend == "triton" and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"kv_cache_dtype: fp8 / fp8_e4m3 needs a GPU of compute capability 8.9 or "
+                             f"newer with the triton attention backend (this one is {major}.{minor}); "
+                             f"use fp8_e5m2, attention_backend='torch', or kv_cache_dtype='auto'")
 
 
 class LLMEngine:
@@ -131,6 +152,10 @@ class LLMEngine:
         if self.quant_config is not None:
             self.quant_config.check_supported(self.device, self.dtype)
         self.quantization = self.quant_config.name if self.quant_config is not None else None
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if config.kv_cache_dtype != "auto" and self.model_config.shape.mla is not None:
+            raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported for multi-head latent "
+                             f"attention models ({self.model_config.architecture}) yet; use 'auto'")
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         if config.tokenizer is None and is_gguf_path(config.model):
             self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
@@ -145,6 +170,7 @@ class LLMEngine:
 
         backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name
+        _check_kv_cache_dtype(self.kv_cache_dtype, backend.name, self.device)
         tp = config.tensor_parallel_size
         draft = None
         if config.speculative_config is not None:
@@ -168,20 +194,23 @@ class LLMEngine:
                                     attention_backend=backend, config=self.model_config,
                                     tp_rank=0, tp_size=tp, quantization=self.quant_config)
             shape = self.model_config.shape
-            self.num_kv_blocks = determine_num_blocks(config, shape, self.dtype, self.device)
+            self.num_kv_blocks = determine_num_blocks(config, shape, self.kv_cache_dtype, self.device)
             if draft is not None and config.num_kv_blocks is None:
                 # The draft's pools take as many blocks as the target's, out of the same budget.
                 self.num_kv_blocks = split_blocks_with_draft(self.num_kv_blocks, shape, draft.config.shape)
             if self.executor is not None:
                 self.num_kv_blocks = self.executor.agree_num_blocks(self.num_kv_blocks)
-            self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.dtype,
+            self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.kv_cache_dtype,
                                                self.device, tp)
         except BaseException:
             if self.executor is not None:
                 self.executor.shutdown()
             raise
+        # Rank 0's weights (every rank holds a same-sized shard): values, scales, zeros.
+        self.model_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=config.enable_prefix_caching,
+                                          sliding_window=kv_release_window(self.model_config, draft))
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -201,7 +230,7 @@ class LLMEngine:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
 
             self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=self.num_kv_blocks,
-                                            block_size=config.block_size, device=self.device, dtype=self.dtype,
+                                            block_size=config.block_size, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
                                             max_model_len=self.max_model_len, draft_model=draft)
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -226,9 +255,10 @@ class LLMEngine:
         self._forward_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-forward")
                               if self._overlap else None)
         self._inflight: _Step | None = None
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, backend %s",
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%s), max_model_len %d, backend %s",
                  self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
-                 config.block_size, self.max_model_len, self.attention_backend)
+                 config.block_size, str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
+                 self.attention_backend)
 
     def _setup_compilation(self) -> None:
         """torch.compile (compilation_config level 3, CUDA) and CUDA graphs for decode steps."""
@@ -739,6 +769,10 @@ class LLMEngine:
             request_success_total=dict(s.request_success_total),
             generation_tokens_per_second=s.rate(now),
             structured_output_requests_total=s.structured_output_requests_total,
+            model_weight_bytes=self.model_weight_bytes,
+            quantization=self.quantization or "none",
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
             timestamp=now,
             **s.drain(),

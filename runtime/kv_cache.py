@@ -8,6 +8,10 @@ copies, byte counts) iterates over a layer's pools and never assumes two. The bl
 from, in order: an explicit ``num_kv_blocks``; a byte budget ``kv_cache_memory_bytes``; on CUDA,
 free GPU memory x ``gpu_memory_utilization`` (measured after the weights are loaded); on CPU,
 ``EngineConfig.DEFAULT_CPU_KV_BYTES``. Bytes per token come from the shared capacity model.
+
+The pools hold the model's dtype, or float8 with ``kv_cache_dtype`` "fp8"/"fp8_e4m3" (e4m3fn:
+more precision, range +-448) or "fp8_e5m2" (range +-57344): half the bytes of bf16, so twice the
+tokens in the same budget. The attention backends scale on write and read (per-layer k/v scales).
 """
 
 from __future__ import annotations
@@ -18,12 +22,27 @@ from kvserve.runtime.capacity import ModelShape, blocks_for_budget, kv_bytes_per
 from kvserve.runtime.config import EngineConfig
 
 
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the K/V pools for an EngineConfig.kv_cache_dtype value."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    try:
+        return FP8_DTYPES[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(f"kv_cache_dtype: unsupported value {kv_cache_dtype!r}; supported: "
+                         f"auto, {', '.join(FP8_DTYPES)}") from None
+
+
 def determine_num_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype,
                          device: torch.device) -> int:
+    """`dtype` is the K/V pools' dtype (kv_cache_torch_dtype), which sets the bytes per token."""
     size = element_size(dtype)
     tp = config.tensor_parallel_size
     if config.num_kv_blocks is not None:
@@ -66,4 +85,11 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, ...]], pairs: list[tuple[int
     dst = torch.tensor([d for _, d in pairs], device=device)
     for layer in kv_caches:
         for pool in layer:
+            pool = as_storage(pool)
             pool[dst] = pool[src]
+
+
+def as_storage(cache: torch.Tensor) -> torch.Tensor:
+    """A float8 pool viewed as uint8 (the same bytes): copies and scatters then work on every
+    device (CPU torch has no index_copy_ for float8); other pools as they are."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 and cache.is_floating_point() else cache

@@ -83,6 +83,8 @@ class ModelRunner:
             slot_t = torch.from_numpy(np.concatenate(slot_parts))
             max_query_len = max(item.num_new_tokens for item in scheduled)
 
+        # Blocks given back behind a sliding window (FREED, -1) are never read; 0 keeps every id valid.
+        np.maximum(tables, 0, out=tables)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(dev, non_blocking=True),

@@ -11,6 +11,10 @@ Pure and deterministic: no torch, no clocks. Each step has a token budget
    sequence is preempted by recompute: its blocks are freed and it goes back to the front of the
    queue, keeping the tokens it generated (they are prefilled again with the prompt).
 
+With a sliding window on every layer, a running sequence first gives back the blocks wholly
+behind its next query's window (``BlockManager.release_behind_window``), so long contexts cost
+window-sized memory.
+
 With prefix caching, an admitted sequence first takes the cached blocks of its longest cached
 prefix and computes only the rest; a fully cached sequence still recomputes its last token (its
 logits are needed). A decode with draft tokens (``seq.spec_token_ids``) runs 1 + k positions,
@@ -90,7 +94,9 @@ class Scheduler:
         if num_prompt_tokens + max_tokens > cfg.max_model_len:
             raise ValueError(f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
                              f"({max_tokens}) exceeds max_model_len {cfg.max_model_len}")
-        if bm.blocks_for_tokens(num_prompt_tokens + max_tokens - 1) > bm.num_blocks:
+        # With a sliding window a sequence holds only the window plus one step's tokens at a time.
+        step = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else num_prompt_tokens + max_tokens - 1
+        if bm.max_blocks_held(num_prompt_tokens + max_tokens - 1, step) > bm.num_blocks:
             raise ValueError(f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
                              f"({max_tokens}) exceeds the whole KV cache "
                              f"({bm.num_blocks * bm.block_size} tokens)")
@@ -121,6 +127,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            # Blocks behind every layer's window go back before this step asks for new ones.
+            bm.release_behind_window(seq.seq_id, seq.num_computed_tokens)
             if seq.spec_token_ids:
                 if seq.num_uncomputed_tokens != 1:
                     seq.spec_token_ids.clear()

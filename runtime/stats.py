@@ -36,6 +36,12 @@ class EngineStats:
     generation_tokens_per_second: float = 0.0
     # Requests that asked for structured outputs (a JSON schema, regex, choice, grammar, tools).
     structured_output_requests_total: int = 0
+    # What this replica runs: weight bytes on one rank (values, scales and zeros of whatever
+    # format) and the formats, for kvserve:model_weight_bytes and kvserve:model_info.
+    model_weight_bytes: int = 0
+    quantization: str = "none"
+    dtype: str = ""
+    kv_cache_dtype: str = "auto"
     # Observations since the previous get_stats() (seconds).
     queue_times: list[float] = field(default_factory=list)
     time_to_first_token: list[float] = field(default_factory=list)

@@ -153,9 +153,10 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, embed_kind: str | None = None,
-               rope_freqs: np.ndarray | None = None) -> pathlib.Path:
+               rope_freqs: np.ndarray | None = None, tensor_kinds: dict[str, str] | None = None) -> pathlib.Path:
     """Writes the HF model in `hf_dir` as a GGUF file: every 2-D weight in `kind` (embedding in
-    `embed_kind`, default `kind`), norms and biases in F32."""
+    `embed_kind`, default `kind`; `tensor_kinds` maps a GGUF tensor kind such as "attn_v" to its
+    own type, as llama.cpp's mixed Q4_K_M files do), norms and biases in F32."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -225,7 +226,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, em
             x = state[name]
             if arch == "llama" and hf.startswith(("self_attn.q_proj", "self_attn.k_proj")):
                 x = llamacpp_permute(x, heads if "q_proj" in hf else kv_heads)
-            add(f"blk.{i}.{gg}", x, kind)
+            add(f"blk.{i}.{gg}", x, (tensor_kinds or {}).get(gg.split(".")[0], kind))
     add("output_norm.weight", state["model.norm.weight"], "F32")
     if not config.get("tie_word_embeddings", False):
         add("output.weight", state["lm_head.weight"], kind)

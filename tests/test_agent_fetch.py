@@ -27,12 +27,14 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
         ("file:///pvc/m", "local", "/pvc/m", None),
         ("hf://org/name/m.Q4_K_M.gguf", "hf", "org/name", None),
         ("hf://org/name@v2/sub/m.gguf", "hf", "org/name", "v2"),
+        ("hf://org/name@refs/pr/1", "hf", "org/name", "refs/pr/1"),
     ],
 )
 def test_parse_source(text, kind, location, revision):
     s = parse_source(text)
     assert (s.kind, s.location, s.revision) == (kind, location, revision)
-    assert s.filename == (text.split("/", 4)[-1] if text.endswith(".gguf") else None)
+    assert s.filename == ({"hf://org/name/m.Q4_K_M.gguf": "m.Q4_K_M.gguf",
+                           "hf://org/name@v2/sub/m.gguf": "sub/m.gguf"}.get(text))
     assert str(s) == text.removeprefix("file://")
 
 

@@ -109,7 +109,11 @@ def test_greedy_parity_chunked_and_preempted(tiny_model_factory, arch, overrides
     vocab = min(overrides.get("vocab_size", 512), 512)
     prompts, max_tokens = workload(vocab)
     expected = hf_greedy(model_dir, prompts, max_tokens)
-    got, engine = run_engine(model_dir, prompts, max_tokens, **SQUEEZED)
+    squeezed = dict(SQUEEZED)
+    if arch == "mistral" and overrides.get("sliding_window"):
+        # Every layer is local: sequences hold only their window, so preemption needs a smaller pool.
+        squeezed["num_kv_blocks"] = 10
+    got, engine = run_engine(model_dir, prompts, max_tokens, **squeezed)
     assert max(len(p) for p in prompts) > SQUEEZED["max_num_batched_tokens"]  # chunked prefill
     assert engine.get_stats().num_preemptions_total > 0
     assert got == expected

@@ -77,6 +77,28 @@ def test_engine_greedy_output_on_triton_equals_torch(tiny_model_factory, monkeyp
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("arch,overrides", [
+    # Local/global layers (window 8 < the 26-token prompt), attention and final soft-capping,
+    # Gemma's norms and GELU(tanh) MLP kernels.
+    pytest.param("gemma2", dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5), id="gemma2-window8-caps"),
+    # Every layer local: blocks behind the window are given back and never read by the kernels.
+    pytest.param("mistral", dict(sliding_window=6), id="mistral-window6-release"),
+])
+def test_engine_sliding_window_on_triton_equals_torch(tiny_model_factory, arch, overrides):
+    model_dir = tiny_model_factory(arch, **overrides)
+    # Kept small (the interpreter runs every program of every launch in Python): a 14-token
+    # prompt in chunks of 8 past the window, and a short one decoding beside it.
+    rng = random.Random(1)
+    prompts, max_tokens = [[rng.randrange(3, 512) for _ in range(n)] for n in (14, 2)], [3, 5]
+    kw = dict(SQUEEZED, max_num_batched_tokens=8)
+    with ops.kernel_mode("torch"):
+        expected, _ = _greedy(model_dir, prompts, max_tokens, attention_backend="torch", **kw)
+    with ops.kernel_mode("triton"):
+        got, engine = _greedy(model_dir, prompts, max_tokens, attention_backend="triton", **kw)
+    assert got == expected
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_moe_and_mla_engine_on_triton_equals_torch(tiny_model_factory, monkeypatch):
     """DeepSeek V3 (MLA + routed and shared experts): the fused MoE kernel and the absorbed MLA
     decode kernel in the engine, with chunks and preemptions, give the torch path's tokens."""

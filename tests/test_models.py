@@ -333,8 +333,9 @@ def test_gemma3_legacy_rope_fields(tmp_path):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3"), "Gemma3ForCausalLM"),
-    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_activation="relu"),
+    (dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", sliding_window=16),
+     "Gemma3ForCausalLM"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_activation="relu", sliding_window=16),
      "hidden_activation 'relu'.*'silu', 'gelu_pytorch_tanh'"),
     (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", layer_types=["chunked_attention"] * 2),
      "layer_types entry 'chunked_attention'.*full_attention, sliding_attention"),

@@ -235,3 +235,25 @@ def test_int4_tp_that_splits_groups_fails_before_serving(tiny_llama):
 
     with pytest.raises(ValueError, match="tensor_parallel_size 2: .* would split int4 quantization groups of 64"):
         LLM(str(tiny_llama), quantization="int4", tensor_parallel_size=2, device="cpu", num_kv_blocks=16)
+
+
+def test_metrics_export_weight_bytes_and_model_info(tiny_llama):
+    from kvserve.runtime import LLM
+    from kvserve.runtime.server.metrics import ServerMetrics
+
+    rendered = {}
+    for q in (None, "int8"):
+        with LLM(str(tiny_llama), quantization=q, dtype="float32", device="cpu", num_kv_blocks=16) as llm:
+            metrics = ServerMetrics("tiny")
+            metrics.update(llm.engine.get_stats())
+            rendered[q] = metrics.render().decode()
+    assert 'kvserve:model_info{dtype="float32",kv_cache_dtype="auto",model_name="tiny",quantization="int8"} 1.0' \
+        in rendered["int8"]
+    assert 'quantization="none"' in rendered[None]
+
+    def weight_bytes(text):
+        line = next(x for x in text.splitlines() if x.startswith("kvserve:model_weight_bytes{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    # float32 weights -> int8 values plus one float32 and one bf16 scale per row: about a quarter.
+    assert weight_bytes(rendered["int8"]) < 0.3 * weight_bytes(rendered[None])

@@ -67,6 +67,10 @@ CASES = {
     "qwen3-mqa-replicated": ("qwen3", dict(num_key_value_heads=1)),
     # q/k/v bias, tied embeddings and a vocabulary that 2 does not divide (padded shards).
     "qwen2-tied-odd-vocab": ("qwen2", dict(tie_word_embeddings=True, vocab_size=509)),
+    # Gemma 2: local/global layers with a window (8) shorter than the prompts, soft-capping.
+    "gemma2-window-softcaps": ("gemma2", dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5)),
+    # Every layer local: rank 0 gives back blocks behind the window; the workers follow its tables.
+    "mistral-window-release": ("mistral", dict(sliding_window=6)),
     # Experts split by intermediate size (routed and the gated shared expert), router replicated.
     "qwen2moe-experts-split": ("qwen2_moe", {}),
     # MLA: heads split, the latent (and its cache) replicated, so KV capacity does not grow.

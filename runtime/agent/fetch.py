@@ -44,14 +44,21 @@ class Source:
 
 def parse_source(source: str) -> Source:
     if source.startswith("hf://"):
-        parts = source[len("hf://") :].split("/")
-        name, at, revision = (parts[1] if len(parts) > 1 else "").partition("@")
-        filename = "/".join(parts[2:]) or None
-        if (len(parts) < 2 or not parts[0] or not name or (at and not revision)
-                or (filename is not None and (not filename.endswith(".gguf") or "" in parts[2:]))):
+        rest = source[len("hf://") :]
+        repo, at, revision = rest.partition("@")
+        filename = None
+        if at:  # a revision may hold slashes (refs/pr/1); a GGUF file follows its first segment
+            if revision.endswith(".gguf") and "/" in revision:
+                revision, _, filename = revision.partition("/")
+        elif repo.count("/") > 1:
+            org, name, filename = repo.split("/", 2)
+            repo = f"{org}/{name}"
+        parts = repo.split("/")
+        if (len(parts) != 2 or not all(parts) or (at and not revision)
+                or (filename is not None and (not filename.endswith(".gguf") or "" in filename.split("/")))):
             raise FetchError(f"source: {source!r} is not hf://org/name[@revision] or "
                              f"hf://org/name[@revision]/FILE.gguf")
-        return Source("hf", f"{parts[0]}/{name}", revision or None, filename)
+        return Source("hf", repo, revision or None, filename)
     if source.startswith("file://"):
         source = source[len("file://") :]
     if "://" in source:

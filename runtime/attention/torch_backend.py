@@ -27,7 +27,9 @@ import torch
 from torch.nn import functional as F
 
 from kvserve.kernels import ops
+from kvserve.kernels.reference import is_fp8, quantize_kv_ref
 from kvserve.runtime.attention.backend import AttentionMetadata
+from kvserve.runtime.kv_cache import as_storage
 
 # Batches of at least this many short-query sequences are split into length-sorted groups.
 _GROUP_MIN_SEQS = 16
@@ -91,12 +93,17 @@ class TorchAttentionBackend:
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        if ops.use_native(key) and _native_write_ok(key, value, k_cache):
+                 slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        if ops.use_native(key) and _native_write_ok(key, value, k_cache):  # float32 pools only
             from kvserve.kernels.cpu import native
 
             native.write_kv(key, value, k_cache, v_cache, slot_mapping)
             return
+        if is_fp8(k_cache):  # stored as x / scale in float8, written through uint8 views
+            key = quantize_kv_ref(key, k_scale, k_cache.dtype).view(torch.uint8)
+            value = quantize_kv_ref(value, v_scale, v_cache.dtype).view(torch.uint8)
+            k_cache, v_cache = as_storage(k_cache), as_storage(v_cache)
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         k_flat = k_cache.view(num_slots, *k_cache.shape[2:])
         v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
@@ -111,17 +118,22 @@ class TorchAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-               sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, logits_soft_cap: float | None = None,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         window = sliding_window
         if meta.is_decode_only and ops.use_native(query) and _native_decode_ok(query, k_cache):
             from kvserve.kernels.cpu import native
 
             return native.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                                  window=window or 0, softcap=logits_soft_cap or 0.0)
+        # float8 pools: K/V are read as stored and upcast; k_scale is folded into the queries and
+        # v_scale into the output (q . (k8 * ks) == (q * ks) . k8), so no dequantized copy is made.
+        fp8 = is_fp8(k_cache)
+        ks, vs = (k_scale, v_scale) if fp8 else (None, None)
         plan = self._get_plan(meta, k_cache.shape[1], query.shape[1] // k_cache.shape[2], window, query.device)
         out = torch.empty_like(query)
         for group in plan.groups:
-            o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale, logits_soft_cap)
+            o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale, logits_soft_cap, ks, vs)
             if group.keep is None:
                 out[group.rows] = o
             else:
@@ -134,12 +146,16 @@ class TorchAttentionBackend:
             lo = 0 if window is None else max(0, context - window + 1)
             if context == 0:  # nothing cached before this step: the new K/V are the whole context
                 k, v = key[q0:q1], value[q0:q1]
+                if fp8:  # what the cache holds, so a cached prefix later gives the same numbers
+                    k, v = quantize_kv_ref(k, k_scale, k_cache.dtype), quantize_kv_ref(v, v_scale, v_cache.dtype)
             else:
                 first = lo // block_size
                 blocks = meta.block_tables[i, first: (seq_len + block_size - 1) // block_size].long()
-                k = k_cache[blocks].flatten(0, 1)[lo - first * block_size: seq_len - first * block_size]
-                v = v_cache[blocks].flatten(0, 1)[lo - first * block_size: seq_len - first * block_size]
-            out[q0:q1] = self._prefill(query[q0:q1], k, v, context, lo, scale, window, logits_soft_cap)
+                k = as_storage(k_cache)[blocks].view(k_cache.dtype).flatten(0, 1)
+                v = as_storage(v_cache)[blocks].view(v_cache.dtype).flatten(0, 1)
+                k = k[lo - first * block_size: seq_len - first * block_size]
+                v = v[lo - first * block_size: seq_len - first * block_size]
+            out[q0:q1] = self._prefill(query[q0:q1], k, v, context, lo, scale, window, logits_soft_cap, ks, vs)
         return out
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int, heads_per_kv: int, window: int | None,
@@ -223,26 +239,29 @@ class TorchAttentionBackend:
 
     def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
         """K and V rows for `slots`, copied into workspaces reused across layers and steps: fresh
-        large allocations cost more in page faults than the copy itself on CPU."""
+        large allocations cost more in page faults than the copy itself on CPU. float8 pools are
+        copied as their bytes (index_select has no float8 kernel everywhere)."""
         row = k_cache.shape[2] * k_cache.shape[3]
         n = slots.shape[0]
+        k_src, v_src = as_storage(k_cache), as_storage(v_cache)
         key = (k_cache.dtype, k_cache.device, row)
         bufs = self._workspace.get(key)
         if bufs is None or bufs[0].shape[0] < n:
             cap = max(n, int(1.25 * bufs[0].shape[0]) if bufs is not None else n)
-            bufs = (torch.empty(cap, row, dtype=k_cache.dtype, device=k_cache.device),
-                    torch.empty(cap, row, dtype=v_cache.dtype, device=v_cache.device))
+            bufs = (torch.empty(cap, row, dtype=k_src.dtype, device=k_cache.device),
+                    torch.empty(cap, row, dtype=v_src.dtype, device=v_cache.device))
             self._workspace[key] = bufs
         k_out, v_out = bufs[0][:n], bufs[1][:n]
-        torch.index_select(k_cache.view(-1, row), 0, slots, out=k_out)
-        torch.index_select(v_cache.view(-1, row), 0, slots, out=v_out)
-        return k_out, v_out
+        torch.index_select(k_src.view(-1, row), 0, slots, out=k_out)
+        torch.index_select(v_src.view(-1, row), 0, slots, out=v_out)
+        return k_out.view(k_cache.dtype), v_out.view(v_cache.dtype)
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, lo: int, scale: float,
-                 window: int | None, soft_cap: float | None) -> torch.Tensor:
+                 window: int | None, soft_cap: float | None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [Q, H, D] at positions context..context+Q-1 over k/v [context+Q-lo, Hkv, D], the
-        positions lo..context+Q-1."""
+        positions lo..context+Q-1 (float8 k/v with their scales, or in the model dtype)."""
         dtype = q.dtype
         compute = torch.float32 if q.device.type == "cpu" else dtype
         q_len, kv_len = q.shape[0], k.shape[0]
@@ -250,6 +269,8 @@ class TorchAttentionBackend:
         # ones go to the math path, which materializes the [H, Q, K] scores (3-4x slower at 300-512
         # tokens, one thread). transformers' own SDPA attention is 4-D too.
         qh = q.transpose(0, 1).to(compute)[None]
+        if k_scale is not None:
+            qh = qh * k_scale
         kh = k.transpose(0, 1).to(compute)[None]
         vh = v.transpose(0, 1).to(compute)[None]
         gqa = qh.shape[1] != kh.shape[1]
@@ -266,10 +287,13 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
             else:
                 o = _soft_capped_attention(qh, kh, vh, mask, scale, soft_cap)
+        if v_scale is not None:
+            o = o * v_scale
         return o[0].transpose(0, 1).to(dtype)
 
     def _attend_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
-                      scale: float, soft_cap: float | None = None) -> torch.Tensor:
+                      scale: float, soft_cap: float | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [S * Q, H, D], Q query rows per sequence, over each sequence's cached context."""
         dtype = q.dtype
         compute = torch.float32 if q.device.type == "cpu" else dtype
@@ -284,11 +308,15 @@ class TorchAttentionBackend:
         # rows: [S, Hkv, G * Q, D] against [S, Hkv, T, D] (strided views of the workspace, read in
         # place) needs no repeat of K/V, only the per-row visibility mask.
         q = q.to(compute).view(s, nq, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, groups * nq, d)
+        if k_scale is not None:
+            q = q * k_scale
         if soft_cap is None:
             out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible,
                                                  scale=scale)
         else:
             out = _soft_capped_attention(q, k.transpose(1, 2), v.transpose(1, 2), group.visible, scale, soft_cap)
+        if v_scale is not None:
+            out = out * v_scale
         return out.view(s, kv_heads, groups, nq, d).permute(0, 3, 1, 2, 4).reshape(s * nq, h, d).to(dtype)
 
 

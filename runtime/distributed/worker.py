@@ -83,7 +83,13 @@ def _run(args: WorkerArgs, config, ctrl: Connection, report: Connection) -> None
     import torch.distributed as dist
 
     from kvserve.runtime.attention.selector import get_attention_backend
-    from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks, determine_num_blocks, kv_cache_bytes
+    from kvserve.runtime.kv_cache import (
+        allocate_kv_cache,
+        copy_blocks,
+        determine_num_blocks,
+        kv_cache_bytes,
+        kv_cache_torch_dtype,
+    )
     from kvserve.runtime.model_config import ModelConfig
     from kvserve.runtime.models import load_model
 
@@ -105,13 +111,14 @@ def _run(args: WorkerArgs, config, ctrl: Connection, report: Connection) -> None
                            tp_rank=args.rank, tp_size=args.world_size, config=model_config,
                            quantization=config.quantization)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        num_blocks = determine_num_blocks(config, model_config.shape, dtype, device)
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        num_blocks = determine_num_blocks(config, model_config.shape, kv_dtype, device)
         report.send_bytes(protocol.encode(protocol.LOADED, args.rank, num_blocks, weight_bytes))
 
         kind, (num_blocks,) = protocol.decode(ctrl.recv_bytes())
         if kind != protocol.ALLOCATE:
             return
-        kv_caches = allocate_kv_cache(model_config.shape, num_blocks, config.block_size, dtype, device,
+        kv_caches = allocate_kv_cache(model_config.shape, num_blocks, config.block_size, kv_dtype, device,
                                       args.world_size)
         kv_bytes = kv_cache_bytes(kv_caches)
         report.send_bytes(protocol.encode(protocol.READY, args.rank, kv_bytes))

@@ -25,6 +25,7 @@ from kvserve.runtime.gguf.weights import (
     GroupQuantized,
     check_supported,
     group_quantized,
+    take_rows,
     to_float,
     unpermute_index,
 )
@@ -90,7 +91,7 @@ def checkpoint_tensors(path: str | pathlib.Path, cfg, *, keep_quantized=lambda h
             heads = permuted_heads(gguf_name, arch, shape.num_attention_heads, shape.num_kv_heads)
             if heads is not None:
                 index = unpermute_index(info.shape[0], heads)
-                tensor = tensor.permute_rows(index) if isinstance(tensor, GroupQuantized) else tensor[index]
+                tensor = tensor.permute_rows(index) if isinstance(tensor, GroupQuantized) else take_rows(tensor, index)
             del raw
             yield name, tensor
 

@@ -127,6 +127,12 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = "blk.0.ffn_gate.bias" in names
+    # The weight format: every tensor's type, from which the gguf linear method picks a kernel
+    # per layer (kvserve.runtime.models.quantization.gguf).
+    config["quantization_config"] = {
+        "quant_method": "gguf",
+        "tensor_types": {hf: info.type_name for name, info in gf.tensors.items() if (hf := hf_name(name))},
+    }
     scaling = _rope_scaling(get)
     if scaling is not None:
         config["rope_scaling"] = scaling

@@ -65,8 +65,17 @@ class GroupQuantized:
         return torch.from_numpy(out.reshape(rows, cols))
 
     def permute_rows(self, index: torch.Tensor) -> "GroupQuantized":
-        return GroupQuantized(self.codes[index], self.scales[index],
-                              None if self.offsets is None else self.offsets[index], self.bits, self.ggml_type)
+        return GroupQuantized(take_rows(self.codes, index), take_rows(self.scales, index),
+                              None if self.offsets is None else take_rows(self.offsets, index), self.bits,
+                              self.ggml_type)
+
+
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] along the first axis, through numpy: torch's CPU row gather of small dtypes is
+    hundreds of times slower (20 ms vs 0.05 ms for a 576 x 576 uint8 matrix here)."""
+    if t.dtype == torch.bfloat16:
+        return take_rows(t.view(torch.int16), index).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(t.numpy()[index.numpy()]))
 
 
 def to_float(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels import ops, reference
+from kvserve.kernels.reference import is_fp8
 from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.runtime.model_config import ModelConfig, rope_cos_sin_cache
 from kvserve.runtime.models.quantization import QuantizationConfig
@@ -67,6 +68,11 @@ class Attention(nn.Module):
         self.backend = backend
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
+        # A float8 KV cache stores value / scale per layer: 1.0 unless the checkpoint has scales
+        # (k_scale / v_scale, as llm-compressor's kv_cache_scheme and ModelOpt write them).
+        for name in ("k_scale", "v_scale"):
+            self.register_buffer(name, torch.ones((), dtype=torch.float32, device=device))
+            getattr(self, name).weight_loader = self._load_kv_scale
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -80,13 +86,26 @@ class Attention(nn.Module):
             k = self.norm(k, self.k_norm.weight, self.eps)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # Only float8 pools take scales, so backends without float8 support never see them.
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale) if is_fp8(k_cache) else {}
+        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         if self.sliding_window is None and self.logits_soft_cap is None:
-            out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
         else:
             out = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale,
-                                      sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+                                      sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                                      **scales)
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def _load_kv_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        """A checkpoint's scalar K or V scale (shard "kv": one scale for both, older checkpoints)."""
+        if loaded.numel() != 1:
+            raise ValueError(f"weight kv cache scale: expected one value per layer, got shape {tuple(loaded.shape)}")
+        value = loaded.reshape(()).float()
+        if not (torch.isfinite(value) and value > 0):
+            raise ValueError(f"weight kv cache scale: must be a positive finite number, got {value.item()}")
+        for target in ((self.k_scale, self.v_scale) if shard_id == "kv" else (param,)):
+            target.copy_(value)
 
     def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
         # The linear layers list their own tensors: their weight format decides which.
@@ -279,6 +298,20 @@ class CausalLM(nn.Module):
         if cap is not None:  # in the model dtype, as transformers does, before the float32 cast
             logits = reference.soft_cap_ref(logits, cap)
         return logits.float()
+
+    def optional_checkpoint_params(self) -> dict[str, tuple[torch.Tensor, str | None]]:
+        """Checkpoint tensors this model reads when present: the float8 KV cache scales, under the
+        names vLLM accepts (self_attn.k_scale / v_scale, k_proj.k_scale / v_proj.v_scale, and the
+        older single self_attn.kv_scale)."""
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        for i, layer in enumerate(self.layers):
+            attn, pre = layer.self_attn, f"model.layers.{i}.self_attn."
+            if not hasattr(attn, "k_scale"):  # MLA: its latent cache has no float8 form yet
+                continue
+            out[f"{pre}k_scale"] = out[f"{pre}k_proj.k_scale"] = (attn.k_scale, None)
+            out[f"{pre}v_scale"] = out[f"{pre}v_proj.v_scale"] = (attn.v_scale, None)
+            out[f"{pre}kv_scale"] = (attn.k_scale, "kv")
+        return out
 
     def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, str | None]]:
         """Maps every checkpoint tensor name this model consumes to (parameter, shard id)."""

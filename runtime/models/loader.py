@@ -58,9 +58,14 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
     model = CausalLM(cfg, attention_backend, dtype=dtype, device=device,
                      tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config)
     targets = model.checkpoint_params()
+    optional = model.optional_checkpoint_params()
     loaded: set[str] = set()
 
     def consume(name: str, tensor: torch.Tensor) -> None:
+        if name in optional:  # float8 KV scales: float32 whatever the model dtype
+            param, shard_id = optional[name]
+            param.weight_loader(param, tensor, shard_id)
+            return
         param, shard_id = targets[name]
         # Into the parameter's own dtype: the model's for full-precision weights, float32 for a
         # parameter kept wider (DeepSeek V3's routing bias, a quantized format's scales), the
@@ -72,14 +77,27 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
         if is_gguf_path(model_dir):
             from kvserve.runtime.gguf import checkpoint_tensors
 
-            for name, tensor in checkpoint_tensors(model_dir, cfg, wanted=targets.__contains__):
-                consume(name, tensor)
+            from kvserve.runtime.gguf import GroupQuantized
+
+            def keep_quantized(name: str, ggml_type) -> bool:  # the layer's method holds codes
+                return getattr(targets[name][0], "gguf_codes", False)
+
+            for name, tensor in checkpoint_tensors(model_dir, cfg, keep_quantized=keep_quantized,
+                                                   wanted=targets.__contains__):
+                if isinstance(tensor, GroupQuantized):
+                    prefix = name.removesuffix(".weight")
+                    consume(name, tensor.codes)
+                    consume(f"{prefix}.gguf_scale", tensor.scales)
+                    if tensor.offsets is not None:
+                        consume(f"{prefix}.gguf_offset", tensor.offsets)
+                else:
+                    consume(name, tensor)
         else:
             for path in checkpoint_files(model_dir):
                 try:
                     with safe_open(str(path), framework="pt", device="cpu") as f:
                         for name in f.keys():
-                            if name not in targets:
+                            if name not in targets and name not in optional:
                                 if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
                                     log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
                                 continue

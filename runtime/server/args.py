@@ -46,6 +46,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "int8/int4/fp8 quantize a full-precision checkpoint at load")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory sizing)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="KV cache storage: auto (the model dtype) or float8 (half of bf16, twice the tokens); "
+                        "fp8 is fp8_e4m3")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

@@ -39,6 +39,7 @@ EXPORTED_NAMES = (
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info",
     "kvserve:kv_cache_capacity_tokens", "kvserve:max_num_seqs", "kvserve:tensor_parallel_size",
+    "kvserve:model_weight_bytes", "kvserve:model_info",
     "kvserve:generation_tokens_per_second",
     "kvserve:structured_output_requests_total", "kvserve:grammar_compile_seconds",
     "kvserve:step_duration_seconds",
@@ -102,6 +103,13 @@ class _StatsCollector:
         yield gauge("kvserve:max_num_seqs", "Most requests the engine runs at once.", s.max_num_seqs)
         yield gauge("kvserve:tensor_parallel_size", "Tensor-parallel degree of this replica.",
                     s.tensor_parallel_size)
+        yield gauge("kvserve:model_weight_bytes", "Bytes of model weights on each tensor-parallel rank, "
+                    "quantization scales and zeros included.", getattr(s, "model_weight_bytes", 0))
+        model_info = GaugeMetricFamily("kvserve:model_info", "What this replica runs (always 1).",
+                                       labels=["model_name", "quantization", "dtype", "kv_cache_dtype"])
+        model_info.add_metric([name, getattr(s, "quantization", "none"), getattr(s, "dtype", ""),
+                               getattr(s, "kv_cache_dtype", "auto")], 1)
+        yield model_info
         yield gauge("kvserve:generation_tokens_per_second", "Generated tokens per second over the last 10 s.",
                     s.generation_tokens_per_second)
         yield counter("kvserve:structured_output_requests",

@@ -72,8 +72,10 @@ def eligible(params: SamplingParams, seq: Sequence) -> bool:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, *, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int, draft_model=None) -> None:
-        """`draft_model` comes from ``load_draft`` (required for method draft_model)."""
+                 device: torch.device, kv_cache_dtype: torch.dtype, max_model_len: int,
+                 draft_model=None) -> None:
+        """`draft_model` comes from ``load_draft`` (required for method draft_model); its KV pools
+        take `kv_cache_dtype`, the target's (float8 with kv_cache_dtype fp8)."""
         self.config = config
         self.runner = runner
         self.block_size = block_size
@@ -84,7 +86,8 @@ class SpecDecoder:
         if config.method == "draft_model":
             if draft_model is None:
                 raise ValueError("speculative_config.model: the draft model was not loaded")
-            self.draft_kv = allocate_kv_cache(draft_model.config.shape, num_blocks, block_size, dtype, device)
+            self.draft_kv = allocate_kv_cache(draft_model.config.shape, num_blocks, block_size, kv_cache_dtype,
+                                              device)
 
     # -- before scheduling -------------------------------------------------------------------------
     def plan(self, running: list[Sequence], params_of) -> None:
@@ -224,6 +227,7 @@ class SpecDecoder:
             table_np = np.zeros((len(active), width), dtype=np.int32)
             for a, t in enumerate(tables):
                 table_np[a, :len(t)] = t
+            np.maximum(table_np, 0, out=table_np)  # blocks FREED behind a sliding window are never read
             meta = AttentionMetadata(
                 query_start_loc=torch.arange(len(active) + 1, dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor([pos + 1 for pos in positions], dtype=torch.int32, device=dev),

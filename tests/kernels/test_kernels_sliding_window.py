@@ -119,7 +119,7 @@ PREFILL_SPECS = [(0, 23), (9, 14), (30, 3), (17, 1), (0, 2)]
 DECODE_SPECS = [(0, 1), (6, 1), (22, 1), (40, 1), (7, 1)]
 
 
-@pytest.mark.parametrize("window", [1, 3, 8, 13, None])
+@pytest.mark.parametrize("window", [1, 13, None])
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
 def test_prefill_kernel_twin_and_torch_backend_match_the_definition(window, soft_cap):
     b = WindowBatch(PREFILL_SPECS, window, seed=window or 0)
@@ -132,7 +132,7 @@ def test_prefill_kernel_twin_and_torch_backend_match_the_definition(window, soft
            expected, b.dtype)
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, None])
+@pytest.mark.parametrize("window", [5, None])
 @pytest.mark.parametrize("soft_cap", [None, 1.5])
 def test_decode_kernel_matches_the_definition_across_splits(window, soft_cap):
     b = WindowBatch(DECODE_SPECS, window, head_dim=64, block_size=8, heads=6, kv_heads=2, seed=3)

@@ -82,6 +82,14 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         return str(next(self._counter))
 
     async def _handle(self, request):
+        if (request.resource is not None and request.action == enums.action.DELETE
+                and request.name is not None):
+            # With finalizers a delete only sets deletionTimestamp: a change, so a new version.
+            key = (request.resource, request.namespace, request.name)
+            live = self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None
+            meta = (live or {}).get("metadata", {})
+            if meta.get("finalizers") and not meta.get("deletionTimestamp"):
+                self._objects[key].patch({"metadata": {"resourceVersion": self._next_rv()}})
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == enums.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
@@ -92,13 +100,6 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                 meta["resourceVersion"] = self._next_rv()
                 meta["generation"] = 1
                 meta["creationTimestamp"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            elif request.action == enums.action.DELETE and request.name is not None:
-                # With finalizers a delete only sets deletionTimestamp: a change, so a new version.
-                key = (request.resource, request.namespace, request.name)
-                live = self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None
-                meta = (live or {}).get("metadata", {})
-                if meta.get("finalizers") and not meta.get("deletionTimestamp"):
-                    self._objects[key].patch({"metadata": {"resourceVersion": self._next_rv()}})
             elif request.action == enums.action.UPDATE and request.name is not None:
                 key = (request.resource, request.namespace, request.name)
                 live = self._objects[key].raw if key in self._objects and not self._objects[key].deleted else None

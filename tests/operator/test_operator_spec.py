@@ -144,6 +144,31 @@ def test_served_name_defaults():
     assert parse_spec({"model": {"uri": "/opt/models/tiny"}}).model.served_name == "tiny"
 
 
+@pytest.mark.parametrize("uri, repo, revision", [
+    ("hf://bartowski/Llama-3.2-1B-Instruct-GGUF/Llama-3.2-1B-Instruct-Q4_K_M.gguf",
+     "bartowski/Llama-3.2-1B-Instruct-GGUF", None),
+    ("hf://org/name@main/sub/m.Q8_0.gguf", "org/name", "main"),
+    ("hf://org/name@refs/pr/3", "org/name", "refs/pr/3"),
+])
+def test_a_gguf_file_of_a_hub_repo_is_a_model_uri(uri, repo, revision):
+    """The fetch step gets the whole URI (kvserve agent fetch takes one GGUF file of a repo); the
+    repo and revision name the model."""
+    from kvserve.operator.manifests import build_deployment
+
+    raw = {"model": {"uri": uri}}
+    spec = parse_spec(raw)
+    assert (spec.model.source.location, spec.model.source.revision) == (repo, revision)
+    assert spec.model.served_name == repo
+    owner = {"apiVersion": "kvserve.dev/v1alpha1", "kind": "InferenceService",
+             "metadata": {"name": "m", "namespace": "ns", "uid": "0b5e2a1c-1111-4222-8333-944455556666"},
+             "spec": raw}
+    pod = build_deployment(owner, spec, replicas=1, tp=1)["spec"]["template"]["spec"]
+    fetch = next(c for c in pod["initContainers"] + pod["containers"] if c["name"] == "fetch-model")
+    assert fetch["command"][3] == uri
+    with pytest.raises(SpecError, match="FILE.gguf"):
+        parse_spec({"model": {"uri": "hf://org/name/weights.bin"}})
+
+
 def test_the_documented_example_is_valid():
     import re
 

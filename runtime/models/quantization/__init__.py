@@ -52,6 +52,7 @@ _FORMATS = {
     "gptq": "gptq:GPTQConfig",
     "compressed-tensors": "compressed_tensors:CompressedTensorsConfig",
     "fp8": "fp8:Fp8Config",
+    "gguf": "gguf:GGUFConfig",
 }
 assert set(_FORMATS) == set(WEIGHT_FORMATS)
 

@@ -1,0 +1,123 @@
+"""``gguf``: the quantized tensors of a GGUF file, kept quantized where a kernel takes them.
+
+A GGUF file chooses a type per tensor (a Q4_K_M file mixes Q4_K, Q6_K and F32), so the method is
+chosen per layer from the file's types (``quantization_config.tensor_types``, which the GGUF
+reader puts in the config): a layer whose parts (q|k|v, gate|up, one projection, the vocabulary
+table) are all
+
+- Q4_0, Q4_1 or Q4_K: `Int4Weight`, group 32, w = code * scale + offset (scale = d, offset = -8d
+  for Q4_0; d and m for Q4_1; each 32-value sub-block's d * sc and -dmin * m for Q4_K);
+- Q8_0 on a GPU: `Int8Weight`, group 32 (the Triton grouped int8 kernel). On a CPU torch's int8
+  kernel is per-channel only, so Q8_0 is dequantized at load there (exactly) and multiplied by
+  the unquantized path, which is faster than dequantizing every step;
+- anything else (F32/F16/BF16, Q5_0/Q5_1/Q5_K/Q6_K, or a mix of families in one fused layer):
+  dequantized once at load into the model dtype (`UnquantizedLinearMethod`).
+
+The loader hands a kept tensor over as its group-wise integers (`kvserve.runtime.gguf.weights.
+GroupQuantized`): ``<prefix>.weight`` gets the codes, ``<prefix>.gguf_scale`` / ``gguf_offset``
+one value per 32 input features (so tensor parallelism refuses a degree that splits a block).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from kvserve.runtime.models.quantization.base import (
+    LinearMethod,
+    LinearSpec,
+    QuantizationConfig,
+    replace_param,
+    sharded_param,
+)
+from kvserve.runtime.models.quantization.int4 import Int4Applier, check_group, set_int4
+from kvserve.runtime.models.quantization.int8 import set_int8
+from kvserve.runtime.models.quantization.packed import Int4Weight, Int8Weight
+from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
+
+GROUP = 32
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+INT8_TYPES = frozenset({"Q8_0"})
+
+
+def _group_params(layer: nn.Module, spec: LinearSpec, codes_dtype: torch.dtype, offsets: bool) -> None:
+    check_group(spec, GROUP, "gguf")
+    out, k = spec.out_features, spec.in_features
+    codes = sharded_param(layer, "weight", spec, (out, k), codes_dtype, out_dim=0, in_dim=1)
+    codes.load_dtype = codes_dtype
+    codes.gguf_codes = True  # the loader then hands this layer its GroupQuantized form
+    names = ("gguf_scale", "gguf_offset") if offsets else ("gguf_scale",)
+    for name in names:
+        p = sharded_param(layer, name, spec, (out, k // GROUP), torch.float32, out_dim=0, in_dim=1, in_div=GROUP)
+        p.load_dtype = torch.float32
+
+
+class GGUFInt4Method(Int4Applier):
+    name = "gguf"
+
+    def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
+        _group_params(layer, spec, torch.uint8, offsets=True)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        spec = layer.spec
+        set_int4(layer, Int4Weight(layer.weight.data, layer.gguf_scale.data, layer.gguf_offset.data, GROUP,
+                                   spec.params_dtype, what=spec.name))
+        for name in ("weight", "gguf_scale", "gguf_offset"):
+            replace_param(layer, name, None)
+
+
+class GGUFInt8Method(LinearMethod):
+    name = "gguf"
+
+    def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
+        _group_params(layer, spec, torch.int8, offsets=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        spec = layer.spec
+        set_int8(layer, Int8Weight(layer.weight.data, layer.gguf_scale.data, GROUP, spec.params_dtype,
+                                   what=spec.name))
+        for name in ("weight", "gguf_scale"):
+            replace_param(layer, name, None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = layer.int8.matmul(x)
+        return out + bias if bias is not None else out
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return layer.int8.rows(ids)
+
+
+class GGUFConfig(QuantizationConfig):
+    name = "gguf"
+
+    def __init__(self, tensor_types: Mapping[str, str]):
+        self.tensor_types = dict(tensor_types)
+
+    @classmethod
+    def from_config(cls, quantization_config: Mapping[str, Any] | None = None) -> "GGUFConfig":
+        types = (quantization_config or {}).get("tensor_types")
+        if not isinstance(types, Mapping):
+            raise ValueError("quantization: 'gguf' is the format of .gguf model files; pass model=FILE.gguf "
+                             "(a Hugging Face directory is never GGUF)")
+        return cls(types)
+
+    def layer_types(self, spec: LinearSpec) -> set[str | None]:
+        return {self.tensor_types.get(f"{prefix}.weight") for prefix in spec.prefixes}
+
+    def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
+        types = self.layer_types(spec)
+        if types <= INT4_TYPES:
+            return GGUFInt4Method()
+        if types <= INT8_TYPES and spec.device.type == "cuda":
+            return GGUFInt8Method()
+        return UnquantizedLinearMethod()
+
+    def quantizes_vocab(self) -> bool:
+        return True  # get_linear_method decides from the table's own type
+
+    def describe(self) -> dict[str, Any]:
+        counts = Counter(t for name, t in self.tensor_types.items() if not name.endswith("norm.weight"))
+        return {"quantization": "gguf", "tensor_types": dict(sorted(counts.items()))}

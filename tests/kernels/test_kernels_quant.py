@@ -1,0 +1,86 @@
+"""The quantized matmul kernels (int4/int8 dequant-GEMM with split-K, FP8 scaled matmul) against
+their torch twins under Triton's interpreter, and the twins against float64 arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.kernels import quant, quant_reference as ref  # noqa: E402
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _int4(n, k, g, seed, dtype):
+    gen = _gen(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    scale = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.001).to(dtype)
+    offset = (torch.randn(n, k // g, generator=gen) * 0.05).to(dtype)
+    return q, packed, scale, offset
+
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("m, n, k, g, split", [(1, 80, 128, 32, 1), (3, 64, 256, 64, 4), (17, 48, 128, 128, 2),
+                                               (5, 64, 192, 64, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_dequant_gemm_matches_twin(m, n, k, g, split, dtype):
+    q, packed, scale, offset = _int4(n, k, g, m * n + k, dtype)
+    x = torch.randn(m, k, generator=_gen(m)).to(dtype)
+    want = ref.int4_matmul_ref(x, packed, scale, offset, g)
+    got = quant.int4_matmul(x, packed, scale, offset, g, split_k=split)
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 10, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("m, n, k, g, split", [(2, 64, 128, 128, 1), (4, 32, 256, 32, 8)])
+def test_int8_dequant_gemm_matches_twin(m, n, k, g, split):
+    gen = _gen(k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, k // g, generator=gen) * 0.01
+    x = torch.randn(m, k, generator=gen)
+    want = ref.int8_matmul_ref(x, q, scale, g)
+    torch.testing.assert_close(quant.int8_matmul(x, q, scale, g, split_k=split), want, atol=1e-4, rtol=1e-4)
+
+
+def test_twins_match_float64():
+    q, packed, scale, offset = _int4(32, 64, 32, 3, torch.float32)
+    w = (q.double().view(32, 2, 32) * scale.double()[..., None] + offset.double()[..., None]).view(32, 64)
+    assert torch.allclose(ref.dequantize_int4(packed, scale, offset, 32, torch.float64), w)
+    x = torch.randn(4, 64, generator=_gen(1))
+    torch.testing.assert_close(ref.int4_matmul_ref(x, packed, scale, offset, 32).double(), x.double() @ w.t(),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_token, per_channel", [(True, True), (False, False), (True, False)])
+def test_fp8_scaled_matmul_matches_twin(per_token, per_channel):
+    gen = _gen(7)
+    m, n, k = 5, 48, 96
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    if per_token:
+        xq, xs = ref.quantize_fp8_per_token(x)
+    else:
+        xs = (x.abs().max() / 448).reshape(1)
+        xq = ref.quantize_fp8_static(x, xs)
+    ws = (w.abs().amax(1) / 448) if per_channel else (w.abs().max() / 448).reshape(1)
+    wq = (w / ws.reshape(-1, 1)).to(torch.float8_e4m3fn)
+    want = ref.fp8_scaled_matmul_ref(xq, xs, wq, ws, torch.float32)
+    got = quant.fp8_scaled_matmul(xq, xs, wq, ws, torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # and the twin is FP8 x FP8 in float64, scaled
+    exact = (xq.double() * xs.double().reshape(-1, 1)) @ (wq.double() * ws.double().reshape(-1, 1)).t()
+    torch.testing.assert_close(want.double(), exact, atol=1e-4, rtol=1e-4)
+
+
+def test_split_k_choice_is_bounded():
+    assert quant.default_split_k(1, 4096, 64, 64) > 1
+    assert quant.default_split_k(64, 4096, 64, 64) == 1
+    assert quant.default_split_k(1, 64, 2, 64) == 1
+    assert quant.block_k_for(24) is None and quant.block_k_for(96) == 32
