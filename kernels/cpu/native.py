@@ -373,6 +373,11 @@ class DecoderStack:
         self._caches: tuple[int, ...] | None = None
         self._work: torch.Tensor | None = None
 
+    def accepts(self, kv_caches: list) -> bool:
+        """Whether these caches can be read natively (float32, contiguous; not float8 pools)."""
+        k, v = kv_caches[0][0], kv_caches[0][1]
+        return k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         key = tuple(k.data_ptr() for k, _ in kv_caches)
         if key == self._caches:

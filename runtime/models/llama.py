@@ -271,7 +271,7 @@ class CausalLM(nn.Module):
                 from kvserve.runtime.models import native_decode
 
                 stack = self._native_stack = native_decode.build(self)
-            if stack is not None and ops.use_native(self.cos_sin_cache):
+            if stack is not None and ops.use_native(self.cos_sin_cache) and stack.accepts(kv_caches):
                 hidden, residual = stack.run(self.embed_tokens(input_ids), positions, meta.slot_mapping,
                                              meta.block_tables, meta.seq_lens, kv_caches)
                 hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)

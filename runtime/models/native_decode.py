@@ -37,7 +37,9 @@ def build(model) -> object | None:
     for i, layer in enumerate(model.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
-                or mlp.act_and_mul is not ops.silu_and_mul or not isinstance(attn.backend, TorchAttentionBackend)):
+                or mlp.act_and_mul is not ops.silu_and_mul
+                # exactly the torch backend: a subclass may change what attention computes
+                or type(attn.backend) is not TorchAttentionBackend):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(getattr(lin, "packed_out_features", None) is None for lin in linears):
