@@ -211,7 +211,9 @@ def decide(spec: ServiceSpec, shape: ModelShape | None, obs: Observation, state:
            *, max_sample_age: float = DEFAULT_MAX_SAMPLE_AGE) -> Decision:
     a = spec.autoscaling
     now, cur, tp = obs.time, obs.replicas, obs.tp
-    lo, hi = a.min_replicas, a.max_replicas
+    # minReplicas 0 is reached only by scale to zero (scaletozero.py, on the router's word that
+    # nobody is asking); the load alone never takes a running service below one replica.
+    lo, hi = (a.min_replicas if cur == 0 else max(1, a.min_replicas)), a.max_replicas
     fresh = [p for p in obs.pods if p.fresh(max_sample_age)]
     signals = _aggregate(fresh)
     base = dict(from_replicas=cur, from_tp=tp, signals=signals)
@@ -358,5 +360,6 @@ def hold(spec: ServiceSpec, replicas: int, tp: int) -> tuple[int, int]:
     if not spec.autoscaling.enabled:
         return (spec.replicas if spec.replicas is not None else max(replicas, 1)), spec.tensor.initial
     tp = tp if spec.autoscaling.tensor.enabled else spec.tensor.initial
-    return _clamp(replicas, spec.autoscaling.min_replicas, spec.autoscaling.max_replicas), \
+    lo = spec.autoscaling.min_replicas if replicas == 0 else max(1, spec.autoscaling.min_replicas)
+    return _clamp(replicas, lo, spec.autoscaling.max_replicas), \
         _clamp(tp, spec.tensor.min, spec.tensor.max)

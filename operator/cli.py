@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--scrape-timeout", type=POSITIVE_SECONDS, default=3.0)
     run.add_argument("--scrape-concurrency", type=POSITIVE_INT, default=16)
     run.add_argument("--agent-port", type=PORT, default=8081)
+    run.add_argument("--router-port", type=PORT, default=8000,
+                     help="where router pods (spec.router) answer /router/demand")
+    run.add_argument("--wake-interval", type=POSITIVE_SECONDS, default=2.0,
+                     help="how often a service scaled to zero asks its router whether requests wait, seconds")
     run.add_argument("--max-sample-age", type=POSITIVE_SECONDS, default=10.0,
                      help="older agent samples count as stale (never drive a scale-down)")
     run.add_argument("--prometheus-url", default=None,
@@ -187,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     config = OperatorConfig(scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout,
                             scrape_concurrency=args.scrape_concurrency, agent_port=args.agent_port,
-                            max_sample_age=args.max_sample_age, prometheus_url=args.prometheus_url)
+                            max_sample_age=args.max_sample_age, prometheus_url=args.prometheus_url,
+                            router_port=args.router_port, wake_interval=args.wake_interval)
     namespaces = list(args.namespace)
     if not namespaces and not args.all_namespaces:
         own = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

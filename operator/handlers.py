@@ -23,12 +23,14 @@ import kopf
 from kvserve.runtime.capacity import ModelShape
 
 from . import manifests as M
+from . import router as R
 from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide, hold
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .metrics import OperatorMetrics
 from .peering import REPEAT_SECONDS, peering_objects, watch_peering
 from .retry import handler_delay
-from .sources import AgentSource, PrometheusSource, pod_name, pod_ready, pod_terminating
+from .scaletozero import SCALE_TO_ZERO, RouterDemand, ZeroDecision, pods_busy, zero_decision
+from .sources import AgentSource, PrometheusSource, RouterDemandSource, pod_name, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
 from .status import (append_decision, decision_record, degraded_conditions, iso, learned_config, merge_conditions,
                      model_status, replacing, rollout_conditions, same_model, scaling_conditions, signal_fields,
@@ -48,6 +50,8 @@ class OperatorConfig:
     agent_port: int = M.AGENT_PORT
     max_sample_age: float = 10.0
     prometheus_url: str | None = None
+    router_port: int = R.ROUTER_PORT  # where router pods answer /router/demand
+    wake_interval: float = 2.0  # how often a service at zero asks its router whether requests wait
     connection: kopf.ConnectionInfo | None = None  # None: in-cluster service account, then KUBECONFIG
     # Not standalone: the kopf peering object's name, and where the operator serves (for the
     # missing-peering warning); None: standalone, nothing to check.
@@ -108,6 +112,7 @@ class Reconciler:
                        if config.prometheus_url else
                        AgentSource(port=config.agent_port, timeout=config.scrape_timeout,
                                    concurrency=config.scrape_concurrency))
+        self.demand_source = RouterDemandSource(port=config.router_port, timeout=config.scrape_timeout)
 
     async def peering_exists(self, kind: str, namespace: str | None) -> bool:
         while self.client is None:  # startup runs before kopf's login
@@ -152,7 +157,8 @@ class Reconciler:
                 replicas = (live.get("spec") or {}).get("replicas", 1)
                 tp = M.template_tp(live) or spec.tensor.initial
             else:
-                replicas = spec.autoscaling.min_replicas if spec.autoscaling.enabled else (spec.replicas or 1)
+                # A new service starts awake, even with minReplicas 0: it sleeps once it has been idle.
+                replicas = max(1, spec.autoscaling.min_replicas) if spec.autoscaling.enabled else (spec.replicas or 1)
                 tp = spec.tensor.initial
             replicas, tp = hold(spec, replicas, tp)
             if shape is not None and shape.tp_error(tp):
@@ -181,6 +187,7 @@ class Reconciler:
         try:
             for obj in M.build_all(body, spec, replicas=replicas, tp=tp)[::-1]:  # Service, PDB, Deployment
                 results[obj["kind"]] = await apply(self.client, obj, uid)
+            results.update(await self._apply_router(body, spec))
         except NotOwned as error:
             # Someone else's object: nothing changes until a person acts, so look less often.
             self._degraded(body, status, patch, generation, now, "NotOwned", str(error))
@@ -189,6 +196,89 @@ class Reconciler:
             self._degraded(body, status, patch, generation, now, "ApplyFailed", str(error))
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
         return results
+
+    async def _apply_router(self, body, spec: ServiceSpec) -> dict[str, str]:
+        """The router's objects when spec.router.enabled, none of them (if they are ours) when not."""
+        meta = body["metadata"]
+        results = {}
+        if spec.router.enabled:
+            for obj in R.build_router_objects(body, spec):
+                results[f"router {obj['kind']}"] = await apply(self.client, obj, meta["uid"])
+            return results
+        for kind in await self._router_leftovers(meta):
+            await self.client.delete(kind, meta["namespace"], R.router_name(meta["name"]))
+            results[f"router {kind}"] = "deleted"
+        return results
+
+    async def _router_leftovers(self, meta) -> list[str]:
+        """The kinds of router objects of this resource that exist, in deletion order. The
+        ServiceAccount is made first and removed last, so without it there is nothing to look for
+        (one read, not four, for the many services that never had a router)."""
+        name, namespace = R.router_name(meta["name"]), meta["namespace"]
+        account = await self.client.get("ServiceAccount", namespace, name)
+        if account is None or not owned_by(account, meta["uid"]):
+            return []
+        out = []
+        for kind in R.ROUTER_KINDS[::-1]:  # Deployment, RoleBinding, Role, ServiceAccount
+            live = account if kind == "ServiceAccount" else await self.client.get(kind, namespace, name)
+            if live is not None and owned_by(live, meta["uid"]):
+                out.append(kind)
+        return out
+
+    async def _router_demand(self, namespace: str, name: str, errors: dict[str, str]) -> tuple[RouterDemand, int]:
+        """What the service's router pods say (held requests, idle time), and how many are Ready."""
+        pods = await self.client.list("Pod", namespace, M.router_selector(name))
+        pods = [p for p in pods if not pod_terminating(p)]
+        demand = await self.demand_source.scrape(pods, errors)
+        return demand, demand.routers
+
+    async def _scale_to_zero_or_back(self, body, spec, zero: ZeroDecision, replicas: int, tp: int, signals,
+                                     status, patch, memo, logger, now, retry: int = 0) -> None:
+        """Applies a sleep or wake decision: Deployment, status.decisions, the times, an Event."""
+        meta = body["metadata"]
+        dep = M.build_deployment(body, spec, replicas=zero.replicas, tp=tp)
+        try:
+            await apply(self.client, dep, meta["uid"])
+        except (APIError, NotOwned) as error:
+            kopf.warn(body, reason="ScaleFailed", message=str(error))
+            raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
+        # The load history of before the sleep says nothing about after it.
+        memo["kvserve_state"] = AutoscalerState()
+        decision = Decision(zero.replicas, tp, zero.reason, zero.message, aggregate(signals, self.config.max_sample_age),
+                            AutoscalerState(), from_replicas=replicas, from_tp=tp)
+        # Sleep and wake come from two timers: append to the decisions as they are now, not to
+        # the body this run started with (which may predate the other timer's last write).
+        current = await self.client.get("InferenceService", meta["namespace"], meta["name"])
+        decisions = ((current or {}).get("status") or {}).get("decisions", status.get("decisions"))
+        patch.status["decisions"] = append_decision(decisions, decision_record(decision, now))
+        patch.status["lastScaleTime"] = iso(now)
+        patch.status["lastScaledToZeroTime" if zero.reason == SCALE_TO_ZERO else "lastWokenTime"] = iso(now)
+        self.metrics.decision(meta["namespace"], meta["name"], zero.reason, uid=meta["uid"])
+        kopf.info(body, reason=zero.reason, message=f"replicas {replicas} -> {zero.replicas}: {zero.message}")
+        logger.info(f"{zero.reason}: replicas {replicas} -> {zero.replicas}: {zero.message}")
+
+    async def wake(self, body, status, patch, memo, logger, retry: int = 0) -> None:
+        """The fast path out of zero: a short timer that only asks the router whether requests wait."""
+        meta = body["metadata"]
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except SpecError:
+            return
+        if not spec.router.enabled or meta.get("deletionTimestamp"):
+            return
+        async with _memo_lock(memo):
+            live = await self.client.get("Deployment", meta["namespace"], meta["name"])
+            if live is None or not owned_by(live, meta["uid"]) or (live.get("spec") or {}).get("replicas", 0) != 0:
+                return
+            errors: dict[str, str] = {}
+            demand, routers = await self._router_demand(meta["namespace"], meta["name"], errors)
+            patch.status["router"] = {"readyReplicas": routers, "heldRequests": demand.held}
+            zero = zero_decision(spec, 0, demand, busy=False)
+            if zero is not None:
+                tp = M.template_tp(live) or spec.tensor.initial
+                await self._scale_to_zero_or_back(body, spec, zero, 0, tp, [], status, patch, memo, logger,
+                                                  self.config.wallclock(), retry)
+                patch.status["desiredReplicas"] = zero.replicas
 
     @staticmethod
     def _report_tp_note(body, memo, note: str) -> None:
@@ -263,11 +353,28 @@ class Reconciler:
             errors: dict[str, str] = {}
             models: dict[str, dict[str, Any]] = {}
             signals = await self.source.scrape(namespace, name, pods, errors, models)
-            self._report_scrape_errors(body, memo, errors)
             self._learn_model(body, status, patch, spec, pods, models, current_hash, now)
 
             decision: Decision | None = None
-            if spec.autoscaling.enabled:
+            zero = None
+            if spec.router.enabled:
+                # The wake timer may have just changed the size while this run waited for the
+                # lock: decide on the Deployment as it is now, or a wake would be recorded twice.
+                now_live = await self.client.get("Deployment", namespace, name)
+                if now_live is not None and owned_by(now_live, uid):
+                    replicas = (now_live.get("spec") or {}).get("replicas", 0)
+                demand, routers = await self._router_demand(namespace, name, errors)
+                patch.status["router"] = {"readyReplicas": routers, "heldRequests": demand.held}
+                zero = zero_decision(spec, replicas, demand, busy=pods_busy(signals, self.config.max_sample_age),
+                                     awake_seconds=awake_seconds(body, status, now))
+            elif status.get("router"):
+                patch.status["router"] = None
+            self._report_scrape_errors(body, memo, errors)
+            if zero is not None:
+                await self._scale_to_zero_or_back(body, spec, zero, replicas, tp, signals, status, patch, memo,
+                                                  logger, now, retry)
+                replicas = zero.replicas
+            elif spec.autoscaling.enabled:
                 obs = Observation(time=self.config.clock(), replicas=replicas, tp=tp, pods=tuple(signals),
                                   rollout_in_progress=rollout)
                 decision = decide(spec, shape, obs, memo.get("kvserve_state") or AutoscalerState(),
@@ -298,8 +405,8 @@ class Reconciler:
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
-                + scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
-                                     note=tp_note(spec, shape)),
+                + (scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
+                                      note=tp_note(spec, shape)) if zero is None else []),
                 now)
 
     def _learn_model(self, body, status, patch, spec, pods, models, current_hash, now) -> None:
@@ -367,10 +474,25 @@ class Reconciler:
                 if live is not None and owned_by(live, uid):
                     await self.client.delete(kind, namespace, name)
                     logger.info(f"deleted {kind} {namespace}/{name}")
+            for kind in await self._router_leftovers(meta):
+                await self.client.delete(kind, namespace, R.router_name(name))
+                logger.info(f"deleted {kind} {namespace}/{R.router_name(name)}")
         except APIError as error:
             # The finalizer stays until every owned object is gone; try again in seconds.
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
         self.metrics.forget(namespace, name, uid)
+
+
+def awake_seconds(body: Mapping[str, Any], status: Mapping[str, Any], now: dt.datetime) -> float | None:
+    """Seconds since the resource was created or last woken from zero (None: unknown)."""
+    times = [t for t in (status.get("lastWokenTime"), body["metadata"].get("creationTimestamp")) if t]
+    parsed = []
+    for t in times:
+        try:
+            parsed.append(dt.datetime.fromisoformat(str(t).replace("Z", "+00:00")))
+        except ValueError:
+            continue
+    return (now - max(parsed)).total_seconds() if parsed else None
 
 
 def _drop_unchanged_status(patch: Any, status: Mapping[str, Any]) -> None:
@@ -433,6 +555,7 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         if reconciler.client is not None:
             await reconciler.client.close()
         await reconciler.source.close()
+        await reconciler.demand_source.close()
 
     async def counted(step, body, status, patch, memo, logger, retry, *, own_status=False):
         """Runs a reconcile or autoscale step: its failures are counted, and status fields it
@@ -467,5 +590,12 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         # A failed patch after a timer run ends kopf's timer for good (kopf 1.45 lets the
         # error kill the timer's task): this handler writes its own status, with retries.
         await counted(reconciler.autoscale, body, status, patch, memo, logger, retry, own_status=True)
+
+    def sleeping(spec, status, **_) -> bool:
+        return bool((spec or {}).get("router", {}).get("enabled")) and (status or {}).get("desiredReplicas") == 0
+
+    @kopf.timer(**resource, id="wake", interval=config.wake_interval, when=sleeping, backoff=HANDLER_BACKOFF)
+    async def wake(body, status, patch, memo, logger, retry, **_):
+        await counted(reconciler.wake, body, status, patch, memo, logger, retry, own_status=True)
 
     return registry, reconciler

@@ -58,6 +58,11 @@ KINDS: dict[str, Kind] = {
     "PodDisruptionBudget": Kind("/apis/policy/v1", "poddisruptionbudgets", k8s.PolicyV1Api,
                                 "namespaced_pod_disruption_budget"),
     "Pod": Kind("/api/v1", "pods", k8s.CoreV1Api, "namespaced_pod"),
+    # The router's identity and rights (spec.router).
+    "ServiceAccount": Kind("/api/v1", "serviceaccounts", k8s.CoreV1Api, "namespaced_service_account"),
+    "Role": Kind("/apis/rbac.authorization.k8s.io/v1", "roles", k8s.RbacAuthorizationV1Api, "namespaced_role"),
+    "RoleBinding": Kind("/apis/rbac.authorization.k8s.io/v1", "rolebindings", k8s.RbacAuthorizationV1Api,
+                        "namespaced_role_binding"),
     "InferenceService": Kind("/apis/kvserve.dev/v1alpha1", "inferenceservices"),
     "KopfPeering": Kind("/apis/kopf.dev/v1", "kopfpeerings"),
     "ClusterKopfPeering": Kind("/apis/kopf.dev/v1", "clusterkopfpeerings"),  # cluster-scoped
@@ -319,6 +324,9 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
 OPTIONAL_FIELDS = {
     "Deployment": [("spec", "template", "spec", key)
                    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName")],
+    # The Service selects the runtime pods or, with spec.router, the router pods: switching drops
+    # the other side's label (a merge patch of the selector would otherwise keep both, matching none).
+    "Service": [("spec", "selector", "kvserve.dev/inferenceservice"), ("spec", "selector", "kvserve.dev/router")],
 }
 
 

@@ -24,9 +24,18 @@ HASH_ANNOTATION = "kvserve.dev/template-hash"
 NONROOT_UID = 65532
 
 
+ROUTER_LABEL = "kvserve.dev/router"
+
+
 def selector_labels(name: str) -> dict[str, str]:
     """The immutable Deployment selector and the Service/PDB selector."""
     return {INSTANCE_LABEL: name, OWNER_LABEL: name}
+
+
+def router_selector(name: str) -> dict[str, str]:
+    """The router pods' selector (operator/router.py). Disjoint from the runtime pods' (those carry
+    kvserve.dev/inferenceservice, these do not), so neither Deployment adopts the other's pods."""
+    return {INSTANCE_LABEL: name, ROUTER_LABEL: name}
 
 
 def labels(name: str) -> dict[str, str]:
@@ -284,15 +293,17 @@ def build_deployment(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: i
     }
 
 
-def build_service(owner: Mapping[str, Any]) -> dict[str, Any]:
+def build_service(owner: Mapping[str, Any], spec: ServiceSpec | None = None) -> dict[str, Any]:
+    """The service's address (status.url): its runtime pods, or its router when spec.router is on."""
     name, namespace = owner["metadata"]["name"], owner["metadata"].get("namespace", "default")
+    routed = spec is not None and spec.router.enabled
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(name, namespace, owner),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            "selector": router_selector(name) if routed else selector_labels(name),
             "ports": [{"name": "http", "port": RUNTIME_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -315,7 +326,7 @@ def service_url(name: str, namespace: str) -> str:
 
 
 def build_all(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int, tp: int) -> list[dict[str, Any]]:
-    return [build_deployment(owner, spec, replicas=replicas, tp=tp), build_service(owner), build_pdb(owner)]
+    return [build_deployment(owner, spec, replicas=replicas, tp=tp), build_service(owner, spec), build_pdb(owner)]
 
 
 def template_hash(deployment: Mapping[str, Any] | None) -> str | None:

@@ -190,3 +190,46 @@ async def fetch_url_signals(session: aiohttp.ClientSession, url: str, name: str)
     if "tensor_parallel_size" in data:
         data["tensor_parallel_size"] = int(data["tensor_parallel_size"])
     return PodSignals.from_json(name, data)
+
+
+class RouterDemandSource:
+    """Reads `GET http://<podIP>:<port>/router/demand` of every Ready router pod of a service."""
+
+    def __init__(self, *, port: int, timeout: float = 3.0):
+        self.port, self.timeout = port, timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def scrape(self, pods: Iterable[Mapping[str, Any]], errors: dict[str, str] | None = None):
+        from .scaletozero import aggregate_demand, parse_demand
+
+        errors = {} if errors is None else errors
+        ready = [p for p in pods if pod_ready(p) and not pod_terminating(p) and pod_ip(p)]
+
+        async def one(pod: Mapping[str, Any]):
+            url = f"http://{pod_ip(pod)}:{self.port}/router/demand"
+            try:
+                async with self._get_session().get(url) as response:
+                    if response.status != 200:
+                        raise ValueError(f"HTTP {response.status}")
+                    answer = parse_demand(await response.json())
+                if answer is None:
+                    raise ValueError("not a router's demand answer")
+                return answer
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+                errors[pod_name(pod)] = f"{url}: {type(error).__name__}: {error}"
+                return None
+
+        return aggregate_demand(len(ready), await asyncio.gather(*(one(p) for p in ready)))

@@ -27,6 +27,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+ROUTER_POLICIES = ("prefix", "least-load", "round-robin")  # kvserve.runtime.router.policy.POLICIES
 DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve:0.1.0"
 
 _URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?(/[\w./-]+\.gguf)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$")
@@ -158,7 +159,18 @@ class AutoscalingSpec:
     max_scale_down_step: int = 2
     panic_threshold: float = 2.0
     panic_window_seconds: float = 60.0
+    scale_to_zero_after_seconds: float = 300.0  # with min_replicas 0: idle this long, then 0 replicas
     tensor: TensorAutoscaling = field(default_factory=TensorAutoscaling)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """`kvserve router` in front of the pods (cache-aware routing, holds requests at zero)."""
+
+    enabled: bool = False
+    replicas: int = 1
+    policy: str = "prefix"
+    hold_timeout_seconds: int = 300
 
 
 @dataclass(frozen=True)
@@ -169,6 +181,7 @@ class ServiceSpec:
     tensor: TensorSpec
     autoscaling: AutoscalingSpec
     replicas: int | None = None  # manual size; only without autoscaling
+    router: RouterSpec = field(default_factory=RouterSpec)
 
     @property
     def gpus_per_replica_per_tp(self) -> int:
@@ -341,7 +354,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     ta = a.sub("tensorParallel")
     autoscaling = AutoscalingSpec(
         enabled=a.boolean("enabled", True),
-        min_replicas=a.integer("minReplicas", 1, lo=1, hi=1000),
+        min_replicas=a.integer("minReplicas", 1, lo=0, hi=1000),
         max_replicas=a.integer("maxReplicas", 4, lo=1, hi=1000),
         target_kv_utilization=a.number("targetKVCacheUtilization", 0.7, lo=0.05, hi=1.0),
         target_queue_depth=a.number("targetQueueDepth", 4.0, lo=0.0, hi=10000, lo_exclusive=True),
@@ -352,6 +365,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         max_scale_down_step=a.integer("maxScaleDownStep", 2, lo=1, hi=1000),
         panic_threshold=a.number("panicThreshold", 2.0, lo=1.1, hi=100),
         panic_window_seconds=a.number("panicWindowSeconds", 60, lo=0, hi=3600),
+        scale_to_zero_after_seconds=a.number("scaleToZeroAfterSeconds", 300, lo=0, hi=86400),
         tensor=TensorAutoscaling(
             enabled=ta.boolean("enabled", False),
             scale_down_window_seconds=ta.number("scaleDownStabilizationSeconds", 900, lo=0, hi=86400),
@@ -365,8 +379,20 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     replicas = top.integer("replicas", None, lo=0, hi=1000)
     if replicas is not None and autoscaling.enabled:
         raise SpecError("spec.replicas", "may only be set when spec.autoscaling.enabled is false")
+    rt = top.sub("router")
+    router = RouterSpec(
+        enabled=rt.boolean("enabled", False),
+        replicas=rt.integer("replicas", 1, lo=1, hi=100),
+        policy=rt.string("policy", "prefix", choices=ROUTER_POLICIES),
+        hold_timeout_seconds=rt.integer("holdTimeoutSeconds", 300, lo=1, hi=3600),
+    )
+    if autoscaling.enabled and autoscaling.min_replicas == 0 and not router.enabled:
+        # Without the router nothing would hold the requests that arrive while no pod runs, and
+        # nothing would tell the operator to wake the service: they would just fail.
+        raise SpecError("spec.autoscaling.minReplicas", "0 (scale to zero) needs spec.router.enabled: true "
+                        "(the router holds requests while no pod runs and wakes the service)")
     return ServiceSpec(model=model, runtime=runtime, gpu=gpu, tensor=tensor,
-                       autoscaling=autoscaling, replicas=replicas)
+                       autoscaling=autoscaling, replicas=replicas, router=router)
 
 
 def model_shape(spec: ServiceSpec, read_config=None) -> ModelShape | None:

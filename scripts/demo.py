@@ -7,9 +7,10 @@ manifests/examples/inferenceservices/tiny-cpu.yaml; streaming OpenAI requests ov
 
 What is emulated: the Kubernetes API (kmock's KubernetesEmulator with the project's test-side
 fixes, tests/operator/kube_emulator.py), and what a cluster's controllers would do: this script
-plays the kubelet (a Deployment's pods become runtime + agent processes, each pod on its own
-loopback address 127.77.x.N) and the Service (requests go round-robin to ready pods). The model
-is a tiny random-weight Llama built here: its text is noise, its serving is real.
+plays the kubelet (a Deployment's pods become runtime + agent processes, or the `kvserve router`
+process for the router's Deployment, each pod on its own loopback address 127.77.x.N) and the
+Service (requests go to a ready router pod). The model is a tiny random-weight Llama built here:
+its text is noise, its serving is real.
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ EXAMPLE = ROOT / "manifests" / "examples" / "inferenceservices" / "tiny-cpu.yaml
 RUNTIME_PORT, AGENT_PORT = 8000, 8081
 
 # The demo's changes to the example, printed before they are applied: a local model, a KV pool
-# small enough for a burst to fill, stabilization windows of seconds instead of minutes, and no
-# CPU/memory requests (they are for a cluster's scheduler; there is none here).
+# small enough for a burst to fill, stabilization windows of seconds instead of minutes, no
+# CPU/memory requests (they are for a cluster's scheduler; there is none here), and the router
+# in front with scale to zero after 15 idle seconds.
 DEMO_SPEC = {
-    "runtime": {"maxModelLen": 512, "maxNumSeqs": 4, "args": ["--num-kv-blocks", "48"],
+    "runtime": {"maxModelLen": 1024, "maxNumSeqs": 4, "args": ["--num-kv-blocks", "96"],
                 "resources": None},
-    "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetKVCacheUtilization": 0.6,
+    "autoscaling": {"minReplicas": 0, "maxReplicas": 3, "targetKVCacheUtilization": 0.6,
                     "targetQueueDepth": 2, "scaleUpStabilizationSeconds": 2,
-                    "scaleDownStabilizationSeconds": 20, "panicWindowSeconds": 10},
+                    "scaleDownStabilizationSeconds": 20, "panicWindowSeconds": 10,
+                    "scaleToZeroAfterSeconds": 15},
+    "router": {"enabled": True, "holdTimeoutSeconds": 180},
 }
 MODEL_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2)
@@ -113,6 +117,7 @@ class Pod:
     name: str
     ip: str
     template_hash: str
+    deployment: str = ""
     template: dict = field(default_factory=dict)
     commands: dict[str, list[str]] = field(default_factory=dict)   # container -> command
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -121,21 +126,47 @@ class Pod:
     probed_at: dict[str, float] = field(default_factory=dict)
 
 
+def _local(cmd: list[str], ip: str, model: Path) -> list[str]:
+    """A container command made to run on this machine: the model directory the fetch step would
+    fill is the demo model, and 0.0.0.0/127.0.0.1 become the pod's own address (in a cluster each
+    pod has its own network namespace)."""
+    out = []
+    for arg in cmd:
+        if arg.startswith("/models/"):
+            arg = str(model)
+        out.append(arg.replace("0.0.0.0", ip).replace("127.0.0.1", ip))
+    out[0] = str(BIN / out[0])
+    return out
+
+
+def is_router(template: dict) -> bool:
+    from kvserve.operator import manifests as M
+
+    return M.ROUTER_LABEL in (template["metadata"].get("labels") or {})
+
+
+def pod_owner(obj: dict) -> str | None:
+    """The Deployment a pod object belongs to (router pods: `<name>-router`)."""
+    from kvserve.operator import manifests as M
+
+    labels = obj["metadata"].get("labels") or {}
+    if labels.get(M.ROUTER_LABEL):
+        return labels[M.ROUTER_LABEL] + "-router"
+    return labels.get(M.OWNER_LABEL)
+
+
+def router_command(template: dict, ip: str, model: Path) -> list[str]:
+    """The router pod's command (it logs in with the KUBECONFIG the demo points at the emulator,
+    as its service account would in a cluster)."""
+    return _local(template["spec"]["containers"][0]["command"], ip, model)
+
+
 def pod_commands(template: dict, ip: str, model: Path) -> tuple[list[str], list[str]]:
-    """The runtime and agent commands of the pod template, made to run on this machine: the
-    model directory the fetch step would fill is the demo model, and 0.0.0.0/127.0.0.1 become
-    the pod's own address (in a cluster each pod has its own network namespace)."""
+    """The runtime and agent commands of the pod template, made to run on this machine."""
     containers = {c["name"]: c for c in template["spec"]["containers"]}
 
     def local(cmd: list[str]) -> list[str]:
-        out = []
-        for arg in cmd:
-            if arg.startswith("/models/"):
-                arg = str(model)
-            arg = arg.replace("0.0.0.0", ip).replace("127.0.0.1", ip)
-            out.append(arg)
-        out[0] = str(BIN / out[0])
-        return out
+        return _local(cmd, ip, model)
 
     runtime = local(containers["runtime"]["command"])
     agent = local(containers["agent"]["command"])
@@ -186,8 +217,9 @@ class Kubelet:
     passes; a container that exits or fails its liveness probe is restarted and the pod is
     unready until its probes pass again; removed pods are drained first, as preStop would."""
 
-    def __init__(self, api: Api, namespace: str, model: Path, logs: Path):
+    def __init__(self, api: Api, namespace: str, model: Path, logs: Path, kubeconfig: Path | None = None):
         self.api, self.ns, self.model, self.logs = api, namespace, model, logs
+        self.kubeconfig = kubeconfig
         self.pods: dict[str, Pod] = {}
         self.starting: dict[str, Pod] = {}
         subnet = random.randint(1, 250)  # a fresh subnet per run: no clash with leftovers
@@ -203,6 +235,8 @@ class Kubelet:
         # Each pod gets one CPU's worth of threads, as its resources.requests.cpu would give it
         # in a cluster; without this, three pods' torch thread pools fight over the same cores.
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.router_env = {**self.env, "KUBECONFIG": str(kubeconfig or "")}
+        self.prefix = PrefixMeter()
 
     def start(self) -> "Kubelet":
         self.thread.start()
@@ -224,14 +258,14 @@ class Kubelet:
                 for d in self.api.items(f"/apis/apps/v1/namespaces/{self.ns}/deployments")}
         objs = self.api.items(f"/api/v1/namespaces/{self.ns}/pods")
         for obj in objs:  # garbage collection of pods whose Deployment is gone
-            if obj["metadata"]["labels"].get(M.OWNER_LABEL) not in deps:
+            if pod_owner(obj) not in deps:
                 self.delete(obj["metadata"]["name"])
         for name, dep in deps.items():
             want = int(dep["spec"].get("replicas") or 0)
             current = M.template_hash(dep)
             with self.lock:
                 mine = [p for p in list(self.pods.values()) + list(self.starting.values())
-                        if p.name.startswith(name + "-")]
+                        if p.deployment == name]
                 starting = bool(self.starting)
             new = [p for p in mine if p.template_hash == current]
             old = [p for p in mine if p.template_hash != current]
@@ -245,7 +279,7 @@ class Kubelet:
     def _spawn(self, pod: Pod, container: str, mode: str = "w") -> None:
         log = open(self.logs / f"{pod.name}-{container}.log", mode)
         proc = subprocess.Popen(pod.commands[container], stdout=log, stderr=subprocess.STDOUT,
-                                env=self.env)
+                                env=self.router_env if container == "router" else self.env)
         pod.procs[container] = proc
         self.all_procs.append(proc)
 
@@ -255,8 +289,12 @@ class Kubelet:
         ip = self.free_ips.pop(0)
         while not ports_free(ip, [RUNTIME_PORT, AGENT_PORT]):
             ip = self.free_ips.pop(0)
-        runtime, agent = pod_commands(template, ip, self.model)
-        pod = Pod(name, ip, template_hash, template, {"runtime": runtime, "agent": agent})
+        if is_router(template):
+            commands = {"router": router_command(template, ip, self.model)}
+        else:
+            runtime, agent = pod_commands(template, ip, self.model)
+            commands = {"runtime": runtime, "agent": agent}
+        pod = Pod(name, ip, template_hash, dep_name, template, commands)
         for container in pod.commands:
             self._spawn(pod, container)
         with self.lock:
@@ -357,12 +395,15 @@ class Kubelet:
 
     def _terminate(self, pod: Pod) -> None:
         # preStop: the agent drains the engine (in-flight requests finish), then SIGTERM.
-        try:
-            subprocess.run([str(BIN / "kvserve"), "agent", "drain", "--agent-url",
-                            f"http://{pod.ip}:{AGENT_PORT}", "--timeout", "20"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+        if "agent" in pod.commands:
+            self.prefix.sample(pod)  # its prefix-cache counters, before they go with it
+            try:
+                subprocess.run([str(BIN / "kvserve"), "agent", "drain", "--agent-url",
+                                f"http://{pod.ip}:{AGENT_PORT}", "--timeout", "20"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            self.prefix.sample(pod)
         self._kill(pod)
 
     @staticmethod
@@ -379,8 +420,18 @@ class Kubelet:
                 p.wait()
 
     def ready_ips(self) -> list[str]:
+        """Ready runtime pods."""
         with self.lock:
-            return [p.ip for p in self.pods.values() if p.ready]
+            return [p.ip for p in self.pods.values() if p.ready and "runtime" in p.commands]
+
+    def router_ips(self) -> list[str]:
+        """Ready router pods: what the Service points at with spec.router."""
+        with self.lock:
+            return [p.ip for p in self.pods.values() if p.ready and "router" in p.commands]
+
+    def runtime_pods(self) -> list[Pod]:
+        with self.lock:
+            return [p for p in self.pods.values() if "runtime" in p.commands]
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -419,7 +470,7 @@ class Operator:
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "demo"}}],
             "users": [{"name": "demo", "user": {"token": "demo"}}]}))
         self.cmd = [str(BIN / "kvserve-operator"), "run", "--namespace", namespace, "--standalone",
-                    "--scrape-interval", "1", "--liveness", self.liveness,
+                    "--scrape-interval", "1", "--wake-interval", "1", "--liveness", self.liveness,
                     "--metrics-port", str(self.metrics_port)]
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
         self.log = logs / "operator.log"
@@ -463,34 +514,36 @@ class Result:
     retries: int = 0
 
 
+SYSTEM = "You are a helpful assistant. Answer questions about cats, dogs, the weather and numbers."
 PROMPTS = ["The cat sat on the mat and watched the dog", "Tokens are merged into words and words",
            "Café, naïve, résumé: multi-byte text must survive", "def add(a, b): return a + b",
            "Stories about cats and dogs, told one token at a time"]
 
 
-async def one_request(session, ready_ips, model_name: str, i: int, max_tokens: int) -> Result:
+async def one_turn(session, router_ips, model_name: str, messages: list[dict], max_tokens: int,
+                   seed: int) -> tuple[Result, str]:
+    """One streaming chat completion through the Service (a ready router pod)."""
     import aiohttp
 
-    body = {"model": model_name, "prompt": f"{PROMPTS[i % len(PROMPTS)]} (request {i})",
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "seed": i,
-            "stream": True, "stream_options": {"include_usage": True}}
-    err = "no ready pod"
-    # A client behind a Service retries a failed request (connection refused while a pod
-    # restarts, a stream cut when a pod goes away) from scratch, for up to a minute.
+    body = {"model": model_name, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.8, "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+    err = "no ready router pod"
+    # The router retries on another pod itself; the client only waits out a Service with no
+    # ready router pod (the router starting), for up to a minute.
     deadline = time.monotonic() + 60
     retries = -1
     while time.monotonic() < deadline:
-        ips = ready_ips()  # the Service's endpoints now
+        ips = router_ips()  # the Service's endpoints now
         if not ips:
             await asyncio.sleep(0.5)
             continue
         retries += 1
-        ip = random.choice(ips)  # kube-proxy: any ready pod
         start = time.perf_counter()
         first = last = None
         tokens = 0
+        text = []
         try:
-            async with session.post(f"http://{ip}:{RUNTIME_PORT}/v1/completions", json=body,
+            async with session.post(f"http://{random.choice(ips)}:{RUNTIME_PORT}/v1/chat/completions", json=body,
                                     timeout=aiohttp.ClientTimeout(total=300)) as r:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
@@ -501,47 +554,111 @@ async def one_request(session, ready_ips, model_name: str, i: int, max_tokens: i
                     chunk = json.loads(line[5:])
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
-                    if any(c.get("text") for c in chunk.get("choices", [])):
-                        last = time.perf_counter()
-                        first = first or last
+                    for choice in chunk.get("choices", []):
+                        if (choice.get("delta") or {}).get("content"):
+                            text.append(choice["delta"]["content"])
+                            last = time.perf_counter()
+                            first = first or last
             ttft = first - start if first else None
             tpot = (last - first) / (tokens - 1) if first and tokens > 1 else None
-            return Result(True, ttft, tpot, tokens, retries=retries)
+            return Result(True, ttft, tpot, tokens, retries=retries), "".join(text)
         except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError, ValueError) as e:
             err = f"{type(e).__name__}: {e}"
             await asyncio.sleep(0.5)
-    return Result(False, error=err, retries=max(retries, 0))
+    return Result(False, error=err, retries=max(retries, 0)), ""
 
 
-async def burst(kubelet: Kubelet, model_name: str, n: int, concurrency: int, max_tokens: int,
-                status_line) -> tuple[list[Result], float]:
+async def conversations(kubelet: Kubelet, model_name: str, n: int, turns: int, concurrency: int,
+                        max_tokens: int, status_line) -> tuple[list[Result], float]:
+    """`n` chats of `turns` turns, `concurrency` at a time: each turn sends the whole history,
+    which the pod that served the previous turn has in its prefix cache."""
     import aiohttp
     from tqdm import tqdm
 
     results: list[Result] = []
     sem = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=n, desc="    requests", unit="req", ncols=100, file=sys.stdout,
+    bar = tqdm(total=n * turns, desc="    requests", unit="req", ncols=100, file=sys.stdout,
                bar_format="{desc} {bar} {n_fmt}/{total_fmt} {postfix}")
 
-    async def run(i: int):
+    async def chat(c: int):
         async with sem:
-            res = await one_request(session, kubelet.ready_ips, model_name, i, max_tokens)
-            results.append(res)
-            bar.update(1)
+            messages = [{"role": "system", "content": SYSTEM}]
+            for t in range(turns):
+                messages.append({"role": "user", "content": f"{PROMPTS[(c + t) % len(PROMPTS)]} ({c}.{t})"})
+                res, answer = await one_turn(session, kubelet.router_ips, model_name, messages, max_tokens,
+                                             seed=c * 100 + t)
+                results.append(res)
+                bar.update(1)
+                if not res.ok:
+                    bar.update(turns - t - 1)
+                    return
+                messages.append({"role": "assistant", "content": answer})
 
     async def refresh():
         while True:
             bar.set_postfix_str(status_line(), refresh=True)
+            kubelet.prefix.sample_all(kubelet.runtime_pods())
             await asyncio.sleep(0.5)
 
     start = time.perf_counter()
     async with aiohttp.ClientSession() as session:
         ticker = asyncio.create_task(refresh())
-        await asyncio.gather(*(run(i) for i in range(n)))
+        await asyncio.gather(*(chat(c) for c in range(n)))
         ticker.cancel()
+    kubelet.prefix.sample_all(kubelet.runtime_pods())
     bar.set_postfix_str(status_line())
     bar.close()
     return results, time.perf_counter() - start
+
+
+class PrefixMeter:
+    """vllm:prefix_cache_{hits,queries} of every runtime pod, last value seen per pod: pods come
+    and go with scaling, so each is read while it lives (and once more before it is drained)."""
+
+    def __init__(self):
+        self.last: dict[str, tuple[float, float]] = {}
+        self.lock = threading.Lock()
+
+    def sample(self, pod: Pod) -> None:
+        try:
+            with urllib.request.urlopen(f"http://{pod.ip}:{RUNTIME_PORT}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return
+        from prometheus_client.parser import text_string_to_metric_families
+
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        with self.lock:
+            self.last[pod.name] = (values.get("vllm:prefix_cache_hits_total", 0.0),
+                                   values.get("vllm:prefix_cache_queries_total", 0.0))
+
+    def sample_all(self, pods: list[Pod]) -> None:
+        for pod in pods:
+            self.sample(pod)
+
+    def totals(self) -> tuple[float, float]:
+        with self.lock:
+            return sum(h for h, _ in self.last.values()), sum(q for _, q in self.last.values())
+
+
+def router_view(kubelet: Kubelet) -> dict[str, float]:
+    """The router's own counters (kvserve_router_*), from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for ip in kubelet.router_ips():
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{RUNTIME_PORT}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "kvserve_router_requests_total":
+                    out[s.labels["decision"]] = out.get(s.labels["decision"], 0) + s.value
+                elif s.name == "kvserve_router_retries_total":
+                    out["retries"] = out.get("retries", 0) + s.value
+    return out
 
 
 # --- status and summary ----------------------------------------------------------------------
@@ -593,8 +710,8 @@ class Watcher:
                 f"queue {st.get('queueDepth', '-')}")
 
 
-def idle_until_one(watcher: "Watcher", timeout: float) -> bool:
-    """A bar of idle seconds, with the live status, until the service is back to 1 replica."""
+def idle_until_zero(watcher: "Watcher", kubelet: "Kubelet", timeout: float) -> bool:
+    """A bar of idle seconds, with the live status, until the service is scaled to zero."""
     from tqdm import tqdm
 
     bar = tqdm(total=int(timeout), desc="    idle", unit="s", ncols=100, file=sys.stdout,
@@ -605,7 +722,7 @@ def idle_until_one(watcher: "Watcher", timeout: float) -> bool:
             st = watcher.obj.get("status") or {}
             bar.n = int(time.monotonic() - start)
             bar.set_postfix_str(watcher.line(), refresh=True)
-            if st.get("desiredReplicas") == 1 and st.get("readyReplicas") == 1:
+            if st.get("desiredReplicas") == 0 and not kubelet.ready_ips():
                 return True
             time.sleep(0.5)
         return False
@@ -624,15 +741,26 @@ def wait(predicate, timeout: float, what: str, interval: float = 0.5):
 
 
 def summary(results: list[Result], duration: float, watcher: Watcher, events: list[dict],
-            kubelet_notices: list[str]) -> None:
+            kubelet_notices: list[str], prefix: tuple[float, float], routed: dict[str, float],
+            zero: dict[str, float | None]) -> None:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
     tokens = sum(r.tokens for r in ok)
-    header("6/6", "Summary")
+    hits, queries = prefix
+    decisions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(routed.items()) if k != "retries") or "none"
+    slept, woke = zero.get("slept_after"), zero.get("woke_in")
+    header("8/8", "Summary")
     rows = [
         ("requests", f"{len(ok)} ok, {len(results) - len(ok)} failed, "
-                     f"{sum(r.retries for r in results)} retries"),
+                     f"{sum(r.retries for r in results)} client retries, "
+                     f"{routed.get('retries', 0):.0f} router retries"),
+        ("prefix-cache hit rate", f"{100 * hits / queries:.0f}% of {queries:.0f} prompt tokens (vllm:prefix_cache_* "
+                                  f"summed over pods)" if queries else "n/a"),
+        ("router decisions", decisions),
+        ("scale to zero", f"after {slept:.0f} s idle" if slept is not None else "did not happen"),
+        ("wake from zero", f"held request answered after {woke:.1f} s (pod start included)"
+                           if woke is not None else "did not happen"),
         ("burst duration", f"{duration:.1f} s"),
         ("output throughput", f"{tokens / duration:.1f} tokens/s ({len(ok) / duration:.2f} req/s)"),
         ("TTFT p50 / p99", f"{1000 * pct(ttft, 0.5):.0f} ms / {1000 * pct(ttft, 0.99):.0f} ms"),
@@ -659,7 +787,7 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
         for n in kubelet_notices:
             say(f"      {n}")
     say("    Events (kubectl get events):")
-    for e in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")[-10:]:
+    for e in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")[-12:]:
         say(f"      {e.get('type', ''):<8} {e.get('reason', ''):<16} {(e.get('message') or '')[:100]}")
 
 
@@ -675,30 +803,39 @@ def rbac_report(emulator) -> set:
     say(f"    RBAC audit: {len(used)} operator API calls ({', '.join(kinds)}); "
         + ("all allowed by manifests/base/rbac.yaml" if not denied
            else f"\033[31mDENIED by manifests/base/rbac.yaml: {sorted(denied)}\033[0m"))
-    return denied
+    from kvserve.operator.router import ROUTER_RULES
+
+    routed = rbac_audit.from_kmock(list(emulator.emulator), agents=("kvserve-router",))
+    router_denied, _ = rbac_audit.audit(routed, ROUTER_RULES)
+    say(f"    RBAC audit: {len(routed)} router API calls ({', '.join(sorted({f'{v} {r}' for v, g, r in set(routed)}))}); "
+        + ("all allowed by the router's Role (get/list/watch pods)" if not router_denied
+           else f"\033[31mDENIED by the router's Role: {sorted(router_denied)}\033[0m"))
+    return denied | router_denied
 
 
 # --- main ------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--scale-down-timeout", type=float, default=120)
+    parser.add_argument("--conversations", type=int, default=32, help="chats in the burst")
+    parser.add_argument("--turns", type=int, default=3, help="turns per chat (each resends the history)")
+    parser.add_argument("--concurrency", type=int, default=16, help="chats at a time")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--scale-down-timeout", type=float, default=150,
+                        help="seconds to wait, idle, for the scale to zero")
     args = parser.parse_args(argv)
 
     WORK.mkdir(parents=True, exist_ok=True)
     logs = WORK / "logs"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir()
-    say("\033[1mkvserve demo\033[0m: runtime, agent and operator for real; the Kubernetes API, kubelet "
-        "and Service emulated on this machine (see scripts/demo.py). Logs: " + str(logs))
+    say("\033[1mkvserve demo\033[0m: runtime, agent, router and operator for real; the Kubernetes API, "
+        "kubelet and Service emulated on this machine (see scripts/demo.py). Logs: " + str(logs))
 
-    header("1/6", "Demo model")
+    header("1/8", "Demo model")
     model = demo_model()
 
-    header("2/6", "Kubernetes API: EMULATED (kmock KubernetesEmulator, in this process)")
+    header("2/8", "Kubernetes API: EMULATED (kmock KubernetesEmulator, in this process)")
     from kube_emulator import EmulatorThread
 
     emulator = EmulatorThread().start()
@@ -709,23 +846,25 @@ def main(argv: list[str] | None = None) -> int:
     cleaned = False
     results: list[Result] = []
     duration = 0.0
+    zero: dict[str, float | None] = {"slept_after": None, "woke_in": None}
+    prefix, routed = (0.0, 0.0), {}
     try:
-        header("3/6", "Operator: REAL (kvserve-operator run, KUBECONFIG pointing at the emulator)")
+        header("3/8", "Operator: REAL (kvserve-operator run, KUBECONFIG pointing at the emulator)")
         isvc = yaml.safe_load(EXAMPLE.read_text())
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
         operator = Operator(emulator.url, ns, logs).start()
-        kubelet = Kubelet(api, ns, model, logs).start()
+        kubelet = Kubelet(api, ns, model, logs, kubeconfig=WORK / "kubeconfig").start()
         say(f"    $ {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(operator.cmd))}")
         say(f"    operator live ({operator.liveness} answers); the kubelet emulation watches Deployments")
 
-        header("4/6", f"Apply {EXAMPLE.relative_to(ROOT)} (with demo overrides)")
+        header("4/8", f"Apply {EXAMPLE.relative_to(ROOT)} (with demo overrides: the router, scale to zero)")
         isvc["spec"]["model"]["uri"] = str(model)
         for section, values in DEMO_SPEC.items():
             for k, v in values.items():
                 if v is None:
-                    isvc["spec"][section].pop(k, None)
+                    isvc["spec"].setdefault(section, {}).pop(k, None)
                 else:
-                    isvc["spec"][section][k] = v
+                    isvc["spec"].setdefault(section, {})[k] = v
         say(f"    spec.model.uri: {model} (instead of {yaml.safe_load(EXAMPLE.read_text())['spec']['model']['uri']})")
         say(f"    overrides: {json.dumps(DEMO_SPEC, separators=(',', ':'))}")
         path = f"/apis/kvserve.dev/v1alpha1/namespaces/{ns}/inferenceservices"
@@ -734,27 +873,58 @@ def main(argv: list[str] | None = None) -> int:
         watcher.thread.start()
         dep = wait(lambda: api.call("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{name}"),
                    30, "the operator's Deployment")
-        say(f"    operator made Deployment {name} (replicas {dep['spec']['replicas']}), Service "
-            f"and PodDisruptionBudget; starting its pod (runtime + agent)...")
+        say(f"    operator made Deployment {name} (replicas {dep['spec']['replicas']}), Service, "
+            f"PodDisruptionBudget, and the router: Deployment, ServiceAccount, Role, RoleBinding {name}-router; "
+            f"the Service points at the router")
         t0 = time.monotonic()
         wait(lambda: (watcher.obj.get("status") or {}).get("readyReplicas"), 120, "a ready pod")
-        say(f"    1 pod ready after {time.monotonic() - t0:.1f}s: {watcher.line()}")
+        wait(kubelet.router_ips, 60, "a ready router pod")
+        say(f"    runtime pod and router pod ready after {time.monotonic() - t0:.1f}s: {watcher.line()}")
 
-        header("5/6", f"Burst: {args.requests} streaming completions, {args.concurrency} at a time "
-                      f"(the Service picks a ready pod per request)")
+        header("5/8", f"Burst: {args.conversations} chats x {args.turns} turns, {args.concurrency} at a time, "
+                      f"through the router (each turn resends the history)")
         served = isvc["spec"]["model"]["servedName"]
-        results, duration = asyncio.run(burst(kubelet, served, args.requests, args.concurrency,
-                                              args.max_tokens, watcher.line))
-        say(f"    burst done in {duration:.1f}s; now idle: waiting for the scale-down window "
-            f"({DEMO_SPEC['autoscaling']['scaleDownStabilizationSeconds']}s) to bring replicas back to 1")
+        results, duration = asyncio.run(conversations(kubelet, served, args.conversations, args.turns,
+                                                      args.concurrency, args.max_tokens, watcher.line))
+        hits, queries = kubelet.prefix.totals()
+        say(f"    burst done in {duration:.1f}s; prefix-cache hit rate over the pods: "
+            + (f"{100 * hits / queries:.0f}% of prompt tokens" if queries else "n/a"))
+
+        header("6/8", f"Idle: scale to zero after {DEMO_SPEC['autoscaling']['scaleToZeroAfterSeconds']}s without "
+                      f"a request (the router's /router/demand tells the operator)")
         t0 = time.monotonic()
-        if idle_until_one(watcher, args.scale_down_timeout):
-            say(f"    back to 1 replica after {time.monotonic() - t0:.1f}s idle: {watcher.line()}")
+        if idle_until_zero(watcher, kubelet, args.scale_down_timeout):
+            zero["slept_after"] = time.monotonic() - t0
+            say(f"    scaled to zero after {zero['slept_after']:.1f}s idle: {watcher.line()}; the router still "
+                f"answers")
         else:
-            say(f"    still not at 1 replica after {args.scale_down_timeout:.0f}s idle ({watcher.line()})")
+            say(f"    not scaled to zero after {args.scale_down_timeout:.0f}s idle ({watcher.line()})")
+
+        header("7/8", "A request while at zero: the router holds it, the operator wakes the service")
+        if zero["slept_after"] is not None:
+            t0 = time.perf_counter()
+
+            async def wake_request():
+                import aiohttp
+
+                async with aiohttp.ClientSession() as session:
+                    messages = [{"role": "system", "content": SYSTEM},
+                                {"role": "user", "content": "Wake up: " + PROMPTS[0]}]
+                    return await one_turn(session, kubelet.router_ips, served, messages, 16, seed=7)
+
+            woke, _ = asyncio.run(wake_request())
+            results.append(woke)
+            if woke.ok:
+                zero["woke_in"] = time.perf_counter() - t0
+                say(f"    held request answered after {zero['woke_in']:.1f}s (operator wake, pod start, router "
+                    f"release): {watcher.line()}")
+            else:
+                say(f"    the held request failed: {woke.error}")
+        kubelet.prefix.sample_all(kubelet.runtime_pods())
+        prefix, routed = kubelet.prefix.totals(), router_view(kubelet)
         events = api.items(f"/api/v1/namespaces/{ns}/events")
         watcher.stop.set()
-        summary(results, duration, watcher, events, kubelet.notices)
+        summary(results, duration, watcher, events, kubelet.notices, prefix, routed, zero)
 
         say("\n    shutting down: deleting the InferenceService (the operator removes what it made)...")
         api.call("DELETE", f"{path}/{name}")
@@ -780,8 +950,8 @@ def main(argv: list[str] | None = None) -> int:
             operator.stop()
         emulator.stop()
     denied = rbac_report(emulator)
-    ok = (results and all(r.ok for r in results) and watcher is not None
-          and watcher.max_replicas > 1 and not denied and cleaned)
+    ok = (results and all(r.ok for r in results) and watcher is not None and watcher.max_replicas > 1
+          and zero["slept_after"] is not None and zero["woke_in"] is not None and not denied and cleaned)
     say("\n\033[1mdone\033[0m" + ("" if ok else " (with problems: see above and the logs)"))
     return 0 if ok else 1
 

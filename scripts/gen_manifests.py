@@ -117,6 +117,40 @@ def dashboard() -> dict:
                (0, 44, 24, 8), unit="s",
                description="schedule, prepare (inputs), forward (model), sample, output (detokenize, "
                            "outputs): a regression in one phase shows here first."),
+        # spec.router (docs/router.md): empty for services without a router.
+        {"id": 15, "type": "row", "title": "Router", "collapsed": False,
+         "gridPos": {"x": 0, "y": 52, "w": 24, "h": 1}, "panels": []},
+        _panel(16, "Router: requests by decision",
+               [(f"sum by (decision) (rate(kvserve_router_requests_total{{{SEL}}}[$__rate_interval]))",
+                 "{{decision}}")],
+               (0, 53, 12, 8), unit="reqps",
+               description="prefix-hit: sent to the pod holding most of the prompt; prefix-new: placed by "
+                           "bounded consistent hashing; overloaded-fallback: the best pod was over its queue "
+                           "or KV threshold."),
+        _panel(17, "Router: requests by pod",
+               [(f"sum by (upstream) (rate(kvserve_router_requests_total{{{SEL}}}[$__rate_interval]))",
+                 "{{upstream}}")],
+               (12, 53, 12, 8), unit="reqps"),
+        _panel(18, "Router: prefix match (routed chunks the chosen pod had served)",
+               [(f"sum(rate(kvserve_router_prefix_matched_chunks_total{{{SEL}}}[$__rate_interval])) / "
+                 f"sum(rate(kvserve_router_prefix_query_chunks_total{{{SEL}}}[$__rate_interval]))", "match")],
+               (0, 61, 8, 8), unit="percentunit", max_value=1),
+        _panel(19, "Router: held requests (scale from zero)",
+               [(f"sum(kvserve_router_held_requests{{{SEL}}})", "held now"),
+                (f"histogram_quantile(0.99, sum by (le) (rate(kvserve_router_hold_seconds_bucket{{{SEL}}}"
+                 f"[$__rate_interval])))", "hold time p99 (s)")],
+               (8, 61, 8, 8)),
+        _panel(20, "Router: retries by reason",
+               [(f"sum by (reason) (rate(kvserve_router_retries_total{{{SEL}}}[$__rate_interval]))",
+                 "{{reason}}")],
+               (16, 61, 8, 8), unit="reqps",
+               description="Requests sent to another pod after one refused before the first byte."),
+        _panel(21, "Router: upstream time to first byte",
+               [(f"histogram_quantile(0.5, sum by (le) (rate(kvserve_router_upstream_ttft_seconds_bucket{{{SEL}}}"
+                 f"[$__rate_interval])))", "p50"),
+                (f"histogram_quantile(0.99, sum by (le) (rate(kvserve_router_upstream_ttft_seconds_bucket"
+                 f"{{{SEL}}}[$__rate_interval])))", "p99")],
+               (0, 69, 24, 8), unit="s"),
     ]
     ds = {"type": "prometheus", "uid": "${datasource}"}
     annotations = [

@@ -19,13 +19,14 @@ _VERBS = {("GET", "list"): "list", ("GET", "watch"): "watch", ("GET", "fetch"): 
 Triple = tuple[str, str, str]  # (verb, apiGroup, resource[/subresource])
 
 
-def from_kmock(requests: Iterable[Any]) -> list[Triple]:
-    """(verb, group, resource) of each operator request to a resource in a kmock request log."""
+def from_kmock(requests: Iterable[Any], agents: tuple[str, ...] = OPERATOR_AGENTS) -> list[Triple]:
+    """(verb, group, resource) of each request to a resource in a kmock request log made by a
+    client whose User-Agent starts with one of `agents` (the operator's, by default)."""
     out = []
     for r in requests:
         agent = (r.headers or {}).get("User-Agent", "")
         if (r.resource is None or r.action is None or not r.resource.plural
-                or not agent.startswith(OPERATOR_AGENTS)):
+                or not agent.startswith(agents)):
             continue  # discovery (/api, /apis/...) needs no RBAC
         method, action = str(r.method.value).upper(), str(r.action.value).lower()
         verb = _VERBS.get((method, action))

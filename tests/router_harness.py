@@ -100,14 +100,15 @@ class RuntimePods:
     import per pod on a busy machine."""
 
     def __init__(self, model: Path, ips: list[str], *, extra: dict[str, list[str]] | None = None,
-                 args: list[str] = (), logs: Path | None = None, threads: int = 1, in_process: set[str] = frozenset()):
+                 args: list[str] = (), logs: Path | None = None, threads: int = 1, in_process: set[str] = frozenset(),
+                 served_name: str = "tiny", port: int | None = None, prefix: str = "tiny"):
         self.model, self.ips, self.logs = model, ips, logs
-        self.port = free_port_on_all(ips)
+        self.port = port or free_port_on_all(ips)
         self.pods: dict[str, RuntimePod] = {}
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
         for i, ip in enumerate(ips):
-            name = f"tiny-{chr(ord('a') + i)}"
-            argv = [str(model), "--host", ip, "--port", str(self.port), "--served-model-name", "tiny", *args,
+            name = f"{prefix}-{chr(ord('a') + i)}"
+            argv = [str(model), "--host", ip, "--port", str(self.port), "--served-model-name", served_name, *args,
                     *((extra or {}).get(name, []))]
             if name in in_process:
                 from kvserve.runtime.server.main import ServerThread

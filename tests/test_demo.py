@@ -1,6 +1,8 @@
-"""`make demo` end to end, shortened: real runtime + agent processes as pods, the real operator
-against the kmock emulator, a burst that scales the service up, idleness that scales it back
-down, every operator API call allowed by the shipped RBAC, and nothing left running."""
+"""`make demo` end to end, shortened: real runtime + agent processes as pods and the real router in
+front of them, the real operator against the kmock emulator, a burst of chats that scales the
+service up and finds its history in the prefix cache, idleness that scales it to zero, a request
+that wakes it, every operator and router API call allowed by the shipped RBAC, and nothing left
+running."""
 
 from __future__ import annotations
 
@@ -33,22 +35,28 @@ def demo_processes() -> list[str]:
 
 
 @pytest.mark.slow
-def test_demo_scales_up_and_down_and_cleans_up():
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--requests", "40",
-                           "--concurrency", "16", "--max-tokens", "64", "--scale-down-timeout", "90"],
-                          capture_output=True, text=True, timeout=400)
+def test_demo_scales_up_routes_sleeps_wakes_and_cleans_up():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--conversations", "16",
+                           "--turns", "2", "--concurrency", "16", "--max-tokens", "32",
+                           "--scale-down-timeout", "120"],
+                          capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     print(out)  # shown by pytest when an assertion below fails
     assert proc.returncode == 0, out[-4000:]
-    assert re.search(r"requests\s+40 ok, 0 failed", out), out[-3000:]
+    assert re.search(r"requests\s+33 ok, 0 failed", out), out[-3000:]  # 16 x 2 turns, and the wake
     most = int(re.search(r"most ready replicas\s+(\d+)", out).group(1))
     assert most >= 2, out[-3000:]
-    assert "back to 1 replica" in out
     assert re.search(r"replicas 1 -> [23]", out)
+    # The router sent most second turns to the pod holding the conversation (at most 16 can be
+    # hits), and the pods found those prompts' prefixes cached.
+    assert int(re.search(r"router decisions\s+.*prefix-hit (\d+)", out).group(1)) >= 8, out[-3000:]
+    assert int(re.search(r"prefix-cache hit rate\s+(\d+)%", out).group(1)) >= 20, out[-3000:]
+    assert re.search(r"scale to zero\s+after \d+ s idle", out) and "ScaleToZero" in out
+    assert re.search(r"wake from zero\s+held request answered", out) and "WakeOnDemand" in out
     assert "all allowed by manifests/base/rbac.yaml" in out
+    assert "all allowed by the router's Role" in out
     assert "deleted; pods stopped" in out
     assert not demo_processes()
-
 
 
 def test_pods_run_the_operators_container_commands_on_their_own_address():

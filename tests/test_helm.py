@@ -133,7 +133,7 @@ def test_namespace_scope_with_an_explicit_namespace_and_options(rendered):
     assert "--namespace=team-a" in c["args"] and "--all-namespaces" not in c["args"]
     assert c["image"] == "registry.local/kvserve:dev" and c["imagePullPolicy"] == "Always"
     monitors = [d for d in docs if d["kind"] in ("PodMonitor", "ServiceMonitor", "PrometheusRule")]
-    assert len(monitors) == 4
+    assert len(monitors) == 5  # runtime, agent and router PodMonitors, operator ServiceMonitor, rules
     assert all(d["metadata"]["labels"]["release"] == "prom" for d in monitors)
     assert "in namespace team-a" in rendered["team-a"]["notes"]
 

@@ -184,7 +184,10 @@ NAMESPACED_NEEDS = {
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
-    ("", "pods"): {"list"},
+    ("", "pods"): {"get", "list", "watch"},  # get/watch only to grant them to a router (spec.router)
+    ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},
 }
 # --all-namespaces: kopf scans CRDs and uses the cluster-wide peering object.
@@ -261,14 +264,17 @@ def test_argocd_applications_point_at_real_folders():
 
 def test_monitoring_targets_every_inference_pod_by_contract_port():
     docs = {(d["kind"], d["metadata"]["name"]): d for d in build("monitoring")}
-    for name, port in [("kvserve-runtime", "8000"), ("kvserve-agent", "8081")]:
+    for name, port, label in [("kvserve-runtime", "8000", "kvserve.dev/inferenceservice"),
+                              ("kvserve-agent", "8081", "kvserve.dev/inferenceservice"),
+                              ("kvserve-router", "8000", "kvserve.dev/router")]:
         pm = docs[("PodMonitor", name)]["spec"]
         assert pm["namespaceSelector"] == {"any": True}
-        assert pm["selector"]["matchExpressions"][0]["key"] == "kvserve.dev/inferenceservice"
+        assert pm["selector"]["matchExpressions"][0]["key"] == label
         relabel = pm["podMetricsEndpoints"][0]["relabelings"]
         assert {"sourceLabels": ["__meta_kubernetes_pod_container_port_number"], "regex": port,
                 "action": "keep"} in relabel
-        assert any(r.get("targetLabel") == "inferenceservice" for r in relabel)
+        source = "__meta_kubernetes_pod_label_" + label.replace(".", "_").replace("/", "_")
+        assert {"sourceLabels": [source], "targetLabel": "inferenceservice"} in relabel
     dash = docs[("ConfigMap", "kvserve-dashboard")]
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     # The operator's own /metrics: the ServiceMonitor picks the base Service's `metrics` port,

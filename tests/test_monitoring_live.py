@@ -129,7 +129,7 @@ def live(tiny_llama, tmp_path_factory):
     except Exception as e:
         pytest.skip(f"prometheus unavailable: {e}")
     work = tmp_path_factory.mktemp("prom")
-    rt_port, ag_port, prom_port = free_port(), free_port(), free_port()
+    rt_port, ag_port, prom_port, router_port = free_port(), free_port(), free_port(), free_port()
     procs = []
     ksm = operator = None
     stop = threading.Event()
@@ -145,6 +145,12 @@ def live(tiny_llama, tmp_path_factory):
              "--engine", "kvserve", "--host", "127.0.0.1", "--port", str(ag_port),
              "--interval", "0.5"],
             stdout=open(work / "agent.log", "w"), stderr=subprocess.STDOUT, env=env))
+
+        # The router in front of it (spec.router): the dashboard's Router row reads its metrics.
+        procs.append(subprocess.Popen(
+            [BIN / "kvserve", "router", "--endpoints", f"http://127.0.0.1:{rt_port}", "--agent-port", "0",
+             "--host", "127.0.0.1", "--port", str(router_port)],
+            stdout=open(work / "router.log", "w"), stderr=subprocess.STDOUT, env=env))
 
         isvc = copy.deepcopy(tmon.SAMPLE_ISVC)
         isvc["metadata"].update(namespace=NS, name=ISVC)
@@ -169,6 +175,10 @@ def live(tiny_llama, tmp_path_factory):
                     {"targets": [f"127.0.0.1:{rt_port}"], "labels": {**pod, "container": "runtime"}}]},
                 {"job_name": "kvserve-agent", "static_configs": [
                     {"targets": [f"127.0.0.1:{ag_port}"], "labels": {**pod, "container": "agent"}}]},
+                {"job_name": "kvserve-router", "static_configs": [
+                    {"targets": [f"127.0.0.1:{router_port}"],
+                     "labels": {"namespace": NS, "inferenceservice": ISVC, "pod": f"{ISVC}-router-0",
+                                "container": "router"}}]},
                 {"job_name": "kube-state-metrics", "honor_labels": True, "static_configs": [
                     {"targets": [f"127.0.0.1:{ksm.port}"]}]},
                 {"job_name": "kvserve-operator", "honor_labels": True, "static_configs": [
@@ -182,7 +192,8 @@ def live(tiny_llama, tmp_path_factory):
             [prom_bin / "prometheus", f"--config.file={work / 'prometheus.yml'}",
              f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
             cwd=work, stdout=open(work / "prometheus.log", "w"), stderr=subprocess.STDOUT))
-        stream_traffic(f"http://127.0.0.1:{rt_port}", stop,
+        wait_for(lambda: get_json(f"http://127.0.0.1:{router_port}/ready"), 30, "router ready")
+        stream_traffic(f"http://127.0.0.1:{router_port}", stop,
                        "The cat sat on the mat and the dog watched the cat from the door")
         prom = f"http://127.0.0.1:{prom_port}"
         # A scaling decision once Prometheus has seen the old size, so that the dashboard's

@@ -68,7 +68,7 @@ def test_prefix_routing_finds_the_cache_round_robin_misses(env):
     assert hits >= 9 * 3  # every later turn found its conversation's pod
     assert m["kvserve_router_prefix_matched_chunks_total"] > 0.5 * m["kvserve_router_prefix_query_chunks_total"]
     served = {k for k, v in m.items() if k.startswith("kvserve_router_requests_total") and v}
-    assert {p for p in pods.pods if any(f"pod={p}" in k for k in served)} == set(pods.pods)  # all pods used
+    assert {p for p in pods.pods if any(f"upstream={p}" in k for k in served)} == set(pods.pods)  # all pods used
     # Streaming through the router is measured per pod.
     asyncio.run(Workload(seed=3, conversations=3, turns=1, max_tokens=4).run(prefix.url))
     m = scrape(prefix.url)

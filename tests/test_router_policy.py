@@ -176,6 +176,10 @@ def test_an_overloaded_best_pod_loses_its_affinity():
     assert choose(s, conv, PODS, kv, now=1).decision == OVERLOADED
     stale = {"pod-a": EndpointLoad(queue_depth=99, fresh=False)}
     assert choose(s, conv, PODS, stale, now=1).pod == "pod-a"
+    # When every pod is over its thresholds, the one holding the prompt is still the best bet.
+    everyone = {p: EndpointLoad(queue_depth=9, fresh=True) for p in PODS}
+    assert (choose(s, conv, PODS, everyone, now=1).pod, choose(s, conv, PODS, everyone, now=1).decision) == \
+        ("pod-a", PREFIX_HIT)
 
 
 def test_a_short_shared_match_does_not_pile_onto_one_pod():

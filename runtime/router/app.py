@@ -95,6 +95,10 @@ class Router:
         new = {e.name: e for e in endpoints}
         if set(new) != set(self.endpoints):
             log.info("ready pods: %s", ", ".join(sorted(new)) or "none")
+        if new and not self.endpoints:
+            # Idle counts from when the service could serve: a service is not idle while its
+            # first pod loads, and a woken one gets a full window before it may sleep again.
+            self.touch()
         self.endpoints = new
         self.policy.set_pods(new)
         self.metrics.endpoints.set(len(new))
@@ -134,11 +138,18 @@ class Router:
     def touch(self) -> None:
         self.last_activity = self.clock()
 
+    def _idle(self) -> float:
+        # Not idle while a request is open, nor while no pod is ready: a service whose pods are
+        # still loading (or gone) is not one nobody uses.
+        if self.active or not self.endpoints:
+            return 0.0
+        return self.clock() - self.last_activity
+
     def demand(self) -> dict[str, Any]:
         """What the operator reads: held requests wake a sleeping service; a long idle time with
         nothing in flight lets it sleep."""
         return {"held": len(self.hold), "oldest_held_seconds": round(self.hold.oldest_age(), 3),
-                "in_flight": self.active, "idle_seconds": round(0.0 if self.active else self.clock() - self.last_activity, 3),
+                "in_flight": self.active, "idle_seconds": round(self._idle(), 3),
                 "requests_total": self.requests_total, "held_total": self.hold.held_total,
                 "hold_timeouts_total": self.hold.timeouts_total, "ready_endpoints": len(self.endpoints),
                 "endpoints": sorted(self.endpoints), "policy": self.config.policy.policy,
@@ -212,10 +223,11 @@ class Router:
                 return result
             last = result
             tried.append(choice.pod)
-            self.metrics.retries.labels(choice.pod, result.reason).inc()
+            self.metrics.retries.labels(result.reason).inc()
+            more = len(tried) < self.config.max_attempts and any(p not in tried for p in self.endpoints)
             log.info("request %s: %s refused (%s); %s", request_id, choice.pod, result.message or result.reason,
-                     "trying another pod" if len(tried) < self.config.max_attempts else "giving up")
-            if len(tried) >= self.config.max_attempts:
+                     "trying another pod" if more else "no other pod to try")
+            if not more:
                 return self._refusal_response(last)
 
     def _refusal_response(self, refused: Refused) -> web.Response:

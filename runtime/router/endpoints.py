@@ -179,9 +179,12 @@ class KubeEndpoints:
                     async with session.get(conn.server + self._path, params=params) as r:
                         if r.status != 200:
                             raise RuntimeError(f"watch pods: HTTP {r.status}: {(await r.text())[:200]}")
-                        async for line in r.content:
-                            if line.strip():
-                                self._apply(json.loads(line), publish)
+                        try:
+                            async for line in r.content:
+                                if line.strip():
+                                    self._apply(json.loads(line), publish)
+                        except asyncio.TimeoutError:
+                            pass  # a quiet watch the server did not end at timeoutSeconds: relist
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # API restarts, token rotation, network: relist after a pause

@@ -8,6 +8,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0, 160.0]
+RETRY_REASONS = ("connect", "http_429", "http_503", "disconnected")
+HOLD_OUTCOMES = ("released", "timeout", "rejected", "client_gone")
 HOLD_BUCKETS = [0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]
 
 
@@ -15,7 +17,7 @@ class RouterMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("kvserve_router_requests", "Requests sent to a pod, by pod and routing decision.",
-                                ["pod", "decision"], registry=r)
+                                ["upstream", "decision"], registry=r)
         self.prefix_hits = Counter("kvserve_router_prefix_hits",
                                    "Requests sent to a pod that had served a prefix of the prompt recently.",
                                    registry=r)
@@ -25,7 +27,7 @@ class RouterMetrics:
                                              "Of those, chunks the chosen pod had served recently.", registry=r)
         self.retries = Counter("kvserve_router_retries",
                                "Requests sent again to another pod after one refused before the first byte.",
-                               ["pod", "reason"], registry=r)
+                               ["reason"], registry=r)
         self.responses = Counter("kvserve_router_responses", "Responses to clients, by HTTP status.", ["code"],
                                  registry=r)
         self.held = Gauge("kvserve_router_held_requests", "Requests waiting for a ready pod now.", registry=r)
@@ -36,10 +38,17 @@ class RouterMetrics:
                                       registry=r)
         self.ttft = Histogram("kvserve_router_upstream_ttft_seconds",
                               "From sending a streaming request to a pod to its first body bytes.",
-                              ["pod"], buckets=TTFT_BUCKETS, registry=r)
-        self.in_flight = Gauge("kvserve_router_in_flight_requests", "Requests open to each pod.", ["pod"],
+                              ["upstream"], buckets=TTFT_BUCKETS, registry=r)
+        self.in_flight = Gauge("kvserve_router_in_flight_requests", "Requests open to each pod.", ["upstream"],
                                registry=r)
         self.endpoints = Gauge("kvserve_router_ready_endpoints", "Ready pods the router sends to.", registry=r)
+
+        # Every label value exists from the start: a dashboard's rate() of "no retries yet" is 0,
+        # not "no data".
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
+        for outcome in HOLD_OUTCOMES:
+            self.holds.labels(outcome)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -322,7 +322,7 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
         # document): worth more than balance, until the pod itself says it is overloaded.
         holders = sorted(p for p, n in matches.items() if n == longest)
         best = _least_loaded(holders, loads, state.turn)
-        if best in usable:
+        if best in usable or not usable:  # every pod over its thresholds: the cache still helps
             return Choice(best, PREFIX_HIT, longest, total)
         pick = _least_loaded(usable or candidates, loads, state.turn)
         return Choice(pick, OVERLOADED, matches.get(pick, 0), total)

@@ -1,8 +1,10 @@
 """The parts of a cluster that kmock lacks, played by the test: kubelet, ReplicaSets, garbage collector.
 
 `Kubelet` watches Deployments in the emulator and makes their pods real: each pod gets its own
-loopback address (127.0.0.N), a stub engine serving kvserve-named `/metrics` there, and the real
-`kvserve agent serve` process in front of it on the agent port. Rollouts follow the Deployment's
+loopback address (127.0.0.N), a stub engine serving kvserve-named `/metrics` (and a canned
+completion) there, and the real `kvserve agent serve` process in front of it on the agent port.
+A router Deployment's pods (spec.router) are the real `kvserve router` process, logging in to the
+emulator with a kubeconfig as its service account would in a cluster. Rollouts follow the Deployment's
 strategy (one surge pod, an old pod removed only once the new one is Ready). When a Deployment
 disappears, its pods go too, as the garbage collector would do on a real cluster.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -120,6 +123,7 @@ class Load:
     def __init__(self):
         self.kv, self.queue, self.running = 0.3, 0, 2
         self.capacity_per_tp = 4096
+        self.completions = 0  # requests the stub engines answered
 
 
 class StubPod:
@@ -147,6 +151,7 @@ class StubPod:
         app.router.add_get("/metrics", lambda r: web.Response(text=self.metrics(), content_type="text/plain"))
         app.router.add_get("/ready", lambda r: web.Response(text="ok"))
         app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        app.router.add_post("/v1/completions", self.complete)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.ip, self.engine_port).start()
@@ -167,6 +172,13 @@ class StubPod:
                 await asyncio.sleep(0.05)
         raise RuntimeError(f"agent for {self.name} did not come up")
 
+    async def complete(self, request: web.Request) -> web.Response:
+        self.load.completions += 1
+        return web.json_response({"id": "cmpl-stub", "object": "text_completion", "model": "tiny",
+                                  "choices": [{"index": 0, "text": f" from {self.name}", "finish_reason": "length",
+                                               "logprobs": None}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
     async def stop(self) -> None:
         if self.agent is not None and self.agent.poll() is None:
             self.agent.terminate()
@@ -178,12 +190,60 @@ class StubPod:
             await self.runner.cleanup()
 
 
+class RouterPod:
+    """A router Deployment's pod: its container command, run for real on the pod's address."""
+
+    def __init__(self, name: str, ip: str, command: list[str], *, port: int, engine_port: int, agent_port: int,
+                 kubeconfig: str):
+        self.name, self.ip, self.port = name, ip, port
+        flags = {"--host": ip, "--port": str(port), "--runtime-port": str(engine_port),
+                 "--agent-port": str(agent_port)}
+        cmd = list(command)
+        for flag, value in flags.items():  # the pod's network namespace, played by a loopback address
+            cmd[cmd.index(flag) + 1] = value
+        self.command = [str(Path(sys.executable).parent / cmd[0]), *cmd[1:]]
+        self.kubeconfig = kubeconfig
+        self.proc: subprocess.Popen | None = None
+
+    async def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig}
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(400):
+                try:
+                    async with session.get(f"http://{self.ip}:{self.port}/ready") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"router {self.name} did not come up")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def pod_owner(pod: dict) -> str:
+    """The Deployment a pod belongs to (runtime pods: the service's name; router pods: NAME-router)."""
+    labels = pod["metadata"].get("labels") or {}
+    if labels.get(M.ROUTER_LABEL):
+        return labels[M.ROUTER_LABEL] + "-router"
+    return labels.get(M.OWNER_LABEL, "")
+
+
 class Kubelet:
     """Reconciles emulated Deployments into real processes; runs as a task on the emulator's loop."""
 
-    def __init__(self, api_url: str, agent_port: int, engine_port: int, load: Load):
+    def __init__(self, api_url: str, agent_port: int, engine_port: int, load: Load, *, router_port: int = 0,
+                 kubeconfig: str = ""):
         self.api_url, self.agent_port, self.engine_port, self.load = api_url, agent_port, engine_port, load
-        self.pods: dict[str, StubPod] = {}
+        self.router_port, self.kubeconfig = router_port, kubeconfig
+        self.pods: dict[str, StubPod | RouterPod] = {}
         self.ips = (f"127.0.0.{i}" for i in range(2, 255))
         self.counter = 0
         self.stopped = False
@@ -212,7 +272,7 @@ class Kubelet:
         pods = (await self._req(session, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods") or {}).get("items", [])
         by_owner: dict[str, list[dict]] = {}
         for pod in pods:
-            by_owner.setdefault(pod["metadata"]["labels"].get(M.OWNER_LABEL, ""), []).append(pod)
+            by_owner.setdefault(pod_owner(pod), []).append(pod)
         for owner, owned in by_owner.items():
             if owner not in deps:  # garbage collection
                 for pod in owned:
@@ -236,9 +296,14 @@ class Kubelet:
     async def create_pod(self, session, dep: dict, template: dict) -> None:
         self.counter += 1
         name = f"{dep['metadata']['name']}-{self.counter}"
-        tp = int(template["metadata"]["annotations"][M.TP_ANNOTATION])
-        stub = StubPod(name, next(self.ips), tp, self.engine_port, self.agent_port, self.load,
-                       self.model_dirs.get(dep["metadata"]["name"]))
+        if M.ROUTER_LABEL in (template["metadata"].get("labels") or {}):
+            stub = RouterPod(name, next(self.ips), template["spec"]["containers"][0]["command"],
+                             port=self.router_port, engine_port=self.engine_port, agent_port=self.agent_port,
+                             kubeconfig=self.kubeconfig)
+        else:
+            tp = int(template["metadata"]["annotations"][M.TP_ANNOTATION])
+            stub = StubPod(name, next(self.ips), tp, self.engine_port, self.agent_port, self.load,
+                           self.model_dirs.get(dep["metadata"]["name"]))
         await stub.start()
         self.pods[name] = stub
         self.created.append(name)

@@ -211,6 +211,13 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
     emulator.resources["policy/v1/poddisruptionbudgets"] = info(kind="PodDisruptionBudget",
                                                                 singular="poddisruptionbudget",
                                                                 namespaced=True, verbs=verbs)
+    # The router's identity and rights (spec.router).
+    emulator.resources["v1/serviceaccounts"] = info(kind="ServiceAccount", singular="serviceaccount",
+                                                    namespaced=True, verbs=verbs)
+    emulator.resources["rbac.authorization.k8s.io/v1/roles"] = info(kind="Role", singular="role",
+                                                                    namespaced=True, verbs=verbs)
+    emulator.resources["rbac.authorization.k8s.io/v1/rolebindings"] = info(kind="RoleBinding", singular="rolebinding",
+                                                                           namespaced=True, verbs=verbs)
 
 
 class EmulatorThread:

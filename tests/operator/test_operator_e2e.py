@@ -79,7 +79,10 @@ DOCUMENTED_RBAC = {
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
-    ("", "pods"): {"list"},
+    ("", "pods"): {"get", "list", "watch"},  # get and watch only to grant them to a router
+    ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},
     ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
 }

@@ -82,7 +82,22 @@ BAD = [
     ("spec.replicas", 3, "only be set when spec.autoscaling.enabled is false", "spec.replicas"),
     ("spec.runtim", {}, "runtim", None),
     ("spec.runtime.imagePullPolicy", "Sometimes", "imagePullPolicy", "spec.runtime.imagePullPolicy"),
+    ("spec.router.policy", "random", "spec.router.policy", "spec.router.policy"),
+    ("spec.router.replicas", 0, "spec.router.replicas", "spec.router.replicas"),
+    ("spec.router.holdTimeoutSeconds", 0, "holdTimeoutSeconds", "spec.router.holdTimeoutSeconds"),
+    ("spec.autoscaling.scaleToZeroAfterSeconds", -1, "scaleToZeroAfterSeconds",
+     "spec.autoscaling.scaleToZeroAfterSeconds"),
 ]
+
+
+def test_scale_to_zero_with_the_router_is_accepted():
+    obj = _mutate(example("llama-8b-gpu"), "spec.autoscaling.minReplicas", 0)
+    obj["spec"]["router"] = {"enabled": True, "policy": "least-load"}
+    assert crd.validate(obj) == []
+    spec = parse_spec(obj["spec"])
+    assert spec.autoscaling.min_replicas == 0 and spec.autoscaling.scale_to_zero_after_seconds == 300
+    assert (spec.router.enabled, spec.router.policy, spec.router.replicas, spec.router.hold_timeout_seconds) == \
+        (True, "least-load", 1, 300)
 
 
 @pytest.mark.parametrize("path,value,crd_error,field", BAD, ids=[f"{b[0]}={b[1]!r}"[:60] for b in BAD])

@@ -1,0 +1,233 @@
+"""Routing benchmark: a multi-turn chat workload through `kvserve router`, round-robin vs prefix.
+
+    python bench/router.py                        # SmolLM2-135M, 3 replicas, 12 conversations x 4 turns
+    python bench/router.py --quick                # 6 conversations x 3 turns, shorter messages
+    python bench/router.py --model DIR --replicas 3 --conversations 24 --turns 4
+
+What runs: `--replicas` real `kvserve serve` processes (one torch thread each), each on its own
+loopback address like a pod; their Pod objects in the Kubernetes API emulator; two real routers
+watching that API, one with `--policy round-robin` (what a plain Service does) and one with the
+default `--policy prefix`. Each conversation's turn n+1 sends turn n's messages, its answer and a
+new user message (the official openai client, streaming, greedy, fixed answer length). Every run
+has its own system prompt and conversations, so nothing one run cached helps another.
+
+Reported per run: prefix-cache hit rate summed over the pods (`vllm:prefix_cache_hits` /
+`vllm:prefix_cache_queries`), TTFT p50/p99 and output throughput; the "ceiling" run sends the same
+kind of workload to a single pod, which by construction finds every earlier turn in its cache.
+Then scale from zero: with no pod ready the router holds requests; a new runtime process is
+started, and its Pod is made Ready once its /ready answers (what kubelet and the endpoints
+controller do). Reported: time from the first held request to its first token, of which the
+runtime's own start, and whether every held request was answered.
+
+Writes bench/results/router.json and prints a table. Numbers from a busy 2-core machine are
+noisy: compare the runs of one invocation (they are side by side), and note the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT / "tests"))
+
+from router_harness import Cluster, RouterProcess, RuntimePods, Workload, percentile, wait_for  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None,
+                   help="HF model directory (default: SmolLM2-135M-Instruct from build/smollm2)")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=6, help="per round and policy")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of round-robin then prefix (alternating which goes first), so both see the "
+                        "same background load on a shared machine")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=6, help="conversations in flight at once")
+    p.add_argument("--system-words", type=int, default=40)
+    p.add_argument("--user-words", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=32, help="answer length (ignore_eos)")
+    p.add_argument("--held", type=int, default=4, help="requests held during the scale from zero")
+    p.add_argument("--num-kv-blocks", type=int, default=1536)
+    p.add_argument("--quick", action="store_true", help="6 conversations x 3 turns, shorter messages")
+    p.add_argument("--out", type=Path, default=RESULTS / "router.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.turns, args.user_words, args.max_tokens = 1, 3, 60, 16
+    return args
+
+
+def default_model() -> Path:
+    from realmodel import ensure_smollm2
+
+    return Path(ensure_smollm2().hf_dir)
+
+
+def summarize(name: str, workload: Workload, hits: float, queries: float, duration: float) -> dict:
+    ok = [r for r in workload.results if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    return {"run": name, "requests": len(workload.results), "failed": len(workload.results) - len(ok),
+            "hit_rate": hits / queries if queries else 0.0, "prompt_tokens_cached": int(hits),
+            "prompt_tokens": int(queries),
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"),
+            "output_tokens_per_s": sum(r.tokens for r in ok) / duration, "requests_per_s": len(ok) / duration,
+            "duration_s": duration}
+
+
+class Run:
+    """One policy's rounds, accumulated."""
+
+    def __init__(self, name: str):
+        self.name, self.workload = name, Workload()
+        self.hits = self.queries = self.duration = 0.0
+
+    def add(self, pods: RuntimePods, url: str, workload: Workload) -> None:
+        hits0, queries0 = pods.prefix_counters()
+        started = time.perf_counter()
+        asyncio.run(workload.run(url, timeout=600))
+        duration = time.perf_counter() - started
+        hits1, queries1 = pods.prefix_counters()
+        self.hits += hits1 - hits0
+        self.queries += queries1 - queries0
+        self.duration += duration
+        self.workload.results += workload.results
+        row = summarize(self.name, workload, hits1 - hits0, queries1 - queries0, duration)
+        print(f"  {self.name:<22} hit rate {row['hit_rate']:.2f}  TTFT p50 {row['ttft_p50_s'] * 1000:.0f} ms  "
+              f"p99 {row['ttft_p99_s'] * 1000:.0f} ms  {row['output_tokens_per_s']:.1f} tok/s  "
+              f"({row['duration_s']:.0f} s, {row['failed']} failed, load {os.getloadavg()[0]:.1f})", flush=True)
+
+    def row(self) -> dict:
+        return summarize(self.name, self.workload, self.hits, self.queries, self.duration)
+
+
+def scale_from_zero(args, model: Path, cluster: Cluster, router: RouterProcess, work: Path, served: str,
+                    port: int) -> dict:
+    cluster.set_pods([])
+    router.wait_ready(0)
+    workload = Workload(seed=99, conversations=args.held, turns=1, concurrency=args.held, model=served,
+                        system_words=args.system_words, user_words=args.user_words, max_tokens=args.max_tokens)
+
+    async def go():
+        task = asyncio.create_task(workload.run(router.url, timeout=600))
+        t0 = time.perf_counter()
+        await asyncio.to_thread(wait_for, lambda: router.demand().get("held") == args.held, 30, "held requests")
+        held_at = time.perf_counter()
+        pods = RuntimePods(model, ["127.0.2.9"], args=["--num-kv-blocks", str(args.num_kv_blocks)], logs=work,
+                           served_name=served, port=port, prefix="woken")
+        try:
+            await asyncio.to_thread(pods.wait_ready, 600)
+            ready_at = time.perf_counter()
+            cluster.set_pods(list(pods.pods.values()))
+            await task
+        finally:
+            pods.stop()
+        return t0, held_at, ready_at
+
+    t0, held_at, ready_at = asyncio.run(go())
+    ok = [r for r in workload.results if r.ok]
+    for r in workload.results:
+        if not r.ok:
+            print(f"    lost: {r.error[:200]}")
+    # Turn.ttft counts from each request's own start: all started at t0 (within milliseconds).
+    first = min(r.ttft for r in ok if r.ttft is not None) if ok else float("nan")
+    row = {"held_requests": args.held, "answered": len(ok), "lost": args.held - len(ok),
+           "first_held_to_first_token_s": first, "runtime_start_to_ready_s": ready_at - held_at,
+           "ready_to_first_token_s": first - (ready_at - t0)}
+    print(f"  scale from zero: {len(ok)}/{args.held} held requests answered; first token {first:.1f} s after the "
+          f"first held request (runtime start to ready {row['runtime_start_to_ready_s']:.1f} s, ready to first "
+          f"token {row['ready_to_first_token_s']:.2f} s)", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the pods and routers on the way out
+    model = args.model or default_model()
+    served = model.name
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="kvserve-router-bench-"))
+    ips = [f"127.0.2.{i + 2}" for i in range(args.replicas)]
+    print(f"model {model}, {args.replicas} replicas, {args.rounds} round(s) per policy of {args.conversations} "
+          f"conversations x {args.turns} turns, {args.concurrency} at a time; logs in {work}; load average "
+          f"{load_before[0]:.2f}", flush=True)
+    pods = RuntimePods(model, ips, args=["--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", "4096"],
+                       logs=work, served_name=served)
+    cluster = Cluster(work)
+    routers = []
+    try:
+        port = ("--runtime-port", str(pods.port))
+        rr = RouterProcess("--inferenceservice", "tiny", *port, "--policy", "round-robin", "--agent-port", "0",
+                           cluster=cluster, log=work / "router-rr.log")
+        prefix = RouterProcess("--inferenceservice", "tiny", *port, "--agent-port", "0", "--hold-timeout", "600",
+                               cluster=cluster, log=work / "router-prefix.log")
+        routers += [rr, prefix]
+        pods.wait_ready(600)
+        first = list(pods.pods.values())[0]
+        shape = dict(conversations=args.conversations, turns=args.turns, concurrency=args.concurrency,
+                     system_words=args.system_words, user_words=args.user_words, max_tokens=args.max_tokens,
+                     model=served)
+        # Warm-up: every pod runs one request first (first-call costs are not routing costs).
+        cluster.set_pods(list(pods.pods.values()))
+        rr.wait_ready(args.replicas)
+        asyncio.run(Workload(seed=1000, conversations=args.replicas, turns=1, concurrency=args.replicas,
+                             model=served, max_tokens=4).run(rr.url, timeout=600))
+        cluster.set_pods([first])
+        prefix.wait_ready(1)
+        ceiling = Run("1 pod (ceiling)")
+        ceiling.add(pods, prefix.url, Workload(seed=1, **shape))
+        cluster.set_pods(list(pods.pods.values()))
+        rr.wait_ready(args.replicas)
+        prefix.wait_ready(args.replicas)
+        by_rr = Run(f"{args.replicas} pods, round-robin")
+        by_prefix = Run(f"{args.replicas} pods, prefix")
+        for r in range(args.rounds):
+            order = [(by_rr, rr), (by_prefix, prefix)]
+            for run, router in (order if r % 2 == 0 else order[::-1]):
+                run.add(pods, router.url, Workload(seed=10 + 2 * r + (run is by_prefix), **shape))
+        rows = [ceiling.row(), by_rr.row(), by_prefix.row()]
+        pods.stop()
+        zero = scale_from_zero(args, model, cluster, prefix, work, served, pods.port)
+    finally:
+        for r in routers:
+            r.stop()
+        pods.stop()
+        cluster.stop()
+    load_after = os.getloadavg()
+    ceiling, rr_row, prefix_row = rows
+    result = {
+        "benchmark": "router", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or
+        platform.machine(), "cpus": os.cpu_count(), "load_average_before": load_before[0],
+        "load_average_after": load_after[0], "model": str(model), "args": {k: str(v) for k, v in vars(args).items()},
+        "runs": rows, "scale_from_zero": zero,
+        "hit_rate_vs_ceiling": prefix_row["hit_rate"] / ceiling["hit_rate"] if ceiling["hit_rate"] else None,
+        "ttft_p50_round_robin_over_prefix": rr_row["ttft_p50_s"] / prefix_row["ttft_p50_s"],
+    }
+    print()
+    print(f"| run | hit rate | TTFT p50 | TTFT p99 | output tok/s | failed |")
+    print(f"|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['hit_rate']:.2f} | {r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p99_s'] * 1000:.0f} ms "
+              f"| {r['output_tokens_per_s']:.1f} | {r['failed']} |")
+    print(f"\nprefix hit rate / ceiling: {result['hit_rate_vs_ceiling']:.2f} (target >= 0.90); "
+          f"TTFT p50 round-robin / prefix: {result['ttft_p50_round_robin_over_prefix']:.2f}x (target >= 2); "
+          f"scale from zero: first token {zero['first_held_to_first_token_s']:.1f} s after the first held request, "
+          f"{zero['lost']} lost; load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
