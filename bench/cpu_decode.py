@@ -8,11 +8,12 @@ Sections:
   matmul     SmolLM2's projections at batch 1 (and the 49152 x 576 LM head): F.linear (MKL),
              MKL's packed sgemm (torch.ops.mkl._mkl_linear), the native packed kernel, and a
              plain read of the same bytes
-  step       a whole batch-1 decode step of the engine (128-token context), three variants side
+  step       a whole batch-1 decode step of the engine (128-token context), four variants side
              by side, interleaved: (A) torch path: F.linear + torch twins + SDPA attention;
-             (B) native layer ops and decode attention, F.linear; (C) B + native packed matmuls
+             (B) native layer ops and decode attention, F.linear; (C) B + native packed matmuls,
+             still one Python call per op; (D) C as one native call per step (the default)
 
-With one thread the times are thread CPU time (what the work costs, steadier on a shared
+With one thread the times are process CPU time (what the work costs, steadier on a shared
 machine); with more, wall time. Writes bench/results/cpu_decode.json.
 """
 
@@ -45,7 +46,7 @@ def parse_args(argv=None):
 
 
 def clock_for(threads: int):
-    return time.thread_time if threads == 1 else time.perf_counter
+    return time.process_time if threads == 1 else time.perf_counter
 
 
 def median_time(fn, clock, repeats: int) -> float:
@@ -121,9 +122,12 @@ def step(hf_dir: Path, clock, steps: int, rounds: int) -> dict:
     with _unpacked_linears():
         engines["B native ops, F.linear"] = LLM(str(hf_dir), dtype="float32", device="cpu", max_model_len=1024)
     engines["C native ops + matmuls"] = LLM(str(hf_dir), dtype="float32", device="cpu", max_model_len=1024)
-    modes = {"A torch": "torch", "B native ops, F.linear": "auto", "C native ops + matmuls": "auto"}
+    engines["C native ops + matmuls"].engine.model._native_stack = None  # one Python call per op
+    engines["D one native call per step"] = LLM(str(hf_dir), dtype="float32", device="cpu", max_model_len=1024)
+    modes = {"A torch": "torch", "B native ops, F.linear": "auto", "C native ops + matmuls": "auto",
+             "D one native call per step": "auto"}
     prompt = list(range(100, 228))
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
     times: dict[str, list[float]] = {v: [] for v in engines}
     for r in range(rounds):
         for v, llm in engines.items():
@@ -162,7 +166,7 @@ def main(argv=None) -> int:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         clock = clock_for(threads)
-        what = "thread CPU time" if threads == 1 else "wall time"
+        what = "process CPU time" if threads == 1 else "wall time"
         print(f"\n=== {threads} thread(s) ({what}), load average {os.getloadavg()[0]:.2f}", flush=True)
         res = {}
         if "bandwidth" in sections:

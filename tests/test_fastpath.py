@@ -303,3 +303,56 @@ def test_cuda_graphs_replay_with_the_same_greedy_outputs(tiny_model_factory):
             assert llm.engine.runner.graphs.replays > 0
         llm.close()
     assert outs[True] == outs[False]
+
+
+# ------------------------------------------------------------------ the native decoder stack
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    pytest.param("llama", dict(attention_bias=True, mlp_bias=True), id="llama-biases"),
+    pytest.param("qwen2", dict(tie_word_embeddings=True, vocab_size=509), id="qwen2-bias-tied-oddvocab"),
+    pytest.param("qwen3", dict(head_dim=24), id="qwen3-qknorm-headdim24"),
+    pytest.param("mistral", dict(sliding_window=6), id="mistral-window6"),
+    pytest.param("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}, num_key_value_heads=1),
+                 id="llama-mqa-rope-linear"),
+])
+def test_native_decoder_stack_is_bit_identical_to_the_per_op_path(tiny_model_factory, arch, overrides):
+    """One native call per decode step runs the same kernels in the same order: same logits, bit
+    for bit, and so the same tokens (chunked prefill and preemption around it)."""
+    from kvserve.kernels.cpu import native
+
+    if not native.available():
+        pytest.skip(f"native CPU kernels: {native.status()}")
+    model_dir = tiny_model_factory(arch, **overrides)
+    prompts, params = _workload(overrides.get("vocab_size", 512))
+    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, n=p.n, ignore_eos=p.ignore_eos,
+                             logprobs=3) for p in params]
+
+    def run(stack: bool):
+        llm = LLM(str(model_dir), **SQUEEZED)
+        model = llm.engine.model
+        if not stack:
+            model._native_stack = None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        used = model._native_stack
+        llm.close()
+        return [[(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in o.outputs]
+                for o in outs], used
+
+    with_stack, stack = run(True)
+    per_op, _ = run(False)
+    assert isinstance(stack, native.DecoderStack)
+    assert with_stack == per_op
+
+
+@pytest.mark.parametrize("arch,overrides,kw", [
+    pytest.param("gemma2", {}, {}, id="gemma-sandwich-norms"),
+    pytest.param("qwen2_moe", {}, {}, id="moe"),
+    pytest.param("deepseek_v2", {}, {}, id="mla"),
+    pytest.param("llama", {}, dict(dtype="bfloat16"), id="bfloat16"),
+])
+def test_native_decoder_stack_only_takes_plain_float32_llama_layers(tiny_model_factory, arch, overrides, kw):
+    llm = LLM(str(tiny_model_factory(arch, **overrides)), **SQUEEZED, **kw)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert llm.engine.model._native_stack is None
+    llm.close()

@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 4; }
+int kv_abi_version(void) { return 5; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -332,5 +332,88 @@ void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int
       for (int64_t i = 0; i < d; i++) o[i] *= inv;
     }
     free(scores);
+  }
+}
+
+/* ------------------------------------------------------------------ a whole decoder stack */
+
+/* One Llama-family decoder layer's weights (packed), norms and cache (see kv_decoder_stack_f32). */
+typedef struct {
+  const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm/k_norm: NULL unless Qwen3 */
+  const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias; /* biases may be NULL */
+  const float* cos_sin;
+  int64_t rotary_dim;
+  float* k_cache;
+  float* v_cache;
+  int64_t window; /* 0: full attention */
+  float softcap;  /* 0: none */
+  float scale;
+} kv_layer;
+
+typedef struct {
+  int64_t hidden, heads, kv_heads, head_dim, inter, block_size;
+  float eps;
+} kv_dims;
+
+/* Floats of workspace kv_decoder_stack_f32 needs for m tokens. */
+int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
+  int64_t q = d->heads * d->head_dim, kv = d->kv_heads * d->head_dim;
+  return m * (d->hidden /* normed */ + (q + 2 * kv) /* qkv */ + (q + kv) /* q/k normed */ + q /* q rotated */
+              + kv /* k rotated */ + q /* attention out */ + d->hidden /* o_proj out */ + 2 * d->inter /* gate|up */
+              + d->inter /* act */);
+}
+
+/* Every layer of a Llama/Mistral/Qwen2/Qwen3 decoder for a decode-only step of m sequences, in one
+   call (no Python between the ops): the same kernels, in the same order, as the per-op path
+   (kernels/ops.py + the torch backend's native decode), so the results are bit-identical to it.
+   hidden [m, h] holds the embeddings on entry and the last layer's MLP output on return;
+   residual [m, h] receives the residual stream (the model's final add + norm follows). */
+void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_dims* d, int64_t m,
+                          const int64_t* positions, const int64_t* slots, const int32_t* block_tables,
+                          int64_t max_blocks, const int32_t* seq_lens, float* hidden, float* residual, float* work,
+                          int nthreads) {
+  const int64_t h = d->hidden, hd = d->head_dim, hq = d->heads, hk = d->kv_heads, inter = d->inter;
+  const int64_t q = hq * hd, kv = hk * hd, w = q + 2 * kv;
+  float* normed = work;
+  float* qkv = normed + m * h;
+  float* qk_normed = qkv + m * w;
+  float* q_rot = qk_normed + m * (q + kv);
+  float* k_rot = q_rot + m * q;
+  float* attn = k_rot + m * kv;
+  float* o_out = attn + m * q;
+  float* gate_up = o_out + m * h;
+  float* act = gate_up + m * 2 * inter;
+  for (int64_t l = 0; l < num_layers; l++) {
+    const kv_layer* L = &layers[l];
+    if (l == 0) {
+      memcpy(residual, hidden, (size_t)(m * h) * sizeof(float));
+      kv_rms_norm_f32(hidden, h, NULL, 0, NULL, L->input_norm, normed, m, h, d->eps, nthreads);
+    } else {
+      kv_rms_norm_f32(hidden, h, residual, h, residual, L->input_norm, normed, m, h, d->eps, nthreads);
+    }
+    kv_linear_f32(normed, m, h, h, L->qkv, w, L->qkv_bias, qkv, w, nthreads);
+    const float* qsrc = qkv;
+    const float* ksrc = qkv + q;
+    int64_t ld_qk = w;
+    if (L->q_norm) {
+      for (int64_t t = 0; t < m; t++) {
+        kv_rms_norm_f32(qkv + t * w, hd, NULL, 0, NULL, L->q_norm, qk_normed + t * (q + kv), hq, hd, d->eps, 1);
+        kv_rms_norm_f32(qkv + t * w + q, hd, NULL, 0, NULL, L->k_norm, qk_normed + t * (q + kv) + q, hk, hd,
+                        d->eps, 1);
+      }
+      qsrc = qk_normed;
+      ksrc = qk_normed + q;
+      ld_qk = q + kv;
+    }
+    kv_rotary_f32(positions, m, qsrc, ld_qk, hq, ksrc, ld_qk, hk, hd, L->rotary_dim, L->cos_sin, q_rot, k_rot,
+                  nthreads);
+    kv_write_kv_f32(k_rot, kv, qkv + q + kv, w, m, kv, slots, L->k_cache, L->v_cache);
+    kv_paged_decode_f32(q_rot, m, hq, hk, hd, L->k_cache, L->v_cache, d->block_size, block_tables, max_blocks,
+                        seq_lens, L->scale, L->window, L->softcap, attn, nthreads);
+    kv_linear_f32(attn, m, q, q, L->o, h, L->o_bias, o_out, h, nthreads);
+    kv_rms_norm_f32(o_out, h, residual, h, residual, L->post_norm, normed, m, h, d->eps, nthreads);
+    kv_linear_f32(normed, m, h, h, L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
+    kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
+    kv_linear_f32(act, m, inter, inter, L->down, h, L->down_bias, hidden, h, nthreads);
   }
 }

@@ -32,7 +32,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 4
+ABI_VERSION = 5
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -49,6 +49,8 @@ _SIGNATURES = {
     "kv_rms_norm_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _T], None),
     "kv_rotary_f32": ([_P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _T], None),
     "kv_write_kv_f32": ([_P, _I, _P, _I, _I, _I, _P, _P, _P], None),
+    "kv_decoder_stack_workspace": ([_P, _I], ctypes.c_int64),
+    "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _T], None),
     "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _T], None),
 }
 
@@ -325,3 +327,85 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                k_cache.shape[1], bt.data_ptr(), bt.shape[1], lens.data_ptr(), scale, window,
                                softcap, out.data_ptr(), _threads())
     return out
+
+
+# ---------------------------------------------------------------------- whole decoder stacks
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o",
+                                         "o_bias", "gate_up", "gate_up_bias", "down", "down_bias", "cos_sin")] + [
+        ("rotary_dim", _I), ("k_cache", _P), ("v_cache", _P), ("window", _I), ("softcap", _F), ("scale", _F)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+                ("block_size", _I), ("eps", _F)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecoderStack:
+    """Every layer of a Llama-family decoder run by one native call per decode step (no Python
+    between the ops). Built from per-layer dicts of tensors: packed qkv/o/gate_up/down weights
+    (pack_weight), optional biases, norm weights, q/k norms (or None), the cos/sin table, window,
+    soft-cap and scale. The tensors must stay alive and unchanged (the object keeps references)."""
+
+    def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+                 eps: float):
+        self._keep = layers
+        self.num_layers = len(layers)
+        self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, 0, eps)
+        self.array = (_Layer * len(layers))()
+        for entry, spec in zip(self.array, layers):
+            for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+                         "gate_up_bias", "down", "down_bias", "cos_sin"):
+                t = spec.get(name)
+                if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
+                    raise ValueError(f"DecoderStack: {name} must be a contiguous float32 tensor")
+                setattr(entry, name, _ptr(t))
+            entry.rotary_dim = spec["cos_sin"].shape[1]
+            entry.window = spec.get("window") or 0
+            entry.softcap = spec.get("softcap") or 0.0
+            entry.scale = spec["scale"]
+        self._caches: tuple[int, ...] | None = None
+        self._work: torch.Tensor | None = None
+
+    def accepts(self, kv_caches: list) -> bool:
+        """Whether these caches can be read natively (float32, contiguous; not float8 pools)."""
+        k, v = kv_caches[0][0], kv_caches[0][1]
+        return k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+
+    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        if key == self._caches:
+            return
+        for entry, (k, v) in zip(self.array, kv_caches):
+            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("DecoderStack: KV caches must be contiguous float32")
+            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+        self.dims.block_size = kv_caches[0][0].shape[1]
+        self._caches = key
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's MLP output, residual stream) for embeddings hidden [m, h] of a decode step."""
+        lib = _lib()
+        self._bind_caches(kv_caches)
+        hidden = hidden.contiguous().clone()
+        m = hidden.shape[0]
+        residual = torch.empty_like(hidden)
+        need = lib.kv_decoder_stack_workspace(ctypes.byref(self.dims), m)
+        if self._work is None or self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        pos = positions.to(torch.int64).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        lib.kv_decoder_stack_f32(self.array, self.num_layers, ctypes.byref(self.dims), m, pos.data_ptr(),
+                                 slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                 hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr(), _threads())
+        return hidden, residual

@@ -217,6 +217,9 @@ class GemmaDecoderLayer(nn.Module):
         return ops.gemma_rms_norm(hidden, self.post_feedforward_layernorm.weight, self.eps), residual
 
 
+_UNBUILT = object()
+
+
 class CausalLM(nn.Module):
     """A packed-token decoder: forward() gives final hidden states, compute_logits() the logits."""
 
@@ -249,6 +252,9 @@ class CausalLM(nn.Module):
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).to(self.device)
                             if cfg.gemma_norms else None)
         _, self.num_kv_heads, self.head_dim = cfg.shape.kv_cache_layout(tp_size)
+        # float32 on the CPU: decode steps through one native call (models/native_decode.py),
+        # built at the first decode step (after loading has packed the weights); None: not eligible.
+        self._native_stack = _UNBUILT
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (or V) pool on this rank (of its latent pool, for MLA)."""
@@ -259,6 +265,17 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
+        if meta.is_decode_only and self.device.type == "cpu":
+            stack = self._native_stack
+            if stack is _UNBUILT:
+                from kvserve.runtime.models import native_decode
+
+                stack = self._native_stack = native_decode.build(self)
+            if stack is not None and ops.use_native(self.cos_sin_cache) and stack.accepts(kv_caches):
+                hidden, residual = stack.run(self.embed_tokens(input_ids), positions, meta.slot_mapping,
+                                             meta.block_tables, meta.seq_lens, kv_caches)
+                hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
+                return hidden
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale

@@ -1,0 +1,68 @@
+"""Decode steps of a float32 Llama-family model on the CPU in one native call.
+
+At batch 1 the per-op path still spends a few milliseconds a step in Python: about ten calls per
+layer (module dispatch, tensor allocations, the kernel wrappers), 30 layers a step, against
+~25 ms of matmuls. `kvserve.kernels.cpu.native.DecoderStack` runs every layer of a decode-only
+step in C with the same kernels in the same order, so its results are bit-identical to the
+per-op path's (tests/test_fastpath.py compares them) and the model's forward is one call.
+
+Only what the per-op native path would run qualifies: every layer a plain DecoderLayer
+(Llama, Mistral, Qwen2, Qwen3: not Gemma's sandwich norms, not MoE or MLA) with SiLU, weights
+packed for the native matmul, tp_size 1, the torch attention backend, float32 caches. Anything
+else keeps the per-op path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels import ops
+
+
+def _bias(linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+def build(model) -> object | None:
+    """A DecoderStack for `model` (a CausalLM), or None when it does not qualify."""
+    from kvserve.kernels.cpu import native
+    from kvserve.runtime.attention.torch_backend import TorchAttentionBackend
+    from kvserve.runtime.models.llama import MLP, Attention, DecoderLayer
+
+    cfg = model.config
+    if (model.device.type != "cpu" or model.dtype != torch.float32 or model.tp_size != 1 or cfg.gemma_norms
+            or model.embed_scale is not None or not native.available() or not model.layers):
+        return None
+    specs = []
+    for i, layer in enumerate(model.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
+                or mlp.act_and_mul is not ops.silu_and_mul
+                # exactly the torch backend: a subclass may change what attention computes
+                or type(attn.backend) is not TorchAttentionBackend):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(getattr(lin, "packed_out_features", None) is None for lin in linears):
+            return None
+        local = model.local_cos_sin_cache
+        cos_sin = local if local is not None and i in model._local_rope_layers else model.cos_sin_cache
+        if cos_sin.dtype != torch.float32 or cos_sin.shape[1] > attn.head_dim or cos_sin.shape[1] % 2:
+            return None
+        if attn.num_heads // attn.num_kv_heads > native.MAX_GQA_GROUP:
+            return None
+        specs.append(dict(
+            input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
+            qkv=attn.qkv_proj.weight.detach(), qkv_bias=_bias(attn.qkv_proj),
+            o=attn.o_proj.weight.detach(), o_bias=_bias(attn.o_proj),
+            gate_up=mlp.gate_up_proj.weight.detach(), gate_up_bias=_bias(mlp.gate_up_proj),
+            down=mlp.down_proj.weight.detach(), down_bias=_bias(mlp.down_proj),
+            cos_sin=cos_sin.contiguous(), window=attn.sliding_window, softcap=attn.logits_soft_cap,
+            scale=attn.scale))
+        if layer.eps != cfg.rms_norm_eps or attn.eps != cfg.rms_norm_eps:
+            return None
+    first = model.layers[0]
+    return native.DecoderStack(specs, hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
+                               kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
+                               inter=first.mlp.gate_up_proj.packed_out_features // 2, eps=cfg.rms_norm_eps)
