@@ -287,8 +287,10 @@ def launch_llama_server(gguf: Path | None, args) -> tuple[_LlamaServerProcess, s
     # One slot per concurrent request, each with room for the longest prompt + output.
     slots = max(1, min(args.max_concurrency or args.num_prompts, args.num_prompts))
     longest = int((args.random_input_len + args.random_output_len) * (1 + args.random_range_ratio)) + 16
+    # One HTTP thread per client (its default is one per core: with more clients than that, the
+    # extra connections were dropped before their request body was read).
     server = LlamaServer(gguf, parallel=slots, ctx_per_slot=longest, threads=args.server_threads or 2,
-                         extra_args=args.server_args.split())
+                         extra_args=["--threads-http", str(slots + 4), *args.server_args.split()])
     server.__enter__()
     return _LlamaServerProcess(server), server.url
 
