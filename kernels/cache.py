@@ -104,7 +104,9 @@ def write_kv_cache(
     kv_fp8 = k_cache.dtype in _FP8_FORMAT
     k_arg, v_arg, man_bits, exp_bias, fp8_max = key, key, 0, 0, 0.0
     if kv_fp8:
-        one = torch.ones(1, dtype=torch.float32, device=key.device)
+        # The layers' scale buffers are passed as they are (a view, no copy: CUDA-graph safe).
+        if k_scale is None or v_scale is None:
+            one = torch.ones(1, dtype=torch.float32, device=key.device)
         k_arg = one if k_scale is None else k_scale.reshape(1).to(device=key.device, dtype=torch.float32)
         v_arg = one if v_scale is None else v_scale.reshape(1).to(device=key.device, dtype=torch.float32)
         man_bits, exp_bias = _FP8_FORMAT[k_cache.dtype]

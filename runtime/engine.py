@@ -230,7 +230,8 @@ class LLMEngine:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
 
             self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=self.num_kv_blocks,
-                                            block_size=config.block_size, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
+                                            block_size=config.block_size, device=self.device,
+                                            kv_cache_dtype=self.kv_cache_dtype,
                                             max_model_len=self.max_model_len, draft_model=draft)
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -250,3 +250,14 @@ def test_real_smollm2_answers_with_an_fp8_kv_cache(smollm2):
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"
+
+
+def test_serve_flag_reaches_the_engine_config():
+    from kvserve.runtime.cli import build_parser
+    from kvserve.runtime.server.main import engine_kwargs
+
+    args = build_parser().parse_args(["serve", "/m", "--kv-cache-dtype", "fp8_e5m2"])
+    assert engine_kwargs(args)["kv_cache_dtype"] == "fp8_e5m2"
+    assert "kv_cache_dtype" not in engine_kwargs(build_parser().parse_args(["serve", "/m"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "/m", "--kv-cache-dtype", "int8"])
