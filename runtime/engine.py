@@ -129,6 +129,13 @@ def _check_kv_cache_dtype(kv_dtype: torch.dtype, backend: str, device: torch.dev
                              f"use fp8_e5m2, attention_backend='torch', or kv_cache_dtype='auto'")
 
 
+def check_kv_cache_dtype_for_model(kv_cache_dtype: str, model_config) -> None:
+    """The latent (MLA) cache has no float8 form yet. Pure: the CLI runs it before listening."""
+    if kv_cache_dtype != "auto" and model_config.shape.mla is not None:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not supported for multi-head latent "
+                         f"attention models ({model_config.architecture}) yet; use 'auto'")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
@@ -153,9 +160,7 @@ class LLMEngine:
             self.quant_config.check_supported(self.device, self.dtype)
         self.quantization = self.quant_config.name if self.quant_config is not None else None
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        if config.kv_cache_dtype != "auto" and self.model_config.shape.mla is not None:
-            raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported for multi-head latent "
-                             f"attention models ({self.model_config.architecture}) yet; use 'auto'")
+        check_kv_cache_dtype_for_model(config.kv_cache_dtype, self.model_config)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         if config.tokenizer is None and is_gguf_path(config.model):
             self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
