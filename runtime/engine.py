@@ -301,6 +301,10 @@ class LLMEngine:
                  self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
                  config.block_size, str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
                  self.attention_backend)
+        if self.kv_groups is not None:
+            log.info("KV cache groups: %s", ", ".join(
+                f"{'full attention' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers, {n} blocks"
+                for g, n in zip(self.kv_groups, self.kv_group_blocks)))
 
     def _setup_compilation(self) -> None:
         """torch.compile (compilation_config level 3, CUDA) and CUDA graphs for decode steps."""
@@ -317,17 +321,15 @@ class LLMEngine:
         why_not = ("no capture sizes" if not sizes
                    else "tensor_parallel_size > 1" if self.config.tensor_parallel_size > 1
                    else f"the {self.attention_backend} attention backend syncs with the host"
-                   if self.attention_backend != "triton"
-                   # the captured graphs read one block table for every layer
-                   else "KV cache groups (a hybrid model's local and global layers)"
-                   if self.kv_groups is not None else None)
+                   if self.attention_backend != "triton" else None)
         if why_not:
             log.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
             return
         from kvserve.runtime.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
-                              max_model_len=self.max_model_len, sizes=sizes, device=self.device, capture=True)
+                              max_model_len=self.max_model_len, sizes=sizes, device=self.device, capture=True,
+                              kv_group_windows=None if self.kv_groups is None else [g.window for g in self.kv_groups])
         try:
             graphs.capture()
         except Exception as exc:  # a model whose forward cannot be captured still serves, eagerly

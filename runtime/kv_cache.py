@@ -82,8 +82,7 @@ def determine_group_blocks(config: EngineConfig, shape: ModelShape, dtype: torch
     per_block = kv_bytes_per_token(shape, size, tp) * config.block_size  # one block of every layer
     blocks = hybrid_group_blocks(groups, budget_blocks=budget / per_block, block_size=config.block_size,
                                  max_model_len=max_model_len, max_step_tokens=max_step_tokens)
-    layer_block = per_block // shape.num_layers
-    if sum(n * len(g.layers) for n, g in zip(blocks, groups)) * layer_block > budget:
+    if blocks[0] < 1:
         raise ValueError(f"kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block in every layer "
                          f"group ({per_block} bytes for a block of every layer)")
     return blocks

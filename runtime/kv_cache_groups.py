@@ -52,14 +52,18 @@ def hybrid_group_blocks(groups: Sequence[KVCacheGroup], *, budget_blocks: float,
                         max_model_len: int, max_step_tokens: int) -> list[int]:
     """Blocks per group out of a budget of `budget_blocks` whole-model blocks (a block of every
     layer), split in proportion to what one sequence of `max_model_len` tokens holds in each
-    group when a step computes at most `max_step_tokens` of it: the pools then run out together
-    at that length, and a shorter context is bounded by the same ratio at worst."""
+    group when a step computes at most `max_step_tokens` of it, so the pools run out together at
+    that length. A window group never gets less than that one sequence's bound (which serves a
+    sequence of any length), so a budget below one max-length sequence still serves whatever
+    the first group's share holds; the first group takes what the others leave."""
     need = [BlockManager(1, block_size, sliding_window=g.window).max_blocks_held(max_model_len, max_step_tokens)
             for g in groups]
-    num_layers = sum(len(g.layers) for g in groups)
-    # budget_blocks * num_layers layer-blocks; a sequence at max_model_len takes sum(len * need).
-    sequences = budget_blocks * num_layers / sum(len(g.layers) * n for g, n in zip(groups, need))
-    return [max(1, int(sequences * n)) for n in need]
+    layer_blocks = budget_blocks * sum(len(g.layers) for g in groups)
+    # A sequence at max_model_len takes sum(len * need) layer-blocks.
+    sequences = layer_blocks / sum(len(g.layers) * n for g, n in zip(groups, need))
+    rest = [max(n, int(sequences * n)) for n in need[1:]]
+    first = int((layer_blocks - sum(len(g.layers) * n for g, n in zip(groups[1:], rest))) / len(groups[0].layers))
+    return [max(0, first)] + rest
 
 
 @dataclass

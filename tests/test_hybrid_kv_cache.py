@@ -48,8 +48,11 @@ def test_group_blocks_are_split_by_what_a_max_length_sequence_holds():
     blocks = hybrid_group_blocks(GROUPS, budget_blocks=1000, block_size=BLOCK, max_model_len=1024,
                                  max_step_tokens=16)
     sequences = 1000 * 4 / (2 * 256 + 2 * 7)
-    assert blocks == [int(sequences * 256), int(sequences * 7)]
-    assert sum(n * len(g.layers) for n, g in zip(blocks, GROUPS)) <= 1000 * 4  # within the budget
+    assert blocks[1] == int(sequences * 7) and blocks[0] == (1000 * 4 - 2 * blocks[1]) // 2
+    assert blocks[0] >= int(sequences * 256)
+    # A budget below one max-length sequence: the window group still holds one sequence's bound.
+    assert hybrid_group_blocks(GROUPS, budget_blocks=10, block_size=BLOCK, max_model_len=1024,
+                               max_step_tokens=16) == [(10 * 4 - 2 * 7) // 2, 7]
     # A context no longer than the window: both groups need the same, the split is even.
     assert hybrid_group_blocks(GROUPS, budget_blocks=100, block_size=BLOCK, max_model_len=8,
                                max_step_tokens=16) == [100, 100]
