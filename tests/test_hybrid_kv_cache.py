@@ -213,6 +213,10 @@ def test_a_long_context_holds_one_window_on_the_local_layers(gemma):
     # Without the hybrid manager every layer holds the context.
     one = LLMEngine.from_args(model=str(gemma), disable_hybrid_kv_cache_manager=True, **kw)
     assert one.kv_groups is None and isinstance(one.block_manager, BlockManager)
+    # Speculative decoding's steps take one table per sequence: groups are off there.
+    spec = LLMEngine.from_args(model=str(gemma), speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                               **kw)
+    assert spec.kv_groups is None and isinstance(spec.block_manager, BlockManager)
 
 
 def test_parity_packed_chunked_preempted_prefix_cached_and_forked(gemma):
