@@ -138,7 +138,10 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
 async def run(args, base_url: str) -> dict:
     url = base_url.rstrip("/") + args.endpoint
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+    # A connection per request: llama-server closes idle keep-alive connections, and a request
+    # written to one it just closed failed ("Server disconnected"); loopback connects cost nothing.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = args.model
         vocab = args.vocab_size
         async with session.get(base_url.rstrip("/") + "/v1/models") as r:

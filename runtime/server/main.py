@@ -44,6 +44,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["enforce_eager"] = True
     if getattr(args, "async_scheduling", None):
         kw["async_scheduling"] = True
+    if getattr(args, "disable_hybrid_kv_cache_manager", None):
+        kw["disable_hybrid_kv_cache_manager"] = True
     if getattr(args, "compilation_config", None):
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw
