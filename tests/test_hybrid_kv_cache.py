@@ -106,6 +106,10 @@ def test_allocation_is_atomic_and_nothing_leaks(full_blocks, window_blocks, bloc
             computed.pop(a, None)
         co.check_invariants()
         assert 0 <= co.usage <= 1
+        # kv_cache_usage_perc is the fuller group's fraction, in the reference group's blocks.
+        if co.num_used_blocks:
+            assert abs(co.num_used_blocks / co.num_blocks - co.usage) <= 0.5 / co.num_blocks + 1e-9 \
+                or co.num_used_blocks == 1
         assert (co.num_used_blocks == 0) == all(m.num_used_blocks == 0 for m in co.managers)
     for seq in list(co.block_tables):
         co.free(seq)
@@ -258,3 +262,14 @@ def test_byte_budget_is_split_by_group_need(gemma):
     assert full_blocks > 1.5 * single.num_kv_blocks
     stats = engine.get_stats()
     assert stats.kv_blocks_total == full_blocks and stats.kv_blocks_used == 0
+
+
+def test_the_cli_flag_reaches_the_engine():
+    from kvserve.runtime.cli import build_parser
+    from kvserve.runtime.server.main import engine_kwargs
+
+    args = build_parser().parse_args(["serve", "/m", "--disable-hybrid-kv-cache-manager"])
+    assert engine_kwargs(args)["disable_hybrid_kv_cache_manager"] is True
+    assert "disable_hybrid_kv_cache_manager" not in engine_kwargs(build_parser().parse_args(["serve", "/m"]))
+    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
+        LLMEngine.from_args(model="/m", disable_hybrid_kv_cache_manager="yes")
