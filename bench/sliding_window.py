@@ -17,6 +17,14 @@ blocks behind each sequence's window) and with `sliding_window: null` (full atte
    blocks in use, preemptions, wall time, and the capacity model's
    `max_sequences_at_context_len` for that pool.
 
+3. Local and global layers (Gemma): a random-weight Gemma 2-shaped model (alternating local and
+   global layers, the same window) serves one `--gemma-context`-token sequence with the hybrid
+   KV cache manager (one block table and pool per layer group: the local layers hold their
+   window) and with `disable_hybrid_kv_cache_manager` (one table: every layer holds the context);
+   the most KV bytes held at once, summed over the groups, next to the capacity model's
+   `kv_tokens_held` with and without groups. `--parts gemma` runs only this part and merges it
+   into an existing JSON.
+
 Greedy outputs of the two models are not compared: they are different models once a context is
 longer than the window. Prints a table and writes bench/results/sliding_window.json.
 """
@@ -50,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of each capacity-run request")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--gemma-context", type=int, default=4096, help="context of the Gemma-shaped run (part 3)")
+    p.add_argument("--parts", nargs="+", choices=("sequence", "capacity", "gemma"),
+                   default=["sequence", "capacity", "gemma"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "sliding_window.json")
     return p.parse_args(argv)
@@ -87,6 +98,74 @@ def build_models(root: Path, window: int, max_len: int) -> tuple[Path, Path]:
     return windowed, full
 
 
+def build_gemma(root: Path, window: int, max_len: int, tokenizer_from: Path) -> Path:
+    """A Gemma 2-shaped random model: 4 layers, local (window) and global alternating."""
+    import torch
+    import transformers
+
+    path = root / f"gemma2-3m-w{window}-{max_len}"
+    if not (path / "config.json").is_file():
+        config = transformers.Gemma2Config(
+            vocab_size=8000, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=max_len, sliding_window=window,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        torch.manual_seed(0)
+        transformers.Gemma2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+        for f in tokenizer_from.iterdir():
+            if "token" in f.name:
+                shutil.copy(f, path / f.name)
+    return path
+
+
+def gemma_part(args, rng, params, tokenizer_from: Path) -> dict:
+    """One long sequence with and without KV cache groups: the most KV bytes held at once."""
+    import torch
+
+    from kvserve.runtime import LLMEngine
+    from kvserve.runtime.capacity import kv_bytes_per_token, kv_tokens_held
+
+    context = args.gemma_context
+    model_dir = build_gemma(RESULTS / "models", args.window, context + 64, tokenizer_from)
+    prompt = [rng.randrange(4, 8000) for _ in range(context - args.output_len)]
+    blocks = context // args.block_size + 8
+    out = dict(context=context, window=args.window, layers="4 (2 local, 2 global)")
+    for name, disable in (("groups", False), ("one_table", True)):
+        engine = LLMEngine.from_args(model=str(model_dir), device=args.device, block_size=args.block_size,
+                                     num_kv_blocks=blocks, max_model_len=context + 64, enable_prefix_caching=False,
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     disable_hybrid_kv_cache_manager=disable)
+        shape = engine.model_config.shape
+        size = torch.empty((), dtype=engine.dtype).element_size()
+        layer_token_bytes = kv_bytes_per_token(shape, size) // shape.num_layers
+        bm = engine.block_manager
+        managers = getattr(bm, "managers", [bm])
+        layers = [len(g.layers) for g in engine.kv_groups] if engine.kv_groups else [shape.num_layers]
+        engine.add_request("0", {"prompt_token_ids": prompt}, params)
+        peaks = [0] * len(managers)
+        peak_bytes = 0
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            used = [m.num_used_blocks for m in managers]
+            peaks = [max(p, u) for p, u in zip(peaks, used)]
+            peak_bytes = max(peak_bytes, sum(u * n for u, n in zip(used, layers)) * args.block_size * layer_token_bytes)
+        seconds = time.perf_counter() - start
+        assert bm.num_used_blocks == 0, "leaked KV blocks"
+        predicted = kv_tokens_held(shape, context - 1, block_size=args.block_size,
+                                   max_step_tokens=args.max_num_batched_tokens, kv_cache_groups=not disable)
+        out[name] = dict(peak_blocks_per_group=peaks, peak_kv_bytes=peak_bytes,
+                         predicted_kv_bytes=predicted * kv_bytes_per_token(shape, size), seconds=seconds)
+    g, one = out["groups"], out["one_table"]
+    print(f"\n3. Gemma 2-shaped (4 layers: 2 local with window {args.window}, 2 global), one {context}-token "
+          f"sequence: the most KV held at once, model prediction in ()")
+    print(f"{'':>24} {'KiB held':>9} {'(model)':>9} {'blocks per group':>18} {'seconds':>8}")
+    for label, r in (("hybrid KV cache groups", g), ("one block table", one)):
+        print(f"{label:>24} {r['peak_kv_bytes'] / 1024:>9.0f} ({r['predicted_kv_bytes'] / 1024:>6.0f}) "
+              f"{str(r['peak_blocks_per_group']):>18} {r['seconds']:>8.1f}")
+    print(f"one table / groups: {one['peak_kv_bytes'] / g['peak_kv_bytes']:.2f}x the KV bytes")
+    return out
+
+
 def engine_for(model_dir: Path, args, num_blocks: int, max_len: int):
     from kvserve.runtime import LLMEngine
 
@@ -115,7 +194,6 @@ def main(argv=None) -> int:
     import torch
 
     from kvserve.runtime import SamplingParams
-    from kvserve.runtime.capacity import kv_bytes_per_token, kv_tokens_held, plan_capacity, weight_bytes_per_gpu
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,6 +205,29 @@ def main(argv=None) -> int:
     print(f"Mistral-shaped 3M model, window {args.window} vs full attention, block {args.block_size}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens}, {args.device}, {torch.get_num_threads()} "
           f"threads, load average {load[0]:.2f}", flush=True)
+
+    record = dict(benchmark="sliding_window", window=args.window, block_size=args.block_size,
+                  max_num_batched_tokens=args.max_num_batched_tokens, output_len=args.output_len)
+    if set(args.parts) != {"sequence", "capacity", "gemma"} and args.out.is_file():
+        record = {**json.loads(args.out.read_text()), **record}  # a partial run updates its parts only
+    if "sequence" in args.parts:
+        record["per_sequence"] = per_sequence_part(args, rng, params, windowed, full, max_len)
+    if "capacity" in args.parts:
+        record.update(capacity_part(args, rng, windowed, full, max_len))
+    if "gemma" in args.parts:
+        record["gemma"] = gemma_part(args, rng, params, windowed)
+    record.update(device=args.device, threads=torch.get_num_threads(), load_average=load,
+                  machine=platform.platform(), cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def per_sequence_part(args, rng, params, windowed: Path, full: Path, max_len: int) -> list:
+    import torch
+
+    from kvserve.runtime.capacity import kv_bytes_per_token, kv_tokens_held
 
     per_seq = []
     big = max(args.contexts) // args.block_size + 8
@@ -153,6 +254,14 @@ def main(argv=None) -> int:
         print(f"{row['context']:>8} {w['peak_tokens']:>10} ({w['predicted_tokens']:>5}) {w['peak_kv_bytes'] / 1024:>8.0f} "
               f"{f['peak_tokens']:>8} ({f['predicted_tokens']:>5}) {f['peak_kv_bytes'] / 1024:>8.0f} "
               f"{f['peak_tokens'] / w['peak_tokens']:>13.2f}x")
+    return per_seq
+
+
+def capacity_part(args, rng, windowed: Path, full: Path, max_len: int) -> dict:
+    import torch
+
+    from kvserve.runtime import SamplingParams
+    from kvserve.runtime.capacity import kv_bytes_per_token, plan_capacity, weight_bytes_per_gpu
 
     context = args.capacity_context
     prompts = [[rng.randrange(4, 8000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
@@ -186,17 +295,7 @@ def main(argv=None) -> int:
               f"{c['preemptions']:>12} {c['seconds']:>9.1f} {c['generated_tokens_per_second']:>10.0f}")
     ratio = capacity["full"]["seconds"] / capacity["window"]["seconds"]
     print(f"window vs full wall time: {ratio:.2f}x faster")
-
-    record = dict(benchmark="sliding_window", window=args.window, block_size=args.block_size,
-                  max_num_batched_tokens=args.max_num_batched_tokens, output_len=args.output_len,
-                  per_sequence=per_seq, capacity_context=context, capacity_prompt_len=args.prompt_len,
-                  capacity=capacity, device=args.device,
-                  threads=torch.get_num_threads(), load_average=load, machine=platform.platform(),
-                  cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    return dict(capacity_context=context, capacity_prompt_len=args.prompt_len, capacity=capacity)
 
 
 if __name__ == "__main__":

@@ -321,6 +321,11 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         resources=r.mapping("resources") or {},
     )
 
+    if runtime.engine == "vllm" and runtime.quantization in ("int8", "int4"):
+        raise SpecError("spec.runtime.quantization", f"{runtime.quantization!r} is kvserve's load-time "
+                        f"quantization; vLLM has no such method (use engine: kvserve, or a checkpoint quantized "
+                        f"as awq, gptq, compressed-tensors or fp8)")
+
     g = top.sub("gpu")
     memory = g.raw.get("memory", "80Gi")
     node_selector = g.mapping("nodeSelector") or {}

@@ -88,6 +88,10 @@ class BlockManager:
         span = self.sliding_window - 1 + min(max_step_tokens, num_kv_tokens)
         return min(whole, self.blocks_for_tokens(span) + 1)
 
+    def fits(self, num_kv_tokens: int, max_step_tokens: int) -> bool:
+        """Whether the whole pool could ever hold one such sequence (``max_blocks_held``)."""
+        return self.max_blocks_held(num_kv_tokens, max_step_tokens) <= self.num_blocks
+
     def first_live_block(self, num_computed: int) -> int:
         """Index of the first block a query at position `num_computed` (or later) can read."""
         if self.sliding_window is None:

@@ -22,8 +22,13 @@ blocks behind each sequence's window, so a sequence holds at most about window +
 tokens, whatever its context length (``kv_tokens_held``); a long context then costs fewer bytes
 per context token (``kv_bytes_per_context_token``), and a pool serves more such sequences
 (``plan_capacity(context_len=...)``). When only some layers are local (Gemma's alternating
-local/global layers, Qwen2's max_window_layers), every layer's K/V is kept for the whole context:
-the window bounds their attention work, not their memory, and the capacity model says so.
+local/global layers, Qwen2's max_window_layers), the runtime keeps one block table and pool per
+layer group (runtime/kv_cache_groups.py, at tensor_parallel_size 1): the local layers hold the
+window bound and the global ones the whole context, and ``kv_tokens_held`` averages the two per
+layer, and ``plan_capacity(context_len=L)`` counts the L-token sequences the split pools hold.
+``kv_tokens`` stays the single-table count (the ratio between TP degrees the operator uses);
+the runtime's ``kvserve:kv_cache_capacity_tokens`` of a grouped model is its full-attention
+group's slots, more than that.
 """
 
 from __future__ import annotations
@@ -298,19 +303,41 @@ def _sliding_layers(config: Mapping[str, Any], num_layers: int) -> dict[str, Any
     return dict(sliding_window=window, num_sliding_layers=sum(t == SLIDING_ATTENTION for t in types))
 
 
-def kv_tokens_held(shape: ModelShape, context_len: int, *, block_size: int, max_step_tokens: int) -> int:
+def kv_tokens_held(shape: ModelShape, context_len: int, *, block_size: int, max_step_tokens: int,
+                   kv_cache_groups: bool = True) -> int:
     """The most K/V slots (whole blocks) one sequence of `context_len` tokens holds at once when
     each step computes at most `max_step_tokens` of its tokens: all of its blocks, or, with a
     window on every layer, the window before a step plus the step at the worst block alignment
-    (the same bound as BlockManager.max_blocks_held)."""
+    (the same bound as BlockManager.max_blocks_held). With local and global layers and
+    `kv_cache_groups` (the runtime's hybrid KV cache manager, on at tensor_parallel_size 1), the
+    local layers hold that window bound and the global ones every block: the average per layer,
+    rounded up, is returned (so that times ``kv_bytes_per_token`` it is the bytes held)."""
     if context_len < 1 or block_size < 1 or max_step_tokens < 1:
         raise ValueError("context_len, block_size and max_step_tokens must be >= 1")
+    return -(-_layer_slots_held(shape, context_len, block_size, max_step_tokens, kv_cache_groups)
+             // shape.num_layers)
+
+
+def has_kv_cache_groups(shape: ModelShape) -> bool:
+    """Local and global layers: the runtime keeps one block table per layer group."""
+    return shape.sliding_window is not None and 0 < shape.num_sliding_layers < shape.num_layers
+
+
+def _layer_slots_held(shape: ModelShape, context_len: int, block_size: int, max_step_tokens: int,
+                      kv_cache_groups: bool) -> int:
+    """K/V slots one sequence holds summed over the layers (see kv_tokens_held)."""
     whole = -(-context_len // block_size)
-    window = shape.kv_release_window
-    if window is not None:
+
+    def window_bound(window: int) -> int:
         span = window - 1 + min(max_step_tokens, context_len)
-        whole = min(whole, -(-span // block_size) + 1)
-    return whole * block_size
+        return min(whole, -(-span // block_size) + 1)
+
+    if shape.kv_release_window is not None:
+        return window_bound(shape.kv_release_window) * block_size * shape.num_layers
+    if kv_cache_groups and has_kv_cache_groups(shape):
+        local = shape.num_sliding_layers
+        return ((shape.num_layers - local) * whole + local * window_bound(shape.sliding_window)) * block_size
+    return whole * block_size * shape.num_layers
 
 
 def kv_bytes_per_context_token(shape: ModelShape, dtype_size: int, context_len: int, tp: int = 1, *,
@@ -522,8 +549,17 @@ def plan_capacity(
     blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
     at_context: dict[str, int] = {}
     if context_len is not None:
-        held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens)
-        sequences = blocks * block_size // held
+        groups = tp == 1  # the runtime keeps one block table for all layers at higher degrees
+        if groups and has_kv_cache_groups(shape):
+            # Each group's pool is sized for this length (kvserve.runtime.kv_cache_groups), so the
+            # budget divides by the bytes one such sequence holds across the layers.
+            layer_bytes = kv_bytes_per_token(shape, kv_size, tp) // shape.num_layers
+            held_bytes = _layer_slots_held(shape, context_len, block_size, max_step_tokens, True) * layer_bytes
+            sequences = kv_budget // held_bytes
+        else:
+            held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens,
+                                  kv_cache_groups=groups)
+            sequences = blocks * block_size // held
         at_context = dict(context_len=context_len, max_sequences_at_context_len=sequences,
                           context_tokens=sequences * context_len)
     return ReplicaCapacity(

@@ -54,6 +54,10 @@ class EngineConfig:
     compilation_config: Any = None
     # Overlap: run step N+1's forward pass while step N's tokens are detokenized and streamed.
     async_scheduling: bool = False
+    # Models mixing local and global layers (Gemma 2/3) keep one block table per layer group, so
+    # the local layers hold only their window; True keeps one table for all layers (every layer
+    # then holds the whole context).
+    disable_hybrid_kv_cache_manager: bool = False
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -113,6 +117,8 @@ class EngineConfig:
             fail("enforce_eager", "must be a boolean")
         if not isinstance(self.async_scheduling, bool):
             fail("async_scheduling", "must be a boolean")
+        if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
+            fail("disable_hybrid_kv_cache_manager", "must be a boolean")
         from kvserve.runtime.cuda_graphs import CompilationConfig
 
         self.compilation_config = CompilationConfig.parse(self.compilation_config)

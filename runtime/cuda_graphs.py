@@ -117,7 +117,8 @@ class DecodeGraphs:
     static-buffer path run eagerly: the CPU twin the tests use)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, *, block_size: int, max_model_len: int,
-                 sizes: list[int], device: torch.device, capture: bool):
+                 sizes: list[int], device: torch.device, capture: bool,
+                 kv_group_windows: list[int | None] | None = None):
         if not sizes:
             raise ValueError("DecodeGraphs needs at least one capture size")
         self.model, self.kv_caches = model, kv_caches
@@ -132,6 +133,13 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=dev)
+        # KV cache groups (a hybrid model): one slot mapping and block table per group's window,
+        # the first group's being the buffers above; None: one table serves every layer.
+        self.kv_group_windows = kv_group_windows
+        self._group_buffers: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, window in enumerate(kv_group_windows or []):
+            self._group_buffers[window] = ((self.slot_mapping, self.block_tables) if i == 0 else
+                                           (torch.full_like(self.slot_mapping, -1), torch.zeros_like(self.block_tables)))
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=dev)
         self.capture_enabled = capture
         self.graphs: dict[int, Any] = {}
@@ -143,9 +151,15 @@ class DecodeGraphs:
         return bucket_for(n, self.sizes)
 
     def metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-                                 block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
-                                 max_query_len=1, max_seq_len=self.max_model_len, is_decode_only=True)
+        def of(slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+            return AttentionMetadata(query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
+                                     block_tables=block_tables[:size], slot_mapping=slot_mapping[:size],
+                                     max_query_len=1, max_seq_len=self.max_model_len, is_decode_only=True)
+
+        meta = of(self.slot_mapping, self.block_tables)
+        if self._group_buffers:
+            meta.kv_groups = {w: of(*buffers) for w, buffers in self._group_buffers.items()}
+        return meta
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
         """Copies one step's n decode rows into the static buffers and pads rows n..size-1 (only the
@@ -153,24 +167,30 @@ class DecodeGraphs:
         n = input_ids.shape[0]
         if not meta.is_decode_only or n > size:
             raise ValueError(f"DecodeGraphs.load: a decode-only step of at most {size} rows, got {n}")
-        width = meta.block_tables.shape[1]
-        if width > self.block_tables.shape[1]:
-            raise ValueError(f"block table width {width} exceeds the {self.block_tables.shape[1]} blocks "
-                             f"max_model_len {self.max_model_len} needs")
+        if (meta.kv_groups is None) != (not self._group_buffers):
+            raise ValueError("DecodeGraphs.load: the step's KV cache groups differ from the captured ones")
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if width < self.block_tables.shape[1]:
-            self.block_tables[:n, width:].zero_()
+        tables = ([(self.slot_mapping, self.block_tables, meta)] if not self._group_buffers else
+                  [(slots, blocks, meta.kv_groups[w]) for w, (slots, blocks) in self._group_buffers.items()])
         dirty = max(self._rows_loaded, n)
+        for slot_mapping, block_tables, group_meta in tables:
+            width = group_meta.block_tables.shape[1]
+            if width > block_tables.shape[1]:
+                raise ValueError(f"block table width {width} exceeds the {block_tables.shape[1]} blocks "
+                                 f"max_model_len {self.max_model_len} needs")
+            slot_mapping[:n].copy_(group_meta.slot_mapping, non_blocking=True)
+            block_tables[:n, :width].copy_(group_meta.block_tables, non_blocking=True)
+            if width < block_tables.shape[1]:
+                block_tables[:n, width:].zero_()
+            if dirty > n:
+                slot_mapping[n:dirty].fill_(-1)
+                block_tables[n:dirty].zero_()
         if dirty > n:
             self.input_ids[n:dirty].zero_()
             self.positions[n:dirty].zero_()
-            self.slot_mapping[n:dirty].fill_(-1)
             self.seq_lens[n:dirty].fill_(1)
-            self.block_tables[n:dirty].zero_()
         self._rows_loaded = n
 
     def _forward(self, size: int) -> torch.Tensor:

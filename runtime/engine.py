@@ -18,7 +18,14 @@ import torch
 from kvserve.runtime.block_manager import BlockManager
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.detokenizer import IncrementalDetokenizer, make_decode_fn
-from kvserve.runtime.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_torch_dtype
+from kvserve.runtime.kv_cache import (
+    allocate_kv_cache,
+    determine_group_blocks,
+    determine_num_blocks,
+    kv_cache_torch_dtype,
+    layer_group_blocks,
+)
+from kvserve.runtime.kv_cache_groups import KVCacheCoordinator, KVCacheGroup, kv_cache_groups
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.runtime.prefix_cache import extra_key
@@ -112,6 +119,24 @@ def kv_release_window(model_config, draft=None) -> int | None:
     return max(c.sliding_window for c in configs)
 
 
+def hybrid_kv_groups(config: EngineConfig, model_config) -> tuple[KVCacheGroup, ...] | None:
+    """The KV cache groups of a model that mixes local and global layers (each group its own
+    block tables and pool: runtime/kv_cache_groups.py), or None for one block table serving every
+    layer: a model with one kind of layer, the hybrid manager disabled, or a path that shares one
+    table across layers (tensor-parallel workers and speculative decoding's draft model and
+    verification step take one table per sequence today)."""
+    groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])
+    if len(groups) == 1 or config.disable_hybrid_kv_cache_manager:
+        return None
+    why_not = ("tensor_parallel_size > 1" if config.tensor_parallel_size > 1
+               else "speculative decoding" if config.speculative_config is not None else None)
+    if why_not:
+        log.info("hybrid KV cache manager off (%s): one block table serves every layer, so the local layers "
+                 "hold the whole context", why_not)
+        return None
+    return groups
+
+
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return checkpoint_dtype if device.type == "cuda" else torch.float32
@@ -127,6 +152,13 @@ def _check_kv_cache_dtype(kv_dtype: torch.dtype, backend: str, device: torch.dev
             raise ValueError(f"kv_cache_dtype: fp8 / fp8_e4m3 needs a GPU of compute capability 8.9 or "
                              f"newer with the triton attention backend (this one is {major}.{minor}); "
                              f"use fp8_e5m2, attention_backend='torch', or kv_cache_dtype='auto'")
+
+
+def check_kv_cache_dtype_for_model(kv_cache_dtype: str, model_config) -> None:
+    """The latent (MLA) cache has no float8 form yet. Pure: the CLI runs it before listening."""
+    if kv_cache_dtype != "auto" and model_config.shape.mla is not None:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not supported for multi-head latent "
+                         f"attention models ({model_config.architecture}) yet; use 'auto'")
 
 
 class LLMEngine:
@@ -153,9 +185,7 @@ class LLMEngine:
             self.quant_config.check_supported(self.device, self.dtype)
         self.quantization = self.quant_config.name if self.quant_config is not None else None
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        if config.kv_cache_dtype != "auto" and self.model_config.shape.mla is not None:
-            raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype!r} is not supported for multi-head latent "
-                             f"attention models ({self.model_config.architecture}) yet; use 'auto'")
+        check_kv_cache_dtype_for_model(config.kv_cache_dtype, self.model_config)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         if config.tokenizer is None and is_gguf_path(config.model):
             self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
@@ -194,24 +224,40 @@ class LLMEngine:
                                     attention_backend=backend, config=self.model_config,
                                     tp_rank=0, tp_size=tp, quantization=self.quant_config)
             shape = self.model_config.shape
-            self.num_kv_blocks = determine_num_blocks(config, shape, self.kv_cache_dtype, self.device)
-            if draft is not None and config.num_kv_blocks is None:
-                # The draft's pools take as many blocks as the target's, out of the same budget.
-                self.num_kv_blocks = split_blocks_with_draft(self.num_kv_blocks, shape, draft.config.shape)
-            if self.executor is not None:
-                self.num_kv_blocks = self.executor.agree_num_blocks(self.num_kv_blocks)
-            self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.kv_cache_dtype,
-                                               self.device, tp)
+            self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
+            self.kv_groups = hybrid_kv_groups(config, self.model_config)
+            if self.kv_groups is not None:
+                step = self.max_num_batched_tokens if config.enable_chunked_prefill else self.max_model_len
+                self.kv_group_blocks = determine_group_blocks(
+                    config, shape, self.kv_cache_dtype, self.device, self.kv_groups,
+                    max_model_len=self.max_model_len, max_step_tokens=step)
+                self.num_kv_blocks = self.kv_group_blocks[0]
+                self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.kv_cache_dtype,
+                                                   self.device, tp,
+                                                   layer_blocks=layer_group_blocks(self.kv_groups, self.kv_group_blocks))
+            else:
+                self.num_kv_blocks = determine_num_blocks(config, shape, self.kv_cache_dtype, self.device)
+                if draft is not None and config.num_kv_blocks is None:
+                    # The draft's pools take as many blocks as the target's, out of the same budget.
+                    self.num_kv_blocks = split_blocks_with_draft(self.num_kv_blocks, shape, draft.config.shape)
+                if self.executor is not None:
+                    self.num_kv_blocks = self.executor.agree_num_blocks(self.num_kv_blocks)
+                self.kv_group_blocks = [self.num_kv_blocks]
+                self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size,
+                                                   self.kv_cache_dtype, self.device, tp)
         except BaseException:
             if self.executor is not None:
                 self.executor.shutdown()
             raise
         # Rank 0's weights (every rank holds a same-sized shard): values, scales, zeros.
         self.model_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
-                                          enable_caching=config.enable_prefix_caching,
-                                          sliding_window=kv_release_window(self.model_config, draft))
-        self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
+        if self.kv_groups is not None:
+            self.block_manager = KVCacheCoordinator(self.kv_groups, self.kv_group_blocks, config.block_size,
+                                                    enable_caching=config.enable_prefix_caching)
+        else:
+            self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
+                                              enable_caching=config.enable_prefix_caching,
+                                              sliding_window=kv_release_window(self.model_config, draft))
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -221,7 +267,7 @@ class LLMEngine:
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device,
-                                  Sampler(generator))
+                                  Sampler(generator), kv_groups=self.kv_groups)
         if self.executor is not None:
             self.executor.attach(self.runner)
         self._setup_compilation()
@@ -260,6 +306,10 @@ class LLMEngine:
                  self.model_config.architecture, self.device, self.dtype, self.num_kv_blocks,
                  config.block_size, str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
                  self.attention_backend)
+        if self.kv_groups is not None:
+            log.info("KV cache groups: %s", ", ".join(
+                f"{'full attention' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers, {n} blocks"
+                for g, n in zip(self.kv_groups, self.kv_group_blocks)))
 
     def _setup_compilation(self) -> None:
         """torch.compile (compilation_config level 3, CUDA) and CUDA graphs for decode steps."""
@@ -283,7 +333,8 @@ class LLMEngine:
         from kvserve.runtime.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
-                              max_model_len=self.max_model_len, sizes=sizes, device=self.device, capture=True)
+                              max_model_len=self.max_model_len, sizes=sizes, device=self.device, capture=True,
+                              kv_group_windows=None if self.kv_groups is None else [g.window for g in self.kv_groups])
         try:
             graphs.capture()
         except Exception as exc:  # a model whose forward cannot be captured still serves, eagerly
@@ -554,7 +605,10 @@ class LLMEngine:
                 repeats.append(1 + len(req.unforked))
         # Copies: an abort between steps frees (and edits) a sequence's table while a forward
         # pass of the overlapped engine may still read it.
-        tables = [list(self.block_manager.block_tables[item.seq.seq_id]) for item in sched.scheduled]
+        if self.kv_groups is not None:
+            tables = [self.block_manager.group_tables(item.seq.seq_id) for item in sched.scheduled]
+        else:
+            tables = [list(self.block_manager.block_tables[item.seq.seq_id]) for item in sched.scheduled]
         return _Step(sched, tables, rows, repeats, t_start, t_scheduled, time.perf_counter())
 
     def _run_step(self, step: "_Step"):

@@ -1,4 +1,5 @@
-"""Sizes and allocates the paged KV cache: per layer a tuple of pools sharing one block table.
+"""Sizes and allocates the paged KV cache: per layer a tuple of pools sharing one block table
+(one per KV cache group, for models mixing local and global layers: runtime/kv_cache_groups.py).
 
 Each pool is ``[num_blocks, block_size, heads, values]``. What a layer holds is the model's
 cache layout (``ModelShape.kv_cache_layout``): a K pool and a V pool of
@@ -16,10 +17,13 @@ tokens in the same budget. The attention backends scale on write and read (per-l
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from kvserve.runtime.capacity import ModelShape, blocks_for_budget, kv_bytes_per_token
 from kvserve.runtime.config import EngineConfig
+from kvserve.runtime.kv_cache_groups import KVCacheGroup, hybrid_group_blocks
 
 
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -47,14 +51,7 @@ def determine_num_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.d
     tp = config.tensor_parallel_size
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    if config.kv_cache_memory_bytes is not None:
-        budget = config.kv_cache_memory_bytes
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # Keep (1 - utilization) of the whole GPU unused, as vLLM does, out of what is free now.
-        budget = int(free - total * (1 - config.gpu_memory_utilization))
-    else:
-        budget = EngineConfig.DEFAULT_CPU_KV_BYTES
+    budget = _kv_budget_bytes(config, device)
     blocks = blocks_for_budget(max(0, budget), shape, size, config.block_size, tp)
     if blocks < 1:
         per_block = kv_bytes_per_token(shape, size, tp) * config.block_size
@@ -63,12 +60,53 @@ def determine_num_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.d
     return blocks
 
 
+def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Keep (1 - utilization) of the whole GPU unused, as vLLM does, out of what is free now.
+        return int(free - total * (1 - config.gpu_memory_utilization))
+    return EngineConfig.DEFAULT_CPU_KV_BYTES
+
+
+def determine_group_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device,
+                           groups: Sequence[KVCacheGroup], *, max_model_len: int, max_step_tokens: int) -> list[int]:
+    """Blocks per KV cache group (runtime/kv_cache_groups.py). An explicit ``num_kv_blocks`` gives
+    every group that many; a byte budget (as in ``determine_num_blocks``) is split between the
+    groups in proportion to what a sequence of `max_model_len` tokens holds in each."""
+    if config.num_kv_blocks is not None:
+        return [config.num_kv_blocks] * len(groups)
+    size, tp = element_size(dtype), config.tensor_parallel_size
+    budget = max(0, _kv_budget_bytes(config, device))
+    per_block = kv_bytes_per_token(shape, size, tp) * config.block_size  # one block of every layer
+    blocks = hybrid_group_blocks(groups, budget_blocks=budget / per_block, block_size=config.block_size,
+                                 max_model_len=max_model_len, max_step_tokens=max_step_tokens)
+    if blocks[0] < 1:
+        raise ValueError(f"kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block in every layer "
+                         f"group ({per_block} bytes for a block of every layer)")
+    return blocks
+
+
 def allocate_kv_cache(shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device, tp: int = 1) -> list[tuple[torch.Tensor, ...]]:
+                      device: torch.device, tp: int = 1,
+                      layer_blocks: Sequence[int] | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Every layer's pools of `num_blocks` blocks, or of `layer_blocks[i]` for layer i (KV cache
+    groups: a layer has its group's blocks)."""
     pools, heads, size = shape.kv_cache_layout(tp)
-    pool_shape = (num_blocks, block_size, heads, size)
-    return [tuple(torch.zeros(pool_shape, dtype=dtype, device=device) for _ in range(pools))
-            for _ in range(shape.num_layers)]
+    if layer_blocks is None:
+        layer_blocks = [num_blocks] * shape.num_layers
+    return [tuple(torch.zeros((n, block_size, heads, size), dtype=dtype, device=device) for _ in range(pools))
+            for n in layer_blocks]
+
+
+def layer_group_blocks(groups: Sequence[KVCacheGroup], group_blocks: Sequence[int]) -> list[int]:
+    """Per layer, the block count of its group."""
+    out = [0] * sum(len(g.layers) for g in groups)
+    for g, n in zip(groups, group_blocks):
+        for layer in g.layers:
+            out[layer] = n
+    return out
 
 
 def kv_cache_bytes(kv_caches: list[tuple[torch.Tensor, ...]]) -> int:
@@ -87,6 +125,15 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, ...]], pairs: list[tuple[int
         for pool in layer:
             pool = as_storage(pool)
             pool[dst] = pool[src]
+
+
+def copy_group_blocks(kv_caches: list[tuple[torch.Tensor, ...]], groups: Sequence[KVCacheGroup],
+                      triples: list[tuple[int, int, int]]) -> None:
+    """Applies copy-on-write (group, src_block, dst_block) triples to the pools of that group's layers."""
+    for g, group in enumerate(groups):
+        pairs = [(src, dst) for tg, src, dst in triples if tg == g]
+        if pairs:
+            copy_blocks([kv_caches[layer] for layer in group.layers], pairs)
 
 
 def as_storage(cache: torch.Tensor) -> torch.Tensor:

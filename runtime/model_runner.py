@@ -7,21 +7,27 @@ whose chunk reaches its end; a partial prefill chunk only fills the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from kvserve.runtime.attention.backend import AttentionMetadata
-from kvserve.runtime.kv_cache import copy_blocks
+from kvserve.runtime.kv_cache import copy_blocks, copy_group_blocks
+from kvserve.runtime.kv_cache_groups import KVCacheGroup
 from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow
 from kvserve.runtime.scheduler import ScheduledSequence
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, sampler: Sampler) -> None:
+                 block_size: int, device: torch.device, sampler: Sampler,
+                 kv_groups: Sequence[KVCacheGroup] | None = None) -> None:
         self.model = model
+        # With KV cache groups, each sequence's block table is a tuple of one table per group.
+        self.kv_groups = tuple(kv_groups) if kv_groups is not None else None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -33,8 +39,19 @@ class ModelRunner:
         self.graphs = None
 
     def prepare(self, scheduled: list[ScheduledSequence],
-                block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Packed (input_ids, positions, metadata, logits row indices) for one step."""
+                block_tables: list) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Packed (input_ids, positions, metadata, logits row indices) for one step. With KV cache
+        groups, `block_tables[i]` holds one table per group, and the metadata one per window."""
+        if self.kv_groups is None:
+            return self._prepare(scheduled, block_tables)
+        per_group = [self._prepare(scheduled, [tables[g] for tables in block_tables])
+                     for g in range(len(self.kv_groups))]
+        input_ids, positions, meta, logits_rows = per_group[0]
+        by_window = {group.window: prepared[2] for group, prepared in zip(self.kv_groups, per_group)}
+        return input_ids, positions, dataclasses.replace(meta, kv_groups=by_window), logits_rows
+
+    def _prepare(self, scheduled: list[ScheduledSequence],
+                 block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         num_seqs = len(scheduled)
         decode_only = all(item.num_new_tokens == 1 for item in scheduled)
@@ -104,7 +121,10 @@ class ModelRunner:
         With `repeats`, sampling sequence i gives repeats[i] rows (n > 1: one logits row, n draws)."""
         t0 = time.perf_counter()
         for item in scheduled:
-            copy_blocks(self.kv_caches, item.block_copies)
+            if self.kv_groups is None:
+                copy_blocks(self.kv_caches, item.block_copies)
+            else:
+                copy_group_blocks(self.kv_caches, self.kv_groups, item.block_copies)
         input_ids, positions, meta, logits_rows = self.prepare(scheduled, block_tables)
         assert len(logits_rows) == (len(rows) if repeats is None else len(repeats))
         t1 = time.perf_counter()

@@ -13,7 +13,8 @@ Pure and deterministic: no torch, no clocks. Each step has a token budget
 
 With a sliding window on every layer, a running sequence first gives back the blocks wholly
 behind its next query's window (``BlockManager.release_behind_window``), so long contexts cost
-window-sized memory.
+window-sized memory. A model mixing local and global layers gets a ``KVCacheCoordinator``
+(runtime/kv_cache_groups.py) instead: the same calls, applied to one block table per layer group.
 
 With prefix caching, an admitted sequence first takes the cached blocks of its longest cached
 prefix and computes only the rest; a fully cached sequence still recomputes its last token (its
@@ -27,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.runtime.block_manager import BlockManager
+from kvserve.runtime.kv_cache_groups import KVCacheCoordinator
 from kvserve.runtime.prefix_cache import extend_block_hashes
 from kvserve.runtime.sequence import Sequence, SequenceStatus
 
@@ -72,7 +74,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | KVCacheCoordinator) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -96,7 +98,7 @@ class Scheduler:
                              f"({max_tokens}) exceeds max_model_len {cfg.max_model_len}")
         # With a sliding window a sequence holds only the window plus one step's tokens at a time.
         step = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else num_prompt_tokens + max_tokens - 1
-        if bm.max_blocks_held(num_prompt_tokens + max_tokens - 1, step) > bm.num_blocks:
+        if not bm.fits(num_prompt_tokens + max_tokens - 1, step):
             raise ValueError(f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
                              f"({max_tokens}) exceeds the whole KV cache "
                              f"({bm.num_blocks * bm.block_size} tokens)")

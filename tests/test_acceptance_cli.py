@@ -69,3 +69,39 @@ def test_serve_quiets_torch_info_logs_unless_debug(monkeypatch):
     root.handlers = []
     server_main.run_server(build_parser().parse_args(["serve", "/m", "--log-level", "debug"]))
     assert torch_logger.level == logging.NOTSET
+
+
+def _preflight_only(monkeypatch, argv: list[str], capsys) -> tuple[int, list[str]]:
+    """run_server on argv, failing the test if it gets as far as starting a server: what
+    `kvserve serve` refuses before listening (exit 2, one line on stderr)."""
+    from kvserve.runtime.server import main as server_main
+
+    def no_server(coro):
+        coro.close()
+        raise AssertionError("the server was started; the options should have been refused first")
+
+    monkeypatch.setattr(server_main.asyncio, "run", no_server)
+    capsys.readouterr()  # what building the model fixture printed
+    code = server_main.run_server(build_parser().parse_args(["serve", *argv]))
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--compilation-config", "not json"], "compilation_config: not valid JSON"),
+    (["-O", "2"], "compilation_config.level: must be 0"),
+    (["--compilation-config", '{"cudagraph_capture_sizes": [0]}'], "compilation_config.cudagraph_capture_sizes"),
+    (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "speculative_config.method"),
+    (["--dtype", "float64"], "dtype: must be one of"),
+    (["--device", "tpu"], "device: must be"),
+])
+def test_bad_engine_options_are_refused_before_listening(tiny_llama, monkeypatch, capsys, flags, field):
+    code, lines = _preflight_only(monkeypatch, [str(tiny_llama), *flags], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"kvserve serve: {field}"), lines
+
+
+def test_fp8_kv_cache_with_mla_model_is_refused_before_listening(tiny_model_factory, monkeypatch, capsys):
+    code, lines = _preflight_only(monkeypatch, [str(tiny_model_factory("deepseek_v2")), "--kv-cache-dtype", "fp8"],
+                                  capsys)
+    assert code == 2 and lines == [
+        "kvserve serve: kv_cache_dtype: 'fp8' is not supported for multi-head latent attention models "
+        "(DeepseekV2ForCausalLM) yet; use 'auto'"]

@@ -178,7 +178,8 @@ def _workload(vocab: int, seed: int = 0):
 def _install_twin_graphs(llm: LLM) -> DecodeGraphs:
     eng = llm.engine
     graphs = DecodeGraphs(eng.model, eng.kv_caches, block_size=eng.config.block_size, max_model_len=eng.max_model_len,
-                          sizes=[1, 2, 4, 8], device=eng.device, capture=False)
+                          sizes=[1, 2, 4, 8], device=eng.device, capture=False,
+                          kv_group_windows=None if eng.kv_groups is None else [g.window for g in eng.kv_groups])
     eng.runner.graphs = graphs
     return graphs
 

@@ -4,6 +4,8 @@ against transformers running the same (dequantized) weights, and the tensor-para
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -37,9 +39,14 @@ def _gen(seed):
                                                               "quantized as 'awq'"),
     ("int8", {"quantization_config": {"quant_method": "awq"}}, "checkpoint is quantized as 'awq'"),
     (None, {"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes' is not supported"),
+    # A .gguf file has no config.json: its tensor types are its format, so the messages say so.
+    ("int8", {"quantization_config": {"quant_method": "gguf"}}, "quantization: 'int8' was requested but the model "
+                                                              "is a GGUF file (its tensor types are its format); "
+                                                              "leave quantization unset or use 'gguf'"),
+    ("gguf", {}, "quantization: 'gguf' needs a .gguf file as the model; this checkpoint is not one"),
 ])
 def test_bad_quantization_requests_name_the_field(requested, config, match):
-    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(match)):
         resolve_quantization(requested, config)
 
 

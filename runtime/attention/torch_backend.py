@@ -160,15 +160,15 @@ class TorchAttentionBackend:
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int, heads_per_kv: int, window: int | None,
                   device: torch.device) -> _Plan:
-        # Every layer of one forward pass sees the same metadata object; the plan holds a strong
-        # reference to it, so an identity match cannot be a recycled id. Layers with and without
-        # a window (Gemma) each get a plan of their own for the step.
+        # Every layer of one forward pass with the same window sees the same metadata object; the
+        # plan holds a strong reference to it, so an identity match cannot be a recycled id.
+        # Layers with and without a window (Gemma) each get a plan of their own for the step, and
+        # with KV cache groups each window's layers see their group's metadata object, so a stale
+        # plan is replaced per window (never all at once, which would rebuild per layer).
         plan = self._plans.get(window)
         if (plan is not None and plan.meta is meta and plan.block_size == block_size
                 and plan.heads_per_kv == heads_per_kv):
             return plan
-        if plan is None or plan.meta is not meta:
-            self._plans = {w: p for w, p in self._plans.items() if p.meta is meta}
         q_starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         decode_seqs, short_seqs, prefill = [], [], []

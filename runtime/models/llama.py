@@ -245,6 +245,7 @@ class CausalLM(nn.Module):
         # Gemma 3's local layers rotate with their own base frequency.
         self.register_buffer("local_cos_sin_cache", None if cfg.local_rope is None else
                              rope_cos_sin_cache(cfg, device=self.device, local=True), persistent=False)
+        self._layer_windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
         self._local_rope_layers = frozenset(i for i in range(cfg.num_layers) if cfg.layer_window(i) is not None)
         self.final_norm = ops.gemma_fused_add_rms_norm if cfg.gemma_norms else ops.fused_add_rms_norm
         self.first_norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
@@ -271,7 +272,9 @@ class CausalLM(nn.Module):
                 from kvserve.runtime.models import native_decode
 
                 stack = self._native_stack = native_decode.build(self)
-            if stack is not None and ops.use_native(self.cos_sin_cache) and stack.accepts(kv_caches):
+            # One block table for every layer: a model with KV cache groups keeps the per-op path.
+            if (stack is not None and meta.kv_groups is None and ops.use_native(self.cos_sin_cache)
+                    and stack.accepts(kv_caches)):
                 hidden, residual = stack.run(self.embed_tokens(input_ids), positions, meta.slot_mapping,
                                              meta.block_tables, meta.seq_lens, kv_caches)
                 hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
@@ -281,9 +284,11 @@ class CausalLM(nn.Module):
             hidden = hidden * self.embed_scale
         residual = None
         local = self.local_cos_sin_cache
+        groups = meta.kv_groups
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             cos_sin = local if local is not None and i in self._local_rope_layers else self.cos_sin_cache
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin)
+            layer_meta = meta if groups is None else groups[self._layer_windows[i]]
+            hidden, residual = layer(positions, hidden, residual, kv_cache, layer_meta, cos_sin)
         if residual is None:
             return self.first_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
         hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)

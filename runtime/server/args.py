@@ -61,6 +61,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action="store_true", default=None,
                    help="overlap: run the next step's forward pass while this step's tokens are detokenized "
                         "and streamed (outputs are the same)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
+                   help="one block table for all layers of a model mixing local and global layers (Gemma 2/3): "
+                        "its local layers then hold the whole context instead of their window")
     p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
                    help='e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8], "level": 0}\'; a bare 3 turns on '
                         "torch.compile of the model (GPU)")

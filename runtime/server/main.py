@@ -44,6 +44,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["enforce_eager"] = True
     if getattr(args, "async_scheduling", None):
         kw["async_scheduling"] = True
+    if getattr(args, "disable_hybrid_kv_cache_manager", None):
+        kw["disable_hybrid_kv_cache_manager"] = True
     if getattr(args, "compilation_config", None):
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw
@@ -160,19 +162,30 @@ class Server:
 
 
 def preflight(args: argparse.Namespace) -> str | None:
-    """Checks what can be refused before listening (the weight format against the checkpoint and
-    device) and returns the one-line reason, or None. A model directory that cannot be read is
-    left to the load, which reports it on /ready and exits 1."""
+    """Checks what can be refused before listening and returns the one-line reason, or None: every
+    engine option on its own (JSON of --compilation-config / --speculative-config, --dtype, ...),
+    then the options against the checkpoint's config (weight format, device, KV cache dtype). A
+    model directory that cannot be read, or weights that do not load, are left to the load, which
+    reports it on /ready and exits 1."""
+    from kvserve.runtime.config import EngineConfig
+
+    try:
+        EngineConfig.from_args(**engine_kwargs(args))
+    except ValueError as exc:
+        return str(exc)
+    try:
+        from kvserve.runtime.gguf.reader import resolve_model_path
+        from kvserve.runtime.model_config import ModelConfig
+
+        model_config = ModelConfig.from_pretrained(resolve_model_path(args.model))
+    except ValueError:
+        return None
+    from kvserve.runtime.engine import check_kv_cache_dtype_for_model
     from kvserve.runtime.models.quantization import check_quantization
 
     try:
-        from kvserve.runtime.model_config import ModelConfig
-
-        hf_config = ModelConfig.from_pretrained(args.model).hf_config
-    except ValueError:
-        return None
-    try:
-        check_quantization(args.quantization, hf_config, args.device, args.dtype)
+        check_quantization(args.quantization, model_config.hf_config, args.device, args.dtype)
+        check_kv_cache_dtype_for_model(args.kv_cache_dtype or "auto", model_config)
     except ValueError as exc:
         return str(exc)
     return None

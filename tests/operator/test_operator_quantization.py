@@ -100,3 +100,14 @@ def test_bytes_per_weight_of_every_format(name, qc, linear_bytes):
     want = linear * linear_bytes + vocab * fmt.vocab_bytes + norms * 2
     assert weight_bytes_per_gpu(shape, 2, 1, fmt) == pytest.approx(want, rel=1e-9)
     assert fmt.vocab_bytes == (fmt.linear_bytes if name in (None, "int8", "int4") else 2)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_load_time_quantization_is_refused_for_the_vllm_engine(name):
+    """kvserve's load-time int8/int4 have no vLLM --quantization method of that name: a vLLM pod
+    given one would crash-loop, so the spec is refused instead."""
+    with pytest.raises(SpecError, match=f"spec.runtime.quantization: {name!r} is kvserve's load-time "
+                                        f"quantization; vLLM has no such method"):
+        _spec({"engine": "vllm", "quantization": name})
+    for ok in ("awq", "gptq", "compressed-tensors", "fp8", "gguf"):
+        assert _spec({"engine": "vllm", "quantization": ok}).runtime.quantization == ok

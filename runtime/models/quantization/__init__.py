@@ -95,14 +95,18 @@ def resolve_quantization(requested: str | None, hf_config: Mapping[str, Any]) ->
     if requested is None:
         return None if detected is None else _config_class(detected).from_config(qc)
     if detected is None:
+        if requested == "gguf":
+            raise ValueError("quantization: 'gguf' needs a .gguf file as the model; this checkpoint is not one "
+                             "(leave quantization unset to load it as it is)")
         if requested not in LOAD_TIME_FORMATS:
             raise ValueError(f"quantization: {requested!r} needs a checkpoint quantized with it (config.json "
                              f"quantization_config.quant_method), and this one is not quantized; formats that "
                              f"quantize a full-precision checkpoint at load: {', '.join(LOAD_TIME_FORMATS)}")
         return _config_class(requested).from_config(None)
     if detected != requested:
-        raise ValueError(f"quantization: {requested!r} was requested but the checkpoint is quantized as "
-                         f"{detected!r} (config.json quantization_config); leave quantization unset or use "
+        found = ("the model is a GGUF file (its tensor types are its format)" if detected == "gguf" else
+                 f"the checkpoint is quantized as {detected!r} (config.json quantization_config)")
+        raise ValueError(f"quantization: {requested!r} was requested but {found}; leave quantization unset or use "
                          f"{detected!r}")
     return _config_class(detected).from_config(qc)
 
