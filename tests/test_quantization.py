@@ -20,6 +20,7 @@ from kvserve.runtime.models.quantization.packed import (
     _cpu_pack_rows,
     quantize_int4,
     quantize_int8,
+    set_cpu_native,
     set_cpu_packed,
 )
 
@@ -66,11 +67,23 @@ def test_engine_config_refuses_unknown_quantization(tiny_llama):
 # ------------------------------------------------------------------------------ canonical weights
 
 
-@pytest.fixture(params=[True, False], ids=["cpu-packed", "dequant-twin"])
+def _native_loaded() -> bool:
+    from kvserve.kernels.cpu import native
+
+    return native.available()
+
+
+@pytest.fixture(params=["native", "torch-packed", "dequant-twin"])
 def cpu_packed(request):
-    set_cpu_packed(request.param)
-    yield request.param
+    """Which CPU kernel new weights get: kvserve's native AVX2 kernels, torch's packed bf16 ones,
+    or the exact dequantize-then-matmul twin. Yields whether torch's bf16 kernels are in play."""
+    if request.param == "native" and not _native_loaded():
+        pytest.skip("native CPU kernels not loaded on this machine")
+    set_cpu_packed(request.param != "dequant-twin")
+    set_cpu_native(request.param == "native")
+    yield request.param == "torch-packed"
     set_cpu_packed(None)
+    set_cpu_native(None)
 
 
 def _dequant_int4(q, scale, offset, g):
@@ -128,6 +141,94 @@ def test_int8_weight_matches_float64_dequantized(cpu_packed, n, k, g, dtype):
                                rtol=1e-2)
 
 
+# ------------------------------------------------------------- native AVX2 integer kernels
+
+
+def _shapes():
+    # (m, n, k, group): batch 1 (the streaming kernel) and larger batches (dequantized panels),
+    # row counts that leave a partial last panel, groups of 32/64/128 and the whole row.
+    for m in (1, 2, 5, 6, 13, 70):
+        for n, k, g in ((16, 64, 32), (37, 128, 64), (50, 256, 128), (81, 96, 96), (200, 576, 576), (33, 576, 32)):
+            yield m, n, k, g
+
+
+@pytest.mark.parametrize("m, n, k, g", list(_shapes()))
+def test_native_integer_kernels_match_the_reference_dequant_matmul(m, n, k, g):
+    if not _native_loaded():
+        pytest.skip("native CPU kernels not loaded on this machine")
+    from kvserve.kernels import quant_reference as ref
+    from kvserve.kernels.cpu import native
+    from kvserve.runtime.models.quantization.packed import pack_int4_nibbles
+
+    gen = _gen(m * 1000 + n + k + g)
+    x = torch.randn(m, k, generator=gen)
+    q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    s8 = torch.rand(n, k // g, generator=gen) * 0.01 + 1e-4
+    q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    s4 = torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3
+    o4 = torch.randn(n, k // g, generator=gen) * 0.05
+    cases = [
+        (native.Int8Panels(q8, s8, g), ref.int8_matmul_ref(x.double(), q8, s8.double(), g),
+         (q8.double().view(n, -1, g) * s8.double()[..., None]).view(n, k)),
+        (native.Int4Panels(q4, s4, o4, g), ref.int4_matmul_ref(x.double(), pack_int4_nibbles(q4), s4.double(),
+                                                               o4.double(), g),
+         _dequant_int4(q4, s4, o4, g)),
+    ]
+    for panels, want, w in cases:
+        got = panels.matmul(x)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        # float32 accumulation in another order than float64's: the worst case of k float32
+        # roundings, relative to sum |x| |w| (a layout bug is off by O(1)).
+        bound = 1.2e-7 * (k + 4) * (x.double().abs() @ w.abs().t())
+        assert ((got.double() - want).abs() <= bound + 1e-12).all()
+        ids = torch.tensor([0, n - 1, n // 2, min(15, n - 1)])
+        torch.testing.assert_close(panels.rows(ids).double(), w[ids], atol=1e-6, rtol=1e-6)
+
+
+def test_native_integer_kernels_refuse_bad_input():
+    if not _native_loaded():
+        pytest.skip("native CPU kernels not loaded on this machine")
+    from kvserve.kernels.cpu import native
+
+    q = torch.zeros(16, 64, dtype=torch.int8)
+    panels = native.Int8Panels(q, torch.ones(16, 2), 32)
+    with pytest.raises(ValueError, match="last dimension 32 != the weight's in_features 64"):
+        panels.matmul(torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        panels.matmul(torch.zeros(1, 64, dtype=torch.float64))
+    with pytest.raises(IndexError, match=r"row ids must be in \[0, 16\)"):
+        panels.rows(torch.tensor([16]))
+    with pytest.raises(ValueError, match="even group"):
+        native.Int4Panels(q.to(torch.uint8), torch.ones(16, 64), torch.ones(16, 64), 1)
+
+
+def test_integer_weights_fall_back_to_torch_without_the_native_kernels():
+    """KVSERVE_CPU_KERNELS=0 (as on a CPU without AVX2 or a machine without gcc): the same weight
+    objects run torch's packed kernels / the twins, with the same results up to bf16 rounding."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from kvserve.kernels.cpu import native\n"
+        "from kvserve.runtime.models.quantization.packed import Int8Weight, Int4Weight, quantize_int8, quantize_int4\n"
+        "w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))\n"
+        "x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))\n"
+        "w8 = Int8Weight(*quantize_int8(w, 128), 128, torch.float32)\n"
+        "w4 = Int4Weight(*quantize_int4(w, 64), 64, torch.float32)\n"
+        "assert w8.native is None and w4.native is None, native.status()\n"
+        "assert w8.use_cpu_packed and w4.cpu_packed is not None\n"
+        "ref = x @ w.t()\n"
+        "for got in (w8.matmul(x), w4.matmul(x)):\n"
+        "    assert (got - ref).abs().max() < 0.2 * ref.abs().max(), (got - ref).abs().max()\n"
+        "print(native.status())\n"
+    )
+    env = {**__import__("os").environ, "KVSERVE_CPU_KERNELS": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "disabled by KVSERVE_CPU_KERNELS=0"
+
+
 def test_load_time_quantizers_round_trip_within_half_a_step():
     w = torch.randn(32, 256, generator=_gen(3)) * 0.1
     q, scale, offset = quantize_int4(w, 128)
@@ -162,18 +263,26 @@ def _fake_quantized_hf(model_dir, quantization, g_for):
     return hf
 
 
+@pytest.mark.parametrize("kernel", ["native", "dequant-twin"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_load_time_quantized_model_matches_transformers_on_dequantized_weights(tiny_model_factory, quantization):
+def test_load_time_quantized_model_matches_transformers_on_dequantized_weights(tiny_model_factory, quantization,
+                                                                               kernel):
+    """The float32 kernels only: the native ones (float32 activations and accumulation) and the
+    exact twin; torch's packed kernels take bf16 inputs (checked per weight above)."""
     from test_models import PagedCache, _hf_logits, _prompts
 
+    if kernel == "native" and not _native_loaded():
+        pytest.skip("native CPU kernels not loaded on this machine")
     model_dir = tiny_model_factory("qwen2", tie_word_embeddings=True, hidden_size=64, intermediate_size=192)
     hf = _fake_quantized_hf(model_dir, quantization, group_size_for)
-    set_cpu_packed(False)  # the exact twin: the packed kernels' bf16 inputs are checked above
+    set_cpu_packed(kernel == "native")
     try:
         model = load_model(model_dir, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend(),
                            quantization=quantization)
     finally:
         set_cpu_packed(None)
+    weight = model.layers[0].mlp.down_proj
+    assert (getattr(weight, quantization).native is not None) == (kernel == "native")
     assert model.embed_tokens.quant_method.name == quantization
     assert not hasattr(model.layers[0].mlp.down_proj, "weight")  # no full-precision copy kept
     prompt = _prompts(512, [11])[0]

@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 5; }
+int kv_abi_version(void) { return 6; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -123,6 +123,256 @@ void kv_linear_f32(const float* x, int64_t m, int64_t k, int64_t ldx, const floa
       case 5: micro_kernel(x + r * ldx, ldx, p, k, y + r * ldy + col, ldy, ncols, b, 5); break;
       default: break;
     }
+  }
+}
+
+/* ------------------------------------------------------------- weight-only integer matmuls */
+
+/* The two integer weight forms of runtime/models/quantization/packed.py, float32 activations and
+   float32 accumulation. Both are repacked once into panels of TILE output rows, like the float32
+   weights, so a matmul streams its weight bytes sequentially:
+
+   int8 (w = q * scale, one scale per (row, group of g inputs)): P[t][k][j] = q[t * TILE + j][k],
+   16 bytes per k step; scales S[t][k / g][j].
+   int4 (w = q * scale + offset, q in 0..15): 8 bytes per k step, byte j holding row j in its low
+   nibble and row j + 8 in its high nibble; scales and offsets S[t][k / g][j], O[t][k / g][j].
+
+   Batch 1 (decode) reads each weight once, so it must run at memory speed: the integers are
+   widened to floats in registers, dot products over a group are accumulated in float32 and the
+   group folded in once, acc += scale_g * dot_g (+ offset_g * sum of x over the group for int4;
+   those sums are computed once per call). Larger batches dequantize each panel into a float32
+   panel on the thread's stack once and run the float32 micro-kernel over it, so every weight is
+   converted once per call however many rows the batch has. Rows past n in the last panel hold
+   zeros (and zero scales). */
+
+static int64_t q_panel_floats(int64_t k) { return k * TILE; }
+
+void kv_pack_q8(const int8_t* q, const float* scale, int64_t n, int64_t k, int64_t g, int8_t* out,
+                float* out_scale, int nthreads) {
+  int64_t tiles = (n + TILE - 1) / TILE, groups = k / g;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < tiles; t++) {
+    int8_t* dst = out + t * k * TILE;
+    float* sd = out_scale + t * groups * TILE;
+    for (int64_t j = 0; j < TILE; j++) {
+      int64_t row = t * TILE + j;
+      for (int64_t kk = 0; kk < k; kk++) dst[kk * TILE + j] = row < n ? q[row * k + kk] : 0;
+      for (int64_t gi = 0; gi < groups; gi++) sd[gi * TILE + j] = row < n ? scale[row * groups + gi] : 0.0f;
+    }
+  }
+}
+
+/* q: [n, k] bytes holding 0..15 (one value per byte); scale/offset [n, k / g]. */
+void kv_pack_q4(const uint8_t* q, const float* scale, const float* offset, int64_t n, int64_t k, int64_t g,
+                uint8_t* out, float* out_scale, float* out_offset, int nthreads) {
+  int64_t tiles = (n + TILE - 1) / TILE, groups = k / g;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < tiles; t++) {
+    uint8_t* dst = out + t * k * (TILE / 2);
+    float* sd = out_scale + t * groups * TILE;
+    float* od = out_offset + t * groups * TILE;
+    for (int64_t kk = 0; kk < k; kk++) {
+      for (int64_t j = 0; j < TILE / 2; j++) {
+        int64_t lo = t * TILE + j, hi = lo + TILE / 2;
+        uint8_t a = lo < n ? (q[lo * k + kk] & 0xF) : 0, b = hi < n ? (q[hi * k + kk] & 0xF) : 0;
+        dst[kk * (TILE / 2) + j] = (uint8_t)(a | (b << 4));
+      }
+    }
+    for (int64_t j = 0; j < TILE; j++) {
+      int64_t row = t * TILE + j;
+      for (int64_t gi = 0; gi < groups; gi++) {
+        sd[gi * TILE + j] = row < n ? scale[row * groups + gi] : 0.0f;
+        od[gi * TILE + j] = row < n ? offset[row * groups + gi] : 0.0f;
+      }
+    }
+  }
+}
+
+/* Dequantized rows `ids` (float32 [m, k]) read out of the panels: embedding lookups. */
+void kv_gather_rows_q8(const int64_t* ids, int64_t m, const int8_t* p, const float* s, int64_t k, int64_t g,
+                       float* out) {
+  int64_t groups = k / g;
+  for (int64_t i = 0; i < m; i++) {
+    int64_t t = ids[i] / TILE, j = ids[i] % TILE;
+    const int8_t* src = p + t * k * TILE + j;
+    const float* sc = s + t * groups * TILE + j;
+    for (int64_t kk = 0; kk < k; kk++) out[i * k + kk] = (float)src[kk * TILE] * sc[(kk / g) * TILE];
+  }
+}
+
+void kv_gather_rows_q4(const int64_t* ids, int64_t m, const uint8_t* p, const float* s, const float* o, int64_t k,
+                       int64_t g, float* out) {
+  int64_t groups = k / g;
+  for (int64_t i = 0; i < m; i++) {
+    int64_t t = ids[i] / TILE, j = ids[i] % TILE;
+    const uint8_t* src = p + t * k * (TILE / 2) + (j % (TILE / 2));
+    int shift = j < TILE / 2 ? 0 : 4;
+    const float* sc = s + t * groups * TILE + j;
+    const float* of = o + t * groups * TILE + j;
+    for (int64_t kk = 0; kk < k; kk++) {
+      float q = (float)((src[kk * (TILE / 2)] >> shift) & 0xF);
+      out[i * k + kk] = fmaf(q, sc[(kk / g) * TILE], of[(kk / g) * TILE]);
+    }
+  }
+}
+
+static inline __m256 widen_i8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+static inline __m256 widen_u8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+
+/* One row of x against one int8 panel: two k steps per iteration into separate accumulators
+   (the FMA latency chain would otherwise bound a single row). */
+static void q8_row(const float* x, const int8_t* p, const float* s, int64_t k, int64_t g, float* y,
+                   int64_t ncols) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < k; g0 += g) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    int64_t kk = g0, end = g0 + g;
+    for (; kk + 2 <= end; kk += 2) {
+      __m128i v0 = _mm_loadu_si128((const __m128i*)(p + kk * TILE));
+      __m128i v1 = _mm_loadu_si128((const __m128i*)(p + (kk + 1) * TILE));
+      __m256 x0 = _mm256_broadcast_ss(x + kk), x1 = _mm256_broadcast_ss(x + kk + 1);
+      a0 = _mm256_fmadd_ps(widen_i8(v0), x0, a0);
+      a1 = _mm256_fmadd_ps(widen_i8(_mm_unpackhi_epi64(v0, v0)), x0, a1);
+      b0 = _mm256_fmadd_ps(widen_i8(v1), x1, b0);
+      b1 = _mm256_fmadd_ps(widen_i8(_mm_unpackhi_epi64(v1, v1)), x1, b1);
+    }
+    if (kk < end) {
+      __m128i v0 = _mm_loadu_si128((const __m128i*)(p + kk * TILE));
+      __m256 x0 = _mm256_broadcast_ss(x + kk);
+      a0 = _mm256_fmadd_ps(widen_i8(v0), x0, a0);
+      a1 = _mm256_fmadd_ps(widen_i8(_mm_unpackhi_epi64(v0, v0)), x0, a1);
+    }
+    const float* sg = s + (g0 / g) * TILE;
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(sg), _mm256_add_ps(a0, b0), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(sg + 8), _mm256_add_ps(a1, b1), acc1);
+  }
+  float tmp[TILE];
+  _mm256_storeu_ps(tmp, acc0);
+  _mm256_storeu_ps(tmp + 8, acc1);
+  memcpy(y, tmp, (size_t)ncols * sizeof(float));
+}
+
+/* One row of x against one int4 panel (g even): 16 bytes hold two k steps. xsum: sums of x over
+   each group. */
+static void q4_row(const float* x, const float* xsum, const uint8_t* p, const float* s, const float* o, int64_t k,
+                   int64_t g, float* y, int64_t ncols) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < k; g0 += g) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    for (int64_t kk = g0; kk < g0 + g; kk += 2) {
+      __m128i v = _mm_loadu_si128((const __m128i*)(p + kk * (TILE / 2)));
+      __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      __m256 x0 = _mm256_broadcast_ss(x + kk), x1 = _mm256_broadcast_ss(x + kk + 1);
+      a0 = _mm256_fmadd_ps(widen_u8(lo), x0, a0);
+      a1 = _mm256_fmadd_ps(widen_u8(hi), x0, a1);
+      b0 = _mm256_fmadd_ps(widen_u8(_mm_unpackhi_epi64(lo, lo)), x1, b0);
+      b1 = _mm256_fmadd_ps(widen_u8(_mm_unpackhi_epi64(hi, hi)), x1, b1);
+    }
+    int64_t gi = g0 / g;
+    const float* sg = s + gi * TILE;
+    const float* og = o + gi * TILE;
+    __m256 xs = _mm256_broadcast_ss(xsum + gi);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(sg), _mm256_add_ps(a0, b0), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(sg + 8), _mm256_add_ps(a1, b1), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(og), xs, acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(og + 8), xs, acc1);
+  }
+  float tmp[TILE];
+  _mm256_storeu_ps(tmp, acc0);
+  _mm256_storeu_ps(tmp + 8, acc1);
+  memcpy(y, tmp, (size_t)ncols * sizeof(float));
+}
+
+/* The float32 panel of an int8 / int4 tile: w = q * scale (int8), q * scale + offset (int4). */
+static void q8_dequant_panel(const int8_t* p, const float* s, int64_t k, int64_t g, float* w) {
+  for (int64_t kk = 0; kk < k; kk++) {
+    const float* sg = s + (kk / g) * TILE;
+    __m128i v = _mm_loadu_si128((const __m128i*)(p + kk * TILE));
+    _mm256_store_ps(w + kk * TILE, _mm256_mul_ps(widen_i8(v), _mm256_loadu_ps(sg)));
+    _mm256_store_ps(w + kk * TILE + 8, _mm256_mul_ps(widen_i8(_mm_unpackhi_epi64(v, v)), _mm256_loadu_ps(sg + 8)));
+  }
+}
+
+static void q4_dequant_panel(const uint8_t* p, const float* s, const float* o, int64_t k, int64_t g, float* w) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t kk = 0; kk < k; kk++) {
+    const float* sg = s + (kk / g) * TILE;
+    const float* og = o + (kk / g) * TILE;
+    __m128i v = _mm_loadl_epi64((const __m128i*)(p + kk * (TILE / 2)));
+    __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    _mm256_store_ps(w + kk * TILE, _mm256_fmadd_ps(widen_u8(lo), _mm256_loadu_ps(sg), _mm256_loadu_ps(og)));
+    _mm256_store_ps(w + kk * TILE + 8,
+                    _mm256_fmadd_ps(widen_u8(hi), _mm256_loadu_ps(sg + 8), _mm256_loadu_ps(og + 8)));
+  }
+}
+
+static void f32_panel_rows(const float* x, int64_t m, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy,
+                           int64_t ncols) {
+  int64_t r = 0;
+  for (; r + MR_MAX <= m; r += MR_MAX) micro_kernel(x + r * ldx, ldx, w, k, y + r * ldy, ldy, ncols, NULL, MR_MAX);
+  switch (m - r) {
+    case 1: micro_kernel(x + r * ldx, ldx, w, k, y + r * ldy, ldy, ncols, NULL, 1); break;
+    case 2: micro_kernel(x + r * ldx, ldx, w, k, y + r * ldy, ldy, ncols, NULL, 2); break;
+    case 3: micro_kernel(x + r * ldx, ldx, w, k, y + r * ldy, ldy, ncols, NULL, 3); break;
+    case 4: micro_kernel(x + r * ldx, ldx, w, k, y + r * ldy, ldy, ncols, NULL, 4); break;
+    case 5: micro_kernel(x + r * ldx, ldx, w, k, y + r * ldy, ldy, ncols, NULL, 5); break;
+    default: break;
+  }
+}
+
+/* y[m, n] = x[m, k] @ W.T for an int8 weight packed by kv_pack_q8. */
+void kv_linear_q8(const float* x, int64_t m, int64_t k, int64_t ldx, const int8_t* p, const float* s, int64_t n,
+                  int64_t g, float* y, int64_t ldy, int nthreads) {
+  int64_t tiles = (n + TILE - 1) / TILE, groups = k / g;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* w = m > 1 ? (float*)aligned_alloc(32, (size_t)q_panel_floats(k) * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+      int64_t col = t * TILE, ncols = n - col < TILE ? n - col : TILE;
+      const int8_t* pt = p + t * k * TILE;
+      const float* st = s + t * groups * TILE;
+      if (m == 1) {
+        q8_row(x, pt, st, k, g, y + col, ncols);
+      } else {
+        q8_dequant_panel(pt, st, k, g, w);
+        f32_panel_rows(x, m, ldx, w, k, y + col, ldy, ncols);
+      }
+    }
+    free(w);
+  }
+}
+
+/* y[m, n] = x[m, k] @ W.T for an int4 weight packed by kv_pack_q4 (g even). */
+void kv_linear_q4(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* p, const float* s,
+                  const float* o, int64_t n, int64_t g, float* y, int64_t ldy, int nthreads) {
+  int64_t tiles = (n + TILE - 1) / TILE, groups = k / g;
+  float xsum[groups > 0 ? groups : 1];
+  if (m == 1) {
+    for (int64_t gi = 0; gi < groups; gi++) {
+      float acc = 0.0f;
+      for (int64_t kk = gi * g; kk < (gi + 1) * g; kk++) acc += x[kk];
+      xsum[gi] = acc;
+    }
+  }
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* w = m > 1 ? (float*)aligned_alloc(32, (size_t)q_panel_floats(k) * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+      int64_t col = t * TILE, ncols = n - col < TILE ? n - col : TILE;
+      const uint8_t* pt = p + t * k * (TILE / 2);
+      const float* st = s + t * groups * TILE;
+      const float* ot = o + t * groups * TILE;
+      if (m == 1) {
+        q4_row(x, xsum, pt, st, ot, k, g, y + col, ncols);
+      } else {
+        q4_dequant_panel(pt, st, ot, k, g, w);
+        f32_panel_rows(x, m, ldx, w, k, y + col, ldy, ncols);
+      }
+    }
+    free(w);
   }
 }
 

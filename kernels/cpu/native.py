@@ -32,7 +32,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 5
+ABI_VERSION = 6
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -45,6 +45,12 @@ _SIGNATURES = {
     "kv_pack_f32": ([_P, _I, _I, _P, _T], None),
     "kv_gather_packed_rows_f32": ([_P, _I, _P, _I, _P], None),
     "kv_linear_f32": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _T], None),
+    "kv_pack_q8": ([_P, _P, _I, _I, _I, _P, _P, _T], None),
+    "kv_pack_q4": ([_P, _P, _P, _I, _I, _I, _P, _P, _P, _T], None),
+    "kv_gather_rows_q8": ([_P, _I, _P, _P, _I, _I, _P], None),
+    "kv_gather_rows_q4": ([_P, _I, _P, _P, _P, _I, _I, _P], None),
+    "kv_linear_q8": ([_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _T], None),
+    "kv_linear_q4": ([_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, _T], None),
     "kv_silu_and_mul_f32": ([_P, _I, _I, _I, _P, _I, _T], None),
     "kv_rms_norm_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _T], None),
     "kv_rotary_f32": ([_P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _T], None),
@@ -220,6 +226,101 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         _lib().kv_linear_f32(x2.data_ptr(), m, k, x2.stride(0), packed.data_ptr(), out_features,
                              None if b is None else b.data_ptr(), out.data_ptr(), out_features, _threads())
     return out.view(*lead, out_features)
+
+
+# ------------------------------------------------------------------- weight-only integer matmuls
+
+
+class Int8Panels:
+    """An int8 weight (w = q * scale, one scale per (row, group of `group_size` inputs)) repacked
+    for linear_q8: q as [ceil(N / 16), K, 16] int8 panels, scales as [ceil(N / 16), K / group, 16]."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group_size: int):
+        n, k = q.shape
+        if k % group_size or scale.shape != (n, k // group_size):
+            raise ValueError(f"int8 weight [{n}, {k}]: scale {tuple(scale.shape)} does not fit group {group_size}")
+        tiles = -(-n // TILE)
+        self.n, self.k, self.group_size = n, k, group_size
+        self.q = torch.empty(tiles, k, TILE, dtype=torch.int8)
+        self.scale = torch.empty(tiles, k // group_size, TILE, dtype=torch.float32)
+        qc, sc = q.to(torch.int8).contiguous(), scale.to(torch.float32).contiguous()
+        _lib().kv_pack_q8(qc.data_ptr(), sc.data_ptr(), n, k, group_size, self.q.data_ptr(), self.scale.data_ptr(),
+                          _threads())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"int8_panels": self.q, "int8_panel_scales": self.scale}
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = _row_ids(ids, self.n)
+        out = torch.empty(ids.shape[0], self.k, dtype=torch.float32)
+        _lib().kv_gather_rows_q8(ids.data_ptr(), ids.shape[0], self.q.data_ptr(), self.scale.data_ptr(), self.k,
+                                 self.group_size, out.data_ptr())
+        return out
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _matmul_rows(x, self.k)
+        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)
+        if x2.shape[0]:
+            _lib().kv_linear_q8(x2.data_ptr(), x2.shape[0], self.k, x2.stride(0), self.q.data_ptr(),
+                                self.scale.data_ptr(), self.n, self.group_size, out.data_ptr(), self.n, _threads())
+        return out.view(*lead, self.n)
+
+
+class Int4Panels:
+    """An int4 weight (w = q * scale + offset, q in 0..15, per (row, group)) repacked for
+    linear_q4: [ceil(N / 16), K, 8] bytes (row j in the low nibble of byte j, row j + 8 in its high
+    nibble), scales and offsets [ceil(N / 16), K / group, 16]. The group size must be even."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int):
+        n, k = q.shape
+        if k % group_size or group_size % 2 or scale.shape != (n, k // group_size) or offset.shape != scale.shape:
+            raise ValueError(f"int4 weight [{n}, {k}]: scale {tuple(scale.shape)} / offset {tuple(offset.shape)} "
+                             f"do not fit an even group {group_size}")
+        tiles = -(-n // TILE)
+        self.n, self.k, self.group_size = n, k, group_size
+        self.q = torch.empty(tiles, k, TILE // 2, dtype=torch.uint8)
+        self.scale = torch.empty(tiles, k // group_size, TILE, dtype=torch.float32)
+        self.offset = torch.empty_like(self.scale)
+        qc = q.to(torch.uint8).contiguous()
+        sc, oc = scale.to(torch.float32).contiguous(), offset.to(torch.float32).contiguous()
+        _lib().kv_pack_q4(qc.data_ptr(), sc.data_ptr(), oc.data_ptr(), n, k, group_size, self.q.data_ptr(),
+                          self.scale.data_ptr(), self.offset.data_ptr(), _threads())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"int4_panels": self.q, "int4_panel_scales": self.scale, "int4_panel_offsets": self.offset}
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = _row_ids(ids, self.n)
+        out = torch.empty(ids.shape[0], self.k, dtype=torch.float32)
+        _lib().kv_gather_rows_q4(ids.data_ptr(), ids.shape[0], self.q.data_ptr(), self.scale.data_ptr(),
+                                 self.offset.data_ptr(), self.k, self.group_size, out.data_ptr())
+        return out
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _matmul_rows(x, self.k)
+        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)
+        if x2.shape[0]:
+            _lib().kv_linear_q4(x2.data_ptr(), x2.shape[0], self.k, x2.stride(0), self.q.data_ptr(),
+                                self.scale.data_ptr(), self.offset.data_ptr(), self.n, self.group_size,
+                                out.data_ptr(), self.n, _threads())
+        return out.view(*lead, self.n)
+
+
+def _row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"row ids must be in [0, {n})")
+    return ids
+
+
+def _matmul_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Size]:
+    _check_f32("x", x)
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dimension {x.shape[-1]} != the weight's in_features {k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, x.shape[:-1]
 
 
 # ------------------------------------------------------------------------------- layer ops

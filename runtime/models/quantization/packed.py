@@ -12,15 +12,25 @@ All integer formats are converted at load time into one of two canonical forms:
 
 Kernels, by device (`Int4Weight.matmul` / `Int8Weight.matmul` pick):
 
-- CPU: torch's packed weight-only kernels (``aten._weight_int4pack_mm_for_cpu`` for int4 with
-  groups of 32/64/128/256 and rows a multiple of 16; ``aten._weight_int8pack_mm`` for per-channel
-  int8). They are fast only with bfloat16 inputs, so activations enter them in bfloat16 (fp32
+- CPU with kvserve's native kernels loaded (x86-64 with AVX2 + FMA and gcc; see
+  `kvserve.kernels.cpu.native.status()`): the weight is repacked once at load into panels of 16
+  output rows interleaved along the input (`native.Int8Panels`: 16 bytes per input step;
+  `native.Int4Panels`: 8 bytes, two rows per byte), with float32 scales (and offsets) per
+  (panel, group). Activations are float32 (other dtypes are cast to float32 and back) and so is
+  the accumulation: inside a group x * q is summed in registers, then the group is folded in with
+  ``scale * dot (+ offset * sum of x over the group)``. Batch 1 streams the weight bytes at memory
+  speed; larger batches dequantize each panel once into float32 and reuse it for every row. Any
+  group size (int4: even), any row count, per-channel or grouped.
+- CPU otherwise (``KVSERVE_CPU_KERNELS=0``, no AVX2, no compiler, or ``set_cpu_native(False)``):
+  torch's packed weight-only kernels (``aten._weight_int4pack_mm_for_cpu`` for int4 with groups
+  of 32/64/128/256 and rows a multiple of 16; ``aten._weight_int8pack_mm`` for per-channel int8).
+  They are fast only with bfloat16 inputs, so activations enter them in bfloat16 (fp32
   accumulation) and the result is cast back to the compute dtype. Anything else (grouped int8,
   small groups, odd row counts) dequantizes then multiplies.
 - CUDA: the Triton dequant-GEMM kernels of `kvserve.kernels.quant` (split-K for small batches).
 - Everywhere, the pure-torch twins of those kernels (`kvserve.kernels.reference`) are the oracle,
   and ``set_cpu_packed(False)`` / ``KVSERVE_QUANT_CPU_PACKED=0`` makes the CPU use them (exact
-  dequantize-then-matmul in the compute dtype) instead of the packed kernels.
+  dequantize-then-matmul in the compute dtype) instead of the native or packed kernels.
 """
 
 from __future__ import annotations
@@ -50,6 +60,32 @@ def cpu_packed_enabled() -> bool:
     if _cpu_packed_override is not None:
         return _cpu_packed_override
     return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+_native_override: bool | None = None
+
+
+def set_cpu_native(enabled: bool | None) -> None:
+    """False makes new CPU weights skip the native kernels (torch's packed kernels or the twins
+    then, as `set_cpu_packed` says); None goes back to the default (native when loaded)."""
+    global _native_override
+    _native_override = enabled
+
+
+def native_enabled(device: torch.device) -> bool:
+    """Whether weights on `device` go to kvserve's native AVX2 integer kernels: the CPU, the
+    library loaded (see `kvserve.kernels.cpu.native.status()`; ``KVSERVE_CPU_KERNELS=0`` turns it
+    off) and the packed CPU path not switched off."""
+    if device.type != "cpu" or not cpu_packed_enabled() or _native_override is False:
+        return False
+    from kvserve.kernels.cpu import native
+
+    return native.available()
+
+
+def _native_matmul(panels, x: torch.Tensor) -> torch.Tensor:
+    out = panels.matmul(x if x.dtype == torch.float32 else x.float())
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def _cpu_int4_group(group_size: int, k: int) -> int | None:
@@ -136,7 +172,12 @@ class Int4Weight:
                              f"shape ({n}, {k // group_size}), got {tuple(scale.shape)}/{tuple(offset.shape)}")
         self.n, self.k, self.group_size, self.dtype = n, k, group_size, dtype
         self.device = q.device
-        self.cpu_group = _cpu_int4_group(group_size, k) if q.device.type == "cpu" else None
+        self.native = None
+        if group_size % 2 == 0 and native_enabled(q.device):
+            from kvserve.kernels.cpu import native
+
+            self.native = native.Int4Panels(q, scale, offset, group_size)
+        self.cpu_group = _cpu_int4_group(group_size, k) if q.device.type == "cpu" and self.native is None else None
         self.cpu_packed = None
         if self.cpu_group is not None and n % 16 == 0 and cpu_packed_enabled():
             rep = group_size // self.cpu_group
@@ -151,12 +192,14 @@ class Int4Weight:
             else:
                 log.warning("%s: torch's CPU int4 packing is not the layout this version expects; "
                             "using dequantize-then-matmul", what)
-        if self.cpu_packed is None:
+        if self.native is None and self.cpu_packed is None:
             self.packed = pack_int4_nibbles(q)
             self.scale, self.offset = scale.to(dtype).contiguous(), offset.to(dtype).contiguous()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What the layer keeps (registered as its parameters, so memory is counted)."""
+        if self.native is not None:
+            return self.native.tensors()
         if self.cpu_packed is not None:
             return {"int4_cpu_packed": self.cpu_packed, "int4_scales_zeros": self.cpu_scales_zeros}
         return {"int4_packed": self.packed, "int4_scale": self.scale, "int4_offset": self.offset}
@@ -165,6 +208,8 @@ class Int4Weight:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return _native_matmul(self.native, x)
         if self.cpu_packed is not None and x.device.type == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.cpu_packed, self.cpu_group, self.cpu_scales_zeros)
@@ -174,6 +219,8 @@ class Int4Weight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` ([T, K] in the compute dtype): embedding lookups."""
         t = len(ids)
+        if self.native is not None:
+            return self.native.rows(ids).to(self.dtype)
         if self.cpu_packed is not None:  # the kernel's own numbers: (q - 8) * s + z, bf16 s and z
             g = self.cpu_group
             q = _cpu_pack_rows(self.cpu_packed, ids, self.n, self.k).view(t, self.k // g, g)
@@ -199,13 +246,22 @@ class Int8Weight:
             raise ValueError(f"{what}: int8 weight [{n}, {k}] with group {group_size} needs a scale of "
                              f"shape ({n}, {k // group_size}), got {tuple(scale.shape)}")
         self.n, self.k, self.group_size, self.dtype = n, k, group_size, dtype
+        self.per_channel = group_size == k
+        self.native = None
+        if native_enabled(q.device):
+            from kvserve.kernels.cpu import native
+
+            self.native = native.Int8Panels(q, scale, group_size)
+            self.use_cpu_packed, self.scale_bf16 = False, None
+            return
         self.q = q.to(torch.int8).contiguous()
         self.scale = scale.to(dtype).contiguous()
-        self.per_channel = group_size == k
         self.use_cpu_packed = self.per_channel and q.device.type == "cpu" and cpu_packed_enabled()
         self.scale_bf16 = self.scale[:, 0].to(torch.bfloat16).contiguous() if self.use_cpu_packed else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        if self.native is not None:
+            return self.native.tensors()
         out = {"int8_weight": self.q, "int8_scale": self.scale}
         if self.scale_bf16 is not None:
             out["int8_scale_bf16"] = self.scale_bf16
@@ -215,11 +271,15 @@ class Int8Weight:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return _native_matmul(self.native, x)
         if self.use_cpu_packed and x.device.type == "cpu":
             return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16).to(x.dtype)
         return int8_matmul(x, self.q, self.scale, self.group_size)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.rows(ids).to(self.dtype)
         g = self.group_size
         q = self.q[ids].view(len(ids), self.k // g, g).to(self.dtype)
         return (q * self.scale[ids][..., None]).view(len(ids), self.k)
