@@ -366,6 +366,16 @@ def test_metrics_export_weight_bytes_and_model_info(tiny_llama):
     assert 'kvserve:model_info{dtype="float32",kv_cache_dtype="auto",model_name="tiny",quantization="int8"} 1.0' \
         in rendered["int8"]
     assert 'quantization="none"' in rendered[None]
+    # vLLM's own label for the KV cache dtype, so vLLM dashboards see it too.
+    assert 'vllm:cache_config_info{block_size="16",cache_dtype="auto",model_name="tiny",num_gpu_blocks="16"} 1.0' \
+        in rendered["int8"]
+    with LLM(str(tiny_llama), kv_cache_dtype="fp8_e5m2", device="cpu", num_kv_blocks=16) as llm:
+        metrics = ServerMetrics("tiny")
+        metrics.update(llm.engine.get_stats())
+        fp8 = metrics.render().decode()
+    assert 'vllm:cache_config_info{block_size="16",cache_dtype="fp8_e5m2",model_name="tiny",num_gpu_blocks="16"} 1.0' \
+        in fp8
+    assert 'kv_cache_dtype="fp8_e5m2"' in fp8
 
     def weight_bytes(text):
         line = next(x for x in text.splitlines() if x.startswith("kvserve:model_weight_bytes{"))

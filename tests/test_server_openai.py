@@ -236,7 +236,7 @@ def test_metric_values_after_known_workload(server, client):
     for phase in ("schedule", "prepare", "forward", "sample", "output"):
         assert d("kvserve:step_duration_seconds_count", phase=phase) == k * n_out, phase
     assert d("kvserve:step_duration_seconds_sum", phase="forward") > 0
-    assert m(after, "vllm:cache_config_info", block_size="16", num_gpu_blocks="128") == 1
+    assert m(after, "vllm:cache_config_info", block_size="16", cache_dtype="auto", num_gpu_blocks="128") == 1
     assert m(after, "kvserve:kv_cache_capacity_tokens") == 128 * 16
     assert m(after, "kvserve:max_num_seqs") == 256 and m(after, "kvserve:tensor_parallel_size") == 1
     assert m(after, "vllm:time_to_first_token_seconds_bucket", le="+Inf") == m(

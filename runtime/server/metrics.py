@@ -95,8 +95,8 @@ class _StatsCollector:
         yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
                       getattr(s, "spec_decode_num_accepted_tokens_total", 0))
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=["model_name", "block_size", "num_gpu_blocks"])
-        info.add_metric([name, str(s.block_size), str(s.kv_blocks_total)], 1)
+                                 labels=["model_name", "block_size", "cache_dtype", "num_gpu_blocks"])
+        info.add_metric([name, str(s.block_size), getattr(s, "kv_cache_dtype", "auto"), str(s.kv_blocks_total)], 1)
         yield info
         yield gauge("kvserve:kv_cache_capacity_tokens", "KV cache capacity of this replica in tokens.",
                     s.kv_cache_capacity_tokens)
