@@ -320,6 +320,21 @@ def test_cuda_graphs_replay_with_the_same_greedy_outputs(tiny_model_factory):
 def test_native_decoder_stack_is_bit_identical_to_the_per_op_path(tiny_model_factory, arch, overrides):
     """One native call per decode step runs the same kernels in the same order: same logits, bit
     for bit, and so the same tokens (chunked prefill and preemption around it)."""
+    _check_stack_against_per_op(tiny_model_factory, arch, overrides)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("arch,overrides", [
+    pytest.param("llama", dict(attention_bias=True, mlp_bias=True), id="llama-biases"),
+    pytest.param("qwen2", dict(tie_word_embeddings=True, vocab_size=509), id="qwen2-bias-tied-oddvocab"),
+])
+def test_native_decoder_stack_takes_int8_and_int4_weights(tiny_model_factory, arch, overrides, quantization):
+    """Load-time int8/int4 weights in the stack (the native integer kernels + bias inside C): bit
+    for bit the per-op path's numbers, which use the same kernels."""
+    _check_stack_against_per_op(tiny_model_factory, arch, overrides, quantization=quantization)
+
+
+def _check_stack_against_per_op(tiny_model_factory, arch, overrides, **kw):
     from kvserve.kernels.cpu import native
 
     if not native.available():
@@ -330,7 +345,7 @@ def test_native_decoder_stack_is_bit_identical_to_the_per_op_path(tiny_model_fac
                              logprobs=3) for p in params]
 
     def run(stack: bool):
-        llm = LLM(str(model_dir), **SQUEEZED)
+        llm = LLM(str(model_dir), **SQUEEZED, **kw)
         model = llm.engine.model
         if not stack:
             model._native_stack = None

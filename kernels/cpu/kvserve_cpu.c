@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 6; }
+int kv_abi_version(void) { return 7; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -587,10 +587,37 @@ void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int
 
 /* ------------------------------------------------------------------ a whole decoder stack */
 
+/* A linear layer's weight in one of the packed forms: float32 panels (kv_pack_f32), int8 panels
+   with scales (kv_pack_q8) or int4 panels with scales and offsets (kv_pack_q4). */
+enum { KV_WEIGHT_F32 = 0, KV_WEIGHT_Q8 = 1, KV_WEIGHT_Q4 = 2 };
+typedef struct {
+  const void* data;
+  const float* scale;  /* Q8, Q4 */
+  const float* offset; /* Q4 */
+  int64_t kind;
+  int64_t group; /* Q8, Q4: input features per scale */
+} kv_weight;
+
+static void linear_any(const float* x, int64_t m, int64_t k, int64_t ldx, const kv_weight* w, int64_t n,
+                       const float* bias, float* y, int64_t ldy, int nthreads) {
+  if (w->kind == KV_WEIGHT_F32) {
+    kv_linear_f32(x, m, k, ldx, (const float*)w->data, n, bias, y, ldy, nthreads);
+    return;
+  }
+  if (w->kind == KV_WEIGHT_Q8)
+    kv_linear_q8(x, m, k, ldx, (const int8_t*)w->data, w->scale, n, w->group, y, ldy, nthreads);
+  else
+    kv_linear_q4(x, m, k, ldx, (const uint8_t*)w->data, w->scale, w->offset, n, w->group, y, ldy, nthreads);
+  if (bias) /* after the matmul, as the per-op path's `out + bias` */
+    for (int64_t r = 0; r < m; r++)
+      for (int64_t c = 0; c < n; c++) y[r * ldy + c] += bias[c];
+}
+
 /* One Llama-family decoder layer's weights (packed), norms and cache (see kv_decoder_stack_f32). */
 typedef struct {
   const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm/k_norm: NULL unless Qwen3 */
-  const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias; /* biases may be NULL */
+  kv_weight qkv, o, gate_up, down;
+  const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* may be NULL */
   const float* cos_sin;
   int64_t rotary_dim;
   float* k_cache;
@@ -641,7 +668,7 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     } else {
       kv_rms_norm_f32(hidden, h, residual, h, residual, L->input_norm, normed, m, h, d->eps, nthreads);
     }
-    kv_linear_f32(normed, m, h, h, L->qkv, w, L->qkv_bias, qkv, w, nthreads);
+    linear_any(normed, m, h, h, &L->qkv, w, L->qkv_bias, qkv, w, nthreads);
     const float* qsrc = qkv;
     const float* ksrc = qkv + q;
     int64_t ld_qk = w;
@@ -660,10 +687,10 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     kv_write_kv_f32(k_rot, kv, qkv + q + kv, w, m, kv, slots, L->k_cache, L->v_cache);
     kv_paged_decode_f32(q_rot, m, hq, hk, hd, L->k_cache, L->v_cache, d->block_size, block_tables, max_blocks,
                         seq_lens, L->scale, L->window, L->softcap, attn, nthreads);
-    kv_linear_f32(attn, m, q, q, L->o, h, L->o_bias, o_out, h, nthreads);
+    linear_any(attn, m, q, q, &L->o, h, L->o_bias, o_out, h, nthreads);
     kv_rms_norm_f32(o_out, h, residual, h, residual, L->post_norm, normed, m, h, d->eps, nthreads);
-    kv_linear_f32(normed, m, h, h, L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
+    linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
     kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
-    kv_linear_f32(act, m, inter, inter, L->down, h, L->down_bias, hidden, h, nthreads);
+    linear_any(act, m, inter, inter, &L->down, h, L->down_bias, hidden, h, nthreads);
   }
 }

@@ -32,7 +32,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 6
+ABI_VERSION = 7
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -433,10 +433,30 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # ---------------------------------------------------------------------- whole decoder stacks
 
 
+class _Weight(ctypes.Structure):
+    _fields_ = [("data", _P), ("scale", _P), ("offset", _P), ("kind", _I), ("group", _I)]
+
+
+_WEIGHTS = ("qkv", "o", "gate_up", "down")
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o",
-                                         "o_bias", "gate_up", "gate_up_bias", "down", "down_bias", "cos_sin")] + [
-        ("rotary_dim", _I), ("k_cache", _P), ("v_cache", _P), ("window", _I), ("softcap", _F), ("scale", _F)]
+    _fields_ = ([(name, _P) for name in ("input_norm", "post_norm", "q_norm", "k_norm")]
+                + [(name, _Weight) for name in _WEIGHTS]
+                + [(name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "cos_sin")]
+                + [("rotary_dim", _I), ("k_cache", _P), ("v_cache", _P), ("window", _I), ("softcap", _F),
+                   ("scale", _F)])
+
+
+def _weight(name: str, w) -> _Weight:
+    """A kv_weight for float32 panels (pack_weight), Int8Panels or Int4Panels."""
+    if isinstance(w, Int8Panels):
+        return _Weight(w.q.data_ptr(), w.scale.data_ptr(), None, 1, w.group_size)
+    if isinstance(w, Int4Panels):
+        return _Weight(w.q.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), 2, w.group_size)
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or not w.is_contiguous():
+        raise ValueError(f"DecoderStack: {name} must be packed float32 panels, Int8Panels or Int4Panels")
+    return _Weight(w.data_ptr(), None, None, 0, 0)
 
 
 class _Dims(ctypes.Structure):
@@ -450,8 +470,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class DecoderStack:
     """Every layer of a Llama-family decoder run by one native call per decode step (no Python
-    between the ops). Built from per-layer dicts of tensors: packed qkv/o/gate_up/down weights
-    (pack_weight), optional biases, norm weights, q/k norms (or None), the cos/sin table, window,
+    between the ops). Built from per-layer dicts of tensors: qkv/o/gate_up/down weights (float32
+    panels from pack_weight, or Int8Panels / Int4Panels), optional biases, norm weights, q/k norms (or None), the cos/sin table, window,
     soft-cap and scale. The tensors must stay alive and unchanged (the object keeps references)."""
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
@@ -461,8 +481,10 @@ class DecoderStack:
         self.dims = _Dims(hidden, heads, kv_heads, head_dim, inter, 0, eps)
         self.array = (_Layer * len(layers))()
         for entry, spec in zip(self.array, layers):
-            for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-                         "gate_up_bias", "down", "down_bias", "cos_sin"):
+            for name in _WEIGHTS:
+                setattr(entry, name, _weight(name, spec[name]))
+            for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv_bias", "o_bias", "gate_up_bias",
+                         "down_bias", "cos_sin"):
                 t = spec.get(name)
                 if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
                     raise ValueError(f"DecoderStack: {name} must be a contiguous float32 tensor")

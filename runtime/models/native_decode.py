@@ -8,8 +8,10 @@ per-op path's (tests/test_fastpath.py compares them) and the model's forward is 
 
 Only what the per-op native path would run qualifies: every layer a plain DecoderLayer
 (Llama, Mistral, Qwen2, Qwen3: not Gemma's sandwich norms, not MoE or MLA) with SiLU, weights
-packed for the native matmul, tp_size 1, the torch attention backend, float32 caches. Anything
-else keeps the per-op path.
+packed for a native matmul (float32 panels, or the int8/int4 panels of
+`quantization.packed` that int8, int4, AWQ, GPTQ, compressed-tensors and GGUF weights end in;
+not a GPTQ/compressed-tensors act-order layer, which permutes its input), tp_size 1, the torch
+attention backend, float32 caches. Anything else keeps the per-op path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,25 @@ from kvserve.kernels import ops
 
 def _bias(linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach()
+
+
+def _native_weight(linear):
+    """What the native stack multiplies by for this linear layer, or None: its float32 panels, or
+    the native panels of its int8/int4 weight when its method's apply is exactly matmul + bias."""
+    if getattr(linear, "packed_out_features", None) is not None:
+        return linear.weight.detach()
+    if getattr(linear, "gptq_perm", None) is not None or getattr(linear, "ct_perm", None) is not None:
+        return None
+    for attr in ("int8", "int4"):
+        weight = getattr(linear, attr, None)
+        if weight is not None:
+            return getattr(weight, "native", None)
+    return None
+
+
+def _gate_up_features(linear) -> int:
+    n = getattr(linear, "packed_out_features", None)
+    return n if n is not None else _native_weight(linear).n
 
 
 def build(model) -> object | None:
@@ -41,8 +62,8 @@ def build(model) -> object | None:
                 # exactly the torch backend: a subclass may change what attention computes
                 or type(attn.backend) is not TorchAttentionBackend):
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(getattr(lin, "packed_out_features", None) is None for lin in linears):
+        weights = [_native_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(w is None for w in weights):
             return None
         local = model.local_cos_sin_cache
         cos_sin = local if local is not None and i in model._local_rope_layers else model.cos_sin_cache
@@ -54,10 +75,9 @@ def build(model) -> object | None:
             input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
             q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
             k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
-            qkv=attn.qkv_proj.weight.detach(), qkv_bias=_bias(attn.qkv_proj),
-            o=attn.o_proj.weight.detach(), o_bias=_bias(attn.o_proj),
-            gate_up=mlp.gate_up_proj.weight.detach(), gate_up_bias=_bias(mlp.gate_up_proj),
-            down=mlp.down_proj.weight.detach(), down_bias=_bias(mlp.down_proj),
+            qkv=weights[0], qkv_bias=_bias(attn.qkv_proj), o=weights[1], o_bias=_bias(attn.o_proj),
+            gate_up=weights[2], gate_up_bias=_bias(mlp.gate_up_proj), down=weights[3],
+            down_bias=_bias(mlp.down_proj),
             cos_sin=cos_sin.contiguous(), window=attn.sliding_window, softcap=attn.logits_soft_cap,
             scale=attn.scale))
         if layer.eps != cfg.rms_norm_eps or attn.eps != cfg.rms_norm_eps:
@@ -65,4 +85,4 @@ def build(model) -> object | None:
     first = model.layers[0]
     return native.DecoderStack(specs, hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
                                kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
-                               inter=first.mlp.gate_up_proj.packed_out_features // 2, eps=cfg.rms_norm_eps)
+                               inter=_gate_up_features(first.mlp.gate_up_proj) // 2, eps=cfg.rms_norm_eps)
