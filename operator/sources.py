@@ -50,13 +50,13 @@ def unready(pod: Mapping[str, Any]) -> PodSignals:
     return PodSignals(pod_name(pod), ready=False, stale=True)
 
 
-class AgentSource:
-    """Scrapes `GET http://<podIP>:<port>/v1/signals` of every Ready pod, a few at a time."""
+class _HttpSource:
+    """One aiohttp session per event loop (kopf's handlers and the tests' loops differ), made on
+    first use and closed with the source."""
 
-    def __init__(self, *, port: int = AGENT_PORT, timeout: float = 3.0, concurrency: int = 16):
-        self.port, self.timeout, self.concurrency = port, timeout, concurrency
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+    timeout: float
+    _session: aiohttp.ClientSession | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -69,6 +69,13 @@ class AgentSource:
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+
+
+class AgentSource(_HttpSource):
+    """Scrapes `GET http://<podIP>:<port>/v1/signals` of every Ready pod, a few at a time."""
+
+    def __init__(self, *, port: int = AGENT_PORT, timeout: float = 3.0, concurrency: int = 16):
+        self.port, self.timeout, self.concurrency = port, timeout, concurrency
 
     async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]],
                      errors: dict[str, str] | None = None,
@@ -192,25 +199,11 @@ async def fetch_url_signals(session: aiohttp.ClientSession, url: str, name: str)
     return PodSignals.from_json(name, data)
 
 
-class RouterDemandSource:
+class RouterDemandSource(_HttpSource):
     """Reads `GET http://<podIP>:<port>/router/demand` of every Ready router pod of a service."""
 
     def __init__(self, *, port: int, timeout: float = 3.0):
         self.port, self.timeout = port, timeout
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
-            self._loop = loop
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
 
     async def scrape(self, pods: Iterable[Mapping[str, Any]], errors: dict[str, str] | None = None):
         from .scaletozero import aggregate_demand, parse_demand

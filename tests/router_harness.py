@@ -23,26 +23,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "operator"))
 
+from e2e_harness import free_port_on_all  # noqa: E402
 from kube_emulator import EmulatorThread  # noqa: E402
 
 KVSERVE = str(Path(sys.executable).parent / "kvserve")
 NAMESPACE = "default"
-
-
-def free_port_on_all(hosts: list[str]) -> int:
-    """A port free on every given loopback address (pods share one port, as in a cluster)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            for host in hosts:
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no common free port")
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:
