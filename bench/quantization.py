@@ -89,6 +89,7 @@ def run_kvserve(model_path: str, dtype: str, quantization: str | None, prompt, a
     import torch
 
     from kvserve.runtime import LLM, SamplingParams
+    from kvserve.kernels.cpu.native import status as native_status
     from kvserve.runtime.models.quantization.packed import cpu_packed_enabled
 
     torch.set_num_threads(args.threads)
@@ -119,7 +120,7 @@ def run_kvserve(model_path: str, dtype: str, quantization: str | None, prompt, a
            "offline_tok_per_s": sum(outputs) / wall,
            "weight_bytes": eng.model_weight_bytes, "parameters": params_count,
            "quantization": eng.quantization, "dtype": str(eng.dtype).removeprefix("torch."),
-           "cpu_packed_kernels": cpu_packed_enabled()}
+           "cpu_packed_kernels": cpu_packed_enabled(), "native_cpu_kernels": native_status()}
     llm.close()
     return out
 
@@ -132,12 +133,14 @@ def _parameter_count(engine) -> int:
 
 def format_bytes_per_param(quantization: str | None, dtype: str, model_shape) -> float:
     """Bytes per parameter the format itself implies (values + its scales/zeros as kvserve keeps
-    them on CPU: bf16 scale and zero per int4 group of 64 here, a scale per int8 row)."""
+    them on CPU: per int4 group of 64, a float32 scale and offset with the native kernels (bf16
+    ones with torch's), a scale per int8 row)."""
+    from kvserve.kernels.cpu import native
     from kvserve.runtime.capacity import weight_bytes_per_gpu, weight_format
 
     size = {"float32": 4, "bfloat16": 2}[dtype]
-    if quantization == "int4":  # torch's CPU kernel: bf16 scale + zero per group of 64 (hidden 576)
-        linear = 0.5 + 4 / 64
+    if quantization == "int4":  # group 64 (hidden 576)
+        linear = 0.5 + (8 if native.available() else 4) / 64
         fmt = type("F", (), {"linear_bytes": linear, "vocab_bytes": linear})()
     elif quantization in (None, "int8"):
         fmt = weight_format(quantization, size, model_shape.hidden_size)

@@ -114,9 +114,18 @@ def dashboard() -> dict:
                [(f"sum by (phase) (rate(kvserve:step_duration_seconds_sum{{{SEL}}}[$__rate_interval]))"
                  f" / sum by (phase) (rate(kvserve:step_duration_seconds_count{{{SEL}}}[$__rate_interval]))",
                  "{{phase}}")],
-               (0, 44, 24, 8), unit="s",
+               (0, 44, 14, 8), unit="s",
                description="schedule, prepare (inputs), forward (model), sample, output (detokenize, "
                            "outputs): a regression in one phase shows here first."),
+        _panel(22, "Weights per pod (format, dtype, KV cache dtype)",
+               [(f"max by (pod, quantization, dtype, kv_cache_dtype) (kvserve:model_weight_bytes{{{SEL}}}"
+                 f" * on (namespace, pod) group_left (quantization, dtype, kv_cache_dtype) "
+                 f"kvserve:model_info{{{SEL}}})",
+                 "{{pod}}: {{quantization}}, {{dtype}}, KV {{kv_cache_dtype}}")],
+               (14, 44, 10, 8), unit="bytes",
+               description="Weight bytes each runtime holds (per tensor-parallel rank), labelled with the "
+                           "weight format (none, int8, awq, gguf, ...), compute dtype and KV cache dtype it "
+                           "actually runs: a rollout that changes spec.runtime.quantization shows here."),
         # spec.router (docs/router.md): empty for services without a router.
         {"id": 15, "type": "row", "title": "Router", "collapsed": False,
          "gridPos": {"x": 0, "y": 52, "w": 24, "h": 1}, "panels": []},

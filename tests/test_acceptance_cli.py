@@ -93,6 +93,8 @@ def _preflight_only(monkeypatch, argv: list[str], capsys) -> tuple[int, list[str
     (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "speculative_config.method"),
     (["--dtype", "float64"], "dtype: must be one of"),
     (["--device", "tpu"], "device: must be"),
+    # Against the model's config: 3 does not divide the tiny Llama's 4 heads (no worker is started).
+    (["--tensor-parallel-size", "3"], "tensor_parallel_size: tensor_parallel_size 3 does not divide"),
 ])
 def test_bad_engine_options_are_refused_before_listening(tiny_llama, monkeypatch, capsys, flags, field):
     code, lines = _preflight_only(monkeypatch, [str(tiny_llama), *flags], capsys)

@@ -195,14 +195,18 @@ def _methods(path, **kw):
 @pytest.mark.parametrize("kind, kept", [("Q4_0", True), ("Q4_1", True), ("Q4_K", True), ("Q8_0", False),
                                         ("Q5_K", False), ("Q6_K", False), ("F16", False)])
 def test_which_types_stay_quantized(tiny_gguf, kind, kept):
-    """4-bit types are held as int4 (group 32) by the gguf linear method; Q8_0 on a CPU, 5/6-bit
-    and float types are dequantized at load into the unquantized path."""
-    from kvserve.runtime.models.quantization.gguf import GGUFInt4Method
+    """4-bit types are held as int4 (group 32) by the gguf linear method; Q8_0 as int8 (group 32)
+    where the native CPU kernels are loaded, else (like 5/6-bit and float types) dequantized at
+    load into the unquantized path."""
+    from kvserve.kernels.cpu import native
+    from kvserve.runtime.models.quantization.gguf import GGUFInt4Method, GGUFInt8Method
     from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
 
+    if kind == "Q8_0" and native.available():
+        kept = True
     layers = _methods(tiny_gguf(kind))
     for name, layer in layers.items():
-        want = GGUFInt4Method if kept else UnquantizedLinearMethod
+        want = (GGUFInt8Method if kind == "Q8_0" else GGUFInt4Method) if kept else UnquantizedLinearMethod
         assert type(layer.quant_method) is want, (name, type(layer.quant_method))
         if kept:  # the int4 form replaced the codes: nothing float of the matrix's size is left
             assert all(p.dtype != torch.float32 or p.numel() < layer.spec.out_features * layer.spec.in_features

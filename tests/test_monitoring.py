@@ -104,10 +104,16 @@ def test_dashboard_is_one_inferenceservice_at_a_time():
     for needed in ["Replicas and tensor-parallel degree", "KV-cache utilization per pod",
                    "Queue depth (waiting requests)", "Running requests", "Tokens per second",
                    "Time to first token", "Inter-token latency", "Preemptions per second",
-                   "Prefix-cache hit rate"]:
+                   "Prefix-cache hit rate", "Engine step time by phase (mean per step)",
+                   "Weights per pod (format, dtype, KV cache dtype)"]:
         assert needed in titles
     for expr in dashboard_exprs(dash):
         assert 'namespace="$namespace"' in expr and 'inferenceservice="$inferenceservice"' in expr
+    weights = next(p for p in dash["panels"] if p["title"].startswith("Weights per pod"))
+    expr = weights["targets"][0]["expr"]
+    assert "kvserve:model_weight_bytes{" in expr and "kvserve:model_info{" in expr  # the runtime's names
+    assert all(f"{{{{{label}}}}}" in weights["targets"][0]["legendFormat"]
+               for label in ("pod", "quantization", "dtype", "kv_cache_dtype"))
     names = {a["name"] for a in dash["annotations"]["list"]}
     assert {"Replica decisions", "TP decisions"} <= names
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])

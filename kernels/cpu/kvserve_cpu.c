@@ -286,24 +286,30 @@ static void q4_row(const float* x, const float* xsum, const uint8_t* p, const fl
 
 /* The float32 panel of an int8 / int4 tile: w = q * scale (int8), q * scale + offset (int4). */
 static void q8_dequant_panel(const int8_t* p, const float* s, int64_t k, int64_t g, float* w) {
-  for (int64_t kk = 0; kk < k; kk++) {
-    const float* sg = s + (kk / g) * TILE;
-    __m128i v = _mm_loadu_si128((const __m128i*)(p + kk * TILE));
-    _mm256_store_ps(w + kk * TILE, _mm256_mul_ps(widen_i8(v), _mm256_loadu_ps(sg)));
-    _mm256_store_ps(w + kk * TILE + 8, _mm256_mul_ps(widen_i8(_mm_unpackhi_epi64(v, v)), _mm256_loadu_ps(sg + 8)));
+  for (int64_t g0 = 0; g0 < k; g0 += g) {
+    const float* sg = s + (g0 / g) * TILE;
+    __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);
+    for (int64_t kk = g0; kk < g0 + g; kk++) {
+      __m128i v = _mm_loadu_si128((const __m128i*)(p + kk * TILE));
+      _mm256_store_ps(w + kk * TILE, _mm256_mul_ps(widen_i8(v), s0));
+      _mm256_store_ps(w + kk * TILE + 8, _mm256_mul_ps(widen_i8(_mm_unpackhi_epi64(v, v)), s1));
+    }
   }
 }
 
 static void q4_dequant_panel(const uint8_t* p, const float* s, const float* o, int64_t k, int64_t g, float* w) {
   const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t kk = 0; kk < k; kk++) {
-    const float* sg = s + (kk / g) * TILE;
-    const float* og = o + (kk / g) * TILE;
-    __m128i v = _mm_loadl_epi64((const __m128i*)(p + kk * (TILE / 2)));
-    __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-    _mm256_store_ps(w + kk * TILE, _mm256_fmadd_ps(widen_u8(lo), _mm256_loadu_ps(sg), _mm256_loadu_ps(og)));
-    _mm256_store_ps(w + kk * TILE + 8,
-                    _mm256_fmadd_ps(widen_u8(hi), _mm256_loadu_ps(sg + 8), _mm256_loadu_ps(og + 8)));
+  for (int64_t g0 = 0; g0 < k; g0 += g) {
+    const float* sg = s + (g0 / g) * TILE;
+    const float* og = o + (g0 / g) * TILE;
+    __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);
+    __m256 o0 = _mm256_loadu_ps(og), o1 = _mm256_loadu_ps(og + 8);
+    for (int64_t kk = g0; kk < g0 + g; kk++) {
+      __m128i v = _mm_loadl_epi64((const __m128i*)(p + kk * (TILE / 2)));
+      __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      _mm256_store_ps(w + kk * TILE, _mm256_fmadd_ps(widen_u8(lo), s0, o0));
+      _mm256_store_ps(w + kk * TILE + 8, _mm256_fmadd_ps(widen_u8(hi), s1, o1));
+    }
   }
 }
 

@@ -164,9 +164,9 @@ class Server:
 def preflight(args: argparse.Namespace) -> str | None:
     """Checks what can be refused before listening and returns the one-line reason, or None: every
     engine option on its own (JSON of --compilation-config / --speculative-config, --dtype, ...),
-    then the options against the checkpoint's config (weight format, device, KV cache dtype). A
-    model directory that cannot be read, or weights that do not load, are left to the load, which
-    reports it on /ready and exits 1."""
+    then the options against the checkpoint's config (weight format, device, KV cache dtype, the
+    tensor-parallel degree against the heads and MLP sizes). A model directory that cannot be
+    read, or weights that do not load, are left to the load, which reports it on /ready and exits 1."""
     from kvserve.runtime.config import EngineConfig
 
     try:
@@ -180,12 +180,14 @@ def preflight(args: argparse.Namespace) -> str | None:
         model_config = ModelConfig.from_pretrained(resolve_model_path(args.model))
     except ValueError:
         return None
+    from kvserve.runtime.distributed.executor import check_tensor_parallel
     from kvserve.runtime.engine import check_kv_cache_dtype_for_model
     from kvserve.runtime.models.quantization import check_quantization
 
     try:
         check_quantization(args.quantization, model_config.hf_config, args.device, args.dtype)
         check_kv_cache_dtype_for_model(args.kv_cache_dtype or "auto", model_config)
+        check_tensor_parallel(model_config, args.tensor_parallel_size)
     except ValueError as exc:
         return str(exc)
     return None

@@ -7,9 +7,10 @@ table) are all
 
 - Q4_0, Q4_1 or Q4_K: `Int4Weight`, group 32, w = code * scale + offset (scale = d, offset = -8d
   for Q4_0; d and m for Q4_1; each 32-value sub-block's d * sc and -dmin * m for Q4_K);
-- Q8_0 on a GPU: `Int8Weight`, group 32 (the Triton grouped int8 kernel). On a CPU torch's int8
-  kernel is per-channel only, so Q8_0 is dequantized at load there (exactly) and multiplied by
-  the unquantized path, which is faster than dequantizing every step;
+- Q8_0 on a GPU, or on a CPU with kvserve's native kernels loaded: `Int8Weight`, group 32 (the
+  Triton grouped int8 kernel; the native AVX2 int8 kernel). Otherwise on a CPU (torch's int8
+  kernel is per-channel only) Q8_0 is dequantized at load (exactly) and multiplied by the
+  unquantized path, which is faster than dequantizing every step;
 - anything else (F32/F16/BF16, Q5_0/Q5_1/Q5_K/Q6_K, or a mix of families in one fused layer):
   dequantized once at load into the model dtype (`UnquantizedLinearMethod`).
 
@@ -35,7 +36,7 @@ from kvserve.runtime.models.quantization.base import (
 )
 from kvserve.runtime.models.quantization.int4 import Int4Applier, check_group, set_int4
 from kvserve.runtime.models.quantization.int8 import set_int8
-from kvserve.runtime.models.quantization.packed import Int4Weight, Int8Weight
+from kvserve.runtime.models.quantization.packed import Int4Weight, Int8Weight, native_enabled
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
 
 GROUP = 32
@@ -111,7 +112,7 @@ class GGUFConfig(QuantizationConfig):
         types = self.layer_types(spec)
         if types <= INT4_TYPES:
             return GGUFInt4Method()
-        if types <= INT8_TYPES and spec.device.type == "cuda":
+        if types <= INT8_TYPES and (spec.device.type == "cuda" or native_enabled(spec.device)):
             return GGUFInt8Method()
         return UnquantizedLinearMethod()
 
