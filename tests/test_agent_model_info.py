@@ -62,6 +62,31 @@ def test_compact_config_keeps_the_small_fields_within_its_budget():
     assert len(json.dumps(out)) <= 16 * 1024 and list(out)[0] == "k0000"
 
 
+def test_quantized_checkpoints_keep_what_planning_reads():
+    """A quantization_config over the per-field budget (GPTQModel's `meta`, llm-compressor's long
+    `ignore` lists, a GGUF file's per-tensor types) is reduced, not dropped: the operator plans a
+    learned model with the same weight format as the checkpoint's own config."""
+    from kvserve.runtime.capacity import weight_format
+
+    fixtures = Path(__file__).parent / "fixtures" / "quant"
+    gptq = json.loads((fixtures / "gptq-g32" / "config.json").read_text())
+    ct = json.loads((fixtures / "ct-w4a16-g32" / "config.json").read_text())
+    ct["quantization_config"]["ignore"] = [f"model.layers.{i}.mlp.gate" for i in range(200)]
+    types = {f"model.layers.{i}.{m}.weight": "Q4_K" for i in range(80)
+             for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    types.update({f"model.layers.{i}.input_layernorm.weight": "F32" for i in range(80)})
+    types.update({"model.embed_tokens.weight": "Q8_0", "lm_head.weight": "Q6_K"})
+    gguf = {**LLAMA, "quantization_config": {"quant_method": "gguf", "tensor_types": types}}
+    for name, config in (("gptq", gptq), ("compressed-tensors", ct), ("gguf", gguf)):
+        assert len(json.dumps(config["quantization_config"])) > 1024, name
+        learned = compact_config(config)
+        qc = learned.get("quantization_config")
+        assert qc is not None and qc["quant_method"] == name, name
+        assert len(json.dumps(qc)) <= 1024, name
+        assert weight_format(name, 2, 4096, qc) == weight_format(name, 2, 4096, config["quantization_config"]), name
+
+
 def test_real_smollm2_hf_directory(smollm2):
     info = read_model_info(smollm2.hf_dir)
     assert (info["architecture"], info["num_layers"], info["num_attention_heads"], info["num_kv_heads"],

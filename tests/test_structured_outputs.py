@@ -276,3 +276,32 @@ def test_llm_chat_passes_tools_to_the_template(llm):
     out = llm.chat(messages, sp(max_tokens=2), chat_template=template, tools=tools, use_tqdm=False)[0]
     assert out.prompt.startswith("[tool get_weather]<|user|>weather?")
     assert "<call get_weather Paris>" in out.prompt and "<|tool|>sunny" in out.prompt
+
+
+@pytest.mark.parametrize("vocab", [64, 1000, 49152, 50001])
+def test_native_bitmask_masks_exactly_what_xgrammar_masks(vocab):
+    """The native AVX2 bitmask kernel against xgrammar's own CPU kernel: every kind of word (all
+    allowed, none, random bits), a vocabulary that ends mid-word, a padded logits row, a subset
+    of the rows."""
+    import torch
+    import xgrammar as xgr
+
+    from kvserve.kernels.cpu import native
+
+    if not native.available():
+        pytest.skip(f"native CPU kernels: {native.status()}")
+    gen = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    mask = torch.randint(-2**31, 2**31 - 1, (6, words), dtype=torch.int32, generator=gen)
+    mask[0] = -1  # every token allowed
+    mask[1] = 0  # none
+    mask[2, ::2] = -1
+    logits = torch.randn(6, vocab + 7, generator=gen)  # LM head wider than the vocabulary
+    rows = [0, 1, 2, 4, 5]
+    expected, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, mask, vocab_size=vocab, indices=rows)
+    native.apply_token_bitmask(got, mask, rows, vocab)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[3], logits[3])  # a row not listed is untouched
+    with pytest.raises(ValueError, match="rows"):
+        native.apply_token_bitmask(got, mask, [6], vocab)

@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 7; }
+int kv_abi_version(void) { return 8; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -698,5 +698,35 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
     kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
     linear_any(act, m, inter, inter, &L->down, h, L->down_bias, hidden, h, nthreads);
+  }
+}
+
+/* ------------------------------------------------------------------------- grammar bitmask */
+
+/* Structured outputs: logits[rows[r], j] = -inf wherever bit j of that row's bitmask (xgrammar's
+   layout: 32 tokens per int32 word, bit j % 32 of word j / 32, 1 = allowed) is 0, for j < vocab.
+   Eight logits per AVX2 step; a word whose 32 tokens are all allowed is skipped. */
+void kv_apply_bitmask_f32(float* logits, int64_t ld, const int32_t* bitmask, int64_t words_ld,
+                          const int64_t* rows, int64_t nrows, int64_t vocab, int nthreads) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  const int64_t whole = vocab / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t r = 0; r < nrows; r++) {
+    float* row = logits + rows[r] * ld;
+    const uint32_t* mask = (const uint32_t*)(bitmask + rows[r] * words_ld);
+    for (int64_t w = 0; w < whole; w++) {
+      const uint32_t word = mask[w];
+      if (word == 0xFFFFFFFFu) continue;
+      float* x = row + w * 32;
+      for (int b = 0; b < 4; b++) {
+        __m256i byte = _mm256_set1_epi32((int)((word >> (8 * b)) & 0xFFu));
+        __m256i allowed = _mm256_cmpeq_epi32(_mm256_and_si256(byte, bit), bit);
+        __m256 v = _mm256_loadu_ps(x + 8 * b);
+        _mm256_storeu_ps(x + 8 * b, _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(allowed)));
+      }
+    }
+    for (int64_t j = whole * 32; j < vocab; j++)
+      if (!((mask[j >> 5] >> (j & 31)) & 1u)) row[j] = -INFINITY;
   }
 }

@@ -32,7 +32,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 7
+ABI_VERSION = 8
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -57,6 +57,7 @@ _SIGNATURES = {
     "kv_write_kv_f32": ([_P, _I, _P, _I, _I, _I, _P, _P, _P], None),
     "kv_decoder_stack_workspace": ([_P, _I], ctypes.c_int64),
     "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _T], None),
+    "kv_apply_bitmask_f32": ([_P, _I, _P, _I, _P, _I, _I, _T], None),
     "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _T], None),
 }
 
@@ -532,3 +533,25 @@ class DecoderStack:
                                  slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
                                  hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr(), _threads())
         return hidden, residual
+
+
+# ---------------------------------------------------------------------------- grammar bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """In place: every logit of `rows` whose bit in `bitmask` (xgrammar's int32 layout, 1 =
+    allowed) is 0 becomes -inf, for token ids below `vocab_size`; what xgrammar's
+    apply_token_bitmask_inplace does, vectorized (its CPU kernel tests one bit at a time)."""
+    _check_f32("logits", logits)
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("logits: expected a 2-D tensor with contiguous rows")
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.stride(1) != 1:
+        raise ValueError("bitmask: expected a 2-D int32 tensor with contiguous rows")
+    vocab = min(vocab_size, logits.shape[1], bitmask.shape[1] * 32)
+    if any(not 0 <= r < min(logits.shape[0], bitmask.shape[0]) for r in rows):
+        raise ValueError(f"rows: out of range for {logits.shape[0]} logits rows and {bitmask.shape[0]} mask rows")
+    if not rows:
+        return
+    index = torch.tensor(rows, dtype=torch.int64)
+    _lib().kv_apply_bitmask_f32(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+                                index.data_ptr(), len(rows), vocab, _threads())

@@ -33,17 +33,35 @@ def _int(config: Mapping[str, Any], *keys: str) -> int | None:
     return None
 
 
+def _planning_quantization_config(qc: Mapping[str, Any]) -> dict[str, Any]:
+    """A quantization_config without what planning never reads (GPTQModel's provenance `meta`,
+    llm-compressor's `ignore` list), a GGUF file's per-tensor types cut to the first layer's plus
+    the embedding and LM head: `kvserve.runtime.capacity.weight_format` gives the same format from
+    it when every layer has the same types (llama.cpp's `_M` mixes vary a little by layer)."""
+    out = {k: v for k, v in qc.items() if k not in ("meta", "ignore")}
+    types = out.get("tensor_types")
+    if isinstance(types, Mapping):
+        out["tensor_types"] = {n: t for n, t in types.items() if ".layers." not in n or ".layers.0." in n}
+    return out
+
+
 def compact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json without its bulky fields (label maps, code references), at most CONFIG_LIMIT."""
+    """config.json without its bulky fields (label maps, code references), at most CONFIG_LIMIT.
+    A quantization_config over the per-field budget is reduced to what planning reads, not dropped
+    (without it the operator would plan a 4-bit model as full precision)."""
     out: dict[str, Any] = {}
     size = 2
     for key in sorted(config):
         if key in ("id2label", "label2id", "auto_map", "task_specific_params", "_name_or_path"):
             continue
-        text = json.dumps({key: config[key]}, sort_keys=True)
+        value = config[key]
+        if key == "quantization_config" and isinstance(value, Mapping) \
+                and len(json.dumps(value, sort_keys=True)) > CONFIG_VALUE_LIMIT:
+            value = _planning_quantization_config(value)
+        text = json.dumps({key: value}, sort_keys=True)
         if len(text) > CONFIG_VALUE_LIMIT or size + len(text) > CONFIG_LIMIT:
             continue
-        out[key] = config[key]
+        out[key] = value
         size += len(text)
     return out
 

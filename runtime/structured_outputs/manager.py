@@ -226,7 +226,22 @@ def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState | None
         mask = mask.to(logits.device, non_blocking=True)
     if logits.shape[1] > manager.vocab_size:
         logits[rows, manager.vocab_size:] = float("-inf")
+    if _native_bitmask(logits):
+        from kvserve.kernels.cpu import native
+
+        # xgrammar's CPU kernel tests one bit at a time: ~9 ms for 32 rows of a 49k vocabulary,
+        # as much as the rest of the sampler at batch 32 on the fast path; the native one ~0.3 ms.
+        native.apply_token_bitmask(logits, mask, rows, manager.vocab_size)
+        return
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=manager.vocab_size, indices=rows)
+
+
+def _native_bitmask(logits: torch.Tensor) -> bool:
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return False
+    from kvserve.kernels.cpu import native
+
+    return native.available()
 
 
 def apply_grammar_to_drafts(logits: torch.Tensor, state: GrammarState, drafts: list[int]) -> None:
