@@ -174,19 +174,24 @@ def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, N, BLOCK: tl.constexpr):
     tl.store(OUT + row * stride_o + cols, (act * up.to(tl.float32)).to(OUT.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _gated_activation(kernel, name: str, x: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up over x = [..., gate | up], one program per (row, block of columns)."""
     if x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
+        raise ValueError(f"{name} needs an even last dimension, got {x.shape[-1]}")
     shape = x.shape
     x2 = _rows(x)
     n = shape[-1] // 2
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0] and n:
         block = min(next_pow2(n), 1024)
-        kernel_for(_silu_and_mul_kernel, x.device)[(x2.shape[0], triton.cdiv(n, block))](
+        kernel_for(kernel, x.device)[(x2.shape[0], triton.cdiv(n, block))](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
         )
     return out.view(*shape[:-1], n)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated_activation(_silu_and_mul_kernel, "silu_and_mul", x)
 
 
 @triton.jit
@@ -207,15 +212,4 @@ def _gelu_tanh_and_mul_kernel(X, OUT, stride_x, stride_o, N, BLOCK: tl.constexpr
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if x.shape[-1] % 2:
-        raise ValueError(f"gelu_tanh_and_mul needs an even last dimension, got {x.shape[-1]}")
-    shape = x.shape
-    x2 = _rows(x)
-    n = shape[-1] // 2
-    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    if x2.shape[0] and n:
-        block = min(next_pow2(n), 1024)
-        kernel_for(_gelu_tanh_and_mul_kernel, x.device)[(x2.shape[0], triton.cdiv(n, block))](
-            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
-        )
-    return out.view(*shape[:-1], n)
+    return _gated_activation(_gelu_tanh_and_mul_kernel, "gelu_tanh_and_mul", x)
