@@ -35,7 +35,7 @@ from kvserve.runtime.models.quantization.base import (
     sharded_param,
 )
 from kvserve.runtime.models.quantization.int4 import Int4Applier, check_group, set_int4
-from kvserve.runtime.models.quantization.int8 import set_int8
+from kvserve.runtime.models.quantization.int8 import Int8Applier, set_int8
 from kvserve.runtime.models.quantization.packed import Int4Weight, Int8Weight, native_enabled
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
 
@@ -70,7 +70,7 @@ class GGUFInt4Method(Int4Applier):
             replace_param(layer, name, None)
 
 
-class GGUFInt8Method(LinearMethod):
+class GGUFInt8Method(Int8Applier):
     name = "gguf"
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
@@ -82,13 +82,6 @@ class GGUFInt8Method(LinearMethod):
                                    what=spec.name))
         for name in ("weight", "gguf_scale"):
             replace_param(layer, name, None)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = layer.int8.matmul(x)
-        return out + bias if bias is not None else out
-
-    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return layer.int8.rows(ids)
 
 
 class GGUFConfig(QuantizationConfig):

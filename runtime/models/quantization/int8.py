@@ -15,7 +15,18 @@ from kvserve.runtime.models.quantization.packed import Int8Weight, quantize_int8
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
 
 
-class Int8WeightOnlyMethod(LinearMethod):
+class Int8Applier(LinearMethod):
+    """apply/embed for every method whose layers end up holding an `Int8Weight`."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = layer.int8.matmul(x)
+        return out + bias if bias is not None else out
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return layer.int8.rows(ids)
+
+
+class Int8WeightOnlyMethod(Int8Applier):
     name = "int8"
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
@@ -26,13 +37,6 @@ class Int8WeightOnlyMethod(LinearMethod):
         q, scale = quantize_int8(w, w.shape[1])
         set_int8(layer, Int8Weight(q, scale, w.shape[1], layer.weight.dtype, what=layer.spec.name))
         replace_param(layer, "weight", None)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = layer.int8.matmul(x)
-        return out + bias if bias is not None else out
-
-    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return layer.int8.rows(ids)
 
 
 def set_int8(layer: nn.Module, weight: Int8Weight) -> None:
