@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -89,6 +88,8 @@ def run_kvserve(model_path: str, dtype: str, quantization: str | None, prompt, a
     import torch
 
     from kvserve.runtime import LLM, SamplingParams
+    from vs_llamacpp import batch1_decode_ms
+
     from kvserve.kernels.cpu.native import status as native_status
     from kvserve.runtime.models.quantization.packed import cpu_packed_enabled
 
@@ -98,25 +99,14 @@ def run_kvserve(model_path: str, dtype: str, quantization: str | None, prompt, a
         kw["quantization"] = quantization
     llm = LLM(model_path, **kw)
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompt[:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
-    per_token = []
-    for r in range(args.decode_repeats):
-        eng.add_request(f"d{r}", {"prompt_token_ids": prompt}, params)
-        eng.step()
-        t0 = time.perf_counter()
-        steps = 0
-        while eng.has_unfinished_requests():
-            eng.step()
-            steps += 1
-        per_token.append((time.perf_counter() - t0) / steps)
+    decode_ms = batch1_decode_ms(llm, prompt, args.decode_tokens, args.decode_repeats)
     prompts, outputs = _workload(args.num_requests)
     sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     params_count = _parameter_count(eng)
-    out = {"decode_ms_per_token": statistics.median(per_token) * 1000,
+    out = {"decode_ms_per_token": decode_ms,
            "offline_tok_per_s": sum(outputs) / wall,
            "weight_bytes": eng.model_weight_bytes, "parameters": params_count,
            "quantization": eng.quantization, "dtype": str(eng.dtype).removeprefix("torch."),

@@ -94,6 +94,15 @@ def decode_kvserve(hf_dir: Path, prompt: list[int], n: int, repeats: int) -> flo
     from kvserve.runtime import LLM, SamplingParams
 
     llm = LLM(str(hf_dir), dtype="float32", device="cpu", max_model_len=2048)
+    ms = batch1_decode_ms(llm, prompt, n, repeats)
+    llm.close()
+    return ms
+
+
+def batch1_decode_ms(llm, prompt: list[int], n: int, repeats: int) -> float:
+    """Median ms per decode step of one greedy request (prefill and first token not counted)."""
+    from kvserve.runtime import SamplingParams
+
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt[:16]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -107,7 +116,6 @@ def decode_kvserve(hf_dir: Path, prompt: list[int], n: int, repeats: int) -> flo
             eng.step()
             steps += 1
         per_token.append((time.perf_counter() - t0) / steps)
-    llm.close()
     return statistics.median(per_token) * 1000
 
 
