@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import copy
 import json
 import os
@@ -641,6 +642,18 @@ class PrefixMeter:
             return sum(h for h, _ in self.last.values()), sum(q for _, q in self.last.values())
 
 
+def router_endpoints(kubelet: Kubelet) -> int | None:
+    """Ready runtime pods as the routers see them (their /ready), or None when no router answers."""
+    counts = []
+    for ip in kubelet.router_ips():
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{RUNTIME_PORT}/ready", timeout=2) as r:
+                counts.append(int(json.loads(r.read()).get("ready_endpoints", 0)))
+        except (OSError, ValueError):
+            continue
+    return max(counts) if counts else None
+
+
 def router_view(kubelet: Kubelet) -> dict[str, float]:
     """The router's own counters (kvserve_router_*), from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -722,7 +735,9 @@ def idle_until_zero(watcher: "Watcher", kubelet: "Kubelet", timeout: float) -> b
             st = watcher.obj.get("status") or {}
             bar.n = int(time.monotonic() - start)
             bar.set_postfix_str(watcher.line(), refresh=True)
-            if st.get("desiredReplicas") == 0 and not kubelet.ready_ips():
+            # Zero for a client only once the router knows it too: its pod watch can trail the
+            # kubelet by a moment, and a request sent then is served by the draining pod, not held.
+            if st.get("desiredReplicas") == 0 and not kubelet.ready_ips() and router_endpoints(kubelet) == 0:
                 return True
             time.sleep(0.5)
         return False
@@ -766,7 +781,8 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
         ("TTFT p50 / p99", f"{1000 * pct(ttft, 0.5):.0f} ms / {1000 * pct(ttft, 0.99):.0f} ms"),
         ("TPOT p50 / p99", f"{1000 * pct(tpot, 0.5):.1f} ms / {1000 * pct(tpot, 0.99):.1f} ms"),
         ("most ready replicas", str(watcher.max_replicas)),
-        ("Events posted", str(len(events))),
+        ("Events posted", f"{len(events)}: " + ", ".join(
+            f"{reason} {n}" for reason, n in sorted(collections.Counter(e.get("reason", "") for e in events).items()))),
     ]
     for k, v in rows:
         say(f"    {k:<22} {v}")

@@ -65,6 +65,14 @@ def start_operator(emulator, kubelet) -> OperatorThread:
     return OperatorThread(emulator.url, config).start()
 
 
+def ready_endpoints(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=5) as r:
+            return json.loads(r.read())["ready_endpoints"]
+    except OSError:
+        return None
+
+
 def post_completion(url: str, out: list, timeout: float = 60) -> None:
     req = urllib.request.Request(url + "/v1/completions", method="POST",
                                  data=json.dumps({"model": "tiny", "prompt": "wake up"}).encode(),
@@ -126,6 +134,10 @@ def test_router_objects_scale_to_zero_and_wake_on_a_held_request(cluster):
 
         # A request while at zero is held by the router, wakes the service, and is answered.
         router = next(p for p in kubelet.pods.values() if p.name.startswith("chat-router"))
+        # The router's pod watch may trail the kubelet by a moment; a request sent before it saw
+        # the last pod go would be proxied there and never held.
+        wait_for(lambda: ready_endpoints(f"http://{router.ip}:{router.port}") == 0, timeout=30,
+                 what="the router to see no pod")
         answers: list = []
         served_before = load.completions
         client = threading.Thread(target=post_completion, args=(f"http://{router.ip}:{router.port}", answers))
