@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 8; }
+int kv_abi_version(void) { return 9; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -515,79 +515,144 @@ void kv_write_kv_f32(const float* key, int64_t ldk, const float* value, int64_t 
    [blocks, block_size, hkv, d], block tables int32 [s, max_blocks], seq_lens int32 [s] (context
    including the new token, already written). `window` > 0 keeps only the last `window` positions;
    `softcap` > 0 applies softcap * tanh(score / softcap). out [s, hq, d]. */
+/* Lane p = the sum of a[p]'s eight lanes: eight dot products finished in seven hadd/permutes
+   instead of eight horizontal sums. */
+static inline __m256 sum8_lanes(const __m256 a[8]) {
+  __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* scores[t] = scale * q . K[t] for eight positions whose rows start at k + off[0..7]. */
+static inline __attribute__((always_inline)) __m256 qk8(const float* qr, const float* k, const int64_t* off,
+                                                         int64_t d, float scale) {
+  __m256 acc[8];
+  for (int p = 0; p < 8; p++) acc[p] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    __m256 qv = _mm256_loadu_ps(qr + i);
+    for (int p = 0; p < 8; p++) acc[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + off[p] + i), acc[p]);
+  }
+  __m256 dots = sum8_lanes(acc);
+  if (i < d) {
+    float tail[8];
+    _mm256_storeu_ps(tail, dots);
+    for (int p = 0; p < 8; p++)
+      for (int64_t r = i; r < d; r++) tail[p] += qr[r] * k[off[p] + r];
+    dots = _mm256_loadu_ps(tail);
+  }
+  return _mm256_mul_ps(dots, _mm256_set1_ps(scale));
+}
+
+/* o[0 .. 8 * nv) = inv * sum_t p[t] * V[t], summed over t in order, in registers. */
+static inline __attribute__((always_inline)) void pv_chunk(const float* p, int64_t n, const float* v,
+                                                            const int64_t* off, float inv, float* o, const int nv) {
+  __m256 acc[8];
+  for (int c = 0; c < nv; c++) acc[c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t++) {
+    __m256 pt = _mm256_set1_ps(p[t]);
+    const float* vr = v + off[t];
+    if (t + 4 < n)
+      for (int c = 0; c < nv; c += 2) _mm_prefetch((const char*)(v + off[t + 4] + 8 * c), _MM_HINT_T0);
+    for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+  }
+  __m256 scale = _mm256_set1_ps(inv);
+  for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], scale));
+}
+
+/* Decode attention: one query token per sequence over its paged K/V (caches [blocks, block_size,
+   hkv, d]), one task per (sequence, KV head). The row offsets of the sequence's positions are
+   found once per task (one division per block, not per position) and serve both passes. Scores
+   go eight positions at a time, every query head of the KV head reading the same eight K rows
+   while they sit in L1; a partial last eight repeats its first row and drops the extra lanes,
+   so every score is summed in the same order. P.V keeps up to 64 outputs in registers and adds
+   the positions in order. */
 void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int64_t d, const float* k_cache,
                          const float* v_cache, int64_t block_size, const int32_t* block_tables,
                          int64_t max_blocks, const int32_t* seq_lens, float scale, int64_t window, float softcap,
                          float* out, int nthreads) {
   int64_t group = hq / hkv;
-  int64_t tasks = s * hkv;
   int64_t row = hkv * d;
+  /* A task per sequence when there are enough of them: its KV heads then read each cached row
+     whole, one after the other, rather than three tasks each reading a third of it. */
+  int per_seq = s >= 4 * (int64_t)nthreads;
+  int64_t tasks = per_seq ? s : s * hkv;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
   for (int64_t task = 0; task < tasks; task++) {
-    int64_t seq = task / hkv, g = task % hkv;
+    int64_t seq = per_seq ? task : task / hkv;
+    int64_t g0 = per_seq ? 0 : task % hkv, g1 = per_seq ? hkv : g0 + 1;
     int64_t len = seq_lens[seq];
     int64_t first = (window > 0 && len > window) ? len - window : 0;
     int64_t n = len - first;
     const int32_t* table = block_tables + seq * max_blocks;
+    int64_t* off = (int64_t*)malloc(sizeof(int64_t) * (size_t)(n + 8));
     float* scores = (float*)malloc(sizeof(float) * (size_t)(n * group + 8));
-    float maxv[64], sums[64];
-    for (int64_t j = 0; j < group; j++) maxv[j] = -INFINITY;
-    for (int64_t t = 0; t < n; t++) {
-      int64_t pos = first + t;
-      const float* kr = k_cache + ((int64_t)table[pos / block_size] * block_size + pos % block_size) * row + g * d;
+    for (int64_t pos = first, t = 0; pos < len;) {
+      int64_t blk = pos / block_size, in_block = pos - blk * block_size;
+      int64_t base = ((int64_t)table[blk] * block_size + in_block) * row;
+      for (int64_t r = in_block; r < block_size && pos < len; r++, pos++, t++) off[t] = base + (r - in_block) * row;
+    }
+    for (int64_t g = g0; g < g1; g++) {
+      const float* kg = k_cache + g * d;
+      const float* vg = v_cache + g * d;
+      const float* qg = q + (seq * hq + g * group) * d;
+      for (int64_t t = 0; t < n; t += 8) {
+        int64_t live = n - t < 8 ? n - t : 8;
+        int64_t lanes[8];
+        for (int p = 0; p < 8; p++) lanes[p] = off[t + (p < live ? p : 0)];
+        /* The next eight rows, from wherever the block table put them: the hardware prefetcher
+           cannot guess a jump between blocks. */
+        for (int64_t p = t + 8; p < t + 16 && p < n; p++)
+          for (int64_t i = 0; i < d; i += 16) _mm_prefetch((const char*)(kg + off[p] + i), _MM_HINT_T0);
+        for (int64_t j = 0; j < group; j++) {
+          __m256 sc = qk8(qg + j * d, kg, lanes, d, scale);
+          float tmp[8];
+          _mm256_storeu_ps(tmp, sc);
+          for (int64_t p = 0; p < live; p++)
+            scores[j * n + t + p] = softcap > 0.0f ? softcap * tanhf(tmp[p] / softcap) : tmp[p];
+        }
+      }
       for (int64_t j = 0; j < group; j++) {
-        const float* qr = q + (seq * hq + g * group + j) * d;
+        float* sj = scores + j * n;
+        float maxv = -INFINITY;
+        for (int64_t t = 0; t < n; t++) maxv = sj[t] > maxv ? sj[t] : maxv;
+        __m256 mx = _mm256_set1_ps(maxv);
         __m256 acc = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc);
-        float dot = hsum256(acc);
-        for (; i < d; i++) dot += qr[i] * kr[i];
-        float sc = dot * scale;
-        if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-        scores[j * n + t] = sc;
-        if (sc > maxv[j]) maxv[j] = sc;
-      }
-    }
-    for (int64_t j = 0; j < group; j++) {
-      float* sj = scores + j * n;
-      __m256 mx = _mm256_set1_ps(maxv[j]);
-      __m256 acc = _mm256_setzero_ps();
-      int64_t t = 0;
-      for (; t + 8 <= n; t += 8) {
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mx));
-        _mm256_storeu_ps(sj + t, e);
-        acc = _mm256_add_ps(acc, e);
-      }
-      float sum = hsum256(acc);
-      for (; t < n; t++) {
-        sj[t] = expf(sj[t] - maxv[j]);
-        sum += sj[t];
-      }
-      sums[j] = sum;
-    }
-    /* out = sum_t p_t v_t / sum, accumulated in registers for d <= 256. */
-    for (int64_t j = 0; j < group; j++) {
-      float* o = out + (seq * hq + g * group + j) * d;
-      for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-    }
-    for (int64_t t = 0; t < n; t++) {
-      int64_t pos = first + t;
-      const float* vr = v_cache + ((int64_t)table[pos / block_size] * block_size + pos % block_size) * row + g * d;
-      for (int64_t j = 0; j < group; j++) {
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+          __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mx));
+          _mm256_storeu_ps(sj + t, e);
+          acc = _mm256_add_ps(acc, e);
+        }
+        float sum = hsum256(acc);
+        for (; t < n; t++) {
+          sj[t] = expf(sj[t] - maxv);
+          sum += sj[t];
+        }
+        float inv = 1.0f / sum;
         float* o = out + (seq * hq + g * group + j) * d;
-        __m256 p = _mm256_set1_ps(scores[j * n + t]);
         int64_t i = 0;
-        for (; i + 8 <= d; i += 8)
-          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(o + i)));
-        for (; i < d; i++) o[i] += scores[j * n + t] * vr[i];
+        for (; i + 64 <= d; i += 64) pv_chunk(sj, n, vg + i, off, inv, o + i, 8);
+        switch ((d - i) / 8) {
+          case 1: pv_chunk(sj, n, vg + i, off, inv, o + i, 1); break;
+          case 2: pv_chunk(sj, n, vg + i, off, inv, o + i, 2); break;
+          case 3: pv_chunk(sj, n, vg + i, off, inv, o + i, 3); break;
+          case 4: pv_chunk(sj, n, vg + i, off, inv, o + i, 4); break;
+          case 5: pv_chunk(sj, n, vg + i, off, inv, o + i, 5); break;
+          case 6: pv_chunk(sj, n, vg + i, off, inv, o + i, 6); break;
+          case 7: pv_chunk(sj, n, vg + i, off, inv, o + i, 7); break;
+          default: break;
+        }
+        for (i += 8 * ((d - i) / 8); i < d; i++) {
+          float acc_i = 0.0f;
+          for (int64_t t2 = 0; t2 < n; t2++) acc_i += sj[t2] * vg[off[t2] + i];
+          o[i] = acc_i * inv;
+        }
       }
-    }
-    for (int64_t j = 0; j < group; j++) {
-      float* o = out + (seq * hq + g * group + j) * d;
-      float inv = 1.0f / sums[j];
-      for (int64_t i = 0; i < d; i++) o[i] *= inv;
     }
     free(scores);
+    free(off);
   }
 }
 

@@ -32,7 +32,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 8
+ABI_VERSION = 9
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 

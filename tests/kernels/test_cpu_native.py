@@ -143,6 +143,28 @@ def test_paged_decode_matches_the_reference(heads, kv_heads, head_dim):
             torch.testing.assert_close(out[i], want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 2, 20), (4, 2, 72), (2, 1, 128)])
+def test_paged_decode_of_a_batch_is_each_sequence_decoded_alone(heads, kv_heads, head_dim):
+    """Enough sequences for a task per sequence (not per KV head), lengths around the eight-position
+    steps and the blocks, head sizes with 8-float tails and past 64: each sequence's output is the
+    reference's, and bit-identical to decoding it alone (a batch never changes a sequence's numbers)."""
+    g = _gen(1)
+    num_blocks, block_size, seqs = 64, 16, 12
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    seq_lens = torch.tensor([1, 7, 8, 9, 15, 16, 17, 40, 63, 64, 65, 97], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in range(seqs)]).int()
+    q = torch.randn(seqs, heads, head_dim, generator=g)
+    for window, softcap in ((0, 0.0), (13, 0.0), (0, 5.0)):
+        out = native.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2, window=window, softcap=softcap)
+        for i, n in enumerate(seq_lens.tolist()):
+            want = _manual_decode(q[i], k_cache, v_cache, tables[i], n, 0.2, window, softcap)
+            torch.testing.assert_close(out[i], want, atol=2e-6, rtol=1e-5)
+            alone = native.paged_decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], seq_lens[i:i + 1],
+                                                  0.2, window=window, softcap=softcap)
+            assert torch.equal(alone[0], out[i])
+
+
 def test_native_mode_says_why_when_the_kernels_cannot_build(monkeypatch, clean_state):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
