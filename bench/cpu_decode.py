@@ -8,6 +8,12 @@ Sections:
   matmul     SmolLM2's projections at batch 1 (and the 49152 x 576 LM head): F.linear (MKL),
              MKL's packed sgemm (torch.ops.mkl._mkl_linear), the native packed kernel, and a
              plain read of the same bytes
+  attention  paged decode attention of SmolLM2's shape (9 query heads, 3 KV heads, head 64) at
+             batches 1, 8 and 48 and contexts 128 and 512, twelve layers' caches so nothing stays
+             cached: ms per layer and GB/s of K/V read, against the machine's read bandwidth
+  gemm       the projections at 48 and 512 rows (decode batches, prefill chunks): native vs
+             F.linear (MKL) in GFLOP/s, against the float32 FMA peak of the cores (2 FMA units x
+             8 lanes x 2 FLOPs per cycle at /proc/cpuinfo's clock)
   step       a whole batch-1 decode step of the engine (128-token context), four variants side
              by side, interleaved: (A) torch path: F.linear + torch twins + SDPA attention;
              (B) native layer ops and decode attention, F.linear; (C) B + native packed matmuls,
@@ -38,7 +44,7 @@ SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--sections", default="bandwidth,matmul,step")
+    p.add_argument("--sections", default="bandwidth,matmul,attention,gemm,step")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per variant and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_decode.json")
@@ -96,6 +102,62 @@ def matmul(clock) -> dict:
         gb = n * k * 4 * copies / 1e9
         out[name] = {v: {"ms": statistics.median(t) / copies * 1e3, "GBps": gb / statistics.median(t)}
                      for v, t in times.items()}
+    return out
+
+
+def attention(clock) -> dict:
+    import torch
+
+    from kvserve.kernels.cpu import native
+
+    heads, kv_heads, head_dim, block_size, layers = 9, 3, 64, 16, 12
+    out = {}
+    for batch in (1, 8, 48):
+        for context in (128, 512):
+            blocks_per_seq = context // block_size + 1
+            blocks = batch * blocks_per_seq
+            caches = [(torch.randn(blocks, block_size, kv_heads, head_dim),
+                       torch.randn(blocks, block_size, kv_heads, head_dim)) for _ in range(layers)]
+            tables = torch.arange(blocks, dtype=torch.int32).view(batch, blocks_per_seq)
+            lens = torch.full((batch,), context, dtype=torch.int32)
+            q = torch.randn(batch, heads, head_dim)
+            t = median_time(lambda: [native.paged_decode_attention(q, k, v, tables, lens, 0.125)
+                                     for k, v in caches], clock, 5) / layers
+            kv_bytes = batch * context * kv_heads * head_dim * 4 * 2
+            out[f"b{batch}_ctx{context}"] = {"ms_per_layer": t * 1e3, "GBps": kv_bytes / t / 1e9}
+    return out
+
+
+def cpu_mhz() -> float | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return float(line.split(":")[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def gemm(clock, threads: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from kvserve.kernels.cpu import native
+
+    mhz = cpu_mhz()
+    out = {"peak_GFLOPs": threads * 32 * mhz / 1e3 if mhz else None, "rows": {}}
+    for rows in (48, 512):
+        for name, (n, k) in SHAPES.items():
+            if name == "lm_head" and rows > 48:
+                continue  # prefill computes logits for the last token of each sequence only
+            w, x = torch.randn(n, k), torch.randn(rows, k)
+            packed = native.pack_weight(w)
+            flops = 2 * rows * n * k
+            times = {"native": [], "F.linear": []}
+            for _ in range(5):
+                times["native"].append(median_time(lambda: native.linear(x, packed, n), clock, 3))
+                times["F.linear"].append(median_time(lambda: F.linear(x, w), clock, 3))
+            out["rows"][f"{rows}_{name}"] = {v: flops / statistics.median(t) / 1e9 for v, t in times.items()}
     return out
 
 
@@ -177,6 +239,19 @@ def main(argv=None) -> int:
             print(f"{'batch 1':<10}" + "".join(f"{v:>22}" for v in next(iter(mm.values()))))
             for name, row in mm.items():
                 print(f"{name:<10}" + "".join(f"{c['ms']:>10.3f} ms {c['GBps']:>5.1f} GB/s" for c in row.values()))
+        if "attention" in sections:
+            res["attention"] = at = attention(clock)
+            read = (res.get("bandwidth") or {}).get("read_GBps")
+            for case, row in at.items():
+                share = f" ({100 * row['GBps'] / read:.0f}% of the read bandwidth)" if read else ""
+                print(f"decode attention {case:<12} {row['ms_per_layer']:7.3f} ms/layer  {row['GBps']:5.1f} GB/s{share}")
+        if "gemm" in sections:
+            res["gemm"] = gm = gemm(clock, threads)
+            peak = gm["peak_GFLOPs"]
+            print(f"float32 FMA peak {peak:.0f} GFLOP/s" if peak else "float32 FMA peak: unknown clock")
+            for case, row in gm["rows"].items():
+                print(f"gemm {case:<14} " + "  ".join(f"{v} {g:6.1f} GFLOP/s" + (f" ({100 * g / peak:.0f}%)" if peak else "")
+                                                     for v, g in row.items()))
         if "step" in sections:
             res["step"] = st = step(hf_dir, clock, args.steps, args.rounds)
             base = st["A torch"]["ms_per_step"]
