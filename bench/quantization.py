@@ -166,8 +166,8 @@ def main(argv=None) -> int:
             continue
         row["bytes_per_param"] = row["weight_bytes"] / row["parameters"]
         row["nominal_bytes_per_param"] = nominal
-        row["format_bytes_per_param"] = format_bytes_per_param(None if quantization == "gguf" else quantization,
-                                                               dtype, shape)
+        if quantization != "gguf":  # a GGUF file mixes formats (Q4_1 layers, a Q8_0 table): no single figure
+            row["format_bytes_per_param"] = format_bytes_per_param(quantization, dtype, shape)
         result["rows"][label] = row
         print(label, json.dumps(row), flush=True)
     files = gguf_files(model)
