@@ -242,6 +242,47 @@ def test_torch_backend_matches_dense_attention(plan):
     assert torch.equal(before.nan_to_num(7.0), k_cache.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_a_decode_row_attends_alike_in_a_mixed_step_and_a_decode_step(window):
+    """Decode rows of a step that also prefills take the decode path of a pure decode step (the
+    native kernel on CPU): bit-identical outputs, so sharing a step with a prompt changes nothing."""
+    from kvserve.kernels.cpu import native
+
+    torch.manual_seed(1)
+    heads, kv_heads, d, blocks = 6, 2, 16, 32
+    k_cache, v_cache = torch.randn(blocks, BLOCK_SIZE, kv_heads, d), torch.randn(blocks, BLOCK_SIZE, kv_heads, d)
+    decode_lens = [5, 20, 33]  # every position already in the cache, the new token's included
+    tables = [list(range(i * 10, i * 10 + 10)) for i in range(3)] + [[30, 31] + [0] * 8]  # padded rows
+    prefill_len = 7
+    q_decode, q_prefill = torch.randn(3, heads, d), torch.randn(prefill_len, heads, d)
+    key, value = torch.randn(prefill_len, kv_heads, d), torch.randn(prefill_len, kv_heads, d)
+
+    def meta(lens, q_lens, rows):
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+            block_tables=torch.tensor([tables[r] for r in rows], dtype=torch.int32),
+            slot_mapping=torch.full((starts[-1],), -1), max_query_len=max(q_lens), max_seq_len=max(lens),
+            is_decode_only=all(n == 1 for n in q_lens))
+
+    backend = TorchAttentionBackend()
+    # Mixed: decode 0, the prompt, decodes 1 and 2.
+    mixed_q = torch.cat([q_decode[:1], q_prefill, q_decode[1:]])
+    mixed_kv = [torch.cat([torch.zeros(1, kv_heads, d), t, torch.zeros(2, kv_heads, d)]) for t in (key, value)]
+    mixed = backend.attend(mixed_q, *mixed_kv, k_cache, v_cache,
+                           meta([5, prefill_len, 20, 33], [1, prefill_len, 1, 1], [0, 3, 1, 2]), 0.25,
+                           sliding_window=window)
+    alone = TorchAttentionBackend().attend(q_decode, q_decode[:, :kv_heads], q_decode[:, :kv_heads], k_cache, v_cache,
+                                           meta(decode_lens, [1, 1, 1], [0, 1, 2]), 0.25, sliding_window=window)
+    got = mixed[[0, prefill_len + 1, prefill_len + 2]]
+    if native.available():
+        assert torch.equal(got, alone)
+    else:
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+
+
 def _write_config(tmp_path, **changes):
     from tinymodels import _config  # noqa: PLC0415
 

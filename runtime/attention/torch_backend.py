@@ -13,10 +13,11 @@ A sliding-window layer gathers only the positions inside its queries' windows (n
 behind them: those blocks may be freed), so its cost is bounded by the window, not the context.
 Soft-capped scores (Gemma 2) cannot go through SDPA; they take an explicit float32 softmax.
 
-Pure-decode float32 steps on the CPU go to the native paged decode kernel instead (kernels/cpu,
+Decode rows of float32 steps on the CPU go to the native paged decode kernel instead (kernels/cpu,
 when it builds and the kernel mode allows it): it reads K/V straight out of the cache blocks
 (within the window, soft-capping included), so a decode step's attention is one call per layer
-instead of a gather, a mask and an SDPA call.
+instead of a gather, a mask and an SDPA call. The decode rows of a mixed step (prefill chunks
+with decodes) take it too, so a decoded token's attention is the same whatever shares its step.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ class _Plan:
     window: int | None
     groups: list[_Group]
     prefill: list[tuple[int, int, int, int]]  # (sequence, first row, end row, seq_len)
+    # The native decode kernel takes the decode rows of a mixed step (then they are in no group):
+    # their packed query rows and sequence indices.
+    native_decode: bool = False
+    decode_rows: torch.Tensor | None = None
+    decode_seqs: torch.Tensor | None = None
 
 
 def _native_decode_ok(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -121,7 +127,8 @@ class TorchAttentionBackend:
                sliding_window: int | None = None, logits_soft_cap: float | None = None,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         window = sliding_window
-        if meta.is_decode_only and ops.use_native(query) and _native_decode_ok(query, k_cache):
+        native_decode = ops.use_native(query) and _native_decode_ok(query, k_cache)
+        if meta.is_decode_only and native_decode:
             from kvserve.kernels.cpu import native
 
             return native.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
@@ -130,8 +137,17 @@ class TorchAttentionBackend:
         # v_scale into the output (q . (k8 * ks) == (q * ks) . k8), so no dequantized copy is made.
         fp8 = is_fp8(k_cache)
         ks, vs = (k_scale, v_scale) if fp8 else (None, None)
-        plan = self._get_plan(meta, k_cache.shape[1], query.shape[1] // k_cache.shape[2], window, query.device)
+        plan = self._get_plan(meta, k_cache.shape[1], query.shape[1] // k_cache.shape[2], window, query.device,
+                              native_decode)
         out = torch.empty_like(query)
+        if plan.decode_rows is not None:
+            # A mixed step's decode rows read the cache as a pure decode step's do, so a token's
+            # numbers do not depend on whether a prefill shared its step.
+            from kvserve.kernels.cpu import native
+
+            out[plan.decode_rows] = native.paged_decode_attention(
+                query[plan.decode_rows], k_cache, v_cache, meta.block_tables[plan.decode_seqs],
+                meta.seq_lens[plan.decode_seqs], scale, window=window or 0, softcap=logits_soft_cap or 0.0)
         for group in plan.groups:
             o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale, logits_soft_cap, ks, vs)
             if group.keep is None:
@@ -159,7 +175,7 @@ class TorchAttentionBackend:
         return out
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int, heads_per_kv: int, window: int | None,
-                  device: torch.device) -> _Plan:
+                  device: torch.device, native_decode: bool = False) -> _Plan:
         # Every layer of one forward pass with the same window sees the same metadata object; the
         # plan holds a strong reference to it, so an identity match cannot be a recycled id.
         # Layers with and without a window (Gemma) each get a plan of their own for the step, and
@@ -167,7 +183,7 @@ class TorchAttentionBackend:
         # plan is replaced per window (never all at once, which would rebuild per layer).
         plan = self._plans.get(window)
         if (plan is not None and plan.meta is meta and plan.block_size == block_size
-                and plan.heads_per_kv == heads_per_kv):
+                and plan.heads_per_kv == heads_per_kv and plan.native_decode == native_decode):
             return plan
         q_starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
@@ -181,6 +197,11 @@ class TorchAttentionBackend:
             elif q1 > q0:
                 prefill.append((i, q0, q1, seq_len))
         groups = []
+        decode_rows = decode_idx = None
+        if native_decode and decode_seqs:
+            decode_rows = torch.tensor([q_starts[i] for i in decode_seqs], dtype=torch.long, device=device)
+            decode_idx = torch.tensor(decode_seqs, dtype=torch.long, device=device)
+            decode_seqs = []
         for members in (decode_seqs, short_seqs):
             if not members:
                 continue
@@ -195,7 +216,7 @@ class TorchAttentionBackend:
                 # Sorted by context length, but a window bounds what each one reads.
                 groups.append(self._group(meta, part, [q_starts[i] for i in part], q_lens, lens,
                                           block_size, heads_per_kv, window, device))
-        plan = _Plan(meta, block_size, heads_per_kv, window, groups, prefill)
+        plan = _Plan(meta, block_size, heads_per_kv, window, groups, prefill, native_decode, decode_rows, decode_idx)
         self._plans[window] = plan
         return plan
 
