@@ -68,10 +68,11 @@ class _Plan:
     groups: list[_Group]
     prefill: list[tuple[int, int, int, int]]  # (sequence, first row, end row, seq_len)
     # The native decode kernel takes the decode rows of a mixed step (then they are in no group):
-    # their packed query rows and sequence indices.
+    # their packed query rows, block tables and context lengths.
     native_decode: bool = False
     decode_rows: torch.Tensor | None = None
-    decode_seqs: torch.Tensor | None = None
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
 
 def _native_decode_ok(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -146,8 +147,8 @@ class TorchAttentionBackend:
             from kvserve.kernels.cpu import native
 
             out[plan.decode_rows] = native.paged_decode_attention(
-                query[plan.decode_rows], k_cache, v_cache, meta.block_tables[plan.decode_seqs],
-                meta.seq_lens[plan.decode_seqs], scale, window=window or 0, softcap=logits_soft_cap or 0.0)
+                query[plan.decode_rows], k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale,
+                window=window or 0, softcap=logits_soft_cap or 0.0)
         for group in plan.groups:
             o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale, logits_soft_cap, ks, vs)
             if group.keep is None:
@@ -197,10 +198,12 @@ class TorchAttentionBackend:
             elif q1 > q0:
                 prefill.append((i, q0, q1, seq_len))
         groups = []
-        decode_rows = decode_idx = None
+        decode_rows = decode_tables = decode_lens = None
         if native_decode and decode_seqs:
             decode_rows = torch.tensor([q_starts[i] for i in decode_seqs], dtype=torch.long, device=device)
-            decode_idx = torch.tensor(decode_seqs, dtype=torch.long, device=device)
+            idx = torch.tensor(decode_seqs, dtype=torch.long, device=device)
+            decode_tables = meta.block_tables.index_select(0, idx).to(torch.int32).contiguous()
+            decode_lens = meta.seq_lens.index_select(0, idx).to(torch.int32).contiguous()
             decode_seqs = []
         for members in (decode_seqs, short_seqs):
             if not members:
@@ -216,7 +219,8 @@ class TorchAttentionBackend:
                 # Sorted by context length, but a window bounds what each one reads.
                 groups.append(self._group(meta, part, [q_starts[i] for i in part], q_lens, lens,
                                           block_size, heads_per_kv, window, device))
-        plan = _Plan(meta, block_size, heads_per_kv, window, groups, prefill, native_decode, decode_rows, decode_idx)
+        plan = _Plan(meta, block_size, heads_per_kv, window, groups, prefill, native_decode, decode_rows,
+                     decode_tables, decode_lens)
         self._plans[window] = plan
         return plan
 
