@@ -113,6 +113,20 @@ class LinearMethod:
         raise NotImplementedError(f"{self.name}: this format cannot hold an embedding table")
 
 
+class PackedWeightApplier(LinearMethod):
+    """apply/embed for methods whose layers end up holding a packed weight object (an `Int8Weight`
+    or `Int4Weight`) under the attribute `weight_attr`: its matmul, plus the bias; its rows."""
+
+    weight_attr = ""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = getattr(layer, self.weight_attr).matmul(x)
+        return out + bias if bias is not None else out
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return getattr(layer, self.weight_attr).rows(ids)
+
+
 class QuantizationConfig:
     """A format's checkpoint-wide settings and its choice of method per layer.
 

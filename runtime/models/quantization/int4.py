@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig, replace_param
+from kvserve.runtime.models.quantization.base import (LinearMethod, LinearSpec, PackedWeightApplier, QuantizationConfig,
+                                                     replace_param)
 from kvserve.runtime.models.quantization.packed import Int4Weight, quantize_int4
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
 
@@ -45,15 +46,10 @@ def set_int4(layer: nn.Module, weight: Int4Weight) -> None:
         replace_param(layer, name, t)
 
 
-class Int4Applier(LinearMethod):
+class Int4Applier(PackedWeightApplier):
     """apply/embed for every method whose layers end up holding an `Int4Weight`."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = layer.int4.matmul(x)
-        return out + bias if bias is not None else out
-
-    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return layer.int4.rows(ids)
+    weight_attr = "int4"
 
 
 class Int4WeightOnlyMethod(Int4Applier):

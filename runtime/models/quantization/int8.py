@@ -10,20 +10,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig, replace_param
+from kvserve.runtime.models.quantization.base import (LinearMethod, LinearSpec, PackedWeightApplier, QuantizationConfig,
+                                                     replace_param)
 from kvserve.runtime.models.quantization.packed import Int8Weight, quantize_int8
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
 
 
-class Int8Applier(LinearMethod):
+class Int8Applier(PackedWeightApplier):
     """apply/embed for every method whose layers end up holding an `Int8Weight`."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = layer.int8.matmul(x)
-        return out + bias if bias is not None else out
-
-    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return layer.int8.rows(ids)
+    weight_attr = "int8"
 
 
 class Int8WeightOnlyMethod(Int8Applier):
