@@ -10,8 +10,6 @@ own thread (async_engine). A client that goes away cancels its handler (aiohttp
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
 import logging
 import re
@@ -24,13 +22,15 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvserve.runtime.stop_strings import compile_stops
+
 from . import serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
+from .auth import admin_denial, bearer_token, token_matches
+from .drain import effective_drain_timeout
 from .errors import APIError, from_validation_error
 from .limits import RequestLimitError, RequestLimits, check_request
 from .metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.runtime.stop_strings import compile_stops
-
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages
 
 log = logging.getLogger("kvserve.server")
@@ -44,6 +44,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 class ServerConfig:
     served_model_names: list[str]
     api_key: str | None = None
+    admin_api_key: str | None = None  # None: admin routes answer 403
     max_queue_len: int = 1024
     drain_timeout_s: float = 30.0
     max_request_body_bytes: int = 8 * 1024 * 1024
@@ -65,6 +66,10 @@ class ServerState:
     http_in_flight: int = 0
     started_at: float = field(default_factory=time.time)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    admin_drain: asyncio.Task | None = None
+    # An admin drain is over (idle, or its time box passed and the rest was aborted): this process
+    # will take no more work, so /live and /health fail and the kubelet restarts the container.
+    retired: bool = False
     preprocess: ThreadPoolExecutor | None = None
 
     @property
@@ -104,6 +109,24 @@ class ServerState:
             return self.http_in_flight == 0
         return True
 
+    def start_admin_drain(self, timeout: float) -> asyncio.Task:
+        """One drain per process; a second request joins the running one. It runs as its own task so
+        that a caller who hangs up (handler cancelled) cannot leave the server draining for good."""
+        if self.admin_drain is None:
+            self.admin_drain = asyncio.create_task(self._drain_and_retire(timeout))
+        return self.admin_drain
+
+    async def _drain_and_retire(self, timeout: float) -> dict:
+        drained = await self.drain(timeout)
+        aborted = 0
+        if not drained and self.engine is not None:
+            aborted = self.engine.abort_all()
+            log.warning("admin drain: time box of %.1fs passed, aborted %d requests", timeout, aborted)
+            await self.drain(5.0)  # the handlers now finish their responses with "abort"
+        self.retired = True
+        log.info("admin drain done: /live now fails so the container is restarted")
+        return {"drained": drained, "aborted": aborted, "timeout_seconds": timeout}
+
 
 STATE = web.AppKey("state", ServerState)
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -111,17 +134,8 @@ REQUEST_ID = web.RequestKey("request_id", str)
 STREAM_STARTED = web.RequestKey("stream_started", bool)
 
 
-def _is_loopback(request: web.Request) -> bool:
-    try:
-        return ipaddress.ip_address(request.remote or "").is_loopback
-    except ValueError:
-        return False
-
-
 def _key_ok(request: web.Request, key: str) -> bool:
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return token_matches(bearer_token(request.headers.get("Authorization")), key)
 
 
 @web.middleware
@@ -440,15 +454,26 @@ async def health(request: web.Request) -> web.Response:
     if state.engine is None:
         return web.json_response({"status": "loading"}, status=503,
                                  headers={"Retry-After": str(state.config.retry_after_s)})
+    if state.retired:
+        return _retired()
     return web.json_response({"status": "ok"})
 
 
+def _retired() -> web.Response:
+    return web.json_response({"status": "drained", "error": "drained by POST /drain; waiting for a restart"},
+                             status=503)
+
+
 async def live(request: web.Request) -> web.Response:
-    """Liveness: 200 while loading or serving, 500 once the process can never serve."""
+    """Liveness: 200 while loading, serving or draining; 500 once the process can never serve; 503
+    once an admin drain is over, so the kubelet restarts a drained runtime instead of keeping a
+    pod that is alive but will never be ready again."""
     state = request.app[STATE]
     broken = _broken(state)
     if broken is not None:
         return broken
+    if state.retired:
+        return _retired()
     return web.json_response({"status": "loading" if state.engine is None else "ok"})
 
 
@@ -456,7 +481,7 @@ async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.ready:
         return web.json_response({"status": "ready"})
-    why = "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
+    why = "drained" if state.retired else "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
     return web.json_response({"status": why}, status=503)
 
 
@@ -468,19 +493,19 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def drain(request: web.Request) -> web.Response:
-    """Admin: stop admission and wait (up to ?timeout=) for in-flight work. Loopback or API key only."""
+    """Admin: stop admission and wait (up to ?timeout=, capped at --drain-timeout) for in-flight
+    work; past the time box the rest is aborted. Either way the process then retires (/live 503)."""
     state = request.app[STATE]
-    key = state.config.api_key
-    if not _is_loopback(request) and not (key and _key_ok(request, key)):
-        raise APIError(403, "POST /drain is only accepted from loopback or with the API key.")
+    denial = admin_denial(request.headers.get("Authorization"), state.config.admin_api_key,
+                          route="POST /drain", user_key=state.config.api_key)
+    if denial is not None:
+        raise APIError(denial.status, denial.message)
     try:
-        timeout = float(request.query.get("timeout", state.config.drain_timeout_s))
-        if not 0 <= timeout <= 3600:
-            raise ValueError
-    except ValueError:
-        raise APIError(400, "timeout: must be a number of seconds in [0, 3600]", param="timeout") from None
-    drained = await state.drain(timeout)
-    return web.json_response({"draining": True, "drained": drained, "in_flight": state.http_in_flight})
+        timeout = effective_drain_timeout(request.query.get("timeout"), state.config.drain_timeout_s)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="timeout") from None
+    outcome = await asyncio.shield(state.start_admin_drain(timeout))
+    return web.json_response({"draining": True, **outcome, "in_flight": state.http_in_flight})
 
 
 def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> web.Application:
