@@ -21,6 +21,7 @@ from aiohttp import web
 from .app import STATE, ServerConfig, build_app
 from .async_engine import AsyncEngine
 from .auth import AdminKeyError, load_admin_key
+from .limits import RequestLimits
 from .structured import ToolSettings
 
 log = logging.getLogger("kvserve.server")
@@ -103,6 +104,8 @@ class Server:
             max_queue_len=a.max_queue_len,
             drain_timeout_s=a.drain_timeout,
             max_request_body_bytes=a.max_request_body_bytes,
+            limits=RequestLimits(max_stop_strings=a.max_stop_strings, max_messages=a.max_messages,
+                                 max_prompt_chars=a.max_prompt_chars, max_schema_chars=a.max_schema_chars),
             tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
                                tool_call_parser=getattr(a, "tool_call_parser", None)),
         )
