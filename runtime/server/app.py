@@ -481,7 +481,10 @@ async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.ready:
         return web.json_response({"status": "ready"})
-    why = "drained" if state.retired else "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
+    if state.retired:
+        why = "drained"
+    else:
+        why = "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
     return web.json_response({"status": why}, status=503)
 
 

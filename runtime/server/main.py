@@ -123,6 +123,9 @@ class Server:
             return 1
         self.port = site._server.sockets[0].getsockname()[1]
         log.info("listening on http://%s:%d (model loading)", a.host, self.port)
+        if admin_api_key is None:  # say it once here rather than leave a 403 on /drain to explain it
+            log.info("no admin key (--admin-api-key or --admin-api-key-file): admin routes such as "
+                     "POST /drain answer 403")
         self.listening.set()
         if self.install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
