@@ -91,6 +91,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "(a /drain ?timeout= can only shorten it)")
     p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=8 * 1024 * 1024,
                    help="bigger request bodies get 413")
+    p.add_argument("--max-stop-strings", type=_bounded(int, 1), default=64,
+                   help="stop strings one request may give (each at most 1024 characters); more get 400")
+    p.add_argument("--max-messages", type=_bounded(int, 1), default=4096,
+                   help="messages one chat request may give; more get 400 before templating")
+    p.add_argument("--max-prompt-chars", type=_bounded(int, 1), default=None,
+                   help="characters one prompt (a chat request's messages and tools) may have; more get 400 "
+                        "before tokenizing (default: 32 x --max-model-len, more than any prompt that fits)")
+    p.add_argument("--max-schema-chars", type=_bounded(int, 1), default=64 * 1024,
+                   help="JSON characters of each tool, response_format, structured_outputs and "
+                        "chat_template_kwargs; more get 400")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto", the default when tools are '
                         "given); needs --tool-call-parser")

@@ -21,6 +21,7 @@ from aiohttp import web
 from .app import STATE, ServerConfig, build_app
 from .async_engine import AsyncEngine
 from .auth import AdminKeyError, load_admin_key
+from .limits import RequestLimits
 from .structured import ToolSettings
 
 log = logging.getLogger("kvserve.server")
@@ -103,6 +104,8 @@ class Server:
             max_queue_len=a.max_queue_len,
             drain_timeout_s=a.drain_timeout,
             max_request_body_bytes=a.max_request_body_bytes,
+            limits=RequestLimits(max_stop_strings=a.max_stop_strings, max_messages=a.max_messages,
+                                 max_prompt_chars=a.max_prompt_chars, max_schema_chars=a.max_schema_chars),
             tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
                                tool_call_parser=getattr(a, "tool_call_parser", None)),
         )
@@ -120,6 +123,9 @@ class Server:
             return 1
         self.port = site._server.sockets[0].getsockname()[1]
         log.info("listening on http://%s:%d (model loading)", a.host, self.port)
+        if admin_api_key is None:  # say it once here rather than leave a 403 on /drain to explain it
+            log.info("no admin key (--admin-api-key or --admin-api-key-file): admin routes such as "
+                     "POST /drain answer 403")
         self.listening.set()
         if self.install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
