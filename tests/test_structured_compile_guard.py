@@ -234,7 +234,8 @@ def server(model_dir):
     srv = ServerThread([str(model_dir), "--served-model-name", MODEL, "--max-model-len", "512", "--num-kv-blocks",
                         "64", "--port", "0", "--structured-outputs-compile-timeout", str(TIMEOUT_S),
                         "--structured-outputs-max-alternatives", "100000",
-                        "--structured-outputs-max-schema-bytes", "10000000", "--structured-outputs-max-depth", "12"])
+                        "--structured-outputs-max-schema-bytes", "10000000", "--structured-outputs-max-depth", "12",
+                        "--max-schema-chars", "10000000"])
     srv.start()
     wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
     manager = srv.server.state.engine.engine.structured_outputs
