@@ -1,4 +1,4 @@
-"""The `kvserve` console script: `serve`, `router`, `agent fetch`, `agent serve`, `agent drain`.
+"""The `kvserve` console script: `serve`, `router`, `agent fetch|serve|drain|model-info|admin-token`.
 
 Heavy imports (torch, the engine) happen inside the subcommand, so `kvserve agent ...` starts
 fast in its own small container.
@@ -14,7 +14,7 @@ import sys
 
 
 def _add_agent_parsers(sub) -> None:
-    from kvserve.runtime.server.args import _bounded
+    from kvserve.runtime.server.args import _bounded, add_admin_key_flags
 
     positive = _bounded(float, 1e-3)  # a zero or negative interval would scrape in a busy loop
     agent = sub.add_parser("agent", help="the sidecar agent").add_subparsers(dest="agent_cmd", required=True)
@@ -31,7 +31,9 @@ def _add_agent_parsers(sub) -> None:
     s.add_argument("--interval", type=positive, default=1.0, help="scrape interval, seconds")
     s.add_argument("--scrape-timeout", type=positive, default=2.0)
     s.add_argument("--stale-after", type=positive, default=5.0, help="sample age that counts as stale")
-    s.add_argument("--drain-timeout", type=_bounded(float, 0.0, 3600.0), default=30.0)
+    s.add_argument("--drain-timeout", type=_bounded(float, 0.0, 3600.0), default=30.0,
+                   help="longest a POST /drain waits for in-flight work (its ?timeout= can only shorten it)")
+    add_admin_key_flags(s)
     s.add_argument(
         "--tensor-parallel-size", type=_bounded(int, 1), default=None, help="reported for engines that do not export it"
     )
@@ -44,6 +46,12 @@ def _add_agent_parsers(sub) -> None:
     d = agent.add_parser("drain", help="ask the local agent to drain the engine (preStop hook)")
     d.add_argument("--agent-url", default="http://127.0.0.1:8081")
     d.add_argument("--timeout", type=_bounded(float, 0.0, 3600.0), default=30.0)
+    add_admin_key_flags(d, client=True)
+
+    t = agent.add_parser("admin-token", help="write a fresh random admin key to a file, mode 0400 "
+                                             "(the pod's init step; pass the file as --admin-api-key-file)")
+    t.add_argument("--out", required=True, metavar="PATH",
+                   help="where to write it (its directory is created; an existing regular file is replaced)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _agent_admin_key(args) -> str | None:
+    """The admin key from the flags or environment (None: none configured). A configured key that
+    cannot be used is a usage error (exit 2), as a bad flag value is."""
+    from kvserve.runtime.server.auth import AdminKeyError, load_admin_key
+
+    try:
+        return load_admin_key(args.admin_api_key, args.admin_api_key_file)
+    except AdminKeyError as exc:
+        print(f"kvserve agent {args.agent_cmd}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _agent(args) -> int:
     if args.agent_cmd == "fetch":
         from kvserve.runtime.agent.fetch import FetchError, fetch
@@ -72,6 +92,7 @@ def _agent(args) -> int:
     if args.agent_cmd == "serve":
         from kvserve.runtime.agent.app import AgentConfig, serve
 
+        admin_api_key = _agent_admin_key(args)
         return serve(
             AgentConfig(
                 engine_url=args.engine_url,
@@ -82,6 +103,7 @@ def _agent(args) -> int:
                 scrape_timeout_s=args.scrape_timeout,
                 stale_after_s=args.stale_after,
                 drain_timeout_s=args.drain_timeout,
+                admin_api_key=admin_api_key,
                 tensor_parallel_size=args.tensor_parallel_size,
                 model_dir=args.model_dir,
             )
@@ -98,13 +120,30 @@ def _agent(args) -> int:
     if args.agent_cmd == "drain":
         from kvserve.runtime.agent.app import request_drain
 
+        admin_api_key = _agent_admin_key(args)
+        if admin_api_key is None:
+            from kvserve.runtime.server.auth import HOW_TO_CONFIGURE
+
+            print(f"kvserve agent drain: no admin key to send; {HOW_TO_CONFIGURE.replace('start it', 'run it')}",
+                  file=sys.stderr)
+            return 2
         try:
-            result = asyncio.run(request_drain(args.agent_url, args.timeout))
+            result = asyncio.run(request_drain(args.agent_url, args.timeout, admin_api_key))
         except Exception as exc:  # preStop must say why, whatever broke
             print(f"kvserve agent drain: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         print(json.dumps(result))
         return 0 if result.get("drained") else 1
+    if args.agent_cmd == "admin-token":
+        from kvserve.runtime.server.auth import AdminKeyError, write_token_file
+
+        try:
+            path = write_token_file(args.out)
+        except (AdminKeyError, OSError) as exc:
+            print(f"kvserve agent admin-token: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps({"path": str(path)}))  # never the token itself: logs are widely readable
+        return 0
     raise AssertionError(args.agent_cmd)
 
 

@@ -6,8 +6,9 @@ is decoded together with a few preceding tokens (a "prefix window"); the new tex
 window decodes to beyond the prefix alone, and it is only emitted once it no longer ends in an
 incomplete character (U+FFFD). Emitted pieces therefore concatenate exactly to the final text.
 
-Stop strings are searched in the accumulated text; a suffix that could still grow into a stop
-string is held back from ``visible_text`` until it can no longer match.
+Stop strings are matched as the text grows (an automaton over the stops, runtime/stop_strings.py,
+so each new character is read once whatever the number of stops); a suffix that could still grow
+into a stop string is held back from ``visible_text`` until it can no longer match.
 
 Without stop strings nothing the engine decides depends on the text, so the decoding is lazy:
 tokens are queued and decoded when the text is read (the same operations in the same order, so
@@ -18,6 +19,8 @@ tokens of the last one.
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from kvserve.runtime.stop_strings import compile_stops
 
 _PREFIX_WINDOW = 6
 _REPLACEMENT = "\ufffd"
@@ -50,7 +53,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(tail)
         self.stop = list(stop or [])
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stops = compile_stops(tuple(self.stop)) if self.stop else None
+        self._stop_state = 0  # the automaton's node: the longest tail that may still become a stop
         self._include_stop = include_stop_str_in_output
         self._text = ""
         self.stop_reason: str | None = None
@@ -113,15 +117,11 @@ class IncrementalDetokenizer:
     def _append(self, piece: str) -> None:
         if self.stop_reason is not None:
             return
-        start = max(0, len(self._text) - self._max_stop_len + 1)
+        offset = len(self._text)
         self._text += piece
-        if not self.stop:
+        if self._stops is None:
             return
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            idx = self._text.find(s, start)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, s)
+        self._stop_state, best = self._stops.scan(self._stop_state, piece, offset)
         if best is not None:
             idx, s = best
             self._text = self._text[: idx + len(s) if self._include_stop else idx]
@@ -132,8 +132,5 @@ class IncrementalDetokenizer:
         text = self.output_text  # catches up a lazy detokenizer
         if finished or not self.stop or self.stop_reason is not None:
             return text
-        for k in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            suffix = text[-k:]
-            if any(s.startswith(suffix) for s in self.stop):
-                return text[:-k]
-        return text
+        held = self._stops.depth[self._stop_state]
+        return text[:-held] if held else text

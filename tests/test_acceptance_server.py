@@ -105,19 +105,21 @@ def test_chat_template_kwargs_still_reach_the_template(server):
     assert http(server, "POST", "/v1/chat/completions", body)[0] == 200
 
 
-def test_long_tokenize_runs_off_the_event_loop(server, monkeypatch):
+def test_tokenization_runs_off_the_event_loop(server, monkeypatch):
     import threading
 
     from kvserve.runtime.server import app as app_module
 
-    # Record the thread each tokenization runs on: a long /tokenize prompt must not run on the loop's.
+    # Record the thread each tokenization runs on: every prompt, short or long, is tokenized (and
+    # templated) on the preprocessing pool, never on the loop that answers the probes.
     threads = []
     real = app_module._tokenize
     monkeypatch.setattr(app_module, "_tokenize", lambda *a: (threads.append(threading.current_thread().name), real(*a))[1])
-    status, _, _ = http(server, "POST", "/tokenize", {"prompt": "hello " * (app_module.LONG_TEXT_CHARS // 5)})
-    assert status == 200 and threads and "kvserve-server" not in threads[-1]
-    status, _, _ = http(server, "POST", "/tokenize", {"messages": [{"role": "user", "content": "hi " * 6000}]})
-    assert status == 200 and "kvserve-server" not in threads[-1]
+    for body in ({"prompt": "hello " * 1000}, {"prompt": "hi"}, {"messages": [{"role": "user", "content": "hi " * 2000}]}):
+        status, _, _ = http(server, "POST", "/tokenize", body)
+        assert status == 200 and threads[-1].startswith("kvserve-preprocess")
+    assert http(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})[0] == 200
+    assert threads[-1].startswith("kvserve-preprocess")
 
 
 @pytest.mark.parametrize("raw", ['{"prompt": ' + "[" * 100000 + "]" * 100000 + "}",

@@ -128,9 +128,10 @@ async def test_agent_standardizes_vllm_and_survives_a_dead_engine():
 async def test_agent_drain_waits_for_vllm_in_flight_work():
     engine = ReplayEngine()
     erunner, eurl = await _start(engine.app())
-    arunner, aurl = await _start(build_app(AgentConfig(engine_url=eurl, engine="vllm", interval_s=0.1)))
+    arunner, aurl = await _start(build_app(AgentConfig(engine_url=eurl, engine="vllm", interval_s=0.1,
+                                                       admin_api_key="admin-key")))
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer admin-key"}) as http:
             async with http.post(aurl + "/drain", params={"timeout": "0.3"}) as r:
                 body = await r.json()
             assert body["drained"] is False and body["in_flight"] == 17

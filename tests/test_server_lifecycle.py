@@ -65,7 +65,7 @@ def test_queue_full_gets_429_with_retry_after(tiny_llama):
 
 
 async def test_agent_standardizes_live_kvserve_and_drains_it(tiny_llama):
-    srv = _start_server(tiny_llama)
+    srv = _start_server(tiny_llama, "--admin-api-key", "admin-key-for-tests")
     runner = None
     try:
         for _ in range(2):
@@ -75,7 +75,7 @@ async def test_agent_standardizes_live_kvserve_and_drains_it(tiny_llama):
         runtime = idle(srv.url)
 
         from aiohttp import web
-        app = build_app(AgentConfig(engine_url=srv.url, interval_s=0.1))
+        app = build_app(AgentConfig(engine_url=srv.url, interval_s=0.1, admin_api_key="admin-key-for-tests"))
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -103,7 +103,9 @@ async def test_agent_standardizes_live_kvserve_and_drains_it(tiny_llama):
             async with client.post(srv.url + "/v1/completions", json=body) as stream:
                 first = await stream.content.readline()
                 assert first.startswith(b"data: ")
-                drain = __import__("asyncio").create_task(client.post(agent + "/drain", params={"timeout": "30"}))
+                admin = {"Authorization": "Bearer admin-key-for-tests"}
+                drain = __import__("asyncio").create_task(
+                    client.post(agent + "/drain", params={"timeout": "30"}, headers=admin))
                 await __import__("asyncio").sleep(0.1)
                 assert http(srv.url, "GET", "/ready")[0] == 503
                 s, _, b = http(srv.url, "POST", "/v1/completions", {"model": "tiny", "prompt": "x"})
@@ -251,6 +253,9 @@ async def test_health_live_and_ready_through_each_state():
         assert await codes() == (200, 200, 200)  # serving
         state.draining = True
         assert await codes() == (200, 200, 503)  # draining: healthy, takes no new traffic
+        state.retired = True
+        assert await codes() == (503, 503, 503)  # an admin drain is over: restart it
+        state.retired = False
         state.engine.dead = RuntimeError("rank 1 exited")
         assert await codes() == (500, 500, 503)  # dead engine: restart it
         state.engine, state.draining, state.load_error = None, False, "ValueError: bad config"

@@ -8,6 +8,7 @@ operator can tell "idle" from "unknown". Before the first good sample, value ser
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.runtime.server.auth import admin_denial
+from kvserve.runtime.server.drain import effective_drain_timeout
+from kvserve.runtime.server.errors import APIError
 
 from .signals import EngineSample, standardize
 
@@ -35,6 +40,7 @@ class AgentConfig:
     scrape_timeout_s: float = 2.0
     stale_after_s: float = 5.0
     drain_timeout_s: float = 30.0
+    admin_api_key: str | None = None  # required on POST /drain and sent on to the runtime; None: 403
     tensor_parallel_size: int | None = None  # for engines that do not export it (vLLM, SGLang)
     model_dir: str | None = None  # the pod's model directory: its config goes into /v1/signals
     model_retry_s: float = 5.0  # how often to look again while the directory holds no model yet
@@ -225,15 +231,25 @@ class Agent:
         engine = self._engine_kind()
         result: dict = {"engine": engine, "drained": False}
         if engine in ("kvserve", "auto"):
+            headers = {"Authorization": f"Bearer {self.config.admin_api_key}"} if self.config.admin_api_key else {}
             try:
-                t = aiohttp.ClientTimeout(total=timeout + 5)
-                async with self.session.post(self.base + "/drain", params={"timeout": str(timeout)}, timeout=t) as r:
+                # The runtime may wait its own time box, then up to 5 s for aborted requests to end.
+                t = aiohttp.ClientTimeout(total=timeout + 10)
+                async with self.session.post(self.base + "/drain", params={"timeout": str(timeout)},
+                                             headers=headers, timeout=t) as r:
                     if r.status == 200:
                         body = await r.json()
-                        result.update(drained=bool(body.get("drained")), in_flight=body.get("in_flight"))
+                        result.update(drained=bool(body.get("drained")), in_flight=body.get("in_flight"),
+                                      aborted=body.get("aborted", 0))
                         result["waited_seconds"] = round(self.clock() - started, 3)
                         return result
                     result["engine_status"] = r.status
+                    if r.status in (401, 403):
+                        # Watching scrapes instead would report "drained" without admission ever
+                        # having stopped: a refused drain is an error, said as such.
+                        result["error"] = f"the engine refused the drain: {await _error_message(r)}"
+                        result["waited_seconds"] = round(self.clock() - started, 3)
+                        return result
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
                 result["error"] = f"{type(exc).__name__}: {exc}"
         # Fallback for engines without a drain route: watch in-flight work through fresh scrapes.
@@ -291,6 +307,15 @@ class Agent:
 AGENT_KEY = web.AppKey("agent", Agent)
 
 
+async def _error_message(resp: aiohttp.ClientResponse) -> str:
+    """The message of an OpenAI-shaped error body, else the body's text, else the status."""
+    text = await resp.text()
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text.strip()[:500] or f"HTTP {resp.status}"
+
+
 def build_app(config: AgentConfig) -> web.Application:
     agent = Agent(config)
     app = web.Application()
@@ -311,12 +336,13 @@ def build_app(config: AgentConfig) -> web.Application:
         return web.Response(text="ok")
 
     async def drain(request: web.Request) -> web.Response:
+        denial = admin_denial(request.headers.get("Authorization"), config.admin_api_key, route="POST /drain")
+        if denial is not None:
+            return APIError(denial.status, denial.message).response()
         try:
-            timeout = float(request.query.get("timeout", config.drain_timeout_s))
-            if not 0 <= timeout <= 3600:
-                raise ValueError
-        except ValueError:
-            return web.json_response({"error": "timeout: must be a number of seconds in [0, 3600]"}, status=400)
+            timeout = effective_drain_timeout(request.query.get("timeout"), config.drain_timeout_s)
+        except ValueError as exc:
+            return APIError(400, str(exc), param="timeout").response()
         result = await agent.drain(timeout)
         return web.json_response(result)
 
@@ -341,10 +367,17 @@ def serve(config: AgentConfig) -> int:
     return 0
 
 
-async def request_drain(agent_url: str, timeout: float) -> dict:
+class DrainRefused(Exception):
+    """The agent answered the drain with an error status; the message is its own."""
+
+
+async def request_drain(agent_url: str, timeout: float, admin_api_key: str | None) -> dict:
     """Client side of `kvserve agent drain` (the preStop hook)."""
-    t = aiohttp.ClientTimeout(total=timeout + 10)
+    t = aiohttp.ClientTimeout(total=timeout + 15)
+    headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
     async with aiohttp.ClientSession(timeout=t) as session:
-        async with session.post(agent_url.rstrip("/") + "/drain", params={"timeout": str(timeout)}) as resp:
-            resp.raise_for_status()
+        async with session.post(agent_url.rstrip("/") + "/drain", params={"timeout": str(timeout)},
+                                headers=headers) as resp:
+            if resp.status != 200:
+                raise DrainRefused(f"the agent answered HTTP {resp.status}: {await _error_message(resp)}")
             return await resp.json()

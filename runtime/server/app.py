@@ -1,29 +1,35 @@
 """The aiohttp application: routes, auth, errors, readiness, drain.
 
-Generation handlers run in the event loop and only wait on queues; the engine runs in its own
-thread (async_engine). A client that goes away cancels its handler (aiohttp
+Generation handlers run in the event loop and only wait: on a small thread pool that parses,
+checks (limits.py), validates, templates and tokenizes each request, so that probes and streams
+keep being answered whatever the bodies cost, and on queues fed by the engine, which runs in its
+own thread (async_engine). A client that goes away cancels its handler (aiohttp
 `handler_cancellation`), and the handler's `finally` aborts whatever it still had running.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
 import logging
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvserve.runtime.stop_strings import compile_stops
+
 from . import serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
+from .auth import admin_denial, bearer_token, token_matches
+from .drain import effective_drain_timeout
 from .errors import APIError, from_validation_error
+from .limits import RequestLimitError, RequestLimits, check_request
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages
 
@@ -38,11 +44,16 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 class ServerConfig:
     served_model_names: list[str]
     api_key: str | None = None
+    admin_api_key: str | None = None  # None: admin routes answer 403
     max_queue_len: int = 1024
     drain_timeout_s: float = 30.0
     max_request_body_bytes: int = 8 * 1024 * 1024
     retry_after_s: int = 1
     tools: structured.ToolSettings = field(default_factory=structured.ToolSettings)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Requests being parsed, validated, templated and tokenized at once; more wait their turn.
+    # Small on purpose: each holds the GIL for part of its work, which the loop and the engine need.
+    preprocess_threads: int = 2
 
 
 @dataclass
@@ -55,6 +66,11 @@ class ServerState:
     http_in_flight: int = 0
     started_at: float = field(default_factory=time.time)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    admin_drain: asyncio.Task | None = None
+    # An admin drain is over (idle, or its time box passed and the rest was aborted): this process
+    # will take no more work, so /live and /health fail and the kubelet restarts the container.
+    retired: bool = False
+    preprocess: ThreadPoolExecutor | None = None
 
     @property
     def model_name(self) -> str:
@@ -63,6 +79,15 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.engine is not None and self.engine.dead is None and not self.draining
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.config.limits.for_model(self.engine.engine.max_model_len if self.engine is not None else None)
+
+    async def off_loop(self, fn, *args):
+        """Runs fn(*args) on the preprocessing pool. A handler cancelled meanwhile (the client
+        left) stops waiting; the work itself finishes and is dropped, having touched no engine."""
+        return await asyncio.get_running_loop().run_in_executor(self.preprocess, fn, *args)
 
     def enter(self) -> None:
         self.http_in_flight += 1
@@ -84,6 +109,24 @@ class ServerState:
             return self.http_in_flight == 0
         return True
 
+    def start_admin_drain(self, timeout: float) -> asyncio.Task:
+        """One drain per process; a second request joins the running one. It runs as its own task so
+        that a caller who hangs up (handler cancelled) cannot leave the server draining for good."""
+        if self.admin_drain is None:
+            self.admin_drain = asyncio.create_task(self._drain_and_retire(timeout))
+        return self.admin_drain
+
+    async def _drain_and_retire(self, timeout: float) -> dict:
+        drained = await self.drain(timeout)
+        aborted = 0
+        if not drained and self.engine is not None:
+            aborted = self.engine.abort_all()
+            log.warning("admin drain: time box of %.1fs passed, aborted %d requests", timeout, aborted)
+            await self.drain(5.0)  # the handlers now finish their responses with "abort"
+        self.retired = True
+        log.info("admin drain done: /live now fails so the container is restarted")
+        return {"drained": drained, "aborted": aborted, "timeout_seconds": timeout}
+
 
 STATE = web.AppKey("state", ServerState)
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -91,17 +134,8 @@ REQUEST_ID = web.RequestKey("request_id", str)
 STREAM_STARTED = web.RequestKey("stream_started", bool)
 
 
-def _is_loopback(request: web.Request) -> bool:
-    try:
-        return ipaddress.ip_address(request.remote or "").is_loopback
-    except ValueError:
-        return False
-
-
 def _key_ok(request: web.Request, key: str) -> bool:
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return token_matches(bearer_token(request.headers.get("Authorization")), key)
 
 
 @web.middleware
@@ -142,11 +176,14 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     return response
 
 
-async def _read_json(request: web.Request) -> dict:
+async def _read_body(request: web.Request) -> bytes:
     try:
-        body = await request.read()  # raises 413 past client_max_size
+        return await request.read()  # raises 413 past client_max_size
     except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
         raise APIError(400, f"Invalid request body: {str(exc).strip()}") from None
+
+
+def _parse_json(body: bytes) -> dict:
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -163,6 +200,13 @@ async def _read_json(request: web.Request) -> dict:
         except UnicodeEncodeError:
             raise APIError(400, "Invalid JSON body: strings must be valid Unicode (lone surrogate escape).") from None
     return obj
+
+
+def _check_limits(state: ServerState, body: dict) -> None:
+    try:
+        check_request(body, state.limits)
+    except RequestLimitError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -187,16 +231,6 @@ def _tokenize(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-LONG_TEXT_CHARS = 16384
-
-
-async def _tokenize_async(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
-    # A long prompt takes milliseconds to tokenize: off the event loop, so streams keep flowing.
-    if len(text) > LONG_TEXT_CHARS:
-        return await asyncio.to_thread(_tokenize, tok, text, add_special_tokens)
-    return _tokenize(tok, text, add_special_tokens)
-
-
 def _chat_prompt(tok: Any, messages: list[dict], *, add_generation_prompt: bool, continue_final_message: bool,
                  kwargs: dict | None, tools: list[dict] | None = None) -> str:
     if not getattr(tok, "chat_template", None):
@@ -213,9 +247,10 @@ def _chat_prompt(tok: Any, messages: list[dict], *, add_generation_prompt: bool,
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
 
 
-async def _prepare(request: web.Request, kind: str):
-    state = request.app[STATE]
-    body = await _read_json(request)
+def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, serving.Plan]:
+    """Body -> plan, on the preprocessing pool: everything whose cost grows with the body."""
+    body = _parse_json(raw)
+    _check_limits(state, body)
     try:
         req = (CompletionRequest if kind == "completion" else ChatCompletionRequest).model_validate(body)
     except ValidationError as exc:
@@ -229,7 +264,7 @@ async def _prepare(request: web.Request, kind: str):
             if isinstance(p, str):
                 if not p:
                     raise APIError(400, "prompt: must not be empty", param="prompt")
-                prompts.append((p, await _tokenize_async(tok, p, req.add_special_tokens)))
+                prompts.append((p, _tokenize(tok, p, req.add_special_tokens)))
             else:
                 prompts.append((tok.decode(p) if req.echo else None, list(p)))
     else:
@@ -240,9 +275,17 @@ async def _prepare(request: web.Request, kind: str):
         text = _chat_prompt(tok, messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs,
                             tools=req.template_tools())
-        prompts = [(text, await _tokenize_async(tok, text, req.add_special_tokens))]
+        prompts = [(text, _tokenize(tok, text, req.add_special_tokens))]
     outputs = structured.plan_outputs(req, state.config.tools)
     plan = serving.make_plan(kind, req, state.model_name, prompts, outputs)
+    if req.stop:
+        compile_stops(tuple(req.stop_list()))  # here rather than in the engine thread (it is cached)
+    return engine, plan
+
+
+async def _prepare(request: web.Request, kind: str):
+    state = request.app[STATE]
+    engine, plan = await state.off_loop(_plan, state, await _read_body(request), kind)
     limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
     wanted = sum(getattr(params, "n", 1) for _, _, params in plan.engine_requests)
     if wanted > limit:  # could never be admitted: a 429 would have the client retry forever
@@ -344,7 +387,12 @@ async def model(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await _read_json(request)
+    return web.json_response(await state.off_loop(_tokenize_body, state, await _read_body(request)))
+
+
+def _tokenize_body(state: ServerState, raw: bytes) -> dict:
+    body = _parse_json(raw)
+    _check_limits(state, body)
     try:
         req = TokenizeRequest.model_validate(body)
     except ValidationError as exc:
@@ -352,8 +400,8 @@ async def tokenize(request: web.Request) -> web.Response:
     _check_model(state, req.model)
     engine = _check_serving(state)
     tok = engine.engine.tokenizer
-    if req.prompt is not None:  # off the event loop when long, as for completions
-        ids = await _tokenize_async(tok, req.prompt, req.add_special_tokens)
+    if req.prompt is not None:
+        ids = _tokenize(tok, req.prompt, req.add_special_tokens)
     else:
         try:
             messages = template_messages(req.messages)
@@ -361,13 +409,17 @@ async def tokenize(request: web.Request) -> web.Response:
             raise serving.engine_error(exc) from None
         text = _chat_prompt(tok, messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=False, kwargs=None, tools=req.template_tools())
-        ids = await _tokenize_async(tok, text, False)
-    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len})
+        ids = _tokenize(tok, text, False)
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await _read_json(request)
+    return web.json_response(await state.off_loop(_detokenize_body, state, await _read_body(request)))
+
+
+def _detokenize_body(state: ServerState, raw: bytes) -> dict:
+    body = _parse_json(raw)
     try:
         req = DetokenizeRequest.model_validate(body)
     except ValidationError as exc:
@@ -378,7 +430,7 @@ async def detokenize(request: web.Request) -> web.Response:
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"tokens: {bad[0]} is not a token id in the vocabulary [0, {vocab})", param="tokens")
-    return web.json_response({"prompt": engine.engine.tokenizer.decode(req.tokens)})
+    return {"prompt": engine.engine.tokenizer.decode(req.tokens)}
 
 
 def _broken(state: ServerState) -> web.Response | None:
@@ -402,15 +454,26 @@ async def health(request: web.Request) -> web.Response:
     if state.engine is None:
         return web.json_response({"status": "loading"}, status=503,
                                  headers={"Retry-After": str(state.config.retry_after_s)})
+    if state.retired:
+        return _retired()
     return web.json_response({"status": "ok"})
 
 
+def _retired() -> web.Response:
+    return web.json_response({"status": "drained", "error": "drained by POST /drain; waiting for a restart"},
+                             status=503)
+
+
 async def live(request: web.Request) -> web.Response:
-    """Liveness: 200 while loading or serving, 500 once the process can never serve."""
+    """Liveness: 200 while loading, serving or draining; 500 once the process can never serve; 503
+    once an admin drain is over, so the kubelet restarts a drained runtime instead of keeping a
+    pod that is alive but will never be ready again."""
     state = request.app[STATE]
     broken = _broken(state)
     if broken is not None:
         return broken
+    if state.retired:
+        return _retired()
     return web.json_response({"status": "loading" if state.engine is None else "ok"})
 
 
@@ -418,7 +481,7 @@ async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.ready:
         return web.json_response({"status": "ready"})
-    why = "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
+    why = "drained" if state.retired else "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
     return web.json_response({"status": why}, status=503)
 
 
@@ -430,25 +493,31 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def drain(request: web.Request) -> web.Response:
-    """Admin: stop admission and wait (up to ?timeout=) for in-flight work. Loopback or API key only."""
+    """Admin: stop admission and wait (up to ?timeout=, capped at --drain-timeout) for in-flight
+    work; past the time box the rest is aborted. Either way the process then retires (/live 503)."""
     state = request.app[STATE]
-    key = state.config.api_key
-    if not _is_loopback(request) and not (key and _key_ok(request, key)):
-        raise APIError(403, "POST /drain is only accepted from loopback or with the API key.")
+    denial = admin_denial(request.headers.get("Authorization"), state.config.admin_api_key,
+                          route="POST /drain", user_key=state.config.api_key)
+    if denial is not None:
+        raise APIError(denial.status, denial.message)
     try:
-        timeout = float(request.query.get("timeout", state.config.drain_timeout_s))
-        if not 0 <= timeout <= 3600:
-            raise ValueError
-    except ValueError:
-        raise APIError(400, "timeout: must be a number of seconds in [0, 3600]", param="timeout") from None
-    drained = await state.drain(timeout)
-    return web.json_response({"draining": True, "drained": drained, "in_flight": state.http_in_flight})
+        timeout = effective_drain_timeout(request.query.get("timeout"), state.config.drain_timeout_s)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="timeout") from None
+    outcome = await asyncio.shield(state.start_admin_drain(timeout))
+    return web.json_response({"draining": True, **outcome, "in_flight": state.http_in_flight})
 
 
 def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> web.Application:
     app = web.Application(middlewares=[_middleware], client_max_size=config.max_request_body_bytes)
     app[STATE] = ServerState(config=config, metrics=metrics_ or ServerMetrics(config.served_model_names[0]))
     app[STATE].idle.set()
+    app[STATE].preprocess = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="kvserve-preprocess")
+
+    async def stop_preprocess(app: web.Application) -> None:
+        app[STATE].preprocess.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_preprocess)
     r = app.router
     r.add_post("/v1/completions", completions)
     r.add_post("/v1/chat/completions", chat_completions)

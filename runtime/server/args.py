@@ -25,6 +25,20 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
+def add_admin_key_flags(p: argparse.ArgumentParser, *, client: bool = False) -> None:
+    """The admin credential, shared by `kvserve serve` and `kvserve agent serve|drain` (`client`: the
+    command sends the key rather than checks it). Defaults stay None so that
+    kvserve.runtime.server.auth can tell a flag from the environment."""
+    what = ("send `Authorization: Bearer KEY` (the admin key of the agent and runtime)" if client else
+            "require `Authorization: Bearer KEY` on admin routes (POST /drain, /admin/*); must differ from "
+            "--api-key; without one, admin routes answer 403")
+    p.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help=f"{what} (default: $KVSERVE_ADMIN_API_KEY)")
+    p.add_argument("--admin-api-key-file", default=None, metavar="PATH",
+                   help="read the admin key from this file (its content, stripped) instead of --admin-api-key "
+                        "(default: $KVSERVE_ADMIN_API_KEY_FILE)")
+
+
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
     p.add_argument("model", help="model directory (config.json, *.safetensors, tokenizer), a .gguf file, "
@@ -69,12 +83,24 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "torch.compile of the model (GPU)")
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (or set KVSERVE_API_KEY)")
+    add_admin_key_flags(p)
     p.add_argument("--max-queue-len", type=_bounded(int, 0), default=1024,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429")
     p.add_argument("--drain-timeout", type=_bounded(float, 0.0), default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests before exiting")
+                   help="seconds SIGTERM or POST /drain waits for in-flight requests before aborting them "
+                        "(a /drain ?timeout= can only shorten it)")
     p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=8 * 1024 * 1024,
                    help="bigger request bodies get 413")
+    p.add_argument("--max-stop-strings", type=_bounded(int, 1), default=64,
+                   help="stop strings one request may give (each at most 1024 characters); more get 400")
+    p.add_argument("--max-messages", type=_bounded(int, 1), default=4096,
+                   help="messages one chat request may give; more get 400 before templating")
+    p.add_argument("--max-prompt-chars", type=_bounded(int, 1), default=None,
+                   help="characters one prompt (a chat request's messages and tools) may have; more get 400 "
+                        "before tokenizing (default: 32 x --max-model-len, more than any prompt that fits)")
+    p.add_argument("--max-schema-chars", type=_bounded(int, 1), default=64 * 1024,
+                   help="JSON characters of each tool, response_format, structured_outputs and "
+                        "chat_template_kwargs; more get 400")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto", the default when tools are '
                         "given); needs --tool-call-parser")

@@ -20,6 +20,8 @@ from aiohttp import web
 
 from .app import STATE, ServerConfig, build_app
 from .async_engine import AsyncEngine
+from .auth import AdminKeyError, load_admin_key
+from .limits import RequestLimits
 from .structured import ToolSettings
 
 log = logging.getLogger("kvserve.server")
@@ -89,12 +91,21 @@ class Server:
         a = self.args
         self.loop = asyncio.get_running_loop()
         self.stop_event = asyncio.Event()
+        try:
+            admin_api_key = admin_key_from_args(a)
+        except AdminKeyError as exc:
+            log.error("%s", exc)
+            self.listening.set()
+            return 2
         config = ServerConfig(
             served_model_names=a.served_model_name or [a.model],
             api_key=a.api_key,
+            admin_api_key=admin_api_key,
             max_queue_len=a.max_queue_len,
             drain_timeout_s=a.drain_timeout,
             max_request_body_bytes=a.max_request_body_bytes,
+            limits=RequestLimits(max_stop_strings=a.max_stop_strings, max_messages=a.max_messages,
+                                 max_prompt_chars=a.max_prompt_chars, max_schema_chars=a.max_schema_chars),
             tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
                                tool_call_parser=getattr(a, "tool_call_parser", None)),
         )
@@ -193,7 +204,17 @@ def preflight(args: argparse.Namespace) -> str | None:
     return None
 
 
+def admin_key_from_args(args: argparse.Namespace) -> str | None:
+    return load_admin_key(getattr(args, "admin_api_key", None), getattr(args, "admin_api_key_file", None),
+                          user_key=args.api_key)
+
+
 def run_server(args: argparse.Namespace) -> int:
+    try:
+        admin_key_from_args(args)  # a bad admin key is a usage error, before anything loads
+    except AdminKeyError as exc:
+        print(f"kvserve serve: {exc}", file=sys.stderr)
+        return 2
     problem = preflight(args)
     if problem is not None:
         print(f"kvserve serve: {problem}", file=sys.stderr)

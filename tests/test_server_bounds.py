@@ -1,0 +1,169 @@
+"""Every request's cost is bounded before the engine, and the probes answer whatever the load.
+
+The two attacks found against `kvserve serve` (with the real model they took another user's
+request from 1.5 s to 23 s, and /health to 11.6 s), replayed on loopback against the tiny Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+
+from kvserve.runtime.server.main import ServerThread
+from server_helpers import http, idle, wait_until
+
+KEY = "sk-bounds"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROBE_BOUND_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--api-key", KEY, "--port", "0",
+                        "--num-kv-blocks", "256", "--max-num-seqs", "32"])
+    srv.start()
+    wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+    yield srv.url
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def _error(status: int, raw: bytes) -> dict:
+    assert status == 400, (status, raw[:300])
+    return json.loads(raw)["error"]
+
+
+def _victim(client) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me about cats."}],
+                                       max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    return r.choices[0].finish_reason, time.perf_counter() - t0
+
+
+def test_fifty_thousand_stop_strings_are_refused_before_the_engine(server, client):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 8, "max_tokens": 30,
+            "stop": [f"stop-{i}" for i in range(50_000)]}
+    status, _, raw = http(server, "POST", "/v1/chat/completions", body, headers=AUTH)
+    err = _error(status, raw)
+    assert err["param"] == "stop" and err["type"] == "invalid_request_error"
+    assert "50000 stop strings" in err["message"] and "64" in err["message"] and "--max-stop-strings" in err["message"]
+    with pytest.raises(openai.BadRequestError, match="stop\\[1\\]: 1025 characters"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       stop=["ok", "x" * 1025])
+    idle(server)
+
+
+def test_stops_at_the_limit_do_not_slow_other_requests_to_a_crawl(server, client):
+    """64 stops of 1,024 characters with n=8 run beside another user's request; both finish and
+    nothing stays allocated. (The slowdown itself is measured in bench/request_bounds.py.)"""
+    stops = [chr(0x4E00 + i) * 1024 for i in range(64)]
+    heavy: dict = {}
+
+    def run_heavy():
+        heavy["response"] = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], n=8, max_tokens=60, stop=stops,
+            temperature=1.0, seed=1, extra_body={"ignore_eos": True})
+
+    thread = threading.Thread(target=run_heavy)
+    thread.start()
+    finish, _ = _victim(client)
+    thread.join(60)
+    assert finish == "length"
+    assert [c.finish_reason for c in heavy["response"].choices] == ["length"] * 8
+    idle(server)
+
+
+class ProbeWatcher:
+    """Polls /health from its own thread and keeps every latency."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.latencies: list[float] = []
+        self.failures: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                status = http(self.url, "GET", "/health", timeout=30)[0]
+            except OSError as exc:
+                status = exc
+            self.latencies.append(time.perf_counter() - t0)
+            if status != 200:
+                self.failures.append(status)
+            time.sleep(0.05)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _attack(url: str, body: bytes, clients: int = 3) -> list[tuple[int, bytes]]:
+    results: list = [None] * clients
+
+    def post(i):
+        status, _, raw = http(url, "POST", "/v1/chat/completions", body, headers=AUTH, timeout=120)
+        results[i] = (status, raw)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_probes_answer_under_three_5mb_chat_bodies(server):
+    messages = [{"role": "user", "content": f"hello number {i}"} for i in range(150_000)]
+    body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 4}).encode()
+    assert len(body) > 5_000_000
+    with ProbeWatcher(server) as probes:
+        time.sleep(0.2)
+        results = _attack(server, body)
+        time.sleep(0.2)
+    for status, raw in results:
+        err = _error(status, raw)
+        assert err["param"] == "messages" and "150000 messages" in err["message"] and "--max-messages" in err["message"]
+    assert not probes.failures
+    assert max(probes.latencies) < PROBE_BOUND_S, sorted(probes.latencies)[-5:]
+    idle(server)
+
+
+def test_probes_answer_under_bodies_just_within_the_limits(server):
+    """4,096 messages (the limit) whose text is just under the prompt limit (32 x the 2,048-token
+    context): templated and tokenized off the event loop, then refused by the engine as too long
+    for the context."""
+    per_message = 32 * 2048 // 4096 - 8 - len("content") - len("role") - len("user")
+    messages = [{"role": "user", "content": "x " * (per_message // 2)} for _ in range(4096)]
+    body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 4}).encode()
+    with ProbeWatcher(server) as probes:
+        time.sleep(0.2)
+        results = _attack(server, body)
+        time.sleep(0.2)
+    for status, raw in results:
+        assert "context" in _error(status, raw)["message"] or "max_model_len" in raw.decode()
+    assert not probes.failures
+    assert max(probes.latencies) < PROBE_BOUND_S, sorted(probes.latencies)[-5:]
+    idle(server)
+
+
+def test_tokenize_has_the_same_limits(server):
+    status, _, raw = http(server, "POST", "/tokenize", {"messages": [{"role": "user", "content": "a"}] * 5000},
+                          headers=AUTH)
+    assert _error(status, raw)["param"] == "messages"
+    status, _, raw = http(server, "POST", "/tokenize", {"prompt": "x" * (32 * 2048 + 1)}, headers=AUTH)
+    assert _error(status, raw)["param"] == "prompt"
