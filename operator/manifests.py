@@ -295,7 +295,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
             "command": ["kvserve", "agent", "admin-token", "--out", ADMIN_TOKEN_FILE],
             "env": [{"name": "HOME", "value": "/tmp"}],
             "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
-            "volumeMounts": [{"name": "admin-token", "mountPath": ADMIN_DIR}],
+            "volumeMounts": [{"name": "admin-token", "mountPath": ADMIN_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": _security_context(),
         })
     volumes: list[dict[str, Any]] = [

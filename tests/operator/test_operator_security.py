@@ -156,7 +156,8 @@ def test_every_pod_gets_its_own_admin_token_in_memory():
     assert c["admin-token"]["command"] == ["kvserve", "agent", "admin-token", "--out", "/var/run/kvserve/admin/token"]
     assert volumes(dep)["admin-token"] == {"name": "admin-token",
                                            "emptyDir": {"medium": "Memory", "sizeLimit": M.ADMIN_VOLUME_SIZE}}
-    assert c["admin-token"]["volumeMounts"] == [{"name": "admin-token", "mountPath": "/var/run/kvserve/admin"}]
+    assert c["admin-token"]["volumeMounts"] == [{"name": "admin-token", "mountPath": "/var/run/kvserve/admin"},
+                                                {"name": "tmp", "mountPath": "/tmp"}]  # HOME: the root is read-only
     for name in ("runtime", "agent"):
         assert {"name": "admin-token", "mountPath": "/var/run/kvserve/admin", "readOnly": True} \
             in c[name]["volumeMounts"]
