@@ -19,6 +19,7 @@ from aiohttp import web
 
 from kvserve.runtime.router.app import RouterConfig, build_app
 from kvserve.runtime.router.endpoints import Endpoint, StaticEndpoints
+from kvserve.runtime.router.policy import PolicyConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,8 +30,9 @@ class Pod:
     """A stand-in runtime: answers the routes a runtime serves, and `POST /drain` (an admin route
     no user may reach through the router), and records every request line it gets."""
 
-    def __init__(self):
+    def __init__(self, answers: dict[str, tuple[int, bytes]] | None = None):
         self.seen: list[tuple[str, str, str | None]] = []  # (method, raw path, Authorization)
+        self.answers = answers or {}  # path -> (status, body) instead of the usual answer
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -38,8 +40,16 @@ class Pod:
         async def any_route(request: web.Request) -> web.Response:
             await request.read()
             self.seen.append((request.method, request.raw_path, request.headers.get("Authorization")))
+            if request.path in self.answers:
+                status, body = self.answers[request.path]
+                return web.Response(status=status, body=body, content_type="application/json")
             if request.path == "/v1/models":
-                return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+                return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model",
+                                                                      "created": 0, "owned_by": "kvserve"}]})
+            if request.path == "/v1/completions":
+                return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": 0,
+                                          "model": "tiny", "choices": [{"index": 0, "text": " Paris",
+                                                                        "finish_reason": "stop", "logprobs": None}]})
             return web.json_response({"path": request.raw_path})
 
         app = web.Application(client_max_size=64 << 20)
@@ -186,6 +196,62 @@ async def test_every_configured_key_is_accepted_and_forwarded_unchanged(pod):
     assert [auth for _, _, auth in pod.seen] == [f"Bearer {KEY}", "Bearer second-key"]
 
 
+async def test_the_openai_client_with_the_key_and_without(pod):
+    import openai
+
+    runner, port = await start_router(RouterConfig(api_keys=(KEY,)), [Endpoint("pod", pod.url, None)])
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        async with openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0) as client:
+            reply = await client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=2)
+            assert reply.choices[0].text == " Paris"
+            assert [m.id async for m in client.models.list()] == ["tiny"]
+        async with openai.AsyncOpenAI(base_url=base, api_key="not-the-key", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError) as denied:
+                await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+            assert denied.value.status_code == 401 and denied.value.code == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                await client.models.list()
+    finally:
+        await runner.cleanup()
+    assert len(pod.seen) == 2  # the refused ones never reached it
+
+
+async def test_what_the_router_reads_whole_from_a_pod_is_capped():
+    huge = b'{"error": {"message": "' + b"x" * (2 << 20) + b'"}}'
+    pod = await Pod({"/v1/completions": (503, huge), "/v1/models": (200, huge)}).start()
+    runner, port = await start_router(RouterConfig(served_model_name="tiny", max_attempts=1),
+                                      [Endpoint("pod", pod.url, None)])
+    try:
+        status, headers, data = await raw_request(port, "POST", "/v1/completions", body=b"{}")
+        assert status == 503 and len(data) < 4096 and headers["retry-after"]
+        assert "more than 65536 bytes" in openai_error(data)["message"]
+        status, _, data = await raw_request(port, "GET", "/v1/models")  # the pod's list is ignored
+        assert status == 200 and [m["id"] for m in json.loads(data)["data"]] == ["tiny"]
+    finally:
+        await runner.cleanup()
+        await pod.stop()
+
+
+async def test_a_pod_that_goes_away_leaves_no_series_behind(pod):
+    second = await Pod().start()
+    runner, port = await start_router(RouterConfig(policy=PolicyConfig(policy="round-robin")),
+                                      [Endpoint("a", pod.url, None), Endpoint("b", second.url, None)])
+    from kvserve.runtime.router.app import ROUTER
+
+    try:
+        for _ in range(2):
+            assert (await raw_request(port, "POST", "/v1/completions", body=b"{}"))[0] == 200
+        metrics = (await raw_request(port, "GET", "/metrics"))[2].decode()
+        assert 'upstream="a"' in metrics and 'upstream="b"' in metrics
+        runner.app[ROUTER].publish([Endpoint("a", pod.url, None)])
+        metrics = (await raw_request(port, "GET", "/metrics"))[2].decode()
+        assert 'upstream="a"' in metrics and 'upstream="b"' not in metrics
+    finally:
+        await runner.cleanup()
+        await second.stop()
+
+
 # --- the hold queue's room, checked before the body is read -------------------------------------
 
 async def test_held_bytes_are_checked_from_content_length_before_reading(pod):
@@ -273,8 +339,9 @@ def test_forty_8mb_bodies_with_a_wrong_key_do_not_grow_the_router(tmp_path, monk
     cluster = Cluster(tmp_path)
     router = None
     try:
-        router = RouterProcess("--inferenceservice", "asleep", "--hold-timeout", "60", cluster=cluster,
-                               log=tmp_path / "router.log").wait_ready(0)  # no pod: requests would be held
+        router = RouterProcess("--inferenceservice", "asleep", "--hold-timeout", "3", "--max-held-bytes",
+                               str(32 << 20), cluster=cluster,
+                               log=tmp_path / "router.log").wait_ready(0)  # no pod: requests are held
         _, baseline = peak_rss_mb(router.proc.pid)
         body = b"x" * (8 << 20)
 
@@ -291,6 +358,20 @@ def test_forty_8mb_bodies_with_a_wrong_key_do_not_grow_the_router(tmp_path, monk
         assert demand["held_total"] == 0 and demand["requests_total"] == 0  # nothing to wake a service for
         assert all(s == 401 for s in statuses), statuses
         assert peak - baseline < 40, (baseline, peak)
+
+        # With the key, the same bodies are held, but only as many as --max-held-bytes takes (4 of
+        # 8 MB); the others get a 503 from their headers, and the held ones one when the hold ends.
+        async def with_the_key():
+            return await asyncio.gather(*(raw_request(router.port, "POST", "/v1/completions", body=body,
+                                                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+                                          for _ in range(40)), return_exceptions=True)
+
+        answers = asyncio.run(with_the_key())
+        _, held_peak = peak_rss_mb(router.proc.pid)
+        statuses = [a[0] if isinstance(a, tuple) else type(a).__name__ for a in answers]
+        print(f"with the key: peak {held_peak:.0f} MB")
+        assert statuses == [503] * 40 and router.demand()["held_total"] == 4
+        assert held_peak - baseline < 32 + 40, (baseline, held_peak)
     finally:
         if router is not None:
             router.stop()

@@ -95,10 +95,13 @@ def parse_api_keys(text: str | None) -> tuple[str, ...]:
     if not text:
         return ()
     keys = tuple(k.strip() for k in text.split(","))
-    if any(not k for k in keys):
-        raise ValueError("api-key: an empty key in the comma-separated list")
-    if any(any(c.isspace() for c in k) for k in keys):
-        raise ValueError("api-key: a key may not contain whitespace")
+    for i, key in enumerate(keys):
+        if not key:
+            raise ValueError(f"api-key: key {i + 1} of {len(keys)} in the comma-separated list is empty")
+        # It travels in an HTTP header: anything but visible ASCII would never match what a client sends.
+        if not all("\x21" <= c <= "\x7e" for c in key):
+            raise ValueError(f"api-key: key {i + 1} of {len(keys)} must be visible ASCII characters only "
+                             "(no spaces, control characters or non-ASCII)")
     return keys
 
 

@@ -129,7 +129,7 @@ def config_from_args(args: argparse.Namespace, memory_limit: int | None = None):
     (the container's, limits.py). ValueError naming the flag when they do not fit."""
     from .access import parse_api_keys
     from .app import RouterConfig
-    from .limits import BodyLimits
+    from .limits import BodyLimits, prefix_index_capacity
 
     derived = BodyLimits.for_memory(memory_limit)
     keys = args.api_key if args.api_key is not None else os.environ.get("KVSERVE_API_KEY")
@@ -139,7 +139,8 @@ def config_from_args(args: argparse.Namespace, memory_limit: int | None = None):
         raise ValueError(f"--api-key / KVSERVE_API_KEY: {str(error).removeprefix('api-key: ')}") from None
     policy = PolicyConfig(policy=args.policy, block_tokens=args.block_size, chunk_chars=args.chunk_chars,
                           balance_factor=args.balance_factor, max_queue_depth=args.max_queue_depth,
-                          max_kv_utilization=args.max_kv_utilization, prefix_ttl_seconds=args.prefix_ttl)
+                          max_kv_utilization=args.max_kv_utilization, prefix_ttl_seconds=args.prefix_ttl,
+                          index_capacity=prefix_index_capacity(memory_limit))
     def pick(flag: str | None, default: int) -> int:
         return default if flag is None else flag
 

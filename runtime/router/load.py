@@ -90,6 +90,8 @@ class LoadPoller:
         names = {e.name for e in endpoints}
         for gone in [n for n in self.samples if n not in names]:
             del self.samples[gone]
+        for gone in [n for n in self.errors if n not in names]:
+            del self.errors[gone]
 
     async def run(self, session: aiohttp.ClientSession, endpoints: Callable[[], list[Endpoint]]) -> None:
         while True:
