@@ -9,6 +9,7 @@ left 1.5 GB behind. Scaled down: the same shape against a 1.5 s timeout."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -348,7 +349,10 @@ def test_limits_are_400s_naming_field_and_flag(server, schema, message):
 
 def test_busy_is_a_429_with_retry_after(server):
     manager = server.server.state.engine.engine.structured_outputs
-    held = [manager.acquire(P(json=heavy(f"busy{i}")), client="127.0.0.1") for i in range(4)]
+    schemas = [P(json=heavy(f"busy{i}")) for i in range(4)]
+    settings = manager.settings
+    manager.settings = dataclasses.replace(settings, timeout_s=60.0)  # held for the whole test, however loaded
+    held = [manager.acquire(s, client="127.0.0.1") for s in schemas]
     try:
         status, headers, body = http(server.url, "POST", "/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
@@ -360,4 +364,5 @@ def test_busy_is_a_429_with_retry_after(server):
     finally:
         for t in held:
             t.release()
+        manager.settings = settings
     wait_until(lambda: not manager._jobs, timeout=5)
