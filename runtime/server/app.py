@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvserve.runtime.stop_strings import compile_stops
+from kvserve.runtime.engine.stop_strings import compile_stops
 from kvserve.runtime.structured_outputs.admission import GrammarCompileBusy
 
 from . import serving, structured
