@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvserve.runtime.stop_strings import compile_stops
+from kvserve.runtime.engine.stop_strings import compile_stops
 from kvserve.runtime.structured_outputs.admission import GrammarCompileBusy
 
 from . import serving, structured
@@ -118,15 +118,18 @@ class ServerState:
         return self.admin_drain
 
     async def _drain_and_retire(self, timeout: float) -> dict:
-        drained = await self.drain(timeout)
-        aborted = 0
-        if not drained and self.engine is not None:
-            aborted = self.engine.abort_all()
-            log.warning("admin drain: time box of %.1fs passed, aborted %d requests", timeout, aborted)
-            await self.drain(5.0)  # the handlers now finish their responses with "abort"
-        self.retired = True
-        log.info("admin drain done: /live now fails so the container is restarted")
-        return {"drained": drained, "aborted": aborted, "timeout_seconds": timeout}
+        try:
+            drained = await self.drain(timeout)
+            aborted = 0
+            if not drained and self.engine is not None:
+                aborted = self.engine.abort_all()
+                log.warning("admin drain: time box of %.1fs passed, aborted %d requests", timeout, aborted)
+                await self.drain(5.0)  # the handlers now finish their responses with "abort"
+            return {"drained": drained, "aborted": aborted, "timeout_seconds": timeout}
+        finally:
+            # Whatever happened, admission is closed for good: only a restart brings the pod back.
+            self.retired = True
+            log.info("admin drain done: /live now fails so the container is restarted")
 
 
 STATE = web.AppKey("state", ServerState)
