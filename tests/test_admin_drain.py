@@ -183,3 +183,14 @@ def test_agent_commands_refuse_an_unusable_or_missing_admin_key(tmp_path, capsys
             cli.main(argv)
         assert exit_.value.code == 2
         assert f"KVSERVE_ADMIN_API_KEY_FILE ({empty}): the admin key is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["agent", "serve"], ["agent", "drain"]])
+def test_admin_key_flags_are_in_help(argv, capsys):
+    from kvserve.runtime import cli
+
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--admin-api-key KEY" in out and "$KVSERVE_ADMIN_API_KEY)" in out
+    assert "--admin-api-key-file PATH" in out and "$KVSERVE_ADMIN_API_KEY_FILE" in out
