@@ -146,6 +146,7 @@ def test_pod_commands_parse_with_the_real_kvserve_cli(example, tp):
     parser = build_parser()
     c = _containers(dep)
     commands = [c["runtime"]["command"], c["agent"]["command"], c["fetch-model"]["command"],
+                c["admin-token"]["command"],
                 c["runtime"]["lifecycle"]["preStop"]["exec"]["command"],
                 c["agent"]["lifecycle"]["preStop"]["exec"]["command"]]
     for command in commands:
@@ -155,6 +156,8 @@ def test_pod_commands_parse_with_the_real_kvserve_cli(example, tp):
             assert args.tensor_parallel_size == tp and args.port == 8000
         if getattr(args, "agent_cmd", None) == "serve":
             assert args.port == 8081 and args.engine_url == "http://127.0.0.1:8000"
+        if getattr(args, "agent_cmd", None) == "admin-token":
+            assert args.out == M.ADMIN_TOKEN_FILE
 
 
 def test_vllm_pods_probe_the_only_route_vllm_has():
