@@ -347,6 +347,8 @@ def tensor_info(path: pathlib.Path, file_size: int, data_start: int, alignment: 
         block, type_size = GGML_QUANT_SIZES[ggml_type]
     except (ValueError, KeyError):
         raise GGUFError(path, field, f"unknown ggml type {raw_type}") from None
+    if 0 in shape:  # an empty weight is of no use, and has no rows to view it by
+        raise GGUFError(path, field, f"dimensions {list(reversed(shape))} include a 0")
     count = math.prod(shape)
     if count > _MAX_ELEMENTS:
         raise GGUFError(path, field, f"dimensions {list(reversed(shape))} overflow: {count} elements is more "
