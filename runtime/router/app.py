@@ -111,9 +111,10 @@ class Router:
         new = {e.name: e for e in endpoints}
         if set(new) != set(self.endpoints):
             log.info("ready pods: %s", ", ".join(sorted(new)) or "none")
-        for gone in set(self.endpoints) - set(new):
-            if not self.in_flight[gone]:  # else when its last request ends (_attempt)
-                self.metrics.forget_upstream(gone)
+        for gone in sorted(set(self.endpoints) - set(new)):
+            self.metrics.retire_upstream(gone)
+        for back in set(new) - set(self.endpoints):
+            self.metrics.revive_upstream(back)
         if new and not self.endpoints:
             # Idle counts from when the service could serve: a service is not idle while its
             # first pod loads, and a woken one gets a full window before it may sleep again.
@@ -320,11 +321,10 @@ class Router:
                 else:  # client gone, pod gone, or a refusal: never reuse a half-read connection
                     upstream.close()
             self.in_flight[pod] -= 1
-            self.metrics.in_flight.labels(pod).set(self.in_flight[pod])
+            if pod in self.endpoints or self.metrics.shows(pod):  # not a series for a pod long gone
+                self.metrics.in_flight.labels(pod).set(self.in_flight[pod])
             if self.in_flight[pod] <= 0:
                 del self.in_flight[pod]
-                if pod not in self.endpoints:
-                    self.metrics.forget_upstream(pod)
 
     def _count(self, choice: Choice) -> None:
         self.metrics.requests.labels(choice.pod, choice.decision).inc()

@@ -25,15 +25,21 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
-def add_admin_key_flags(p: argparse.ArgumentParser, *, client: bool = False) -> None:
-    """The admin credential, shared by `kvserve serve` and `kvserve agent serve|drain` (`client`: the
-    command sends the key rather than checks it). Defaults stay None so that
-    kvserve.runtime.server.auth can tell a flag from the environment."""
-    what = ("send `Authorization: Bearer KEY` (the admin key of the agent and runtime)" if client else
-            "require `Authorization: Bearer KEY` on admin routes (POST /drain, /admin/*); must differ from "
-            "--api-key; without one, admin routes answer 403")
+ADMIN_KEY_HELP = {
+    "serve": "require `Authorization: Bearer KEY` on admin routes (POST /drain, /admin/*); must differ from "
+             "--api-key; without one, admin routes answer 403",
+    "agent": "require `Authorization: Bearer KEY` on the agent's POST /drain, and send it on to the runtime's; "
+             "without one, /drain answers 403",
+    "client": "send `Authorization: Bearer KEY` (the pod's admin key)",
+}
+
+
+def add_admin_key_flags(p: argparse.ArgumentParser, role: str = "serve") -> None:
+    """The admin credential, shared by `kvserve serve` and `kvserve agent serve|drain` (`role`, a key
+    of ADMIN_KEY_HELP). Defaults stay None so that kvserve.runtime.server.auth can tell a flag from
+    the environment."""
     p.add_argument("--admin-api-key", default=None, metavar="KEY",
-                   help=f"{what} (default: $KVSERVE_ADMIN_API_KEY)")
+                   help=f"{ADMIN_KEY_HELP[role]} (default: $KVSERVE_ADMIN_API_KEY)")
     p.add_argument("--admin-api-key-file", default=None, metavar="PATH",
                    help="read the admin key from this file (its content, stripped) instead of --admin-api-key "
                         "(default: $KVSERVE_ADMIN_API_KEY_FILE)")
