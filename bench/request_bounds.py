@@ -142,7 +142,10 @@ def probes_during(url: str, body: bytes, clients: int = 3) -> dict:
 def stop_matching_cost(stops: list[str], tokens: int = 1000) -> dict:
     """The engine thread's detokenizer cost per generated token (add it, read its visible text),
     with a text no stop ever matches: the matching alone, no model; and the setup per request."""
-    from kvserve.runtime.detokenizer import IncrementalDetokenizer
+    try:
+        from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer
+    except ImportError:  # code from before the engine became a package
+        from kvserve.runtime.detokenizer import IncrementalDetokenizer
 
     decode = lambda ids, skip: "".join("a" if t else "b" for t in ids)  # noqa: E731
     t0 = time.perf_counter()

@@ -16,9 +16,9 @@ import torch
 
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.kv_cache import copy_blocks, copy_group_blocks
-from kvserve.runtime.kv_cache_groups import KVCacheGroup
+from kvserve.runtime.engine.kv_cache_groups import KVCacheGroup
 from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow
-from kvserve.runtime.scheduler import ScheduledSequence
+from kvserve.runtime.engine.scheduler import ScheduledSequence
 
 
 class ModelRunner:

@@ -121,23 +121,56 @@ class Pod:
     deployment: str = ""
     template: dict = field(default_factory=dict)
     commands: dict[str, list[str]] = field(default_factory=dict)   # container -> command
+    env: dict[str, dict[str, str]] = field(default_factory=dict)   # container -> its environment
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ready: bool = False
     failures: dict[str, int] = field(default_factory=dict)
     probed_at: dict[str, float] = field(default_factory=dict)
 
 
-def _local(cmd: list[str], ip: str, model: Path) -> list[str]:
+# The pod's own in-memory volumes under /var/run/kvserve (the per-pod admin token) become a
+# directory of the pod's own on this machine.
+POD_RUN_DIR = "/var/run/kvserve/"
+
+
+def _local_path(arg: str, run_dir: Path | None) -> str:
+    if run_dir is not None and arg.startswith(POD_RUN_DIR):
+        return str(run_dir / arg.removeprefix(POD_RUN_DIR))
+    return arg
+
+
+def _local(cmd: list[str], ip: str, model: Path, run_dir: Path | None = None) -> list[str]:
     """A container command made to run on this machine: the model directory the fetch step would
-    fill is the demo model, and 0.0.0.0/127.0.0.1 become the pod's own address (in a cluster each
-    pod has its own network namespace)."""
+    fill is the demo model, the pod's /var/run/kvserve volumes are `run_dir`, and
+    0.0.0.0/127.0.0.1 become the pod's own address (in a cluster each pod has its own network
+    namespace)."""
     out = []
     for arg in cmd:
         if arg.startswith("/models/"):
             arg = str(model)
-        out.append(arg.replace("0.0.0.0", ip).replace("127.0.0.1", ip))
+        out.append(_local_path(arg, run_dir).replace("0.0.0.0", ip).replace("127.0.0.1", ip))
     out[0] = str(BIN / out[0])
     return out
+
+
+def pod_env(container: dict, base: dict[str, str], run_dir: Path) -> dict[str, str]:
+    """`base` plus the container's own kvserve settings (KVSERVE_*, plain values): the admin key
+    file that the runtime, the agent and the preStop hook read. Secrets and the cache paths of the
+    read-only root filesystem are not played here."""
+    env = dict(base)
+    for var in container.get("env") or []:
+        if var["name"].startswith("KVSERVE_") and "value" in var:
+            env[var["name"]] = _local_path(var["value"], run_dir)
+    return env
+
+
+def run_init_steps(template: dict, ip: str, model: Path, run_dir: Path, env: dict[str, str]) -> None:
+    """The pod's init containers that matter on this machine: `kvserve agent admin-token` writes the
+    pod's admin token (the fetch step's work is the demo model, already there)."""
+    for init in template["spec"].get("initContainers") or []:
+        if init["command"][1:3] == ["agent", "admin-token"]:
+            subprocess.run(_local(init["command"], ip, model, run_dir), env=env, check=True,
+                           stdout=subprocess.DEVNULL, timeout=60)
 
 
 def is_router(template: dict) -> bool:
@@ -162,12 +195,12 @@ def router_command(template: dict, ip: str, model: Path) -> list[str]:
     return _local(template["spec"]["containers"][0]["command"], ip, model)
 
 
-def pod_commands(template: dict, ip: str, model: Path) -> tuple[list[str], list[str]]:
+def pod_commands(template: dict, ip: str, model: Path, run_dir: Path | None = None) -> tuple[list[str], list[str]]:
     """The runtime and agent commands of the pod template, made to run on this machine."""
     containers = {c["name"]: c for c in template["spec"]["containers"]}
 
     def local(cmd: list[str]) -> list[str]:
-        return _local(cmd, ip, model)
+        return _local(cmd, ip, model, run_dir)
 
     runtime = local(containers["runtime"]["command"])
     agent = local(containers["agent"]["command"])
@@ -280,7 +313,7 @@ class Kubelet:
     def _spawn(self, pod: Pod, container: str, mode: str = "w") -> None:
         log = open(self.logs / f"{pod.name}-{container}.log", mode)
         proc = subprocess.Popen(pod.commands[container], stdout=log, stderr=subprocess.STDOUT,
-                                env=self.router_env if container == "router" else self.env)
+                                env=self.router_env if container == "router" else pod.env[container])
         pod.procs[container] = proc
         self.all_procs.append(proc)
 
@@ -290,12 +323,16 @@ class Kubelet:
         ip = self.free_ips.pop(0)
         while not ports_free(ip, [RUNTIME_PORT, AGENT_PORT]):
             ip = self.free_ips.pop(0)
+        env: dict[str, dict[str, str]] = {}
         if is_router(template):
             commands = {"router": router_command(template, ip, self.model)}
         else:
-            runtime, agent = pod_commands(template, ip, self.model)
+            run_dir = self.logs / "pods" / name
+            run_init_steps(template, ip, self.model, run_dir, self.env)
+            runtime, agent = pod_commands(template, ip, self.model, run_dir)
             commands = {"runtime": runtime, "agent": agent}
-        pod = Pod(name, ip, template_hash, dep_name, template, commands)
+            env = {c["name"]: pod_env(c, self.env, run_dir) for c in template["spec"]["containers"]}
+        pod = Pod(name, ip, template_hash, dep_name, template, commands, env)
         for container in pod.commands:
             self._spawn(pod, container)
         with self.lock:
@@ -399,9 +436,14 @@ class Kubelet:
         if "agent" in pod.commands:
             self.prefix.sample(pod)  # its prefix-cache counters, before they go with it
             try:
-                subprocess.run([str(BIN / "kvserve"), "agent", "drain", "--agent-url",
-                                f"http://{pod.ip}:{AGENT_PORT}", "--timeout", "20"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+                # In the agent container: its environment carries the pod's admin key file.
+                done = subprocess.run([str(BIN / "kvserve"), "agent", "drain", "--agent-url",
+                                       f"http://{pod.ip}:{AGENT_PORT}", "--timeout", "20"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=30,
+                                      env=pod.env.get("agent", self.env))
+                if done.returncode != 0:  # SIGTERM still drains; say why preStop did not
+                    self.notices.append(f"{time.strftime('%H:%M:%S')} pod {pod.name}: preStop drain "
+                                        f"exited {done.returncode}: {done.stderr.strip()[-300:]}")
             except subprocess.TimeoutExpired:
                 pass
             self.prefix.sample(pod)
@@ -799,7 +841,7 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
     if not watcher.decisions:
         say("      (none)")
     if kubelet_notices:
-        say("    container restarts (the emulated kubelet):")
+        say("    the emulated kubelet (container restarts, failed preStop drains):")
         for n in kubelet_notices:
             say(f"      {n}")
     say("    Events (kubectl get events):")

@@ -170,3 +170,11 @@ def test_a_request_can_only_shorten_the_drain(value, cap):
         assert not math.isfinite(value) or value < 0
     else:
         assert 0 <= got <= cap and got == min(value, cap)
+
+
+@given(st.text(max_size=60), st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7e),
+                                     min_size=1, max_size=60))
+def test_only_the_admin_key_itself_passes(header, admin_key):
+    denial = admin_denial(header, admin_key, route="POST /drain", user_key="user-key")
+    assert (denial is None) == (bearer_token(header) == admin_key)
+    assert admin_denial(f"Bearer {admin_key}", admin_key, route="POST /drain") is None

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import hashlib
 import json
+import logging
 import os
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -12,7 +16,7 @@ import sys
 
 import pytest
 
-from kvserve.runtime.agent.fetch import MARKER, FetchError, check_model_dir, fetch, parse_source
+from kvserve.runtime.agent.fetch import HUB_PATTERNS, MARKER, FetchError, check_model_dir, fetch, parse_source
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -137,13 +141,99 @@ def hub_home(tiny_llama, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("rev", ["", "@main", f"@{COMMIT}"])
-def test_hub_fetch_from_offline_cache(hub_home, tmp_path, rev):
+def test_hub_fetch_from_offline_cache(hub_home, tmp_path, rev, caplog):
     dest = tmp_path / "dest"
-    out = fetch(f"hf://kvserve-test/tiny{rev}", str(dest))
+    with caplog.at_level(logging.WARNING, logger="kvserve.runtime.agent.fetch"):
+        out = fetch(f"hf://kvserve-test/tiny{rev}", str(dest))
     assert out["action"] == "fetched" and out["revision"] == COMMIT
     assert check_model_dir(dest) == []
     assert not any(p.is_symlink() for p in dest.iterdir())
-    assert fetch(f"hf://kvserve-test/tiny{rev}", str(dest))["action"] == "up-to-date"
+    again = fetch(f"hf://kvserve-test/tiny{rev}", str(dest))
+    assert again["action"] == "up-to-date"
+    # A branch or tag can move under the same name: said in the log, the result and the marker.
+    pinned = rev == f"@{COMMIT}"
+    assert json.loads((dest / MARKER).read_text())["pinned"] is pinned
+    if pinned:
+        assert "warnings" not in out and "warnings" not in again and "not pinned" not in caplog.text
+    else:
+        for warnings in (out["warnings"], again["warnings"]):
+            assert warnings == [f"hf://kvserve-test/tiny{rev} is not pinned to a commit: revision "
+                                f"{rev[1:] or 'main'!r} resolved to {COMMIT}, and can move; pin it as "
+                                f"hf://kvserve-test/tiny@{COMMIT} so every pod serves the same files"]
+        assert "not pinned to a commit" in caplog.text
+
+
+def test_code_files_are_never_fetched(tiny_llama, tmp_path, monkeypatch):
+    """kvserve never runs a repository's own code, so custom modeling files stay behind, from
+    the hub cache and from a local directory alike."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    for name in ("modeling_evil.py", "configuration_evil.py", "evil.so", "sub/run.sh"):
+        (src / name).parent.mkdir(exist_ok=True)
+        (src / name).write_text("import os; os.system('id')\n")
+    home = tmp_path / "hf_home"
+    _hub_cache(home, src)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for source, dest in ((str(src), tmp_path / "local"), ("hf://kvserve-test/tiny", tmp_path / "hub")):
+        fetch(source, str(dest))
+        placed = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+        assert placed and not {n for n in placed if n.endswith((".py", ".so", ".sh"))}, placed
+        assert check_model_dir(dest) == []
+    assert not any(fnmatch.fnmatch(n, "*.py") for n in HUB_PATTERNS)
+
+
+def _files_in(d):
+    return sorted(p.name for p in d.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A real 256 KiB tmpfs: the model does not fit, so a copy hits ENOSPC from the kernel."""
+    mnt = tmp_path / "volume"
+    mnt.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {exc}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False, timeout=30)
+
+
+def test_disk_full_leaves_no_partial_file(tiny_llama, small_volume):
+    dest = small_volume / "m"
+    with pytest.raises(FetchError, match=r"dest: cannot write .*No space left on device"):
+        fetch(str(tiny_llama), str(dest))
+    left = _files_in(small_volume)
+    assert not [n for n in left if n.endswith(".partial")], left
+    assert MARKER not in left
+
+
+def test_a_failed_write_removes_its_partial_file(tiny_llama, tmp_path, monkeypatch):
+    """The same without root: the copy (forced: no hard link) writes half of the largest file,
+    then fails as a full disk does."""
+    import kvserve.runtime.agent.fetch as fetch_module
+
+    biggest = max(tiny_llama.iterdir(), key=lambda p: p.stat().st_size).name
+
+    def link(src, dst):
+        raise OSError(errno.EXDEV, "cross-device link")
+
+    def copyfile(src, dst):
+        data = pathlib.Path(src).read_bytes()
+        pathlib.Path(dst).write_bytes(data if pathlib.Path(src).name != biggest else data[: len(data) // 2])
+        if pathlib.Path(src).name == biggest:
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+
+    monkeypatch.setattr(fetch_module.os, "link", link)
+    monkeypatch.setattr(fetch_module.shutil, "copyfile", copyfile)
+    dest = tmp_path / "dest"
+    with pytest.raises(FetchError, match="No space left on device"):
+        fetch(str(tiny_llama), str(dest))
+    left = _files_in(dest)
+    assert biggest not in left and not [n for n in left if n.endswith(".partial")] and MARKER not in left
 
 
 def test_hub_fetch_missing_from_offline_cache(hub_home, tmp_path):

@@ -6,6 +6,7 @@ running."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -78,3 +79,28 @@ def test_pods_run_the_operators_container_commands_on_their_own_address():
     assert agent[agent.index("--engine-url") + 1] == "http://127.77.5.2:8000"
     assert agent[agent.index("--host") + 1] == "127.77.5.2"
     assert agent[agent.index("--port") + 1] == "8081"
+
+
+def test_pods_get_the_admin_token_their_init_step_writes(tmp_path):
+    """The per-pod admin token as a template carries it (an `agent admin-token` init step and
+    KVSERVE_ADMIN_API_KEY_FILE): written into the pod's own directory, read by its containers."""
+    import stat
+
+    import demo
+
+    token = "/var/run/kvserve/admin/token"
+    template = {"spec": {
+        "initContainers": [{"name": "admin-token", "command": ["kvserve", "agent", "admin-token", "--out", token]},
+                           {"name": "fetch", "command": ["kvserve", "agent", "fetch", "hf://x/y", "/models/m"]}],
+        "containers": [{"name": "agent", "command": ["kvserve", "agent", "serve"],
+                        "env": [{"name": "HOME", "value": "/tmp"},
+                                {"name": "KVSERVE_ADMIN_API_KEY_FILE", "value": token},
+                                {"name": "KVSERVE_API_KEY",
+                                 "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}]}}
+    run_dir = tmp_path / "pod-01"
+    demo.run_init_steps(template, "127.77.5.2", tmp_path / "model", run_dir, dict(os.environ))
+    written = run_dir / "admin" / "token"
+    assert stat.S_IMODE(written.stat().st_mode) == 0o400 and len(written.read_text().strip()) == 43
+    assert not (tmp_path / "model").exists()  # the fetch step is not played
+    env = demo.pod_env(template["spec"]["containers"][0], {"HOME": "/home/me"}, run_dir)
+    assert env == {"HOME": "/home/me", "KVSERVE_ADMIN_API_KEY_FILE": str(written)}

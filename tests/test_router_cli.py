@@ -68,3 +68,32 @@ def test_only_ready_pods_of_the_service_are_endpoints():
     assert [(e.name, e.url, e.signals_url) for e in eps] == [
         ("a", "http://[fd00::1]:8000", "http://[fd00::1]:8081/v1/signals"),
         ("b", "http://10.1.0.2:8000", "http://10.1.0.2:8081/v1/signals")]
+
+
+def test_api_key_and_byte_limits_from_flags_env_and_memory(monkeypatch):
+    from kvserve.runtime.router.cli import config_from_args
+    from kvserve.runtime.cli import build_parser
+
+    def config(*argv, memory=None):
+        return config_from_args(build_parser().parse_args(["router", "--endpoints", "http://a:1", *argv]), memory)
+
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    c = config(memory=256 << 20)
+    assert c.api_keys == () and (c.max_request_body_bytes, c.max_held_bytes, c.max_buffered_bytes) == (
+        8 << 20, 64 << 20, 128 << 20)
+    assert c.policy.index_capacity == (256 << 20) // 8 // 400
+    c = config("--max-held-bytes", "0", "--max-buffered-bytes", "1000", "--max-request-body-bytes", "10",
+               memory=256 << 20)
+    assert (c.max_request_body_bytes, c.max_held_bytes, c.max_buffered_bytes) == (10, 0, 1000)
+    monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
+    assert config().api_keys == ("from-env",)
+    assert config("--api-key", "a,b").api_keys == ("a", "b")  # the flag wins
+
+
+@pytest.mark.parametrize("key, message", [("a,,b", "--api-key / KVSERVE_API_KEY: key 2 of 3"),
+                                          ("tab\tkey", "visible ASCII")])
+def test_a_bad_api_key_is_a_one_line_error(key, message, capsys, monkeypatch):
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    assert main(["router", "--endpoints", "http://a:1", "--api-key", key]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve router: ") and message in err and "Traceback" not in err and key not in err

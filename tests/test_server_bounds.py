@@ -171,7 +171,7 @@ def test_tokenize_has_the_same_limits(server):
 
 
 def test_stop_automaton_is_built_off_the_loop_and_off_the_engine_thread(server, client, monkeypatch):
-    from kvserve.runtime import stop_strings
+    from kvserve.runtime.engine import stop_strings
 
     builders = []
     real_init = stop_strings.StopAutomaton.__init__

@@ -10,8 +10,8 @@ import weakref
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvserve.runtime.detokenizer import IncrementalDetokenizer
-from kvserve.runtime.stop_strings import StopAutomaton, compile_stops
+from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer
+from kvserve.runtime.engine.stop_strings import StopAutomaton, compile_stops
 
 
 def reference(stops: list[str], pieces: list[str]) -> tuple[str, str | None, list[str]]:

@@ -1,8 +1,11 @@
 """kvserve's native CPU kernels: kvserve_cpu.c built with the system C compiler at first use.
 
 The library is compiled once per (source, flags, compiler) into a cache folder
-(``$KVSERVE_CPU_KERNELS_CACHE``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``,
-else the temp folder) and loaded with ctypes: no torch headers, so a build takes a few seconds.
+(``$KVSERVE_CPU_KERNELS_CACHE``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``;
+created with mode 0700) and loaded with ctypes: no torch headers, so a build takes a few seconds.
+Loading a library runs its code, and its name is predictable, so a cached library is loaded only
+when the folder and the file belong to this user and nobody else can write them; otherwise it is
+rebuilt (into a private temporary folder when the cache folder itself is not trusted).
 Every wrapper takes and returns torch CPU float32 tensors; the callers (kernels/ops.py, the
 linear layers, the torch attention backend) decide when to use them through ``available()``.
 
@@ -14,6 +17,7 @@ its torch path.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
@@ -21,6 +25,7 @@ import os
 import pathlib
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -81,41 +86,120 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cache_dir() -> pathlib.Path:
+def cache_dir() -> pathlib.Path:
+    """Where compiled libraries are kept: $KVSERVE_CPU_KERNELS_CACHE, else
+    $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve."""
     if os.environ.get(CACHE_ENV_VAR):
         return pathlib.Path(os.environ[CACHE_ENV_VAR])
     base = os.environ.get("XDG_CACHE_HOME") or (pathlib.Path.home() / ".cache")
     return pathlib.Path(base) / "kvserve"
 
 
-def _build(compiler: str) -> pathlib.Path:
-    source = SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    for folder in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / "kvserve"):
-        target = folder / f"kvserve_cpu-{key}.so"
-        if target.is_file():
-            return target
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        # A unique temporary name, then an atomic rename: concurrent builders never see half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+def cache_key(source: bytes, flags: tuple[str, ...], compiler_version: str) -> str:
+    return hashlib.sha256(source + " ".join(flags).encode() + compiler_version.encode()).hexdigest()[:16]
+
+
+def untrusted(st: os.stat_result, path: object, kind: str, *, uid: int | None = None) -> str | None:
+    """Why a cache folder (kind "folder") or library ("file") with this stat could have been
+    written by someone other than this user, or None. Loading a library runs its code, so
+    anything another user could have created or replaced is refused."""
+    uid = os.geteuid() if uid is None else uid
+    if kind == "folder" and not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a folder"
+    if kind == "file" and not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_uid != uid:
+        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+class _Untrusted(Exception):
+    pass
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+
+
+def _compile(compiler: str, out: pathlib.Path) -> None:
+    proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+    # gcc gives the output 0777 minus the umask: a umask of 0 would leave it world-writable.
+    os.chmod(out, 0o700)
+
+
+def _dlopen_trusted(path: pathlib.Path) -> ctypes.CDLL:
+    """Loads `path` only if this user owns it and nobody else can write it. O_NOFOLLOW: a
+    symbolic link could point anywhere; the inode is compared again just before dlopen (the
+    folder is trusted, so nobody else can swap the file in between)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Untrusted(f"{path} is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        problem = untrusted(st, path, "file")
+        if problem:
+            raise _Untrusted(problem)
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise _Untrusted(f"{path} was replaced while it was checked")
+        return ctypes.CDLL(str(path))
+    finally:
         os.close(fd)
+
+
+def _trusted_cache(folder: pathlib.Path) -> str | None:
+    """Creates the cache folder (mode 0700); why it cannot be trusted, or None."""
+    try:
+        folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+        return untrusted(folder.stat(), folder, "folder")
+    except OSError as exc:
+        return f"{folder} cannot be created ({exc.strerror or exc})"
+
+
+def _publish(compiler: str, folder: pathlib.Path, target: pathlib.Path) -> None:
+    """Builds in a private folder inside the cache, then renames: a concurrent builder or loader
+    never sees half a file."""
+    build_dir = pathlib.Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
+    try:
+        out = build_dir / target.name
+        _compile(compiler, out)
+        os.replace(out, target)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def _load_library(compiler: str) -> ctypes.CDLL:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    name = f"kvserve_cpu-{cache_key(SOURCE.read_bytes(), FLAGS, version)}.so"
+    folder = cache_dir()
+    problem = _trusted_cache(folder)
+    if problem is None:
+        target = folder / name
         try:
-            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                                  text=True, timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-            os.replace(tmp, target)
-            return target
-        except OSError:
-            continue
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise RuntimeError("no writable cache folder for the compiled kernels")
+            return _dlopen_trusted(target)
+        except FileNotFoundError:
+            pass
+        except _Untrusted as exc:  # in our own folder: replace it with a fresh build
+            log.warning("native CPU kernels: not loading %s; rebuilding it", exc)
+        _publish(compiler, folder, target)
+        return _dlopen_trusted(target)
+    # Never a shared fallback folder (anyone could plant the library there under its
+    # predictable name): a private one, gone once the library is loaded.
+    log.warning("native CPU kernels: the cache folder is not safe to load from (%s); building into a private "
+                "temporary folder instead (every start rebuilds). Set %s to a folder owned by this user with "
+                "mode 0700 to cache the build", problem, CACHE_ENV_VAR)
+    with tempfile.TemporaryDirectory(prefix="kvserve-cpu-") as private:
+        out = pathlib.Path(private) / name
+        _compile(compiler, out)
+        return _dlopen_trusted(out)
 
 
 def _load() -> None:
@@ -129,18 +213,18 @@ def _load() -> None:
     if flags and not {"avx2", "fma"} <= flags:
         _state.reason = "needs a CPU with AVX2 and FMA"
         return
-    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    compiler = _compiler()
     if compiler is None:
         _state.reason = "no C compiler (gcc or $CC) on PATH"
         return
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = _load_library(compiler)
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
         if lib.kv_abi_version() != ABI_VERSION:
             raise RuntimeError(f"ABI version {lib.kv_abi_version()} != {ABI_VERSION}")
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError, _Untrusted) as exc:
         _state.reason = f"build or load failed: {exc}"
         log.warning("native CPU kernels unavailable (%s); using the torch path", _state.reason)
         return

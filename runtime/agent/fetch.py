@@ -6,21 +6,36 @@ a GGUF model is one file: `hf://org/name[@revision]/FILE.gguf` or a local `.gguf
 then holds that file alone (the runtime serves a directory with one .gguf and no config.json).
 DEST gets real files (hard links where the filesystem allows, else copies), then a marker
 written last; a re-run finding a matching marker and an intact directory does nothing.
+
+Remote code is never run, so code files (`*.py` and compiled modules) are neither downloaded nor
+copied; a file that cannot be written whole (disk full, read-only volume) leaves no partial file
+behind; a hub revision that is not a commit hash is fetched with a warning, since a branch or tag
+can move and two pods could then serve different weights under the same name.
 """
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import json
+import logging
 import os
+import re
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 MARKER = ".kvserve-fetch.json"
 
-# What a runtime needs from a repo; skips e.g. `original/` checkpoints and other formats.
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
+# What a runtime needs from a repo; skips e.g. `original/` checkpoints and other formats, and
+# the repository's own code (custom modeling files), which kvserve never runs.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+# Never placed into DEST, from the hub cache or a local directory alike.
+CODE_PATTERNS = ["*.py", "*.pyc", "*.pyo", "*.so", "*.dylib", "*.dll", "*.exe", "*.sh"]
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 TOKENIZER_FILE_SETS = [("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("tokenizer.tiktoken",)]
 
 
@@ -87,14 +102,17 @@ def _safetensors_problem(path: Path) -> str | None:
 
 
 def _gguf_problem(path: Path) -> str | None:
-    """Reads the GGUF header and tensor table, which also catches a truncated download."""
-    from kvserve.runtime.gguf.reader import GGUFFile
+    """Reads the GGUF header and tensor table (every tensor's data must lie inside the file,
+    which also catches a truncated download)."""
+    from kvserve.runtime.gguf.reader import GGUFError, GGUFFile
 
     try:
-        with GGUFFile(path):
+        with GGUFFile(path) as gf:
+            if not gf.tensors:
+                return f"{path.name}: has no tensors"
             return None
-    except ValueError as exc:
-        return f"{path.name}: {str(exc).removeprefix('model: ')}"
+    except GGUFError as exc:
+        return f"{path.name}: {exc.field}: {exc.problem}"
 
 
 def check_model_dir(directory: str | os.PathLike) -> list[str]:
@@ -143,26 +161,46 @@ def check_model_dir(directory: str | os.PathLike) -> list[str]:
     return problems
 
 
+def is_code(name: str) -> bool:
+    return any(fnmatch.fnmatch(name.lower(), pattern) for pattern in CODE_PATTERNS)
+
+
 def _listing(directory: Path) -> dict[str, int]:
     out = {}
     for p in sorted(directory.rglob("*")):
         rel = p.relative_to(directory)
-        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
+        if p.is_file() and not any(part.startswith(".") for part in rel.parts) and not is_code(p.name):
             out[rel.as_posix()] = p.stat().st_size
     return out
 
 
 def _place(src: Path, dst: Path) -> None:
-    """Atomically puts src's content at dst: a hard link when possible, else a copy."""
+    """Atomically puts src's content at dst: a hard link when possible, else a copy. A copy
+    that fails (disk full) removes what it wrote: a partial file would hold the space the next
+    attempt needs."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.partial")
     tmp.unlink(missing_ok=True)
     real = src.resolve()  # hub snapshots are symlinks into blobs/
     try:
-        os.link(real, tmp)
-    except OSError:
-        shutil.copyfile(real, tmp)
-    os.replace(tmp, dst)
+        try:
+            os.link(real, tmp)
+        except OSError:
+            shutil.copyfile(real, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def unpinned_warning(source: Source, commit: str | None) -> str | None:
+    """A warning when a hub source names a branch or tag (or nothing) instead of a commit."""
+    if source.kind != "hf" or (source.revision and _COMMIT.fullmatch(source.revision)):
+        return None
+    pinned = Source(source.kind, source.location, commit or "<commit>", source.filename)
+    return (f"{source} is not pinned to a commit: revision {source.revision or 'main'!r} resolved to "
+            f"{commit or 'an unknown commit'}, and can move; pin it as {pinned} so every pod serves the "
+            f"same files")
 
 
 def _marker_matches(dest: Path, source: Source) -> bool:
@@ -176,6 +214,13 @@ def _marker_matches(dest: Path, source: Source) -> bool:
     return bool(files) and all(
         (dest / name).is_file() and (dest / name).stat().st_size == size for name, size in files.items()
     )
+
+
+def _marker_revision(dest: Path) -> str | None:
+    try:
+        return json.loads((dest / MARKER).read_text()).get("revision")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _hub_snapshot(source: Source) -> tuple[Path, str]:
@@ -216,7 +261,12 @@ def fetch(source_text: str, dest_text: str) -> dict:
     source = parse_source(source_text)
     dest = Path(dest_text).absolute()
     if _marker_matches(dest, source) and not check_model_dir(dest):
-        return {"source": str(source), "dest": str(dest), "action": "up-to-date"}
+        out = {"source": str(source), "dest": str(dest), "action": "up-to-date"}
+        warning = unpinned_warning(source, _marker_revision(dest))
+        if warning:
+            log.warning("%s", warning)
+            out["warnings"] = [warning]
+        return out
 
     single: Path | None = None  # a GGUF model: that one file, placed at the top of dest
     if source.kind == "hf":
@@ -255,8 +305,18 @@ def fetch(source_text: str, dest_text: str) -> dict:
     problems = check_model_dir(dest)
     if problems:
         raise FetchError(f"{dest}: incomplete after copy: " + "; ".join(problems))
-    marker = {"source": str(source), "revision": revision, "files": files}
+    warning = unpinned_warning(source, revision)
+    if warning:
+        log.warning("%s", warning)
+    marker = {"source": str(source), "revision": revision, "files": files, "pinned": warning is None}
     tmp = dest / f".{MARKER}.partial"
-    tmp.write_text(json.dumps(marker, indent=1, sort_keys=True))
-    os.replace(tmp, dest / MARKER)
-    return {"source": str(source), "dest": str(dest), "action": "fetched", "revision": revision, "files": len(files)}
+    try:
+        tmp.write_text(json.dumps(marker, indent=1, sort_keys=True))
+        os.replace(tmp, dest / MARKER)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise FetchError(f"dest: cannot write {dest / MARKER}: {exc.strerror or exc}") from None
+    out = {"source": str(source), "dest": str(dest), "action": "fetched", "revision": revision, "files": len(files)}
+    if warning:
+        out["warnings"] = [warning]
+    return out

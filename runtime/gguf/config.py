@@ -8,10 +8,13 @@ It also says how each GGUF tensor name maps onto the checkpoint names CausalLM c
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
-from kvserve.runtime.gguf.reader import GGUFFile
+import numpy as np
+
+from kvserve.runtime.gguf.reader import GGUFError, GGUFFile
 
 # general.architecture -> (HF architecture, model_type, whether llama.cpp's converter permuted the
 # rows of Q and K). The converter reorders LLaMA's Q/K rows from rotate-half pairs (i, i + d/2)
@@ -77,40 +80,46 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
     hf_arch, model_type, _ = ARCHITECTURES[arch]
     md = gf.metadata
 
-    def get(key: str, default: Any = None, *, required: bool = False) -> Any:
+    def get(key: str, default: Any = None, *, required: bool = False, kind: type = int) -> Any:
         full = f"{arch}.{key}"
         if full not in md:
             if required:
-                raise ValueError(f"model: GGUF metadata {full!r} is missing in {gf.path}")
+                raise GGUFError(gf.path, f"metadata key {full!r}", "is missing")
             return default
-        value = md[full]
-        return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
+        return _checked(gf, full, md[full], kind)
 
     heads = get("attention.head_count", required=True)
-    if not isinstance(heads, int):  # llama.cpp allows per-layer head counts (arrays)
-        raise ValueError(f"model: GGUF {arch}.attention.head_count varies per layer; not supported")
     kv_heads = get("attention.head_count_kv", heads)
-    if not isinstance(kv_heads, int):
-        raise ValueError(f"model: GGUF {arch}.attention.head_count_kv varies per layer; not supported")
     hidden = get("embedding_length", required=True)
+    layers = get("block_count", required=True)
+    present = {int(m.group(1)) for name in gf.tensors if (m := _LAYER_RE.match(name))}
+    if present and max(present) >= layers:
+        raise GGUFError(gf.path, f"metadata key '{arch}.block_count'",
+                        f"{layers} layers, but the file has tensors of layer {max(present)}")
+    if len(present) < layers:  # also bounds what the config allocates per layer by the file's size
+        raise GGUFError(gf.path, f"metadata key '{arch}.block_count'",
+                        f"{layers} layers, but the file has tensors for {len(present)}")
     head_dim = get("attention.key_length", hidden // heads)
+    if head_dim < 1:
+        raise GGUFError(gf.path, f"metadata key '{arch}.embedding_length'",
+                        f"{hidden} is smaller than the head count {heads}")
     value_dim = get("attention.value_length", head_dim)
     if value_dim != head_dim:
-        raise ValueError(f"model: GGUF {arch}.attention.value_length {value_dim} differs from key_length "
-                         f"{head_dim}; not supported")
+        raise GGUFError(gf.path, f"metadata key '{arch}.attention.value_length'",
+                        f"{value_dim} differs from key_length {head_dim}; not supported")
     rope_dim = get("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise ValueError(f"model: GGUF {arch}.rope.dimension_count {rope_dim} != head dim {head_dim} "
-                         f"(partial rotary embeddings are not supported)")
+        raise GGUFError(gf.path, f"metadata key '{arch}.rope.dimension_count'",
+                        f"{rope_dim} != head dim {head_dim} (partial rotary embeddings are not supported)")
     embed = gf.tensors.get("token_embd.weight")
-    if embed is None:
-        raise ValueError(f"model: {gf.path} has no token_embd.weight tensor")
+    if embed is None or len(embed.shape) != 2:
+        raise GGUFError(gf.path, "tensor 'token_embd.weight'", "missing (or not a matrix)")
     vocab = embed.shape[0]
     names = set(gf.tensors)
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
-        "num_hidden_layers": get("block_count", required=True),
+        "num_hidden_layers": layers,
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length", required=True),
         "num_attention_heads": heads,
@@ -118,8 +127,8 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         "head_dim": head_dim,
         "vocab_size": vocab,
         "max_position_embeddings": get("context_length", 2048),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": get("rope.freq_base", 10000.0),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6, kind=float),
+        "rope_theta": get("rope.freq_base", 10000.0, kind=float),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
         "torch_dtype": _checkpoint_dtype(gf),
@@ -133,26 +142,57 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         "quant_method": "gguf",
         "tensor_types": {hf: info.type_name for name, info in gf.tensors.items() if (hf := hf_name(name))},
     }
-    scaling = _rope_scaling(get)
+    scaling = _rope_scaling(get, gf.path, arch)
     if scaling is not None:
         config["rope_scaling"] = scaling
     generation: dict[str, Any] = {}
-    eos = [int(md[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                "tokenizer.ggml.eom_token_id") if k in md]
+    eos = [_checked(gf, k, md[k], _TOKEN_ID) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                       "tokenizer.ggml.eom_token_id") if k in md]
     if eos:
         generation["eos_token_id"] = sorted(set(eos))
     for key, field in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
                        ("tokenizer.ggml.padding_token_id", "pad_token_id")):
         if key in md:
-            generation[field] = int(md[key])
+            generation[field] = _checked(gf, key, md[key], _TOKEN_ID)
     return config, generation
 
 
-def _rope_scaling(get) -> dict[str, Any] | None:
-    kind = get("rope.scaling.type")
-    factor = get("rope.scaling.factor")
-    if kind is None and get("rope.scale_linear") is not None:  # older files
-        kind, factor = "linear", get("rope.scale_linear")
+_TOKEN_ID = "token id"
+_SCALE = "scale"  # a float that may be 0 (llama.cpp writes rope.scaling.factor 0 for "none")
+# Sizes and counts are uint32 in every file llama.cpp writes; anything larger is corrupt.
+_MAX_SIZE = 2**32 - 1
+
+
+def _checked(gf: GGUFFile, key: str, value: Any, kind: Any) -> Any:
+    """A metadata value of the type and range the config needs, or a GGUFError naming the key:
+    sizes and counts positive integers, token ids non-negative ones, floats finite and positive,
+    strings strings (a per-layer array is named as such: llama.cpp allows some, kvserve does not)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
+    field = f"metadata key {key!r}"
+    if isinstance(value, (np.ndarray, list)) or type(value).__name__.startswith("Skipped"):
+        raise GGUFError(gf.path, field, "is an array (a value per layer?); kvserve needs a single value")
+    if kind is str:
+        if not isinstance(value, str):
+            raise GGUFError(gf.path, field, f"must be a string, not {value!r}")
+        return value
+    if kind in (float, _SCALE):
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        if not number or not (value >= 0 if kind == _SCALE else value > 0):
+            raise GGUFError(gf.path, field, f"must be a finite {'non-negative' if kind == _SCALE else 'positive'} "
+                                            f"number, not {value!r}")
+        return float(value)
+    low = 0 if kind == _TOKEN_ID else 1
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_SIZE:
+        raise GGUFError(gf.path, field, f"must be an integer in [{low}, {_MAX_SIZE}], not {value!r}")
+    return value
+
+
+def _rope_scaling(get, path, arch: str) -> dict[str, Any] | None:
+    kind = get("rope.scaling.type", kind=str)
+    factor = get("rope.scaling.factor", kind=_SCALE)
+    if kind is None and get("rope.scale_linear", kind=_SCALE) is not None:  # older files
+        kind, factor = "linear", get("rope.scale_linear", kind=_SCALE)
     if kind in (None, "none") or factor in (None, 0.0, 1.0):
         return None
     if kind == "linear":
@@ -163,10 +203,11 @@ def _rope_scaling(get) -> dict[str, Any] | None:
         if original is not None:
             out["original_max_position_embeddings"] = int(original)
         for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
-            if get(key) is not None:
-                out[name] = float(get(key))
+            if get(key, kind=float) is not None:
+                out[name] = get(key, kind=float)
         return out
-    raise ValueError(f"model: GGUF rope scaling type {kind!r} is not supported; supported: none, linear, yarn")
+    raise GGUFError(path, f"metadata key '{arch}.rope.scaling.type'",
+                    f"{kind!r} is not supported; supported: none, linear, yarn")
 
 
 def _checkpoint_dtype(gf: GGUFFile) -> str:

@@ -1,7 +1,11 @@
 """`kvserve router`: one front door for an InferenceService's pods (the imperative shell).
 
-Every OpenAI route passes through, streamed chunk by chunk. Completions and chat completions are
-placed by the policy (policy.py); the other routes go to the least-loaded pod. A pod that refuses
+Only the runtime's user routes pass (access.py: an allowlist, sent upstream by the route's own
+path), and with `--api-key` only with one of the keys, checked before a body is read: a refused
+request costs no memory, is never held and never wakes a sleeping service. Bodies are read against
+byte budgets (limits.py, bodies.py). The rest passes through, streamed chunk by chunk.
+Completions and chat completions are placed by the policy (policy.py); the other routes go to the
+least-loaded pod. A pod that refuses
 a request before the router has sent the client a single byte (connection refused or reset, 503
 while loading or draining, 429 at capacity) is excluded and the request goes to another pod; once
 bytes reached the client the stream is the pod's, and a pod dying mid-stream ends it. A client
@@ -25,8 +29,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .access import Route, RouteRefused, bearer_ok, resolve_route
+from .bodies import (MODELS_LIMIT, REFUSAL_LIMIT, BodyRefused, TooLong, read_capped, read_request_body)
 from .endpoints import Endpoint
 from .hold import HoldFull, HoldQueue, HoldTimeout, Ticket
+from .limits import BodyLimits, ByteBudget
 from .load import LoadPoller
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import PREFIX_HIT, Choice, PolicyConfig, PolicyState, choose, chunk_hashes, routing_key
@@ -36,8 +43,10 @@ log = logging.getLogger("kvserve.router")
 # Refusals that mean "not now, not here": safe to send elsewhere, nothing was generated.
 RETRY_STATUSES = (429, 503)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-              "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "content-encoding"}
-ROUTED = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+              "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "content-encoding",
+              "expect"}
+ROUTED = ("completion", "chat")  # route kinds the policy places; the others go to the least-loaded pod
+UNAUTHORIZED = "Invalid or missing API key: send `Authorization: Bearer <key>`."
 
 
 @dataclass
@@ -49,14 +58,19 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     retry_after_s: int = 5
     served_model_name: str | None = None  # /v1/models answers this while no pod is ready
-    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_request_body_bytes: int = BodyLimits().max_request_body_bytes
+    max_held_bytes: int = BodyLimits().max_held_bytes  # bodies of held requests, together
+    max_buffered_bytes: int = BodyLimits().max_buffered_bytes  # every body in memory at once
+    api_keys: tuple[str, ...] = ()  # empty: the router lets the pods check credentials
     signals_interval_s: float = 1.0
     signals_stale_after_s: float = 5.0
 
 
 def error_response(status: int, message: str, *, headers: dict[str, str] | None = None) -> web.Response:
-    kinds = {404: ("invalid_request_error", "model_not_found"), 413: ("invalid_request_error", "request_too_large"), 429: ("rate_limit_error", "rate_limit_exceeded"),
-             502: ("server_error", "bad_gateway"), 503: ("service_unavailable_error", "service_unavailable")}
+    kinds = {401: ("invalid_request_error", "invalid_api_key"), 404: ("invalid_request_error", "model_not_found"),
+             405: ("invalid_request_error", "method_not_allowed"), 413: ("invalid_request_error", "request_too_large"),
+             429: ("rate_limit_error", "rate_limit_exceeded"), 502: ("server_error", "bad_gateway"),
+             503: ("service_unavailable_error", "service_unavailable")}
     kind, code = kinds.get(status, ("server_error", None))
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
@@ -78,7 +92,9 @@ class Router:
         self.config, self.source, self.clock = config, source, clock
         self.metrics = RouterMetrics()
         self.policy = PolicyState(config.policy)
-        self.hold = HoldQueue(max_held=config.max_held, timeout=config.hold_timeout_s, clock=clock)
+        self.hold = HoldQueue(max_held=config.max_held, timeout=config.hold_timeout_s, clock=clock,
+                              max_held_bytes=config.max_held_bytes)
+        self.buffered = ByteBudget(config.max_buffered_bytes)  # request bodies in memory now
         self.loads = LoadPoller(interval=config.signals_interval_s, stale_after=config.signals_stale_after_s,
                                 clock=clock)
         self.endpoints: dict[str, Endpoint] = {}
@@ -95,6 +111,10 @@ class Router:
         new = {e.name: e for e in endpoints}
         if set(new) != set(self.endpoints):
             log.info("ready pods: %s", ", ".join(sorted(new)) or "none")
+        for gone in sorted(set(self.endpoints) - set(new)):
+            self.metrics.retire_upstream(gone)
+        for back in set(new) - set(self.endpoints):
+            self.metrics.revive_upstream(back)
         if new and not self.endpoints:
             # Idle counts from when the service could serve: a service is not idle while its
             # first pod loads, and a woken one gets a full window before it may sleep again.
@@ -162,10 +182,12 @@ class Router:
         loads = {n: self.loads.load(n, self.in_flight[n]) for n in names}
         return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried)
 
-    async def _wait_for_pod(self) -> Ticket:
+    async def _wait_for_pod(self, ticket: Ticket | None, nbytes: int) -> Ticket:
         self.metrics.held.inc()
         try:
-            ticket, waited = await self.hold.wait()
+            if ticket is None:  # no ticket yet: the pods went away after this request's body was read
+                ticket = self.hold.admit(nbytes)
+            ticket, waited = await self.hold.wait(ticket)
         except HoldFull:
             self.metrics.holds.labels("rejected").inc()
             raise
@@ -189,23 +211,30 @@ class Router:
             headers["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else request.remote
         return headers
 
-    async def forward(self, request: web.Request, body: bytes, hashes: list[int], stream: bool) -> web.StreamResponse:
+    def _hold_full(self, error: HoldFull) -> web.Response:
+        return error_response(503, f"No ready pod and the hold queue is full ({error}); retry later.",
+                              headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def forward(self, request: web.Request, route: Route, body: bytes, hashes: list[int], stream: bool,
+                      admitted: Ticket | None = None) -> web.StreamResponse:
+        """`admitted`: the hold ticket this request took before its body was read, if any."""
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = self._forward_headers(request, request_id)
         tried: list[str] = []
         last: Refused | None = None
         while True:
             ticket = None
-            if self.hold.must_hold():
+            if admitted is not None or self.hold.must_hold():
                 try:
-                    ticket = await self._wait_for_pod()
+                    ticket = await self._wait_for_pod(admitted, len(body))
                 except HoldFull as error:
-                    return error_response(503, f"No ready pod and the hold queue is full ({error}); retry later.",
-                                          headers={"Retry-After": str(self.config.retry_after_s)})
+                    return self._hold_full(error)
                 except HoldTimeout as error:
                     return error_response(503, f"No pod became ready in time ({error}); the service may be "
                                           "scaling from zero, retry later.",
                                           headers={"Retry-After": str(self.config.retry_after_s)})
+                finally:
+                    admitted = None
             choice = self._choose(hashes, tried)
             if choice is None:
                 if ticket is not None:
@@ -214,8 +243,8 @@ class Router:
                     return self._refusal_response(last)
                 continue  # the pods went away between release and choice: hold again
             try:
-                result = await self._attempt(request, body, headers, self.endpoints[choice.pod], choice, hashes,
-                                             stream, ticket)
+                result = await self._attempt(request, route, body, headers, self.endpoints[choice.pod], choice,
+                                             hashes, stream, ticket)
             finally:
                 if ticket is not None:
                     ticket.sent.set()
@@ -237,11 +266,11 @@ class Router:
         return error_response(503, f"No pod could take the request: {refused.message}",
                               headers={"Retry-After": str(self.config.retry_after_s)})
 
-    async def _attempt(self, request: web.Request, body: bytes, headers: dict[str, str], endpoint: Endpoint,
-                       choice: Choice, hashes: list[int], stream: bool,
+    async def _attempt(self, request: web.Request, route: Route, body: bytes, headers: dict[str, str],
+                       endpoint: Endpoint, choice: Choice, hashes: list[int], stream: bool,
                        ticket: Ticket | None) -> web.StreamResponse | Refused:
         pod = endpoint.name
-        url = endpoint.url + request.path_qs
+        url = endpoint.url + route.path  # the allowlist's path, never the client's
         self.in_flight[pod] += 1
         self.metrics.in_flight.labels(pod).set(self.in_flight[pod])
         sent = time.monotonic()
@@ -254,7 +283,10 @@ class Router:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as error:
                 return Refused("connect", message=f"{type(error).__name__}: {error}")
             if upstream.status in RETRY_STATUSES:
-                data = await upstream.read()
+                try:
+                    data = await read_capped(upstream.content, REFUSAL_LIMIT)
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, TooLong) as error:
+                    return Refused(f"http_{upstream.status}", message=f"HTTP {upstream.status}, then {error}")
                 return Refused(f"http_{upstream.status}", upstream.status, data, dict(upstream.headers),
                                message=f"HTTP {upstream.status}")
             try:
@@ -289,7 +321,8 @@ class Router:
                 else:  # client gone, pod gone, or a refusal: never reuse a half-read connection
                     upstream.close()
             self.in_flight[pod] -= 1
-            self.metrics.in_flight.labels(pod).set(self.in_flight[pod])
+            if pod in self.endpoints or self.metrics.shows(pod):  # not a series for a pod long gone
+                self.metrics.in_flight.labels(pod).set(self.in_flight[pod])
             if self.in_flight[pod] <= 0:
                 del self.in_flight[pod]
 
@@ -311,8 +344,8 @@ class Router:
             try:
                 async with self.session.get(e.url + "/v1/models", headers=headers,
                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    return r.status, await r.read(), dict(r.headers)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    return r.status, await read_capped(r.content, MODELS_LIMIT), dict(r.headers)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, TooLong):
                 return None
 
         answers = [a for a in await asyncio.gather(*(one(e) for e in self.endpoints.values())) if a is not None]
@@ -335,44 +368,118 @@ class Router:
         return list(cards.values())
 
 
+    # --- a client request, from its headers on -------------------------------------------------
+
+    def _busy(self, message: str) -> web.Response:
+        return error_response(503, message, headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
+        """An allowlisted, authenticated request: its body read against the byte budgets (a held
+        one's also against the hold queue's), then forwarded. Every check that can refuse runs
+        from the headers first, so a refusal reads nothing."""
+        config = self.config
+        declared = request.content_length
+        if declared is not None and declared > config.max_request_body_bytes:
+            return error_response(413, f"Request body too large: Content-Length {declared} is over "
+                                       f"--max-request-body-bytes {config.max_request_body_bytes}.")
+        if not self.buffered.take(declared or 0):
+            self.metrics.body_rejections.labels("buffered").inc()
+            return self._busy(f"The router is buffering {self.buffered.used} bytes of request bodies and "
+                              f"{declared} more would pass --max-buffered-bytes {self.buffered.limit}; retry later.")
+        charged = declared or 0
+        ticket: Ticket | None = None
+        self.requests_total += 1
+        self.active += 1
+        self.touch()
+        status = 499
+        try:
+            if self.hold.must_hold():
+                try:
+                    ticket = self.hold.admit(charged)
+                except HoldFull as error:
+                    self.metrics.holds.labels("rejected").inc()
+                    status = 503
+                    return self._hold_full(error)
+
+            def charge(n: int) -> None:  # a body without Content-Length, or longer than it said
+                nonlocal charged
+                if not self.buffered.take(n):
+                    self.metrics.body_rejections.labels("buffered").inc()
+                    raise BodyRefused(503, f"The router's request bodies would pass --max-buffered-bytes "
+                                           f"{self.buffered.limit}; retry later.")
+                charged += n
+                if ticket is not None:
+                    try:
+                        self.hold.grow(ticket, n)
+                    except HoldFull as error:
+                        self.metrics.holds.labels("rejected").inc()
+                        raise BodyRefused(503, f"No ready pod and the hold queue is full ({error}); "
+                                               "retry later.") from None
+
+            try:
+                body = await read_request_body(request.content, declared=declared,
+                                               limit=config.max_request_body_bytes, charge=charge)
+            except BodyRefused as refused:
+                status = refused.status
+                if refused.status == 413:
+                    return error_response(413, refused.message)
+                return self._busy(refused.message)
+            hashes, stream = self._routing(route, body)
+            response = await self.forward(request, route, body, hashes, stream, admitted=ticket)
+            status = response.status
+            return response
+        finally:
+            if ticket is not None:  # refused before the queue, or already gone from it (a no-op)
+                self.hold.leave(ticket)
+            self.buffered.give(charged)
+            self.active -= 1
+            self.touch()
+            self.metrics.responses.labels(str(status)).inc()
+
+    def _routing(self, route: Route, body: bytes) -> tuple[list[int], bool]:
+        """The prefix hashes the policy places the request by, and whether it streams."""
+        if route.kind not in ROUTED:
+            return [], False
+        try:
+            obj = json.loads(body) if body else None
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return [], False  # the pod answers the 400 in its own words
+        if not isinstance(obj, dict):
+            return [], False
+        policy = self.config.policy
+        hashes = []
+        if policy.policy == "prefix":
+            hashes = chunk_hashes(routing_key(route.kind, obj), block_tokens=policy.block_tokens,
+                                  chunk_chars=policy.chunk_chars)
+        return hashes, obj.get("stream") is True
+
+
 ROUTER = web.AppKey("router", Router)
 
 
 def build_app(config: RouterConfig, source) -> web.Application:
     router = Router(config, source)
+    # Bodies are read by bodies.read_request_body against the router's own limits, never by
+    # aiohttp's request.read(); its cap stays as a backstop.
     app = web.Application(client_max_size=config.max_request_body_bytes)
     app[ROUTER] = router
 
-    async def proxied(request: web.Request) -> web.StreamResponse:
-        route = ROUTED.get(request.path)
+    async def front_door(request: web.Request) -> web.StreamResponse:
+        """Every request that is not one of the router's own routes: allowlist, then credential,
+        both from the request line and headers alone."""
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"Request body too large (limit {config.max_request_body_bytes} bytes)")
-        hashes: list[int] = []
-        stream = False
-        if route is not None:
-            try:
-                obj = json.loads(body) if body else None
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                obj = None  # the pod answers the 400 in its own words
-            if isinstance(obj, dict):
-                stream = obj.get("stream") is True
-                if config.policy.policy == "prefix":
-                    hashes = chunk_hashes(routing_key(route, obj), block_tokens=config.policy.block_tokens,
-                                          chunk_chars=config.policy.chunk_chars)
-        router.requests_total += 1
-        router.active += 1
-        router.touch()
-        status = 499
-        try:
-            response = await router.forward(request, body, hashes, stream)
-            status = response.status
-            return response
-        finally:
-            router.active -= 1
-            router.touch()
-            router.metrics.responses.labels(str(status)).inc()
+            route, model = resolve_route(request.method, request.raw_path)
+        except RouteRefused as refused:
+            router.metrics.refusals.labels(str(refused.status)).inc()
+            return error_response(refused.status, refused.message)
+        if config.api_keys and not bearer_ok(request.headers.get("Authorization"), config.api_keys):
+            router.metrics.refusals.labels("401").inc()
+            return error_response(401, UNAUTHORIZED)
+        if route.kind == "models":
+            return await models(request)
+        if route.kind == "model":
+            return await one_model(request, model)
+        return await router.handle(request, route)
 
     async def models(request: web.Request) -> web.Response:
         cards = await router.models(request)
@@ -380,11 +487,10 @@ def build_app(config: RouterConfig, source) -> web.Application:
             return cards
         return web.json_response({"object": "list", "data": cards})
 
-    async def model(request: web.Request) -> web.Response:
+    async def one_model(request: web.Request, name: str) -> web.Response:
         cards = await router.models(request)
         if isinstance(cards, web.Response):
             return cards
-        name = request.match_info["model"]
         for card in cards:
             if card.get("id") == name:
                 return web.json_response(card)
@@ -402,21 +508,20 @@ def build_app(config: RouterConfig, source) -> web.Application:
 
     async def metrics(request: web.Request) -> web.Response:
         router.metrics.held.set(len(router.hold))
+        router.metrics.held_bytes.set(router.hold.held_bytes)
+        router.metrics.buffered_bytes.set(router.buffered.used)
         return web.Response(body=router.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def demand(request: web.Request) -> web.Response:
         return web.json_response(router.demand())
 
     r = app.router
-    r.add_get("/v1/models", models)
-    r.add_get("/v1/models/{model:.+}", model)
-    r.add_route("*", "/v1/{tail:.*}", proxied)
-    r.add_post("/tokenize", proxied)
-    r.add_post("/detokenize", proxied)
+    # The router's own routes, matched exactly; everything else meets the allowlist.
     r.add_get("/health", health)
     r.add_get("/ready", ready)
     r.add_get("/metrics", metrics)
     r.add_get("/router/demand", demand)
+    r.add_route("*", "/{tail:.*}", front_door)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     return app

@@ -54,6 +54,16 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
                       help="seconds a request waits for a ready pod before a 503 with Retry-After")
     hold.add_argument("--max-held", type=_bounded(int, 0), default=1024,
                       help="requests held at most; more get a 503 at once")
+    hold.add_argument("--max-held-bytes", type=_bounded(int, 0), default=None, metavar="BYTES",
+                      help="bytes of request bodies held at most (checked from Content-Length before a body is "
+                           "read); more get a 503 at once. Default: a quarter of the container's memory limit "
+                           "(cgroup), else 128 MiB")
+
+    access = p.add_argument_group("who may call (checked before a request body is read)")
+    access.add_argument("--api-key", default=None, metavar="KEY[,KEY...]",
+                        help="require `Authorization: Bearer KEY` (any of the comma-separated keys) on every "
+                             "forwarded route and /v1/models (or set KVSERVE_API_KEY; the same key as the "
+                             "pods', forwarded unchanged). A request without one gets 401 and is never held")
     p.add_argument("--max-attempts", type=_bounded(int, 1, 16), default=3,
                    help="pods tried per request when they refuse before the first byte")
     p.add_argument("--served-model-name", default=None,
@@ -62,7 +72,12 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--port", type=_bounded(int, 0, 65535), default=8000, help="0: a free port")
     p.add_argument("--drain-timeout", type=_bounded(float, 0.0, 3600.0), default=30.0,
                    help="seconds SIGTERM waits for open streams")
-    p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=8 * 1024 * 1024)
+    p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=None, metavar="BYTES",
+                   help="one request body at most; bigger ones get 413 (from Content-Length, before reading). "
+                        "Default: 8 MiB, or a sixteenth of the container's memory limit when that is less")
+    p.add_argument("--max-buffered-bytes", type=_bounded(int, 0), default=None, metavar="BYTES",
+                   help="request bodies in the router's memory at once, held or being forwarded; past it 503 "
+                        "with Retry-After. Default: half the container's memory limit, else 256 MiB")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     return p
 
@@ -109,24 +124,44 @@ def build_source(args: argparse.Namespace):
     return KubeEndpoints(namespace, selector, runtime_port=args.runtime_port, agent_port=agent_port)
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace, memory_limit: int | None = None):
+    """The RouterConfig the flags describe; byte limits not given follow `memory_limit`
+    (the container's, limits.py). ValueError naming the flag when they do not fit."""
+    from .access import parse_api_keys
     from .app import RouterConfig
+    from .limits import BodyLimits, prefix_index_capacity
 
+    derived = BodyLimits.for_memory(memory_limit)
+    keys = args.api_key if args.api_key is not None else os.environ.get("KVSERVE_API_KEY")
+    try:
+        api_keys = parse_api_keys(keys)
+    except ValueError as error:
+        raise ValueError(f"--api-key / KVSERVE_API_KEY: {str(error).removeprefix('api-key: ')}") from None
     policy = PolicyConfig(policy=args.policy, block_tokens=args.block_size, chunk_chars=args.chunk_chars,
                           balance_factor=args.balance_factor, max_queue_depth=args.max_queue_depth,
-                          max_kv_utilization=args.max_kv_utilization, prefix_ttl_seconds=args.prefix_ttl)
+                          max_kv_utilization=args.max_kv_utilization, prefix_ttl_seconds=args.prefix_ttl,
+                          index_capacity=prefix_index_capacity(memory_limit))
+    def pick(flag: str | None, default: int) -> int:
+        return default if flag is None else flag
+
     return RouterConfig(policy=policy, hold_timeout_s=args.hold_timeout, max_held=args.max_held,
                         max_attempts=args.max_attempts, served_model_name=args.served_model_name,
-                        max_request_body_bytes=args.max_request_body_bytes)
+                        max_request_body_bytes=pick(args.max_request_body_bytes, derived.max_request_body_bytes),
+                        max_held_bytes=pick(args.max_held_bytes, derived.max_held_bytes),
+                        max_buffered_bytes=pick(args.max_buffered_bytes, derived.max_buffered_bytes),
+                        api_keys=api_keys)
 
 
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvserve.router")
+    from .limits import container_memory_limit
+
+    memory_limit = container_memory_limit()
     try:
         source = build_source(args)
-        config = config_from_args(args)
+        config = config_from_args(args, memory_limit)
     except ValueError as error:
         print(f"kvserve router: {error}", file=sys.stderr)
         return 2
@@ -137,6 +172,10 @@ def run_router(args: argparse.Namespace) -> int:
     app = build_app(config, source)
     log.info("router on http://%s:%d, policy %s, pods from %s", args.host, args.port, args.policy,
              args.endpoints or f"{getattr(source, 'namespace', '')}/{args.inferenceservice or args.selector}")
+    log.info("API key %s; request bodies: %d bytes each, %d held, %d buffered at most (memory limit %s)",
+             f"required ({len(config.api_keys)} accepted)" if config.api_keys else "not checked (the pods check it)",
+             config.max_request_body_bytes, config.max_held_bytes, config.max_buffered_bytes,
+             f"{memory_limit} bytes" if memory_limit else "not set, sized for 512 MiB")
     try:
         web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True,
                     shutdown_timeout=args.drain_timeout, access_log=None)

@@ -26,22 +26,29 @@ class HoldTimeout(Exception):
 
 @dataclass(eq=False)
 class Ticket:
-    """One held request: `released` is set when it may go; it sets `sent` once it went."""
+    """One held request: `released` is set when it may go; it sets `sent` once it went. It holds
+    a place in the queue's count and its body's bytes from admission until it leaves."""
 
     arrived: float
+    nbytes: int = 0
     released: asyncio.Event = field(default_factory=asyncio.Event)
     sent: asyncio.Event = field(default_factory=asyncio.Event)
     abandoned: bool = False
+    left: bool = False
 
 
 class HoldQueue:
     def __init__(self, *, max_held: int, timeout: float, clock: Callable[[], float] = time.monotonic,
-                 send_grace: float = 2.0):
+                 send_grace: float = 2.0, max_held_bytes: int | None = None):
         self.max_held, self.timeout, self.clock = max_held, timeout, clock
+        self.max_held_bytes = max_held_bytes
         # How long the release of the next request waits for the previous one to be sent: a
         # request whose pod hangs must not keep the others waiting.
         self.send_grace = send_grace
         self._queue: collections.deque[Ticket] = collections.deque()
+        # Admitted and not yet left (reading their body, or queued), in arrival order.
+        self._admitted: dict[Ticket, None] = {}
+        self.held_bytes = 0
         self._available = asyncio.Event()
         self._releaser: asyncio.Task | None = None
         self.held_total = 0
@@ -49,11 +56,11 @@ class HoldQueue:
         self.rejected_total = 0
 
     def __len__(self) -> int:
-        return sum(1 for t in self._queue if not t.abandoned)
+        return len(self._admitted)
 
     def oldest_age(self) -> float:
-        waiting = [t.arrived for t in self._queue if not t.abandoned]
-        return self.clock() - min(waiting) if waiting else 0.0
+        oldest = next(iter(self._admitted), None)
+        return self.clock() - oldest.arrived if oldest is not None else 0.0
 
     def must_hold(self) -> bool:
         """A new request waits when no pod is ready, or when earlier requests still wait."""
@@ -78,24 +85,63 @@ class HoldQueue:
             except asyncio.TimeoutError:
                 pass
 
-    async def wait(self) -> tuple[Ticket, float]:
-        """Waits for a pod; returns the ticket (set its `sent` once the request went) and the
-        seconds held. Raises HoldFull at once, HoldTimeout after the timeout."""
+    def admit(self, nbytes: int = 0) -> Ticket:
+        """A place for one more request whose body has `nbytes` (what Content-Length says, 0 when
+        it does not): taken before the body is read, so a full queue costs nothing. HoldFull when
+        the count or the bytes would go over."""
         if len(self) >= self.max_held:
             self.rejected_total += 1
-            raise HoldFull(f"{len(self)} requests are already waiting for a ready pod")
-        ticket = Ticket(arrived=self.clock())
-        self._queue.append(ticket)
+            raise HoldFull(f"{len(self)} requests are already waiting for a ready pod (--max-held {self.max_held})")
+        self._check_bytes(nbytes)
+        ticket = Ticket(arrived=self.clock(), nbytes=nbytes)
+        self._admitted[ticket] = None
+        self.held_bytes += nbytes
         self.held_total += 1
+        return ticket
+
+    def grow(self, ticket: Ticket, nbytes: int) -> None:
+        """More of a held request's body arrived than it was admitted with (a chunked body)."""
+        self._check_bytes(nbytes)
+        ticket.nbytes += nbytes
+        self.held_bytes += nbytes
+
+    def _check_bytes(self, nbytes: int) -> None:
+        if self.max_held_bytes is not None and self.held_bytes + nbytes > self.max_held_bytes:
+            self.rejected_total += 1
+            raise HoldFull(f"held request bodies would take {self.held_bytes + nbytes} bytes "
+                           f"(--max-held-bytes {self.max_held_bytes})")
+
+    def leave(self, ticket: Ticket) -> None:
+        """The request no longer waits (released, timed out, refused, or its client left): its
+        place and bytes are free at once, whether or not a pod ever came back."""
+        if ticket.left:
+            return
+        ticket.left = True
+        self._admitted.pop(ticket, None)
+        self.held_bytes -= ticket.nbytes
+        if not ticket.released.is_set():
+            ticket.abandoned = True
+            try:
+                self._queue.remove(ticket)
+            except ValueError:
+                pass
+
+    async def wait(self, ticket: Ticket | None = None) -> tuple[Ticket, float]:
+        """Waits for a pod; returns the ticket (set its `sent` once the request went) and the
+        seconds held. Takes an admitted ticket, or admits one with no bytes. Raises HoldFull at
+        once, HoldTimeout after the timeout; the ticket has left the queue either way."""
+        if ticket is None:
+            ticket = self.admit()
+        self._queue.append(ticket)
         self.set_available(self._available.is_set())  # pods may be ready with a queue to drain
         try:
             await asyncio.wait_for(ticket.released.wait(), self.timeout)
         except asyncio.TimeoutError:
-            ticket.abandoned = True
             self.timeouts_total += 1
             raise HoldTimeout(f"no ready pod within {self.timeout:g}s") from None
         except BaseException:  # the client went away while waiting
-            ticket.abandoned = True
             ticket.sent.set()
             raise
+        finally:
+            self.leave(ticket)
         return ticket, self.clock() - ticket.arrived

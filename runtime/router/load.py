@@ -8,12 +8,14 @@ policy then relies on the router's own in-flight count). Parsing is pure (`load_
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import aiohttp
 
+from .bodies import METRICS_LIMIT, SIGNALS_LIMIT, TooLong, read_capped
 from .endpoints import Endpoint
 from .policy import EndpointLoad
 
@@ -72,21 +74,24 @@ class LoadPoller:
                     if r.status != 200:
                         raise ValueError(f"HTTP {r.status}")
                     if e.signals_url.endswith("/metrics"):
-                        sample = load_from_metrics(await r.text(), self.clock())
+                        text = (await read_capped(r.content, METRICS_LIMIT)).decode("utf-8", "replace")
+                        sample = load_from_metrics(text, self.clock())
                     else:
-                        data = await r.json()
+                        data = json.loads(await read_capped(r.content, SIGNALS_LIMIT))
                         if not isinstance(data, dict):
                             raise ValueError("not a JSON object")
                         sample = load_from_signals(data, self.clock())
                 self.samples[e.name] = sample
                 self.errors.pop(e.name, None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as error:
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, RecursionError, TooLong) as error:
                 self.errors[e.name] = f"{e.signals_url}: {type(error).__name__}: {error}"
 
         await asyncio.gather(*(one(e) for e in endpoints))
         names = {e.name for e in endpoints}
         for gone in [n for n in self.samples if n not in names]:
             del self.samples[gone]
+        for gone in [n for n in self.errors if n not in names]:
+            del self.errors[gone]
 
     async def run(self, session: aiohttp.ClientSession, endpoints: Callable[[], list[Endpoint]]) -> None:
         while True:

@@ -10,6 +10,8 @@ TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 80.0, 160.0]
 RETRY_REASONS = ("connect", "http_429", "http_503", "disconnected")
 HOLD_OUTCOMES = ("released", "timeout", "rejected", "client_gone")
+REFUSAL_CODES = ("401", "404", "405")
+RETIRED_KEPT = 32  # gone pods whose series are still shown
 HOLD_BUCKETS = [0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]
 
 
@@ -42,6 +44,17 @@ class RouterMetrics:
         self.in_flight = Gauge("kvserve_router_in_flight_requests", "Requests open to each pod.", ["upstream"],
                                registry=r)
         self.endpoints = Gauge("kvserve_router_ready_endpoints", "Ready pods the router sends to.", registry=r)
+        self.refusals = Counter("kvserve_router_refused_requests",
+                                "Requests refused from their request line and headers alone: 404 (not on the "
+                                "allowlist), 405 (wrong method), 401 (no valid API key).", ["code"], registry=r)
+        self.body_rejections = Counter("kvserve_router_body_rejections",
+                                       "Requests refused because their body would pass a byte budget.", ["budget"],
+                                       registry=r)
+        self.held_bytes = Gauge("kvserve_router_held_bytes", "Bytes of request bodies held for a ready pod now.",
+                                registry=r)
+        self.buffered_bytes = Gauge("kvserve_router_buffered_bytes",
+                                    "Bytes of request bodies in the router's memory now (held or being forwarded).",
+                                    registry=r)
 
         # Every label value exists from the start: a dashboard's rate() of "no retries yet" is 0,
         # not "no data".
@@ -49,6 +62,38 @@ class RouterMetrics:
             self.retries.labels(reason)
         for outcome in HOLD_OUTCOMES:
             self.holds.labels(outcome)
+        for code in REFUSAL_CODES:
+            self.refusals.labels(code)
+        self.body_rejections.labels("buffered")
+        self._retired: dict[str, None] = {}  # gone pods, oldest first
+
+    def retire_upstream(self, upstream: str) -> None:
+        """A pod that went away. Its series stay (a dashboard or a report still reads what it
+        served) until RETIRED_KEPT more pods have gone: pods come and go under an autoscaler, each
+        with a new name, and the number of series must follow the live pods, not the history."""
+        self._retired.pop(upstream, None)
+        self._retired[upstream] = None
+        while len(self._retired) > RETIRED_KEPT:
+            oldest = next(iter(self._retired))
+            del self._retired[oldest]
+            self._remove(oldest)
+
+    def revive_upstream(self, upstream: str) -> None:
+        self._retired.pop(upstream, None)
+
+    def shows(self, upstream: str) -> bool:
+        """Whether a gone pod's series are still kept."""
+        return upstream in self._retired
+
+    def _remove(self, upstream: str) -> None:
+        from .policy import DECISIONS
+
+        for metric, labels in [(self.requests, (upstream, d)) for d in DECISIONS] + [(self.ttft, (upstream,)),
+                                                                                      (self.in_flight, (upstream,))]:
+            try:
+                metric.remove(*labels)
+            except KeyError:
+                pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,7 +22,8 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvserve.runtime.stop_strings import compile_stops
+from kvserve.runtime.engine.stop_strings import compile_stops
+from kvserve.runtime.structured_outputs.admission import GrammarCompileBusy
 
 from . import serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
@@ -117,15 +118,18 @@ class ServerState:
         return self.admin_drain
 
     async def _drain_and_retire(self, timeout: float) -> dict:
-        drained = await self.drain(timeout)
-        aborted = 0
-        if not drained and self.engine is not None:
-            aborted = self.engine.abort_all()
-            log.warning("admin drain: time box of %.1fs passed, aborted %d requests", timeout, aborted)
-            await self.drain(5.0)  # the handlers now finish their responses with "abort"
-        self.retired = True
-        log.info("admin drain done: /live now fails so the container is restarted")
-        return {"drained": drained, "aborted": aborted, "timeout_seconds": timeout}
+        try:
+            drained = await self.drain(timeout)
+            aborted = 0
+            if not drained and self.engine is not None:
+                aborted = self.engine.abort_all()
+                log.warning("admin drain: time box of %.1fs passed, aborted %d requests", timeout, aborted)
+                await self.drain(5.0)  # the handlers now finish their responses with "abort"
+            return {"drained": drained, "aborted": aborted, "timeout_seconds": timeout}
+        finally:
+            # Whatever happened, admission is closed for good: only a restart brings the pod back.
+            self.retired = True
+            log.info("admin drain done: /live now fails so the container is restarted")
 
 
 STATE = web.AppKey("state", ServerState)
@@ -302,18 +306,28 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _compile_grammar(engine: AsyncEngine, outputs: structured.OutputPlan) -> None:
+async def _compile_grammar(request: web.Request, engine: AsyncEngine, outputs: structured.OutputPlan) -> None:
     """Waits (without holding the event loop or the engine thread) for the request's grammar; a
-    schema, regex or grammar that does not compile is a 400 naming the field it came from."""
+    schema, regex or grammar that does not compile (or is past a limit) is a 400 naming the field it
+    came from, no room to compile it now a 429. A client that leaves lets go of the compile: the
+    last one to leave stops it."""
     if outputs.structured is None:
         return
-    fut = engine.engine.structured_outputs.compile(outputs.structured)
+    manager = engine.engine.structured_outputs
     try:
-        # shield: a client that leaves must not cancel a compilation other requests share.
-        await asyncio.shield(asyncio.wrap_future(fut))
+        ticket = manager.acquire(outputs.structured, client=request.remote)
+    except GrammarCompileBusy as exc:
+        raise APIError(429, f"{outputs.field}: {exc}", param=outputs.field,
+                       headers={"Retry-After": str(request.app[STATE].config.retry_after_s)}) from None
+    try:
+        # shield: this handler being cancelled must not cancel a compile other requests share;
+        # release() below decides whether anyone still waits.
+        await asyncio.shield(asyncio.wrap_future(ticket.future))
     except ValueError as exc:
         why = str(exc).partition(": ")[2] or str(exc)
         raise APIError(400, f"{outputs.field}: {why}", param=outputs.field) from None
+    finally:
+        ticket.release()
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -321,7 +335,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state.enter()
     stream = None
     try:
-        await _compile_grammar(engine, plan.outputs)
+        await _compile_grammar(request, engine, plan.outputs)
         try:
             stream = await engine.add(plan.engine_requests)
         except ValueError as exc:
@@ -481,7 +495,10 @@ async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.ready:
         return web.json_response({"status": "ready"})
-    why = "drained" if state.retired else "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
+    if state.retired:
+        why = "drained"
+    else:
+        why = "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
     return web.json_response({"status": why}, status=503)
 
 

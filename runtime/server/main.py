@@ -19,6 +19,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from .app import STATE, ServerConfig, build_app
+from .args import structured_outputs_config
 from .async_engine import AsyncEngine
 from .auth import AdminKeyError, load_admin_key
 from .limits import RequestLimits
@@ -123,6 +124,9 @@ class Server:
             return 1
         self.port = site._server.sockets[0].getsockname()[1]
         log.info("listening on http://%s:%d (model loading)", a.host, self.port)
+        if admin_api_key is None:  # say it once here rather than leave a 403 on /drain to explain it
+            log.info("no admin key (--admin-api-key or --admin-api-key-file): admin routes such as "
+                     "POST /drain answer 403")
         self.listening.set()
         if self.install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -142,6 +146,9 @@ class Server:
                 exit_code = 1
                 self.stop_event.set()
             else:
+                grammars = getattr(engine, "structured_outputs", None)
+                if grammars is not None and hasattr(a, "structured_outputs_compile_timeout"):
+                    grammars.configure(*structured_outputs_config(a))
                 state.engine = AsyncEngine(engine, on_stats=state.metrics.update)
                 state.engine.start()
                 log.info("ready: serving %s as %s", a.model, ", ".join(config.served_model_names))

@@ -23,8 +23,8 @@ from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.sampler import SamplerOutput, SamplingRow, argmax_last
 from kvserve.runtime.sampling_params import SamplingParams
-from kvserve.runtime.scheduler import ScheduledSequence
-from kvserve.runtime.sequence import Sequence
+from kvserve.runtime.engine.scheduler import ScheduledSequence
+from kvserve.runtime.engine.sequence import Sequence
 from kvserve.runtime.spec_decode.config import SpeculativeConfig
 from kvserve.runtime.spec_decode.ngram import ngram_propose
 from kvserve.runtime.spec_decode.probs import sampling_probs

@@ -1,13 +1,17 @@
-"""Grammar compilation (off the engine and server loops, cached) and per-sample grammar matchers.
+"""Grammar compilation (off the engine and server loops, bounded, cached) and per-sample grammar matchers.
 
 xgrammar does the work: ``TokenizerInfo`` maps the model's vocabulary (padded to the model's
 logits width: rows the tokenizer does not have are never allowed), ``GrammarCompiler`` turns a
 schema / regex / EBNF into a ``CompiledGrammar`` (its token-mask cache), and one ``GrammarMatcher``
 per sample follows the accepted tokens and fills that sample's row of the step's token bitmask.
 
-Compilation runs in a small thread pool: ``compile()`` returns a Future at once, and the same key
-always returns the same Future (finished ones are kept in an LRU), so a schema is compiled once
-however many requests use it, and a failed one is refused again without recompiling.
+A compile is a job: its grammar is first checked against the limits (``limits.GrammarLimits``),
+then compiled in a killable worker process (``worker_pool``) under a timeout, and only a grammar
+that compiled there in time is compiled again here for use. Jobs wait in a fair queue
+(``admission``); one key is one job however many requests wait for it, and a job nobody waits for
+any more is dropped (waiting) or its worker killed (running). Finished compiles, failures
+included, are kept in an LRU bounded by entries and bytes, so a schema is compiled once and a bad
+or too-slow one is refused again without compiling.
 """
 
 from __future__ import annotations
@@ -15,54 +19,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter, OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 
+from kvserve.runtime.structured_outputs.admission import (Client, CompileSettings, GrammarCompileBusy,
+                                                          check_admission, pick_next)
+from kvserve.runtime.structured_outputs.compile import MAX_JSON_WHITESPACE  # noqa: F401  (re-exported)
+from kvserve.runtime.structured_outputs.compile import choice_grammar  # noqa: F401  (re-exported)
+from kvserve.runtime.structured_outputs.compile import compile_params
+from kvserve.runtime.structured_outputs.compile import string_lengths_as_patterns as _string_lengths_as_patterns  # noqa: F401
+from kvserve.runtime.structured_outputs.limits import GrammarLimits
 from kvserve.runtime.structured_outputs.params import StructuredOutputsParams
+from kvserve.runtime.structured_outputs.worker_pool import CompileWorker
 
 log = logging.getLogger(__name__)
-
-CACHE_SIZE = 256
-COMPILE_THREADS = 2
-# Whitespace allowed between JSON tokens (xgrammar's max_whitespace_cnt): enough for any
-# pretty-printing, while a model that keeps choosing whitespace cannot loop until max_tokens.
-MAX_JSON_WHITESPACE = 32
-
-
-def _string_lengths_as_patterns(node: Any) -> Any:
-    """A copy of a JSON schema whose length-bounded strings are written as patterns.
-
-    xgrammar 0.2.8 compiles ``{"type": "string", "maxLength": n}`` to a character class that
-    lets raw control characters (U+0000..U+001F) through, which is not valid JSON; a pattern of
-    the same length bounds excludes them (and, like the length rule, quotes and backslashes)."""
-    if isinstance(node, list):
-        return [_string_lengths_as_patterns(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _string_lengths_as_patterns(v) for k, v in node.items()}
-    if (out.get("type") == "string" and ("maxLength" in out or "minLength" in out)
-            and not {"pattern", "format", "enum", "const"} & out.keys()):
-        low, high = out.get("minLength", 0), out.get("maxLength")
-        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (low, high) if v is not None):
-            out.pop("minLength", None)
-            out.pop("maxLength", None)
-            out["pattern"] = "^[^\\x00-\\x1f]{%d,%s}$" % (low, "" if high is None else high)
-        # anything else (not integers) is left for xgrammar to refuse
-    return out
-
-
-def _ebnf_literal(text: str) -> str:
-    # JSON string escaping is a subset of what xgrammar's EBNF literals accept.
-    import json
-
-    return json.dumps(text, ensure_ascii=False)
-
-
-def choice_grammar(choices: list[str]) -> str:
-    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
 
 
 class GrammarState:
@@ -87,44 +61,276 @@ class GrammarState:
         return bool(self.matcher.is_terminated())
 
 
-class StructuredOutputManager:
-    """Built lazily by the engine on the first structured request (xgrammar imports and the
-    vocabulary scan cost ~1 s for a 50k vocabulary, paid in the compile thread, not the loop)."""
+@dataclass(eq=False)
+class _Job:
+    key: tuple
+    params: StructuredOutputsParams
+    client: Client
+    future: Future = field(default_factory=Future)
+    waiters: int = 1
+    running: bool = False
+    cancelled: bool = False
+    pid: int | None = None  # the worker process compiling it, once it runs
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+
+class CompileTicket:
+    """One waiter's hold on a compile: ``release()`` when it stops waiting (answered or gone);
+    the last release of an unfinished compile stops it. Idempotent."""
+
+    __slots__ = ("future", "_release")
+
+    def __init__(self, future: Future, release=None) -> None:
+        self.future = future
+        self._release = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+def _failed(exc: BaseException) -> Future:
+    fut: Future = Future()
+    fut.set_exception(exc)
+    return fut
+
+
+class StructuredOutputManager:
+    """Built by the engine; xgrammar's import and vocabulary scan (~1 s for a 50k vocabulary) and
+    the worker processes wait for the first structured request, in a compile thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
+                 limits: GrammarLimits | None = None, settings: CompileSettings | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
-        self._lock = threading.Lock()
+        self.limits = limits or GrammarLimits()
+        self.settings = settings or CompileSettings()
+        self._lock = threading.Condition()
+        # Finished compiles (a CompiledGrammar or the ValueError refusing it), least recently used first.
         self._futures: OrderedDict[tuple, Future] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="kvserve-grammar")
+        self._cache_bytes = 0
+        self._jobs: dict[tuple, _Job] = {}  # waiting or running
+        self._waiting: deque[_Job] = deque()
+        self._running: Counter = Counter()  # client -> its running compiles
+        self._owned: Counter = Counter()  # client -> its waiting and running compiles
+        self._slots: list[threading.Thread] = []
+        self._workers: list[CompileWorker] = []
+        self._closed = False
+        self._info = None
         self._compiler = None
         self._compiler_lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
         # Observations for the engine's stats: compile seconds, drained by get_stats().
         self.compile_times: deque[float] = deque(maxlen=10_000)
 
+    def configure(self, limits: GrammarLimits | None = None, settings: CompileSettings | None = None,
+                  start_workers: bool = True) -> None:
+        """The server's flags, before the first compile. ``start_workers``: start the worker
+        processes now, in the background, rather than with the first structured request (whose
+        answer would otherwise wait the ~3 s they take to import xgrammar)."""
+        with self._lock:
+            if self._slots:
+                raise RuntimeError("structured outputs: configure() after compiles started")
+            self.limits = limits or self.limits
+            self.settings = settings or self.settings
+            self._evict()
+            if start_workers:
+                self._start_slots()
+
     # -- compilation (any thread) --------------------------------------------------------------------
     def compile(self, params: StructuredOutputsParams) -> Future:
-        """A Future of the compiled grammar; its exception is a ValueError naming the field."""
+        """A Future of the compiled grammar; its exception is a ValueError naming the field. For
+        in-process callers: never capped, never cancelled (bounded by the compile timeout only)."""
+        return self.acquire(params, client=None).future
+
+    def acquire(self, params: StructuredOutputsParams, client: Client) -> CompileTicket:
+        """A hold on the compile of ``params`` for ``client`` (the server passes the peer address).
+        Raises GrammarCompileBusy if the client or the queue has no room (nothing is started)."""
         key = params.key()
         with self._lock:
             fut = self._futures.get(key)
             if fut is not None and not fut.cancelled():
                 self._futures.move_to_end(key)
-                return fut
-            fut = self._pool.submit(self._compile, params)
-            self._futures[key] = fut
-            while len(self._futures) > CACHE_SIZE:
-                old_key, old = next(iter(self._futures.items()))
-                if not old.done():
-                    break  # still compiling: someone waits on it
-                del self._futures[old_key]
-        return fut
+                return CompileTicket(fut)
+            job = self._jobs.get(key)
+            if job is not None and not job.cancelled:
+                job.waiters += 1
+                return CompileTicket(job.future, lambda: self._release(job))
+            try:
+                self.limits.check(params)
+            except ValueError as exc:
+                return CompileTicket(_failed(exc))  # not cached: checking again costs less than keeping it
+            check_admission(client, self._owned[client], len(self._waiting), self.settings)
+            if self._closed:
+                return CompileTicket(_failed(RuntimeError("structured outputs: the engine is closed")))
+            job = _Job(key, params, client)
+            self._jobs[key] = job
+            self._waiting.append(job)
+            if client is not None:
+                self._owned[client] += 1
+            self._start_slots()
+            self._lock.notify_all()
+            return CompileTicket(job.future, lambda: self._release(job))
 
-    def _get_compiler(self):
+    def _release(self, job: _Job) -> None:
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters > 0 or job.future.done() or job.cancelled:
+                return
+            job.cancelled = True  # a running one: its slot sees it within worker_pool.POLL_S and kills the worker
+            if not job.running:
+                self._waiting.remove(job)
+                self._finish(job)
+                job.future.cancel()
+            self._lock.notify_all()
+
+    def _finish(self, job: _Job) -> None:
+        """Under the lock: the job leaves the queue's books; what it gives is cached by the caller."""
+        if self._jobs.get(job.key) is job:
+            del self._jobs[job.key]
+        if job.client is not None:
+            self._owned[job.client] -= 1
+            if not self._owned[job.client]:
+                del self._owned[job.client]
+
+    def _start_slots(self) -> None:
+        while len(self._slots) < self.settings.workers:
+            slot = threading.Thread(target=self._run_slot, args=(len(self._slots),),
+                                    name=f"kvserve-grammar-{len(self._slots)}", daemon=True)
+            self._slots.append(slot)
+            slot.start()
+
+    def _next_job(self) -> _Job | None:
+        """Under the lock: blocks until a job may start (None once closed)."""
+        while not self._closed:
+            index = pick_next([j.client for j in self._waiting], self._running, self.settings)
+            if index is not None:
+                job = self._waiting[index]
+                del self._waiting[index]
+                job.running = True
+                if job.client is not None:
+                    self._running[job.client] += 1
+                return job
+            self._lock.wait()
+        return None
+
+    def _run_slot(self, slot: int) -> None:
+        worker = None
+        try:
+            try:  # ready before the first job, so that no compile's time pays for the start
+                self._get_compiler()
+                worker = CompileWorker(self._tokenizer_info().serialize_json())
+                with self._lock:
+                    self._workers.append(worker)
+                worker.start(lambda: self._closed)
+            except ValueError:
+                pass  # a tokenizer xgrammar cannot use: every job says so (_run_job)
+            while True:
+                if worker is not None and not self._closed:
+                    worker.start(lambda: self._closed)  # after a kill: a fresh one now, not in the next compile's time
+                with self._lock:
+                    job = self._next_job()
+                if job is None:
+                    return
+                try:
+                    result = self._run_job(job, worker)
+                except BaseException as exc:  # noqa: BLE001 - every waiter gets an answer
+                    result = ValueError(f"structured_outputs.{job.params.kind}: {type(exc).__name__}: {exc}")
+                    if not isinstance(exc, Exception):
+                        raise
+                finally:
+                    with self._lock:
+                        if job.client is not None:
+                            self._running[job.client] -= 1
+                            if not self._running[job.client]:
+                                del self._running[job.client]
+                        self._finish(job)
+                        if job.cancelled or result is None:
+                            job.future.cancel()
+                        elif isinstance(result, ValueError):  # the grammar's fault: refused again at once
+                            job.future.set_exception(result)
+                            self._cache(job.key, job.future)
+                        elif isinstance(result, BaseException):  # the server's: the next request tries again
+                            job.future.set_exception(result)
+                        else:
+                            job.future.set_result(result)
+                            self._cache(job.key, job.future)
+                        self._lock.notify_all()
+        finally:
+            if worker is not None:
+                worker.kill()
+
+    def _run_job(self, job: _Job, worker: CompileWorker):
+        """A CompiledGrammar, a ValueError to answer with (the grammar's fault), a RuntimeError
+        (the server's), or None if cancelled."""
+        kind = job.params.kind
+        try:
+            self._get_compiler()
+        except ValueError as exc:
+            return exc
+        assert worker is not None
+        if worker.start(lambda: job.cancelled):
+            job.pid = worker.pid
+        outcome = worker.trial(job.params.to_dict(), self.settings.timeout_s, lambda: job.cancelled,
+                               max_growth_bytes=self.settings.max_compile_bytes)
+        if outcome.status == "cancelled":
+            return None
+        if outcome.status == "unavailable":
+            return RuntimeError("structured outputs: no grammar compile worker could be started (see the server log)")
+        if outcome.status == "memory":
+            log.warning("grammar compile (%s, %d bytes, client %s) stopped at %s: memory limit", kind,
+                        len(job.key[1]), job.client, outcome.detail)
+            return ValueError(f"structured_outputs.{kind}: compiling this grammar took more than the server's limit "
+                              f"of {self.settings.max_compile_bytes >> 20} MiB of memory "
+                              "(--structured-outputs-compile-max-memory); simplify it")
+        if outcome.status == "timeout":
+            log.warning("grammar compile (%s, %d bytes, client %s) stopped after %.1fs: timeout", kind,
+                        len(job.key[1]), job.client, outcome.seconds)
+            return ValueError(f"structured_outputs.{kind}: compiling this grammar took longer than the server's "
+                              f"limit of {self.settings.timeout_s:g} s (--structured-outputs-compile-timeout); "
+                              "simplify it (fewer alternatives, smaller enums, shorter patterns)")
+        if outcome.status == "died":
+            log.warning("grammar worker died compiling a %s grammar (%d bytes, client %s): %s", kind,
+                        len(job.key[1]), job.client, outcome.detail)
+            return ValueError(f"structured_outputs.{kind}: the grammar engine's worker died compiling this grammar "
+                              f"({outcome.detail}); simplify it")
+        if outcome.status == "error":
+            return ValueError(outcome.detail)
+        try:
+            return self._compile(job.params)
+        except ValueError as exc:
+            return exc
+
+    def _cache(self, key: tuple, fut: Future) -> None:
+        """Under the lock: keeps a finished compile and evicts the least recently used past the bounds."""
+        old = self._futures.pop(key, None)
+        if old is not None:
+            self._cache_bytes -= _size(old)
+        self._futures[key] = fut
+        self._cache_bytes += _size(fut)
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._futures) > 1 and (len(self._futures) > self.settings.cache_entries
+                                          or self._cache_bytes > self.settings.cache_bytes):
+            old_key, old = next(iter(self._futures.items()))
+            if not old.done():
+                break  # put there by hand (tests): someone waits on it
+            del self._futures[old_key]
+            self._cache_bytes -= _size(old)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache_bytes
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return [w.pid for w in self._workers if w.pid is not None]
+
+    def _tokenizer_info(self):
         with self._compiler_lock:
-            if self._compiler is None:
+            if self._info is None:
                 import xgrammar as xgr
 
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
@@ -142,37 +348,27 @@ class StructuredOutputManager:
                             vocab[i] = b""
                     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                              stop_token_ids=list(info.stop_token_ids), add_prefix_space=False)
+                self._info = info
+            return self._info
+
+    def _get_compiler(self):
+        try:
+            info = self._tokenizer_info()
+        except Exception as exc:  # e.g. a tokenizer type xgrammar does not know
+            raise ValueError(f"structured_outputs: this model's tokenizer cannot be used by the grammar "
+                             f"engine: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def _compile(self, params: StructuredOutputsParams):
-        kind = params.kind
-        try:
-            compiler = self._get_compiler()
-        except Exception as exc:  # e.g. a tokenizer type xgrammar does not know
-            raise ValueError(f"structured_outputs.{kind}: this model's tokenizer cannot be used by the grammar "
-                             f"engine: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+        """Compiles here, in the calling thread: only for grammars a worker compiled in time."""
+        compiler = self._get_compiler()
         start = time.perf_counter()
-        try:
-            if kind == "json":
-                import json
-
-                schema = json.dumps(_string_lengths_as_patterns(params.schema()))
-                compiled = self._compile_schema(compiler, schema, params)
-            elif kind == "json_object":
-                compiled = self._compile_schema(compiler, '{"type": "object"}', params)
-            elif kind == "regex":
-                compiled = compiler.compile_regex(params.regex)
-            elif kind == "choice":
-                compiled = compiler.compile_grammar(choice_grammar(params.choice))
-            else:
-                compiled = compiler.compile_grammar(params.grammar)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
-            what = {"json": "an invalid JSON schema", "regex": "a regex the grammar engine cannot compile",
-                    "grammar": "an invalid EBNF grammar", "choice": "choices that cannot be compiled",
-                    "json_object": "the JSON grammar failed"}[kind]
-            detail = " ".join(str(exc).split())[:500]
-            raise ValueError(f"structured_outputs.{kind}: {what}: {detail}") from None
+        compiled = compile_params(compiler, params)
         self.compile_times.append(time.perf_counter() - start)
         return compiled
 
@@ -185,14 +381,21 @@ class StructuredOutputManager:
             except IndexError:
                 return out
 
-    @staticmethod
-    def _compile_schema(compiler, schema: str, params: StructuredOutputsParams):
-        if params.disable_any_whitespace:
-            return compiler.compile_json_schema(schema, any_whitespace=False)
-        return compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the slots and kills the worker processes; waiting compiles are cancelled."""
+        with self._lock:
+            self._closed = True
+            for job in self._waiting:
+                job.cancelled = True
+                self._finish(job)
+                job.future.cancel()
+            self._waiting.clear()
+            for job in self._jobs.values():
+                job.cancelled = True
+            self._lock.notify_all()
+            slots = list(self._slots)
+        for slot in slots:
+            slot.join(10)
 
     # -- matchers (engine thread) ----------------------------------------------------------------------
     def new_state(self, compiled: Any) -> GrammarState:
@@ -207,6 +410,13 @@ class StructuredOutputManager:
         if buf is None or buf.shape[0] < num_rows:
             buf = self._bitmask = torch.empty((max(num_rows, 8), words), dtype=torch.int32)
         return buf[:num_rows]
+
+
+def _size(fut: Future) -> int:
+    """What a cached compile holds: the CompiledGrammar's own estimate (0 for a refusal)."""
+    if fut.done() and not fut.cancelled() and fut.exception() is None:
+        return int(getattr(fut.result(), "memory_size_bytes", 0) or 0)
+    return 0
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState | None]) -> None:

@@ -52,6 +52,8 @@ class StructuredOutputsParams:
                     schema = json.loads(self.json)
                 except ValueError as exc:
                     raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
+                except RecursionError:
+                    raise ValueError("structured_outputs.json: nested too deeply to parse") from None
             else:
                 schema = self.json
             if not isinstance(schema, (dict, bool)):

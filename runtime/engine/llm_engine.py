@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from kvserve.runtime.block_manager import BlockManager
+from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.config import EngineConfig
-from kvserve.runtime.detokenizer import IncrementalDetokenizer, make_decode_fn
+from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer, make_decode_fn
 from kvserve.runtime.kv_cache import (
     allocate_kv_cache,
     determine_group_blocks,
@@ -25,14 +25,14 @@ from kvserve.runtime.kv_cache import (
     kv_cache_torch_dtype,
     layer_group_blocks,
 )
-from kvserve.runtime.kv_cache_groups import KVCacheCoordinator, KVCacheGroup, kv_cache_groups
+from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator, KVCacheGroup, kv_cache_groups
 from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.runtime.prefix_cache import extra_key
+from kvserve.runtime.engine.prefix_cache import extra_key
 from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow
 from kvserve.runtime.sampling_params import SamplingParams
-from kvserve.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvserve.runtime.sequence import Sequence, SequenceStatus
+from kvserve.runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.runtime.engine.sequence import Sequence, SequenceStatus
 from kvserve.runtime.stats import EngineStats, StatsCollector
 from kvserve.runtime.structured_outputs.manager import StructuredOutputManager
 
@@ -121,7 +121,7 @@ def kv_release_window(model_config, draft=None) -> int | None:
 
 def hybrid_kv_groups(config: EngineConfig, model_config) -> tuple[KVCacheGroup, ...] | None:
     """The KV cache groups of a model that mixes local and global layers (each group its own
-    block tables and pool: runtime/kv_cache_groups.py), or None for one block table serving every
+    block tables and pool: runtime/engine/kv_cache_groups.py), or None for one block table serving every
     layer: a model with one kind of layer, the hybrid manager disabled, or a path that shares one
     table across layers (tensor-parallel workers and speculative decoding's draft model and
     verification step take one table per sequence today)."""
