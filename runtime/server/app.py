@@ -283,7 +283,7 @@ def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, servi
     outputs = structured.plan_outputs(req, state.config.tools)
     plan = serving.make_plan(kind, req, state.model_name, prompts, outputs)
     if req.stop:
-        compile_stops(tuple(req.stop_list()))  # here rather than in the engine thread (it is cached)
+        plan.stop_automaton = compile_stops(tuple(req.stop_list()))
     return engine, plan
 
 
