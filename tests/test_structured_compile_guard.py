@@ -61,13 +61,20 @@ def tokenizer(smollm2):
     return AutoTokenizer.from_pretrained(smollm2.hf_dir)
 
 
+@pytest.fixture(scope="module")
+def vocabulary(tokenizer):
+    """xgrammar's scan of the vocabulary (~1 s), done once for all the managers built here."""
+    return StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])._tokenizer_info()
+
+
 @pytest.fixture
-def make_manager(tokenizer):
+def make_manager(tokenizer, vocabulary):
     made = []
 
     def make(**settings):
         settings.setdefault("timeout_s", TIMEOUT_S)
         manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+        manager._info = vocabulary
         manager.configure(BIG, CompileSettings(**settings))
         made.append(manager)
         wait_until(lambda: len(manager.worker_pids()) == manager.settings.workers, timeout=60)
@@ -215,6 +222,23 @@ def test_the_cache_is_bounded_by_entries_and_bytes(make_manager):
         manager.compile(P(json=small(f"b{i}"))).result(10)
     entries, size = cached(manager)
     assert entries == 2 and size <= 2.5 * one
+
+
+def test_no_worker_is_a_server_error_and_not_remembered(tokenizer, monkeypatch):
+    from kvserve.runtime.structured_outputs import worker_pool
+
+    def cannot_fork():
+        raise OSError("injected: fork failed")
+
+    monkeypatch.setattr(worker_pool._zygote, "fork", cannot_fork)
+    manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+    try:
+        with pytest.raises(RuntimeError, match="no grammar compile worker could be started"):
+            manager.compile(P(json=small("nofork"))).result(60)
+        monkeypatch.undo()  # the fault passes: the same grammar compiles, it was not refused for good
+        assert manager.compile(P(json=small("nofork"))).result(60) is not None
+    finally:
+        manager.close()
 
 
 def test_close_kills_the_workers(make_manager):
