@@ -124,6 +124,9 @@ def add_structured_outputs_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-compile-timeout", type=_bounded(float, 0.001), default=10.0, metavar="S",
                    help="seconds a grammar may take to compile; a slower one is stopped (its worker process "
                         "killed) and refused with 400")
+    g.add_argument("--structured-outputs-compile-max-memory", type=_bounded(int, 1), default=2 * 1024**3,
+                   metavar="BYTES", help="memory one grammar compile may take (its worker's growth); past it the "
+                                         "worker is killed and the grammar refused with 400")
     g.add_argument("--structured-outputs-compile-workers", type=_bounded(int, 1, 64), default=2, metavar="N",
                    help="grammar-compile worker processes (one client may use at most N-1 of them at once)")
     g.add_argument("--structured-outputs-max-compiles-per-client", type=_bounded(int, 1), default=4, metavar="N",
@@ -159,5 +162,6 @@ def structured_outputs_config(args: argparse.Namespace):
                                max_per_client=args.structured_outputs_max_compiles_per_client,
                                max_queued=args.structured_outputs_max_queued_compiles,
                                cache_entries=args.structured_outputs_cache_entries,
-                               cache_bytes=args.structured_outputs_cache_bytes)
+                               cache_bytes=args.structured_outputs_cache_bytes,
+                               max_compile_bytes=args.structured_outputs_compile_max_memory)
     return limits, settings
