@@ -10,11 +10,12 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import aiohttp
 import yaml
 
+from . import netpol as N
 from .autoscaler import AutoscalerState, Observation, decide, valid_degrees
 from .spec import API_VERSION, KIND, SpecError, check_servable, parse_spec, shape_unknown_message
 
@@ -74,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="older agent samples count as stale (never drive a scale-down)")
     run.add_argument("--prometheus-url", default=None,
                      help="read kvserve_* signals from this Prometheus instead of scraping agents")
+    run.add_argument("--operator-namespace", default=None,
+                     help="namespace of the operator's own pods, which InferenceServices' NetworkPolicies "
+                          "let reach the agents and routers (default: $POD_NAMESPACE, else the service "
+                          "account's namespace, else kvserve-system)")
     run.add_argument("--verbose", "-v", action="store_true")
 
     plan = sub.add_parser("plan", help="print the autoscaler's decision for live agents or runtimes")
@@ -181,6 +186,15 @@ def find_credentials(settings: Any) -> str | None:
             "no ~/.kube/config")
 
 
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def operator_namespace(flag: str | None, env: Mapping[str, str], own: str | None) -> str:
+    """Where the operator runs: the flag, else $POD_NAMESPACE, else its service account's namespace
+    (`own`, read from the pod's token mount), else the manifests' kvserve-system."""
+    return flag or env.get("POD_NAMESPACE") or own or N.DEFAULT_OPERATOR_NAMESPACE
+
+
 def run(args: argparse.Namespace) -> int:
     import kopf
 
@@ -193,10 +207,11 @@ def run(args: argparse.Namespace) -> int:
                             scrape_concurrency=args.scrape_concurrency, agent_port=args.agent_port,
                             max_sample_age=args.max_sample_age, prometheus_url=args.prometheus_url,
                             router_port=args.router_port, wake_interval=args.wake_interval)
+    own = SERVICE_ACCOUNT_NAMESPACE.read_text().strip() if SERVICE_ACCOUNT_NAMESPACE.exists() else None
+    config.operator_peer = N.OperatorPeer(namespace=operator_namespace(args.operator_namespace, os.environ, own))
     namespaces = list(args.namespace)
     if not namespaces and not args.all_namespaces:
-        own = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-        namespaces = [own.read_text().strip()] if own.exists() else ["default"]
+        namespaces = [own] if own else ["default"]
     if not args.standalone:
         config.peering_name, config.namespaces = args.peering, tuple(namespaces)
         config.clusterwide = args.all_namespaces

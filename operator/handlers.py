@@ -23,6 +23,7 @@ import kopf
 from kvserve.runtime.capacity import ModelShape
 
 from . import manifests as M
+from . import netpol as N
 from . import router as R
 from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide, hold
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
@@ -37,6 +38,8 @@ from .status import (append_decision, decision_record, degraded_conditions, iso,
                      tp_note)
 
 OWNED_KINDS = ("Service", "PodDisruptionBudget", "Deployment")
+# The NetworkPolicies' names, from the resource's name: its runtime pods', its router's.
+POLICY_NAMES = (N.runtime_policy_name, N.router_policy_name)
 HANDLER_BACKOFF = 2.0
 # Quick first retries; about a minute in all, as kopf's default, before a call gives up.
 KOPF_ERROR_BACKOFFS = (0.1, 0.2, 0.5, 1, 2, 3, 5, 8, 13, 21)
@@ -59,6 +62,8 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()
     clusterwide: bool = False
     peering_check_interval: float = REPEAT_SECONDS
+    # The operator's own pods, which spec.networkPolicy lets reach the agents and routers.
+    operator_peer: N.OperatorPeer = field(default_factory=N.OperatorPeer)
     clock: Callable[[], float] = time.monotonic
     wallclock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.timezone.utc))
 
@@ -185,6 +190,8 @@ class Reconciler:
         uid = body["metadata"]["uid"]
         results = {}
         try:
+            # Policies first: no pod of the service is ever reachable from more than they allow.
+            results.update(await self._apply_network_policies(body, spec))
             for obj in M.build_all(body, spec, replicas=replicas, tp=tp)[::-1]:  # Service, PDB, Deployment
                 results[obj["kind"]] = await apply(self.client, obj, uid)
             results.update(await self._apply_router(body, spec))
@@ -209,6 +216,30 @@ class Reconciler:
             await self.client.delete(kind, meta["namespace"], R.router_name(meta["name"]))
             results[f"router {kind}"] = "deleted"
         return results
+
+    async def _apply_network_policies(self, body, spec: ServiceSpec) -> dict[str, str]:
+        """The policies spec.networkPolicy asks for; those of ours it no longer asks for are deleted
+        (the switch turned off, or the router with its policy gone)."""
+        meta = body["metadata"]
+        results = {}
+        wanted = N.build_network_policies(body, spec, self.config.operator_peer)
+        for obj in wanted:
+            results[f"NetworkPolicy {obj['metadata']['name']}"] = await apply(self.client, obj, meta["uid"])
+        keep = {obj["metadata"]["name"] for obj in wanted}
+        for name in await self._policy_leftovers(meta):
+            if name not in keep:
+                await self.client.delete("NetworkPolicy", meta["namespace"], name)
+                results[f"NetworkPolicy {name}"] = "deleted"
+        return results
+
+    async def _policy_leftovers(self, meta) -> list[str]:
+        names = []
+        for policy_name in POLICY_NAMES:
+            name = policy_name(meta["name"])
+            live = await self.client.get("NetworkPolicy", meta["namespace"], name)
+            if live is not None and owned_by(live, meta["uid"]):
+                names.append(name)
+        return names
 
     async def _router_leftovers(self, meta) -> list[str]:
         """The kinds of router objects of this resource that exist, in deletion order. The
@@ -477,6 +508,9 @@ class Reconciler:
             for kind in await self._router_leftovers(meta):
                 await self.client.delete(kind, namespace, R.router_name(name))
                 logger.info(f"deleted {kind} {namespace}/{R.router_name(name)}")
+            for policy in await self._policy_leftovers(meta):
+                await self.client.delete("NetworkPolicy", namespace, policy)
+                logger.info(f"deleted NetworkPolicy {namespace}/{policy}")
         except APIError as error:
             # The finalizer stays until every owned object is gone; try again in seconds.
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))

@@ -63,6 +63,9 @@ KINDS: dict[str, Kind] = {
     "Role": Kind("/apis/rbac.authorization.k8s.io/v1", "roles", k8s.RbacAuthorizationV1Api, "namespaced_role"),
     "RoleBinding": Kind("/apis/rbac.authorization.k8s.io/v1", "rolebindings", k8s.RbacAuthorizationV1Api,
                         "namespaced_role_binding"),
+    # spec.networkPolicy: who may reach the pods (operator/netpol.py).
+    "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies", k8s.NetworkingV1Api,
+                          "namespaced_network_policy"),
     "InferenceService": Kind("/apis/kvserve.dev/v1alpha1", "inferenceservices"),
     "KopfPeering": Kind("/apis/kopf.dev/v1", "kopfpeerings"),
     "ClusterKopfPeering": Kind("/apis/kopf.dev/v1", "clusterkopfpeerings"),  # cluster-scoped

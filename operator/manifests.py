@@ -10,7 +10,7 @@ import hashlib
 import json
 from typing import Any, Mapping
 
-from .spec import API_VERSION, KIND, ServiceSpec
+from .spec import API_VERSION, GIB, KIND, ServiceSpec, parse_quantity
 
 RUNTIME_PORT = 8000
 AGENT_PORT = 8081
@@ -22,6 +22,16 @@ TP_ANNOTATION = "kvserve.dev/tensor-parallel-size"
 HASH_ANNOTATION = "kvserve.dev/template-hash"
 # The image's `kvserve` user (Dockerfile); the operator's own Deployment runs as the same uid.
 NONROOT_UID = 65532
+# The per-pod admin token (docs/operator.md "Credentials"): written by an init step into memory,
+# read by the runtime, the agent and their preStop hooks, gone with the pod.
+ADMIN_DIR = "/var/run/kvserve/admin"
+ADMIN_TOKEN_FILE = f"{ADMIN_DIR}/token"
+ADMIN_VOLUME_SIZE = "1Mi"
+TMP_SIZE_LIMIT = "2Gi"  # caches (Triton, torch, HOME): a runaway writer is evicted, not the node's disk
+# A CPU model with no memory limit and no inline config: weights live in RAM, rarely beyond this.
+DEFAULT_CPU_MODEL_SIZE_LIMIT = 64 * GIB
+# Load-time quantization: the checkpoint on disk is this many times the weights in memory.
+LOAD_TIME_SHRINK = {"int4": 4, "int8": 2, "fp8": 2}
 
 
 ROUTER_LABEL = "kvserve.dev/router"
@@ -82,6 +92,44 @@ def _security_context(read_only_root: bool = True) -> dict[str, Any]:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def _quantity(size: int) -> str:
+    return f"{size // GIB}Gi" if size % GIB == 0 else str(size)
+
+
+def model_size_limit(spec: ServiceSpec, tp: int) -> int:
+    """The models emptyDir's sizeLimit: spec.model.sizeLimit, else from the spec's inline config
+    (spec.checkpoint_size_limit), else what the pod could load: twice its accelerators' memory
+    (or, on CPU, its memory limit) times the load-time quantization's shrink. The kubelet evicts
+    a pod past it instead of letting a wrong or hostile download fill the node's disk."""
+    if spec.model.size_limit is not None:
+        return spec.model.size_limit
+    shrink = LOAD_TIME_SHRINK.get(spec.runtime.quantization or "", 1)
+    if spec.gpu.per_shard:
+        return 2 * tp * spec.gpu.per_shard * spec.gpu.memory_bytes * shrink
+    memory = ((spec.runtime.resources or {}).get("limits") or {}).get("memory")
+    if memory is None:
+        return DEFAULT_CPU_MODEL_SIZE_LIMIT
+    return 2 * parse_quantity(memory, "spec.runtime.resources.limits.memory") * shrink
+
+
+def _secret_env(name: str, secret: tuple[str, str]) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1]}}}
+
+
+def admin_env(spec: ServiceSpec) -> list[dict[str, Any]]:
+    """The admin credential of the runtime and the agent (and so of their preStop hooks)."""
+    if spec.runtime.admin_api_key_secret:
+        return [_secret_env("KVSERVE_ADMIN_API_KEY", spec.runtime.admin_api_key_secret)]
+    return [{"name": "KVSERVE_ADMIN_API_KEY_FILE", "value": ADMIN_TOKEN_FILE}]
+
+
+def api_key_env(spec: ServiceSpec, engine: str = "kvserve") -> list[dict[str, Any]]:
+    """The user API key, from its Secret; vLLM reads it as VLLM_API_KEY."""
+    if not spec.runtime.api_key_secret:
+        return []
+    return [_secret_env("VLLM_API_KEY" if engine == "vllm" else "KVSERVE_API_KEY", spec.runtime.api_key_secret)]
 
 
 def _cache_env() -> list[dict[str, str]]:
@@ -172,13 +220,19 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
     drain = ["kvserve", "agent", "drain", "--agent-url", f"http://127.0.0.1:{AGENT_PORT}",
              "--timeout", str(rt.drain_timeout_seconds)]
     mounts = [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    per_pod_token = rt.admin_api_key_secret is None
+    admin_mount = [{"name": "admin-token", "mountPath": ADMIN_DIR, "readOnly": True}] if per_pod_token else []
     runtime_mounts = list(mounts)
     if tp > 1:
         runtime_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    env = _cache_env()
+    # vLLM's image has no admin route and no kvserve to read the token with.
+    runtime_admin = rt.engine == "kvserve"
+    if runtime_admin:
+        runtime_mounts += admin_mount
+    fetch_env = _cache_env()
     if spec.model.hf_token_secret:
-        secret, key = spec.model.hf_token_secret
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+        # Only the step that downloads needs it: the serving containers never see it.
+        fetch_env.append(_secret_env("HF_TOKEN", spec.model.hf_token_secret))
     fetch_mounts = list(mounts)
     if spec.model.source.kind == "pvc":
         fetch_mounts.append({"name": "model-source", "mountPath": PVC_MOUNT, "readOnly": True})
@@ -188,7 +242,8 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "image": rt.image,
         "imagePullPolicy": rt.image_pull_policy,
         "command": runtime_command(name, spec, tp),
-        "env": env + [{"name": k, "value": v} for k, v in rt.env],
+        "env": _cache_env() + api_key_env(spec, rt.engine) + (admin_env(spec) if runtime_admin else [])
+        + [{"name": k, "value": v} for k, v in rt.env],
         "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "resources": _gpu_resources(spec, tp),
         "volumeMounts": runtime_mounts,
@@ -208,12 +263,13 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
                     "--drain-timeout", str(rt.drain_timeout_seconds),
                     # Reported in /v1/signals: the operator learns the model's shape from it.
                     "--model-dir", model_dir(name)],
-        "env": _cache_env(),
+        # The agent calls only the runtime's /metrics, /ready and (admin) /drain: no user key.
+        "env": _cache_env() + admin_env(spec),
         "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
         # 512Mi: reading a GGUF file's metadata runs the GGUF reader (and torch) in a short child.
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+                         {"name": "tmp", "mountPath": "/tmp"}] + admin_mount,
         "securityContext": _security_context(),
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "agent"}, "periodSeconds": 5},
         # tcp, not /ready: a dead engine must not get the agent restarted.
@@ -226,18 +282,35 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "image": rt.agent_image,
         "imagePullPolicy": rt.image_pull_policy,
         "command": ["kvserve", "agent", "fetch", _fetch_source(name, spec), model_dir(name)],
-        "env": env,
+        "env": fetch_env,
         "volumeMounts": fetch_mounts,
         "securityContext": _security_context(),
     }
-    volumes: list[dict[str, Any]] = [{"name": "models", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    init = [fetch]
+    if per_pod_token:
+        init.insert(0, {
+            "name": "admin-token",
+            "image": rt.agent_image,
+            "imagePullPolicy": rt.image_pull_policy,
+            "command": ["kvserve", "agent", "admin-token", "--out", ADMIN_TOKEN_FILE],
+            "env": [{"name": "HOME", "value": "/tmp"}],
+            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+            "volumeMounts": [{"name": "admin-token", "mountPath": ADMIN_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": _security_context(),
+        })
+    volumes: list[dict[str, Any]] = [
+        {"name": "models", "emptyDir": {"sizeLimit": _quantity(model_size_limit(spec, tp))}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}]
+    if per_pod_token:
+        # In memory: the token never reaches the node's disk.
+        volumes.append({"name": "admin-token", "emptyDir": {"medium": "Memory", "sizeLimit": ADMIN_VOLUME_SIZE}})
     if tp > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     if spec.model.source.kind == "pvc":
         volumes.append({"name": "model-source",
                         "persistentVolumeClaim": {"claimName": spec.model.source.location, "readOnly": True}})
     pod_spec: dict[str, Any] = {
-        "initContainers": [fetch],
+        "initContainers": init,
         "containers": [runtime, agent],
         "volumes": volumes,
         "securityContext": {"runAsNonRoot": True, "runAsUser": NONROOT_UID, "runAsGroup": NONROOT_UID,

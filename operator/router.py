@@ -16,6 +16,7 @@ from .spec import ServiceSpec
 ROUTER_LABEL = M.ROUTER_LABEL
 ROUTER_PORT = 8000  # the same port as a runtime's: a Service can point at either
 ROUTER_KINDS = ("ServiceAccount", "Role", "RoleBinding", "Deployment")
+ROUTER_TMP_SIZE = "256Mi"
 ROUTER_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
 
 
@@ -57,7 +58,8 @@ def build_router_deployment(owner: Mapping[str, Any], spec: ServiceSpec) -> dict
         "image": spec.runtime.agent_image,  # always a kvserve image, whatever engine the pods run
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": router_command(name, namespace, spec),
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        # The pods' key: the router checks it before reading a body, then forwards it unchanged.
+        "env": [{"name": "HOME", "value": "/tmp"}] + M.api_key_env(spec),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
@@ -77,7 +79,7 @@ def build_router_deployment(owner: Mapping[str, Any], spec: ServiceSpec) -> dict
             "automountServiceAccountToken": True,  # it watches pods through the API
             "enableServiceLinks": False,
             "containers": [container],
-            "volumes": [{"name": "tmp", "emptyDir": {}}],
+            "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": ROUTER_TMP_SIZE}}],
             "securityContext": {"runAsNonRoot": True, "runAsUser": M.NONROOT_UID, "runAsGroup": M.NONROOT_UID,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             # Open streams finish, and held requests get their answer or their 503, before exit.

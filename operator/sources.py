@@ -8,6 +8,7 @@ stale entry, which the autoscaler never scales down on.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any, Iterable, Mapping
 
@@ -25,6 +26,43 @@ SIGNAL_METRICS = {
     "kvserve_engine_sample_age_seconds": "sample_age_seconds",
     "kvserve_engine_up": "engine_up",
 }
+
+
+# An agent's /v1/signals is a few KiB (numbers and the model's config.json); a router's
+# /router/demand less. Past this the answer is refused unread: a broken or hostile pod must not
+# make the operator buffer an endless body (its memory limit is 512Mi, for every service at once).
+MAX_AGENT_ANSWER_BYTES = 1024 * 1024
+# A Prometheus instant query for one service's pods: a few series per pod.
+MAX_PROMETHEUS_ANSWER_BYTES = 16 * 1024 * 1024
+
+
+class AnswerTooLarge(ValueError):
+    pass
+
+
+async def read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body of `response`, read only up to `limit` bytes: a larger declared length is refused
+    before reading, a longer body as soon as it passes the limit."""
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        raise AnswerTooLarge(f"answer of {declared} bytes is over the {limit}-byte limit")
+    body = bytearray()
+    while True:
+        chunk = await response.content.read(min(64 * 1024, limit + 1 - len(body)))
+        if not chunk:
+            break
+        body += chunk
+        if len(body) > limit:
+            raise AnswerTooLarge(f"answer is over the {limit}-byte limit")
+    return bytes(body)
+
+
+async def read_json_capped(response: aiohttp.ClientResponse, limit: int) -> Any:
+    body = await read_capped(response, limit)
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"answer is not JSON: {error}") from None
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -74,8 +112,10 @@ class _HttpSource:
 class AgentSource(_HttpSource):
     """Scrapes `GET http://<podIP>:<port>/v1/signals` of every Ready pod, a few at a time."""
 
-    def __init__(self, *, port: int = AGENT_PORT, timeout: float = 3.0, concurrency: int = 16):
+    def __init__(self, *, port: int = AGENT_PORT, timeout: float = 3.0, concurrency: int = 16,
+                 max_answer_bytes: int = MAX_AGENT_ANSWER_BYTES):
         self.port, self.timeout, self.concurrency = port, timeout, concurrency
+        self.max_answer_bytes = max_answer_bytes
 
     async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]],
                      errors: dict[str, str] | None = None,
@@ -95,7 +135,7 @@ class AgentSource(_HttpSource):
                     async with self._get_session().get(url) as response:
                         if response.status != 200:
                             raise ValueError(f"HTTP {response.status}")
-                        data = await response.json()
+                        data = await read_json_capped(response, self.max_answer_bytes)
                     if not isinstance(data, dict):
                         raise ValueError("answer is not a JSON object")
                     if isinstance(data.get("model"), dict):
@@ -166,7 +206,7 @@ class PrometheusSource:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
                 async with session.get(f"{self.url}/api/v1/query",
                                        params={"query": self.query(namespace, pods), "time": str(time.time())}) as r:
-                    body = await r.json()
+                    body = await read_json_capped(r, MAX_PROMETHEUS_ANSWER_BYTES)
             if body.get("status") != "success":
                 raise ValueError(body.get("error") or "query failed")
             return signals_from_prometheus(body["data"]["result"], pods)
@@ -182,14 +222,14 @@ async def fetch_url_signals(session: aiohttp.ClientSession, url: str, name: str)
         target = base if base.endswith("/v1/signals") else f"{base}/v1/signals"
         async with session.get(target) as response:
             if response.status == 200:
-                return PodSignals.from_json(name, await response.json())
+                return PodSignals.from_json(name, await read_json_capped(response, MAX_AGENT_ANSWER_BYTES))
             if base.endswith("/v1/signals"):
                 raise ValueError(f"{target}: HTTP {response.status}")
         base = f"{base}/metrics"
     async with session.get(base) as response:
         if response.status != 200:
             raise ValueError(f"{base}: HTTP {response.status}")
-        text = await response.text()
+        text = (await read_capped(response, MAX_PROMETHEUS_ANSWER_BYTES)).decode(errors="replace")
     from kvserve.runtime.agent.signals import standardize
 
     sample = standardize(text)
@@ -202,8 +242,8 @@ async def fetch_url_signals(session: aiohttp.ClientSession, url: str, name: str)
 class RouterDemandSource(_HttpSource):
     """Reads `GET http://<podIP>:<port>/router/demand` of every Ready router pod of a service."""
 
-    def __init__(self, *, port: int, timeout: float = 3.0):
-        self.port, self.timeout = port, timeout
+    def __init__(self, *, port: int, timeout: float = 3.0, max_answer_bytes: int = MAX_AGENT_ANSWER_BYTES):
+        self.port, self.timeout, self.max_answer_bytes = port, timeout, max_answer_bytes
 
     async def scrape(self, pods: Iterable[Mapping[str, Any]], errors: dict[str, str] | None = None):
         from .scaletozero import aggregate_demand, parse_demand
@@ -217,7 +257,7 @@ class RouterDemandSource(_HttpSource):
                 async with self._get_session().get(url) as response:
                     if response.status != 200:
                         raise ValueError(f"HTTP {response.status}")
-                    answer = parse_demand(await response.json())
+                    answer = parse_demand(await read_json_capped(response, self.max_answer_bytes))
                 if answer is None:
                     raise ValueError("not a router's demand answer")
                 return answer

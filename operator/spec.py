@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvserve.runtime.capacity import WEIGHT_FORMATS, ModelShape, WeightFormat, weight_format
+from kvserve.runtime.capacity import WEIGHT_FORMATS, ModelShape, WeightFormat, weight_bytes_per_gpu, weight_format
 
 GROUP = "kvserve.dev"
 VERSION = "v1alpha1"
@@ -34,7 +34,20 @@ _URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?(/[\w./-]+\.ggu
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 _SUFFIX = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5,
            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+GIB = 1024**3
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+# Credentials that would sit in plain text in the InferenceService (readable by anyone who can get
+# it, and copied into every Deployment and ReplicaSet): each has a Secret reference instead.
+SECRET_ENV = {
+    "KVSERVE_API_KEY": "spec.runtime.apiKeySecret",
+    "VLLM_API_KEY": "spec.runtime.apiKeySecret",
+    "KVSERVE_ADMIN_API_KEY": "spec.runtime.adminApiKeySecret",
+    "HF_TOKEN": "spec.model.hfTokenSecret",
+    "HUGGING_FACE_HUB_TOKEN": "spec.model.hfTokenSecret",
+}
+SECRET_ARGS = {"--api-key": "spec.runtime.apiKeySecret", "--admin-api-key": "spec.runtime.adminApiKeySecret"}
 
 
 class SpecError(ValueError):
@@ -96,6 +109,7 @@ class ModelSpec:
     served_name: str
     config: Mapping[str, Any] | None = None  # inline HF config: gives the shape without the files
     hf_token_secret: tuple[str, str] | None = None  # (secret name, key)
+    size_limit: int | None = None  # bytes; the models emptyDir's sizeLimit (None: derived, manifests.py)
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,8 @@ class RuntimeSpec:
     gpu_memory_utilization: float = 0.9
     drain_timeout_seconds: int = 120
     resources: Mapping[str, Any] = field(default_factory=dict)
+    api_key_secret: tuple[str, str] | None = None  # (secret name, key): the user API key
+    admin_api_key_secret: tuple[str, str] | None = None  # None: a random per-pod admin token
 
 
 @dataclass(frozen=True)
@@ -174,6 +190,18 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class NetworkPolicySpec:
+    """Who may open connections to the service's pods (operator/netpol.py renders it)."""
+
+    enabled: bool = True
+    allow_same_namespace: bool = True  # every pod of the service's namespace may call it
+    allowed_namespaces: tuple[str, ...] = ()  # every pod of these namespaces may call it
+    allowed_pods: tuple[Mapping[str, Any], ...] = ()  # label selectors of pods in its namespace
+    metrics_namespaces: tuple[str, ...] = ("monitoring",)  # Prometheus: scrapes every port
+    metrics_pod_selector: Mapping[str, Any] = field(default_factory=dict)  # {}: any pod there
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     model: ModelSpec
     runtime: RuntimeSpec
@@ -182,6 +210,7 @@ class ServiceSpec:
     autoscaling: AutoscalingSpec
     replicas: int | None = None  # manual size; only without autoscaling
     router: RouterSpec = field(default_factory=RouterSpec)
+    network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
 
     @property
     def gpus_per_replica_per_tp(self) -> int:
@@ -258,6 +287,99 @@ class _Reader:
         return value
 
 
+def _secret_ref(parent: _Reader, key: str, default_key: str) -> tuple[str, str] | None:
+    """A `{name, key}` Secret reference, or None when the field is absent."""
+    if parent.mapping(key) is None:
+        return None
+    ref = parent.sub(key)
+    name = ref.string("name", required=True)
+    if len(name) > 253 or not _SUBDOMAIN.match(name):
+        raise SpecError(ref.name("name"), f"must be a Secret name (a DNS subdomain), got {name!r}")
+    secret_key = ref.string("key", default_key)
+    if len(secret_key) > 253 or not _SECRET_KEY.match(secret_key):
+        raise SpecError(ref.name("key"), f"must be a Secret data key (letters, digits, '-', '_', '.'), "
+                        f"got {secret_key!r}")
+    return name, secret_key
+
+
+def checkpoint_size_limit(config: Mapping[str, Any] | None) -> int | None:
+    """A size limit for the model's files, from its inline config: the full-precision weights in
+    the config's dtype (a quantized checkpoint is smaller), a quarter more and 1 GiB for the
+    tokenizer and other files, rounded up to GiB. Only the spec's own config counts: a config the
+    pods report later must not change the pod template (that would roll every pod)."""
+    if config is None:
+        return None
+    try:
+        shape = ModelShape.from_hf_config(config)
+    except (ValueError, TypeError, KeyError):
+        return None  # model_shape() reports the bad config with its field
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    weights = weight_bytes_per_gpu(shape, 2 if dtype in ("bfloat16", "float16") else 4)
+    return _round_up_gib(weights * 1.25 + GIB)
+
+
+def _round_up_gib(size: float) -> int:
+    return -(-int(size) // GIB) * GIB
+
+
+def _label_selector(raw: Any, path: str) -> Mapping[str, Any]:
+    """A Kubernetes label selector (matchLabels / matchExpressions), checked enough that the
+    NetworkPolicy made from it is one the API server accepts."""
+    sel = _Reader(raw, path)
+    unknown = set(sel.raw) - {"matchLabels", "matchExpressions"}
+    if unknown:
+        raise SpecError(sel.name(sorted(unknown)[0]), "unknown field; a label selector has matchLabels "
+                        "and matchExpressions")
+    for key, value in (sel.mapping("matchLabels") or {}).items():
+        if not isinstance(value, str):
+            raise SpecError(f"{path}.matchLabels.{key}", f"must be a string, got {value!r}")
+    for i, item in enumerate(sel.array("matchExpressions")):
+        e = _Reader(item, f"{path}.matchExpressions[{i}]")
+        e.string("key", required=True)
+        e.string("operator", required=True, choices=("In", "NotIn", "Exists", "DoesNotExist"))
+        if not all(isinstance(v, str) for v in e.array("values")):
+            raise SpecError(e.name("values"), "must be a list of strings")
+    return dict(sel.raw)
+
+
+def _namespace_names(reader: _Reader, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    if key not in reader.raw:
+        return default
+    names = reader.array(key)
+    for i, ns in enumerate(names):
+        if not isinstance(ns, str) or len(ns) > 63 or not _NAME.match(ns):
+            raise SpecError(f"{reader.name(key)}[{i}]", f"must be a namespace name, got {ns!r}")
+    return tuple(names)
+
+
+def parse_network_policy(raw: Any) -> NetworkPolicySpec:
+    n = _Reader(raw, "spec.networkPolicy")
+    metrics = n.sub("metrics")
+    return NetworkPolicySpec(
+        enabled=n.boolean("enabled", True),
+        allow_same_namespace=n.boolean("allowSameNamespace", True),
+        allowed_namespaces=_namespace_names(n, "allowedNamespaces", ()),
+        allowed_pods=tuple(_label_selector(s, f"spec.networkPolicy.allowedPods[{i}]")
+                           for i, s in enumerate(n.array("allowedPods"))),
+        metrics_namespaces=_namespace_names(metrics, "namespaces", ("monitoring",)),
+        metrics_pod_selector=_label_selector(metrics.mapping("podSelector") or {},
+                                             "spec.networkPolicy.metrics.podSelector"),
+    )
+
+
+def _refuse_plain_credentials(env: list[tuple[str, str]], args: list[str]) -> None:
+    for i, (name, _) in enumerate(env):
+        if name in SECRET_ENV:
+            raise SpecError(f"spec.runtime.env[{i}]", f"{name} must not be given in plain text (anyone who "
+                            f"can read this InferenceService or its Deployment would read it); put it in a "
+                            f"Secret and reference it with {SECRET_ENV[name]}: {{name, key}}")
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        if flag in SECRET_ARGS:
+            raise SpecError(f"spec.runtime.args[{i}]", f"{flag} must not be given in plain text; put the key "
+                            f"in a Secret and reference it with {SECRET_ARGS[flag]}: {{name, key}}")
+
+
 def _bounds(name: str, value: float, lo: float | None, hi: float | None) -> None:
     if lo is not None and value < lo:
         raise SpecError(name, f"must be >= {lo}, got {value}")
@@ -283,14 +405,13 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
                         f"file:///path or /path, got {uri!r}")
     source = parse_uri(uri)
     config = m.mapping("config")
-    token = None
-    token_ref = m.mapping("hfTokenSecret")
-    if token_ref is not None:
-        t = m.sub("hfTokenSecret")
-        token = (t.string("name", required=True), t.string("key", "HF_TOKEN"))
+    size_limit = m.raw.get("sizeLimit")
+    size_limit = (parse_quantity(size_limit, "spec.model.sizeLimit") if size_limit is not None
+                  else checkpoint_size_limit(config))
     model = ModelSpec(uri=uri, source=source,
                       served_name=m.string("servedName") or default_served_name(source),
-                      config=config, hf_token_secret=token)
+                      config=config, hf_token_secret=_secret_ref(m, "hfTokenSecret", "HF_TOKEN"),
+                      size_limit=size_limit)
 
     r = top.sub("runtime")
     image = r.string("image", DEFAULT_IMAGE)
@@ -302,6 +423,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     for i, arg in enumerate(args):
         if not isinstance(arg, str):
             raise SpecError(f"spec.runtime.args[{i}]", f"must be a string, got {arg!r}")
+    _refuse_plain_credentials(env, args)
     runtime = RuntimeSpec(
         engine=r.string("engine", "kvserve", choices=ENGINES),
         image=image,
@@ -319,6 +441,8 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         gpu_memory_utilization=r.number("gpuMemoryUtilization", 0.9, lo=0.05, hi=1.0),
         drain_timeout_seconds=r.integer("drainTimeoutSeconds", 120, lo=0, hi=3600),
         resources=r.mapping("resources") or {},
+        api_key_secret=_secret_ref(r, "apiKeySecret", "KVSERVE_API_KEY"),
+        admin_api_key_secret=_secret_ref(r, "adminApiKeySecret", "KVSERVE_ADMIN_API_KEY"),
     )
 
     if runtime.engine == "vllm" and runtime.quantization in ("int8", "int4"):
@@ -397,7 +521,8 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         raise SpecError("spec.autoscaling.minReplicas", "0 (scale to zero) needs spec.router.enabled: true "
                         "(the router holds requests while no pod runs and wakes the service)")
     return ServiceSpec(model=model, runtime=runtime, gpu=gpu, tensor=tensor,
-                       autoscaling=autoscaling, replicas=replicas, router=router)
+                       autoscaling=autoscaling, replicas=replicas, router=router,
+                       network_policy=parse_network_policy(top.raw.get("networkPolicy")))
 
 
 def model_shape(spec: ServiceSpec, read_config=None) -> ModelShape | None:

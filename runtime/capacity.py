@@ -23,7 +23,7 @@ tokens, whatever its context length (``kv_tokens_held``); a long context then co
 per context token (``kv_bytes_per_context_token``), and a pool serves more such sequences
 (``plan_capacity(context_len=...)``). When only some layers are local (Gemma's alternating
 local/global layers, Qwen2's max_window_layers), the runtime keeps one block table and pool per
-layer group (runtime/kv_cache_groups.py, at tensor_parallel_size 1): the local layers hold the
+layer group (runtime/engine/kv_cache_groups.py, at tensor_parallel_size 1): the local layers hold the
 window bound and the global ones the whole context, and ``kv_tokens_held`` averages the two per
 layer, and ``plan_capacity(context_len=L)`` counts the L-token sequences the split pools hold.
 ``kv_tokens`` stays the single-table count (the ratio between TP degrees the operator uses);
@@ -551,7 +551,7 @@ def plan_capacity(
     if context_len is not None:
         groups = tp == 1  # the runtime keeps one block table for all layers at higher degrees
         if groups and has_kv_cache_groups(shape):
-            # Each group's pool is sized for this length (kvserve.runtime.kv_cache_groups), so the
+            # Each group's pool is sized for this length (kvserve.runtime.engine.kv_cache_groups), so the
             # budget divides by the bytes one such sequence holds across the layers.
             layer_bytes = kv_bytes_per_token(shape, kv_size, tp) // shape.num_layers
             held_bytes = _layer_slots_held(shape, context_len, block_size, max_step_tokens, True) * layer_bytes

@@ -1,5 +1,5 @@
 """Sizes and allocates the paged KV cache: per layer a tuple of pools sharing one block table
-(one per KV cache group, for models mixing local and global layers: runtime/kv_cache_groups.py).
+(one per KV cache group, for models mixing local and global layers: runtime/engine/kv_cache_groups.py).
 
 Each pool is ``[num_blocks, block_size, heads, values]``. What a layer holds is the model's
 cache layout (``ModelShape.kv_cache_layout``): a K pool and a V pool of
@@ -23,7 +23,7 @@ import torch
 
 from kvserve.runtime.capacity import ModelShape, blocks_for_budget, kv_bytes_per_token
 from kvserve.runtime.config import EngineConfig
-from kvserve.runtime.kv_cache_groups import KVCacheGroup, hybrid_group_blocks
+from kvserve.runtime.engine.kv_cache_groups import KVCacheGroup, hybrid_group_blocks
 
 
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -72,7 +72,7 @@ def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 def determine_group_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device,
                            groups: Sequence[KVCacheGroup], *, max_model_len: int, max_step_tokens: int) -> list[int]:
-    """Blocks per KV cache group (runtime/kv_cache_groups.py). An explicit ``num_kv_blocks`` gives
+    """Blocks per KV cache group (runtime/engine/kv_cache_groups.py). An explicit ``num_kv_blocks`` gives
     every group that many; a byte budget (as in ``determine_num_blocks``) is split between the
     groups in proportion to what a sequence of `max_model_len` tokens holds in each."""
     if config.num_kv_blocks is not None:

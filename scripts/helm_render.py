@@ -45,6 +45,7 @@ KINDS = [
     ("monitoring.coreos.com/v1/prometheusrules", "PrometheusRule", True),
     ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False),
     ("kopf.dev/v1/kopfpeerings", "KopfPeering", True),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
 ]
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 

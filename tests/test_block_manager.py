@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvserve.runtime.block_manager import BlockManager, NoFreeBlocksError
+from kvserve.runtime.engine.block_manager import BlockManager, NoFreeBlocksError
 
 OPS = st.lists(
     st.one_of(

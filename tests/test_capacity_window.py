@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvserve.runtime.block_manager import BlockManager
+from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.capacity import (
     GiB,
     ModelShape,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvserve.runtime.detokenizer import IncrementalDetokenizer, make_decode_fn
+from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer, make_decode_fn
 from tinymodels import build_tokenizer
 
 TEXTS = [

@@ -5,8 +5,8 @@ written by the gguf package) that only ever sees ValueError."""
 
 from __future__ import annotations
 
+import os
 import pathlib
-import shutil
 import struct
 import tempfile
 import time
@@ -131,6 +131,7 @@ ONE_KB = b"\0" * 1024
     (gguf([kv("general.alignment", ARRAY, array(U8, 1, b"\4"))]), "metadata key 'general.alignment'",
      "power of two"),
     (gguf([], [tinfo("t", (1, 1, 1, 1, 1))], b"\0" * 64), "tensor 't'", "5 dimensions"),
+    (gguf([], [tinfo("t", (0, 0))], b"\0" * 64), "tensor 't'", "include a 0"),
     (gguf([], [tinfo("t", (4,)), tinfo("t", (4,), offset=32)], b"\0" * 64), "tensor 't'", "appears twice"),
     (gguf([], [tinfo("t", (4,), ggml_type=99)], b"\0" * 64), "tensor 't'", "unknown ggml type 99"),
     (gguf([], [tinfo("t", (33,), ggml_type=T_Q8_0)], b"\0" * 64), "tensor 't'", "block of 32"),
@@ -268,7 +269,9 @@ def _mutated(draw, seed: bytes) -> bytes:
     return bytes(data)
 
 
-_FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# KVSERVE_FUZZ_EXAMPLES=5000 for a longer hunt than CI's.
+_FUZZ = settings(max_examples=int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "150")), deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow])
 
 
 @_FUZZ

@@ -40,6 +40,8 @@ CASES = {
                                   "operator": {"verbose": True,
                                                "extraArgs": ["--scrape-interval", "10"],
                                                "nodeSelector": {"pool": "system"}}}},
+    "no-network-policy": {"values": {"networkPolicy": {"enabled": False}}},
+    "closed-network-policy": {"values": {"networkPolicy": {"metricsNamespaces": []}}},
     "no-operator-monitor": {"values": {"monitoring": {"enabled": True, "operator": {"enabled": False}},
                                        "operator": {"metricsPort": 9100}}},
     "bad-scope": {"values": {"rbac": {"scope": "galaxy"}}},
@@ -85,7 +87,8 @@ def by_key(docs) -> dict:
             for d in docs}
 
 
-@pytest.mark.parametrize("case", ["defaults", "cluster", "namespace", "team-a", "bring-your-own"])
+@pytest.mark.parametrize("case", ["defaults", "cluster", "namespace", "team-a", "bring-your-own",
+                                  "closed-network-policy"])
 def test_every_rendered_object_validates(rendered, case):
     docs = objects(rendered, case)
     assert docs
@@ -109,7 +112,7 @@ def test_chart_installs_what_kustomize_installs(rendered, case, overlays):
 def test_defaults_are_the_operator_with_crds_only(rendered):
     kinds = sorted({d["kind"] for d in objects(rendered, "defaults")})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "Service", "ServiceAccount"]
+                     "Deployment", "NetworkPolicy", "Service", "ServiceAccount"]
     crds = [d for d in objects(rendered, "defaults") if d["kind"] == "CustomResourceDefinition"]
     assert {c["metadata"]["name"] for c in crds} == {
         "inferenceservices.kvserve.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
@@ -173,3 +176,17 @@ def test_operator_monitor_switch_and_metrics_port(rendered):
     assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in c["ports"]
     (svc,) = [d for d in docs if d["kind"] == "Service"]
     assert {"name": "metrics", "port": 9100, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"]["ports"]
+
+
+def test_network_policy_switch(rendered):
+    """On by default (Prometheus in `monitoring` may scrape the metrics port, nothing else may
+    connect); off with networkPolicy.enabled false; no namespace at all closes every port."""
+    (policy,) = [d for d in objects(rendered, "defaults") if d["kind"] == "NetworkPolicy"]
+    (dep,) = [d for d in objects(rendered, "defaults") if d["kind"] == "Deployment"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert not [d for d in objects(rendered, "no-network-policy") if d["kind"] == "NetworkPolicy"]
+    (closed,) = [d for d in objects(rendered, "closed-network-policy") if d["kind"] == "NetworkPolicy"]
+    assert closed["spec"]["ingress"] == []

@@ -15,15 +15,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvserve.runtime import LLMEngine, SamplingParams
-from kvserve.runtime.block_manager import FREED, BlockManager, NoFreeBlocksError
+from kvserve.runtime.engine.block_manager import FREED, BlockManager, NoFreeBlocksError
 from kvserve.runtime.capacity import ModelShape, kv_bytes_per_token, kv_tokens_held, plan_capacity
-from kvserve.runtime.kv_cache_groups import (
+from kvserve.runtime.engine.kv_cache_groups import (
     KVCacheCoordinator,
     KVCacheGroup,
     hybrid_group_blocks,
     kv_cache_groups,
 )
-from kvserve.runtime.prefix_cache import block_hashes
+from kvserve.runtime.engine.prefix_cache import block_hashes
 
 from test_engine_parity import hf_greedy  # noqa: E402  (tests/ is on sys.path via conftest)
 

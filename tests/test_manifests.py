@@ -188,6 +188,7 @@ NAMESPACED_NEEDS = {
     ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},  # spec.networkPolicy
     ("", "events"): {"create"},
 }
 # --all-namespaces: kopf scans CRDs and uses the cluster-wide peering object.

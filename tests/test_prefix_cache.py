@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvserve.runtime import LLMEngine, SamplingParams
-from kvserve.runtime.block_manager import BlockManager
-from kvserve.runtime.prefix_cache import block_hashes, hash_block
+from kvserve.runtime.engine.block_manager import BlockManager
+from kvserve.runtime.engine.prefix_cache import block_hashes, hash_block
 
 
 

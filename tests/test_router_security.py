@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from kvserve.runtime.router.app import RouterConfig, build_app
 from kvserve.runtime.router.endpoints import Endpoint, StaticEndpoints
+from kvserve.runtime.router.metrics import RETIRED_KEPT
 from kvserve.runtime.router.policy import PolicyConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -184,6 +186,39 @@ async def test_a_wrong_key_is_a_401_before_the_body_and_never_held(pod, authoriz
         await runner.cleanup()
 
 
+async def expect_continue(port: int, authorization: str, length: int) -> bytes:
+    """Headers with `Expect: 100-continue`, as curl sends a big body: what the router answers
+    before any body byte is sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: r\r\nAuthorization: {authorization}\r\n"
+                 f"Content-Length: {length}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    if answer.startswith(b"HTTP/1.1 100"):
+        writer.write(b"{" + b" " * (length - 2) + b"}")
+        await writer.drain()
+        answer += await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    size = re.search(rb"Content-Length: (\d+)", answer, re.IGNORECASE)
+    answer += await asyncio.wait_for(reader.readexactly(int(size.group(1))) if size else reader.read(), 5)
+    writer.close()
+    return answer
+
+
+async def test_expect_100_continue_is_refused_before_the_body_is_sent(pod):
+    config = RouterConfig(api_keys=(KEY,), max_request_body_bytes=1 << 20)
+    runner, port = await start_router(config, [Endpoint("pod", pod.url, None)])
+    try:
+        answer = await expect_continue(port, "Bearer wrong", 1000)
+        assert answer.startswith(b"HTTP/1.1 401") and b"100 Continue" not in answer
+        answer = await expect_continue(port, f"Bearer {KEY}", 2 << 20)
+        assert answer.startswith(b"HTTP/1.1 413") and b"--max-request-body-bytes" in answer
+        answer = await expect_continue(port, f"Bearer {KEY}", 1000)
+        assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in answer
+    finally:
+        await runner.cleanup()
+    assert len(pod.seen) == 1
+
+
 async def test_every_configured_key_is_accepted_and_forwarded_unchanged(pod):
     runner, port = await start_router(RouterConfig(api_keys=(KEY, "second-key")), [Endpoint("pod", pod.url, None)])
     try:
@@ -233,7 +268,7 @@ async def test_what_the_router_reads_whole_from_a_pod_is_capped():
         await pod.stop()
 
 
-async def test_a_pod_that_goes_away_leaves_no_series_behind(pod):
+async def test_pods_that_went_away_leave_a_bounded_number_of_series(pod):
     second = await Pod().start()
     runner, port = await start_router(RouterConfig(policy=PolicyConfig(policy="round-robin")),
                                       [Endpoint("a", pod.url, None), Endpoint("b", second.url, None)])
@@ -244,9 +279,20 @@ async def test_a_pod_that_goes_away_leaves_no_series_behind(pod):
             assert (await raw_request(port, "POST", "/v1/completions", body=b"{}"))[0] == 200
         metrics = (await raw_request(port, "GET", "/metrics"))[2].decode()
         assert 'upstream="a"' in metrics and 'upstream="b"' in metrics
-        runner.app[ROUTER].publish([Endpoint("a", pod.url, None)])
+        router = runner.app[ROUTER]
+        router.publish([Endpoint("a", pod.url, None)])
         metrics = (await raw_request(port, "GET", "/metrics"))[2].decode()
-        assert 'upstream="a"' in metrics and 'upstream="b"' not in metrics
+        assert 'upstream="b"' in metrics  # what a gone pod served still shows, for a while
+        # Pods come and go under an autoscaler, each with a new name: 33 more gone, b's and then
+        # pod-0's series go.
+        for i in range(RETIRED_KEPT + 1):
+            router.publish([Endpoint("a", pod.url, None), Endpoint(f"pod-{i}", second.url, None)])
+            assert (await raw_request(port, "POST", "/v1/completions", body=b"{}"))[0] == 200
+        router.publish([Endpoint("a", pod.url, None)])
+        metrics = (await raw_request(port, "GET", "/metrics"))[2].decode()
+        assert 'upstream="a"' in metrics and 'upstream="b"' not in metrics and 'upstream="pod-0"' not in metrics
+        shown = set(re.findall(r'upstream="([^"]+)"', metrics))
+        assert len(shown) <= RETIRED_KEPT + 1
     finally:
         await runner.cleanup()
         await second.stop()

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvserve.runtime.block_manager import BlockManager
-from kvserve.runtime.scheduler import Scheduler, SchedulerConfig
-from kvserve.runtime.sequence import Sequence, SequenceStatus
+from kvserve.runtime.engine.block_manager import BlockManager
+from kvserve.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_model_len=256, chunked=True):

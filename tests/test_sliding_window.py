@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvserve.runtime import LLMEngine, SamplingParams
-from kvserve.runtime.block_manager import FREED, BlockManager
-from kvserve.runtime.prefix_cache import block_hashes
+from kvserve.runtime.engine.block_manager import FREED, BlockManager
+from kvserve.runtime.engine.prefix_cache import block_hashes
 
 from test_engine_parity import hf_greedy  # noqa: E402  (tests/ is on sys.path via conftest)
 

@@ -274,9 +274,9 @@ def test_bad_draft_model_is_refused(tiny_llama, tiny_model_factory):
 # -- scheduler with drafts -----------------------------------------------------------------------------
 def _two_decoding(num_blocks):
     """a: 7 tokens (6 computed, 2 blocks of 4); b: 4 tokens (3 computed, 1 block); budget 6."""
-    from kvserve.runtime.block_manager import BlockManager
-    from kvserve.runtime.scheduler import Scheduler, SchedulerConfig
-    from kvserve.runtime.sequence import Sequence
+    from kvserve.runtime.engine.block_manager import BlockManager
+    from kvserve.runtime.engine.scheduler import Scheduler, SchedulerConfig
+    from kvserve.runtime.engine.sequence import Sequence
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6, max_model_len=64),
                       BlockManager(num_blocks, 4))

@@ -49,7 +49,7 @@ class AttentionMetadata:
     # True when every sequence has exactly one new token (pure decode): backends may take a
     # faster path.
     is_decode_only: bool = False
-    # KV cache groups (runtime/kv_cache_groups.py): per layer window (None: full attention), the
+    # KV cache groups (runtime/engine/kv_cache_groups.py): per layer window (None: full attention), the
     # metadata whose block_tables / slot_mapping address that group's pools; None when one block
     # table serves every layer. Model code hands each layer ``for_window(its window)``.
     kv_groups: dict[int | None, "AttentionMetadata"] | None = None

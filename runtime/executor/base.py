@@ -37,10 +37,10 @@ def kv_release_window(model_config, draft=None) -> int | None:
 
 def hybrid_kv_groups(config, model_config) -> tuple | None:
     """The KV cache groups of a model that mixes local and global layers (each group its own
-    block tables and pool: runtime/kv_cache_groups.py), or None for one block table serving every
+    block tables and pool: runtime/engine/kv_cache_groups.py), or None for one block table serving every
     layer: a model with one kind of layer, the hybrid manager disabled, or speculative decoding
     (its draft model and verification step take one table per sequence today)."""
-    from kvserve.runtime.kv_cache_groups import kv_cache_groups
+    from kvserve.runtime.engine.kv_cache_groups import kv_cache_groups
 
     groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])
     if len(groups) == 1 or config.disable_hybrid_kv_cache_manager:

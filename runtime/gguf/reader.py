@@ -43,8 +43,14 @@ _MAX_ELEMENTS = 2**63 - 1
 # Metadata value types: fixed-size scalars by struct format; 8 is a string, 9 an array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _SCALAR_SIZES = {kind: struct.calcsize("<" + fmt) for kind, fmt in _SCALARS.items()}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NUMPY = {kind: np.dtype(t).newbyteorder("<") for kind, t in
+          {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}.items()}
+# One shared read-only empty array per type: a million keys of empty arrays then cost a dict
+# entry each, not a numpy object each.
+_EMPTY = {kind: np.empty(0, dtype) for kind, dtype in _NUMPY.items()}
+for _array in _EMPTY.values():
+    _array.flags.writeable = False
 _STRING, _ARRAY = 8, 9
 # The fewest bytes each kind of record can take, to refuse an impossible count before looping.
 _MIN_STRING = 8  # its length
@@ -52,6 +58,7 @@ _MIN_ARRAY = 12  # item type + count
 _MIN_KV = 8 + 4 + 1  # key length, value type, a one-byte value
 _MIN_TENSOR = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 _U64 = struct.Struct("<Q")
+_ARRAY_HEADER = struct.Struct("<IQ")
 
 
 class GGUFError(ValueError):
@@ -90,10 +97,22 @@ class SkippedArrays:
     count: int
 
 
+_STRUCTS: dict[str, struct.Struct] = {}
+
+
 class _Cursor:
     def __init__(self, buf: memoryview, path: pathlib.Path, string_arrays: bool):
         self.buf, self.pos, self.path, self.string_arrays = buf, 0, path, string_arrays
-        self.field = "header"
+        # (what, name) of the field being read; formatted only when something is wrong with it,
+        # which keeps a file of a million keys from costing a million f-strings.
+        self.where: tuple[str, object] = ("header", None)
+
+    @property
+    def field(self) -> str:
+        what, name = self.where
+        if name is None:
+            return what
+        return f"{what} #{name}" if isinstance(name, int) else f"{what} {name!r}"
 
     def fail(self, problem: str) -> GGUFError:
         return GGUFError(self.path, self.field, problem)
@@ -104,10 +123,13 @@ class _Cursor:
                             f"{len(self.buf)} bytes (truncated or corrupt)")
 
     def unpack(self, fmt: str, what: str) -> tuple:
-        size = struct.calcsize("<" + fmt)
-        self.need(size, what)
-        out = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += size
+        st = _STRUCTS.get(fmt)
+        if st is None:
+            st = _STRUCTS[fmt] = struct.Struct("<" + fmt)
+        if self.pos + st.size > len(self.buf):
+            self.need(st.size, what)
+        out = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
         return out
 
     def count(self, what: str, min_item_bytes: int) -> int:
@@ -119,8 +141,9 @@ class _Cursor:
         return n
 
     def string(self, what: str = "string") -> str:
-        (n,) = self.unpack("Q", f"{what} length")
-        self.need(n, what)
+        (n,) = self.unpack("Q", "string length")
+        if self.pos + n > len(self.buf):
+            self.need(n, what)
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         # Token strings of some vocabularies are not valid UTF-8 on their own (partial bytes);
@@ -150,10 +173,31 @@ class _Cursor:
         elif item_kind == _ARRAY:
             if depth >= MAX_ARRAY_DEPTH:
                 raise self.fail(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
-            for _ in range(self.count("array length", _MIN_ARRAY)):
-                self.skip_array(depth + 1)
+            self.skip_array_items(self.count("array length", _MIN_ARRAY), depth + 1)
         else:
             raise self.fail(f"array item type {item_kind} is not a GGUF value type")
+
+    def skip_array_items(self, count: int, depth: int) -> None:
+        """`count` arrays at `depth`. Arrays of numbers are stepped over inline (a million small
+        ones is the cheapest way to make a small file expensive); anything else recurses."""
+        buf, end, pos = self.buf, len(self.buf), self.pos
+        header, sizes = _ARRAY_HEADER.unpack_from, _SCALAR_SIZES
+        for _ in range(count):
+            if pos + 12 > end:
+                break
+            kind, n = header(buf, pos)
+            size = sizes.get(kind)
+            if size is None or pos + 12 + n * size > end:
+                self.pos = pos
+                self.skip_array(depth)  # raises for what does not fit; recurses into the rest
+                pos = self.pos
+            else:
+                pos += 12 + n * size
+        else:
+            self.pos = pos
+            return
+        self.pos = pos
+        self.need(12, "array header")
 
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
@@ -164,8 +208,10 @@ class _Cursor:
             raise self.fail(f"value type {kind} is not a GGUF value type")
         (item_kind,) = self.unpack("I", "array item type")
         if item_kind in _NUMPY:  # numbers: one numpy view, copied out of the mapping
-            dtype = np.dtype(_NUMPY[item_kind]).newbyteorder("<")
+            dtype = _NUMPY[item_kind]
             count = self.count("array length", dtype.itemsize)
+            if not count:
+                return _EMPTY[item_kind]
             arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
             self.pos += count * dtype.itemsize
             return arr
@@ -177,8 +223,7 @@ class _Cursor:
             return SkippedStrings(count)
         if item_kind == _ARRAY:
             count = self.count("array length", _MIN_ARRAY)
-            for _ in range(count):
-                self.skip_array(depth=2)
+            self.skip_array_items(count, depth=2)
             return SkippedArrays(count)
         raise self.fail(f"array item type {item_kind} is not a GGUF value type")
 
@@ -216,18 +261,18 @@ class GGUFFile:
             raise cur.fail(f"GGUF version {version} (or big-endian); supported: little-endian versions "
                            f"{list(_VERSIONS)}")
         self.version = version
-        cur.field = "tensor_count"
+        cur.where = ("tensor_count", None)
         tensor_count = cur.count("tensor count", _MIN_TENSOR)
-        cur.field = "kv_count"
+        cur.where = ("kv_count", None)
         kv_count = cur.count("metadata key count", _MIN_KV)
         if tensor_count * _MIN_TENSOR + kv_count * _MIN_KV > len(buf) - cur.pos:
             raise cur.fail(f"{kv_count} metadata keys and {tensor_count} tensors cannot fit in the "
                            f"{len(buf) - cur.pos} bytes left of the file (truncated or corrupt)")
         self.metadata: dict[str, Any] = {}
         for i in range(kv_count):
-            cur.field = f"metadata key #{i}"
+            cur.where = ("metadata key", i)
             key = cur.string("key")
-            cur.field = f"metadata key {key!r}"
+            cur.where = ("metadata key", key)
             if key in self.metadata:
                 raise cur.fail("appears twice")
             (kind,) = cur.unpack("I", "value type")
@@ -235,9 +280,9 @@ class GGUFFile:
         entries = []
         names: set[str] = set()
         for i in range(tensor_count):
-            cur.field = f"tensor #{i}"
+            cur.where = ("tensor", i)
             name = cur.string("name")
-            cur.field = f"tensor {name!r}"
+            cur.where = ("tensor", name)
             if name in names:
                 raise cur.fail("appears twice")
             names.add(name)
@@ -302,6 +347,8 @@ def tensor_info(path: pathlib.Path, file_size: int, data_start: int, alignment: 
         block, type_size = GGML_QUANT_SIZES[ggml_type]
     except (ValueError, KeyError):
         raise GGUFError(path, field, f"unknown ggml type {raw_type}") from None
+    if 0 in shape:  # an empty weight is of no use, and has no rows to view it by
+        raise GGUFError(path, field, f"dimensions {list(reversed(shape))} include a 0")
     count = math.prod(shape)
     if count > _MAX_ELEMENTS:
         raise GGUFError(path, field, f"dimensions {list(reversed(shape))} overflow: {count} elements is more "

@@ -22,12 +22,12 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvserve.runtime.stop_strings import compile_stops
+from kvserve.runtime.engine.stop_strings import compile_stops
 from kvserve.runtime.structured_outputs.admission import GrammarCompileBusy
 
 from . import serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
-from .auth import admin_denial, bearer_token, token_matches
+from .auth import admin_denial, bearer_token, is_admin_path, token_matches
 from .drain import effective_drain_timeout
 from .errors import APIError, from_validation_error
 from .limits import RequestLimitError, RequestLimits, check_request
@@ -118,15 +118,18 @@ class ServerState:
         return self.admin_drain
 
     async def _drain_and_retire(self, timeout: float) -> dict:
-        drained = await self.drain(timeout)
-        aborted = 0
-        if not drained and self.engine is not None:
-            aborted = self.engine.abort_all()
-            log.warning("admin drain: time box of %.1fs passed, aborted %d requests", timeout, aborted)
-            await self.drain(5.0)  # the handlers now finish their responses with "abort"
-        self.retired = True
-        log.info("admin drain done: /live now fails so the container is restarted")
-        return {"drained": drained, "aborted": aborted, "timeout_seconds": timeout}
+        try:
+            drained = await self.drain(timeout)
+            aborted = 0
+            if not drained and self.engine is not None:
+                aborted = self.engine.abort_all()
+                log.warning("admin drain: time box of %.1fs passed, aborted %d requests", timeout, aborted)
+                await self.drain(5.0)  # the handlers now finish their responses with "abort"
+            return {"drained": drained, "aborted": aborted, "timeout_seconds": timeout}
+        finally:
+            # Whatever happened, admission is closed for good: only a restart brings the pod back.
+            self.retired = True
+            log.info("admin drain done: /live now fails so the container is restarted")
 
 
 STATE = web.AppKey("state", ServerState)
@@ -150,6 +153,11 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         key = state.config.api_key
         if key and request.path.startswith(_PROTECTED) and not _key_ok(request, key):
             raise APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.")
+        if is_admin_path(request.path):
+            denial = admin_denial(request.headers.get("Authorization"), state.config.admin_api_key,
+                                  route=f"{request.method} {request.path}", user_key=key)
+            if denial is not None:
+                raise APIError(denial.status, denial.message)
         response = await handler(request)
     except APIError as err:
         response = err.response()
@@ -280,7 +288,7 @@ def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, servi
     outputs = structured.plan_outputs(req, state.config.tools)
     plan = serving.make_plan(kind, req, state.model_name, prompts, outputs)
     if req.stop:
-        compile_stops(tuple(req.stop_list()))  # here rather than in the engine thread (it is cached)
+        plan.stop_automaton = compile_stops(tuple(req.stop_list()))
     return engine, plan
 
 
@@ -508,12 +516,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def drain(request: web.Request) -> web.Response:
     """Admin: stop admission and wait (up to ?timeout=, capped at --drain-timeout) for in-flight
-    work; past the time box the rest is aborted. Either way the process then retires (/live 503)."""
+    work; past the time box the rest is aborted. Either way the process then retires (/live 503).
+    The admin key was checked by the middleware (is_admin_path)."""
     state = request.app[STATE]
-    denial = admin_denial(request.headers.get("Authorization"), state.config.admin_api_key,
-                          route="POST /drain", user_key=state.config.api_key)
-    if denial is not None:
-        raise APIError(denial.status, denial.message)
     try:
         timeout = effective_drain_timeout(request.query.get("timeout"), state.config.drain_timeout_s)
     except ValueError as exc:

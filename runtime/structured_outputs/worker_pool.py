@@ -45,7 +45,9 @@ RECYCLE_GROWTH_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TrialOutcome:
-    """``status`` is "ok" | "error" | "timeout" | "cancelled" | "died"."""
+    """``status`` is "ok" | "error" (the grammar does not compile) | "timeout" | "memory" (past
+    the growth limit) | "cancelled" | "died" (the child exited mid-compile) | "unavailable" (no
+    child could be started: the server's fault, not the grammar's)."""
 
     status: str
     seconds: float = 0.0
@@ -155,11 +157,14 @@ class CompileWorker:
         self._start_rss = 0
         return True
 
-    def trial(self, params: dict, timeout_s: float, should_stop: Callable[[], bool]) -> TrialOutcome:
+    def trial(self, params: dict, timeout_s: float, should_stop: Callable[[], bool],
+              max_growth_bytes: int | None = None) -> TrialOutcome:
         """Compiles ``params`` (StructuredOutputsParams fields) in the child; kills the child if
-        the deadline passes or ``should_stop()`` turns true first."""
+        the deadline passes, its resident memory grows by more than ``max_growth_bytes`` or
+        ``should_stop()`` turns true first."""
         if not self.start(should_stop):
-            return TrialOutcome("cancelled" if should_stop() else "died", detail="the worker could not start")
+            return TrialOutcome("cancelled" if should_stop() else "unavailable", detail="the worker could not start")
+        base_rss = self.rss_bytes()
         started = time.monotonic()
         try:
             self._conn.send(("compile", params))
@@ -186,6 +191,11 @@ class CompileWorker:
             if time.monotonic() >= deadline:
                 self.kill()
                 return TrialOutcome("timeout", time.monotonic() - started)
+            if max_growth_bytes is not None and base_rss:
+                grown = self.rss_bytes() - base_rss
+                if grown > max_growth_bytes:
+                    self.kill()
+                    return TrialOutcome("memory", time.monotonic() - started, f"{grown >> 20} MiB")
 
     def rss_bytes(self) -> int:
         return _rss_bytes(self.pid) if self.pid is not None else 0

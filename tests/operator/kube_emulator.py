@@ -218,6 +218,9 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
                                                                     namespaced=True, verbs=verbs)
     emulator.resources["rbac.authorization.k8s.io/v1/rolebindings"] = info(kind="RoleBinding", singular="rolebinding",
                                                                            namespaced=True, verbs=verbs)
+    # spec.networkPolicy.
+    emulator.resources["networking.k8s.io/v1/networkpolicies"] = info(kind="NetworkPolicy", singular="networkpolicy",
+                                                                      namespaced=True, verbs=verbs)
 
 
 class EmulatorThread:

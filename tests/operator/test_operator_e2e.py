@@ -83,6 +83,7 @@ DOCUMENTED_RBAC = {
     ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},
     ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
 }
@@ -116,7 +117,7 @@ def test_lifecycle_scale_tp_restart_delete(cluster):
         isvc = api.apply_isvc(defaulted(TINY))
         uid = isvc["metadata"]["uid"]
         dep = wait_for(lambda: api.get("Deployment", "tiny"), what="Deployment")
-        for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+        for kind in ("Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"):
             obj = wait_for(lambda: api.get(kind, "tiny"), what=kind)
             (ref,) = obj["metadata"]["ownerReferences"]
             assert (ref["uid"], ref["kind"], ref["controller"]) == (uid, "InferenceService", True)
@@ -196,7 +197,7 @@ def test_lifecycle_scale_tp_restart_delete(cluster):
         # Delete -> what the operator made goes away (kmock has no garbage collector: the operator
         # deletes its objects itself; the test's kubelet removes the pods of a gone Deployment).
         api.delete_isvc("tiny")
-        for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+        for kind in ("Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"):
             wait_for(lambda: api.get(kind, "tiny") is None, what=f"{kind} deleted")
         wait_for(lambda: api.get_isvc("tiny") is None, what="resource gone (finalizer released)")
         assert metrics.get_sample_value("kvserve_operator_desired_replicas", tiny) is None
@@ -286,6 +287,58 @@ def test_bad_resource_is_degraded_with_nothing_made_and_recovers(cluster):
 
         api.delete_isvc("broken")
         wait_for(lambda: api.get_isvc("broken") is None and api.get("Deployment", "broken") is None, what="deleted")
+    finally:
+        op.stop()
+    assert op.error is None
+    assert_operator_calls_are_documented(emulator)
+
+
+def test_credentials_come_from_secrets_and_policies_follow_the_switch(cluster):
+    """Issue 18: a plain API key in spec.runtime.env is refused (condition + Event pointing at the
+    Secret field, nothing made); with apiKeySecret the pods get it by secretKeyRef; the
+    NetworkPolicy is made, removed by spec.networkPolicy.enabled false, and the spec never written."""
+    emulator, api, kubelet, load = cluster
+    load.kv, load.queue = 0.3, 0
+    op = operator(emulator, kubelet)
+    try:
+        leaky = copy.deepcopy(TINY)
+        leaky["metadata"]["name"] = "keyed"
+        leaky["spec"]["runtime"] = {"env": [{"name": "KVSERVE_API_KEY", "value": "sk-visible-to-all"}]}
+        # The emulator has no CEL (a real API server refuses this first): the operator must too.
+        api.apply_isvc(crd.apply_defaults(leaky, crd.openapi_schema()))
+        isvc = wait_for(lambda: (o := api.get_isvc("keyed")) and condition(o, "Degraded").get("status") == "True"
+                        and o, what="Degraded")
+        message = condition(isvc, "Degraded")["message"]
+        assert message.startswith("spec.runtime.env[0]: KVSERVE_API_KEY") and "spec.runtime.apiKeySecret" in message
+        assert "sk-visible-to-all" not in message
+        assert api.get("Deployment", "keyed") is None and api.get("NetworkPolicy", "keyed") is None
+        assert any(e["reason"] == "InvalidSpec" and "apiKeySecret" in e["message"] for e in api.events()
+                   if e["involvedObject"].get("name") == "keyed")
+
+        logged = len(list(emulator.emulator))
+        api.patch_spec("keyed", {"runtime": {"env": [], "apiKeySecret": {"name": "llm-key", "key": "KVSERVE_API_KEY"}}})
+        dep = wait_for(lambda: api.get("Deployment", "keyed"), what="Deployment after the fix")
+        # The policy exists before the first pod could: it is created before the Deployment.
+        created = [r.resource.plural for r in list(emulator.emulator)[logged:]
+                   if r.resource is not None and str(r.method.value).upper() == "POST"]
+        assert created.index("networkpolicies") < created.index("deployments"), created
+        runtime = dep["spec"]["template"]["spec"]["containers"][0]
+        (key,) = [e for e in runtime["env"] if e["name"] == "KVSERVE_API_KEY"]
+        assert key == {"name": "KVSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key",
+                                                                                "key": "KVSERVE_API_KEY"}}}
+        policy = wait_for(lambda: api.get("NetworkPolicy", "keyed"), what="NetworkPolicy")
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+
+        api.patch_spec("keyed", {"networkPolicy": {"enabled": False}})
+        wait_for(lambda: api.get("NetworkPolicy", "keyed") is None, what="NetworkPolicy removed by the switch")
+        api.patch_spec("keyed", {"networkPolicy": {"enabled": True}})
+        wait_for(lambda: api.get("NetworkPolicy", "keyed"), what="NetworkPolicy back")
+        # The spec is what was applied (with the CRD's defaults) and patched: never written by the operator.
+        assert api.get_isvc("keyed")["spec"]["networkPolicy"] == {"enabled": True, "allowSameNamespace": True,
+                                                                  "metrics": {"namespaces": ["monitoring"]}}
+
+        api.delete_isvc("keyed")
+        wait_for(lambda: api.get_isvc("keyed") is None and api.get("NetworkPolicy", "keyed") is None, what="deleted")
     finally:
         op.stop()
     assert op.error is None

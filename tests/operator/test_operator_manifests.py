@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from kvserve.operator import manifests as M
+from kvserve.operator.netpol import build_network_policies
 from kvserve.operator.spec import parse_spec
 
 K8S_VERSION = "1.33.0"
@@ -28,7 +29,8 @@ CASES = [("tiny-cpu", 1, 1), ("llama-8b-gpu", 3, 1), ("llama-8b-gpu", 8, 4), ("m
 @pytest.mark.parametrize("example,replicas,tp", CASES)
 def test_every_manifest_validates_strictly(example, replicas, tp):
     obj = owner(example)
-    for manifest in M.build_all(obj, parse_spec(obj["spec"]), replicas=replicas, tp=tp):
+    spec = parse_spec(obj["spec"])
+    for manifest in M.build_all(obj, spec, replicas=replicas, tp=tp) + build_network_policies(obj, spec):
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
@@ -146,6 +148,7 @@ def test_pod_commands_parse_with_the_real_kvserve_cli(example, tp):
     parser = build_parser()
     c = _containers(dep)
     commands = [c["runtime"]["command"], c["agent"]["command"], c["fetch-model"]["command"],
+                c["admin-token"]["command"],
                 c["runtime"]["lifecycle"]["preStop"]["exec"]["command"],
                 c["agent"]["lifecycle"]["preStop"]["exec"]["command"]]
     for command in commands:
@@ -155,6 +158,8 @@ def test_pod_commands_parse_with_the_real_kvserve_cli(example, tp):
             assert args.tensor_parallel_size == tp and args.port == 8000
         if getattr(args, "agent_cmd", None) == "serve":
             assert args.port == 8081 and args.engine_url == "http://127.0.0.1:8000"
+        if getattr(args, "agent_cmd", None) == "admin-token":
+            assert args.out == M.ADMIN_TOKEN_FILE
 
 
 def test_vllm_pods_probe_the_only_route_vllm_has():

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvserve.runtime.block_manager import BlockManager
-from kvserve.runtime.prefix_cache import BlockHash
+from kvserve.runtime.engine.block_manager import BlockManager
+from kvserve.runtime.engine.prefix_cache import BlockHash
 
 
 @dataclass(frozen=True)

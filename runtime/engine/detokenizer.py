@@ -6,7 +6,7 @@ is decoded together with a few preceding tokens (a "prefix window"); the new tex
 window decodes to beyond the prefix alone, and it is only emitted once it no longer ends in an
 incomplete character (U+FFFD). Emitted pieces therefore concatenate exactly to the final text.
 
-Stop strings are matched as the text grows (an automaton over the stops, runtime/stop_strings.py,
+Stop strings are matched as the text grows (an automaton over the stops, runtime/engine/stop_strings.py,
 so each new character is read once whatever the number of stops); a suffix that could still grow
 into a stop string is held back from ``visible_text`` until it can no longer match.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvserve.runtime.stop_strings import compile_stops
+from kvserve.runtime.engine.stop_strings import compile_stops
 
 _PREFIX_WINDOW = 6
 _REPLACEMENT = "\ufffd"

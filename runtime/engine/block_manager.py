@@ -9,7 +9,7 @@ later features slot in without a rewrite:
   ``allocate_slots`` swaps in a private copy and reports ``(src, dst)`` pairs for the caller to
   copy on the device (copy-on-write).
 - Prefix caching (``enable_caching``) keys full, computed blocks by a hash chain
-  (runtime/prefix_cache.py). A freed block keeps its key and stays reusable until it is popped
+  (runtime/engine/prefix_cache.py). A freed block keeps its key and stays reusable until it is popped
   for something else: the free list is an insertion-ordered dict, cached blocks join it at the
   end (least recently used first out) and key-less blocks at the front (reused before any cached
   one). A hit takes the block back (off the free list if nobody held it).
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from kvserve.runtime.prefix_cache import BlockHash
+from kvserve.runtime.engine.prefix_cache import BlockHash
 
 
 # Block-table entry of a block given back because it lies wholly behind the sliding window.

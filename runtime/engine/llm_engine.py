@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from kvserve.runtime.block_manager import BlockManager
+from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.config import EngineConfig
-from kvserve.runtime.detokenizer import IncrementalDetokenizer, make_decode_fn
+from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer, make_decode_fn
+from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator
+from kvserve.runtime.engine.prefix_cache import extra_key
 from kvserve.runtime.executor import create_executor
 from kvserve.runtime.kv_cache import kv_cache_torch_dtype
-from kvserve.runtime.kv_cache_groups import KVCacheCoordinator
 from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.runtime.prefix_cache import extra_key
 from kvserve.runtime.sampler import SamplerOutput, SamplingRow
 from kvserve.runtime.sampling_params import SamplingParams
-from kvserve.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvserve.runtime.sequence import Sequence, SequenceStatus
+from kvserve.runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.runtime.engine.sequence import Sequence, SequenceStatus
 from kvserve.runtime.stats import EngineStats, StatsCollector
 from kvserve.runtime.structured_outputs.manager import StructuredOutputManager
 

@@ -14,7 +14,7 @@ Pure and deterministic: no torch, no clocks. Each step has a token budget
 With a sliding window on every layer, a running sequence first gives back the blocks wholly
 behind its next query's window (``BlockManager.release_behind_window``), so long contexts cost
 window-sized memory. A model mixing local and global layers gets a ``KVCacheCoordinator``
-(runtime/kv_cache_groups.py) instead: the same calls, applied to one block table per layer group.
+(runtime/engine/kv_cache_groups.py) instead: the same calls, applied to one block table per layer group.
 
 With prefix caching, an admitted sequence first takes the cached blocks of its longest cached
 prefix and computes only the rest; a fully cached sequence still recomputes its last token (its
@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvserve.runtime.block_manager import BlockManager
-from kvserve.runtime.kv_cache_groups import KVCacheCoordinator
-from kvserve.runtime.prefix_cache import extend_block_hashes
-from kvserve.runtime.sequence import Sequence, SequenceStatus
+from kvserve.runtime.engine.block_manager import BlockManager
+from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator
+from kvserve.runtime.engine.prefix_cache import extend_block_hashes
+from kvserve.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
