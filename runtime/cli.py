@@ -33,7 +33,7 @@ def _add_agent_parsers(sub) -> None:
     s.add_argument("--stale-after", type=positive, default=5.0, help="sample age that counts as stale")
     s.add_argument("--drain-timeout", type=_bounded(float, 0.0, 3600.0), default=30.0,
                    help="longest a POST /drain waits for in-flight work (its ?timeout= can only shorten it)")
-    add_admin_key_flags(s)
+    add_admin_key_flags(s, role="agent")
     s.add_argument(
         "--tensor-parallel-size", type=_bounded(int, 1), default=None, help="reported for engines that do not export it"
     )
@@ -46,7 +46,7 @@ def _add_agent_parsers(sub) -> None:
     d = agent.add_parser("drain", help="ask the local agent to drain the engine (preStop hook)")
     d.add_argument("--agent-url", default="http://127.0.0.1:8081")
     d.add_argument("--timeout", type=_bounded(float, 0.0, 3600.0), default=30.0)
-    add_admin_key_flags(d, client=True)
+    add_admin_key_flags(d, role="client")
 
     t = agent.add_parser("admin-token", help="write a fresh random admin key to a file, mode 0400 "
                                              "(the pod's init step; pass the file as --admin-api-key-file)")

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvserve.runtime.server.auth import (AdminKeyError, KeySource, admin_denial, bearer_token, check_key_text,
-                                         generate_token, load_admin_key, pick_admin_key_source, write_token_file)
+                                         generate_token, is_admin_path, load_admin_key, pick_admin_key_source,
+                                         write_token_file)
 from kvserve.runtime.server.drain import effective_drain_timeout
 
 ENV_KEY, ENV_FILE = "KVSERVE_ADMIN_API_KEY", "KVSERVE_ADMIN_API_KEY_FILE"
@@ -88,6 +89,14 @@ def test_admin_key_must_differ_from_the_user_key(tmp_path):
         load_admin_key("same", None, {}, user_key="same")
     with pytest.raises(AdminKeyError, match=f"^{ENV_KEY}: the admin key must differ"):
         load_admin_key(None, None, {ENV_KEY: "same"}, user_key="same")
+
+
+@pytest.mark.parametrize("path, admin", [
+    ("/drain", True), ("/admin", True), ("/admin/", True), ("/admin/load_lora_adapter", True),
+    ("/drain/", False), ("/v1/drain", False), ("/administrator", False), ("/live", False), ("/", False),
+])
+def test_is_admin_path(path, admin):
+    assert is_admin_path(path) is admin
 
 
 @pytest.mark.parametrize("header, token", [
@@ -170,3 +179,11 @@ def test_a_request_can_only_shorten_the_drain(value, cap):
         assert not math.isfinite(value) or value < 0
     else:
         assert 0 <= got <= cap and got == min(value, cap)
+
+
+@given(st.text(max_size=60), st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7e),
+                                     min_size=1, max_size=60))
+def test_only_the_admin_key_itself_passes(header, admin_key):
+    denial = admin_denial(header, admin_key, route="POST /drain", user_key="user-key")
+    assert (denial is None) == (bearer_token(header) == admin_key)
+    assert admin_denial(f"Bearer {admin_key}", admin_key, route="POST /drain") is None

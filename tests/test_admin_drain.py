@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kvserve.runtime.agent.app import AgentConfig, build_app
 from kvserve.runtime.server.main import ServerThread
-from server_helpers import http, wait_until
+from server_helpers import http, idle, wait_until
 
 USER_KEY = "user-key-0123456789"
 ADMIN_KEY = "admin-key-9876543210"
@@ -71,6 +71,22 @@ async def test_drain_without_admin_credential_is_refused_and_runtime_keeps_servi
         assert srv.stop() == 0
 
 
+async def test_agent_reports_a_drain_the_runtime_refuses(tiny_llama):
+    """An agent whose key the runtime does not accept says so, rather than watching scrapes and
+    calling a runtime that never stopped admission "drained"."""
+    srv = _runtime(tiny_llama, "--admin-api-key", ADMIN_KEY)
+    runner, agent = await _agent(srv.url, admin_api_key="another-admin-key")
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, body = await _post(session, agent + "/drain", {"Authorization": "Bearer another-admin-key"})
+        assert status == 200 and body["drained"] is False and body["engine_status"] == 401
+        assert body["error"].startswith("the engine refused the drain: POST /drain needs the admin key")
+        assert http(srv.url, "GET", "/ready")[0] == 200 and _completion_ok(srv)
+    finally:
+        await runner.cleanup()
+        assert srv.stop() == 0
+
+
 async def test_admin_key_drains_through_the_agent_and_then_live_fails(tiny_llama, tmp_path, monkeypatch, capsys):
     """The per-pod token as the operator sets it up: `kvserve agent admin-token` writes it, the runtime
     and the agent read it with --admin-api-key-file, and the preStop hook (`kvserve agent drain`)
@@ -94,6 +110,10 @@ async def test_admin_key_drains_through_the_agent_and_then_live_fails(tiny_llama
             status, body = await _post(session, srv.url + "/drain", BEARER["user"])
             assert status == 403 and "not an admin credential" in body["error"]["message"]
             assert http(srv.url, "GET", "/ready")[0] == 200 and _completion_ok(srv)
+            # Every route under /admin/ is an admin route, even one that does not exist (yet).
+            assert http(srv.url, "POST", "/admin/load_lora_adapter", {})[0] == 401
+            assert http(srv.url, "POST", "/admin/load_lora_adapter", {}, headers=BEARER["user"])[0] == 403
+            assert http(srv.url, "POST", "/admin/load_lora_adapter", {}, headers=admin)[0] == 404
 
             # preStop while a stream is in flight: it finishes, then the runtime retires.
             body = {"model": "tiny", "prompt": "A story:", "max_tokens": 2000, "stream": True, "ignore_eos": True}
@@ -144,6 +164,7 @@ async def test_drain_is_time_boxed_and_survives_its_caller_hanging_up(tiny_llama
                 rest = await asyncio.wait_for(stream.content.read(), 30)
             assert rest.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"abort"' in rest
             await _until(lambda: http(srv.url, "GET", "/live")[0] == 503)
+            idle(srv.url)  # the aborted request's KV blocks are back in the pool
             # A later drain joins the one that ran and reports its outcome.
             async with session.post(srv.url + "/drain", headers=BEARER["admin"]) as r:
                 outcome = await r.json()
@@ -183,3 +204,14 @@ def test_agent_commands_refuse_an_unusable_or_missing_admin_key(tmp_path, capsys
             cli.main(argv)
         assert exit_.value.code == 2
         assert f"KVSERVE_ADMIN_API_KEY_FILE ({empty}): the admin key is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["agent", "serve"], ["agent", "drain"]])
+def test_admin_key_flags_are_in_help(argv, capsys):
+    from kvserve.runtime import cli
+
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--admin-api-key KEY" in out and "$KVSERVE_ADMIN_API_KEY)" in out
+    assert "--admin-api-key-file PATH" in out and "$KVSERVE_ADMIN_API_KEY_FILE" in out

@@ -9,6 +9,7 @@ left 1.5 GB behind. Scaled down: the same shape against a 1.5 s timeout."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -60,13 +61,20 @@ def tokenizer(smollm2):
     return AutoTokenizer.from_pretrained(smollm2.hf_dir)
 
 
+@pytest.fixture(scope="module")
+def vocabulary(tokenizer):
+    """xgrammar's scan of the vocabulary (~1 s), done once for all the managers built here."""
+    return StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])._tokenizer_info()
+
+
 @pytest.fixture
-def make_manager(tokenizer):
+def make_manager(tokenizer, vocabulary):
     made = []
 
     def make(**settings):
         settings.setdefault("timeout_s", TIMEOUT_S)
         manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+        manager._info = vocabulary
         manager.configure(BIG, CompileSettings(**settings))
         made.append(manager)
         wait_until(lambda: len(manager.worker_pids()) == manager.settings.workers, timeout=60)
@@ -92,30 +100,45 @@ def running_pid(manager, key_params) -> int:
 
 def test_a_compile_past_the_timeout_is_killed_and_refused_again_at_once(make_manager):
     manager = make_manager()
+    attack, again = P(json=heavy("t")), P(json=heavy("t"))
     before_pids = set(manager.worker_pids())
     parent_rss, parent_cpu = rss_mib(), sum(os.times()[:2])
     start = time.monotonic()
-    ticket = manager.acquire(P(json=heavy("t")), client="attacker")
+    ticket = manager.acquire(attack, client="attacker")
     with pytest.raises(ValueError) as exc:
         ticket.future.result(30)
     took = time.monotonic() - start
     ticket.release()
     assert "took longer than the server's limit of 1.5 s (--structured-outputs-compile-timeout)" in str(exc.value)
-    assert TIMEOUT_S <= took < TIMEOUT_S + 1.0, took
+    assert TIMEOUT_S <= took < TIMEOUT_S + 3.0, took  # uncapped, it compiles for 5 s or more
     killed = before_pids - set(manager.worker_pids())
     assert len(killed) == 1
     wait_until(lambda: not any(alive(pid) for pid in killed), timeout=5)  # its CPU and memory are the OS's again
-    # The compile ran in the worker, not here: this process neither computed nor kept it.
+    # The compile ran in the worker, not here: this process neither computed nor kept it (the
+    # limits check, a walk over the schema, is the only work done here).
     assert sum(os.times()[:2]) - parent_cpu < 0.5 * took
     assert rss_mib() - parent_rss < 50
     # A refusal is remembered: the same schema again costs nothing.
     start = time.monotonic()
     with pytest.raises(ValueError, match="--structured-outputs-compile-timeout"):
-        manager.acquire(P(json=heavy("t")), client="attacker").future.result(1)
+        manager.acquire(again, client="attacker").future.result(1)
     assert time.monotonic() - start < 0.5
     # ... and the slot has a fresh worker for the next compile.
+    wait_until(lambda: len(manager.worker_pids()) == 2, timeout=10)
     assert manager.compile(P(json=small("after"))).result(10) is not None
-    assert len(manager.worker_pids()) == 2
+
+
+def test_a_compile_past_the_memory_limit_is_killed(make_manager):
+    manager = make_manager(timeout_s=60.0, max_compile_bytes=8 * 1024 * 1024)
+    params = P(json=heavy("m"))
+    ticket = manager.acquire(params, client="a")
+    pid = running_pid(manager, params)
+    with pytest.raises(ValueError) as exc:
+        ticket.future.result(30)
+    ticket.release()
+    assert "more than the server's limit of 8 MiB of memory (--structured-outputs-compile-max-memory)" in str(exc.value)
+    wait_until(lambda: not alive(pid), timeout=5)
+    assert manager.compile(P(json=small("fine"))).result(10) is not None  # small compiles stay under it
 
 
 def test_the_last_waiter_leaving_stops_the_compile_and_gives_its_memory_back(make_manager):
@@ -201,6 +224,23 @@ def test_the_cache_is_bounded_by_entries_and_bytes(make_manager):
     assert entries == 2 and size <= 2.5 * one
 
 
+def test_no_worker_is_a_server_error_and_not_remembered(tokenizer, monkeypatch):
+    from kvserve.runtime.structured_outputs import worker_pool
+
+    def cannot_fork():
+        raise OSError("injected: fork failed")
+
+    monkeypatch.setattr(worker_pool._zygote, "fork", cannot_fork)
+    manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+    try:
+        with pytest.raises(RuntimeError, match="no grammar compile worker could be started"):
+            manager.compile(P(json=small("nofork"))).result(60)
+        monkeypatch.undo()  # the fault passes: the same grammar compiles, it was not refused for good
+        assert manager.compile(P(json=small("nofork"))).result(60) is not None
+    finally:
+        manager.close()
+
+
 def test_close_kills_the_workers(make_manager):
     manager = make_manager()
     pids = manager.worker_pids()
@@ -259,6 +299,9 @@ def ask(client, schema, max_tokens=20):
 def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(server):
     attacker, user = client_from(server, "127.0.0.2"), client_from(server, "127.0.0.1")
     ask(user, small("warm"))
+    quiet = time.monotonic()
+    ask(user, small("quiet"), max_tokens=30)  # the same work with no attack: this machine's pace now
+    quiet = time.monotonic() - quiet
     results = {}
 
     def attack(i):
@@ -276,10 +319,12 @@ def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(ser
     asked = time.monotonic()
     answer = ask(user, small("user"), max_tokens=30)
     served = time.monotonic() - asked
-    print(f"attack compiling after {asked - start:.2f}s; the other client served in {served:.2f}s")
+    print(f"attack compiling after {asked - start:.2f}s; the other client served in {served:.2f}s "
+          f"({quiet:.2f}s with no attack)")
     for t in threads:
         t.join(30)
-    assert served < TIMEOUT_S, f"the other client waited {served:.1f}s"
+    # Before issue 18 it waited for both attack compiles (34 s); now only for a share of the CPU.
+    assert served < max(TIMEOUT_S, 3 * quiet), f"the other client waited {served:.1f}s ({quiet:.1f}s with no attack)"
     json.loads(answer.choices[0].message.content)  # the grammar held: valid JSON of the small schema
     for i in range(2):
         finished, exc = results[i]
@@ -333,7 +378,10 @@ def test_limits_are_400s_naming_field_and_flag(server, schema, message):
 
 def test_busy_is_a_429_with_retry_after(server):
     manager = server.server.state.engine.structured_outputs
-    held = [manager.acquire(P(json=heavy(f"busy{i}")), client="127.0.0.1") for i in range(4)]
+    schemas = [P(json=heavy(f"busy{i}")) for i in range(4)]
+    settings = manager.settings
+    manager.settings = dataclasses.replace(settings, timeout_s=60.0)  # held for the whole test, however loaded
+    held = [manager.acquire(s, client="127.0.0.1") for s in schemas]
     try:
         status, headers, body = http(server.url, "POST", "/v1/chat/completions", {
             "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
@@ -345,4 +393,5 @@ def test_busy_is_a_429_with_retry_after(server):
     finally:
         for t in held:
             t.release()
+        manager.settings = settings
     wait_until(lambda: not manager._jobs, timeout=5)

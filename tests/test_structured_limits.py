@@ -130,7 +130,7 @@ def test_limits_must_be_positive_integers(field, value):
 
 @pytest.mark.parametrize("field, value", [("workers", 0), ("timeout_s", 0), ("timeout_s", float("inf")),
                                           ("timeout_s", float("nan")), ("max_per_client", 0), ("max_queued", -1),
-                                          ("cache_entries", 0), ("cache_bytes", 0)])
+                                          ("cache_entries", 0), ("cache_bytes", 0), ("max_compile_bytes", 0)])
 def test_compile_settings_must_be_positive(field, value):
     with pytest.raises(ValueError, match=field):
         CompileSettings(**{field: value})

@@ -7,14 +7,15 @@ of the engine thread by an order of magnitude. An Aho-Corasick automaton over th
 each new character once (amortized), and its state *is* the tail to hold back: the longest suffix
 of the text that is a prefix of some stop.
 
-The automaton is immutable and cached per tuple of stops, so the n samples of a request (and the
-server, which builds it off the event loop before the engine sees the request) share one.
+The automaton is immutable and shared per tuple of stops while in use, so the n samples of a
+request share one, and the server builds it off the event loop before the engine sees the request.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import deque
-from functools import lru_cache
 
 # One dict for all edges, keyed by node << _SHIFT | code point: far smaller than a dict per node
 # for the long single-child chains that long stop strings make.
@@ -98,6 +99,19 @@ class StopAutomaton:
         return node, (best[0], self.stops[best[1]])
 
 
-@lru_cache(maxsize=32)
+_live: "weakref.WeakValueDictionary[tuple[str, ...], StopAutomaton]" = weakref.WeakValueDictionary()
+_live_lock = threading.Lock()
+
+
 def compile_stops(stops: tuple[str, ...]) -> StopAutomaton:
-    return StopAutomaton(stops)
+    """The automaton for these stops: the one some live request already holds, else a new one.
+    Shared while anything holds it (the server's plan of a request holds it until the request
+    ends, so the engine thread never builds one), and gone with its last holder: no cache to
+    evict from or to grow."""
+    with _live_lock:
+        automaton = _live.get(stops)
+    if automaton is None:
+        built = StopAutomaton(stops)
+        with _live_lock:
+            automaton = _live.setdefault(stops, built)
+    return automaton

@@ -11,6 +11,7 @@ TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 RETRY_REASONS = ("connect", "http_429", "http_503", "disconnected")
 HOLD_OUTCOMES = ("released", "timeout", "rejected", "client_gone")
 REFUSAL_CODES = ("401", "404", "405")
+RETIRED_KEPT = 32  # gone pods whose series are still shown
 HOLD_BUCKETS = [0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]
 
 
@@ -64,10 +65,27 @@ class RouterMetrics:
         for code in REFUSAL_CODES:
             self.refusals.labels(code)
         self.body_rejections.labels("buffered")
+        self._retired: dict[str, None] = {}  # gone pods, oldest first
 
-    def forget_upstream(self, upstream: str) -> None:
-        """A pod that is gone for good (pods come and go under an autoscaler, each with a new
-        name): its series leave /metrics, so their number follows the live pods, not history."""
+    def retire_upstream(self, upstream: str) -> None:
+        """A pod that went away. Its series stay (a dashboard or a report still reads what it
+        served) until RETIRED_KEPT more pods have gone: pods come and go under an autoscaler, each
+        with a new name, and the number of series must follow the live pods, not the history."""
+        self._retired.pop(upstream, None)
+        self._retired[upstream] = None
+        while len(self._retired) > RETIRED_KEPT:
+            oldest = next(iter(self._retired))
+            del self._retired[oldest]
+            self._remove(oldest)
+
+    def revive_upstream(self, upstream: str) -> None:
+        self._retired.pop(upstream, None)
+
+    def shows(self, upstream: str) -> bool:
+        """Whether a gone pod's series are still kept."""
+        return upstream in self._retired
+
+    def _remove(self, upstream: str) -> None:
         from .policy import DECISIONS
 
         for metric, labels in [(self.requests, (upstream, d)) for d in DECISIONS] + [(self.ttft, (upstream,)),

@@ -25,15 +25,21 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
-def add_admin_key_flags(p: argparse.ArgumentParser, *, client: bool = False) -> None:
-    """The admin credential, shared by `kvserve serve` and `kvserve agent serve|drain` (`client`: the
-    command sends the key rather than checks it). Defaults stay None so that
-    kvserve.runtime.server.auth can tell a flag from the environment."""
-    what = ("send `Authorization: Bearer KEY` (the admin key of the agent and runtime)" if client else
-            "require `Authorization: Bearer KEY` on admin routes (POST /drain, /admin/*); must differ from "
-            "--api-key; without one, admin routes answer 403")
+ADMIN_KEY_HELP = {
+    "serve": "require `Authorization: Bearer KEY` on admin routes (POST /drain, /admin/*); must differ from "
+             "--api-key; without one, admin routes answer 403",
+    "agent": "require `Authorization: Bearer KEY` on the agent's POST /drain, and send it on to the runtime's; "
+             "without one, /drain answers 403",
+    "client": "send `Authorization: Bearer KEY` (the pod's admin key)",
+}
+
+
+def add_admin_key_flags(p: argparse.ArgumentParser, role: str = "serve") -> None:
+    """The admin credential, shared by `kvserve serve` and `kvserve agent serve|drain` (`role`, a key
+    of ADMIN_KEY_HELP). Defaults stay None so that kvserve.runtime.server.auth can tell a flag from
+    the environment."""
     p.add_argument("--admin-api-key", default=None, metavar="KEY",
-                   help=f"{what} (default: $KVSERVE_ADMIN_API_KEY)")
+                   help=f"{ADMIN_KEY_HELP[role]} (default: $KVSERVE_ADMIN_API_KEY)")
     p.add_argument("--admin-api-key-file", default=None, metavar="PATH",
                    help="read the admin key from this file (its content, stripped) instead of --admin-api-key "
                         "(default: $KVSERVE_ADMIN_API_KEY_FILE)")
@@ -118,6 +124,9 @@ def add_structured_outputs_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-compile-timeout", type=_bounded(float, 0.001), default=10.0, metavar="S",
                    help="seconds a grammar may take to compile; a slower one is stopped (its worker process "
                         "killed) and refused with 400")
+    g.add_argument("--structured-outputs-compile-max-memory", type=_bounded(int, 1), default=2 * 1024**3,
+                   metavar="BYTES", help="memory one grammar compile may take (its worker's growth); past it the "
+                                         "worker is killed and the grammar refused with 400")
     g.add_argument("--structured-outputs-compile-workers", type=_bounded(int, 1, 64), default=2, metavar="N",
                    help="grammar-compile worker processes (one client may use at most N-1 of them at once)")
     g.add_argument("--structured-outputs-max-compiles-per-client", type=_bounded(int, 1), default=4, metavar="N",
@@ -153,5 +162,6 @@ def structured_outputs_config(args: argparse.Namespace):
                                max_per_client=args.structured_outputs_max_compiles_per_client,
                                max_queued=args.structured_outputs_max_queued_compiles,
                                cache_entries=args.structured_outputs_cache_entries,
-                               cache_bytes=args.structured_outputs_cache_bytes)
+                               cache_bytes=args.structured_outputs_cache_bytes,
+                               max_compile_bytes=args.structured_outputs_compile_max_memory)
     return limits, settings

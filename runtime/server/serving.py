@@ -104,6 +104,8 @@ class Plan:
     logprobs: int | None  # completions: top-N; chat: top_logprobs (0 with logprobs=true)
     want_logprobs: bool
     outputs: OutputPlan = field(default_factory=OutputPlan)
+    # Held while the request runs, so the engine thread finds the stop automaton already built.
+    stop_automaton: Any = None
 
     @property
     def by_request(self) -> dict[str, list[Choice]]:

@@ -29,9 +29,11 @@ class CompileSettings:
     max_queued: int = 64
     cache_entries: int = 256
     cache_bytes: int = 512 * 1024 * 1024
+    # Memory one compile may take (the worker's resident growth while compiling it).
+    max_compile_bytes: int = 2 * 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("workers", "max_per_client", "max_queued", "cache_entries", "cache_bytes"):
+        for name in ("workers", "max_per_client", "max_queued", "cache_entries", "cache_bytes", "max_compile_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -149,18 +149,17 @@ class StructuredOutputManager:
         Raises GrammarCompileBusy if the client or the queue has no room (nothing is started)."""
         key = params.key()
         with self._lock:
-            fut = self._futures.get(key)
-            if fut is not None and not fut.cancelled():
-                self._futures.move_to_end(key)
-                return CompileTicket(fut)
-            job = self._jobs.get(key)
-            if job is not None and not job.cancelled:
-                job.waiters += 1
-                return CompileTicket(job.future, lambda: self._release(job))
-            try:
-                self.limits.check(params)
-            except ValueError as exc:
-                return CompileTicket(_failed(exc))  # not cached: checking again costs less than keeping it
+            ticket = self._join(key)
+        if ticket is not None:
+            return ticket
+        try:  # outside the lock: a walk over a big schema must not hold up other requests' lookups
+            self.limits.check(params)
+        except ValueError as exc:
+            return CompileTicket(_failed(exc))  # not cached: checking again costs less than keeping it
+        with self._lock:
+            ticket = self._join(key)  # someone may have started it meanwhile
+            if ticket is not None:
+                return ticket
             check_admission(client, self._owned[client], len(self._waiting), self.settings)
             if self._closed:
                 return CompileTicket(_failed(RuntimeError("structured outputs: the engine is closed")))
@@ -172,6 +171,18 @@ class StructuredOutputManager:
             self._start_slots()
             self._lock.notify_all()
             return CompileTicket(job.future, lambda: self._release(job))
+
+    def _join(self, key: tuple) -> CompileTicket | None:
+        """Under the lock: a hold on a finished or running compile of ``key``, if there is one."""
+        fut = self._futures.get(key)
+        if fut is not None and not fut.cancelled():
+            self._futures.move_to_end(key)
+            return CompileTicket(fut)
+        job = self._jobs.get(key)
+        if job is not None and not job.cancelled:
+            job.waiters += 1
+            return CompileTicket(job.future, lambda: self._release(job))
+        return None
 
     def _release(self, job: _Job) -> None:
         with self._lock:
@@ -227,6 +238,8 @@ class StructuredOutputManager:
             except ValueError:
                 pass  # a tokenizer xgrammar cannot use: every job says so (_run_job)
             while True:
+                if worker is not None and not self._closed:
+                    worker.start(lambda: self._closed)  # after a kill: a fresh one now, not in the next compile's time
                 with self._lock:
                     job = self._next_job()
                 if job is None:
@@ -246,11 +259,13 @@ class StructuredOutputManager:
                         self._finish(job)
                         if job.cancelled or result is None:
                             job.future.cancel()
+                        elif isinstance(result, ValueError):  # the grammar's fault: refused again at once
+                            job.future.set_exception(result)
+                            self._cache(job.key, job.future)
+                        elif isinstance(result, BaseException):  # the server's: the next request tries again
+                            job.future.set_exception(result)
                         else:
-                            if isinstance(result, BaseException):
-                                job.future.set_exception(result)
-                            else:
-                                job.future.set_result(result)
+                            job.future.set_result(result)
                             self._cache(job.key, job.future)
                         self._lock.notify_all()
         finally:
@@ -258,7 +273,8 @@ class StructuredOutputManager:
                 worker.kill()
 
     def _run_job(self, job: _Job, worker: CompileWorker):
-        """A CompiledGrammar, a ValueError to answer with, or None if cancelled."""
+        """A CompiledGrammar, a ValueError to answer with (the grammar's fault), a RuntimeError
+        (the server's), or None if cancelled."""
         kind = job.params.kind
         try:
             self._get_compiler()
@@ -267,9 +283,18 @@ class StructuredOutputManager:
         assert worker is not None
         if worker.start(lambda: job.cancelled):
             job.pid = worker.pid
-        outcome = worker.trial(job.params.to_dict(), self.settings.timeout_s, lambda: job.cancelled)
+        outcome = worker.trial(job.params.to_dict(), self.settings.timeout_s, lambda: job.cancelled,
+                               max_growth_bytes=self.settings.max_compile_bytes)
         if outcome.status == "cancelled":
             return None
+        if outcome.status == "unavailable":
+            return RuntimeError("structured outputs: no grammar compile worker could be started (see the server log)")
+        if outcome.status == "memory":
+            log.warning("grammar compile (%s, %d bytes, client %s) stopped at %s: memory limit", kind,
+                        len(job.key[1]), job.client, outcome.detail)
+            return ValueError(f"structured_outputs.{kind}: compiling this grammar took more than the server's limit "
+                              f"of {self.settings.max_compile_bytes >> 20} MiB of memory "
+                              "(--structured-outputs-compile-max-memory); simplify it")
         if outcome.status == "timeout":
             log.warning("grammar compile (%s, %d bytes, client %s) stopped after %.1fs: timeout", kind,
                         len(job.key[1]), job.client, outcome.seconds)

@@ -8,7 +8,8 @@ The child only answers "this grammar compiles, in so many seconds": xgrammar's C
 does serialise (``serialize_json``), but its token-mask cache makes that text huge (81 MB and
 5.8 s for a 500-branch schema that compiles in 0.06 s on SmolLM2's vocabulary), so the server
 compiles the grammar again itself once the child has shown that it finishes in time. The
-server's compile is deterministic, so it is bounded by the same timeout.
+compile is deterministic: the server's second one does the same work, so it takes about as long
+as the child's did (a load spike aside), within the timeout.
 
 Workers fork from a small "zygote" process (started once with a clean interpreter, so no thread
 of the server is copied, and no user ``__main__`` is re-imported as multiprocessing's spawn and
@@ -45,7 +46,9 @@ RECYCLE_GROWTH_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TrialOutcome:
-    """``status`` is "ok" | "error" | "timeout" | "cancelled" | "died"."""
+    """``status`` is "ok" | "error" (the grammar does not compile) | "timeout" | "memory" (past
+    the growth limit) | "cancelled" | "died" (the child exited mid-compile) | "unavailable" (no
+    child could be started: the server's fault, not the grammar's)."""
 
     status: str
     seconds: float = 0.0
@@ -155,11 +158,14 @@ class CompileWorker:
         self._start_rss = 0
         return True
 
-    def trial(self, params: dict, timeout_s: float, should_stop: Callable[[], bool]) -> TrialOutcome:
+    def trial(self, params: dict, timeout_s: float, should_stop: Callable[[], bool],
+              max_growth_bytes: int | None = None) -> TrialOutcome:
         """Compiles ``params`` (StructuredOutputsParams fields) in the child; kills the child if
-        the deadline passes or ``should_stop()`` turns true first."""
+        the deadline passes, its resident memory grows by more than ``max_growth_bytes`` or
+        ``should_stop()`` turns true first."""
         if not self.start(should_stop):
-            return TrialOutcome("cancelled" if should_stop() else "died", detail="the worker could not start")
+            return TrialOutcome("cancelled" if should_stop() else "unavailable", detail="the worker could not start")
+        base_rss = self.rss_bytes()
         started = time.monotonic()
         try:
             self._conn.send(("compile", params))
@@ -186,6 +192,11 @@ class CompileWorker:
             if time.monotonic() >= deadline:
                 self.kill()
                 return TrialOutcome("timeout", time.monotonic() - started)
+            if max_growth_bytes is not None and base_rss:
+                grown = self.rss_bytes() - base_rss
+                if grown > max_growth_bytes:
+                    self.kill()
+                    return TrialOutcome("memory", time.monotonic() - started, f"{grown >> 20} MiB")
 
     def rss_bytes(self) -> int:
         return _rss_bytes(self.pid) if self.pid is not None else 0

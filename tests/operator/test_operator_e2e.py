@@ -315,8 +315,13 @@ def test_credentials_come_from_secrets_and_policies_follow_the_switch(cluster):
         assert any(e["reason"] == "InvalidSpec" and "apiKeySecret" in e["message"] for e in api.events()
                    if e["involvedObject"].get("name") == "keyed")
 
+        logged = len(list(emulator.emulator))
         api.patch_spec("keyed", {"runtime": {"env": [], "apiKeySecret": {"name": "llm-key", "key": "KVSERVE_API_KEY"}}})
         dep = wait_for(lambda: api.get("Deployment", "keyed"), what="Deployment after the fix")
+        # The policy exists before the first pod could: it is created before the Deployment.
+        created = [r.resource.plural for r in list(emulator.emulator)[logged:]
+                   if r.resource is not None and str(r.method.value).upper() == "POST"]
+        assert created.index("networkpolicies") < created.index("deployments"), created
         runtime = dep["spec"]["template"]["spec"]["containers"][0]
         (key,) = [e for e in runtime["env"] if e["name"] == "KVSERVE_API_KEY"]
         assert key == {"name": "KVSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key",

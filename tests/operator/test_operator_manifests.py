@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from kvserve.operator import manifests as M
+from kvserve.operator.netpol import build_network_policies
 from kvserve.operator.spec import parse_spec
 
 K8S_VERSION = "1.33.0"
@@ -28,7 +29,8 @@ CASES = [("tiny-cpu", 1, 1), ("llama-8b-gpu", 3, 1), ("llama-8b-gpu", 8, 4), ("m
 @pytest.mark.parametrize("example,replicas,tp", CASES)
 def test_every_manifest_validates_strictly(example, replicas, tp):
     obj = owner(example)
-    for manifest in M.build_all(obj, parse_spec(obj["spec"]), replicas=replicas, tp=tp):
+    spec = parse_spec(obj["spec"])
+    for manifest in M.build_all(obj, spec, replicas=replicas, tp=tp) + build_network_policies(obj, spec):
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
