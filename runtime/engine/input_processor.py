@@ -10,6 +10,7 @@ request in it leaves the engine as it was: no output, no metric, no block.
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -24,6 +25,18 @@ from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.stats import StatsCollector
 
 Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A request that passed every check but its grammar's."""
+
+    request_id: str
+    prompt_text: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    cache_extra: bytes | None
 
 
 class InputProcessor:
@@ -53,16 +66,17 @@ class InputProcessor:
             if request_id in seen or in_use(request_id):
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             seen.add(request_id)
-        parsed = [(rid, prompt, self.sampling_params(params)) for rid, prompt, params in batch]
-        # Grammars compile in parallel in the manager's threads. One already compiled (the server
-        # compiles before adding; the cache keeps it) or failed is settled here; one still
-        # compiling is admitted and waits in the core, costing the running batch nothing.
-        grammars = [self.structured_outputs.compile(p.structured_outputs) if p.structured_outputs is not None
-                    else None for _, _, p in parsed]
+        checked = [self._check(rid, prompt, self.sampling_params(params)) for rid, prompt, params in batch]
+        # Grammars last (the rest is cheap), compiled in parallel in the manager's threads. One
+        # already compiled (the server compiles before adding, and the cache keeps it) or failed
+        # is settled here; one still compiling is admitted and waits in the core, costing the
+        # running batch nothing.
+        grammars = [self.structured_outputs.compile(c.params.structured_outputs)
+                    if c.params.structured_outputs is not None else None for c in checked]
         if wait_for_grammars:
             concurrent.futures.wait([g for g in grammars if g is not None])
-        return [self._process(rid, prompt, params, grammar, arrival_time)
-                for (rid, prompt, params), grammar in zip(parsed, grammars)]
+        compiled = [g.result() if g is not None and g.done() else None for g in grammars]  # a ValueError
+        return [self._build(c, grammar, done, arrival_time) for c, grammar, done in zip(checked, grammars, compiled)]
 
     @staticmethod
     def sampling_params(params: SamplingParams | dict | None) -> SamplingParams:
@@ -74,8 +88,7 @@ class InputProcessor:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         return params
 
-    def _process(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                 grammar: concurrent.futures.Future | None, arrival_time: float | None) -> Request:
+    def _check(self, request_id: str, prompt: Prompt, params: SamplingParams) -> "_Checked":
         prompt_text, prompt_ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -87,13 +100,14 @@ class InputProcessor:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
-        compiled = None
-        if grammar is not None and grammar.done():
-            compiled = grammar.result()  # a compile error is a ValueError naming the field
+        return _Checked(request_id, prompt_text, prompt_ids, params, max_tokens, extra_key(cache_salt))
+
+    def _build(self, c: "_Checked", grammar: concurrent.futures.Future | None, compiled,
+               arrival_time: float | None) -> Request:
         metrics = RequestMetrics(arrival_time=arrival_time or StatsCollector.now())
-        samples = [self._new_sample(request_id, prompt_text, prompt_ids, max_tokens, params, metrics,
-                                    extra_key(cache_salt), index) for index in range(params.n)]
-        if params.n > 1:
+        samples = [self._new_sample(c.request_id, c.prompt_text, c.prompt_ids, c.max_tokens, c.params, metrics,
+                                    c.cache_extra, index) for index in range(c.params.n)]
+        if c.params.n > 1:
             samples[0].unforked = samples[1:]
             for s in samples:
                 s.group = samples
