@@ -139,7 +139,9 @@ async def test_paths_outside_the_allowlist_never_reach_a_pod(pod, target):
     finally:
         await runner.cleanup()
     assert status == 404, (target, status, data)
-    assert openai_error(data)["type"] == "invalid_request_error"
+    error = openai_error(data)
+    assert error["type"] == "invalid_request_error" and error["code"] is None
+    assert "The router serves POST /v1/completions" in error["message"]
     assert pod.seen == []
 
 
