@@ -226,3 +226,18 @@ def test_every_supported_architecture_has_a_family_for_hand_written_configs():
     from kvserve.runtime.architectures import _BY_MODEL_TYPE
 
     assert sorted(_BY_MODEL_TYPE.values()) == sorted(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_plan_counts_hybrid_kv_groups_at_every_tp_degree(tp):
+    """The runtime keeps one pool per layer kind at every TP degree, so the plan's sequences at a
+    long context count the local layers' window bound at TP 2 as at TP 1."""
+    from kvserve.runtime.capacity import kv_tokens_held, plan_capacity
+
+    gemma = ModelShape.from_hf_config(_config("Gemma2ForCausalLM", sliding_window=64, head_dim=16))
+    assert gemma.num_sliding_layers == 2
+    plan = plan_capacity(gemma, dtype_size=2, block_size=16, tp=tp, gpu_memory_bytes=2**30,
+                         activation_reserve_bytes=0, context_len=4096)
+    one_table = plan.kv_tokens // kv_tokens_held(gemma, 4096, block_size=16, max_step_tokens=2048,
+                                                 kv_cache_groups=False)
+    assert plan.max_sequences_at_context_len > one_table

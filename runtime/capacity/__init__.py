@@ -27,7 +27,7 @@ tokens, whatever its context length (``kv_tokens_held``); a long context then co
 per context token (``kv_bytes_per_context_token``), and a pool serves more such sequences
 (``plan_capacity(context_len=...)``). When only some layers are local (Gemma's alternating
 local/global layers, Qwen2's max_window_layers), the runtime keeps one block table and pool per
-layer group (runtime/engine/kv_cache_groups.py, at tensor_parallel_size 1): the local layers hold the
+layer group (runtime/engine/kv_cache_groups.py, at every tensor-parallel degree): the local layers hold the
 window bound and the global ones the whole context, and ``kv_tokens_held`` averages the two per
 layer, and ``plan_capacity(context_len=L)`` counts the L-token sequences the split pools hold.
 ``kv_tokens`` stays the single-table count (the ratio between TP degrees the operator uses);

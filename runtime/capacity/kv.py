@@ -3,7 +3,7 @@
 Every rank stores its slice of every token, so a replica's capacity in tokens equals one GPU's.
 With a window on every layer the runtime gives back the blocks behind each sequence's window
 (``kv_tokens_held``); with local and global layers it keeps one block table per layer group
-(runtime/engine/kv_cache_groups.py, at tensor_parallel_size 1).
+(runtime/engine/kv_cache_groups.py, at every tensor-parallel degree).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def kv_tokens_held(shape: ModelShape, context_len: int, *, block_size: int, max_
     each step computes at most `max_step_tokens` of its tokens: all of its blocks, or, with a
     window on every layer, the window before a step plus the step at the worst block alignment
     (the same bound as BlockManager.max_blocks_held). With local and global layers and
-    `kv_cache_groups` (the runtime's hybrid KV cache manager, on at tensor_parallel_size 1), the
+    `kv_cache_groups` (the runtime's hybrid KV cache manager, on at every tensor-parallel degree), the
     local layers hold that window bound and the global ones every block: the average per layer,
     rounded up, is returned (so that times ``kv_bytes_per_token`` it is the bytes held)."""
     if context_len < 1 or block_size < 1 or max_step_tokens < 1:

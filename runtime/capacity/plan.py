@@ -75,16 +75,14 @@ def plan_capacity(
     blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
     at_context: dict[str, int] = {}
     if context_len is not None:
-        groups = tp == 1  # the runtime keeps one block table for all layers at higher degrees
-        if groups and has_kv_cache_groups(shape):
+        if has_kv_cache_groups(shape):
             # Each group's pool is sized for this length (kvserve.runtime.engine.kv_cache_groups), so the
             # budget divides by the bytes one such sequence holds across the layers.
             layer_bytes = kv_bytes_per_token(shape, kv_size, tp) // shape.num_layers
             held_bytes = layer_slots_held(shape, context_len, block_size, max_step_tokens, True) * layer_bytes
             sequences = kv_budget // held_bytes
         else:
-            held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens,
-                                  kv_cache_groups=groups)
+            held = kv_tokens_held(shape, context_len, block_size=block_size, max_step_tokens=max_step_tokens)
             sequences = blocks * block_size // held
         at_context = dict(context_len=context_len, max_sequences_at_context_len=sequences,
                           context_tokens=sequences * context_len)
