@@ -304,6 +304,19 @@ def test_truncated_gguf_is_refused(tiny_gguf_file, tmp_path):
     assert "several GGUF files" in check_model_dir(two)[0]
 
 
+def test_a_gguf_without_tensors_is_not_a_model(tmp_path):
+    import gguf
+
+    d = tmp_path / "m"
+    d.mkdir()
+    w = gguf.GGUFWriter(str(d / "empty.gguf"), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert check_model_dir(d) == ["empty.gguf: has no tensors"]
+
+
 def test_hub_gguf_file_from_offline_cache(tiny_gguf_file, tmp_path, monkeypatch):
     home = tmp_path / "hf_home"
     _hub_cache(home, tiny_gguf_file.parent, repo="kvserve-test/tiny-gguf")

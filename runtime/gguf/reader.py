@@ -38,7 +38,7 @@ MAX_DIMS = 4
 # them, so they are walked (and skipped) up to this depth instead of refused outright.
 MAX_ARRAY_DEPTH = 8
 # ggml counts elements and bytes in int64.
-_MAX_ELEMENTS = 2**63 - 1
+_MAX_TENSOR_ELEMENTS = 2**63 - 1
 # The tokenizer is converted by transformers through the gguf package's reader, which keeps
 # about 1.6 KB per metadata array element and 3.7 KB per key (a 24 MB file of 3M empty strings
 # took it 4.9 GB and 3.5 minutes). This reader runs first (ModelConfig), so these caps bound that
@@ -391,7 +391,7 @@ def tensor_info(path: pathlib.Path, file_size: int, data_start: int, alignment: 
     if 0 in shape:  # an empty weight is of no use, and has no rows to view it by
         raise GGUFError(path, field, f"dimensions {list(reversed(shape))} include a 0")
     count = math.prod(shape)
-    if count > _MAX_ELEMENTS:
+    if count > _MAX_TENSOR_ELEMENTS:
         raise GGUFError(path, field, f"dimensions {list(reversed(shape))} overflow: {count} elements is more "
                                      f"than 2**63 - 1")
     rows_of = shape[-1] if shape else 1
