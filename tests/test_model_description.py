@@ -42,8 +42,9 @@ sys.modules["torch"] = None  # any `import torch` now raises ImportError
 from kvserve.runtime.capacity import ModelShape, plan_capacity, weight_format
 from kvserve.runtime.model_config import ModelConfig
 from kvserve.runtime.weight_formats import resolve_format
-from kvserve.runtime.agent import model_info
-from kvserve.operator import autoscaler, handlers, spec, status
+from kvserve.runtime.config import EngineConfig
+from kvserve.runtime.agent import app, model_info
+from kvserve.operator import autoscaler, cli, handlers, spec, status
 config = json.loads(sys.argv[1])
 cfg = ModelConfig.from_dict(config)
 fmt = weight_format(resolve_format(None, config), 2, 64, config["quantization_config"])
@@ -54,8 +55,9 @@ print(json.dumps([cfg.architecture, cfg.all_layers_sliding, fmt.name, plan.kv_to
 
 
 def test_the_capacity_model_config_and_formats_import_without_torch():
-    """The operator and the agent sidecar carry no torch: what they import of the runtime must not
-    pull it in (checked in a fresh interpreter where importing torch fails)."""
+    """The operator and the agent sidecar carry no torch: what they import of the runtime (and the
+    engine options they validate) must not pull it in (checked in a fresh interpreter where
+    importing torch fails)."""
     config = _config("MistralForCausalLM", sliding_window=32,
                      quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32})
     done = subprocess.run([sys.executable, "-c", TORCH_FREE_SCRIPT, json.dumps(config)],
