@@ -8,7 +8,6 @@ is refused. Every linear layer, the LM head and the embedding table are quantize
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from kvserve.runtime.models.quantization.base import (LinearMethod, LinearSpec, PackedWeightApplier, QuantizationConfig,

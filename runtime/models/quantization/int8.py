@@ -7,7 +7,6 @@ bfloat16 inputs).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from kvserve.runtime.models.quantization.base import (LinearMethod, LinearSpec, PackedWeightApplier, QuantizationConfig,
