@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvserve.runtime.server.auth import (AdminKeyError, KeySource, admin_denial, bearer_token, check_key_text,
-                                         generate_token, load_admin_key, pick_admin_key_source, write_token_file)
+                                         generate_token, is_admin_path, load_admin_key, pick_admin_key_source,
+                                         write_token_file)
 from kvserve.runtime.server.drain import effective_drain_timeout
 
 ENV_KEY, ENV_FILE = "KVSERVE_ADMIN_API_KEY", "KVSERVE_ADMIN_API_KEY_FILE"
@@ -88,6 +89,14 @@ def test_admin_key_must_differ_from_the_user_key(tmp_path):
         load_admin_key("same", None, {}, user_key="same")
     with pytest.raises(AdminKeyError, match=f"^{ENV_KEY}: the admin key must differ"):
         load_admin_key(None, None, {ENV_KEY: "same"}, user_key="same")
+
+
+@pytest.mark.parametrize("path, admin", [
+    ("/drain", True), ("/admin", True), ("/admin/", True), ("/admin/load_lora_adapter", True),
+    ("/drain/", False), ("/v1/drain", False), ("/administrator", False), ("/live", False), ("/", False),
+])
+def test_is_admin_path(path, admin):
+    assert is_admin_path(path) is admin
 
 
 @pytest.mark.parametrize("header, token", [

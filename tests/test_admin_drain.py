@@ -110,6 +110,10 @@ async def test_admin_key_drains_through_the_agent_and_then_live_fails(tiny_llama
             status, body = await _post(session, srv.url + "/drain", BEARER["user"])
             assert status == 403 and "not an admin credential" in body["error"]["message"]
             assert http(srv.url, "GET", "/ready")[0] == 200 and _completion_ok(srv)
+            # Every route under /admin/ is an admin route, even one that does not exist (yet).
+            assert http(srv.url, "POST", "/admin/load_lora_adapter", {})[0] == 401
+            assert http(srv.url, "POST", "/admin/load_lora_adapter", {}, headers=BEARER["user"])[0] == 403
+            assert http(srv.url, "POST", "/admin/load_lora_adapter", {}, headers=admin)[0] == 404
 
             # preStop while a stream is in flight: it finishes, then the runtime retires.
             body = {"model": "tiny", "prompt": "A story:", "max_tokens": 2000, "stream": True, "ignore_eos": True}

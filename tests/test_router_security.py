@@ -139,7 +139,9 @@ async def test_paths_outside_the_allowlist_never_reach_a_pod(pod, target):
     finally:
         await runner.cleanup()
     assert status == 404, (target, status, data)
-    assert openai_error(data)["type"] == "invalid_request_error"
+    error = openai_error(data)
+    assert error["type"] == "invalid_request_error" and error["code"] is None
+    assert "The router serves POST /v1/completions" in error["message"]
     assert pod.seen == []
 
 
@@ -184,6 +186,39 @@ async def test_a_wrong_key_is_a_401_before_the_body_and_never_held(pod, authoriz
         assert status == 401
     finally:
         await runner.cleanup()
+
+
+async def expect_continue(port: int, authorization: str, length: int) -> bytes:
+    """Headers with `Expect: 100-continue`, as curl sends a big body: what the router answers
+    before any body byte is sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: r\r\nAuthorization: {authorization}\r\n"
+                 f"Content-Length: {length}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    if answer.startswith(b"HTTP/1.1 100"):
+        writer.write(b"{" + b" " * (length - 2) + b"}")
+        await writer.drain()
+        answer += await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    size = re.search(rb"Content-Length: (\d+)", answer, re.IGNORECASE)
+    answer += await asyncio.wait_for(reader.readexactly(int(size.group(1))) if size else reader.read(), 5)
+    writer.close()
+    return answer
+
+
+async def test_expect_100_continue_is_refused_before_the_body_is_sent(pod):
+    config = RouterConfig(api_keys=(KEY,), max_request_body_bytes=1 << 20)
+    runner, port = await start_router(config, [Endpoint("pod", pod.url, None)])
+    try:
+        answer = await expect_continue(port, "Bearer wrong", 1000)
+        assert answer.startswith(b"HTTP/1.1 401") and b"100 Continue" not in answer
+        answer = await expect_continue(port, f"Bearer {KEY}", 2 << 20)
+        assert answer.startswith(b"HTTP/1.1 413") and b"--max-request-body-bytes" in answer
+        answer = await expect_continue(port, f"Bearer {KEY}", 1000)
+        assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in answer
+    finally:
+        await runner.cleanup()
+    assert len(pod.seen) == 1
 
 
 async def test_every_configured_key_is_accepted_and_forwarded_unchanged(pod):
@@ -389,3 +424,38 @@ def test_forty_8mb_bodies_with_a_wrong_key_do_not_grow_the_router(tmp_path, monk
         if router is not None:
             router.stop()
         cluster.stop()
+
+
+def test_open_connections_are_capped(tmp_path):
+    """Connections that never finish their headers cost memory and aiohttp has no cap of its own:
+    past --max-connections a new one is closed at once; a slot that frees up serves again."""
+    import socket
+
+    from router_harness import RouterProcess, get_json
+
+    router = RouterProcess("--endpoints", "http://127.0.0.1:9", "--agent-port", "-1", "--max-connections", "20",
+                           log=tmp_path / "router.log").wait_ready()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(20):  # half-sent requests: the headers never end
+            s = socket.create_connection(("127.0.0.1", router.port), timeout=5)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n")
+            held.append(s)
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", router.port), timeout=5)
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        try:
+            assert extra.recv(100) == b""  # closed without an answer
+        except ConnectionResetError:
+            pass
+        extra.close()
+        for s in held[:5]:
+            s.close()
+        time.sleep(0.3)
+        assert get_json(router.url + "/health") == {"status": "ok"}
+        assert "closing new ones" in (tmp_path / "router.log").read_text()
+    finally:
+        for s in held:
+            s.close()
+        router.stop()
+    assert router.proc.returncode == 0  # SIGTERM is still a clean, graceful exit

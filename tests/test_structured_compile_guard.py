@@ -61,13 +61,20 @@ def tokenizer(smollm2):
     return AutoTokenizer.from_pretrained(smollm2.hf_dir)
 
 
+@pytest.fixture(scope="module")
+def vocabulary(tokenizer):
+    """xgrammar's scan of the vocabulary (~1 s), done once for all the managers built here."""
+    return StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])._tokenizer_info()
+
+
 @pytest.fixture
-def make_manager(tokenizer):
+def make_manager(tokenizer, vocabulary):
     made = []
 
     def make(**settings):
         settings.setdefault("timeout_s", TIMEOUT_S)
         manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+        manager._info = vocabulary
         manager.configure(BIG, CompileSettings(**settings))
         made.append(manager)
         wait_until(lambda: len(manager.worker_pids()) == manager.settings.workers, timeout=60)
@@ -217,6 +224,23 @@ def test_the_cache_is_bounded_by_entries_and_bytes(make_manager):
     assert entries == 2 and size <= 2.5 * one
 
 
+def test_no_worker_is_a_server_error_and_not_remembered(tokenizer, monkeypatch):
+    from kvserve.runtime.structured_outputs import worker_pool
+
+    def cannot_fork():
+        raise OSError("injected: fork failed")
+
+    monkeypatch.setattr(worker_pool._zygote, "fork", cannot_fork)
+    manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+    try:
+        with pytest.raises(RuntimeError, match="no grammar compile worker could be started"):
+            manager.compile(P(json=small("nofork"))).result(60)
+        monkeypatch.undo()  # the fault passes: the same grammar compiles, it was not refused for good
+        assert manager.compile(P(json=small("nofork"))).result(60) is not None
+    finally:
+        manager.close()
+
+
 def test_close_kills_the_workers(make_manager):
     manager = make_manager()
     pids = manager.worker_pids()
@@ -275,6 +299,9 @@ def ask(client, schema, max_tokens=20):
 def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(server):
     attacker, user = client_from(server, "127.0.0.2"), client_from(server, "127.0.0.1")
     ask(user, small("warm"))
+    quiet = time.monotonic()
+    ask(user, small("quiet"), max_tokens=30)  # the same work with no attack: this machine's pace now
+    quiet = time.monotonic() - quiet
     results = {}
 
     def attack(i):
@@ -292,10 +319,12 @@ def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(ser
     asked = time.monotonic()
     answer = ask(user, small("user"), max_tokens=30)
     served = time.monotonic() - asked
-    print(f"attack compiling after {asked - start:.2f}s; the other client served in {served:.2f}s")
+    print(f"attack compiling after {asked - start:.2f}s; the other client served in {served:.2f}s "
+          f"({quiet:.2f}s with no attack)")
     for t in threads:
         t.join(30)
-    assert served < TIMEOUT_S, f"the other client waited {served:.1f}s"
+    # Before issue 18 it waited for both attack compiles (34 s); now only for a share of the CPU.
+    assert served < max(TIMEOUT_S, 3 * quiet), f"the other client waited {served:.1f}s ({quiet:.1f}s with no attack)"
     json.loads(answer.choices[0].message.content)  # the grammar held: valid JSON of the small schema
     for i in range(2):
         finished, exc = results[i]

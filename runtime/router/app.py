@@ -3,13 +3,13 @@
 Only the runtime's user routes pass (access.py: an allowlist, sent upstream by the route's own
 path), and with `--api-key` only with one of the keys, checked before a body is read: a refused
 request costs no memory, is never held and never wakes a sleeping service. Bodies are read against
-byte budgets (limits.py, bodies.py). The rest passes through, streamed chunk by chunk.
+byte budgets (limits.py, bodies.py). What passes is streamed through chunk by chunk.
 Completions and chat completions are placed by the policy (policy.py); the other routes go to the
-least-loaded pod. A pod that refuses
-a request before the router has sent the client a single byte (connection refused or reset, 503
-while loading or draining, 429 at capacity) is excluded and the request goes to another pod; once
-bytes reached the client the stream is the pod's, and a pod dying mid-stream ends it. A client
-that goes away closes the upstream connection, which aborts the request in the runtime.
+least-loaded pod. A pod that refuses a request before the router has sent the client a single byte
+(connection refused or reset, 503 while loading or draining, 429 at capacity) is excluded and the
+request goes to another pod; once bytes reached the client the stream is the pod's, and a pod dying
+mid-stream ends it. A client that goes away closes the upstream connection, which aborts the
+request in the runtime.
 
 With no ready pod, requests are held (hold.py) and `/router/demand` says so: that is the signal
 the operator wakes a service scaled to zero on.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import web, web_urldispatcher
 
 from .access import Route, RouteRefused, bearer_ok, resolve_route
 from .bodies import (MODELS_LIMIT, REFUSAL_LIMIT, BodyRefused, TooLong, read_capped, read_request_body)
@@ -66,13 +66,18 @@ class RouterConfig:
     signals_stale_after_s: float = 5.0
 
 
-def error_response(status: int, message: str, *, headers: dict[str, str] | None = None) -> web.Response:
+_KIND_CODE = object()  # error_response's default: the code that goes with the status
+
+
+def error_response(status: int, message: str, *, headers: dict[str, str] | None = None,
+                   code: Any = _KIND_CODE) -> web.Response:
     kinds = {401: ("invalid_request_error", "invalid_api_key"), 404: ("invalid_request_error", "model_not_found"),
              405: ("invalid_request_error", "method_not_allowed"), 413: ("invalid_request_error", "request_too_large"),
              429: ("rate_limit_error", "rate_limit_exceeded"), 502: ("server_error", "bad_gateway"),
              503: ("service_unavailable_error", "service_unavailable")}
-    kind, code = kinds.get(status, ("server_error", None))
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    kind, kind_code = kinds.get(status, ("server_error", None))
+    body = {"error": {"message": message, "type": kind, "param": None,
+                      "code": kind_code if code is _KIND_CODE else code}}
     return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
 
 
@@ -373,6 +378,20 @@ class Router:
     def _busy(self, message: str) -> web.Response:
         return error_response(503, message, headers={"Retry-After": str(self.config.retry_after_s)})
 
+    def refusal_from_headers(self, declared: int | None) -> web.Response | None:
+        """What handle() would answer at once for a body of `declared` bytes, taking nothing."""
+        if declared is not None and declared > self.config.max_request_body_bytes:
+            return error_response(413, f"Request body too large: Content-Length {declared} is over "
+                                       f"--max-request-body-bytes {self.config.max_request_body_bytes}.")
+        if self.buffered.used + (declared or 0) > self.buffered.limit:
+            return self._busy(f"The router is buffering {self.buffered.used} bytes of request bodies and "
+                              f"{declared} more would pass --max-buffered-bytes {self.buffered.limit}; retry later.")
+        if self.hold.must_hold():
+            problem = self.hold.room_for(declared or 0)
+            if problem:
+                return self._hold_full(HoldFull(problem))
+        return None
+
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         """An allowlisted, authenticated request: its body read against the byte budgets (a held
         one's also against the hold queue's), then forwarded. Every check that can refuse runs
@@ -380,8 +399,7 @@ class Router:
         config = self.config
         declared = request.content_length
         if declared is not None and declared > config.max_request_body_bytes:
-            return error_response(413, f"Request body too large: Content-Length {declared} is over "
-                                       f"--max-request-body-bytes {config.max_request_body_bytes}.")
+            return self.refusal_from_headers(declared)
         if not self.buffered.take(declared or 0):
             self.metrics.body_rejections.labels("buffered").inc()
             return self._busy(f"The router is buffering {self.buffered.used} bytes of request bodies and "
@@ -464,22 +482,41 @@ def build_app(config: RouterConfig, source) -> web.Application:
     app = web.Application(client_max_size=config.max_request_body_bytes)
     app[ROUTER] = router
 
-    async def front_door(request: web.Request) -> web.StreamResponse:
-        """Every request that is not one of the router's own routes: allowlist, then credential,
-        both from the request line and headers alone."""
+    def admission(request: web.Request) -> tuple[web.Response | None, Route | None, str | None]:
+        """Allowlist, then credential, from the request line and headers alone: (a refusal, or
+        None with the route and, for /v1/models/{id}, the model)."""
         try:
             route, model = resolve_route(request.method, request.raw_path)
         except RouteRefused as refused:
             router.metrics.refusals.labels(str(refused.status)).inc()
-            return error_response(refused.status, refused.message)
+            return error_response(refused.status, refused.message, code=None), None, None
         if config.api_keys and not bearer_ok(request.headers.get("Authorization"), config.api_keys):
             router.metrics.refusals.labels("401").inc()
-            return error_response(401, UNAUTHORIZED)
+            return error_response(401, UNAUTHORIZED), None, None
+        return None, route, model
+
+    async def front_door(request: web.Request) -> web.StreamResponse:
+        """Every request that is not one of the router's own routes."""
+        refusal, route, model = admission(request)
+        if refusal is not None:
+            return refusal
         if route.kind == "models":
             return await models(request)
         if route.kind == "model":
             return await one_model(request, model)
         return await router.handle(request, route)
+
+    async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` (curl sends it with bodies over 1 MB): the client waits for the
+        go-ahead before sending its body, so a request the router would refuse is refused now
+        and its body never crosses the network. Otherwise aiohttp's own answer (100 Continue)."""
+        refusal, route, _ = admission(request)
+        if refusal is None and route.kind not in ("models", "model"):
+            refusal = router.refusal_from_headers(request.content_length)
+        if refusal is not None:
+            return refusal
+        await web_urldispatcher._default_expect_handler(request)
+        return None
 
     async def models(request: web.Request) -> web.Response:
         cards = await router.models(request)
@@ -521,7 +558,7 @@ def build_app(config: RouterConfig, source) -> web.Application:
     r.add_get("/ready", ready)
     r.add_get("/metrics", metrics)
     r.add_get("/router/demand", demand)
-    r.add_route("*", "/{tail:.*}", front_door)
+    r.add_route("*", "/{tail:.*}", front_door, expect_handler=expect_continue)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     return app

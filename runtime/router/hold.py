@@ -85,14 +85,23 @@ class HoldQueue:
             except asyncio.TimeoutError:
                 pass
 
+    def room_for(self, nbytes: int) -> str | None:
+        """Why one more request of `nbytes` would not be admitted now, or None."""
+        if len(self) >= self.max_held:
+            return f"{len(self)} requests are already waiting for a ready pod (--max-held {self.max_held})"
+        if self.max_held_bytes is not None and self.held_bytes + nbytes > self.max_held_bytes:
+            return (f"held request bodies would take {self.held_bytes + nbytes} bytes "
+                    f"(--max-held-bytes {self.max_held_bytes})")
+        return None
+
     def admit(self, nbytes: int = 0) -> Ticket:
         """A place for one more request whose body has `nbytes` (what Content-Length says, 0 when
         it does not): taken before the body is read, so a full queue costs nothing. HoldFull when
         the count or the bytes would go over."""
-        if len(self) >= self.max_held:
+        problem = self.room_for(nbytes)
+        if problem:
             self.rejected_total += 1
-            raise HoldFull(f"{len(self)} requests are already waiting for a ready pod (--max-held {self.max_held})")
-        self._check_bytes(nbytes)
+            raise HoldFull(problem)
         ticket = Ticket(arrived=self.clock(), nbytes=nbytes)
         self._admitted[ticket] = None
         self.held_bytes += nbytes

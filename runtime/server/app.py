@@ -28,7 +28,7 @@ from kvserve.runtime.structured_outputs.admission import GrammarCompileBusy
 
 from . import serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
-from .auth import admin_denial, bearer_token, token_matches
+from .auth import admin_denial, bearer_token, is_admin_path, token_matches
 from .drain import effective_drain_timeout
 from .errors import APIError, from_validation_error
 from .limits import RequestLimitError, RequestLimits, check_request
@@ -154,6 +154,11 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         key = state.config.api_key
         if key and request.path.startswith(_PROTECTED) and not _key_ok(request, key):
             raise APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.")
+        if is_admin_path(request.path):
+            denial = admin_denial(request.headers.get("Authorization"), state.config.admin_api_key,
+                                  route=f"{request.method} {request.path}", user_key=key)
+            if denial is not None:
+                raise APIError(denial.status, denial.message)
         response = await handler(request)
     except APIError as err:
         response = err.response()
@@ -321,8 +326,13 @@ async def _compile_grammar(request: web.Request, engine: AsyncEngine, outputs: s
     if outputs.structured is None:
         return
     manager = engine.engine.structured_outputs
+    # In a thread: the limits check walks the schema, tens of ms for a big one.
+    acquiring = asyncio.ensure_future(asyncio.to_thread(manager.acquire, outputs.structured, client=request.remote))
     try:
-        ticket = manager.acquire(outputs.structured, client=request.remote)
+        ticket = await asyncio.shield(acquiring)
+    except asyncio.CancelledError:  # the client left first: let go of the hold as soon as it exists
+        acquiring.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().release())
+        raise
     except GrammarCompileBusy as exc:
         raise APIError(429, f"{outputs.field}: {exc}", param=outputs.field,
                        headers={"Retry-After": str(request.app[STATE].config.retry_after_s)}) from None
@@ -536,12 +546,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def drain(request: web.Request) -> web.Response:
     """Admin: stop admission and wait (up to ?timeout=, capped at --drain-timeout) for in-flight
-    work; past the time box the rest is aborted. Either way the process then retires (/live 503)."""
+    work; past the time box the rest is aborted. Either way the process then retires (/live 503).
+    The admin key was checked by the middleware (is_admin_path)."""
     state = request.app[STATE]
-    denial = admin_denial(request.headers.get("Authorization"), state.config.admin_api_key,
-                          route="POST /drain", user_key=state.config.api_key)
-    if denial is not None:
-        raise APIError(denial.status, denial.message)
     try:
         timeout = effective_drain_timeout(request.query.get("timeout"), state.config.drain_timeout_s)
     except ValueError as exc:

@@ -24,6 +24,13 @@ HOW_TO_CONFIGURE = (f"start it with --admin-api-key KEY or --admin-api-key-file 
                     f"(or set {ADMIN_KEY_ENV} / {ADMIN_KEY_FILE_ENV})")
 
 
+def is_admin_path(path: str) -> bool:
+    """Admin routes: POST /drain and everything under /admin/. Checked before routing, so a route
+    added there later is protected without remembering to, and probing for one without the key
+    learns nothing (401/403, never 404)."""
+    return path == "/drain" or path == "/admin" or path.startswith("/admin/")
+
+
 class AdminKeyError(ValueError):
     """A key that cannot be used; the message names the flag or variable it came from."""
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from aiohttp import web
-from pydantic import ValidationError
+
+if TYPE_CHECKING:  # the agent renders these errors too, and starts without pydantic's import time
+    from pydantic import ValidationError
 
 # status -> (OpenAI error type, default code)
 _KINDS = {
