@@ -93,6 +93,24 @@ def test_model_config_builds_on_the_capacity_shape(config):
     assert cfg.all_layers_sliding == (shape.kv_release_window is not None)
 
 
+@given(arch=st.sampled_from(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                               "Gemma2ForCausalLM", "Gemma3ForCausalLM"]),
+       attention_bias=st.booleans(), tied=st.booleans(), window=st.one_of(st.none(), st.integers(1, 64)),
+       use_sliding_window=st.booleans(), max_window_layers=st.integers(0, 4))
+def test_any_config_gives_one_shape(arch, attention_bias, tied, window, use_sliding_window, max_window_layers):
+    config = _config(arch, attention_bias=attention_bias, tie_word_embeddings=tied, sliding_window=window,
+                     use_sliding_window=use_sliding_window, max_window_layers=max_window_layers, head_dim=16)
+    try:
+        cfg = ModelConfig.from_dict(config)
+    except ValueError:  # (Gemma without a window) the shape refuses it with the same message
+        with pytest.raises(ValueError, match="sliding_window is null"):
+            ModelShape.from_hf_config(config)
+        return
+    assert cfg.shape == ModelShape.from_hf_config(config)
+    assert (cfg.qkv_bias, cfg.o_proj_bias) == attention_biases(arch, config)
+    assert cfg.all_layers_sliding == (cfg.shape.num_sliding_layers == 4)
+
+
 @pytest.mark.parametrize("arch, extra, biases", [
     ("LlamaForCausalLM", {}, (False, False)),
     ("LlamaForCausalLM", {"attention_bias": True}, (True, True)),
