@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["MLA_ARCHITECTURES", "MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RoutingConfig"]
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 # Activations of the gated MLP, by config.json name: SiLU (Llama family) or tanh-approximated GELU.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
