@@ -182,7 +182,8 @@ def main(argv=None) -> int:
             url, {**chat, "stop": [chr(0x4E00 + i) * 1024 for i in range(64)]})
         big = json.dumps({"messages": [{"role": "user", "content": f"hello number {i}"} for i in range(150_000)],
                           "max_tokens": 4}).encode()
-        rows["/health under 3 x 5 MB bodies (150k messages)"] = probes_during(url, big) | {"body_bytes": len(big)}
+        rows[f"/health under 3 x {len(big) / 1e6:.1f} MB bodies (150k messages)"] = (
+            probes_during(url, big) | {"body_bytes": len(big)})
         # Just within the default limits of an 8,192-token context: 4,096 messages, 262,144 characters.
         per = 32 * 8192 // 4096 - 20
         near = json.dumps({"messages": [{"role": "user", "content": "word " * (per // 5)} for _ in range(4096)],
