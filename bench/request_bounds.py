@@ -145,7 +145,7 @@ def stop_matching_cost(stops: list[str], tokens: int = 1000) -> dict:
     try:
         from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer
     except ImportError:  # code from before the engine became a package
-        from kvserve.runtime.detokenizer import IncrementalDetokenizer
+        from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer
 
     decode = lambda ids, skip: "".join("a" if t else "b" for t in ids)  # noqa: E731
     t0 = time.perf_counter()

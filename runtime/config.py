@@ -50,7 +50,7 @@ class EngineConfig:
     # CUDA graphs for decode steps are on by default on a GPU; True runs every step eagerly.
     enforce_eager: bool = False
     # {"level": 0 | 3, "cudagraph_capture_sizes": [1, 2, 4, ...], "max_capture_size": 512}, that
-    # as a JSON string, or a bare level (kvserve.runtime.cuda_graphs.CompilationConfig).
+    # as a JSON string, or a bare level (kvserve.runtime.executor.cuda_graphs.CompilationConfig).
     compilation_config: Any = None
     # Overlap: run step N+1's forward pass while step N's tokens are detokenized and streamed.
     async_scheduling: bool = False
@@ -119,7 +119,7 @@ class EngineConfig:
             fail("async_scheduling", "must be a boolean")
         if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
             fail("disable_hybrid_kv_cache_manager", "must be a boolean")
-        from kvserve.runtime.cuda_graphs import CompilationConfig
+        from kvserve.runtime.executor.cuda_graphs import CompilationConfig
 
         self.compilation_config = CompilationConfig.parse(self.compilation_config)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

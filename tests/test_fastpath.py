@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvserve.runtime import LLM, SamplingParams
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.config import EngineConfig
-from kvserve.runtime.cuda_graphs import CompilationConfig, DecodeGraphs, bucket_for, default_capture_sizes
+from kvserve.runtime.executor.cuda_graphs import CompilationConfig, DecodeGraphs, bucket_for, default_capture_sizes
 
 # ------------------------------------------------------------------------------ configuration
 
@@ -177,11 +177,9 @@ def _workload(vocab: int, seed: int = 0):
 
 def _install_twin_graphs(llm: LLM) -> DecodeGraphs:
     eng = llm.engine
-    graphs = DecodeGraphs(eng.model, eng.kv_caches, block_size=eng.config.block_size, max_model_len=eng.max_model_len,
-                          sizes=[1, 2, 4, 8], device=eng.device, capture=False,
-                          kv_group_windows=None if eng.kv_groups is None else [g.window for g in eng.kv_groups])
-    eng.runner.graphs = graphs
-    return graphs
+    worker = eng.executor.driver_worker
+    worker.graphs = worker.build_graphs([1, 2, 4, 8], max_model_len=eng.max_model_len, capture=False)
+    return worker.graphs
 
 
 def _generate(model_dir, prompts, params, *, graphs: bool, **kw):
@@ -297,11 +295,11 @@ def test_cuda_graphs_replay_with_the_same_greedy_outputs(tiny_model_factory):
     for eager in (True, False):
         llm = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=eager,
                   compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}, **SQUEEZED)
-        assert (llm.engine.runner.graphs is None) == eager
+        assert (llm.engine.executor.driver_worker.graphs is None) == eager
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[eager] = [[c.token_ids for c in o.outputs] for o in res]
         if not eager:
-            assert llm.engine.runner.graphs.replays > 0
+            assert llm.engine.executor.driver_worker.graphs.replays > 0
         llm.close()
     assert outs[True] == outs[False]
 

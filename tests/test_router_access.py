@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from kvserve.runtime.router.access import ROUTES, RouteRefused, bearer_ok, parse_api_keys, resolve_route
 from kvserve.runtime.router.hold import HoldFull, HoldQueue
-from kvserve.runtime.router.limits import (MIB, BodyLimits, ByteBudget, container_memory_limit, parse_memory_limit,
-                                           prefix_index_capacity)
+from kvserve.runtime.router.limits import (MIB, BodyLimits, ByteBudget, container_memory_limit,
+                                           max_connections_for_memory, parse_memory_limit, prefix_index_capacity)
 
 
 @pytest.mark.parametrize("method, target, path, kind, model", [
@@ -39,7 +39,7 @@ def test_allowlisted_routes(method, target, path, kind, model):
     ("POST", "/v1/./completions", 404), ("POST", "/v1/completions%00", 404), ("POST", "/v1/%252e%252e/x", 404),
     ("POST", "/v1/completions\t", 404), ("POST", "http://pod/v1/completions", 404), ("POST", "*", 404),
     ("POST", "", 404), ("POST", "/drain", 404), ("POST", "/admin/drain", 404), ("POST", "/v1/embeddings", 404),
-    ("GET", "/v1/models/", 404), ("GET", "/v1/models/a/../../../drain", 404), ("GET", "/v1/models/a%2fb", 404),
+    ("GET", "/v1/models/", 404), ("GET", "/v1/models/tiny/", 404), ("GET", "/v1/models/a/../../../drain", 404), ("GET", "/v1/models/a%2fb", 404),
     ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405), ("POST", "/v1/models/x", 405),
     ("GET", "/tokenize", 405),
 ])
@@ -54,7 +54,7 @@ def test_refused_routes(method, target, status):
 _path_chars = st.sampled_from(list("abcv1/.%2eEfF5cC\\") + ["%2e", "%2f", "%5c", "..", "//", "/v1/", "models"])
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.lists(_path_chars, max_size=12).map("".join), st.sampled_from(["GET", "POST", "HEAD"]))
 def test_an_accepted_path_means_what_it_says(tail, method):
     """Whatever a pod or client library does to a path (decode it, resolve its dot segments), an
@@ -65,10 +65,14 @@ def test_an_accepted_path_means_what_it_says(tail, method):
     except RouteRefused:
         return
     path = target.split("?", 1)[0]
-    assert posixpath.normpath(unquote(path)) == unquote(path) == path
+    # Decoding it (once, or twice) gives no dot segment, empty segment or new "/" to resolve.
+    for decoded in (path, unquote(path), unquote(unquote(path))):
+        assert posixpath.normpath(decoded) == decoded and decoded.count("/") == path.count("/")
     assert route.path in {r.path for r in ROUTES.values()}
-    if model is not None:
-        assert ".." not in model.split("/")
+    if model is None:
+        assert path == route.path  # a forwarded route is exactly one of the allowlist's
+    else:
+        assert route.path == "/v1/models" and not {".", ".."} & set(model.split("/"))
 
 
 def test_bearer_ok():
@@ -124,6 +128,7 @@ def test_limits_follow_the_memory_limit(memory, body, held, buffered, index):
     limits = BodyLimits.for_memory(memory)
     assert (limits.max_request_body_bytes, limits.max_held_bytes, limits.max_buffered_bytes) == (body, held, buffered)
     assert prefix_index_capacity(memory) == index
+    assert max_connections_for_memory(memory) == max(64, (memory or 512 * MIB) // (64 << 10))
 
 
 @pytest.mark.parametrize("field, value", [("max_held_bytes", -1), ("max_buffered_bytes", 1.5),

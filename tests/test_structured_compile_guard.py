@@ -299,6 +299,9 @@ def ask(client, schema, max_tokens=20):
 def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(server):
     attacker, user = client_from(server, "127.0.0.2"), client_from(server, "127.0.0.1")
     ask(user, small("warm"))
+    quiet = time.monotonic()
+    ask(user, small("quiet"), max_tokens=30)  # the same work with no attack: this machine's pace now
+    quiet = time.monotonic() - quiet
     results = {}
 
     def attack(i):
@@ -316,10 +319,12 @@ def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(ser
     asked = time.monotonic()
     answer = ask(user, small("user"), max_tokens=30)
     served = time.monotonic() - asked
-    print(f"attack compiling after {asked - start:.2f}s; the other client served in {served:.2f}s")
+    print(f"attack compiling after {asked - start:.2f}s; the other client served in {served:.2f}s "
+          f"({quiet:.2f}s with no attack)")
     for t in threads:
         t.join(30)
-    assert served < TIMEOUT_S, f"the other client waited {served:.1f}s"
+    # Before issue 18 it waited for both attack compiles (34 s); now only for a share of the CPU.
+    assert served < max(TIMEOUT_S, 3 * quiet), f"the other client waited {served:.1f}s ({quiet:.1f}s with no attack)"
     json.loads(answer.choices[0].message.content)  # the grammar held: valid JSON of the small schema
     for i in range(2):
         finished, exc = results[i]

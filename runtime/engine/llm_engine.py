@@ -18,18 +18,12 @@ import torch
 from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer, make_decode_fn
-from kvserve.runtime.kv_cache import (
-    allocate_kv_cache,
-    determine_group_blocks,
-    determine_num_blocks,
-    kv_cache_torch_dtype,
-    layer_group_blocks,
-)
-from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator, KVCacheGroup, kv_cache_groups
-from kvserve.runtime.model_runner import ModelRunner
-from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator
 from kvserve.runtime.engine.prefix_cache import extra_key
-from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow
+from kvserve.runtime.executor import create_executor
+from kvserve.runtime.kv_cache import kv_cache_torch_dtype
+from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.runtime.sampler import SamplerOutput, SamplingRow
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.runtime.engine.sequence import Sequence, SequenceStatus
@@ -72,6 +66,16 @@ class _Request:
 
 
 @dataclass(eq=False)
+class _ModelInput:
+    """One scheduled step as the executor takes it (runtime/executor/base.py)."""
+
+    scheduled: list
+    block_tables: list
+    rows: list[SamplingRow]
+    repeats: list[int]
+
+
+@dataclass(eq=False)
 class _Step:
     """One scheduled step on its way through the engine (and, overlapped, the forward thread)."""
 
@@ -101,40 +105,8 @@ class _Step:
         return dataclasses.replace(self.sched, scheduled=live), SamplerOutput(tokens, logprobs)
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested but CUDA is not available")
-    return torch.device(device)
-
-
-def kv_release_window(model_config, draft=None) -> int | None:
-    """The window behind which no layer reads K/V again, so the block manager may give those
-    blocks back: only when every layer of the model (and of a draft model sharing its block
-    tables) is a sliding-window layer; the widest window wins. None keeps every block."""
-    configs = [model_config] + ([draft.config] if draft is not None else [])
-    if not all(c.all_layers_sliding for c in configs):
-        return None
-    return max(c.sliding_window for c in configs)
-
-
-def hybrid_kv_groups(config: EngineConfig, model_config) -> tuple[KVCacheGroup, ...] | None:
-    """The KV cache groups of a model that mixes local and global layers (each group its own
-    block tables and pool: runtime/engine/kv_cache_groups.py), or None for one block table serving every
-    layer: a model with one kind of layer, the hybrid manager disabled, or a path that shares one
-    table across layers (tensor-parallel workers and speculative decoding's draft model and
-    verification step take one table per sequence today)."""
-    groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])
-    if len(groups) == 1 or config.disable_hybrid_kv_cache_manager:
-        return None
-    why_not = ("tensor_parallel_size > 1" if config.tensor_parallel_size > 1
-               else "speculative decoding" if config.speculative_config is not None else None)
-    if why_not:
-        log.info("hybrid KV cache manager off (%s): one block table serves every layer, so the local layers "
-                 "hold the whole context", why_not)
-        return None
-    return groups
+from kvserve.runtime.executor.base import hybrid_kv_groups, kv_release_window  # noqa: E402,F401  (re-exported)
+from kvserve.runtime.executor.platform import resolve_device  # noqa: E402,F401  (re-exported)
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -170,8 +142,6 @@ class LLMEngine:
         from kvserve.runtime.gguf import load_tokenizer as load_gguf_tokenizer
         from kvserve.runtime.gguf.reader import resolve_model_path
         from kvserve.runtime.model_config import ModelConfig
-        from kvserve.runtime.models import load_model
-
         from kvserve.runtime.models.quantization import resolve_quantization
 
         config.model = resolve_model_path(config.model)  # a fetched GGUF directory -> its file
@@ -198,66 +168,25 @@ class LLMEngine:
         self._decode = make_decode_fn(self.tokenizer)
         self.vocab_size = self.model_config.vocab_size
 
-        backend = get_attention_backend(config.attention_backend, self.device)
-        self.attention_backend = backend.name
-        _check_kv_cache_dtype(self.kv_cache_dtype, backend.name, self.device)
-        tp = config.tensor_parallel_size
-        draft = None
-        if config.speculative_config is not None:
-            if tp > 1:
-                raise ValueError("speculative_config: not supported with tensor_parallel_size > 1 yet")
-            from kvserve.runtime.spec_decode.worker import load_draft, split_blocks_with_draft
-
-            draft = load_draft(config.speculative_config, device=self.device, dtype=self.dtype,
-                               attention_backend=backend, vocab_size=self.vocab_size,
-                               max_model_len=self.max_model_len)
-        # Ranks 1..tp-1 run in worker processes (kvserve.runtime.distributed); this process is
-        # rank 0: it holds a shard too, and keeps the one scheduler and the sampler. They start
-        # last, right before the try that stops them if anything below fails.
-        self.executor = None
-        if tp > 1:
-            from kvserve.runtime.distributed import TensorParallelExecutor
-
-            self.executor = TensorParallelExecutor(config, self.model_config, self.device, self.dtype)
-        try:
-            self.model = load_model(config.model, dtype=self.dtype, device=self.device,
-                                    attention_backend=backend, config=self.model_config,
-                                    tp_rank=0, tp_size=tp, quantization=self.quant_config)
-            shape = self.model_config.shape
-            self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
-            self.kv_groups = hybrid_kv_groups(config, self.model_config)
-            if self.kv_groups is not None:
-                step = self.max_num_batched_tokens if config.enable_chunked_prefill else self.max_model_len
-                self.kv_group_blocks = determine_group_blocks(
-                    config, shape, self.kv_cache_dtype, self.device, self.kv_groups,
-                    max_model_len=self.max_model_len, max_step_tokens=step)
-                self.num_kv_blocks = self.kv_group_blocks[0]
-                self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size, self.kv_cache_dtype,
-                                                   self.device, tp,
-                                                   layer_blocks=layer_group_blocks(self.kv_groups, self.kv_group_blocks))
-            else:
-                self.num_kv_blocks = determine_num_blocks(config, shape, self.kv_cache_dtype, self.device)
-                if draft is not None and config.num_kv_blocks is None:
-                    # The draft's pools take as many blocks as the target's, out of the same budget.
-                    self.num_kv_blocks = split_blocks_with_draft(self.num_kv_blocks, shape, draft.config.shape)
-                if self.executor is not None:
-                    self.num_kv_blocks = self.executor.agree_num_blocks(self.num_kv_blocks)
-                self.kv_group_blocks = [self.num_kv_blocks]
-                self.kv_caches = allocate_kv_cache(shape, self.num_kv_blocks, config.block_size,
-                                                   self.kv_cache_dtype, self.device, tp)
-        except BaseException:
-            if self.executor is not None:
-                self.executor.shutdown()
-            raise
-        # Rank 0's weights (every rank holds a same-sized shard): values, scales, zeros.
-        self.model_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        _check_kv_cache_dtype(self.kv_cache_dtype, get_attention_backend(config.attention_backend, self.device).name,
+                              self.device)
+        self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
+        # Weights, KV pools, graphs, the sampler and speculative decoding, on every rank.
+        self.executor = create_executor(config, self.model_config, device=self.device, dtype=self.dtype,
+                                        max_model_len=self.max_model_len, quant_config=self.quant_config)
+        ex = self.executor
+        self.attention_backend = ex.attention_backend
+        self.kv_groups = ex.kv_groups
+        self.kv_group_blocks = ex.num_blocks_per_group
+        self.num_kv_blocks = ex.num_blocks_per_group[0]
+        self.model_weight_bytes = ex.model_weight_bytes
         if self.kv_groups is not None:
             self.block_manager = KVCacheCoordinator(self.kv_groups, self.kv_group_blocks, config.block_size,
                                                     enable_caching=config.enable_prefix_caching)
         else:
             self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                               enable_caching=config.enable_prefix_caching,
-                                              sliding_window=kv_release_window(self.model_config, draft))
+                                              sliding_window=ex.kv_release_window)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -265,20 +194,6 @@ class LLMEngine:
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.block_manager,
         )
-        generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device,
-                                  Sampler(generator), kv_groups=self.kv_groups)
-        if self.executor is not None:
-            self.executor.attach(self.runner)
-        self._setup_compilation()
-        self.spec_decoder = None
-        if config.speculative_config is not None:
-            from kvserve.runtime.spec_decode.worker import SpecDecoder
-
-            self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=self.num_kv_blocks,
-                                            block_size=config.block_size, device=self.device,
-                                            kv_cache_dtype=self.kv_cache_dtype,
-                                            max_model_len=self.max_model_len, draft_model=draft)
         self._eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos |= {self.tokenizer.eos_token_id}
@@ -292,13 +207,11 @@ class LLMEngine:
         self._stats = StatsCollector()
         self._ids = itertools.count()
         # async_scheduling: step N+1's forward pass runs in this one thread while the engine thread
-        # detokenizes step N. Speculative steps (their drafts read the newest tokens) and tensor
-        # parallelism (workers step in lockstep with rank 0's calls) keep the synchronous loop.
-        self._overlap = (config.async_scheduling and self.spec_decoder is None
-                         and config.tensor_parallel_size == 1)
+        # detokenizes step N. Speculative steps (their drafts read the newest tokens) keep the
+        # synchronous loop.
+        self._overlap = config.async_scheduling and self.executor.supports_overlap
         if config.async_scheduling and not self._overlap:
-            log.info("async_scheduling: not with %s; steps run synchronously",
-                     "speculative decoding" if self.spec_decoder is not None else "tensor parallelism")
+            log.info("async_scheduling: not with speculative decoding; steps run synchronously")
         self._forward_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-forward")
                               if self._overlap else None)
         self._inflight: _Step | None = None
@@ -311,36 +224,22 @@ class LLMEngine:
                 f"{'full attention' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers, {n} blocks"
                 for g, n in zip(self.kv_groups, self.kv_group_blocks)))
 
-    def _setup_compilation(self) -> None:
-        """torch.compile (compilation_config level 3, CUDA) and CUDA graphs for decode steps."""
-        cc = self.config.compilation_config
-        if cc.level == 3:
-            if self.device.type == "cuda":
-                self.model.forward = torch.compile(self.model.forward, dynamic=True)
-            else:
-                log.warning("compilation_config level 3: torch.compile is used on CUDA only; on the CPU the "
-                            "native kernels already fuse each layer's elementwise work")
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
-        sizes = cc.capture_sizes(self.config.max_num_seqs)
-        why_not = ("no capture sizes" if not sizes
-                   else "tensor_parallel_size > 1" if self.config.tensor_parallel_size > 1
-                   else f"the {self.attention_backend} attention backend syncs with the host"
-                   if self.attention_backend != "triton" else None)
-        if why_not:
-            log.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
-            return
-        from kvserve.runtime.cuda_graphs import DecodeGraphs
+    # Rank 0's parts, owned by the executor (None once closed).
+    @property
+    def model(self):
+        return self.executor.model
 
-        graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
-                              max_model_len=self.max_model_len, sizes=sizes, device=self.device, capture=True,
-                              kv_group_windows=None if self.kv_groups is None else [g.window for g in self.kv_groups])
-        try:
-            graphs.capture()
-        except Exception as exc:  # a model whose forward cannot be captured still serves, eagerly
-            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
-            return
-        self.runner.graphs = graphs
+    @property
+    def kv_caches(self):
+        return self.executor.kv_caches
+
+    @property
+    def runner(self):
+        return self.executor.runner
+
+    @property
+    def spec_decoder(self):
+        return self.executor.spec_decoder
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> "LLMEngine":
@@ -521,13 +420,12 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """Raises if the engine can no longer step (a tensor-parallel worker died)."""
-        if self.executor is not None:
-            self.executor.check()
+        self.executor.check_health()
 
     def close(self) -> None:
-        """Stops and reaps the tensor-parallel workers, if any. Idempotent; no step() after it."""
-        if self.executor is not None:
-            self.executor.shutdown()
+        """Stops and reaps the tensor-parallel workers, if any, and frees the weights and KV
+        pools. Idempotent; no step() after it."""
+        self.executor.shutdown()
         if self._forward_pool is not None:
             self._forward_pool.shutdown(wait=True)
         self.structured_outputs.close()
@@ -584,8 +482,7 @@ class LLMEngine:
 
     def _begin_step(self) -> "_Step | None":
         t_start = time.perf_counter()
-        if self.spec_decoder is not None:
-            self.spec_decoder.plan(self.scheduler.running, self._params_of)
+        self.executor.propose_drafts(self.scheduler.running, self._params_of)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
@@ -612,20 +509,14 @@ class LLMEngine:
         return _Step(sched, tables, rows, repeats, t_start, t_scheduled, time.perf_counter())
 
     def _run_step(self, step: "_Step"):
-        self.runner.last_timings = None
-        sched, tables, rows, repeats = step.sched, step.tables, step.rows, step.repeats
+        sched = step.sched
         try:
-            if self.spec_decoder is not None:
-                result = self.spec_decoder.execute(sched.scheduled, tables, rows, repeats)
-            elif len(rows) == len(repeats):
-                result = self.runner.execute(sched.scheduled, tables, rows)
-            else:
-                result = self.runner.execute(sched.scheduled, tables, rows, repeats=repeats)
+            result = self.executor.execute_model(_ModelInput(sched.scheduled, step.tables, step.rows, step.repeats))
         except Exception:
             if not self._overlap:
                 self._fail_step(sched)
             raise
-        step.timings = self.runner.last_timings
+        step.timings = self.executor.last_timings
         step.t_executed = time.perf_counter()
         return result
 

@@ -71,7 +71,7 @@ def resolve_route(method: str, raw_path: str) -> tuple[Route, str | None]:
 
 
 def _canonical(path: str) -> bool:
-    if not path.startswith("/") or "\\" in path or "//" in path or _ENCODED.search(path):
+    if not path.startswith("/") or path.endswith("/") or "\\" in path or "//" in path or _ENCODED.search(path):
         return False
     if any(ord(c) < 0x21 or ord(c) == 0x7F for c in path):
         return False

@@ -3,13 +3,13 @@
 Only the runtime's user routes pass (access.py: an allowlist, sent upstream by the route's own
 path), and with `--api-key` only with one of the keys, checked before a body is read: a refused
 request costs no memory, is never held and never wakes a sleeping service. Bodies are read against
-byte budgets (limits.py, bodies.py). The rest passes through, streamed chunk by chunk.
+byte budgets (limits.py, bodies.py). What passes is streamed through chunk by chunk.
 Completions and chat completions are placed by the policy (policy.py); the other routes go to the
-least-loaded pod. A pod that refuses
-a request before the router has sent the client a single byte (connection refused or reset, 503
-while loading or draining, 429 at capacity) is excluded and the request goes to another pod; once
-bytes reached the client the stream is the pod's, and a pod dying mid-stream ends it. A client
-that goes away closes the upstream connection, which aborts the request in the runtime.
+least-loaded pod. A pod that refuses a request before the router has sent the client a single byte
+(connection refused or reset, 503 while loading or draining, 429 at capacity) is excluded and the
+request goes to another pod; once bytes reached the client the stream is the pod's, and a pod dying
+mid-stream ends it. A client that goes away closes the upstream connection, which aborts the
+request in the runtime.
 
 With no ready pod, requests are held (hold.py) and `/router/demand` says so: that is the signal
 the operator wakes a service scaled to zero on.
@@ -66,13 +66,18 @@ class RouterConfig:
     signals_stale_after_s: float = 5.0
 
 
-def error_response(status: int, message: str, *, headers: dict[str, str] | None = None) -> web.Response:
+_KIND_CODE = object()  # error_response's default: the code that goes with the status
+
+
+def error_response(status: int, message: str, *, headers: dict[str, str] | None = None,
+                   code: Any = _KIND_CODE) -> web.Response:
     kinds = {401: ("invalid_request_error", "invalid_api_key"), 404: ("invalid_request_error", "model_not_found"),
              405: ("invalid_request_error", "method_not_allowed"), 413: ("invalid_request_error", "request_too_large"),
              429: ("rate_limit_error", "rate_limit_exceeded"), 502: ("server_error", "bad_gateway"),
              503: ("service_unavailable_error", "service_unavailable")}
-    kind, code = kinds.get(status, ("server_error", None))
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    kind, kind_code = kinds.get(status, ("server_error", None))
+    body = {"error": {"message": message, "type": kind, "param": None,
+                      "code": kind_code if code is _KIND_CODE else code}}
     return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
 
 
@@ -484,7 +489,7 @@ def build_app(config: RouterConfig, source) -> web.Application:
             route, model = resolve_route(request.method, request.raw_path)
         except RouteRefused as refused:
             router.metrics.refusals.labels(str(refused.status)).inc()
-            return error_response(refused.status, refused.message), None, None
+            return error_response(refused.status, refused.message, code=None), None, None
         if config.api_keys and not bearer_ok(request.headers.get("Authorization"), config.api_keys):
             router.metrics.refusals.labels("401").inc()
             return error_response(401, UNAUTHORIZED), None, None

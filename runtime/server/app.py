@@ -319,8 +319,13 @@ async def _compile_grammar(request: web.Request, engine: AsyncEngine, outputs: s
     if outputs.structured is None:
         return
     manager = engine.engine.structured_outputs
+    # In a thread: the limits check walks the schema, tens of ms for a big one.
+    acquiring = asyncio.ensure_future(asyncio.to_thread(manager.acquire, outputs.structured, client=request.remote))
     try:
-        ticket = manager.acquire(outputs.structured, client=request.remote)
+        ticket = await asyncio.shield(acquiring)
+    except asyncio.CancelledError:  # the client left first: let go of the hold as soon as it exists
+        acquiring.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().release())
+        raise
     except GrammarCompileBusy as exc:
         raise APIError(429, f"{outputs.field}: {exc}", param=outputs.field,
                        headers={"Retry-After": str(request.app[STATE].config.retry_after_s)}) from None

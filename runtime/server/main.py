@@ -198,7 +198,7 @@ def preflight(args: argparse.Namespace) -> str | None:
         model_config = ModelConfig.from_pretrained(resolve_model_path(args.model))
     except ValueError:
         return None
-    from kvserve.runtime.distributed.executor import check_tensor_parallel
+    from kvserve.runtime.executor.multiproc import check_tensor_parallel
     from kvserve.runtime.engine import check_kv_cache_dtype_for_model
     from kvserve.runtime.models.quantization import check_quantization
 

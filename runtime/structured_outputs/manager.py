@@ -149,18 +149,17 @@ class StructuredOutputManager:
         Raises GrammarCompileBusy if the client or the queue has no room (nothing is started)."""
         key = params.key()
         with self._lock:
-            fut = self._futures.get(key)
-            if fut is not None and not fut.cancelled():
-                self._futures.move_to_end(key)
-                return CompileTicket(fut)
-            job = self._jobs.get(key)
-            if job is not None and not job.cancelled:
-                job.waiters += 1
-                return CompileTicket(job.future, lambda: self._release(job))
-            try:
-                self.limits.check(params)
-            except ValueError as exc:
-                return CompileTicket(_failed(exc))  # not cached: checking again costs less than keeping it
+            ticket = self._join(key)
+        if ticket is not None:
+            return ticket
+        try:  # outside the lock: a walk over a big schema must not hold up other requests' lookups
+            self.limits.check(params)
+        except ValueError as exc:
+            return CompileTicket(_failed(exc))  # not cached: checking again costs less than keeping it
+        with self._lock:
+            ticket = self._join(key)  # someone may have started it meanwhile
+            if ticket is not None:
+                return ticket
             check_admission(client, self._owned[client], len(self._waiting), self.settings)
             if self._closed:
                 return CompileTicket(_failed(RuntimeError("structured outputs: the engine is closed")))
@@ -172,6 +171,18 @@ class StructuredOutputManager:
             self._start_slots()
             self._lock.notify_all()
             return CompileTicket(job.future, lambda: self._release(job))
+
+    def _join(self, key: tuple) -> CompileTicket | None:
+        """Under the lock: a hold on a finished or running compile of ``key``, if there is one."""
+        fut = self._futures.get(key)
+        if fut is not None and not fut.cancelled():
+            self._futures.move_to_end(key)
+            return CompileTicket(fut)
+        job = self._jobs.get(key)
+        if job is not None and not job.cancelled:
+            job.waiters += 1
+            return CompileTicket(job.future, lambda: self._release(job))
+        return None
 
     def _release(self, job: _Job) -> None:
         with self._lock:

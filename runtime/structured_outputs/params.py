@@ -16,7 +16,7 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class StructuredOutputsParams:
-    __slots__ = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+    __slots__ = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "_key")
 
     def __init__(self, *, json: str | dict | None = None, regex: str | None = None,  # noqa: A002
                  choice: list[str] | None = None, grammar: str | None = None, json_object: bool | None = None,
@@ -30,6 +30,7 @@ class StructuredOutputsParams:
         self.grammar = grammar
         self.json_object = json_object
         self.disable_any_whitespace = disable_any_whitespace
+        self._key: tuple[str, str, bool] | None = None
         self._validate()
 
     @classmethod
@@ -81,6 +82,12 @@ class StructuredOutputsParams:
         return json.loads(self.json) if isinstance(self.json, str) else self.json
 
     def key(self) -> tuple[str, str, bool]:
+        # Kept: a big schema's canonical text costs tens of ms, and the server and the engine both ask.
+        if self._key is None:
+            self._key = self._make_key()
+        return self._key
+
+    def _make_key(self) -> tuple[str, str, bool]:
         kind = self.kind
         if kind == "json":
             spec = json.dumps(self.schema(), separators=(",", ":"), ensure_ascii=False)
@@ -93,7 +100,7 @@ class StructuredOutputsParams:
         return kind, spec, self.disable_any_whitespace
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) not in (None, False)}
+        return {k: getattr(self, k) for k in self.__slots__ if not k.startswith("_") and getattr(self, k) not in (None, False)}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StructuredOutputsParams) and self.key() == other.key()

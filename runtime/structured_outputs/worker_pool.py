@@ -8,7 +8,8 @@ The child only answers "this grammar compiles, in so many seconds": xgrammar's C
 does serialise (``serialize_json``), but its token-mask cache makes that text huge (81 MB and
 5.8 s for a 500-branch schema that compiles in 0.06 s on SmolLM2's vocabulary), so the server
 compiles the grammar again itself once the child has shown that it finishes in time. The
-server's compile is deterministic, so it is bounded by the same timeout.
+compile is deterministic: the server's second one does the same work, so it takes about as long
+as the child's did (a load spike aside), within the timeout.
 
 Workers fork from a small "zygote" process (started once with a clean interpreter, so no thread
 of the server is copied, and no user ``__main__`` is re-imported as multiprocessing's spawn and
