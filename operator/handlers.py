@@ -160,19 +160,34 @@ class Reconciler:
         if (status.get("desiredReplicas"), status.get("tensorParallelSize")) != (replicas, tp):
             # A new service, or bounds that moved: what runs is recorded before it is applied.
             await self._record_size(current, {"desiredReplicas": replicas, "tensorParallelSize": tp})
+        self.metrics.observe(namespace, name, desired=replicas, tp=tp, uid=uid)
         results = {}
         wanted = D.owned_objects(current, spec, replicas=replicas, tp=tp, operator=self.config.operator_peer)
         for obj in wanted:
             results[self._label(obj["kind"], obj["metadata"]["name"], name)] = await apply(self.client, obj, uid)
         keep = {D.key(obj) for obj in wanted}
-        for kind, obj_name in D.possible_objects(name)[::-1]:
-            if (kind, obj_name) in keep:
-                continue
+        for kind, obj_name in await self._owned_leftovers(meta, keep):
+            await self.client.delete(kind, namespace, obj_name)
+            results[self._label(kind, obj_name, name)] = "deleted"
+        return replicas, tp, {k: v for k, v in results.items() if v != "unchanged"}
+
+    async def _owned_leftovers(self, meta, keep: set[tuple[str, str]]) -> list[tuple[str, str]]:
+        """What the resource owns beyond `keep`, in deletion order (reverse apply order). The
+        router's ServiceAccount is applied first and deleted last: without it there is no other
+        router object to look for (one read, not four, for the many services without a router)."""
+        name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+        candidates = [k for k in D.possible_objects(name)[::-1] if k not in keep]
+        router = {(kind, R.router_name(name)) for kind in R.ROUTER_KINDS}
+        if router <= set(candidates):
+            account = await self.client.get("ServiceAccount", namespace, R.router_name(name))
+            if account is None or not owned_by(account, uid):
+                candidates = [k for k in candidates if k not in router]
+        out = []
+        for kind, obj_name in candidates:
             live = await self.client.get(kind, namespace, obj_name)
             if live is not None and owned_by(live, uid):
-                await self.client.delete(kind, namespace, obj_name)
-                results[self._label(kind, obj_name, name)] = "deleted"
-        return replicas, tp, {k: v for k, v in results.items() if v != "unchanged"}
+                out.append((kind, obj_name))
+        return out
 
     @staticmethod
     def _label(kind: str, obj_name: str, name: str) -> str:
@@ -503,11 +518,9 @@ class Reconciler:
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         try:
-            for kind, obj_name in D.possible_objects(name)[::-1]:
-                live = await self.client.get(kind, namespace, obj_name)
-                if live is not None and owned_by(live, uid):
-                    await self.client.delete(kind, namespace, obj_name)
-                    logger.info(f"deleted {kind} {namespace}/{obj_name}")
+            for kind, obj_name in await self._owned_leftovers(meta, keep=set()):
+                await self.client.delete(kind, namespace, obj_name)
+                logger.info(f"deleted {kind} {namespace}/{obj_name}")
         except APIError as error:
             # The finalizer stays until every owned object is gone; try again in seconds.
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
