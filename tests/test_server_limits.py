@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvserve.runtime.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimitError, RequestLimits, check_request
 
@@ -82,6 +82,7 @@ def test_nesting_deeper_than_python_recursion_is_counted():
                       RequestLimits(max_prompt_chars=1))
 
 
+@settings(deadline=None)
 @given(st.lists(st.text(max_size=12), max_size=8), st.integers(1, 8), st.integers(1, 12))
 def test_stop_limits_hold_exactly_at_the_bound(stops, max_count, max_chars):
     limits = RequestLimits(max_stop_strings=max_count, max_stop_string_chars=max_chars)

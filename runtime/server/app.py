@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -192,9 +193,15 @@ async def _read_body(request: web.Request) -> bytes:
         raise APIError(400, f"Invalid request body: {str(exc).strip()}") from None
 
 
+# json.loads holds the GIL for its whole run (a quarter second for 8 MB): one parse at a time, so
+# the event loop waits for at most one of them, not one per preprocessing thread in a row.
+_PARSE_LOCK = threading.Lock()
+
+
 def _parse_json(body: bytes) -> dict:
     try:
-        obj = json.loads(body)
+        with _PARSE_LOCK:
+            obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"Invalid JSON body: {exc}") from None
     except RecursionError:  # [[[[...]]]] nested deeper than the parser's recursion limit
@@ -340,6 +347,21 @@ async def _compile_grammar(request: web.Request, engine: AsyncEngine, outputs: s
         ticket.release()
 
 
+# Past this many tokens (each logprob alternative counting as one) a whole response is built and
+# serialized on the preprocessing pool: n x prompts x max_tokens x top_logprobs can make it tens
+# of megabytes of JSON, a second of the event loop that the probes would wait behind.
+LARGE_RESPONSE_TOKENS = 16384
+
+
+def _large_response(plan: serving.Plan) -> bool:
+    per_token = 1 + (plan.logprobs or 0) if plan.want_logprobs else 1
+    return plan.completion_tokens() * per_token > LARGE_RESPONSE_TOKENS
+
+
+def _response_bytes(plan: serving.Plan) -> bytes:
+    return json.dumps(serving.final_response(plan)).encode()
+
+
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state, engine, plan = await _prepare(request, kind)
     state.enter()
@@ -355,6 +377,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             async for out in stream:
                 for choice in by_request[out.request_id]:
                     serving.apply_output(choice, out)
+            if _large_response(plan):
+                body = await state.off_loop(_response_bytes, plan)
+                return web.Response(body=body, content_type="application/json")
             return web.json_response(serving.final_response(plan))
 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
