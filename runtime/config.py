@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.runtime.capacity.dtypes import KV_CACHE_DTYPES
+from kvserve.runtime.weight_formats import WEIGHT_FORMATS, format_name
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -127,17 +130,13 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
-        from kvserve.runtime.capacity import KV_CACHE_DTYPES
-
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:
-            from kvserve.runtime.capacity import WEIGHT_FORMATS
-
-            name = str(self.quantization).lower().replace("_", "-")
-            if name not in WEIGHT_FORMATS:
+            try:
+                self.quantization = format_name(self.quantization)
+            except ValueError:
                 fail("quantization", f"must be one of {list(WEIGHT_FORMATS)} (or None: the checkpoint's own)")
-            self.quantization = name
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
                 and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
             fail("max_num_batched_tokens",

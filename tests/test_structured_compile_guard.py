@@ -279,6 +279,9 @@ def server(model_dir):
     srv.start()
     wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
     manager = srv.server.state.engine.structured_outputs
+    # Workers start with the first structured request, not with the server.
+    assert manager.worker_pids() == []
+    ask(client_from(srv, "127.0.0.1"), {"type": "object", "properties": {"warm": {"type": "integer"}}}, max_tokens=2)
     wait_until(lambda: len(manager.worker_pids()) == 2, timeout=60)
     yield srv
     assert srv.stop() == 0
@@ -332,7 +335,8 @@ def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(ser
         assert exc.body["param"] == "response_format.json_schema.schema"
         assert "--structured-outputs-compile-timeout" in exc.body["message"]
     # One at a time (the attacker's share is one worker): the second stopped a timeout after the first.
-    assert max(r[0] for r in results.values()) - start < 2 * TIMEOUT_S + 2.0
+    # (slack for a loaded 2-core machine: a kill and a fresh worker take seconds there)
+    assert max(r[0] for r in results.values()) - start < 2 * TIMEOUT_S + 5.0
     assert http(server.url, "GET", "/health")[0] == 200
     idle(server.url)
 

@@ -66,12 +66,58 @@ class Worker:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def determine_kv_blocks(self, kv_groups, *, max_model_len: int, max_step_tokens: int) -> list[int]:
-        """Blocks per KV cache group this rank's budget holds ([blocks] without groups)."""
-        shape = self.model_config.shape
+        """Blocks per KV cache group this rank's budget holds ([blocks] without groups).
+        `max_step_tokens`: the most tokens the scheduler packs into one step."""
+        config, shape = self.config, self.model_config.shape
+        budget = None
+        if (self.platform.free_memory_bytes(self.device) is not None and config.num_kv_blocks is None
+                and config.kv_cache_memory_bytes is None):
+            budget = self._profiled_kv_budget(kv_groups, max_step_tokens)
         if kv_groups is None:
-            return [determine_num_blocks(self.config, shape, self.kv_cache_dtype, self.device)]
-        return determine_group_blocks(self.config, shape, self.kv_cache_dtype, self.device, kv_groups,
-                                      max_model_len=max_model_len, max_step_tokens=max_step_tokens)
+            return [determine_num_blocks(config, shape, self.kv_cache_dtype, self.device, budget_bytes=budget)]
+        return determine_group_blocks(config, shape, self.kv_cache_dtype, self.device, kv_groups,
+                                      max_model_len=max_model_len, max_step_tokens=max_step_tokens,
+                                      budget_bytes=budget)
+
+    def _profiled_kv_budget(self, kv_groups, max_step_tokens: int) -> int:
+        """vLLM's rule: the device's total x gpu_memory_utilization, minus what is in use before
+        the pools exist (this rank's weights, the CUDA context, other processes) and minus the
+        activation peak of the largest step, measured by running it."""
+        device = self.device
+        free, total = self.platform.free_memory_bytes(device)  # after handing cached blocks back
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated = torch.cuda.memory_allocated(device)
+        self.profile_run(kv_groups, max_step_tokens)
+        torch.cuda.synchronize(device)
+        activations = torch.cuda.max_memory_allocated(device) - allocated
+        self.platform.release_memory()
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
+        log.info("rank %d: KV budget %.2f GiB = %.2f GiB x %.2f - %.2f GiB in use - %.2f GiB activation peak",
+                 self.rank, budget / 2**30, total / 2**30, self.config.gpu_memory_utilization,
+                 (total - free) / 2**30, activations / 2**30)
+        return budget
+
+    @torch.inference_mode()
+    def profile_run(self, kv_groups, num_tokens: int) -> None:
+        """A forward pass of `num_tokens` prompt tokens (split into one-block sequences over a
+        one-block pool that nothing writes: slot -1) and the logits of max_num_seqs rows: the
+        activation peak of the largest step the scheduler may send."""
+        from kvserve.runtime.attention.backend import AttentionMetadata
+
+        bs, dev = self.config.block_size, self.device
+        lens = [bs] * (num_tokens // bs) + ([num_tokens % bs] if num_tokens % bs else [])
+        pools = allocate_kv_cache(self.model_config.shape, 1, bs, self.kv_cache_dtype, dev, self.world_size)
+        starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        meta = AttentionMetadata(query_start_loc=starts.to(dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
+                                 slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+                                 max_query_len=max(lens), max_seq_len=max(lens), is_decode_only=False)
+        if kv_groups is not None:
+            meta.kv_groups = {g.window: AttentionMetadata(**{**vars(meta), "kv_groups": None}) for g in kv_groups}
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, pools, meta)
+        rows = min(self.config.max_num_seqs, num_tokens)
+        self.model.compute_logits(hidden[:rows])
 
     def initialize_kv_cache(self, group_blocks: Sequence[int], kv_groups) -> int:
         """Allocates the pools (the block counts every rank agreed on); returns their bytes."""

@@ -20,7 +20,8 @@ from torch import nn
 from kvserve.kernels import ops, reference
 from kvserve.kernels.reference import is_fp8
 from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
-from kvserve.runtime.model_config import ModelConfig, rope_cos_sin_cache
+from kvserve.runtime.model_config import ModelConfig
+from kvserve.runtime.models.rope import rope_cos_sin_cache
 from kvserve.runtime.models.quantization import QuantizationConfig
 from kvserve.runtime.models.layers import (
     MergedColumnParallelLinear,

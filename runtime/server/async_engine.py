@@ -194,6 +194,12 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
 
+    async def close(self) -> None:
+        """After stop(): closes the engine (frees its pools, reaps tensor-parallel workers)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
     # -- engine thread ----------------------------------------------------------------------------
     def _apply_commands(self) -> bool:
         with self._lock:
