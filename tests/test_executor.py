@@ -151,3 +151,14 @@ def test_the_platform_is_asked_which_kernels_serve_an_operation():
     for question in (CUDA.native_ops(f32), CUDA.native_write_kv(f32, f32, pool),
                      CUDA.native_decode_attention(f32, pool), CUDA.native_token_bitmask(logits), CUDA.native_kernels()):
         assert question is False
+
+
+def test_cuda_n_becomes_the_current_device(monkeypatch):
+    """device="cuda:N" must launch on GPU N (each tensor-parallel rank on its own); a bare "cuda"
+    keeps the current device. No GPU here: the call torch would make is recorded instead."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    CUDA.set_device(torch.device("cuda"))
+    CUDA.set_device(torch.device("cuda", 1))
+    CPU.set_device(torch.device("cpu"))
+    assert calls == [torch.device("cuda", 1)]

@@ -108,8 +108,10 @@ class CudaPlatform(Platform):
     supports_compile: bool = True
 
     def set_device(self, device: torch.device) -> None:
-        # Without it every rank (and cuda:N of a single engine) would launch on cuda:0.
-        torch.cuda.set_device(device)
+        # Without it every rank (and cuda:N of a single engine) would launch on cuda:0. A bare
+        # "cuda" means the current device (torch refuses to set a device without an index).
+        if device.index is not None:
+            torch.cuda.set_device(device)
 
     def attention_backend_name(self, requested: str) -> str:
         if requested != "auto":
