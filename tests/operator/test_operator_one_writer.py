@@ -273,3 +273,32 @@ def test_two_timers_firing_together_make_one_decision_and_one_write(emulator):
     status = api.get_isvc("chat")["status"]
     assert [d["reason"] for d in status["decisions"]].count("WakeOnDemand") == 1
     assert status["desiredReplicas"] == 1 and status["lastWokenTime"]
+
+
+def test_the_autoscale_tick_converges_to_the_recorded_size_before_deciding(emulator):
+    """Level-triggered: a decision recorded but not applied (the apply failed), or a Deployment
+    scaled behind the operator's back, is put right by the next tick, from status alone."""
+    api = Api(emulator.url)
+    api.apply_isvc(defaulted(TINY))
+    reconciler = reconciler_for(emulator.url)
+    path = "/apis/apps/v1/namespaces/default/deployments/tiny"
+
+    async def scenario():
+        memo = kopf.Memo()
+        try:
+            await reconciler.reconcile(*Kopf(api, "tiny", memo).args())
+            await reconciler._record_size(api.get_isvc("tiny"), {"desiredReplicas": 2, "tensorParallelSize": 2})
+            await reconciler.autoscale(*Kopf(api, "tiny", memo).args())
+            first = api.get("Deployment", "tiny")
+            api.call("PATCH", path, {"spec": {"replicas": 5}}, "application/merge-patch+json")  # kubectl scale
+            await reconciler.autoscale(*Kopf(api, "tiny", memo).args())
+            return first, api.get("Deployment", "tiny")
+        finally:
+            await reconciler.client.close()
+            await reconciler.source.close()
+            await reconciler.demand_source.close()
+
+    first, second = asyncio.run(scenario())
+    assert first["spec"]["replicas"] == 2 and first["metadata"]["annotations"][M.TP_ANNOTATION] == "2"
+    assert second["spec"]["replicas"] == 2
+    assert api.get_isvc("tiny")["status"]["desiredReplicas"] == 2
