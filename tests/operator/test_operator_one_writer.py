@@ -160,9 +160,10 @@ def no_events():
     settings_var.reset(token)
 
 
-def applies_to(emulator: EmulatorThread, path: str) -> int:
+def applies_to(emulator: EmulatorThread, path: str | None = None) -> int:
+    """Server-side applies the emulator received (to `path`; None: to anything)."""
     return sum(1 for r in list(emulator.emulator)
-               if str(r.method.value).upper() == "PATCH" and r.url.path == path
+               if str(r.method.value).upper() == "PATCH" and (path is None or r.url.path == path)
                and (r.headers or {}).get("Content-Type", "").startswith("application/apply-patch"))
 
 
@@ -254,10 +255,12 @@ def test_two_timers_firing_together_make_one_decision_and_one_write(emulator):
                 "status": {"phase": "Running", "podIP": "127.0.0.1",
                            "conditions": [{"type": "Ready", "status": "True"}]}})
             path = "/apis/apps/v1/namespaces/default/deployments/chat"
-            before = applies_to(emulator, path)
+            before, before_all = applies_to(emulator, path), applies_to(emulator)
             version = api.get("Deployment", "chat")["metadata"]["resourceVersion"]
             wake, autoscale = Kopf(api, "chat", memo), Kopf(api, "chat", memo)
             await asyncio.gather(reconciler.wake(*wake.args()), reconciler.autoscale(*autoscale.args()))
+            # A size changes the Deployment alone: the other objects' renderings did not change.
+            assert applies_to(emulator) - before_all == 1
             return before, applies_to(emulator, path), version
         finally:
             await reconciler.client.close()
