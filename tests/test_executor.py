@@ -131,3 +131,34 @@ def test_a_second_engine_in_one_process_gets_the_same_kv_pool(tiny_llama):
         blocks.append(llm.engine.executor.num_blocks_per_group)
         llm.close()
     assert blocks[0] == blocks[1]
+
+
+def test_the_platform_is_asked_which_kernels_serve_an_operation():
+    """One named question per operation; CUDA never takes the native CPU kernels, the CPU takes
+    them for float32 only (and only where they loaded)."""
+    from kvserve.kernels.cpu import native
+
+    loaded = native.available()
+    f32 = torch.zeros(4, 2, 8)
+    bf16 = f32.to(torch.bfloat16)
+    pool = torch.zeros(3, 4, 2, 8)
+    logits = torch.zeros(2, 64)
+    assert CPU.native_kernels() == loaded
+    assert CPU.native_ops(f32) == loaded and not CPU.native_ops(bf16)
+    assert CPU.native_write_kv(f32, f32, pool) == loaded and not CPU.native_write_kv(bf16, bf16, pool.bfloat16())
+    assert CPU.native_token_bitmask(logits) == loaded
+    assert not CPU.native_token_bitmask(logits.t()) and not CPU.native_token_bitmask(logits.double())
+    for question in (CUDA.native_ops(f32), CUDA.native_write_kv(f32, f32, pool),
+                     CUDA.native_decode_attention(f32, pool), CUDA.native_token_bitmask(logits), CUDA.native_kernels()):
+        assert question is False
+
+
+def test_cuda_n_becomes_the_current_device(monkeypatch):
+    """device="cuda:N" must launch on GPU N (each tensor-parallel rank on its own); a bare "cuda"
+    keeps the current device. No GPU here: the call torch would make is recorded instead."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    CUDA.set_device(torch.device("cuda"))
+    CUDA.set_device(torch.device("cuda", 1))
+    CPU.set_device(torch.device("cpu"))
+    assert calls == [torch.device("cuda", 1)]

@@ -246,3 +246,46 @@ def test_large_responses_are_serialized_off_the_loop(server, client, monkeypatch
     assert len(threads) == 1 and threads[0].startswith("kvserve-preprocess")
     small = client.completions.create(model="tiny", prompt="hi", max_tokens=2)  # 2 tokens: on the loop
     assert small.usage.completion_tokens <= 2 and len(threads) == 1
+
+
+def test_bodies_in_memory_are_bounded_before_they_are_read(tiny_llama):
+    """A flood of large bodies: once the bodies being read or planned would pass
+    --max-buffered-request-bytes, a new request gets 429 before a byte of its body is read, and
+    clients that leave mid-body give their share back."""
+    import socket
+
+    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--num-kv-blocks", "64",
+                        "--max-request-body-bytes", "2000000", "--max-buffered-request-bytes", "3000000"])
+    srv.start()
+    held: list[socket.socket] = []
+    try:
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+        host, port = srv.url.removeprefix("http://").split(":")
+
+        def start_body(declared: int) -> socket.socket:
+            s = socket.create_connection((host, int(port)), timeout=30)
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {declared}\r\n\r\n".encode() + b"{" * 1000)
+            return s
+
+        state = srv.server.state
+        for _ in range(2):  # 2 x 1.5 MB: exactly the budget, bodies still arriving
+            held.append(start_body(1_500_000))
+        wait_until(lambda: state.buffered_request_bytes == 3_000_000, timeout=30)
+        status, headers, raw = http(srv.url, "POST", "/v1/chat/completions",
+                                    {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 429, raw[:300]
+        assert "--max-buffered-request-bytes" in json.loads(raw)["error"]["message"]
+        assert headers.get("retry-after")
+        for s in held:  # clients that leave mid-body
+            s.close()
+        held.clear()
+        wait_until(lambda: state.buffered_request_bytes == 0, timeout=30)
+        status, _, raw = http(srv.url, "POST", "/v1/chat/completions",
+                              {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 200, raw[:300]
+        assert state.buffered_request_bytes == 0
+    finally:
+        for s in held:
+            s.close()
+        assert srv.stop() == 0

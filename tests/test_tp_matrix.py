@@ -180,3 +180,36 @@ def test_tp2_matches_tp1(tiny_model_factory, name):
         assert got == want
     else:
         _assert_close_until_a_near_tie(want, got)
+
+
+_TWIN_GRAPHS = '''
+from kvserve.runtime.executor.worker import Worker
+def compile_and_capture(self, *, max_model_len):
+    # The CPU twin of CUDA graphs (padded static buffers, run eagerly) on this rank too.
+    self.graphs = self.build_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+Worker.compile_and_capture = compile_and_capture
+'''
+
+
+def test_tp2_decode_graphs_replay_in_step_on_every_rank(tiny_model_factory, tmp_path, monkeypatch):
+    """CUDA graphs at tp=2, through their CPU twin on both ranks (installed in the worker process
+    through sitecustomize): a replayed step pads to its bucket, so its all-reduces have the
+    bucket's shape; a rank taking the other path would mismatch the collective. Equal tokens
+    mean every rank chose the same path for every step."""
+    from kvserve.runtime.executor.worker import Worker
+
+    (tmp_path / "sitecustomize.py").write_text(_TWIN_GRAPHS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    namespace: dict = {}
+    exec(_TWIN_GRAPHS, namespace)
+    monkeypatch.setattr(Worker, "compile_and_capture", namespace["compile_and_capture"])
+    model_dir = tiny_model_factory("llama")
+    prompts, params = _mixed()
+    kw = {**BASE, "max_num_seqs": 8}
+    with LLM(str(model_dir), **kw, enforce_eager=True) as llm:
+        llm.engine.executor.driver_worker.graphs = None
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(model_dir), tensor_parallel_size=2, **kw) as llm:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.executor.driver_worker.graphs.replays > 0
+    assert got == want

@@ -11,7 +11,7 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def _triton_backend_class():
-    from kvserve.kernels.attention_backend import TritonAttentionBackend
+    from kvserve.runtime.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend
 

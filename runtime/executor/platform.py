@@ -4,8 +4,12 @@ knows what the device can do and which kernels serve it.
 Everything device-specific that the executor and the workers used to decide inline goes through
 here: the attention backend for "auto", the collective backend of a tensor-parallel group, whether
 decode steps may be captured as CUDA graphs and the model compiled, how much memory the KV pools
-may take, and how memory is handed back when an engine closes. The CPU's native kernels
-(kvserve.kernels.cpu) are answered by ``CpuPlatform.native_kernels``.
+may take, and how memory is handed back when an engine closes. Whether kvserve's native CPU
+kernels (kvserve.kernels.cpu) serve an operation is asked here too, one named question per
+operation (``native_ops``, ``native_write_kv``, ``native_decode_attention``,
+``native_token_bitmask``): the attention backend, the model and the sampler ask the platform of
+their tensors' device instead of deciding for themselves. (The quantized linear methods still
+make their own choice: runtime/models/quantization/packed.py.)
 """
 
 from __future__ import annotations
@@ -42,7 +46,21 @@ class Platform:
         gc.collect()
 
     def native_kernels(self) -> bool:
-        """Whether kvserve's native CPU kernels serve float32 work on this platform."""
+        """Whether kvserve's native CPU kernels are loaded and serve float32 work here."""
+        return False
+
+    def native_ops(self, t: torch.Tensor) -> bool:
+        """The native layer ops and the one-call decode stack, for tensors like `t`."""
+        return False
+
+    def native_write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return False
+
+    def native_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return False
+
+    def native_token_bitmask(self, logits: torch.Tensor) -> bool:
+        """The grammar bitmask applied by the native kernel (xgrammar's tests one bit at a time)."""
         return False
 
 
@@ -60,6 +78,26 @@ class CpuPlatform(Platform):
 
         return native.available()
 
+    def native_ops(self, t: torch.Tensor) -> bool:
+        from kvserve.kernels import ops
+
+        return ops.use_native(t)  # float32 CPU tensors, under the kernel mode (KVSERVE_CPU_KERNELS)
+
+    def native_write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        from kvserve.kernels.cpu import native
+
+        return self.native_ops(key) and native.write_kv_supported(key, value, k_cache)  # float32 pools only
+
+    def native_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        from kvserve.kernels.cpu import native
+
+        return self.native_ops(query) and native.decode_supported(query, k_cache)
+
+    def native_token_bitmask(self, logits: torch.Tensor) -> bool:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+            return False
+        return self.native_kernels()
+
 
 @dataclass(frozen=True)
 class CudaPlatform(Platform):
@@ -70,14 +108,16 @@ class CudaPlatform(Platform):
     supports_compile: bool = True
 
     def set_device(self, device: torch.device) -> None:
-        # Without it every rank (and cuda:N of a single engine) would launch on cuda:0.
-        torch.cuda.set_device(device)
+        # Without it every rank (and cuda:N of a single engine) would launch on cuda:0. A bare
+        # "cuda" means the current device (torch refuses to set a device without an index).
+        if device.index is not None:
+            torch.cuda.set_device(device)
 
     def attention_backend_name(self, requested: str) -> str:
         if requested != "auto":
             return requested
         try:
-            import kvserve.kernels.attention_backend  # noqa: F401  (needs triton)
+            import kvserve.runtime.attention.triton_backend  # noqa: F401  (needs triton)
         except ImportError:
             return "torch"
         return "triton"
@@ -98,7 +138,7 @@ CUDA = CudaPlatform()
 
 def platform_for(device: torch.device | str) -> Platform:
     """The platform of a device: CPU or CUDA (which device of the family is the worker's business)."""
-    kind = torch.device(device).type
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if kind == "cpu":
         return CPU
     if kind == "cuda":

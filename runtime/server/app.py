@@ -10,6 +10,7 @@ own thread (async_engine). A client that goes away cancels its handler (aiohttp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -50,6 +51,9 @@ class ServerConfig:
     max_queue_len: int = 1024
     drain_timeout_s: float = 30.0
     max_request_body_bytes: int = 8 * 1024 * 1024
+    # Bodies read but not yet turned into a plan (waiting for, or on, the preprocessing pool): past
+    # this a request gets 429 before its body is read, so a flood of large bodies cannot grow memory.
+    max_buffered_request_bytes: int = 64 * 1024 * 1024
     retry_after_s: int = 1
     tools: structured.ToolSettings = field(default_factory=structured.ToolSettings)
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -73,6 +77,7 @@ class ServerState:
     # will take no more work, so /live and /health fail and the kubelet restarts the container.
     retired: bool = False
     preprocess: ThreadPoolExecutor | None = None
+    buffered_request_bytes: int = 0
 
     @property
     def model_name(self) -> str:
@@ -186,11 +191,28 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     return response
 
 
-async def _read_body(request: web.Request) -> bytes:
+@contextlib.asynccontextmanager
+async def _request_body(request: web.Request):
+    """The body, read only once its bytes fit the server's budget for bodies in memory, and counted
+    against it until the caller has turned it into a plan. A body without Content-Length is
+    counted at the largest size it may have."""
+    state = request.app[STATE]
+    config = state.config
+    declared = request.content_length
+    reserved = config.max_request_body_bytes if declared is None else min(declared, config.max_request_body_bytes)
+    if state.buffered_request_bytes + reserved > config.max_buffered_request_bytes:
+        raise APIError(429, f"The server holds {state.buffered_request_bytes} bytes of request bodies and this one "
+                       f"would pass --max-buffered-request-bytes ({config.max_buffered_request_bytes}); retry shortly.",
+                       headers={"Retry-After": str(config.retry_after_s)})
+    state.buffered_request_bytes += reserved
     try:
-        return await request.read()  # raises 413 past client_max_size
-    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
-        raise APIError(400, f"Invalid request body: {str(exc).strip()}") from None
+        try:
+            body = await request.read()  # raises 413 past client_max_size
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
+            raise APIError(400, f"Invalid request body: {str(exc).strip()}") from None
+        yield body
+    finally:
+        state.buffered_request_bytes -= reserved
 
 
 # json.loads holds the GIL for its whole run (a quarter second for 8 MB): one parse at a time, so
@@ -301,7 +323,8 @@ def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, servi
 
 async def _prepare(request: web.Request, kind: str):
     state = request.app[STATE]
-    engine, plan = await state.off_loop(_plan, state, await _read_body(request), kind)
+    async with _request_body(request) as body:
+        engine, plan = await state.off_loop(_plan, state, body, kind)
     limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
     wanted = sum(getattr(params, "n", 1) for _, _, params in plan.engine_requests)
     if wanted > limit:  # could never be admitted: a 429 would have the client retry forever
@@ -436,7 +459,8 @@ async def model(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(await state.off_loop(_tokenize_body, state, await _read_body(request)))
+    async with _request_body(request) as body:
+        return web.json_response(await state.off_loop(_tokenize_body, state, body))
 
 
 def _tokenize_body(state: ServerState, raw: bytes) -> dict:
@@ -464,7 +488,8 @@ def _tokenize_body(state: ServerState, raw: bytes) -> dict:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(await state.off_loop(_detokenize_body, state, await _read_body(request)))
+    async with _request_body(request) as body:
+        return web.json_response(await state.off_loop(_detokenize_body, state, body))
 
 
 def _detokenize_body(state: ServerState, raw: bytes) -> dict:

@@ -105,6 +105,7 @@ class Server:
             max_queue_len=a.max_queue_len,
             drain_timeout_s=a.drain_timeout,
             max_request_body_bytes=a.max_request_body_bytes,
+            max_buffered_request_bytes=a.max_buffered_request_bytes,
             limits=RequestLimits(max_stop_strings=a.max_stop_strings, max_messages=a.max_messages,
                                  max_prompt_chars=a.max_prompt_chars, max_schema_chars=a.max_schema_chars),
             tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
