@@ -9,6 +9,8 @@ Same input, same objects: applying them again changes nothing.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Mapping
 
 from kvserve.runtime.capacity import ModelShape
@@ -62,3 +64,8 @@ def possible_objects(name: str) -> list[tuple[str, str]]:
 
 def key(obj: Mapping[str, Any]) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
+
+
+def digest(obj: Mapping[str, Any]) -> str:
+    """Tells two renderings of an object apart (what was applied last, what would be now)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()

@@ -160,9 +160,10 @@ def no_events():
     settings_var.reset(token)
 
 
-def applies_to(emulator: EmulatorThread, path: str) -> int:
+def applies_to(emulator: EmulatorThread, path: str | None = None) -> int:
+    """Server-side applies the emulator received (to `path`; None: to anything)."""
     return sum(1 for r in list(emulator.emulator)
-               if str(r.method.value).upper() == "PATCH" and r.url.path == path
+               if str(r.method.value).upper() == "PATCH" and (path is None or r.url.path == path)
                and (r.headers or {}).get("Content-Type", "").startswith("application/apply-patch"))
 
 
@@ -254,10 +255,12 @@ def test_two_timers_firing_together_make_one_decision_and_one_write(emulator):
                 "status": {"phase": "Running", "podIP": "127.0.0.1",
                            "conditions": [{"type": "Ready", "status": "True"}]}})
             path = "/apis/apps/v1/namespaces/default/deployments/chat"
-            before = applies_to(emulator, path)
+            before, before_all = applies_to(emulator, path), applies_to(emulator)
             version = api.get("Deployment", "chat")["metadata"]["resourceVersion"]
             wake, autoscale = Kopf(api, "chat", memo), Kopf(api, "chat", memo)
             await asyncio.gather(reconciler.wake(*wake.args()), reconciler.autoscale(*autoscale.args()))
+            # A size changes the Deployment alone: the other objects' renderings did not change.
+            assert applies_to(emulator) - before_all == 1
             return before, applies_to(emulator, path), version
         finally:
             await reconciler.client.close()
@@ -273,3 +276,32 @@ def test_two_timers_firing_together_make_one_decision_and_one_write(emulator):
     status = api.get_isvc("chat")["status"]
     assert [d["reason"] for d in status["decisions"]].count("WakeOnDemand") == 1
     assert status["desiredReplicas"] == 1 and status["lastWokenTime"]
+
+
+def test_the_autoscale_tick_converges_to_the_recorded_size_before_deciding(emulator):
+    """Level-triggered: a decision recorded but not applied (the apply failed), or a Deployment
+    scaled behind the operator's back, is put right by the next tick, from status alone."""
+    api = Api(emulator.url)
+    api.apply_isvc(defaulted(TINY))
+    reconciler = reconciler_for(emulator.url)
+    path = "/apis/apps/v1/namespaces/default/deployments/tiny"
+
+    async def scenario():
+        memo = kopf.Memo()
+        try:
+            await reconciler.reconcile(*Kopf(api, "tiny", memo).args())
+            await reconciler._record_size(api.get_isvc("tiny"), {"desiredReplicas": 2, "tensorParallelSize": 2})
+            await reconciler.autoscale(*Kopf(api, "tiny", memo).args())
+            first = api.get("Deployment", "tiny")
+            api.call("PATCH", path, {"spec": {"replicas": 5}}, "application/merge-patch+json")  # kubectl scale
+            await reconciler.autoscale(*Kopf(api, "tiny", memo).args())
+            return first, api.get("Deployment", "tiny")
+        finally:
+            await reconciler.client.close()
+            await reconciler.source.close()
+            await reconciler.demand_source.close()
+
+    first, second = asyncio.run(scenario())
+    assert first["spec"]["replicas"] == 2 and first["metadata"]["annotations"][M.TP_ANNOTATION] == "2"
+    assert second["spec"]["replicas"] == 2
+    assert api.get_isvc("tiny")["status"]["desiredReplicas"] == 2
