@@ -4,6 +4,9 @@ repeats a lot costs the reader.
     python bench/gguf_reader_bounds.py                     # the current reader
     python bench/gguf_reader_bounds.py --reader OLD.py     # another reader.py (e.g. from git show)
                                                            # for a before/after table
+    python bench/gguf_reader_bounds.py --reader gguf       # the gguf package's GGUFReader, which
+                                                           # transformers' tokenizer conversion uses
+                                                           # (minutes per case)
 
 Each case is a ~24 MB file parsed by `GGUFFile(path)` in a fresh child process; the table gives the
 wall time and the child's peak RSS above a child that parses a one-key file (same imports), so
@@ -63,18 +66,38 @@ def deep_nesting() -> bytes:
         struct.pack("<IQ", U8, 0)
 
 
+def at_the_caps() -> bytes:
+    """What the caps still let through, all in one file: 16383 keys of empty arrays, one of
+    65535 empty arrays, and one of as many empty strings as the element cap leaves (~2M)."""
+    from kvserve.runtime.gguf.reader import MAX_ARRAY_ELEMENTS, MAX_METADATA_KEYS, MAX_NESTED_ARRAY_ELEMENTS
+
+    keys = MAX_METADATA_KEYS - 2
+    nested = MAX_NESTED_ARRAY_ELEMENTS - 1
+    strings = MAX_ARRAY_ELEMENTS - nested - 1
+    body = b"".join(_key(f"{i:07x}") + struct.pack("<IIQ", ARRAY, U8, 0) for i in range(keys))
+    body += _key("nested") + struct.pack("<IIQ", ARRAY, ARRAY, nested) + struct.pack("<IQ", U8, 0) * nested
+    body += _key("strings") + struct.pack("<IIQ", ARRAY, STRING, strings) + struct.pack("<Q", 0) * strings
+    return _header(keys + 2) + body
+
+
 CASES = {"2M empty arrays in one value": empty_arrays, "1M keys of empty arrays": keys_of_empty_arrays,
-         "3M empty strings in one value": empty_strings, "arrays nested 2M deep": deep_nesting}
+         "3M empty strings in one value": empty_strings, "arrays nested 2M deep": deep_nesting,
+         "just under every cap (17 MB)": at_the_caps}
 
 CHILD = r"""
 import importlib.util, json, sys, time
-spec = importlib.util.spec_from_file_location("reader_under_test", sys.argv[1])
-mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+if sys.argv[1] == "gguf":
+    import gguf
+    open_file = gguf.GGUFReader
+else:
+    spec = importlib.util.spec_from_file_location("reader_under_test", sys.argv[1])
+    mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+    open_file = mod.GGUFFile
 path = sys.argv[2]
 start = time.perf_counter()
 outcome = "parsed"
 try:
-    mod.GGUFFile(path)
+    open_file(path)
 except BaseException as exc:
     outcome = type(exc).__name__ + ": " + str(exc)[-90:]
 seconds = time.perf_counter() - start
@@ -94,7 +117,9 @@ def run_child(reader: Path, path: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reader", type=Path, default=ROOT / "runtime" / "gguf" / "reader.py")
+    p.add_argument("--reader", type=Path, default=ROOT / "runtime" / "gguf" / "reader.py",
+                   help="a reader.py, or 'gguf' for the gguf package's GGUFReader")
+    p.add_argument("--case", default="", help="only the cases whose name contains this")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gguf_reader_bounds.json")
     args = p.parse_args(argv)
     rows = []
@@ -103,6 +128,8 @@ def main(argv=None) -> int:
         tiny.write_bytes(_header(1) + _key("a") + struct.pack("<IB", U8, 1))
         base = run_child(args.reader, str(tiny))["peak_kib"]
         for name, make in CASES.items():
+            if args.case not in name:
+                continue
             path = Path(d) / "case.gguf"
             path.write_bytes(make())
             r = run_child(args.reader, str(path))

@@ -144,8 +144,8 @@ def stop_matching_cost(stops: list[str], tokens: int = 1000) -> dict:
     with a text no stop ever matches: the matching alone, no model; and the setup per request."""
     try:
         from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer
-    except ImportError:  # code from before the engine became a package
-        from kvserve.runtime.detokenizer import IncrementalDetokenizer
+    except ImportError:  # --label before: code from before the engine became a package (main at 602a5fd)
+        from kvserve.runtime.detokenizer import IncrementalDetokenizer  # noqa: F401 - that old path on purpose
 
     decode = lambda ids, skip: "".join("a" if t else "b" for t in ids)  # noqa: E731
     t0 = time.perf_counter()
@@ -182,7 +182,8 @@ def main(argv=None) -> int:
             url, {**chat, "stop": [chr(0x4E00 + i) * 1024 for i in range(64)]})
         big = json.dumps({"messages": [{"role": "user", "content": f"hello number {i}"} for i in range(150_000)],
                           "max_tokens": 4}).encode()
-        rows["/health under 3 x 5 MB bodies (150k messages)"] = probes_during(url, big) | {"body_bytes": len(big)}
+        rows[f"/health under 3 x {len(big) / 1e6:.1f} MB bodies (150k messages)"] = (
+            probes_during(url, big) | {"body_bytes": len(big)})
         # Just within the default limits of an 8,192-token context: 4,096 messages, 262,144 characters.
         per = 32 * 8192 // 4096 - 20
         near = json.dumps({"messages": [{"role": "user", "content": "word " * (per // 5)} for _ in range(4096)],

@@ -1,8 +1,13 @@
 """The imperative shell: kopf handlers that reconcile InferenceServices and run the autoscaler.
 
-Everything decided here comes from the pure modules (spec, manifests, autoscaler, status); this
-module only reads the cluster, applies objects, scrapes signals, writes status and posts Events.
-It never writes an InferenceService's spec.
+Everything decided here comes from the pure modules (spec, desired, manifests, autoscaler,
+status); this module only reads the cluster, applies objects, scrapes signals, writes status and
+posts Events. It never writes an InferenceService's spec.
+
+One writer per object: `Reconciler.converge` alone writes what a resource owns. It reads the
+resource as it is now, renders every object from the spec and the size recorded in status
+(desired.py), and server-side applies each under one field manager. The autoscale and wake
+timers only decide: they record a decision in status, then call `converge`.
 
 `build_registry(config)` returns a fresh kopf registry, so tests and `kvserve-operator run` each
 get their own handlers and settings.
@@ -22,10 +27,11 @@ import kopf
 
 from kvserve.runtime.capacity import ModelShape
 
+from . import desired as D
 from . import manifests as M
 from . import netpol as N
 from . import router as R
-from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide, hold
+from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .metrics import OperatorMetrics
 from .peering import REPEAT_SECONDS, peering_objects, watch_peering
@@ -37,9 +43,6 @@ from .status import (append_decision, decision_record, degraded_conditions, iso,
                      model_status, replacing, rollout_conditions, same_model, scaling_conditions, signal_fields,
                      tp_note)
 
-OWNED_KINDS = ("Service", "PodDisruptionBudget", "Deployment")
-# The NetworkPolicies' names, from the resource's name: its runtime pods', its router's.
-POLICY_NAMES = (N.runtime_policy_name, N.router_policy_name)
 HANDLER_BACKOFF = 2.0
 # Quick first retries; about a minute in all, as kopf's default, before a call gives up.
 KOPF_ERROR_BACKOFFS = (0.1, 0.2, 0.5, 1, 2, 3, 5, 8, 13, 21)
@@ -118,6 +121,10 @@ class Reconciler:
                        AgentSource(port=config.agent_port, timeout=config.scrape_timeout,
                                    concurrency=config.scrape_concurrency))
         self.demand_source = RouterDemandSource(port=config.router_port, timeout=config.scrape_timeout)
+        # What this process last applied, (uid, kind, name) -> digest, and the generation of each
+        # resource's last full converge: a timer's converge skips what it would apply unchanged.
+        self.applied: dict[tuple[str, str, str], str] = {}
+        self.converged: dict[str, Any] = {}
 
     async def peering_exists(self, kind: str, namespace: str | None) -> bool:
         while self.client is None:  # startup runs before kopf's login
@@ -137,6 +144,83 @@ class Reconciler:
         check_servable(spec, shape)
         return spec, shape
 
+    async def _current(self, meta) -> dict[str, Any] | None:
+        """The resource as it is now (None: gone, replaced or being deleted): the handler's body
+        may predate a decision a timer has recorded since."""
+        current = await self.client.get("InferenceService", meta["namespace"], meta["name"])
+        if (current is None or current["metadata"].get("uid") != meta["uid"]
+                or current["metadata"].get("deletionTimestamp")):
+            return None
+        return current
+
+    async def converge(self, current, spec: ServiceSpec, shape: ModelShape | None, *,
+                       full: bool = True) -> tuple[int, int, dict[str, str]]:
+        """The one writer of what `current` owns. Runs the size its status records (desired.py),
+        applies every object the spec asks for and deletes those it no longer asks for; returns
+        (replicas, TP, what changed). Raises NotOwned or APIError; the caller holds the lock.
+
+        Not `full` (a timer's decision, on a generation this process has fully converged): only
+        objects whose rendering differs from what this process last applied are applied, and
+        nothing is looked for to delete; a size changes the Deployment alone, in 2 calls, not 11."""
+        meta = current["metadata"]
+        name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+        full = full or self.converged.get(uid) != meta.get("generation")
+        status = current.get("status") or {}
+        replicas, tp = D.recorded_size(spec, shape, status)
+        if (status.get("desiredReplicas"), status.get("tensorParallelSize")) != (replicas, tp):
+            # A new service, or bounds that moved: what runs is recorded before it is applied.
+            await self._record_size(current, {"desiredReplicas": replicas, "tensorParallelSize": tp})
+        self.metrics.observe(namespace, name, desired=replicas, tp=tp, uid=uid)
+        results = {}
+        wanted = D.owned_objects(current, spec, replicas=replicas, tp=tp, operator=self.config.operator_peer)
+        for obj in wanted:
+            key, digest = (uid, *D.key(obj)), D.digest(obj)
+            if not full and self.applied.get(key) == digest:
+                continue
+            results[self._label(obj["kind"], obj["metadata"]["name"], name)] = await apply(self.client, obj, uid)
+            self.applied[key] = digest
+        if full:
+            keep = {D.key(obj) for obj in wanted}
+            for kind, obj_name in await self._owned_leftovers(meta, keep):
+                await self.client.delete(kind, namespace, obj_name)
+                self.applied.pop((uid, kind, obj_name), None)
+                results[self._label(kind, obj_name, name)] = "deleted"
+            self.converged[uid] = meta.get("generation")
+        return replicas, tp, {k: v for k, v in results.items() if v != "unchanged"}
+
+    async def _owned_leftovers(self, meta, keep: set[tuple[str, str]]) -> list[tuple[str, str]]:
+        """What the resource owns beyond `keep`, in deletion order (reverse apply order). The
+        router's ServiceAccount is applied first and deleted last: without it there is no other
+        router object to look for (one read, not four, for the many services without a router)."""
+        name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+        candidates = [k for k in D.possible_objects(name)[::-1] if k not in keep]
+        router = {(kind, R.router_name(name)) for kind in R.ROUTER_KINDS}
+        if router <= set(candidates):
+            account = await self.client.get("ServiceAccount", namespace, R.router_name(name))
+            if account is None or not owned_by(account, uid):
+                candidates = [k for k in candidates if k not in router]
+        out = []
+        for kind, obj_name in candidates:
+            live = await self.client.get(kind, namespace, obj_name)
+            if live is not None and owned_by(live, uid):
+                out.append((kind, obj_name))
+        return out
+
+    @staticmethod
+    def _label(kind: str, obj_name: str, name: str) -> str:
+        """How Events name an object: by kind, plus its name or "router" where the kind repeats."""
+        if kind == "NetworkPolicy":
+            return f"NetworkPolicy {obj_name}"
+        return f"router {kind}" if obj_name == R.router_name(name) else kind
+
+    async def _record_size(self, current, fields: Mapping[str, Any]) -> None:
+        """Writes `fields` (the size to run, a decision) into status before anything is applied,
+        and into `current`, so the converge that follows runs it."""
+        meta = current["metadata"]
+        await self.client.merge_patch("InferenceService", meta["namespace"], meta["name"],
+                                      {"status": json.loads(json.dumps(fields))}, status=True)
+        current["status"] = {**(current.get("status") or {}), **fields}
+
     async def reconcile(self, body, status, patch, memo, logger, retry: int = 0) -> None:
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
@@ -144,7 +228,14 @@ class Reconciler:
         now = self.config.wallclock()
         async with _memo_lock(memo):
             try:
-                spec, shape = self._validate(body)
+                current = await self._current(meta)
+            except APIError as error:
+                raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
+            if current is None:
+                return
+            generation = current["metadata"].get("generation", generation)
+            try:
+                spec, shape = self._validate(current)
             except SpecError as error:
                 # Nothing is created (and nothing already running is touched) until it is fixed.
                 patch.status["conditions"] = merge_conditions(
@@ -157,28 +248,13 @@ class Reconciler:
                 return
             memo["kvserve_invalid"] = None
             self._report_tp_note(body, memo, tp_note(spec, shape))
-            live = await self.client.get("Deployment", namespace, name)
-            if live is not None and owned_by(live, uid):
-                replicas = (live.get("spec") or {}).get("replicas", 1)
-                tp = M.template_tp(live) or spec.tensor.initial
-            else:
-                # A new service starts awake, even with minReplicas 0: it sleeps once it has been idle.
-                replicas = max(1, spec.autoscaling.min_replicas) if spec.autoscaling.enabled else (spec.replicas or 1)
-                tp = spec.tensor.initial
-            replicas, tp = hold(spec, replicas, tp)
-            if shape is not None and shape.tp_error(tp):
-                tp = spec.tensor.initial
-            results = await self._apply_all(body, spec, replicas, tp, status, patch, generation, now, retry)
-            changed = {k: v for k, v in results.items() if v != "unchanged"}
-            if changed:
-                kopf.info(body, reason="Applied",
-                          message=", ".join(f"{k} {v}" for k, v in changed.items())
-                          + f" ({replicas} replicas, TP {tp})")
+            replicas, tp = await self._converge_or_degrade(body, current, spec, shape, status, patch, generation,
+                                                           now, retry)
             pods = await self._pods(namespace, name)
             ready = sum(1 for p in pods if pod_ready(p))
-            live_hash = M.template_hash(M.build_deployment(body, spec, replicas=replicas, tp=tp))
+            live_hash = M.template_hash(M.build_deployment(current, spec, replicas=replicas, tp=tp))
             rollout = any(self._pod_hash(p) != live_hash for p in pods)
-            patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
+            patch.status.update(self._base_status(name, namespace, generation, pods, ready))
             self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready, uid=uid)
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
@@ -186,75 +262,22 @@ class Reconciler:
                 + self._initial_scaling_conditions(spec, shape, status, generation),
                 now)
 
-    async def _apply_all(self, body, spec, replicas, tp, status, patch, generation, now, retry=0):
-        uid = body["metadata"]["uid"]
-        results = {}
+    async def _converge_or_degrade(self, body, current, spec, shape, status, patch, generation, now,
+                                   retry: int = 0, *, full: bool = True) -> tuple[int, int]:
+        """`converge`, with an Event for what changed; a failure is a Degraded condition, a
+        Warning and a retry (less often when the object is someone else's: a person must act)."""
         try:
-            # Policies first: no pod of the service is ever reachable from more than they allow.
-            results.update(await self._apply_network_policies(body, spec))
-            for obj in M.build_all(body, spec, replicas=replicas, tp=tp)[::-1]:  # Service, PDB, Deployment
-                results[obj["kind"]] = await apply(self.client, obj, uid)
-            results.update(await self._apply_router(body, spec))
+            replicas, tp, changed = await self.converge(current, spec, shape, full=full)
         except NotOwned as error:
-            # Someone else's object: nothing changes until a person acts, so look less often.
             self._degraded(body, status, patch, generation, now, "NotOwned", str(error))
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry, first=5, cap=60))
         except APIError as error:
             self._degraded(body, status, patch, generation, now, "ApplyFailed", str(error))
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
-        return results
-
-    async def _apply_router(self, body, spec: ServiceSpec) -> dict[str, str]:
-        """The router's objects when spec.router.enabled, none of them (if they are ours) when not."""
-        meta = body["metadata"]
-        results = {}
-        if spec.router.enabled:
-            for obj in R.build_router_objects(body, spec):
-                results[f"router {obj['kind']}"] = await apply(self.client, obj, meta["uid"])
-            return results
-        for kind in await self._router_leftovers(meta):
-            await self.client.delete(kind, meta["namespace"], R.router_name(meta["name"]))
-            results[f"router {kind}"] = "deleted"
-        return results
-
-    async def _apply_network_policies(self, body, spec: ServiceSpec) -> dict[str, str]:
-        """The policies spec.networkPolicy asks for; those of ours it no longer asks for are deleted
-        (the switch turned off, or the router with its policy gone)."""
-        meta = body["metadata"]
-        results = {}
-        wanted = N.build_network_policies(body, spec, self.config.operator_peer)
-        for obj in wanted:
-            results[f"NetworkPolicy {obj['metadata']['name']}"] = await apply(self.client, obj, meta["uid"])
-        keep = {obj["metadata"]["name"] for obj in wanted}
-        for name in await self._policy_leftovers(meta):
-            if name not in keep:
-                await self.client.delete("NetworkPolicy", meta["namespace"], name)
-                results[f"NetworkPolicy {name}"] = "deleted"
-        return results
-
-    async def _policy_leftovers(self, meta) -> list[str]:
-        names = []
-        for policy_name in POLICY_NAMES:
-            name = policy_name(meta["name"])
-            live = await self.client.get("NetworkPolicy", meta["namespace"], name)
-            if live is not None and owned_by(live, meta["uid"]):
-                names.append(name)
-        return names
-
-    async def _router_leftovers(self, meta) -> list[str]:
-        """The kinds of router objects of this resource that exist, in deletion order. The
-        ServiceAccount is made first and removed last, so without it there is nothing to look for
-        (one read, not four, for the many services that never had a router)."""
-        name, namespace = R.router_name(meta["name"]), meta["namespace"]
-        account = await self.client.get("ServiceAccount", namespace, name)
-        if account is None or not owned_by(account, meta["uid"]):
-            return []
-        out = []
-        for kind in R.ROUTER_KINDS[::-1]:  # Deployment, RoleBinding, Role, ServiceAccount
-            live = account if kind == "ServiceAccount" else await self.client.get(kind, namespace, name)
-            if live is not None and owned_by(live, meta["uid"]):
-                out.append(kind)
-        return out
+        if changed:
+            kopf.info(body, reason="Applied", message=", ".join(f"{k} {v}" for k, v in changed.items())
+                      + f" ({replicas} replicas, TP {tp})")
+        return replicas, tp
 
     async def _router_demand(self, namespace: str, name: str, errors: dict[str, str]) -> tuple[RouterDemand, int]:
         """What the service's router pods say (held requests, idle time), and how many are Ready."""
@@ -263,30 +286,35 @@ class Reconciler:
         demand = await self.demand_source.scrape(pods, errors)
         return demand, demand.routers
 
-    async def _scale_to_zero_or_back(self, body, spec, zero: ZeroDecision, replicas: int, tp: int, signals,
-                                     status, patch, memo, logger, now, retry: int = 0) -> None:
-        """Applies a sleep or wake decision: Deployment, status.decisions, the times, an Event."""
-        meta = body["metadata"]
-        dep = M.build_deployment(body, spec, replicas=zero.replicas, tp=tp)
+    async def _record_decision(self, body, current, decision: Decision, patch_fields: Mapping[str, Any], now,
+                               retry: int = 0) -> None:
+        """Records a decision in status: the size to run (what `converge` applies next), the
+        decision with its reason and time, and `patch_fields` (the times of a sleep or wake)."""
+        status = current.get("status") or {}
+        fields = {"desiredReplicas": decision.replicas, "tensorParallelSize": decision.tp,
+                  "decisions": append_decision(status.get("decisions"), decision_record(decision, now)),
+                  "lastScaleTime": iso(now), **patch_fields}
         try:
-            await apply(self.client, dep, meta["uid"])
-        except (APIError, NotOwned) as error:
+            await self._record_size(current, fields)
+        except APIError as error:
             kopf.warn(body, reason="ScaleFailed", message=str(error))
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
+
+    async def _sleep_or_wake(self, body, current, spec, shape, zero: ZeroDecision, replicas: int, tp: int, signals,
+                             status, patch, memo, logger, now, retry: int = 0) -> None:
+        """Records a sleep or wake decision, converges to it, and says so in an Event."""
+        meta = current["metadata"]
         # The load history of before the sleep says nothing about after it.
         memo["kvserve_state"] = AutoscalerState()
         decision = Decision(zero.replicas, tp, zero.reason, zero.message, aggregate(signals, self.config.max_sample_age),
                             AutoscalerState(), from_replicas=replicas, from_tp=tp)
-        # Sleep and wake come from two timers: append to the decisions as they are now, not to
-        # the body this run started with (which may predate the other timer's last write).
-        current = await self.client.get("InferenceService", meta["namespace"], meta["name"])
-        decisions = ((current or {}).get("status") or {}).get("decisions", status.get("decisions"))
-        patch.status["decisions"] = append_decision(decisions, decision_record(decision, now))
-        patch.status["lastScaleTime"] = iso(now)
-        patch.status["lastScaledToZeroTime" if zero.reason == SCALE_TO_ZERO else "lastWokenTime"] = iso(now)
+        times = {"lastScaledToZeroTime" if zero.reason == SCALE_TO_ZERO else "lastWokenTime": iso(now)}
+        await self._record_decision(body, current, decision, times, now, retry)
         self.metrics.decision(meta["namespace"], meta["name"], zero.reason, uid=meta["uid"])
         kopf.info(body, reason=zero.reason, message=f"replicas {replicas} -> {zero.replicas}: {zero.message}")
         logger.info(f"{zero.reason}: replicas {replicas} -> {zero.replicas}: {zero.message}")
+        await self._converge_or_degrade(body, current, spec, shape, status, patch, meta.get("generation"), now, retry,
+                                        full=False)
 
     async def wake(self, body, status, patch, memo, logger, retry: int = 0) -> None:
         """The fast path out of zero: a short timer that only asks the router whether requests wait."""
@@ -298,18 +326,23 @@ class Reconciler:
         if not spec.router.enabled or meta.get("deletionTimestamp"):
             return
         async with _memo_lock(memo):
-            live = await self.client.get("Deployment", meta["namespace"], meta["name"])
-            if live is None or not owned_by(live, meta["uid"]) or (live.get("spec") or {}).get("replicas", 0) != 0:
+            current = await self._current(meta)
+            if current is None:
+                return
+            try:
+                spec, shape = self._validate(current)
+            except SpecError:
+                return
+            replicas, tp = D.recorded_size(spec, shape, current.get("status"))
+            if replicas != 0 or not spec.router.enabled:
                 return
             errors: dict[str, str] = {}
             demand, routers = await self._router_demand(meta["namespace"], meta["name"], errors)
             patch.status["router"] = {"readyReplicas": routers, "heldRequests": demand.held}
             zero = zero_decision(spec, 0, demand, busy=False)
             if zero is not None:
-                tp = M.template_tp(live) or spec.tensor.initial
-                await self._scale_to_zero_or_back(body, spec, zero, 0, tp, [], status, patch, memo, logger,
-                                                  self.config.wallclock(), retry)
-                patch.status["desiredReplicas"] = zero.replicas
+                await self._sleep_or_wake(body, current, spec, shape, zero, 0, tp, [], status, patch, memo, logger,
+                                          self.config.wallclock(), retry)
 
     @staticmethod
     def _report_tp_note(body, memo, note: str) -> None:
@@ -343,9 +376,10 @@ class Reconciler:
         return [p for p in pods if not pod_terminating(p)]
 
     @staticmethod
-    def _base_status(name, namespace, generation, replicas, tp, pods, ready) -> dict[str, Any]:
+    def _base_status(name, namespace, generation, pods, ready) -> dict[str, Any]:
+        """What the handlers report through their status patch. Not the size: desiredReplicas
+        and tensorParallelSize are written only under the lock, before the size is applied."""
         return {"observedGeneration": generation, "replicas": len(pods), "readyReplicas": ready,
-                "desiredReplicas": replicas, "tensorParallelSize": tp,
                 "selector": M.selector_string(name), "url": M.service_url(name, namespace)}
 
     # --- autoscaling timer -----------------------------------------------------------------------
@@ -355,7 +389,7 @@ class Reconciler:
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         generation = meta.get("generation")
         try:
-            spec, shape = self._validate(body)
+            self._validate(body)
         except SpecError as error:
             # Re-assert what the reconcile handler reported (without another Event): a timer run
             # that started on the previous body may have just written healthy conditions.
@@ -365,21 +399,27 @@ class Reconciler:
             return
         if meta.get("deletionTimestamp"):
             return
-        live = await self.client.get("Deployment", namespace, name)
-        if live is None or not owned_by(live, uid):
-            # Someone deleted it (or the first apply failed): put it back, unless this timer run
-            # holds an old body of a resource that is being deleted now.
-            current = await self.client.get("InferenceService", namespace, name)
-            if current is None or current["metadata"].get("uid") != uid or current["metadata"].get("deletionTimestamp"):
-                return
-            await self.reconcile(body, status, patch, memo, logger, retry)
-            return
         async with _memo_lock(memo):
             now = self.config.wallclock()
-            replicas = (live.get("spec") or {}).get("replicas", 0)
-            tp = M.template_tp(live) or spec.tensor.initial
+            current = await self._current(meta)
+            if current is None:
+                return  # an old body of a resource that is gone or being deleted now
+            try:
+                spec, shape = self._validate(current)
+            except SpecError:
+                return  # the reconcile handler reports it
+            generation = current["metadata"].get("generation", generation)
+            replicas, tp = D.recorded_size(spec, shape, current.get("status"))
+            want = M.build_deployment(current, spec, replicas=replicas, tp=tp)
+            live = await self.client.get("Deployment", namespace, name)
+            if not self._runs(live, want, uid):
+                # Deleted or edited behind the operator's back, or an apply that failed after its
+                # decision was recorded: converge (level-triggered) before deciding anything.
+                replicas, tp = await self._converge_or_degrade(body, current, spec, shape, status, patch,
+                                                               generation, now, retry)
+                return
             pods = await self._pods(namespace, name)
-            current_hash = M.template_hash(live)
+            current_hash = M.template_hash(want)
             rollout = any(self._pod_hash(p) != current_hash for p in pods)
             errors: dict[str, str] = {}
             models: dict[str, dict[str, Any]] = {}
@@ -389,21 +429,16 @@ class Reconciler:
             decision: Decision | None = None
             zero = None
             if spec.router.enabled:
-                # The wake timer may have just changed the size while this run waited for the
-                # lock: decide on the Deployment as it is now, or a wake would be recorded twice.
-                now_live = await self.client.get("Deployment", namespace, name)
-                if now_live is not None and owned_by(now_live, uid):
-                    replicas = (now_live.get("spec") or {}).get("replicas", 0)
                 demand, routers = await self._router_demand(namespace, name, errors)
                 patch.status["router"] = {"readyReplicas": routers, "heldRequests": demand.held}
                 zero = zero_decision(spec, replicas, demand, busy=pods_busy(signals, self.config.max_sample_age),
-                                     awake_seconds=awake_seconds(body, status, now))
+                                     awake_seconds=awake_seconds(current, current.get("status") or {}, now))
             elif status.get("router"):
                 patch.status["router"] = None
             self._report_scrape_errors(body, memo, errors)
             if zero is not None:
-                await self._scale_to_zero_or_back(body, spec, zero, replicas, tp, signals, status, patch, memo,
-                                                  logger, now, retry)
+                await self._sleep_or_wake(body, current, spec, shape, zero, replicas, tp, signals, status, patch,
+                                          memo, logger, now, retry)
                 replicas = zero.replicas
             elif spec.autoscaling.enabled:
                 obs = Observation(time=self.config.clock(), replicas=replicas, tp=tp, pods=tuple(signals),
@@ -412,25 +447,18 @@ class Reconciler:
                                   max_sample_age=self.config.max_sample_age)
                 memo["kvserve_state"] = decision.state
                 if decision.changed:
-                    dep = M.build_deployment(body, spec, replicas=decision.replicas, tp=decision.tp)
-                    try:
-                        await apply(self.client, dep, uid)
-                    except (APIError, NotOwned) as error:
-                        kopf.warn(body, reason="ScaleFailed", message=str(error))
-                        raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
-                    patch.status["decisions"] = append_decision(status.get("decisions"),
-                                                                decision_record(decision, now))
-                    patch.status["lastScaleTime"] = iso(now)
+                    await self._record_decision(body, current, decision, {}, now, retry)
                     self.metrics.decision(namespace, name, decision.reason, uid=uid)
                     kopf.info(body, reason=decision.reason,
                               message=f"replicas {decision.from_replicas} -> {decision.replicas}, TP "
                                       f"{decision.from_tp} -> {decision.tp}: {decision.message}")
                     logger.info(f"{decision.reason}: replicas {decision.from_replicas} -> {decision.replicas}, "
                                 f"TP {decision.from_tp} -> {decision.tp}")
-                    replicas, tp = decision.replicas, decision.tp
+                    replicas, tp = await self._converge_or_degrade(body, current, spec, shape, status, patch,
+                                                                   generation, now, retry, full=False)
                 self._report_limits(body, status, decision)
             ready = sum(1 for p in pods if pod_ready(p))
-            patch.status.update(self._base_status(name, namespace, generation, replicas, tp, pods, ready))
+            patch.status.update(self._base_status(name, namespace, generation, pods, ready))
             self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready, uid=uid)
             patch.status.update(signal_fields(aggregate(signals, self.config.max_sample_age)))
             patch.status["conditions"] = merge_conditions(
@@ -439,6 +467,13 @@ class Reconciler:
                 + (scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
                                       note=tp_note(spec, shape)) if zero is None else []),
                 now)
+
+    @staticmethod
+    def _runs(live: Mapping[str, Any] | None, want: Mapping[str, Any], uid: str) -> bool:
+        """Whether the live Deployment is this resource's and runs the size and template wanted."""
+        return (live is not None and owned_by(live, uid)
+                and (live.get("spec") or {}).get("replicas") == want["spec"]["replicas"]
+                and M.template_hash(live) == M.template_hash(want))
 
     def _learn_model(self, body, status, patch, spec, pods, models, current_hash, now) -> None:
         """Records in status.model what a pod of the current template reports about its model
@@ -496,24 +531,19 @@ class Reconciler:
     # --- deletion ------------------------------------------------------------------------------
 
     async def delete(self, body, logger, retry: int = 0) -> None:
-        """Deletes what this resource owns (a real cluster's garbage collector would too)."""
+        """Deletes what this resource owns (a real cluster's garbage collector would too), in
+        reverse apply order: pods go before the policies that guard them."""
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         try:
-            for kind in OWNED_KINDS[::-1]:
-                live = await self.client.get(kind, namespace, name)
-                if live is not None and owned_by(live, uid):
-                    await self.client.delete(kind, namespace, name)
-                    logger.info(f"deleted {kind} {namespace}/{name}")
-            for kind in await self._router_leftovers(meta):
-                await self.client.delete(kind, namespace, R.router_name(name))
-                logger.info(f"deleted {kind} {namespace}/{R.router_name(name)}")
-            for policy in await self._policy_leftovers(meta):
-                await self.client.delete("NetworkPolicy", namespace, policy)
-                logger.info(f"deleted NetworkPolicy {namespace}/{policy}")
+            for kind, obj_name in await self._owned_leftovers(meta, keep=set()):
+                await self.client.delete(kind, namespace, obj_name)
+                logger.info(f"deleted {kind} {namespace}/{obj_name}")
         except APIError as error:
             # The finalizer stays until every owned object is gone; try again in seconds.
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
+        self.converged.pop(uid, None)
+        self.applied = {k: v for k, v in self.applied.items() if k[0] != uid}
         self.metrics.forget(namespace, name, uid)
 
 

@@ -5,7 +5,8 @@ InferenceService owns go through `kubernetes_asyncio`, the maintained async port
 Kubernetes client: its typed APIs, auth headers, TLS and error objects. `KubeClient` logs in the
 way kopf did (kopf's `ConnectionInfo`), so both talk to the same cluster as the same identity.
 
-What stays ours: the retry policy (operator/retry.py) and apply-by-patch (`apply` below).
+What stays ours: the retry policy (operator/retry.py) and `apply` below (server-side apply under
+one field manager, after checking the object is this resource's).
 kubernetes_asyncio 36 has a `Configuration.retries` field that nothing reads (its aiohttp
 transport never retries), and the sync client's urllib3 retries would block kopf's event loop,
 so each call here retries transient failures itself: 429/5xx, a conflicting write, a dropped
@@ -35,6 +36,9 @@ from .retry import RetryPolicy, next_delay, parse_retry_after, retryable
 
 log = logging.getLogger("kvserve.operator.kube")
 USER_AGENT = "kvserve-operator"
+# Server-side apply: JSON is YAML, so the body goes out as JSON under this content type.
+APPLY_PATCH = "application/apply-patch+yaml"
+FIELD_MANAGER = "kvserve-operator"
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,8 @@ def configuration_for(info: kopf.ConnectionInfo, files_dir: str | None = None) -
 
 
 class KubeClient:
-    """Owned-object calls (get, create, merge-patch, delete by name; list by labels), each
+    """Owned-object calls (get, merge-patch, server-side apply, delete by name; list by
+    labels), each
     retried under `policy`. Bodies go out and come back as plain dicts in the API's own
     (camelCase) field names: the builders and apply compare dicts, not typed models."""
 
@@ -241,18 +246,20 @@ class KubeClient:
                 return None
             raise
 
-    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Creates `obj`; a 409 (it exists) is raised at once, for the caller to decide."""
-        kind, namespace = obj["kind"], obj["metadata"]["namespace"]
-        return await self._call("POST", self.path(kind, namespace), self._method("create", kind, namespace, None),
-                                dict(obj))
-
     async def merge_patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], *,
                           status: bool = False) -> dict[str, Any]:
         """A JSON merge patch of the object, or (`status=True`) of its status subresource."""
         path = self.path(kind, namespace, name) + ("/status" if status else "")
         return await self._call("PATCH", path, self._method("patch_status" if status else "patch", kind, namespace, name),
                                 dict(patch), _content_type="application/merge-patch+json")
+
+    async def server_side_apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Applies `obj` (created when absent) under the operator's field manager, taking over
+        fields another manager set: the operator is the one writer of what it renders."""
+        kind, meta = obj["kind"], obj["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        return await self._call("PATCH", self.path(kind, namespace, name), self._method("patch", kind, namespace, name),
+                                dict(obj), _content_type=APPLY_PATCH, field_manager=FIELD_MANAGER, force=True)
 
     async def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Deletes by name (dependents in the background); False when it was already gone."""
@@ -286,103 +293,27 @@ def _message(body: bytes) -> str:
     return body[:500].decode(errors="replace")
 
 
-def is_subset(desired: Any, live: Any) -> bool:
-    """True when everything in `desired` is already in `live` (extra live fields are others')."""
-    if isinstance(desired, Mapping):
-        return isinstance(live, Mapping) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
-    if isinstance(desired, list):
-        return (isinstance(live, list) and len(desired) == len(live)
-                and all(is_subset(d, v) for d, v in zip(desired, live)))
-    if isinstance(desired, (int, float)) and isinstance(live, (int, float)) and not isinstance(desired, bool):
-        return desired == live
-    return desired == live
-
-
-def merge_patch_for(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
-    """A JSON merge patch setting only what differs; keys the operator does not set stay as they are.
-
-    Lists (containers, ports, volumes) are the operator's own and are replaced whole when they
-    differ; a merge patch cannot remove a key the operator used to set but no longer does, so
-    builders always emit every key they own.
-    """
-    patch: dict[str, Any] = {}
-    for key, value in desired.items():
-        current = live.get(key) if isinstance(live, Mapping) else None
-        if is_subset(value, current):
-            continue
-        if isinstance(value, Mapping) and isinstance(current, Mapping):
-            patch[key] = merge_patch_for(value, current)
-        else:
-            patch[key] = value
-    return patch
-
-
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
-# Optional fields the operator sets from the spec, by kind: when the spec drops one, the merge
-# patch must delete it explicitly (a merge patch never removes a key it does not mention).
-OPTIONAL_FIELDS = {
-    "Deployment": [("spec", "template", "spec", key)
-                   for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName")],
-    # The Service selects the runtime pods or, with spec.router, the router pods: switching drops
-    # the other side's label (a merge patch of the selector would otherwise keep both, matching none).
-    "Service": [("spec", "selector", "kvserve.dev/inferenceservice"), ("spec", "selector", "kvserve.dev/router")],
-}
+async def apply(client: KubeClient, desired: Mapping[str, Any], owner_uid: str) -> str:
+    """Server-side applies `desired`; returns "created", "patched" or "unchanged".
 
-
-def removals(kind: str, desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
-    """A merge patch deleting the operator's optional fields that `desired` no longer has."""
-    patch: dict[str, Any] = {}
-    for path in OPTIONAL_FIELDS.get(kind, ()):
-        want, have = desired, live
-        for key in path:
-            want = want.get(key) if isinstance(want, Mapping) else None
-            have = have.get(key) if isinstance(have, Mapping) else None
-        if want is None and have is not None:
-            node = patch
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = None
-    return patch
-
-
-def _merge(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    for key, value in b.items():
-        if isinstance(value, Mapping) and isinstance(a.get(key), dict):
-            _merge(a[key], value)
-        else:
-            a[key] = value
-    return a
-
-
-async def apply(client: KubeClient, desired: Mapping[str, Any], owner_uid: str, *, rounds: int = 4) -> str:
-    """Creates `desired` or patches the live object toward it; returns "created", "patched" or "unchanged".
-
-    A 409 on create means the object exists (another writer, or our own earlier create whose
-    answer was lost): read it and patch it. If it is gone again by then, create once more."""
+    The API server merges what the operator applies and removes every field the operator applied
+    before and no longer does: no field list is kept here. An object of that name that exists
+    and is someone else's is left alone (NotOwned): `force` only settles field conflicts on
+    objects this resource owns (a person who edited a field the operator renders loses the
+    edit, as the one-writer rule wants). Between the read and the apply another writer could
+    still create it: the apply would then take over the fields the operator renders."""
     meta = desired["metadata"]
     kind, namespace, name = desired["kind"], meta["namespace"], meta["name"]
-    for _ in range(rounds):
-        live = await client.get(kind, namespace, name)
-        if live is None:
-            try:
-                await client.create(desired)
-                return "created"
-            except APIError as error:
-                if error.status != 409:
-                    raise
-                continue
-        if not owned_by(live, owner_uid):
-            raise NotOwned(f"{kind} {namespace}/{name} exists and is not owned by this InferenceService")
-        patch = merge_patch_for(
-            {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}, live)
-        patch = _merge(patch, removals(kind, desired, live))
-        if not patch:
-            return "unchanged"
-        await client.merge_patch(kind, namespace, name, patch)
-        return "patched"
-    raise APIError(409, "POST", client.path(kind, namespace),
-                   f"{kind} {name} kept answering 'already exists' but could not be read", attempts=rounds)
+    live = await client.get(kind, namespace, name)
+    if live is not None and not owned_by(live, owner_uid):
+        raise NotOwned(f"{kind} {namespace}/{name} exists and is not owned by this InferenceService")
+    result = await client.server_side_apply(desired)
+    if live is None:
+        return "created"
+    version = (result or {}).get("metadata", {}).get("resourceVersion")
+    return "unchanged" if version == live["metadata"].get("resourceVersion") else "patched"

@@ -51,15 +51,17 @@ class OperatorMetrics:
             self._seen.add((namespace, name))
             self.errors.labels(namespace, name).inc()
 
-    def observe(self, namespace: str, name: str, *, desired: int, tp: int, ready: int,
+    def observe(self, namespace: str, name: str, *, desired: int, tp: int, ready: int | None = None,
                 uid: str | None = None) -> None:
+        """`ready` None: only the desired size (set as it is applied, before pods are counted)."""
         with self._lock:
             if uid in self._gone:
                 return
             self._seen.add((namespace, name))
             self.desired_replicas.labels(namespace, name).set(desired)
             self.desired_tp.labels(namespace, name).set(tp)
-            self.ready_replicas.labels(namespace, name).set(ready)
+            if ready is not None:
+                self.ready_replicas.labels(namespace, name).set(ready)
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         """Drop every series of a deleted resource (a recreated one starts from zero).

@@ -5,7 +5,7 @@ drop; the call is retried with capped exponential backoff and full jitter (many 
 retrying in step would hit the server again together), waits at least what the server asked for
 in `Retry-After` (capped, so a bad header cannot stall a reconcile), and gives up after a bounded
 number of attempts or seconds, whichever comes first. A 409 on a write is a conflict that a fresh
-attempt resolves; a 409 on create means "already exists", which the caller (apply) handles.
+attempt resolves; a 409 on create means "already exists", which only the caller can judge.
 
 The shell (kube.py) asks `next_delay` after each failure and sleeps what it says, or raises.
 """

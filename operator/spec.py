@@ -12,7 +12,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvserve.runtime.capacity import WEIGHT_FORMATS, ModelShape, WeightFormat, weight_bytes_per_gpu, weight_format
+from kvserve.runtime.capacity import (
+    KV_CACHE_DTYPES,
+    WEIGHT_FORMATS,
+    ModelShape,
+    WeightFormat,
+    weight_bytes_per_gpu,
+    weight_format,
+)
+from kvserve.runtime.weight_formats import checkpoint_format
 
 GROUP = "kvserve.dev"
 VERSION = "v1alpha1"
@@ -23,7 +31,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 ENGINES = ("kvserve", "vllm")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 QUANTIZATIONS = WEIGHT_FORMATS  # vLLM's names; unset: the checkpoint's own (or full precision)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -577,13 +584,16 @@ def weight_format_for_capacity(spec: ServiceSpec, dtype_size: int) -> WeightForm
     qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), Mapping) else None
     name = spec.runtime.quantization
     if name is None and qc is not None:
-        name = str(qc.get("quant_method", "")).lower().replace("_", "-") or None
+        name = checkpoint_format(config) or None
         if name not in WEIGHT_FORMATS:
             return None  # the runtime refuses it; plan as full precision meanwhile
     if name is None:
         return None
     hidden = int(config.get("hidden_size") or 4096)
-    return weight_format(name, dtype_size, hidden, qc)
+    try:
+        return weight_format(name, dtype_size, hidden, qc)
+    except ValueError:
+        return None  # a quantization_config the runtime refuses; plan as full precision meanwhile
 
 
 def kv_dtype_size_for_capacity(spec: ServiceSpec) -> int | None:

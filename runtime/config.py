@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.runtime.capacity.dtypes import KV_CACHE_DTYPES
+from kvserve.runtime.weight_formats import WEIGHT_FORMATS, format_name
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -50,7 +53,7 @@ class EngineConfig:
     # CUDA graphs for decode steps are on by default on a GPU; True runs every step eagerly.
     enforce_eager: bool = False
     # {"level": 0 | 3, "cudagraph_capture_sizes": [1, 2, 4, ...], "max_capture_size": 512}, that
-    # as a JSON string, or a bare level (kvserve.runtime.cuda_graphs.CompilationConfig).
+    # as a JSON string, or a bare level (kvserve.runtime.executor.cuda_graphs.CompilationConfig).
     compilation_config: Any = None
     # Overlap: run step N+1's forward pass while step N's tokens are detokenized and streamed.
     async_scheduling: bool = False
@@ -119,7 +122,7 @@ class EngineConfig:
             fail("async_scheduling", "must be a boolean")
         if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
             fail("disable_hybrid_kv_cache_manager", "must be a boolean")
-        from kvserve.runtime.cuda_graphs import CompilationConfig
+        from kvserve.runtime.executor.cuda_graphs import CompilationConfig
 
         self.compilation_config = CompilationConfig.parse(self.compilation_config)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -127,17 +130,13 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
-        from kvserve.runtime.capacity import KV_CACHE_DTYPES
-
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:
-            from kvserve.runtime.capacity import WEIGHT_FORMATS
-
-            name = str(self.quantization).lower().replace("_", "-")
-            if name not in WEIGHT_FORMATS:
+            try:
+                self.quantization = format_name(self.quantization)
+            except ValueError:
                 fail("quantization", f"must be one of {list(WEIGHT_FORMATS)} (or None: the checkpoint's own)")
-            self.quantization = name
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
                 and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
             fail("max_num_batched_tokens",

@@ -6,8 +6,9 @@ cache layout (``ModelShape.kv_cache_layout``): a K pool and a V pool of
 ``[.., num_kv_heads_per_rank, head_dim]`` for standard attention, or one latent pool of
 ``[.., 1, kv_lora_rank + qk_rope_head_dim]`` for MLA. Code that handles whole layers (block
 copies, byte counts) iterates over a layer's pools and never assumes two. The block count comes
-from, in order: an explicit ``num_kv_blocks``; a byte budget ``kv_cache_memory_bytes``; on CUDA,
-free GPU memory x ``gpu_memory_utilization`` (measured after the weights are loaded); on CPU,
+from, in order: an explicit ``num_kv_blocks``; a byte budget ``kv_cache_memory_bytes``;
+on CUDA, the budget the rank's Worker profiles (total memory x ``gpu_memory_utilization``
+minus what is in use and the activation peak of the largest step: runtime/executor/worker.py); on CPU,
 ``EngineConfig.DEFAULT_CPU_KV_BYTES``. Bytes per token come from the shared capacity model.
 
 The pools hold the model's dtype, or float8 with ``kv_cache_dtype`` "fp8"/"fp8_e4m3" (e4m3fn:
@@ -45,13 +46,13 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 
 def determine_num_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype,
-                         device: torch.device) -> int:
+                         device: torch.device, budget_bytes: int | None = None) -> int:
     """`dtype` is the K/V pools' dtype (kv_cache_torch_dtype), which sets the bytes per token."""
     size = element_size(dtype)
     tp = config.tensor_parallel_size
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    budget = _kv_budget_bytes(config, device)
+    budget = _kv_budget_bytes(config, device) if budget_bytes is None else budget_bytes
     blocks = blocks_for_budget(max(0, budget), shape, size, config.block_size, tp)
     if blocks < 1:
         per_block = kv_bytes_per_token(shape, size, tp) * config.block_size
@@ -71,14 +72,15 @@ def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 def determine_group_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device,
-                           groups: Sequence[KVCacheGroup], *, max_model_len: int, max_step_tokens: int) -> list[int]:
+                           groups: Sequence[KVCacheGroup], *, max_model_len: int, max_step_tokens: int,
+                           budget_bytes: int | None = None) -> list[int]:
     """Blocks per KV cache group (runtime/engine/kv_cache_groups.py). An explicit ``num_kv_blocks`` gives
     every group that many; a byte budget (as in ``determine_num_blocks``) is split between the
     groups in proportion to what a sequence of `max_model_len` tokens holds in each."""
     if config.num_kv_blocks is not None:
         return [config.num_kv_blocks] * len(groups)
     size, tp = element_size(dtype), config.tensor_parallel_size
-    budget = max(0, _kv_budget_bytes(config, device))
+    budget = max(0, _kv_budget_bytes(config, device) if budget_bytes is None else budget_bytes)
     per_block = kv_bytes_per_token(shape, size, tp) * config.block_size  # one block of every layer
     blocks = hybrid_group_blocks(groups, budget_blocks=budget / per_block, block_size=config.block_size,
                                  max_model_len=max_model_len, max_step_tokens=max_step_tokens)

@@ -1,8 +1,11 @@
 """What the runtime needs to know about a Hugging Face model directory, read once and checked.
 
-Reads config.json (and generation_config.json for extra EOS ids) without importing transformers,
-so every unsupported architecture or option fails here, with a message naming what is supported,
-before any weight is loaded.
+Reads config.json (and generation_config.json for extra EOS ids) without importing transformers
+or torch, so every unsupported architecture or option fails here, with a message naming what is
+supported, before any weight is loaded; and the operator and the agent can use it too. The
+fields that decide memory and sharding are read once, into `ModelShape` (kvserve.runtime.capacity),
+and ModelConfig builds on that shape. Tensors derived from the config (RoPE tables) are in
+kvserve.runtime.models.rope.
 """
 
 from __future__ import annotations
@@ -10,48 +13,29 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvserve.runtime.capacity import ModelShape
-from kvserve.runtime.layer_types import (
-    FULL_ATTENTION,
-    GEMMA_ARCHITECTURES,
-    LAYER_TYPES,
-    SLIDING_ATTENTION,
-    attention_layer_types,
+from kvserve.runtime.architectures import (
+    MLA_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    attention_biases,
 )
+from kvserve.runtime.capacity.shape import ModelShape
+from kvserve.runtime.layer_types import FULL_ATTENTION, GEMMA_ARCHITECTURES, LAYER_TYPES, SLIDING_ATTENTION
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MLA_ARCHITECTURES", "MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RoutingConfig"]
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 # Activations of the gated MLP, by config.json name: SiLU (Llama family) or tanh-approximated GELU.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
+# config.json's dtype spellings -> torch's names.
+_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16", "bfloat16": "bfloat16"}
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -94,9 +78,10 @@ class ModelConfig:
     model_dir: pathlib.Path
     architecture: str
     model_type: str
+    # Sizes, layer kinds (sliding windows), q/k/v bias, tied embeddings, MoE and MLA shapes.
     shape: ModelShape
     max_position_embeddings: int
-    dtype: torch.dtype  # the checkpoint's dtype
+    dtype_name: str  # the checkpoint's dtype, as torch names it ("bfloat16")
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
     pad_token_id: int | None
@@ -104,16 +89,9 @@ class ModelConfig:
     rope_theta: float
     # None for plain RoPE; otherwise the scaling parameters with "rope_type" normalized in.
     rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
-    qkv_bias: bool
     o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    # The attention window of the sliding-window layers (a query at position i sees keys
-    # i - sliding_window < j <= i, as in transformers), or None when no layer has one.
-    sliding_window: int | None = None
-    # Per layer: "full_attention" or "sliding_attention" (empty means every layer is full).
-    layer_types: tuple[str, ...] = ()
     # RoPE of the sliding-window layers when it differs from the global one (Gemma 3's local
     # base frequency): (theta, scaling), else None.
     local_rope: tuple[float, dict[str, Any] | None] | None = None
@@ -194,17 +172,11 @@ class ModelConfig:
             raise ValueError(f"model config: {arch} needs a positive expert count "
                              f"(num_local_experts, num_experts or n_routed_experts)")
 
-        layer_types, window = attention_layer_types(arch, config, shape.num_layers)
         rotary_dim = shape.mla.qk_rope_head_dim if shape.mla is not None else shape.head_dim
         rope_theta, rope_scaling, local_rope = _rope_per_layer_type(arch, config, rotary_dim)
         max_pos = int(config.get("max_position_embeddings") or 2048)
 
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        is_mistral = arch in ("MistralForCausalLM", "MixtralForCausalLM")
-        attention_bias = bool(config.get("attention_bias", False))
-        if arch == "Qwen2MoeForCausalLM":  # q/k/v bias unless qkv_bias is false; never o_proj's
-            is_qwen2, attention_bias = bool(config.get("qkv_bias", True)), False
-        if arch in MLA_ARCHITECTURES and attention_bias:
+        if arch in MLA_ARCHITECTURES and config.get("attention_bias"):
             raise ValueError(f"model config: attention_bias true is not supported for {arch}; supported: false")
         if arch in MLA_ARCHITECTURES and config.get("mlp_bias"):
             raise ValueError(f"model config: mlp_bias true is not supported for {arch}; supported: false")
@@ -228,20 +200,16 @@ class ModelConfig:
             model_type=model_type,
             shape=shape,
             max_position_embeddings=max_pos,
-            dtype=_dtype(config),
+            dtype_name=_dtype(config),
             eos_token_ids=frozenset(_ids(config.get("eos_token_id")) | _ids(generation.get("eos_token_id"))),
             bos_token_id=_first(generation.get("bos_token_id", config.get("bos_token_id"))),
             pad_token_id=_first(generation.get("pad_token_id", config.get("pad_token_id"))),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or (attention_bias and not is_mistral),
-            o_proj_bias=attention_bias and not (is_qwen2 or is_mistral),
+            o_proj_bias=attention_biases(arch, config)[1],
             mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
-            sliding_window=window,
-            layer_types=layer_types,
             local_rope=local_rope,
             hidden_act=_ACTIVATIONS[act],
             **gemma,
@@ -252,8 +220,34 @@ class ModelConfig:
         )
 
     @property
+    def dtype(self) -> "torch.dtype":
+        """The checkpoint's dtype as a torch dtype (only the runtime asks, and it has torch)."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
     def hidden_size(self) -> int:
         return self.shape.hidden_size
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.shape.tie_word_embeddings
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.shape.attention_bias
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding-window layers (a query at position i sees keys
+        i - sliding_window < j <= i, as in transformers), or None when no layer has one."""
+        return self.shape.sliding_window
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """Per layer: "full_attention" or "sliding_attention" (empty means every layer is full)."""
+        return self.shape.layer_types
 
     @property
     def num_layers(self) -> int:
@@ -293,14 +287,12 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer`, or None for full attention."""
-        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
-            return self.sliding_window
-        return None
+        return self.shape.layer_window(layer)
 
     @property
     def all_layers_sliding(self) -> bool:
         """Every layer attends within the window: KV behind it is never read again by anyone."""
-        return self.sliding_window is not None and all(t == SLIDING_ATTENTION for t in self.layer_types)
+        return self.shape.all_layers_sliding
 
     def default_max_model_len(self) -> int:
         """The longest context this model supports: its position limit (a sliding window does
@@ -451,7 +443,7 @@ def _routing(arch: str, config: dict[str, Any], shape: ModelShape) -> RoutingCon
                          n_group=n_group, topk_group=topk_group, float32_logits=True, float32_weights=True)
 
 
-def _dtype(config: dict[str, Any]) -> torch.dtype:
+def _dtype(config: dict[str, Any]) -> str:
     name = config.get("torch_dtype") or config.get("dtype") or "float32"
     name = str(name).removeprefix("torch.")
     try:
@@ -472,80 +464,3 @@ def _first(value: Any) -> int | None:
     if isinstance(value, (list, tuple)):
         return int(value[0]) if value else None
     return None if value is None else int(value)
-
-
-def rope_inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float32 [rotary_dim / 2]) and the cos/sin multiplier, following
-    transformers' RoPE initialisers for each supported rope type."""
-    dim = cfg.rotary_dim
-    base = cfg.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
-    if cfg.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq, 1.0
-    kind = scaling["rope_type"]
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv_freq / factor, 1.0
-    if kind == "dynamic":
-        # NTK-aware scaling only changes the frequencies past max_position_embeddings, which
-        # resolve_max_model_len never allows, so within range it is plain RoPE (as in transformers).
-        return inv_freq, 1.0
-    if kind == "llama3":
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    if kind == "yarn":
-        return _yarn(cfg, scaling, factor)
-    raise ValueError(f"rope type {kind!r} is not supported")  # unreachable: checked in _rope
-
-
-def _yarn(cfg: ModelConfig, p: dict[str, Any], factor: float) -> tuple[torch.Tensor, float]:
-    dim, base = cfg.rotary_dim, cfg.rope_theta
-    orig = float(p["original_max_position_embeddings"])
-
-    def mscale_of(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = p.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention_factor = (mscale_of(factor, m) / mscale_of(factor, m_all)) if (m and m_all) else mscale_of(factor)
-    beta_fast = p.get("beta_fast") or 32
-    beta_slow = p.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float) / dim)
-    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    keep = 1 - ramp
-    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
-
-
-def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int | None = None,
-                       device: torch.device | str | None = None, *, local: bool = False) -> torch.Tensor:
-    """float32 [max_positions, rotary_dim]: cos half then sin half, scaling folded in. With `local`,
-    the sliding-window layers' RoPE (it differs from the global one in Gemma 3 only)."""
-    n = max_positions or cfg.max_position_embeddings
-    if local and cfg.local_rope is not None:
-        cfg = replace(cfg, rope_theta=cfg.local_rope[0], rope_scaling=cfg.local_rope[1])
-    inv_freq, mult = rope_inv_freq_and_scale(cfg)
-    freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    cache = torch.cat((freqs.cos() * mult, freqs.sin() * mult), dim=-1)
-    return cache.to(device) if device is not None else cache

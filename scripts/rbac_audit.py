@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 OPERATOR_AGENTS = ("kopf/", "kvserve-operator")
+APPLY = "application/apply-patch"
 _VERBS = {("GET", "list"): "list", ("GET", "watch"): "watch", ("GET", "fetch"): "get",
           ("POST", "create"): "create", ("PATCH", "update"): "patch", ("PUT", "update"): "update",
           ("DELETE", "delete"): "delete"}
@@ -34,6 +35,10 @@ def from_kmock(requests: Iterable[Any], agents: tuple[str, ...] = OPERATOR_AGENT
             verb = f"{method.lower()}?{action}"
         resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
         out.append((verb, r.resource.group or "", resource))
+        if verb == "patch" and (r.headers or {}).get("Content-Type", "").startswith(APPLY):
+            # A server-side apply of an object that does not exist creates it, and the API
+            # server then authorizes the request as create as well.
+            out.append(("create", r.resource.group or "", resource))
     return out
 
 

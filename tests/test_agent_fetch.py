@@ -258,6 +258,9 @@ def test_cli_hub_fetch_falls_back_to_cache_when_hub_unreachable(hub_home, tmp_pa
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["revision"] == COMMIT
+    # Unpinned: said on stderr (the init container's log) and in the JSON line.
+    assert f"pin it as hf://kvserve-test/tiny@{COMMIT}" in r.stderr
+    assert "not pinned" in json.loads(r.stdout)["warnings"][0]
     assert check_model_dir(dest) == []
     r = subprocess.run(cmd[:-2] + ["hf://kvserve-test/absent", str(tmp_path / "d2")], env=env,
                        capture_output=True, text=True, timeout=60)
@@ -301,6 +304,19 @@ def test_truncated_gguf_is_refused(tiny_gguf_file, tmp_path):
     assert "several GGUF files" in check_model_dir(two)[0]
 
 
+def test_a_gguf_without_tensors_is_not_a_model(tmp_path):
+    import gguf
+
+    d = tmp_path / "m"
+    d.mkdir()
+    w = gguf.GGUFWriter(str(d / "empty.gguf"), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert check_model_dir(d) == ["empty.gguf: has no tensors"]
+
+
 def test_hub_gguf_file_from_offline_cache(tiny_gguf_file, tmp_path, monkeypatch):
     home = tmp_path / "hf_home"
     _hub_cache(home, tiny_gguf_file.parent, repo="kvserve-test/tiny-gguf")
@@ -313,3 +329,17 @@ def test_hub_gguf_file_from_offline_cache(tiny_gguf_file, tmp_path, monkeypatch)
     assert check_model_dir(dest) == [] and not (dest / "tiny.Q8_0.gguf").is_symlink()
     with pytest.raises(FetchError):
         fetch("hf://kvserve-test/tiny-gguf/other.gguf", str(tmp_path / "d2"))
+
+
+def test_a_full_hub_cache_says_so_and_where(hub_home, tmp_path, monkeypatch):
+    """huggingface_hub's own download failing with ENOSPC (injected at its entry point: no
+    hub server runs here) becomes a message that names the cache and what to do."""
+    import huggingface_hub
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", full)
+    with pytest.raises(FetchError, match=r"no space left in the hub cache .*hf_home/hub .*enlarge the volume"):
+        fetch("hf://kvserve-test/tiny", str(tmp_path / "dest"))
+    assert not (tmp_path / "dest").exists()

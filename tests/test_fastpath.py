@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvserve.runtime import LLM, SamplingParams
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.config import EngineConfig
-from kvserve.runtime.cuda_graphs import CompilationConfig, DecodeGraphs, bucket_for, default_capture_sizes
+from kvserve.runtime.executor.cuda_graphs import CompilationConfig, DecodeGraphs, bucket_for, default_capture_sizes
 
 # ------------------------------------------------------------------------------ configuration
 
@@ -177,16 +177,14 @@ def _workload(vocab: int, seed: int = 0):
 
 def _install_twin_graphs(llm: LLM) -> DecodeGraphs:
     eng = llm.engine
-    graphs = DecodeGraphs(eng.model, eng.kv_caches, block_size=eng.config.block_size, max_model_len=eng.max_model_len,
-                          sizes=[1, 2, 4, 8], device=eng.device, capture=False,
-                          kv_group_windows=None if eng.kv_groups is None else [g.window for g in eng.kv_groups])
-    eng.runner.graphs = graphs
-    return graphs
+    worker = eng.executor.driver_worker
+    worker.graphs = worker.build_graphs([1, 2, 4, 8], max_model_len=eng.max_model_len, capture=False)
+    return worker.graphs
 
 
 def _generate(model_dir, prompts, params, *, graphs: bool, **kw):
     llm = LLM(str(model_dir), **{**SQUEEZED, **kw})
-    assert llm.engine._overlap == (kw.get("async_scheduling", False) and "speculative_config" not in kw)
+    assert llm.engine.core.overlap == (kw.get("async_scheduling", False) and "speculative_config" not in kw)
     twin = _install_twin_graphs(llm) if graphs else None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
@@ -244,7 +242,7 @@ def _stream(model_dir, *, async_scheduling: bool, abort_after: int | None = None
         steps += bool(outs)  # an overlapped engine's first call only launches step 1
         if steps == abort_after:
             eng.abort_request("gone")
-    assert eng.block_manager.num_used_blocks == 0 and eng._inflight is None
+    assert eng.block_manager.num_used_blocks == 0 and not eng.core.busy
     llm.close()
     return final
 
@@ -269,7 +267,7 @@ def test_an_abort_during_an_overlapped_forward_pass_drops_its_token(tiny_llama):
 def test_async_scheduling_keeps_speculative_steps_synchronous(tiny_llama):
     llm = LLM(str(tiny_llama), async_scheduling=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert not llm.engine._overlap
+    assert not llm.engine.core.overlap
     llm.close()
 
 
@@ -297,11 +295,11 @@ def test_cuda_graphs_replay_with_the_same_greedy_outputs(tiny_model_factory):
     for eager in (True, False):
         llm = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=eager,
                   compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}, **SQUEEZED)
-        assert (llm.engine.runner.graphs is None) == eager
+        assert (llm.engine.executor.driver_worker.graphs is None) == eager
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[eager] = [[c.token_ids for c in o.outputs] for o in res]
         if not eager:
-            assert llm.engine.runner.graphs.replays > 0
+            assert llm.engine.executor.driver_worker.graphs.replays > 0
         llm.close()
     assert outs[True] == outs[False]
 

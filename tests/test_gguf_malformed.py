@@ -18,7 +18,16 @@ from hypothesis import strategies as st
 
 from kvserve.runtime.agent.fetch import FetchError, check_model_dir, fetch
 from kvserve.runtime.gguf import model_config
-from kvserve.runtime.gguf.reader import MAX_ARRAY_DEPTH, GGUFFile, SkippedArrays
+from kvserve.runtime.gguf.reader import (
+    _MIN_KV,
+    MAX_ARRAY_DEPTH,
+    MAX_ARRAY_ELEMENTS,
+    MAX_METADATA_KEYS,
+    MAX_NESTED_ARRAY_ELEMENTS,
+    MAX_TENSORS,
+    GGUFFile,
+    SkippedArrays,
+)
 
 U8, I32, F32, STRING, ARRAY, U64 = 0, 5, 6, 8, 9, 10
 T_F32, T_Q8_0 = 0, 8
@@ -76,11 +85,16 @@ def test_deeply_nested_arrays_are_a_value_error_not_a_recursion_error(tmp_path):
 
 
 def test_many_empty_arrays_keep_no_object_per_element(tmp_path):
-    """The 24 MB case at 1/10 scale: 200k empty arrays in one value cost no list of 200k numpy
-    arrays (bench/gguf_reader_bounds.py measures time and memory at full size)."""
+    """The 24 MB case (2M empty arrays in one value: 618 MB and 10+ s before) is refused from its
+    count; below the cap, arrays of arrays keep no object per element."""
+    n = MAX_NESTED_ARRAY_ELEMENTS
+    ok = write(tmp_path, gguf([kv("evil.empties", ARRAY, array(ARRAY, n, array(U8, 0) * n))]), "ok.gguf")
+    assert GGUFFile(ok).metadata["evil.empties"] == SkippedArrays(n)
     n = 200_000
     path = write(tmp_path, gguf([kv("evil.empties", ARRAY, array(ARRAY, n, array(U8, 0) * n))]))
-    assert GGUFFile(path).metadata["evil.empties"] == SkippedArrays(n)
+    with pytest.raises(ValueError, match=rf"m\.gguf: metadata key 'evil\.empties': arrays of arrays hold more "
+                                         rf"than {MAX_NESTED_ARRAY_ELEMENTS} elements"):
+        GGUFFile(path)
 
 
 @pytest.mark.parametrize("dims", [(2**32, 2**32), (2**63, 2), (2**64 - 1, 2**64 - 1, 3, 5)])
@@ -146,6 +160,27 @@ def test_malformed_headers_name_the_file_and_field(tmp_path, content, field, wor
         GGUFFile(path)
     assert time.perf_counter() - start < 5  # "at once": no loop over a claimed 10**12 records
     assert str(path) in str(err.value) and f": {field}: " in str(err.value) and words in str(err.value), err.value
+
+
+def test_caps_that_also_bound_the_tokenizer_readers_memory(tmp_path):
+    """transformers converts the tokenizer through the gguf package's reader, which keeps ~1.6 KB
+    per array element and ~3.7 KB per key: this reader runs first and refuses more than any real
+    model has (at once, from the counts)."""
+    keys = write(tmp_path, gguf(counts=(0, MAX_METADATA_KEYS + 1), kvs=[b"\0" * _MIN_KV * (MAX_METADATA_KEYS + 1)]))
+    with pytest.raises(ValueError, match=rf": kv_count: {MAX_METADATA_KEYS + 1} is more than {MAX_METADATA_KEYS}"):
+        GGUFFile(keys)
+    tensors = write(tmp_path, gguf(counts=(MAX_TENSORS + 1, 0), kvs=[b"\0" * 24 * (MAX_TENSORS + 1)]), "t.gguf")
+    with pytest.raises(ValueError, match=rf": tensor_count: {MAX_TENSORS + 1} is more than {MAX_TENSORS}"):
+        GGUFFile(tensors)
+    half = MAX_ARRAY_ELEMENTS // 2
+    elements = write(tmp_path, gguf([kv("a.tokens", ARRAY, array(U8, half, b"\0" * half)),
+                                     kv("b.scores", ARRAY, array(U8, half + 1, b"\0" * (half + 1)))]), "e.gguf")
+    with pytest.raises(ValueError, match=rf"metadata key 'b\.scores': metadata arrays hold more than "
+                                         rf"{MAX_ARRAY_ELEMENTS} elements"):
+        GGUFFile(elements)
+    exactly = write(tmp_path, gguf([kv("a.tokens", ARRAY, array(U8, half, b"\0" * half)),
+                                    kv("b.scores", ARRAY, array(U8, half, b"\0" * half))]), "x.gguf")
+    assert len(GGUFFile(exactly).metadata["b.scores"]) == half
 
 
 def test_the_gguf_package_and_this_reader_agree_on_a_valid_file(valid_gguf):

@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kvserve.kernels import attention_backend, layers, ops  # noqa: E402
+from kvserve.kernels import layers, ops  # noqa: E402
+from kvserve.runtime.attention import triton_backend as attention_backend  # noqa: E402
 from kvserve.runtime import LLM, SamplingParams  # noqa: E402
 
 
@@ -102,7 +103,8 @@ def test_engine_sliding_window_on_triton_equals_torch(tiny_model_factory, arch, 
 def test_moe_and_mla_engine_on_triton_equals_torch(tiny_model_factory, monkeypatch):
     """DeepSeek V3 (MLA + routed and shared experts): the fused MoE kernel and the absorbed MLA
     decode kernel in the engine, with chunks and preemptions, give the torch path's tokens."""
-    from kvserve.kernels import mla_backend, moe
+    from kvserve.kernels import moe
+    from kvserve.runtime.attention import triton_mla as mla_backend
 
     model_dir = tiny_model_factory("deepseek_v3")
     rng = random.Random(1)

@@ -323,6 +323,25 @@ def test_rbac_audit_flags_what_a_role_does_not_grant():
     assert unused == {("patch", "apps", "deployments")}
 
 
+def test_rbac_audit_counts_a_server_side_apply_as_patch_and_create():
+    """The operator creates what it owns by server-side apply, which the API server authorizes
+    as create when the object does not exist yet: the audit asks for both rights."""
+    from types import SimpleNamespace as NS
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import rbac_audit
+
+    def request(method, action, content_type):
+        return NS(headers={"User-Agent": "kvserve-operator", "Content-Type": content_type},
+                  resource=NS(plural="deployments", group="apps"), subresource=None,
+                  method=NS(value=method), action=NS(value=action))
+
+    assert rbac_audit.from_kmock([request("PATCH", "update", "application/apply-patch+yaml")]) == [
+        ("patch", "apps", "deployments"), ("create", "apps", "deployments")]
+    assert rbac_audit.from_kmock([request("PATCH", "update", "application/merge-patch+json")]) == [
+        ("patch", "apps", "deployments")]
+
+
 def test_namespaced_overlay_moves_whole_to_another_namespace(tmp_path):
     """`namespace: team-a` on top of manifests/namespaced: the operator, its Role, binding and
     peering all follow, and it watches team-a."""

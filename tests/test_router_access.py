@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from kvserve.runtime.router.access import ROUTES, RouteRefused, bearer_ok, parse_api_keys, resolve_route
 from kvserve.runtime.router.hold import HoldFull, HoldQueue
-from kvserve.runtime.router.limits import (MIB, BodyLimits, ByteBudget, container_memory_limit, parse_memory_limit,
-                                           prefix_index_capacity)
+from kvserve.runtime.router.limits import (MIB, BodyLimits, ByteBudget, container_memory_limit,
+                                           max_connections_for_memory, parse_memory_limit, prefix_index_capacity)
 
 
 @pytest.mark.parametrize("method, target, path, kind, model", [
@@ -65,10 +65,14 @@ def test_an_accepted_path_means_what_it_says(tail, method):
     except RouteRefused:
         return
     path = target.split("?", 1)[0]
-    assert posixpath.normpath(unquote(path)) == unquote(path) == path
+    # Decoding it (once, or twice) gives no dot segment, empty segment or new "/" to resolve.
+    for decoded in (path, unquote(path), unquote(unquote(path))):
+        assert posixpath.normpath(decoded) == decoded and decoded.count("/") == path.count("/")
     assert route.path in {r.path for r in ROUTES.values()}
-    if model is not None:
-        assert ".." not in model.split("/")
+    if model is None:
+        assert path == route.path  # a forwarded route is exactly one of the allowlist's
+    else:
+        assert route.path == "/v1/models" and not {".", ".."} & set(model.split("/"))
 
 
 def test_bearer_ok():
@@ -124,6 +128,7 @@ def test_limits_follow_the_memory_limit(memory, body, held, buffered, index):
     limits = BodyLimits.for_memory(memory)
     assert (limits.max_request_body_bytes, limits.max_held_bytes, limits.max_buffered_bytes) == (body, held, buffered)
     assert prefix_index_capacity(memory) == index
+    assert max_connections_for_memory(memory) == max(64, (memory or 512 * MIB) // (64 << 10))
 
 
 @pytest.mark.parametrize("field, value", [("max_held_bytes", -1), ("max_buffered_bytes", 1.5),

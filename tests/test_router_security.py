@@ -424,3 +424,38 @@ def test_forty_8mb_bodies_with_a_wrong_key_do_not_grow_the_router(tmp_path, monk
         if router is not None:
             router.stop()
         cluster.stop()
+
+
+def test_open_connections_are_capped(tmp_path):
+    """Connections that never finish their headers cost memory and aiohttp has no cap of its own:
+    past --max-connections a new one is closed at once; a slot that frees up serves again."""
+    import socket
+
+    from router_harness import RouterProcess, get_json
+
+    router = RouterProcess("--endpoints", "http://127.0.0.1:9", "--agent-port", "-1", "--max-connections", "20",
+                           log=tmp_path / "router.log").wait_ready()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(20):  # half-sent requests: the headers never end
+            s = socket.create_connection(("127.0.0.1", router.port), timeout=5)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n")
+            held.append(s)
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", router.port), timeout=5)
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        try:
+            assert extra.recv(100) == b""  # closed without an answer
+        except ConnectionResetError:
+            pass
+        extra.close()
+        for s in held[:5]:
+            s.close()
+        time.sleep(0.3)
+        assert get_json(router.url + "/health") == {"status": "ok"}
+        assert "closing new ones" in (tmp_path / "router.log").read_text()
+    finally:
+        for s in held:
+            s.close()
+        router.stop()
+    assert router.proc.returncode == 0  # SIGTERM is still a clean, graceful exit

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvserve.runtime.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimitError, RequestLimits, check_request
 
@@ -82,6 +82,7 @@ def test_nesting_deeper_than_python_recursion_is_counted():
                       RequestLimits(max_prompt_chars=1))
 
 
+@settings(deadline=None)
 @given(st.lists(st.text(max_size=12), max_size=8), st.integers(1, 8), st.integers(1, 12))
 def test_stop_limits_hold_exactly_at_the_bound(stops, max_count, max_chars):
     limits = RequestLimits(max_stop_strings=max_count, max_stop_string_chars=max_chars)
@@ -92,3 +93,20 @@ def test_stop_limits_hold_exactly_at_the_bound(stops, max_count, max_chars):
         assert not ok
     else:
         assert ok
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+                    max_leaves=12)
+FIELDS = st.sampled_from(["messages", "prompt", "stop", "stop_token_ids", "tools", "response_format",
+                          "structured_outputs", "chat_template_kwargs", "n", "model"])
+
+
+@settings(deadline=None, max_examples=50)
+@given(st.dictionaries(FIELDS, JSON, max_size=6))
+def test_any_json_body_passes_or_names_a_field(body):
+    """Whatever the JSON: through, or a RequestLimitError naming a field; never another error."""
+    try:
+        check_request(body, LIMITS)
+    except RequestLimitError as exc:
+        assert exc.param.split("[")[0] in body

@@ -223,7 +223,7 @@ def test_bad_requests_are_400s_naming_the_field(server, client, kw, param):
 
 
 def test_a_slow_compile_holds_neither_health_nor_other_requests(server, client):
-    manager = server.server.state.engine.engine.structured_outputs
+    manager = server.server.state.engine.structured_outputs
     slow = StructuredOutputsParams(json={"type": "object", "properties": {"waits": {"type": "boolean"}},
                                          "required": ["waits"]})
     pending: Future = Future()

@@ -25,7 +25,8 @@ from kvserve.runtime.capacity import (
     plan_capacity,
     weight_bytes_per_gpu,
 )
-from kvserve.runtime.distributed import TensorParallelError, WorkerDiedError, protocol
+from kvserve.runtime.executor import protocol
+from kvserve.runtime.executor.multiproc import TensorParallelError, WorkerDiedError
 
 BLOCK_SIZE = 4
 KV_BUDGET = 96 * 1024  # bytes per rank: tp=1 has 96 blocks for the GQA llama, tp=2 192
@@ -45,7 +46,7 @@ def tp_worker_pids() -> set[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if b"kvserve.runtime.distributed.worker" in cmdline:
+        if b"kvserve.runtime.executor.worker_process" in cmdline:
             found.add(int(stat.parent.name))
     return found
 
@@ -84,9 +85,10 @@ def test_tp2_matches_tp1_and_capacity_model(tiny_model_factory, case):
     model_dir = tiny_model_factory(arch, **overrides)
     kw = dict(kv_cache_memory_bytes=KV_BUDGET, block_size=BLOCK_SIZE, max_num_batched_tokens=32,
               dtype="float32", device="cpu")
-    # Local and global layers get KV cache groups at tp 1 only (tests/test_hybrid_kv_cache.py):
-    # compare one block table for all layers at both degrees.
-    with LLM(str(model_dir), **kw, disable_hybrid_kv_cache_manager=arch == "gemma2") as llm1:
+    # The capacity checks below are for one block table serving every layer: local and global
+    # layers get KV cache groups otherwise (tests/test_tp_matrix.py runs them at tp=2).
+    kw["disable_hybrid_kv_cache_manager"] = arch == "gemma2"
+    with LLM(str(model_dir), **kw) as llm1:
         shape = llm1.engine.model_config.shape
         prompts = _prompts(shape.vocab_size)
         want = _generate(llm1, prompts)
@@ -125,7 +127,7 @@ def test_tp2_matches_tp1_and_capacity_model(tiny_model_factory, case):
 def test_tp2_shared_prefixes_and_forks_match_tp1(tiny_model_factory, monkeypatch):
     """Prefix-cache hits and n > 1 forks (copy-on-write of a shared partial block) under tp=2:
     rank 0 decides and copies, the workers must copy the same blocks in their own pools."""
-    import kvserve.runtime.model_runner as model_runner
+    import kvserve.runtime.executor.worker as model_runner
 
     copied = []
     real_copy = model_runner.copy_blocks
@@ -159,9 +161,6 @@ def test_bad_tensor_parallel_size_is_a_value_error(tiny_model_factory):
         LLM(str(odd_mlp), tensor_parallel_size=4, device="cpu")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(llama), tensor_parallel_size=0, device="cpu")
-    with pytest.raises(ValueError, match="speculative_config: not supported with tensor_parallel_size > 1"):
-        LLM(str(llama), tensor_parallel_size=2, device="cpu",
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert not tp_worker_pids()  # refused before any worker started
 
 

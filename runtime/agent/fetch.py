@@ -248,6 +248,12 @@ def _hub_snapshot(source: Source) -> tuple[Path, str]:
     except HfHubHTTPError as exc:
         raise FetchError(f"{source}: {exc}") from None
     except Exception as exc:  # huggingface_hub raises many types (auth, revision, network)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # Its partial file is kept on purpose: huggingface_hub resumes it on the next attempt,
+            # and deleting it would not make that attempt fit either.
+            raise FetchError(f"{source}: no space left in the hub cache {cache_dir} ({exc.strerror}); "
+                             f"huggingface_hub keeps the partial download there (blobs/*.incomplete) and "
+                             f"resumes it on the next attempt: enlarge the volume") from None
         raise FetchError(f"{source}: {type(exc).__name__}: {exc}") from None
     return Path(path), Path(path).name
 

@@ -19,7 +19,7 @@ Two ways to attend, picked per sequence of a packed batch:
   each cached latent once for all heads (an MQA with one 576-wide "head" in DeepSeek V3).
 
 The decode attention over latents is the only paged kernel: `TorchMLAAttention` does it with
-SDPA (CPU and the reference), the Triton subclass (kvserve.kernels.mla_backend) with a flash-
+SDPA (CPU and the reference), the Triton subclass (kvserve.runtime.attention.triton_mla) with a flash-
 decoding kernel. Both share the prefill path, which is plain torch (SDPA) on either device.
 """
 
@@ -180,7 +180,7 @@ def mla_attention_for(backend: AttentionBackend) -> TorchMLAAttention:
     impl = _instances.get(backend)
     if impl is None:
         if getattr(backend, "name", "torch") == "triton":
-            from kvserve.kernels.mla_backend import TritonMLAAttention
+            from kvserve.runtime.attention.triton_mla import TritonMLAAttention
 
             impl = TritonMLAAttention()
         else:

@@ -1,4 +1,5 @@
-"""Picks the attention backend by name: "torch" (anywhere), "triton" (CUDA), or "auto"."""
+"""Picks the attention backend by name: "torch" (anywhere), "triton" (CUDA), or "auto" (the
+device's Platform decides: runtime/executor/platform.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def _triton_backend_class():
-    from kvserve.kernels.attention_backend import TritonAttentionBackend
+    from kvserve.runtime.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend
 
@@ -29,11 +30,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         except ImportError as exc:
             raise ValueError(f"attention_backend 'triton' is not available: {exc}; use 'torch' or 'auto'") from exc
         return cls()
-    if device.type == "cuda":
-        try:
-            return _triton_backend_class()()
-        except ImportError:
-            pass
-    from kvserve.runtime.attention.torch_backend import TorchAttentionBackend
+    from kvserve.runtime.executor.platform import platform_for
 
-    return TorchAttentionBackend()
+    # "auto": the device's platform knows which kernels serve it.
+    return get_attention_backend(platform_for(device).attention_backend_name(name), device)

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from kvserve.kernels import ops
 from kvserve.kernels.reference import is_fp8, quantize_kv_ref
 from kvserve.runtime.attention.backend import AttentionMetadata
+from kvserve.runtime.executor.platform import platform_for
 from kvserve.runtime.kv_cache import as_storage
 
 # Batches of at least this many short-query sequences are split into length-sorted groups.
@@ -75,18 +75,6 @@ class _Plan:
     decode_lens: torch.Tensor | None = None
 
 
-def _native_decode_ok(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    from kvserve.kernels.cpu import native
-
-    return native.decode_supported(query, k_cache)
-
-
-def _native_write_ok(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    from kvserve.kernels.cpu import native
-
-    return native.write_kv_supported(key, value, k_cache)
-
-
 class TorchAttentionBackend:
     """Pure-torch paged attention. One instance serves every layer of one model: it caches the
     gather plan for the AttentionMetadata object it last saw, so build a fresh metadata object per
@@ -102,7 +90,7 @@ class TorchAttentionBackend:
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
-        if ops.use_native(key) and _native_write_ok(key, value, k_cache):  # float32 pools only
+        if platform_for(key.device).native_write_kv(key, value, k_cache):
             from kvserve.kernels.cpu import native
 
             native.write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -128,7 +116,7 @@ class TorchAttentionBackend:
                sliding_window: int | None = None, logits_soft_cap: float | None = None,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         window = sliding_window
-        native_decode = ops.use_native(query) and _native_decode_ok(query, k_cache)
+        native_decode = platform_for(query.device).native_decode_attention(query, k_cache)
         if meta.is_decode_only and native_decode:
             from kvserve.kernels.cpu import native
 

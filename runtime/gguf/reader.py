@@ -38,7 +38,18 @@ MAX_DIMS = 4
 # them, so they are walked (and skipped) up to this depth instead of refused outright.
 MAX_ARRAY_DEPTH = 8
 # ggml counts elements and bytes in int64.
-_MAX_ELEMENTS = 2**63 - 1
+_MAX_TENSOR_ELEMENTS = 2**63 - 1
+# The tokenizer is converted by transformers through the gguf package's reader, which keeps
+# about 1.6 KB per metadata array element and 3.7 KB per key (a 24 MB file of 3M empty strings
+# took it 4.9 GB and 3.5 minutes). This reader runs first (ModelConfig), so these caps bound that
+# too. Real files: a few dozen keys; at most ~1M array elements (a 262k-token vocabulary with its
+# scores and types, or 128k tokens and 280k merges); a few thousand tensors (per-expert MoE
+# tensors: tens of thousands).
+MAX_METADATA_KEYS = 16384
+MAX_ARRAY_ELEMENTS = 2**21
+MAX_TENSORS = 2**16
+# Arrays of arrays cost the gguf package even more (2M empty ones: 2.6 GB) and no model uses them.
+MAX_NESTED_ARRAY_ELEMENTS = 2**16
 
 # Metadata value types: fixed-size scalars by struct format; 8 is a string, 9 an array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -103,6 +114,8 @@ _STRUCTS: dict[str, struct.Struct] = {}
 class _Cursor:
     def __init__(self, buf: memoryview, path: pathlib.Path, string_arrays: bool):
         self.buf, self.pos, self.path, self.string_arrays = buf, 0, path, string_arrays
+        self.elements = 0  # array elements so far, nested ones included (MAX_ARRAY_ELEMENTS)
+        self.nested_elements = 0  # of those, in arrays of arrays (MAX_NESTED_ARRAY_ELEMENTS)
         # (what, name) of the field being read; formatted only when something is wrong with it,
         # which keeps a file of a million keys from costing a million f-strings.
         self.where: tuple[str, object] = ("header", None)
@@ -140,6 +153,24 @@ class _Cursor:
                             f"(truncated or corrupt)")
         return n
 
+    def array_length(self, min_item_bytes: int) -> int:
+        n = self.count("array length", min_item_bytes)
+        self.add_elements(n)
+        return n
+
+    def add_elements(self, n: int) -> None:
+        self.elements += n
+        if self.elements > MAX_ARRAY_ELEMENTS:
+            raise self.fail(f"metadata arrays hold more than {MAX_ARRAY_ELEMENTS} elements in all (the largest "
+                            f"vocabularies need about 1M); refused")
+
+    def add_nested(self, n: int) -> None:
+        """Counted before a level is walked, so an oversized one is refused without the walk."""
+        self.nested_elements += n
+        if self.nested_elements > MAX_NESTED_ARRAY_ELEMENTS:
+            raise self.fail(f"arrays of arrays hold more than {MAX_NESTED_ARRAY_ELEMENTS} elements in all "
+                            f"(no model uses them); refused")
+
     def string(self, what: str = "string") -> str:
         (n,) = self.unpack("Q", "string length")
         if self.pos + n > len(self.buf):
@@ -166,22 +197,24 @@ class _Cursor:
         """Walks one array value without keeping it; bounded recursion (MAX_ARRAY_DEPTH)."""
         (item_kind,) = self.unpack("I", "array item type")
         if item_kind in _SCALAR_SIZES:
-            n = self.count("array length", _SCALAR_SIZES[item_kind])
+            n = self.array_length(_SCALAR_SIZES[item_kind])
             self.pos += n * _SCALAR_SIZES[item_kind]
         elif item_kind == _STRING:
-            self.skip_strings(self.count("array length", _MIN_STRING))
+            self.skip_strings(self.array_length(_MIN_STRING))
         elif item_kind == _ARRAY:
             if depth >= MAX_ARRAY_DEPTH:
                 raise self.fail(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
-            self.skip_array_items(self.count("array length", _MIN_ARRAY), depth + 1)
+            self.skip_array_items(self.array_length(_MIN_ARRAY), depth + 1)
         else:
             raise self.fail(f"array item type {item_kind} is not a GGUF value type")
 
     def skip_array_items(self, count: int, depth: int) -> None:
         """`count` arrays at `depth`. Arrays of numbers are stepped over inline (a million small
         ones is the cheapest way to make a small file expensive); anything else recurses."""
+        self.add_nested(count)
         buf, end, pos = self.buf, len(self.buf), self.pos
         header, sizes = _ARRAY_HEADER.unpack_from, _SCALAR_SIZES
+        inline = 0
         for _ in range(count):
             if pos + 12 > end:
                 break
@@ -193,8 +226,11 @@ class _Cursor:
                 pos = self.pos
             else:
                 pos += 12 + n * size
+                inline += n
         else:
             self.pos = pos
+            self.add_elements(inline)
+            self.add_nested(inline)
             return
         self.pos = pos
         self.need(12, "array header")
@@ -209,20 +245,20 @@ class _Cursor:
         (item_kind,) = self.unpack("I", "array item type")
         if item_kind in _NUMPY:  # numbers: one numpy view, copied out of the mapping
             dtype = _NUMPY[item_kind]
-            count = self.count("array length", dtype.itemsize)
+            count = self.array_length(dtype.itemsize)
             if not count:
                 return _EMPTY[item_kind]
             arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
             self.pos += count * dtype.itemsize
             return arr
         if item_kind == _STRING:
-            count = self.count("array length", _MIN_STRING)
+            count = self.array_length(_MIN_STRING)
             if self.string_arrays:
                 return [self.string() for _ in range(count)]
             self.skip_strings(count)
             return SkippedStrings(count)
         if item_kind == _ARRAY:
-            count = self.count("array length", _MIN_ARRAY)
+            count = self.array_length(_MIN_ARRAY)
             self.skip_array_items(count, depth=2)
             return SkippedArrays(count)
         raise self.fail(f"array item type {item_kind} is not a GGUF value type")
@@ -265,6 +301,11 @@ class GGUFFile:
         tensor_count = cur.count("tensor count", _MIN_TENSOR)
         cur.where = ("kv_count", None)
         kv_count = cur.count("metadata key count", _MIN_KV)
+        caps = (("tensor_count", tensor_count, MAX_TENSORS), ("kv_count", kv_count, MAX_METADATA_KEYS))
+        for field, count, cap in caps:
+            if count > cap:
+                cur.where = (field, None)
+                raise cur.fail(f"{count} is more than {cap}; refused (real files have far fewer)")
         if tensor_count * _MIN_TENSOR + kv_count * _MIN_KV > len(buf) - cur.pos:
             raise cur.fail(f"{kv_count} metadata keys and {tensor_count} tensors cannot fit in the "
                            f"{len(buf) - cur.pos} bytes left of the file (truncated or corrupt)")
@@ -350,7 +391,7 @@ def tensor_info(path: pathlib.Path, file_size: int, data_start: int, alignment: 
     if 0 in shape:  # an empty weight is of no use, and has no rows to view it by
         raise GGUFError(path, field, f"dimensions {list(reversed(shape))} include a 0")
     count = math.prod(shape)
-    if count > _MAX_ELEMENTS:
+    if count > _MAX_TENSOR_ELEMENTS:
         raise GGUFError(path, field, f"dimensions {list(reversed(shape))} overflow: {count} elements is more "
                                      f"than 2**63 - 1")
     rows_of = shape[-1] if shape else 1

@@ -20,7 +20,9 @@ from torch import nn
 from kvserve.kernels import ops, reference
 from kvserve.kernels.reference import is_fp8
 from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
-from kvserve.runtime.model_config import ModelConfig, rope_cos_sin_cache
+from kvserve.runtime.executor.platform import platform_for
+from kvserve.runtime.model_config import ModelConfig
+from kvserve.runtime.models.rope import rope_cos_sin_cache
 from kvserve.runtime.models.quantization import QuantizationConfig
 from kvserve.runtime.models.layers import (
     MergedColumnParallelLinear,
@@ -231,6 +233,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
         self.config = cfg
         self.dtype, self.device = dtype, torch.device(device)
+        self._platform = platform_for(self.device)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.quant_config = quant_config
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=self.device)
@@ -273,7 +276,7 @@ class CausalLM(nn.Module):
 
                 stack = self._native_stack = native_decode.build(self)
             # One block table for every layer: a model with KV cache groups keeps the per-op path.
-            if (stack is not None and meta.kv_groups is None and ops.use_native(self.cos_sin_cache)
+            if (stack is not None and meta.kv_groups is None and self._platform.native_ops(self.cos_sin_cache)
                     and stack.accepts(kv_caches)):
                 hidden, residual = stack.run(self.embed_tokens(input_ids), positions, meta.slot_mapping,
                                              meta.block_tables, meta.seq_lens, kv_caches)

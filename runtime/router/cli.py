@@ -78,6 +78,9 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-buffered-bytes", type=_bounded(int, 0), default=None, metavar="BYTES",
                    help="request bodies in the router's memory at once, held or being forwarded; past it 503 "
                         "with Retry-After. Default: half the container's memory limit, else 256 MiB")
+    p.add_argument("--max-connections", type=_bounded(int, 1), default=None, metavar="N",
+                   help="open client connections at most; past it new ones are closed at once. Default: one "
+                        "per 64 KiB of the container's memory limit (8192 at 512 MiB)")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     return p
 
@@ -165,10 +168,13 @@ def run_router(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvserve router: {error}", file=sys.stderr)
         return 2
-    from aiohttp import web
+    import asyncio
 
     from .app import build_app
+    from .limits import max_connections_for_memory
+    from .serve import serve
 
+    max_connections = args.max_connections or max_connections_for_memory(memory_limit)
     app = build_app(config, source)
     log.info("router on http://%s:%d, policy %s, pods from %s", args.host, args.port, args.policy,
              args.endpoints or f"{getattr(source, 'namespace', '')}/{args.inferenceservice or args.selector}")
@@ -176,9 +182,10 @@ def run_router(args: argparse.Namespace) -> int:
              f"required ({len(config.api_keys)} accepted)" if config.api_keys else "not checked (the pods check it)",
              config.max_request_body_bytes, config.max_held_bytes, config.max_buffered_bytes,
              f"{memory_limit} bytes" if memory_limit else "not set, sized for 512 MiB")
+    log.info("at most %d client connections", max_connections)
     try:
-        web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True,
-                    shutdown_timeout=args.drain_timeout, access_log=None)
+        asyncio.run(serve(app, host=args.host, port=args.port, max_connections=max_connections,
+                          shutdown_timeout=args.drain_timeout))
     except OSError as error:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, error.strerror or error)
         return 1

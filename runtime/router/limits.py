@@ -85,6 +85,12 @@ def prefix_index_capacity(memory_limit: int | None, *, most: int = 200_000, leas
     return max(least, min(most, memory // 8 // INDEX_ENTRY_BYTES))
 
 
+def max_connections_for_memory(memory_limit: int | None, *, least: int = 64) -> int:
+    """Open client connections allowed: one per 64 KiB of the memory limit (an idle one costs
+    about 5 KB; a streaming one its socket buffers too), 8192 in a 512 MiB container."""
+    return max(least, (memory_limit or ASSUMED_MEMORY) // (64 << 10))
+
+
 class ByteBudget:
     """Bytes taken against a limit; `take` says no rather than go over."""
 

@@ -10,9 +10,11 @@ own thread (async_engine). A client that goes away cancels its handler (aiohttp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,9 @@ class ServerConfig:
     max_queue_len: int = 1024
     drain_timeout_s: float = 30.0
     max_request_body_bytes: int = 8 * 1024 * 1024
+    # Bodies read but not yet turned into a plan (waiting for, or on, the preprocessing pool): past
+    # this a request gets 429 before its body is read, so a flood of large bodies cannot grow memory.
+    max_buffered_request_bytes: int = 64 * 1024 * 1024
     retry_after_s: int = 1
     tools: structured.ToolSettings = field(default_factory=structured.ToolSettings)
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -72,6 +77,7 @@ class ServerState:
     # will take no more work, so /live and /health fail and the kubelet restarts the container.
     retired: bool = False
     preprocess: ThreadPoolExecutor | None = None
+    buffered_request_bytes: int = 0
 
     @property
     def model_name(self) -> str:
@@ -83,7 +89,7 @@ class ServerState:
 
     @property
     def limits(self) -> RequestLimits:
-        return self.config.limits.for_model(self.engine.engine.max_model_len if self.engine is not None else None)
+        return self.config.limits.for_model(self.engine.max_model_len if self.engine is not None else None)
 
     async def off_loop(self, fn, *args):
         """Runs fn(*args) on the preprocessing pool. A handler cancelled meanwhile (the client
@@ -185,16 +191,39 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     return response
 
 
-async def _read_body(request: web.Request) -> bytes:
+@contextlib.asynccontextmanager
+async def _request_body(request: web.Request):
+    """The body, read only once its bytes fit the server's budget for bodies in memory, and counted
+    against it until the caller has turned it into a plan. A body without Content-Length is
+    counted at the largest size it may have."""
+    state = request.app[STATE]
+    config = state.config
+    declared = request.content_length
+    reserved = config.max_request_body_bytes if declared is None else min(declared, config.max_request_body_bytes)
+    if state.buffered_request_bytes + reserved > config.max_buffered_request_bytes:
+        raise APIError(429, f"The server holds {state.buffered_request_bytes} bytes of request bodies and this one "
+                       f"would pass --max-buffered-request-bytes ({config.max_buffered_request_bytes}); retry shortly.",
+                       headers={"Retry-After": str(config.retry_after_s)})
+    state.buffered_request_bytes += reserved
     try:
-        return await request.read()  # raises 413 past client_max_size
-    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
-        raise APIError(400, f"Invalid request body: {str(exc).strip()}") from None
+        try:
+            body = await request.read()  # raises 413 past client_max_size
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
+            raise APIError(400, f"Invalid request body: {str(exc).strip()}") from None
+        yield body
+    finally:
+        state.buffered_request_bytes -= reserved
+
+
+# json.loads holds the GIL for its whole run (a quarter second for 8 MB): one parse at a time, so
+# the event loop waits for at most one of them, not one per preprocessing thread in a row.
+_PARSE_LOCK = threading.Lock()
 
 
 def _parse_json(body: bytes) -> dict:
     try:
-        obj = json.loads(body)
+        with _PARSE_LOCK:
+            obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"Invalid JSON body: {exc}") from None
     except RecursionError:  # [[[[...]]]] nested deeper than the parser's recursion limit
@@ -266,7 +295,7 @@ def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, servi
         raise from_validation_error(exc) from None
     _check_model(state, req.model)
     engine = _check_serving(state)
-    tok = engine.engine.tokenizer
+    tok = engine.tokenizer
     if kind == "completion":
         prompts = []
         for p in req.prompts():
@@ -294,8 +323,9 @@ def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, servi
 
 async def _prepare(request: web.Request, kind: str):
     state = request.app[STATE]
-    engine, plan = await state.off_loop(_plan, state, await _read_body(request), kind)
-    limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
+    async with _request_body(request) as body:
+        engine, plan = await state.off_loop(_plan, state, body, kind)
+    limit = engine.max_num_seqs + state.config.max_queue_len
     wanted = sum(getattr(params, "n", 1) for _, _, params in plan.engine_requests)
     if wanted > limit:  # could never be admitted: a 429 would have the client retry forever
         raise APIError(400, f"n: this request needs {wanted} sequences (prompts x n) but the server admits at most "
@@ -318,7 +348,7 @@ async def _compile_grammar(request: web.Request, engine: AsyncEngine, outputs: s
     last one to leave stops it."""
     if outputs.structured is None:
         return
-    manager = engine.engine.structured_outputs
+    manager = engine.structured_outputs
     # In a thread: the limits check walks the schema, tens of ms for a big one.
     acquiring = asyncio.ensure_future(asyncio.to_thread(manager.acquire, outputs.structured, client=request.remote))
     try:
@@ -340,6 +370,21 @@ async def _compile_grammar(request: web.Request, engine: AsyncEngine, outputs: s
         ticket.release()
 
 
+# Past this many tokens (each logprob alternative counting as one) a whole response is built and
+# serialized on the preprocessing pool: n x prompts x max_tokens x top_logprobs can make it tens
+# of megabytes of JSON, a second of the event loop that the probes would wait behind.
+LARGE_RESPONSE_TOKENS = 16384
+
+
+def _large_response(plan: serving.Plan) -> bool:
+    per_token = 1 + (plan.logprobs or 0) if plan.want_logprobs else 1
+    return plan.completion_tokens() * per_token > LARGE_RESPONSE_TOKENS
+
+
+def _response_bytes(plan: serving.Plan) -> bytes:
+    return json.dumps(serving.final_response(plan)).encode()
+
+
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state, engine, plan = await _prepare(request, kind)
     state.enter()
@@ -355,6 +400,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             async for out in stream:
                 for choice in by_request[out.request_id]:
                     serving.apply_output(choice, out)
+            if _large_response(plan):
+                body = await state.off_loop(_response_bytes, plan)
+                return web.Response(body=body, content_type="application/json")
             return web.json_response(serving.final_response(plan))
 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -391,7 +439,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _model_card(state: ServerState, name: str) -> dict:
-    max_len = state.engine.engine.max_model_len if state.engine else None
+    max_len = state.engine.max_model_len if state.engine else None
     return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "kvserve",
             "root": name, "parent": None, "max_model_len": max_len}
 
@@ -411,7 +459,8 @@ async def model(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(await state.off_loop(_tokenize_body, state, await _read_body(request)))
+    async with _request_body(request) as body:
+        return web.json_response(await state.off_loop(_tokenize_body, state, body))
 
 
 def _tokenize_body(state: ServerState, raw: bytes) -> dict:
@@ -423,7 +472,7 @@ def _tokenize_body(state: ServerState, raw: bytes) -> dict:
         raise from_validation_error(exc) from None
     _check_model(state, req.model)
     engine = _check_serving(state)
-    tok = engine.engine.tokenizer
+    tok = engine.tokenizer
     if req.prompt is not None:
         ids = _tokenize(tok, req.prompt, req.add_special_tokens)
     else:
@@ -434,12 +483,13 @@ def _tokenize_body(state: ServerState, raw: bytes) -> dict:
         text = _chat_prompt(tok, messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=False, kwargs=None, tools=req.template_tools())
         ids = _tokenize(tok, text, False)
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(await state.off_loop(_detokenize_body, state, await _read_body(request)))
+    async with _request_body(request) as body:
+        return web.json_response(await state.off_loop(_detokenize_body, state, body))
 
 
 def _detokenize_body(state: ServerState, raw: bytes) -> dict:
@@ -450,11 +500,11 @@ def _detokenize_body(state: ServerState, raw: bytes) -> dict:
         raise from_validation_error(exc) from None
     _check_model(state, req.model)
     engine = _check_serving(state)
-    vocab = engine.engine.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"tokens: {bad[0]} is not a token id in the vocabulary [0, {vocab})", param="tokens")
-    return {"prompt": engine.engine.tokenizer.decode(req.tokens)}
+    try:
+        engine.check_token_ids(req.tokens, "tokens")
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tokens") from None
+    return {"prompt": engine.tokenizer.decode(req.tokens)}
 
 
 def _broken(state: ServerState) -> web.Response | None:

@@ -97,6 +97,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "(a /drain ?timeout= can only shorten it)")
     p.add_argument("--max-request-body-bytes", type=_bounded(int, 1), default=8 * 1024 * 1024,
                    help="bigger request bodies get 413")
+    p.add_argument("--max-buffered-request-bytes", type=_bounded(int, 1), default=64 * 1024 * 1024,
+                   help="request bodies held in memory at once, read but not yet planned; past it a new request "
+                        "gets 429 before its body is read")
     p.add_argument("--max-stop-strings", type=_bounded(int, 1), default=64,
                    help="stop strings one request may give (each at most 1024 characters); more get 400")
     p.add_argument("--max-messages", type=_bounded(int, 1), default=4096,

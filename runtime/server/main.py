@@ -105,6 +105,7 @@ class Server:
             max_queue_len=a.max_queue_len,
             drain_timeout_s=a.drain_timeout,
             max_request_body_bytes=a.max_request_body_bytes,
+            max_buffered_request_bytes=a.max_buffered_request_bytes,
             limits=RequestLimits(max_stop_strings=a.max_stop_strings, max_messages=a.max_messages,
                                  max_prompt_chars=a.max_prompt_chars, max_schema_chars=a.max_schema_chars),
             tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
@@ -148,7 +149,9 @@ class Server:
             else:
                 grammars = getattr(engine, "structured_outputs", None)
                 if grammars is not None and hasattr(a, "structured_outputs_compile_timeout"):
-                    grammars.configure(*structured_outputs_config(a))
+                    # Workers start with the first compile: a pod that never sees a schema keeps the
+                    # ~300 MiB and the seconds of start-up CPU they cost.
+                    grammars.configure(*structured_outputs_config(a), start_workers=False)
                 state.engine = AsyncEngine(engine, on_stats=state.metrics.update)
                 state.engine.start()
                 log.info("ready: serving %s as %s", a.model, ", ".join(config.served_model_names))
@@ -162,9 +165,7 @@ class Server:
         await runner.cleanup()
         if state.engine is not None:
             await state.engine.stop()
-            close = getattr(state.engine.engine, "close", None)
-            if close is not None:  # tensor-parallel workers are processes: reap them before exiting
-                await asyncio.to_thread(close)
+            await state.engine.close()  # tensor-parallel workers are processes: reap them before exiting
         log.info("stopped")
         return exit_code
 
@@ -198,7 +199,7 @@ def preflight(args: argparse.Namespace) -> str | None:
         model_config = ModelConfig.from_pretrained(resolve_model_path(args.model))
     except ValueError:
         return None
-    from kvserve.runtime.distributed.executor import check_tensor_parallel
+    from kvserve.runtime.executor.multiproc import check_tensor_parallel
     from kvserve.runtime.engine import check_kv_cache_dtype_for_model
     from kvserve.runtime.models.quantization import check_quantization
 

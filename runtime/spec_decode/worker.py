@@ -7,6 +7,10 @@ draft decodes), runs the target once over the packed batch and verifies each seq
 with the rejection sampler. The engine appends the accepted tokens and rolls the sequence's
 computed length (and any block past it) back to what was verified.
 
+At tensor parallelism the proposer and the draft model run whole on rank 0 (the draft is small,
+so its proposals need no collectives); the verification is one ordinary forward pass of the
+target, which the executor runs on every rank like any other step.
+
 The draft model keeps its own KV pools with the target's block ids and block tables: it mirrors
 every target forward pass (same tokens, same slots) except verifications, whose positions its
 proposal decodes already wrote (plus one decode of the last draft), so its cache is complete
@@ -19,12 +23,10 @@ import numpy as np
 import torch
 
 from kvserve.runtime.attention.backend import AttentionMetadata
+from kvserve.runtime.executor.model_runner import ModelRunner
 from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks
-from kvserve.runtime.model_runner import ModelRunner
 from kvserve.runtime.sampler import SamplerOutput, SamplingRow, argmax_last
 from kvserve.runtime.sampling_params import SamplingParams
-from kvserve.runtime.engine.scheduler import ScheduledSequence
-from kvserve.runtime.engine.sequence import Sequence
 from kvserve.runtime.spec_decode.config import SpeculativeConfig
 from kvserve.runtime.spec_decode.ngram import ngram_propose
 from kvserve.runtime.spec_decode.probs import sampling_probs
@@ -63,7 +65,7 @@ def split_blocks_with_draft(num_blocks: int, target_shape, draft_shape) -> int:
     return max(1, num_blocks * t // (t + d))
 
 
-def eligible(params: SamplingParams, seq: Sequence) -> bool:
+def eligible(params: SamplingParams, seq) -> bool:
     """Requests whose next-token distribution the rejection sampler reproduces exactly (with
     structured outputs, the distribution masked by the grammar at every verified position)."""
     return (not params.needs_penalties and params.logprobs is None
@@ -89,8 +91,12 @@ class SpecDecoder:
             self.draft_kv = allocate_kv_cache(draft_model.config.shape, num_blocks, block_size, kv_cache_dtype,
                                               device)
 
+    def close(self) -> None:
+        self.draft_kv = None
+        self.draft_model = None
+
     # -- before scheduling -------------------------------------------------------------------------
-    def plan(self, running: list[Sequence], params_of) -> None:
+    def plan(self, running: list, params_of) -> None:
         """Sets `spec_token_ids` of the running sequences (params_of(seq) -> SamplingParams | None)."""
         cfg = self.config
         for seq in running:
@@ -112,7 +118,7 @@ class SpecDecoder:
 
     # -- the step ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence], block_tables: list[list[int]],
+    def execute(self, scheduled: list, block_tables: list[list[int]],
                 rows: list[SamplingRow], repeats: list[int] | None = None) -> SamplerOutput:
         runner = self.runner
         spec = [i for i, item in enumerate(scheduled) if item.num_spec]
@@ -120,9 +126,8 @@ class SpecDecoder:
             return runner.execute(scheduled, block_tables, rows, repeats)
         if repeats is None:
             repeats = [1] * sum(1 for item in scheduled if item.samples)
-        for item in scheduled:
-            copy_blocks(runner.kv_caches, item.block_copies)
-            if self.draft_kv is not None:
+        if self.draft_kv is not None:  # the target's copies travel with its forward pass
+            for item in scheduled:
                 copy_blocks(self.draft_kv, item.block_copies)
 
         # Which SamplingRow(s) belong to each scheduled sequence.
@@ -140,23 +145,6 @@ class SpecDecoder:
         if self.draft_model is not None and spec:
             draft_probs = self._propose(scheduled, block_tables, item_rows, spec)
 
-        # Pack with the drafts in place (prepare reads token_ids), then put token_ids back.
-        for i in spec:
-            scheduled[i].seq.token_ids.extend(scheduled[i].seq.spec_token_ids)
-        try:
-            input_ids, positions, meta, _ = runner.prepare(scheduled, block_tables)
-        finally:
-            for i in spec:
-                del scheduled[i].seq.token_ids[-scheduled[i].num_spec:]
-        hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
-        if self.draft_model is not None:
-            mirror = [i for i, item in enumerate(scheduled) if not item.num_spec]
-            if len(mirror) == len(scheduled):
-                self.draft_model(input_ids, positions, self.draft_kv, meta)
-            elif mirror:
-                ids, pos, sub_meta, _ = runner.prepare([scheduled[i] for i in mirror], [block_tables[i] for i in mirror])
-                self.draft_model(ids, pos, self.draft_kv, sub_meta)
-
         # Logits rows: the last one of a plain sampling sequence, the last 1 + k of a verified one.
         select, spans = [], []
         end = 0
@@ -168,9 +156,27 @@ class SpecDecoder:
                 select.extend(range(end - n, end))
             else:
                 spans.append(-1)
-        if not select:
+
+        # Pack with the drafts in place (prepare reads token_ids), then put token_ids back.
+        for i in spec:
+            scheduled[i].seq.token_ids.extend(scheduled[i].seq.spec_token_ids)
+        try:
+            step = runner.prepare(scheduled, block_tables)
+        finally:
+            for i in spec:
+                del scheduled[i].seq.token_ids[-scheduled[i].num_spec:]
+        step.logits_rows = select
+        logits = runner.forward(step)  # the target's verification, on every rank
+        if self.draft_model is not None:
+            mirror = [i for i, item in enumerate(scheduled) if not item.num_spec]
+            if len(mirror) == len(scheduled):
+                local = step.to(self.device)
+                self.draft_model(local.input_ids, local.positions, self.draft_kv, local.meta)
+            elif mirror:
+                local = runner.prepare([scheduled[i] for i in mirror], [block_tables[i] for i in mirror]).to(self.device)
+                self.draft_model(local.input_ids, local.positions, self.draft_kv, local.meta)
+        if logits is None:
             return SamplerOutput([], [])
-        logits = runner.model.compute_logits(hidden[torch.tensor(select, device=hidden.device)])
 
         plain = [i for i, item in enumerate(scheduled) if item.samples and not item.num_spec]
         plain_out = None
@@ -210,7 +216,7 @@ class SpecDecoder:
             scheduled[i].seq.spec_token_ids = []
         return SamplerOutput(token_ids, logprobs)
 
-    def _propose(self, scheduled: list[ScheduledSequence], block_tables: list[list[int]],
+    def _propose(self, scheduled: list, block_tables: list[list[int]],
                  item_rows: list[list[SamplingRow]], spec: list[int]) -> dict[int, list[torch.Tensor | None]]:
         """k batched draft decodes from each sequence's last token (then one more that only writes
         the last draft's K/V); fills spec_token_ids and returns the draft distributions q (None

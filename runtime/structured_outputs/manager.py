@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import torch
 
+from kvserve.runtime.executor.platform import platform_for
 from kvserve.runtime.structured_outputs.admission import (Client, CompileSettings, GrammarCompileBusy,
                                                           check_admission, pick_next)
 from kvserve.runtime.structured_outputs.compile import MAX_JSON_WHITESPACE  # noqa: F401  (re-exported)
@@ -447,7 +448,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState | None
         mask = mask.to(logits.device, non_blocking=True)
     if logits.shape[1] > manager.vocab_size:
         logits[rows, manager.vocab_size:] = float("-inf")
-    if _native_bitmask(logits):
+    if platform_for(logits.device).native_token_bitmask(logits):
         from kvserve.kernels.cpu import native
 
         # xgrammar's CPU kernel tests one bit at a time: ~9 ms for 32 rows of a 49k vocabulary,
@@ -455,14 +456,6 @@ def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState | None
         native.apply_token_bitmask(logits, mask, rows, manager.vocab_size)
         return
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=manager.vocab_size, indices=rows)
-
-
-def _native_bitmask(logits: torch.Tensor) -> bool:
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        return False
-    from kvserve.kernels.cpu import native
-
-    return native.available()
 
 
 def apply_grammar_to_drafts(logits: torch.Tensor, state: GrammarState, drafts: list[int]) -> None:

@@ -14,8 +14,11 @@ Patched here, in a test-side subclass pinned to kmock 0.8:
   * labelSelector (equality terms) is applied to lists;
   * the status subresource only changes status; where a resource has one, the main resource
     never changes status.
+  * server-side apply (`PATCH` with `application/apply-patch+yaml`): creates or merges, records
+    each manager's fields in metadata.managedFields and removes the fields a manager stops
+    applying (server_side_apply.py says what that emulation leaves out).
 Not patched (the operator and the tests handle these): no controllers, no garbage collection,
-no schema validation or defaulting, no server-side apply.
+no schema validation or defaulting.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ from typing import Any
 import attrs
 import jsonpatch
 import jsonpointer
+import aiohttp.web
 import kmock
 from kmock._internal import aiobus, enums, k8s
+
+import server_side_apply as ssa
 
 CRD_RESOURCE = "kvserve.dev/v1alpha1/inferenceservices"
 
@@ -82,6 +88,9 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         return str(next(self._counter))
 
     async def _handle(self, request):
+        if (request.resource is not None and request.action == enums.action.UPDATE and request.name is not None
+                and (request.headers or {}).get("Content-Type", "").startswith("application/apply-patch")):
+            return await self._server_side_apply(request)
         if (request.resource is not None and request.action == enums.action.DELETE
                 and request.name is not None):
             # With finalizers a delete only sets deletionTimestamp: a change, so a new version.
@@ -121,6 +130,50 @@ class PatchedEmulator(kmock.KubernetesEmulator):
               and request.action == enums.action.UPDATE and request.name is not None):
             await self._check_json_patch(request)
         return await super()._handle(request)
+
+    async def _server_side_apply(self, request):
+        """Creates the object or applies to it (see server_side_apply.py); a no-op changes nothing,
+        not even the resourceVersion, as on a real server."""
+        manager = request.params.get("fieldManager")
+        if not manager:
+            return _status(422, "Invalid", "fieldManager is required for apply requests")
+        if request.subresource is not None:
+            return _status(422, "Invalid", "this emulation applies to main resources only")
+        try:
+            applied = ssa.parse_body(request.data if request.data is not None else request.body)
+        except ValueError as error:
+            return _status(400, "BadRequest", f"the apply body is not YAML or JSON: {error}")
+        meta = applied.get("metadata") or {}
+        if meta.get("name") not in (None, request.name):
+            return _status(400, "BadRequest", "the body's metadata.name differs from the URL's")
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            exists = key in self._objects and not self._objects[key].deleted
+            live = copy.deepcopy(self._objects[key].raw) if exists else None
+            try:
+                new = ssa.apply(live, applied, manager, force=request.params.get("force") == "true")
+            except ssa.ApplyConflict as error:
+                return _status(409, "Conflict", str(error))
+            if live is not None and new == live:
+                return aiohttp.web.json_response(live)
+            meta = new["metadata"]
+            meta.update(name=request.name, namespace=request.namespace, resourceVersion=self._next_rv())
+            if live is None:
+                meta.update(uid=str(uuid.uuid4()), generation=1,
+                            creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                if key in self._objects:
+                    self._objects[key].create(new)
+                else:
+                    self._objects[key] = new
+                event = "ADDED"
+            else:
+                if new.get("spec") != live.get("spec"):
+                    meta["generation"] = int(live["metadata"].get("generation", 1)) + 1
+                self._objects[key].patch(_diff(live, new))
+                event = "MODIFIED"
+            raw = self._objects[key].raw
+            await self._buses[request.resource].put({"type": event, "object": raw})
+        return aiohttp.web.json_response(raw, status=201 if live is None else 200)
 
     async def _check_json_patch(self, request) -> None:
         """A JSON patch whose `test` op fails is a 422 (kopf then re-reads), not kmock's 500."""
@@ -178,6 +231,20 @@ class PatchedEmulator(kmock.KubernetesEmulator):
     def _in_namespace(request, event) -> bool:
         meta = event.get("object", {}).get("metadata", {})
         return request.namespace is None or meta.get("namespace") == request.namespace
+
+
+def _status(code: int, reason: str, message: str):
+    return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                                      "code": code, "reason": reason, "message": message}, status=code)
+
+
+def _diff(old: Any, new: Any) -> Any:
+    """A merge patch (None deletes) turning `old` into `new`, for kmock's versioned objects."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return copy.deepcopy(new)
+    out = {k: None for k in old if k not in new}
+    out.update({k: _diff(old.get(k), v) for k, v in new.items() if old.get(k) != v})
+    return out
 
 
 def _merged(base: Any, patch: Any) -> Any:

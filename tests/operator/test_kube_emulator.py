@@ -99,3 +99,96 @@ def test_a_version_older_than_the_history_is_gone(emulator, monkeypatch):
 
     (event,) = emulator.call(scenario())
     assert event["type"] == "ERROR" and event["object"]["code"] == 410
+
+
+# --- server-side apply -------------------------------------------------------------------------
+
+import pytest  # noqa: E402
+
+import server_side_apply as ssa  # noqa: E402
+
+DEPLOY = "/apis/apps/v1/namespaces/default/deployments"
+
+
+def deployment(**spec) -> dict:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web", "namespace": "default"},
+            "spec": spec}
+
+
+@pytest.mark.parametrize("live, applied, manager, want", [
+    # Nothing live: the applied object, its fields owned by the applier.
+    (None, {"spec": {"replicas": 2}}, "op", {"spec": {"replicas": 2}}),
+    # A field the manager stops applying goes; one it keeps stays; a map left empty goes too.
+    ({"spec": {"replicas": 2, "template": {"nodeSelector": {"gpu": "a"}}}},
+     {"spec": {"replicas": 2}}, "op", {"spec": {"replicas": 2}}),
+    # A list is one field: replaced whole, removed whole.
+    ({"spec": {"tolerations": [{"key": "a"}, {"key": "b"}], "replicas": 1}},
+     {"spec": {"tolerations": [{"key": "c"}], "replicas": 1}}, "op",
+     {"spec": {"tolerations": [{"key": "c"}], "replicas": 1}}),
+    # Labels are fields of their own: switching one label for another drops the old one.
+    ({"spec": {"selector": {"a": "x"}}}, {"spec": {"selector": {"b": "x"}}}, "op", {"spec": {"selector": {"b": "x"}}}),
+    # An empty map is a field (a podSelector that selects all pods).
+    ({"spec": {"podSelector": {"matchLabels": {"a": "x"}}}}, {"spec": {"podSelector": {}}}, "op",
+     {"spec": {"podSelector": {}}}),
+])
+def test_apply_merges_and_removes_what_the_manager_stopped_applying(live, applied, manager, want):
+    if live is not None:
+        live = ssa.apply(None, live, manager, force=True)  # owned by the same manager before
+    out = ssa.apply(live, applied, manager, force=True)
+    assert {k: v for k, v in out.items() if k != "metadata"} == want
+    assert ssa.managers(out) == {manager: ssa.leaf_paths(applied)}
+
+
+def test_a_field_another_manager_owns_stays_and_a_conflict_needs_force():
+    live = ssa.apply(None, {"spec": {"replicas": 2, "paused": False}}, "op", force=True)
+    live = ssa.apply(live, {"spec": {"minReadySeconds": 5}}, "person", force=True)
+    # "op" stops applying paused and minReadySeconds was never its own: only paused goes.
+    out = ssa.apply(live, {"spec": {"replicas": 2}}, "op", force=True)
+    assert out["spec"] == {"replicas": 2, "minReadySeconds": 5}
+    # Another value for a field another manager owns: refused without force, nothing lost.
+    with pytest.raises(ssa.ApplyConflict, match="person.*minReadySeconds"):
+        ssa.apply(out, {"spec": {"replicas": 2, "minReadySeconds": 9}}, "op", force=False)
+    forced = ssa.apply(out, {"spec": {"replicas": 2, "minReadySeconds": 9}}, "op", force=True)
+    assert forced["spec"]["minReadySeconds"] == 9
+    assert ssa.managers(forced) == {"op": {("spec", "replicas"), ("spec", "minReadySeconds")}}
+    # The same value is no conflict: both own it, and it stays until neither applies it.
+    shared = ssa.apply(live, {"spec": {"replicas": 2, "minReadySeconds": 5}}, "op", force=False)
+    assert ssa.managers(shared)["person"] == {("spec", "minReadySeconds")}
+    assert ssa.apply(shared, {"spec": {"replicas": 2}}, "op", force=False)["spec"]["minReadySeconds"] == 5
+
+
+def test_fields_v1_round_trip():
+    paths = {("spec", "replicas"), ("spec", "template", "spec", "containers"), ("metadata", "labels", "a")}
+    fields = ssa.to_fields_v1(paths)
+    assert fields["f:spec"]["f:replicas"] == {} and ssa.from_fields_v1(fields) == paths
+
+
+async def apply_over_http(url: str, body: dict, manager: str = "op", force: bool = True):
+    async with aiohttp.ClientSession() as http:
+        async with http.patch(f"{url}{DEPLOY}/{body['metadata']['name']}", data=json.dumps(body),
+                              params={"fieldManager": manager, **({"force": "true"} if force else {})},
+                              headers={"Content-Type": "application/apply-patch+yaml"}) as r:
+            return r.status, await r.json()
+
+
+def test_the_emulator_creates_applies_and_removes_dropped_fields_over_http(emulator):
+    async def scenario():
+        created = await apply_over_http(emulator.url, deployment(replicas=2, template={"spec": {
+            "nodeSelector": {"gpu": "a100"}, "containers": [{"name": "c"}]}}))
+        again = await apply_over_http(emulator.url, deployment(replicas=2, template={"spec": {
+            "nodeSelector": {"gpu": "a100"}, "containers": [{"name": "c"}]}}))
+        dropped = await apply_over_http(emulator.url, deployment(replicas=3, template={"spec": {
+            "containers": [{"name": "c"}]}}))
+        no_manager = await apply_over_http(emulator.url, deployment(replicas=1), manager="")
+        return created, again, dropped, no_manager, await call(emulator.url, "GET", f"{DEPLOY}/web")
+
+    created, again, dropped, no_manager, live = emulator.call(scenario())
+    assert created[0] == 201 and created[1]["metadata"]["uid"] and created[1]["metadata"]["generation"] == 1
+    # A no-op apply changes nothing, not even the version (no watch event, no rollout).
+    assert again == (200, created[1])
+    assert dropped[0] == 200 and "nodeSelector" not in dropped[1]["spec"]["template"]["spec"]
+    assert int(dropped[1]["metadata"]["resourceVersion"]) > int(created[1]["metadata"]["resourceVersion"])
+    assert dropped[1]["metadata"]["generation"] == 2 and dropped[1]["metadata"]["uid"] == created[1]["metadata"]["uid"]
+    assert no_manager[0] == 422
+    assert live == dropped[1]
+    assert live["metadata"]["managedFields"][0]["manager"] == "op"

@@ -318,10 +318,11 @@ def test_credentials_come_from_secrets_and_policies_follow_the_switch(cluster):
         logged = len(list(emulator.emulator))
         api.patch_spec("keyed", {"runtime": {"env": [], "apiKeySecret": {"name": "llm-key", "key": "KVSERVE_API_KEY"}}})
         dep = wait_for(lambda: api.get("Deployment", "keyed"), what="Deployment after the fix")
-        # The policy exists before the first pod could: it is created before the Deployment.
-        created = [r.resource.plural for r in list(emulator.emulator)[logged:]
-                   if r.resource is not None and str(r.method.value).upper() == "POST"]
-        assert created.index("networkpolicies") < created.index("deployments"), created
+        # The policy exists before the first pod could: it is created (applied) before the Deployment.
+        applied = [r.resource.plural for r in list(emulator.emulator)[logged:]
+                   if r.resource is not None and str(r.method.value).upper() == "PATCH"
+                   and (r.headers or {}).get("Content-Type", "").startswith("application/apply-patch")]
+        assert applied.index("networkpolicies") < applied.index("deployments"), applied
         runtime = dep["spec"]["template"]["spec"]["containers"][0]
         (key,) = [e for e in runtime["env"] if e["name"] == "KVSERVE_API_KEY"]
         assert key == {"name": "KVSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key",

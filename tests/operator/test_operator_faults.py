@@ -57,11 +57,11 @@ def test_converges_scales_and_deletes_within_seconds_under_20_percent_faults(fau
     op = OperatorThread(proxy.url, config).start()
     timings = {}
     try:
-        # Rare on so few writes, so made certain: the Deployment's create is answered 500 after
-        # the server made it (the retried create then finds it: 409), a Service create gets a
-        # fake 409 (it does not exist), a patch and a delete get 409 conflicts.
-        proxy.force("POST", "/deployments", 500, after=True)
-        proxy.force("POST", "/services", 409)
+        # Rare on so few writes, so made certain: the apply that creates the Deployment is
+        # answered 500 after the server made it (applying again is harmless), the Service's
+        # apply gets a 409 before it is made, a later apply and a delete get 409 conflicts.
+        proxy.force("PATCH", "/deployments/flaky", 500, after=True)
+        proxy.force("PATCH", "/services/flaky", 409)
         proxy.force("PATCH", "/deployments/flaky", 409)
         proxy.force("DELETE", "/deployments/flaky", 409)
         obj = copy.deepcopy(TINY)

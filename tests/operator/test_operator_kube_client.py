@@ -16,7 +16,7 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.operator.kube import APIError, KubeClient, apply
+from kvserve.operator.kube import APIError, KubeClient, NotOwned, apply
 from kvserve.operator.retry import (RetryPolicy, backoff_ceiling, handler_delay, next_delay, parse_retry_after,
                                     retryable)
 
@@ -192,7 +192,7 @@ async def test_client_errors_are_not_retried_and_404_is_absent(server):
     try:
         assert await client.get("PodDisruptionBudget", "ns", "web") is None
         with pytest.raises(APIError, match="spec.replicas: Invalid value") as info:
-            await client.create({"kind": "Deployment", "metadata": {"name": "web", "namespace": "ns"}})
+            await client.server_side_apply({"kind": "Deployment", "metadata": {"name": "web", "namespace": "ns"}})
         assert info.value.status == 422
         assert await client.delete("Service", "ns", "gone") is False
     finally:
@@ -236,26 +236,31 @@ def desired() -> dict:
             "spec": {"type": "ClusterIP"}}
 
 
-async def test_apply_create_whose_answer_was_lost_becomes_a_patch_of_what_exists(server):
-    """The server created the object but answered 500; the retried create gets 409 (it exists):
-    apply reads it and finds nothing to change, and no second object is made."""
+async def test_apply_is_one_server_side_apply_under_the_operators_field_manager(server):
+    """No create, no merge patch: a PATCH with the apply content type, fieldManager and force.
+    An answer lost after the server applied is retried: applying again is harmless."""
     client, _ = client_for(server)
-    server.script = [(404, status(404), {}), (500, status(500), {}), (409, status(409), {})]
+    server.script = [(404, status(404), {}), (500, status(500), {})]
     try:
-        assert await apply(client, desired(), OWNER) == "unchanged"
+        assert await apply(client, desired(), OWNER) == "created"
     finally:
         await client.close()
-    assert [m for m, *_ in server.seen] == ["GET", "POST", "POST", "GET"]
+    assert [m for m, *_ in server.seen] == ["GET", "PATCH", "PATCH"]
+    method, path, content_type, _ = server.seen[-1]
+    assert content_type == "application/apply-patch+yaml"
+    assert path.startswith("/api/v1/namespaces/ns/services/web?")
+    assert "fieldManager=kvserve-operator" in path and "force=true" in path.lower()
     assert list(server.objects) == ["web"]
 
 
-async def test_apply_409_on_create_for_an_object_that_is_not_there_creates_again(server):
+async def test_apply_leaves_someone_elses_object_alone(server):
     client, _ = client_for(server)
-    server.script = [(404, status(404), {}), (409, status(409), {}), (404, status(404), {})]
+    theirs = {**desired(), "metadata": {"name": "web", "namespace": "ns", "resourceVersion": "7",
+                                        "ownerReferences": [{"uid": "someone-else", "controller": True}]}}
+    server.script = [(200, theirs, {})]
     try:
-        result = await apply(client, desired(), OWNER)
+        with pytest.raises(NotOwned, match="Service ns/web exists and is not owned"):
+            await apply(client, desired(), OWNER)
     finally:
         await client.close()
-    assert result == "created"
-    assert [m for m, *_ in server.seen] == ["GET", "POST", "GET", "POST"]
-    assert list(server.objects) == ["web"]
+    assert [m for m, *_ in server.seen] == ["GET"]

@@ -50,6 +50,15 @@ def test_updates_after_forget_with_uid_are_ignored_but_a_recreated_resource_coun
     assert get("kvserve_operator_desired_replicas", A) == 1
 
 
+def test_the_desired_size_is_set_when_applied_and_ready_only_when_counted():
+    m = OperatorMetrics()
+    get = m.registry.get_sample_value
+    m.observe("ns", "a", desired=2, tp=1, ready=2)
+    m.observe("ns", "a", desired=3, tp=2)  # converge, before the pods are counted
+    assert (get("kvserve_operator_desired_replicas", A), get("kvserve_operator_desired_tensor_parallel_size", A),
+            get("kvserve_operator_ready_replicas", A)) == (3, 2, 2)
+
+
 def test_registries_are_separate():
     one, two = OperatorMetrics(), OperatorMetrics()
     one.decision("ns", "a", "ScaleUp")

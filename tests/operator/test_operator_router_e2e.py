@@ -122,7 +122,9 @@ def test_router_objects_scale_to_zero_and_wake_on_a_held_request(cluster):
         wait_for(lambda: any(p.name.startswith("chat-router") for p in kubelet.pods.values()), timeout=60,
                  what="router pod")
         wait_for(lambda: api.get("Deployment", "chat")["spec"]["replicas"] == 0, timeout=60, what="scale to zero")
-        isvc = wait_for(lambda: (o := api.get_isvc("chat")) and o["status"].get("lastScaledToZeroTime") and o,
+        # The decision is recorded before it is applied, the conditions after: wait for both.
+        isvc = wait_for(lambda: (o := api.get_isvc("chat")) and o["status"].get("lastScaledToZeroTime")
+                        and condition(o, "Ready").get("reason") == "ScaledToZero" and o,
                         timeout=60, what="status after sleeping")
         slept = isvc["status"]["decisions"][-1]
         assert slept["reason"] == "ScaleToZero" and (slept["fromReplicas"], slept["toReplicas"]) == (1, 0)

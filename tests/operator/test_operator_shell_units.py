@@ -1,33 +1,34 @@
-"""Small pure pieces of the shell: patch computation, conditions, signal parsing."""
+"""Small pure pieces of the shell: what applying changes, conditions, signal parsing."""
 
 from __future__ import annotations
 
 import datetime as dt
 
 from kvserve.operator.autoscaler import Decision, PodSignals, Signals, AutoscalerState
-from kvserve.operator.kube import is_subset, merge_patch_for, owned_by
+from kvserve.operator.kube import FIELD_MANAGER, owned_by
 from kvserve.operator.sources import PrometheusSource, signals_from_prometheus
+import server_side_apply as ssa
 from kvserve.operator.status import (append_decision, decision_record, merge_conditions, rollout_conditions,
                                      scaling_conditions)
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, tzinfo=dt.timezone.utc)
 
 
-def test_patch_touches_only_what_differs_and_keeps_others_fields():
+def test_apply_changes_only_the_operators_fields_and_keeps_others():
+    """What the API server does with the operator's apply (as the test emulator models it)."""
     desired = {"metadata": {"labels": {"a": "1"}, "annotations": {"x": "1"}},
                "spec": {"replicas": 3, "template": {"spec": {"containers": [{"name": "c", "image": "i:2"}]}}}}
-    live = {"metadata": {"labels": {"a": "1", "team": "ml"}, "annotations": {"x": "1", "kubectl/restartedAt": "t"},
-                         "resourceVersion": "9"},
-            "spec": {"replicas": 3, "paused": False,
-                     "template": {"spec": {"containers": [{"name": "c", "image": "i:1",
-                                                           "terminationMessagePath": "/dev/x"}]}}}}
-    patch = merge_patch_for(desired, live)
-    assert patch == {"spec": {"template": {"spec": {"containers": [{"name": "c", "image": "i:2"}]}}}}
-    # Server-added defaults inside our lists do not count as differences.
-    live["spec"]["template"]["spec"]["containers"][0]["image"] = "i:2"
-    assert merge_patch_for(desired, live) == {}
-    assert is_subset({"a": [1, {"b": 2}]}, {"a": [1, {"b": 2, "c": 3}], "d": 4})
-    assert not is_subset({"a": [1]}, {"a": [1, 2]})
+    live = ssa.apply(None, {**desired, "spec": {**desired["spec"], "template": {"spec": {"containers": [
+        {"name": "c", "image": "i:1"}]}}}}, FIELD_MANAGER, force=True)
+    # Others' fields: a label, `kubectl rollout restart`'s annotation, a field the operator never sets.
+    live = ssa.apply(live, {"metadata": {"labels": {"team": "ml"}, "annotations": {"kubectl/restartedAt": "t"}},
+                            "spec": {"paused": False}}, "kubectl", force=True)
+    out = ssa.apply(live, desired, FIELD_MANAGER, force=True)
+    assert out["spec"] == {"replicas": 3, "paused": False,
+                           "template": {"spec": {"containers": [{"name": "c", "image": "i:2"}]}}}
+    assert out["metadata"]["labels"] == {"a": "1", "team": "ml"}
+    assert out["metadata"]["annotations"] == {"x": "1", "kubectl/restartedAt": "t"}
+    assert ssa.apply(out, desired, FIELD_MANAGER, force=True) == out  # nothing to change
 
 
 def test_owned_by_needs_the_controller_reference():
@@ -170,15 +171,12 @@ def test_shape_from_a_local_model_directory(tmp_path):
     assert shape_for(parse_spec({"model": {"uri": "hf://nobody/not-cached"}})) is None  # no network
 
 
-def test_optional_fields_dropped_from_the_spec_are_deleted_by_the_patch():
-    from kvserve.operator.kube import _merge, removals
-
+def test_optional_fields_dropped_from_the_rendering_are_deleted_by_the_apply():
     live = {"spec": {"replicas": 2, "template": {"spec": {"nodeSelector": {"gpu": "h100"},
                                                           "tolerations": [{"key": "x"}], "containers": []}}}}
     desired = {"spec": {"replicas": 2, "template": {"spec": {"tolerations": [{"key": "x"}], "containers": []}}}}
-    patch = _merge(merge_patch_for(desired, live), removals("Deployment", desired, live))
-    assert patch == {"spec": {"template": {"spec": {"nodeSelector": None}}}}
-    assert removals("Deployment", live, live) == {} and removals("Service", desired, live) == {}
+    out = ssa.apply(ssa.apply(None, live, FIELD_MANAGER, force=True), desired, FIELD_MANAGER, force=True)
+    assert out["spec"] == desired["spec"]
 
 
 def test_limit_warnings_only_when_too_many_replicas_begins(monkeypatch):

@@ -15,7 +15,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* What the operator does in the namespaces it watches (docs/operator.md). */}}
+{{/* What the operator does in the namespaces it watches (docs/operator.md). It writes what it
+owns by server-side apply only: patch, and create for an apply that creates the object. */}}
 {{- define "kvserve.namespacedRules" -}}
 - apiGroups: [kvserve.dev]
   resources: [inferenceservices]

@@ -13,9 +13,10 @@ weights are a method too (`unquantized.UnquantizedLinearMethod`). The interface 
 
 `apply`'s signature is stable: other work builds on it.
 
-How a format plugs in: a new module here with a `QuantizationConfig` subclass (``name``,
-``from_config(quantization_config_dict_or_None)``, ``get_linear_method(spec)``) and its
-`LinearMethod`s, plus one line in `_FORMATS` below. Integer formats should not write kernels of
+How a format plugs in: its torch-free config class in `kvserve.runtime.weight_formats` (``name``,
+``from_config(quantization_config_dict_or_None)``, bytes per weight), then a module here with a
+subclass of it and `QuantizationConfig` (``get_linear_method(spec)``) and its `LinearMethod`s,
+plus one line in `_FORMATS` below. Integer formats should not write kernels of
 their own: they unpack their checkpoint layout into one of the two canonical forms of `packed`
 (`Int4Weight`: 4-bit values with a float scale and offset per group, ``w = q * scale + offset``;
 `Int8Weight`: int8 with a scale per group or per channel) and share `int4.Int4Applier` / the int8
@@ -39,12 +40,13 @@ from __future__ import annotations
 import importlib
 from typing import Any, Mapping
 
-from kvserve.runtime.capacity import CHECKPOINT_FORMATS, LOAD_TIME_FORMATS, WEIGHT_FORMATS
 from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig
+from kvserve.runtime.weight_formats import WEIGHT_FORMATS, checkpoint_format, resolve_format
 
 __all__ = ["LinearMethod", "LinearSpec", "QuantizationConfig", "WEIGHT_FORMATS", "detect_quantization",
            "resolve_quantization"]
 
+# The torch half of each format in kvserve.runtime.weight_formats, imported when a model needs it.
 _FORMATS = {
     "int8": "int8:Int8Config",
     "int4": "int4:Int4Config",
@@ -56,8 +58,7 @@ _FORMATS = {
 }
 assert set(_FORMATS) == set(WEIGHT_FORMATS)
 
-# quant_method spellings that mean one of ours.
-_ALIASES = {"compressed_tensors": "compressed-tensors"}
+detect_quantization = checkpoint_format
 
 
 def _config_class(name: str):
@@ -65,50 +66,17 @@ def _config_class(name: str):
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
-def detect_quantization(hf_config: Mapping[str, Any]) -> str | None:
-    """The checkpoint's own format from config.json's ``quantization_config``, or None."""
-    qc = hf_config.get("quantization_config")
-    if not qc:
-        return None
-    if not isinstance(qc, Mapping):
-        raise ValueError("model config: quantization_config must be a JSON object")
-    method = str(qc.get("quant_method", "")).lower()
-    return _ALIASES.get(method, method)
-
-
 def resolve_quantization(requested: str | None, hf_config: Mapping[str, Any]) -> QuantizationConfig | None:
     """The QuantizationConfig to load a checkpoint with (None: full precision).
 
-    `requested` is the user's ``quantization`` (None: what the checkpoint says). Raises ValueError
-    naming the field for an unknown name, a checkpoint format kvserve cannot load, or a request
-    that contradicts the checkpoint.
+    `requested` is the user's ``quantization`` (None: what the checkpoint says); which format that
+    means, and every refusal, is `kvserve.runtime.weight_formats.resolve_format`'s.
     """
-    detected = detect_quantization(hf_config)
-    qc = hf_config.get("quantization_config") or None
-    if requested is not None:
-        requested = _ALIASES.get(str(requested).lower(), str(requested).lower())
-        if requested not in WEIGHT_FORMATS:
-            raise ValueError(f"quantization: unknown format {requested!r}; supported: {', '.join(WEIGHT_FORMATS)}")
-    if detected is not None and detected not in CHECKPOINT_FORMATS:
-        raise ValueError(f"quantization: the checkpoint's quantization_config.quant_method {detected!r} is not "
-                         f"supported; supported checkpoint formats: {', '.join(CHECKPOINT_FORMATS)}")
-    if requested is None:
-        return None if detected is None else _config_class(detected).from_config(qc)
-    if detected is None:
-        if requested == "gguf":
-            raise ValueError("quantization: 'gguf' needs a .gguf file as the model; this checkpoint is not one "
-                             "(leave quantization unset to load it as it is)")
-        if requested not in LOAD_TIME_FORMATS:
-            raise ValueError(f"quantization: {requested!r} needs a checkpoint quantized with it (config.json "
-                             f"quantization_config.quant_method), and this one is not quantized; formats that "
-                             f"quantize a full-precision checkpoint at load: {', '.join(LOAD_TIME_FORMATS)}")
-        return _config_class(requested).from_config(None)
-    if detected != requested:
-        found = ("the model is a GGUF file (its tensor types are its format)" if detected == "gguf" else
-                 f"the checkpoint is quantized as {detected!r} (config.json quantization_config)")
-        raise ValueError(f"quantization: {requested!r} was requested but {found}; leave quantization unset or use "
-                         f"{detected!r}")
-    return _config_class(detected).from_config(qc)
+    name = resolve_format(requested, hf_config)
+    if name is None:
+        return None
+    from_checkpoint = checkpoint_format(hf_config) is not None
+    return _config_class(name).from_config(hf_config.get("quantization_config") if from_checkpoint else None)
 
 
 def check_quantization(requested: str | None, hf_config: Mapping[str, Any], device: str = "auto",

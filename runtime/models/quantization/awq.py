@@ -11,8 +11,6 @@ canonical `Int4Weight` (offset = -zero * scale). The LM head and embeddings stay
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import torch
 from torch import nn
 
@@ -20,6 +18,7 @@ from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, Q
 from kvserve.runtime.models.quantization.int4 import Int4Applier, check_group, set_int4
 from kvserve.runtime.models.quantization.packed import Int4Weight
 from kvserve.runtime.models.quantization.unquantized import UNQUANTIZED
+from kvserve.runtime.weight_formats.awq import AWQFormat
 
 PACK = 8
 # Nibble i of a packed word holds column AWQ_ORDER[i] of its group of eight.
@@ -74,34 +73,8 @@ class AWQLinearMethod(Int4Applier):
         set_int4(layer, weight)
 
 
-class AWQConfig(QuantizationConfig):
-    name = "awq"
-
-    def __init__(self, group_size: int, modules_to_not_convert: tuple[str, ...] = ()):
-        self.group_size = group_size
-        self.modules_to_not_convert = modules_to_not_convert
-
-    @classmethod
-    def from_config(cls, qc: Mapping[str, Any] | None) -> "AWQConfig":
-        qc = dict(qc or {})
-        bits = int(qc.get("bits", qc.get("w_bit", 4)))
-        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
-        version = str(qc.get("version", "gemm")).lower()
-        if bits != 4:
-            raise ValueError(f"quantization_config.bits: awq supports 4, got {bits}")
-        if not qc.get("zero_point", True):
-            raise ValueError("quantization_config.zero_point: awq without zero points is not supported")
-        if version != "gemm":
-            raise ValueError(f"quantization_config.version: awq supports the 'gemm' layout, got {version!r}")
-        if group < 32 or group % 16:
-            raise ValueError(f"quantization_config.group_size: awq needs a group size that is a multiple of 16 "
-                             f"and >= 32, got {group}")
-        return cls(group, tuple(qc.get("modules_to_not_convert") or ()))
-
+class AWQConfig(AWQFormat, QuantizationConfig):
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         if spec.role == "lm_head" or any(m in p for p in spec.prefixes for m in self.modules_to_not_convert):
             return UNQUANTIZED
         return AWQLinearMethod(self.group_size)
-
-    def describe(self) -> dict:
-        return {"quantization": "awq", "bits": 4, "group_size": self.group_size}

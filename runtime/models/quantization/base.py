@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kvserve.runtime.weight_formats.base import FormatConfig
+
 
 @dataclass(frozen=True)
 class LinearSpec:
@@ -127,29 +129,19 @@ class PackedWeightApplier(LinearMethod):
         return getattr(layer, self.weight_attr).rows(ids)
 
 
-class QuantizationConfig:
-    """A format's checkpoint-wide settings and its choice of method per layer.
+class QuantizationConfig(FormatConfig):
+    """A format's choice of method per layer: the torch half of its `FormatConfig` (parsing,
+    bytes per weight, ``describe`` and ``quantizes_vocab`` live there, torch-free).
 
-    ``name`` is vLLM's name for it (what `quantization=` takes). ``get_linear_method`` may answer
-    the unquantized method for layers the checkpoint left in full precision (an ``ignore`` list,
-    an unquantized LM head).
+    ``get_linear_method`` may answer the unquantized method for layers the checkpoint left in
+    full precision (an ``ignore`` list, an unquantized LM head).
     """
-
-    name = "none"
 
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         raise NotImplementedError
 
-    def quantizes_vocab(self) -> bool:
-        """Whether the embedding table and LM head are in this format (else they stay full precision)."""
-        return False
-
     def check_supported(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raises ValueError when this device or compute dtype cannot run the format."""
-
-    def describe(self) -> dict[str, Any]:
-        """Settings worth logging and exporting (group size, bits, scheme)."""
-        return {"quantization": self.name}
 
 
 # ----------------------------------------------------------------------------- sharded parameters

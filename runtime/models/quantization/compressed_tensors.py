@@ -17,7 +17,6 @@ an ``ignore`` list. Supported schemes:
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from kvserve.runtime.models.quantization.int4 import check_group, set_int4
 from kvserve.runtime.models.quantization.int8 import set_int8
 from kvserve.runtime.models.quantization.packed import Int4Weight, Int8Weight
 from kvserve.runtime.models.quantization.unquantized import UNQUANTIZED
+from kvserve.runtime.weight_formats.compressed_tensors import CompressedTensorsFormat, SchemeGroup
 
 
 class CTPackedMethod(LinearMethod):
@@ -112,49 +112,27 @@ def _matches(target: str, name: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-class CompressedTensorsConfig(QuantizationConfig):
-    name = "compressed-tensors"
-
-    def __init__(self, groups: list[dict], ignore: list[str], fmt: str):
-        self.groups, self.ignore, self.format = groups, ignore, fmt
-        self.fp8_available = True
-
-    @classmethod
-    def from_config(cls, qc: Mapping[str, Any] | None) -> "CompressedTensorsConfig":
-        qc = dict(qc or {})
-        if qc.get("sparsity_config"):
-            raise ValueError("quantization_config.sparsity_config: sparse compressed-tensors checkpoints are not supported")
-        groups = []
-        for gname, group in (qc.get("config_groups") or {}).items():
-            groups.append(_parse_group(f"quantization_config.config_groups.{gname}", group,
-                                       group.get("format") or qc.get("format")))
-        if not groups:
-            raise ValueError("quantization_config.config_groups: a compressed-tensors checkpoint needs at least one group")
-        if qc.get("kv_cache_scheme"):
-            raise ValueError("quantization_config.kv_cache_scheme: KV cache quantization from the checkpoint is not "
-                             "supported; use kv_cache_dtype")
-        return cls(groups, list(qc.get("ignore") or []), str(qc.get("format", "")))
-
+class CompressedTensorsConfig(CompressedTensorsFormat, QuantizationConfig):
     def check_supported(self, device: torch.device, dtype: torch.dtype) -> None:
-        if device.type == "cuda" and any(g["kind"] == "fp8" and g["w8a8"] for g in self.groups) \
+        if device.type == "cuda" and any(g.kind == "fp8" and g.w8a8 for g in self.groups) \
                 and not device_has_fp8(device):
             cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
             raise ValueError(f"quantization: this compressed-tensors checkpoint is FP8 W8A8, which needs a GPU with "
                              f"FP8 matmuls (compute capability >= 8.9); {device} is {cap}. Use a newer GPU, or "
                              "device='cpu' (exact, slow)")
 
-    def _group_for(self, name: str) -> dict | None:
+    def _group_for(self, name: str) -> SchemeGroup | None:
         if any(_matches(i, name) for i in self.ignore):
             return None
         for group in self.groups:
-            if any(t == "Linear" or _matches(t, name) for t in group["targets"]):
+            if any(t == "Linear" or _matches(t, name) for t in group.targets):
                 return group
         return None
 
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         chosen = [self._group_for(p) for p in spec.prefixes]
         if spec.role == "lm_head" and not any(
-                _matches(t, p) for g in self.groups for t in g["targets"] for p in spec.prefixes):
+                _matches(t, p) for g in self.groups for t in g.targets for p in spec.prefixes):
             chosen = [None]  # "Linear" targets never cover the embedding table
         if any(c is not chosen[0] for c in chosen):
             raise ValueError(f"quantization: compressed-tensors quantizes the fused parts of {spec.name} "
@@ -164,46 +142,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             return UNQUANTIZED
         if spec.role == "lm_head":
             raise ValueError("quantization: a compressed-tensors quantized LM head is not supported")
-        if group["kind"] == "fp8":
-            return Fp8LinearMethod(from_checkpoint=True, per_channel=group["per_channel"],
-                                   static_input=group["static_input"], w8a8=group["w8a8"])
-        return CTPackedMethod(group["bits"], group["group_size"], group["symmetric"], group["actorder"])
-
-    def describe(self) -> dict:
-        return {"quantization": "compressed-tensors", "schemes": [g["scheme"] for g in self.groups]}
-
-
-def _parse_group(where: str, group: Mapping[str, Any], fmt: str | None) -> dict:
-    w = group.get("weights") or {}
-    a = group.get("input_activations")
-    targets = list(group.get("targets") or [])
-    bits, kind = int(w.get("num_bits", 0)), str(w.get("type", "int"))
-    strategy = str(w.get("strategy", "")).lower()
-    if kind == "float" and bits == 8:
-        if strategy not in ("channel", "tensor"):
-            raise ValueError(f"{where}.weights.strategy: FP8 supports 'channel' and 'tensor', got {strategy!r}")
-        static = False
-        if a:
-            if str(a.get("type")) != "float" or int(a.get("num_bits", 0)) != 8:
-                raise ValueError(f"{where}.input_activations: only FP8 activations go with FP8 weights")
-            static = not a.get("dynamic", False)
-            if static and str(a.get("strategy", "tensor")) != "tensor":
-                raise ValueError(f"{where}.input_activations.strategy: static activation scales must be per tensor")
-        return dict(kind="fp8", targets=targets, per_channel=strategy == "channel", static_input=static,
-                    w8a8=a is not None, scheme="W8A8-FP8" if a else "W8A16-FP8")
-    if kind != "int" or bits not in (4, 8):
-        raise ValueError(f"{where}.weights: supported schemes are int4/int8 weights (pack-quantized) and FP8; got "
-                         f"{bits}-bit {kind}")
-    if a:
-        raise ValueError(f"{where}.input_activations: integer activation quantization (W8A8 int8) is not supported")
-    if fmt not in ("pack-quantized", None):
-        raise ValueError(f"{where}.format: integer weights are supported as 'pack-quantized', got {fmt!r}")
-    if strategy not in ("group", "channel"):
-        raise ValueError(f"{where}.weights.strategy: supported 'group' and 'channel', got {strategy!r}")
-    symmetric = bool(w.get("symmetric", True))
-    if bits == 8 and not symmetric:
-        raise ValueError(f"{where}.weights.symmetric: 8-bit weights must be symmetric")
-    group_size = int(w["group_size"]) if strategy == "group" else None
-    actorder = w.get("actorder") not in (None, False, "static")
-    return dict(kind="int", targets=targets, bits=bits, group_size=group_size, symmetric=symmetric,
-                actorder=actorder, scheme=f"W{bits}A16")
+        if group.kind == "fp8":
+            return Fp8LinearMethod(from_checkpoint=True, per_channel=group.per_channel,
+                                   static_input=group.static_input, w8a8=group.w8a8)
+        return CTPackedMethod(group.bits, group.group_size, group.symmetric, group.actorder)

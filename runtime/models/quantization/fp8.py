@@ -15,8 +15,6 @@ GPU without FP8.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import torch
 from torch import nn
 
@@ -24,6 +22,7 @@ from kvserve.kernels import quant_reference as ref
 from kvserve.kernels.ops import use_triton
 from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig, replace_param, sharded_param
 from kvserve.runtime.models.quantization.unquantized import UNQUANTIZED, UnquantizedLinearMethod
+from kvserve.runtime.weight_formats.fp8 import Fp8Format
 
 FP8 = torch.float8_e4m3fn
 
@@ -116,26 +115,7 @@ class Fp8LinearMethod(LinearMethod):
         return out + bias if bias is not None else out
 
 
-class Fp8Config(QuantizationConfig):
-    name = "fp8"
-
-    def __init__(self, *, from_checkpoint: bool, static_input: bool = False, ignored: tuple[str, ...] = ()):
-        self.from_checkpoint, self.static_input, self.ignored = from_checkpoint, static_input, ignored
-        self.w8a8 = from_checkpoint  # decided per device in check_supported for load-time FP8
-
-    @classmethod
-    def from_config(cls, qc: Mapping[str, Any] | None) -> "Fp8Config":
-        if qc is None:
-            return cls(from_checkpoint=False)
-        scheme = str(qc.get("activation_scheme", "dynamic")).lower()
-        if scheme not in ("dynamic", "static"):
-            raise ValueError(f"quantization_config.activation_scheme: fp8 supports 'dynamic' and 'static', got {scheme!r}")
-        if qc.get("weight_block_size"):
-            raise ValueError("quantization_config.weight_block_size: block-wise FP8 checkpoints are not supported; "
-                             "per-tensor and per-channel scales are")
-        return cls(from_checkpoint=True, static_input=scheme == "static",
-                   ignored=tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
-
+class Fp8Config(Fp8Format, QuantizationConfig):
     def check_supported(self, device: torch.device, dtype: torch.dtype) -> None:
         if self.from_checkpoint:
             if device.type == "cuda" and not device_has_fp8(device):
@@ -151,6 +131,3 @@ class Fp8Config(QuantizationConfig):
             return UNQUANTIZED
         return Fp8LinearMethod(from_checkpoint=self.from_checkpoint, per_channel=False,
                                static_input=self.static_input, w8a8=self.w8a8)
-
-    def describe(self) -> dict:
-        return {"quantization": "fp8", "activations": "fp8" if self.w8a8 else "weight-only"}

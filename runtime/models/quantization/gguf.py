@@ -21,9 +21,6 @@ one value per 32 input features (so tensor parallelism refuses a degree that spl
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any, Mapping
-
 import torch
 from torch import nn
 
@@ -38,10 +35,7 @@ from kvserve.runtime.models.quantization.int4 import Int4Applier, check_group, s
 from kvserve.runtime.models.quantization.int8 import Int8Applier, set_int8
 from kvserve.runtime.models.quantization.packed import Int4Weight, Int8Weight, native_enabled
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
-
-GROUP = 32
-INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
-INT8_TYPES = frozenset({"Q8_0"})
+from kvserve.runtime.weight_formats.gguf import GROUP, INT4_TYPES, INT8_TYPES, GGUFFormat
 
 
 def _group_params(layer: nn.Module, spec: LinearSpec, codes_dtype: torch.dtype, offsets: bool) -> None:
@@ -84,20 +78,7 @@ class GGUFInt8Method(Int8Applier):
             replace_param(layer, name, None)
 
 
-class GGUFConfig(QuantizationConfig):
-    name = "gguf"
-
-    def __init__(self, tensor_types: Mapping[str, str]):
-        self.tensor_types = dict(tensor_types)
-
-    @classmethod
-    def from_config(cls, quantization_config: Mapping[str, Any] | None = None) -> "GGUFConfig":
-        types = (quantization_config or {}).get("tensor_types")
-        if not isinstance(types, Mapping):
-            raise ValueError("quantization: 'gguf' is the format of .gguf model files; pass model=FILE.gguf "
-                             "(a Hugging Face directory is never GGUF)")
-        return cls(types)
-
+class GGUFConfig(GGUFFormat, QuantizationConfig):
     def layer_types(self, spec: LinearSpec) -> set[str | None]:
         return {self.tensor_types.get(f"{prefix}.weight") for prefix in spec.prefixes}
 
@@ -108,10 +89,3 @@ class GGUFConfig(QuantizationConfig):
         if types <= INT8_TYPES and (spec.device.type == "cuda" or native_enabled(spec.device)):
             return GGUFInt8Method()
         return UnquantizedLinearMethod()
-
-    def quantizes_vocab(self) -> bool:
-        return True  # get_linear_method decides from the table's own type
-
-    def describe(self) -> dict[str, Any]:
-        counts = Counter(t for name, t in self.tensor_types.items() if not name.endswith("norm.weight"))
-        return {"quantization": "gguf", "tensor_types": dict(sorted(counts.items()))}

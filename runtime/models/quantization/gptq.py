@@ -17,16 +17,15 @@ checkpoints run at tensor_parallel_size 1 only where a row-parallel layer exists
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import torch
 from torch import nn
 
 from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig, replace_param, sharded_param
-from kvserve.runtime.models.quantization.int4 import Int4Applier, check_group, set_int4
+from kvserve.runtime.models.quantization.int4 import check_group, set_int4
 from kvserve.runtime.models.quantization.int8 import set_int8
 from kvserve.runtime.models.quantization.packed import Int4Weight, Int8Weight
 from kvserve.runtime.models.quantization.unquantized import UNQUANTIZED
+from kvserve.runtime.weight_formats.gptq import GPTQFormat
 
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -147,35 +146,8 @@ class GPTQLinearMethod(LinearMethod):
         return out + bias if bias is not None else out
 
 
-class GPTQConfig(QuantizationConfig):
-    name = "gptq"
-
-    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, v2: bool):
-        self.bits, self.group_size, self.desc_act, self.sym, self.v2 = bits, group_size, desc_act, sym, v2
-
-    @classmethod
-    def from_config(cls, qc: Mapping[str, Any] | None) -> "GPTQConfig":
-        qc = dict(qc or {})
-        bits = int(qc.get("bits", 4))
-        group = int(qc.get("group_size", 128))
-        sym = bool(qc.get("sym", True))
-        fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
-        if bits not in (4, 8):
-            raise ValueError(f"quantization_config.bits: gptq supports 4 and 8, got {bits}")
-        if bits == 8 and not sym:
-            raise ValueError("quantization_config.sym: 8-bit gptq must be symmetric")
-        if fmt not in ("gptq", "gptq_v2"):
-            raise ValueError(f"quantization_config.checkpoint_format: gptq supports 'gptq' and 'gptq_v2', got {fmt!r}")
-        if group != -1 and (group < 16 or group % 16):
-            raise ValueError(f"quantization_config.group_size: gptq needs -1 or a multiple of 16, got {group}")
-        if qc.get("lm_head"):
-            raise ValueError("quantization_config.lm_head: a gptq-quantized LM head is not supported")
-        return cls(bits, group, bool(qc.get("desc_act", False)), sym, fmt == "gptq_v2")
-
+class GPTQConfig(GPTQFormat, QuantizationConfig):
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         if spec.role == "lm_head":
             return UNQUANTIZED
         return GPTQLinearMethod(self.bits, self.group_size, self.desc_act, self.sym, self.v2)
-
-    def describe(self) -> dict:
-        return {"quantization": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act}

@@ -8,24 +8,13 @@ is refused. Every linear layer, the LM head and the embedding table are quantize
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from kvserve.runtime.models.quantization.base import (LinearMethod, LinearSpec, PackedWeightApplier, QuantizationConfig,
                                                      replace_param)
 from kvserve.runtime.models.quantization.packed import Int4Weight, quantize_int4
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
-
-DEFAULT_GROUP_SIZE = 128
-_FALLBACK_GROUPS = (64, 32)
-
-
-def group_size_for(input_size: int, preferred: int = DEFAULT_GROUP_SIZE) -> int | None:
-    for g in (preferred, *(g for g in _FALLBACK_GROUPS if g < preferred)):
-        if input_size % g == 0:
-            return g
-    return None
-
+from kvserve.runtime.weight_formats.int4 import Int4Format, group_size_for
 
 def check_group(spec: LinearSpec, group_size: int, fmt: str) -> None:
     """A rank's input slice must hold whole groups (row-parallel layers split the input)."""
@@ -69,25 +58,10 @@ class Int4WeightOnlyMethod(Int4Applier):
         replace_param(layer, "weight", None)
 
 
-class Int4Config(QuantizationConfig):
-    @classmethod
-    def from_config(cls, quantization_config=None) -> "Int4Config":
-        return cls()
-
-    name = "int4"
-
-    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE):
-        self.group_size = group_size
-
+class Int4Config(Int4Format, QuantizationConfig):
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         g = group_size_for(spec.input_size, self.group_size)
         if g is None:
             raise ValueError(f"quantization: int4 needs input sizes divisible by 32; {spec.name} has "
                              f"{spec.input_size}")
         return Int4WeightOnlyMethod(g)
-
-    def quantizes_vocab(self) -> bool:
-        return True
-
-    def describe(self) -> dict:
-        return {"quantization": "int4", "bits": 4, "group_size": self.group_size}

@@ -7,13 +7,13 @@ bfloat16 inputs).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from kvserve.runtime.models.quantization.base import (LinearMethod, LinearSpec, PackedWeightApplier, QuantizationConfig,
                                                      replace_param)
 from kvserve.runtime.models.quantization.packed import Int8Weight, quantize_int8
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
+from kvserve.runtime.weight_formats.int8 import Int8Format
 
 
 class Int8Applier(PackedWeightApplier):
@@ -42,18 +42,6 @@ def set_int8(layer: nn.Module, weight: Int8Weight) -> None:
         replace_param(layer, name, t)
 
 
-class Int8Config(QuantizationConfig):
-    @classmethod
-    def from_config(cls, quantization_config=None) -> "Int8Config":
-        return cls()
-
-    name = "int8"
-
+class Int8Config(Int8Format, QuantizationConfig):
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         return Int8WeightOnlyMethod()
-
-    def quantizes_vocab(self) -> bool:
-        return True
-
-    def describe(self) -> dict:
-        return {"quantization": "int8", "bits": 8, "group_size": "per-channel"}

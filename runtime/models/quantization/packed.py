@@ -35,6 +35,8 @@ Kernels, by device (`Int4Weight.matmul` / `Int8Weight.matmul` pick):
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 
@@ -139,22 +141,41 @@ def unpack_int4_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
 
 
-def _cpu_pack_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Rows `ids` (values 0..15, [len(ids), K]) read back out of torch's CPU int4 packing.
+@functools.lru_cache(maxsize=1)
+def _torch_int4_block() -> int:
+    """Rows per block of torch's CPU int4 packing: 64 where torch runs its AVX-512 kernels, 32 with
+    AVX2. Found by packing a probe rather than from the CPU flags, because torch's choice also
+    depends on its build and on ATEN_CPU_CAPABILITY."""
+    q = (torch.arange(64 * 64, dtype=torch.int32).view(64, 64) * 7 + 3) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    for block in (64, 32):
+        if torch.equal(_unpack_rows(packed, torch.arange(64), 64, 64, block), q):
+            return block
+    return 32  # unknown: Int4Weight's load-time check then keeps the dequantizing path
 
-    torch packs blocks of 32 rows as byte k*16 + row%16 (nibble row%32 // 16), and a last block of
-    16 rows as byte k*8 + (row%16)//2 (nibble row%2). `Int4Weight` checks this against the source
-    values when it packs, so a torch release that packs differently is caught at load."""
+
+def _cpu_pack_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Rows `ids` (values 0..15, [len(ids), K]) read back out of torch's CPU int4 packing."""
+    return _unpack_rows(packed, ids, n, k, _torch_int4_block())
+
+
+def _unpack_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """torch packs blocks of `block` rows as byte k*(block/2) + row%(block/2) (nibble row%block //
+    (block/2)), and the last n%block rows, t of them, as byte k*(t/2) + row//2 (nibble row%2).
+    `Int4Weight` checks this against the source values when it packs, so a torch release that
+    packs differently is caught at load."""
     flat = packed.reshape(-1)
-    full = (n // 32) * 32
+    half = block // 2
+    full = (n // block) * block
+    tail_rows = n - full
     ids = ids.long()
     kk = torch.arange(k, device=packed.device)
     in_full = ids < full
-    block = torch.where(in_full, ids // 32, 0)
-    byte_full = block[:, None] * (32 * k // 2) + kk[None, :] * 16 + (ids % 16)[:, None]
-    shift_full = ((ids % 32) // 16 * 4)[:, None]
+    blocks = torch.where(in_full, ids // block, 0)
+    byte_full = blocks[:, None] * (block * k // 2) + kk[None, :] * half + (ids % half)[:, None]
+    shift_full = ((ids % block) // half * 4)[:, None]
     tail = (ids - full).clamp(min=0)
-    byte_tail = full * k // 2 + kk[None, :] * 8 + ((tail % 16) // 2)[:, None]
+    byte_tail = full * k // 2 + kk[None, :] * (tail_rows // 2) + (tail // 2)[:, None]
     shift_tail = (tail % 2 * 4)[:, None]
     byte = torch.where(in_full[:, None], byte_full, byte_tail)
     shift = torch.where(in_full[:, None], shift_full, shift_tail)

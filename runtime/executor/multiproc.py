@@ -1,13 +1,14 @@
-"""Tensor parallelism across processes: rank 0 is the engine's own process, ranks 1..N-1 workers.
+"""The multi-process executor: tensor parallelism over N ranks, rank 0 in the engine's process.
 
-Design. The engine keeps its one scheduler and its sampler. ``TensorParallelExecutor`` starts the
-workers (fresh interpreters running ``kvserve.runtime.distributed.worker``, so a user script needs
-no ``if __name__ == "__main__"`` guard), joins a ``torch.distributed`` group with them as rank 0
-(NCCL on CUDA, gloo on CPU) and hooks the engine's ``ModelRunner``: whatever ``prepare`` builds for
-a step (packed token ids, positions, attention metadata, logits rows) plus the step's
-copy-on-write block copies is pickled once and written to every worker's control pipe before
-rank 0's own forward pass. Row-parallel layers all-reduce and the vocab-parallel head
-all-gathers, so rank 0 ends with full logits and samples exactly as a single-process engine.
+Design. Ranks 1..N-1 are fresh interpreters (``kvserve.runtime.executor.worker_process``, so a user
+script needs no ``if __name__ == "__main__"`` guard) that join a ``torch.distributed`` group with
+rank 0 (the platform's collective backend: NCCL on CUDA, gloo on CPU). Every rank runs the same
+``Worker``. Each step, the ForwardInput rank 0's ModelRunner built (packed tokens, positions,
+attention metadata with one table per KV cache group, logits rows, copy-on-write block copies) is
+pickled once and written to every worker's control pipe, then rank 0's own Worker runs it. Row-
+parallel layers all-reduce and the vocab-parallel head all-gathers, so rank 0 ends with the full
+logits and samples (or verifies drafts) exactly as a single-process engine; that is why every
+feature of the single-process executor works here unchanged.
 
 Failures. Each worker's report pipe doubles as its death signal (the worker holds the only write
 end, so EOF means it exited). A monitor thread waits on those pipes: a death while idle is seen at
@@ -38,8 +39,10 @@ from typing import Any
 
 import torch
 
-from kvserve.runtime.distributed import protocol
-from kvserve.runtime.distributed.worker import WorkerArgs
+from kvserve.runtime.executor import protocol
+from kvserve.runtime.executor.base import Executor
+from kvserve.runtime.executor.forward_input import ForwardInput
+from kvserve.runtime.executor.worker_process import WorkerArgs
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +54,9 @@ STARTUP_TIMEOUT_FLOOR_S = 60.0
 FAILURE_GRACE_S = 3.0
 
 _BOOT = ("import json, os, sys; sys.path[:0] = json.loads(os.environ.pop('KVSERVE_TP_SYS_PATH', '[]')); "
-         "from kvserve.runtime.distributed.worker import main; main()")
+         "from kvserve.runtime.executor.worker_process import main; main()")
 
-_live: "weakref.WeakSet[TensorParallelExecutor]" = weakref.WeakSet()
+_live: "weakref.WeakSet[MultiProcExecutor]" = weakref.WeakSet()
 
 
 class TensorParallelError(RuntimeError):
@@ -104,10 +107,10 @@ def _timeout_s() -> float:
     return value
 
 
-class _Worker:
+class _WorkerProcess:
     """One worker process and its two pipes (control: engine -> worker; report: worker -> engine)."""
 
-    def __init__(self, args: WorkerArgs, config) -> None:
+    def __init__(self, args: WorkerArgs, config, kv_groups, max_model_len: int) -> None:
         self.rank = args.rank
         ctrl_r, ctrl_w = os.pipe()
         report_r, report_w = os.pipe()
@@ -122,7 +125,7 @@ class _Worker:
         self.ctrl = Connection(ctrl_w, readable=False)
         self.report = Connection(report_r, writable=False)
         self.eof = False  # the report pipe closed: the process has exited (or is exiting)
-        self.ctrl.send_bytes(pickle.dumps((args, config), protocol=pickle.HIGHEST_PROTOCOL))
+        self.ctrl.send_bytes(pickle.dumps((args, config, kv_groups, max_model_len), protocol=pickle.HIGHEST_PROTOCOL))
 
     @property
     def exitcode(self) -> int | None:
@@ -143,31 +146,28 @@ class _Worker:
         self.report.close()
 
 
-class TensorParallelExecutor:
-    """Owns the worker processes and the process group of one tensor-parallel engine."""
+class MultiProcExecutor(Executor):
+    """Rank 0 here, ranks 1..N-1 in worker processes, one process group."""
 
-    def __init__(self, config, model_config, device: torch.device, dtype: torch.dtype) -> None:
+    def _start_ranks(self, *, max_step_tokens: int) -> None:
         import torch.distributed as dist
 
-        tp = config.tensor_parallel_size
-        check_tensor_parallel(model_config, tp)
-        devices = rank_devices(device, tp)
+        config, tp = self.config, self.world_size
+        check_tensor_parallel(self.model_config, tp)
+        devices = rank_devices(self.device, tp)
         if dist.is_initialized():
             raise ValueError("tensor_parallel_size: this process already has a torch.distributed "
                              "group (another tensor-parallel engine?); close it first")
-        self.world_size = tp
-        self.device = devices[0]
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.backend = self.driver_worker.platform.dist_backend
         self.timeout_s = _timeout_s()
         self.failure: TensorParallelError | None = None
-        self.rank_reports: list[dict[str, Any]] = [dict(rank=0, pid=os.getpid())]
         self._lock = threading.Lock()
         self._closing = False
         self._closed = False
         self._group_up = False
         self._errors: dict[int, str] = {}
         self._inbox: dict[int, list[tuple[str, Any]]] = {}
-        self._workers: list[_Worker] = []
+        self._workers: list[_WorkerProcess] = []
         self._monitor: threading.Thread | None = None
         self._stop_r, self._stop_w = os.pipe()
         if sys.platform.startswith("linux"):
@@ -175,26 +175,24 @@ class TensorParallelExecutor:
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
         store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timeout, wait_for_workers=False)
-        dtype_name = str(dtype).removeprefix("torch.")
+        dtype_name = str(self.dtype).removeprefix("torch.")
         _live.add(self)
         try:
             for rank in range(1, tp):
                 args = WorkerArgs(rank=rank, world_size=tp, store_host="127.0.0.1", store_port=store.port,
                                   backend=self.backend, device=str(devices[rank]), dtype=dtype_name,
                                   num_threads=torch.get_num_threads(), timeout_s=self.timeout_s,
-                                  parent_pid=os.getpid())
-                worker = _Worker(args, config)
+                                  parent_pid=os.getpid(), max_step_tokens=max_step_tokens)
+                worker = _WorkerProcess(args, config, self.kv_groups, self.max_model_len)
                 self._workers.append(worker)
                 self.rank_reports.append(dict(rank=rank, pid=worker.pid))
             # Join the group only once every worker is up: a worker that fails to start is then
             # reported at once instead of after the rendezvous timeout.
             self._collect(protocol.HELLO, max(self.timeout_s, STARTUP_TIMEOUT_FLOOR_S))
-            if device.type == "cuda":
-                torch.cuda.set_device(self.device)
             dist.init_process_group(self.backend, store=store, rank=0, world_size=tp, timeout=timeout)
             self._group_up = True
         except BaseException:
-            self.shutdown()
+            self._stop_ranks()
             raise
         log.info("tensor parallel: %d ranks over %s, worker pids %s", tp, self.backend, self.worker_pids)
 
@@ -242,64 +240,47 @@ class TensorParallelExecutor:
                                           f"report {kind!r} within {timeout_s:.0f}s")
             wait([w.report for w in pending], timeout=left)
 
-    def agree_num_blocks(self, rank0_blocks: int) -> int:
-        """Every rank sized its own KV pool; all use the smallest, so block ids mean the same
-        slots everywhere. Returns the agreed count once every worker has allocated it."""
-        try:
-            loaded = self._collect(protocol.LOADED, None)
-            num_blocks = min([rank0_blocks] + [payload[1] for payload in loaded.values()])
-            for rank, payload in loaded.items():
-                self.rank_reports[rank].update(num_kv_blocks_fit=payload[1], weight_bytes=payload[2])
-            self._send_all(protocol.encode(protocol.ALLOCATE, num_blocks))
-            for rank, payload in self._collect(protocol.READY, max(self.timeout_s, STARTUP_TIMEOUT_FLOOR_S)).items():
-                self.rank_reports[rank].update(num_kv_blocks=num_blocks, kv_cache_bytes=payload[1])
-        except BaseException:
-            self.shutdown()
-            raise
-        self.rank_reports[0].update(num_kv_blocks_fit=rank0_blocks, num_kv_blocks=num_blocks)
-        return num_blocks
+    def _agree_kv_blocks(self, blocks: list[int]) -> list[int]:
+        """Every rank sized its own KV pools; all use the smallest count per group, so block ids
+        mean the same slots everywhere. Sends the agreed counts for the workers to allocate."""
+        loaded = self._collect(protocol.LOADED, None)
+        agreed = [min(counts) for counts in zip(blocks, *(payload[1] for payload in loaded.values()))]
+        for rank, payload in loaded.items():
+            self.rank_reports[rank].update(num_kv_blocks_fit=payload[1][0], weight_bytes=payload[2])
+        self._send_all(protocol.encode(protocol.ALLOCATE, agreed))
+        return agreed
 
-    def attach(self, runner) -> None:
-        """Hooks a ModelRunner: its prepared inputs go to the workers; its failures name the rank."""
-        from kvserve.runtime.kv_cache import kv_cache_bytes
-
-        self.rank_reports[0]["kv_cache_bytes"] = kv_cache_bytes(runner.kv_caches)
-        self.rank_reports[0]["weight_bytes"] = sum(
-            p.numel() * p.element_size() for p in runner.model.parameters())
-        prepare, execute = runner.prepare, runner.execute
-        state = threading.local()
-
-        def tp_prepare(scheduled, block_tables, *args, **kwargs):
-            prepared = prepare(scheduled, block_tables, *args, **kwargs)
-            copies = [pair for item in scheduled for pair in item.block_copies]
-            state.sent = True
-            self._send_all(protocol.encode(protocol.STEP, copies, prepared))
-            return prepared
-
-        def tp_execute(*args, **kwargs):
-            self.check()
-            state.sent = False
-            try:
-                result = execute(*args, **kwargs)
-            except BaseException as exc:
-                if not state.sent and not isinstance(exc, TensorParallelError):
-                    raise  # failed before the workers saw this step: the group is still in step
-                failure = self._step_failed(exc)
-                if isinstance(exc, Exception):
-                    raise failure from exc
-                raise  # KeyboardInterrupt and the like: the group is torn down, the signal goes on
-            if self.failure is not None:
-                # A worker died during the step and the group was aborted under it (NCCL): its
-                # collectives may have returned garbage, so the step's tokens are not used.
-                self.check()
-            return result
-
-        runner.prepare = tp_prepare
-        runner.execute = tp_execute
+    def _await_ranks_ready(self) -> None:
+        ready = self._collect(protocol.READY, max(self.timeout_s, STARTUP_TIMEOUT_FLOOR_S))
+        for rank, payload in ready.items():
+            self.rank_reports[rank].update(num_kv_blocks=self.rank_reports[0]["num_kv_blocks"],
+                                           kv_cache_bytes=payload[1])
         # Started only now: during startup _collect reads the report pipes itself.
         self._monitor = threading.Thread(target=self._watch, args=(weakref.ref(self), self._stop_r),
                                          name="kvserve-tp-monitor", daemon=True)
         self._monitor.start()
+
+    # -- every step ------------------------------------------------------------------------------
+    def _forward(self, step: ForwardInput) -> torch.Tensor | None:
+        """Sends the step to every worker, then runs it here; a failure names the rank."""
+        self.check()
+        message = protocol.encode(protocol.STEP, step)
+        try:
+            self._send_all(message)
+            logits = self.driver_worker.execute_model(step)
+        except BaseException as exc:
+            failure = self._step_failed(exc)
+            if isinstance(exc, Exception):
+                raise failure from exc
+            raise  # KeyboardInterrupt and the like: the group is torn down, the signal goes on
+        if self.failure is not None:
+            # A worker died during the step and the group was aborted under it (NCCL): its
+            # collectives may have returned garbage, so the step's tokens are not used.
+            self.check()
+        return logits
+
+    def check_health(self) -> None:
+        self.check()
 
     # -- failure handling ------------------------------------------------------------------------
     def check(self) -> None:
@@ -378,7 +359,7 @@ class TensorParallelExecutor:
             w.kill()
 
     @staticmethod
-    def _watch(ref: "weakref.ref[TensorParallelExecutor]", stop_r: int) -> None:
+    def _watch(ref: "weakref.ref[MultiProcExecutor]", stop_r: int) -> None:
         # Holds the executor only weakly between wake-ups, so an engine dropped without close()
         # is still collected (and __del__ stops its workers).
         while True:
@@ -412,9 +393,10 @@ class TensorParallelExecutor:
             log.warning("could not abort the process group: %s", exc)
 
     # -- shutdown --------------------------------------------------------------------------------
-    def shutdown(self, timeout_s: float = 5.0) -> None:
+    def _stop_ranks(self, timeout_s: float = 5.0) -> None:
         """Stops and reaps every worker and leaves the process group. Idempotent."""
-        self._teardown(graceful=True, timeout_s=timeout_s)
+        if hasattr(self, "_workers"):  # _start_ranks may have failed before creating any
+            self._teardown(graceful=True, timeout_s=timeout_s)
 
     def _teardown(self, graceful: bool, timeout_s: float = 5.0) -> None:
         with self._lock:
@@ -426,7 +408,7 @@ class TensorParallelExecutor:
             os.write(self._stop_w, b"x")
         except OSError:
             pass
-        # Before attach() workers may be mid-load or mid-rendezvous, deaf to a shutdown message.
+        # Before they report READY workers may be mid-load or mid-rendezvous, deaf to a shutdown message.
         if graceful and self.failure is None and getattr(self, "_monitor", None) is not None:
             data = protocol.encode(protocol.SHUTDOWN)
             for w in self._workers:
@@ -472,7 +454,7 @@ class TensorParallelExecutor:
 
     def __del__(self) -> None:
         try:
-            self.shutdown(timeout_s=1.0)
+            self._stop_ranks(timeout_s=1.0)
         except Exception:
             pass
 
@@ -480,4 +462,4 @@ class TensorParallelExecutor:
 @atexit.register
 def _shutdown_all() -> None:
     for executor in list(_live):
-        executor.shutdown(timeout_s=2.0)
+        executor._stop_ranks(timeout_s=2.0)

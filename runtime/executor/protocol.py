@@ -1,9 +1,9 @@
 """What travels between the engine (rank 0) and its tensor-parallel workers, as bytes.
 
-Pure and I/O-free. A step message carries whatever ``ModelRunner.prepare`` returned on rank 0
-(tensors, ``AttentionMetadata``, lists, ints), so a field added to the metadata travels without a
-protocol change. Tensors go as numpy arrays (pickled once for all workers) and come back on the
-worker's device.
+Pure and I/O-free. A step message carries the ``ForwardInput`` rank 0 prepared (dataclasses of
+tensors, ``AttentionMetadata`` with its per-window dict, lists, ints), so a field added to either
+travels without a protocol change. Tensors go as numpy arrays (pickled once for all workers) and
+come back as CPU tensors; each Worker moves them to its device.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def _pack(obj: Any) -> Any:
         return tuple(_pack(x) for x in obj)
     if isinstance(obj, list):
         return [_pack(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _pack(v) for k, v in obj.items()}
     return obj
 
 
@@ -69,6 +71,8 @@ def _unpack(obj: Any, device: torch.device) -> Any:
         return tuple(_unpack(x, device) for x in obj)
     if isinstance(obj, list):
         return [_unpack(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _unpack(v, device) for k, v in obj.items()}
     return obj
 
 

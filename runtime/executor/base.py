@@ -1,0 +1,187 @@
+"""The Executor: what the engine core calls to run a scheduled step, at any tensor-parallel degree.
+
+It owns rank 0's Worker (weights, KV pools, graphs), the ModelRunner that packs each step and
+samples its logits, and speculative decoding (the proposer and the draft model run on rank 0;
+verification is an ordinary forward pass on every rank). The two implementations differ only in
+where ranks 1..N-1 live: ``UniProcExecutor`` has none; ``MultiProcExecutor`` runs them in worker
+processes and broadcasts every ForwardInput to them before rank 0 runs it. The engine sees one
+interface (runtime/engine/core.py's Executor protocol): the KV facts it sizes its block manager
+with, ``propose_drafts``, ``execute_model``, ``check_health`` and ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvserve.runtime.executor.forward_input import ForwardInput
+from kvserve.runtime.executor.model_runner import ModelRunner
+from kvserve.runtime.executor.worker import Worker
+from kvserve.runtime.sampler import Sampler, SamplerOutput
+
+log = logging.getLogger(__name__)
+
+
+def kv_release_window(model_config, draft=None) -> int | None:
+    """The window behind which no layer reads K/V again, so the block manager may give those
+    blocks back: only when every layer of the model (and of a draft model sharing its block
+    tables) is a sliding-window layer; the widest window wins. None keeps every block."""
+    configs = [model_config] + ([draft.config] if draft is not None else [])
+    if not all(c.all_layers_sliding for c in configs):
+        return None
+    return max(c.sliding_window for c in configs)
+
+
+def hybrid_kv_groups(config, model_config) -> tuple | None:
+    """The KV cache groups of a model that mixes local and global layers (each group its own
+    block tables and pool: runtime/engine/kv_cache_groups.py), or None for one block table serving every
+    layer: a model with one kind of layer, the hybrid manager disabled, or speculative decoding
+    (its draft model and verification step take one table per sequence today)."""
+    from kvserve.runtime.engine.kv_cache_groups import kv_cache_groups
+
+    groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])
+    if len(groups) == 1 or config.disable_hybrid_kv_cache_manager:
+        return None
+    if config.speculative_config is not None:
+        log.info("hybrid KV cache manager off (speculative decoding): one block table serves every layer, "
+                 "so the local layers hold the whole context")
+        return None
+    return groups
+
+
+class Executor:
+    """Builds rank 0 (and, through the subclass's hooks, every other rank) and runs steps."""
+
+    def __init__(self, config, model_config, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 quant_config=None) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.world_size = config.tensor_parallel_size
+        self.last_timings: tuple[float, float, float] | None = None
+        self.rank_reports: list[dict[str, Any]] = [dict(rank=0, pid=os.getpid())]
+        self.driver_worker = Worker(config, model_config, device=device, dtype=dtype, rank=0,
+                                    world_size=self.world_size, quant_config=quant_config)
+        draft = self._load_draft()
+        self.kv_groups = hybrid_kv_groups(config, model_config)
+        self.kv_release_window = None if self.kv_groups is not None else kv_release_window(model_config, draft)
+        max_step = (config.resolved_max_num_batched_tokens(max_model_len) if config.enable_chunked_prefill
+                    else max_model_len)
+        self._start_ranks(max_step_tokens=max_step)
+        try:
+            worker = self.driver_worker
+            worker.load_model()
+            blocks = worker.determine_kv_blocks(self.kv_groups, max_model_len=max_model_len, max_step_tokens=max_step)
+            if draft is not None and config.num_kv_blocks is None:
+                from kvserve.runtime.spec_decode.worker import split_blocks_with_draft
+
+                # The draft's pools take as many blocks as the target's, out of the same budget.
+                blocks = [split_blocks_with_draft(blocks[0], model_config.shape, draft.config.shape)]
+            self.rank_reports[0].update(num_kv_blocks_fit=blocks[0], weight_bytes=worker.weight_bytes)
+            blocks = self._agree_kv_blocks(blocks)
+            kv_bytes = worker.initialize_kv_cache(blocks, self.kv_groups)
+            self.rank_reports[0].update(num_kv_blocks=blocks[0], kv_cache_bytes=kv_bytes)
+            self._await_ranks_ready()
+            worker.compile_and_capture(max_model_len=max_model_len)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks_per_group = list(blocks)
+        self.model_weight_bytes = worker.weight_bytes
+        generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups)
+        self.spec_decoder = None
+        if config.speculative_config is not None:
+            from kvserve.runtime.spec_decode.worker import SpecDecoder
+
+            self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=blocks[0],
+                                            block_size=config.block_size, device=device,
+                                            kv_cache_dtype=worker.kv_cache_dtype,
+                                            max_model_len=max_model_len, draft_model=draft)
+
+    def _load_draft(self):
+        if self.config.speculative_config is None:
+            return None
+        from kvserve.runtime.attention.selector import get_attention_backend
+        from kvserve.runtime.spec_decode.worker import load_draft
+
+        # The draft runs whole on rank 0 (it is small): proposals need no collectives.
+        return load_draft(self.config.speculative_config, device=self.device, dtype=self.dtype,
+                          attention_backend=get_attention_backend(self.config.attention_backend, self.device),
+                          vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+
+    # -- what the engine core calls --------------------------------------------------------------
+    @property
+    def supports_overlap(self) -> bool:
+        """Whether execute_model may run in a second thread while the engine thread works on the
+        previous step's outputs (async scheduling). Speculative steps read the newest tokens."""
+        return self.spec_decoder is None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.driver_worker.model
+
+    @property
+    def kv_caches(self) -> list:
+        return self.driver_worker.kv_caches
+
+    @property
+    def attention_backend(self) -> str:
+        return self.driver_worker.attention_backend.name
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.driver_worker.kv_cache_dtype
+
+    def propose_drafts(self, running: Sequence, params_of: Callable) -> None:
+        """Speculative decoding: sets each running sequence's spec_token_ids before scheduling."""
+        if self.spec_decoder is not None:
+            self.spec_decoder.plan(running, params_of)
+
+    def execute_model(self, model_input) -> SamplerOutput:
+        """One scheduled step (runtime/engine/core.py's ModelInput): forward on every rank, then
+        rank 0 samples (or verifies drafts)."""
+        runner = self.runner
+        runner.last_timings = None
+        if self.spec_decoder is not None:
+            out = self.spec_decoder.execute(model_input.scheduled, model_input.block_tables, model_input.rows,
+                                            model_input.repeats)
+        else:
+            out = runner.execute(model_input.scheduled, model_input.block_tables, model_input.rows,
+                                 model_input.repeats)
+        self.last_timings = runner.last_timings
+        return out
+
+    def check_health(self) -> None:
+        """Raises when the executor can no longer step (a tensor-parallel worker died)."""
+
+    def shutdown(self) -> None:
+        """Idempotent: stops the other ranks and frees rank 0's graphs, pools and weights."""
+        self._stop_ranks()
+        spec = getattr(self, "spec_decoder", None)
+        if spec is not None:
+            spec.close()
+        self.driver_worker.close()
+
+    # -- the subclass's ranks 1..N-1 ---------------------------------------------------------------
+    def _start_ranks(self, *, max_step_tokens: int) -> None:
+        """Starts ranks 1..N-1 loading their shards (before rank 0 loads its own)."""
+
+    def _agree_kv_blocks(self, blocks: list[int]) -> list[int]:
+        """Block counts every rank can hold (each sized its own pools)."""
+        return blocks
+
+    def _await_ranks_ready(self) -> None:
+        """Returns once every other rank has allocated its pools."""
+
+    def _forward(self, step: ForwardInput) -> torch.Tensor | None:
+        return self.driver_worker.execute_model(step)
+
+    def _stop_ranks(self) -> None:
+        pass

@@ -1,0 +1,45 @@
+"""What one forward pass needs on every tensor-parallel rank, built once on rank 0.
+
+Rank 0's ModelRunner packs the scheduled batch into a ForwardInput on the CPU; the executor hands
+the same object to every rank's Worker (pickled once for the worker processes), and each Worker
+moves it to its own device. So no rank ever copies a prepared device tensor back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.runtime.attention.backend import AttentionMetadata
+
+
+@dataclass(eq=False)
+class ForwardInput:
+    input_ids: torch.Tensor  # [num_tokens] packed, no padding
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    # Rows of the hidden states whose logits the step needs (empty: the step only fills the cache).
+    logits_rows: list[int]
+    # Copy-on-write block copies to apply before the forward pass: (src, dst) pairs, or
+    # (group, src, dst) triples with KV cache groups.
+    block_copies: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+
+    def to(self, device: torch.device) -> "ForwardInput":
+        if device.type == "cpu":
+            return self
+        return dataclasses.replace(self, input_ids=_to(self.input_ids, device), positions=_to(self.positions, device),
+                                   meta=_meta_to(self.meta, device))
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device, non_blocking=True)
+
+
+def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    groups = meta.kv_groups
+    return dataclasses.replace(
+        meta, query_start_loc=_to(meta.query_start_loc, device), seq_lens=_to(meta.seq_lens, device),
+        block_tables=_to(meta.block_tables, device), slot_mapping=_to(meta.slot_mapping, device),
+        kv_groups=None if groups is None else {w: _meta_to(m, device) for w, m in groups.items()})

@@ -1,0 +1,158 @@
+"""The device family a process runs on (cpu or cuda), chosen once per process: the one place that
+knows what the device can do and which kernels serve it.
+
+Everything device-specific that the executor and the workers used to decide inline goes through
+here: the attention backend for "auto", the collective backend of a tensor-parallel group, whether
+decode steps may be captured as CUDA graphs and the model compiled, how much memory the KV pools
+may take, and how memory is handed back when an engine closes. Whether kvserve's native CPU
+kernels (kvserve.kernels.cpu) serve an operation is asked here too, one named question per
+operation (``native_ops``, ``native_write_kv``, ``native_decode_attention``,
+``native_token_bitmask``): the attention backend, the model and the sampler ask the platform of
+their tensors' device instead of deciding for themselves. (The quantized linear methods still
+make their own choice: runtime/models/quantization/packed.py.)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str  # "cpu" | "cuda"
+    dist_backend: str  # the torch.distributed backend of a tensor-parallel group
+    default_attention_backend: str  # what "auto" resolves to
+    supports_cuda_graphs: bool
+    supports_compile: bool  # torch.compile of the model's forward (compilation_config level 3)
+
+    def set_device(self, device: torch.device) -> None:
+        """Makes `device` this process's current device (kernels launch there)."""
+
+    def attention_backend_name(self, requested: str) -> str:
+        return self.default_attention_backend if requested == "auto" else requested
+
+    def free_memory_bytes(self, device: torch.device) -> tuple[int, int] | None:
+        """(free, total) device memory, or None where the device has no fixed memory to share."""
+        return None
+
+    def release_memory(self) -> None:
+        """Returns what dropped tensors held to the allocator's owner (the OS, the driver)."""
+        gc.collect()
+
+    def native_kernels(self) -> bool:
+        """Whether kvserve's native CPU kernels are loaded and serve float32 work here."""
+        return False
+
+    def native_ops(self, t: torch.Tensor) -> bool:
+        """The native layer ops and the one-call decode stack, for tensors like `t`."""
+        return False
+
+    def native_write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return False
+
+    def native_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return False
+
+    def native_token_bitmask(self, logits: torch.Tensor) -> bool:
+        """The grammar bitmask applied by the native kernel (xgrammar's tests one bit at a time)."""
+        return False
+
+
+@dataclass(frozen=True)
+class CpuPlatform(Platform):
+    name: str = "cpu"
+    dist_backend: str = "gloo"
+    default_attention_backend: str = "torch"
+    supports_cuda_graphs: bool = False
+    # The native CPU kernels are opaque calls that torch.compile would only break the graph around.
+    supports_compile: bool = False
+
+    def native_kernels(self) -> bool:
+        from kvserve.kernels.cpu import native
+
+        return native.available()
+
+    def native_ops(self, t: torch.Tensor) -> bool:
+        from kvserve.kernels import ops
+
+        return ops.use_native(t)  # float32 CPU tensors, under the kernel mode (KVSERVE_CPU_KERNELS)
+
+    def native_write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        from kvserve.kernels.cpu import native
+
+        return self.native_ops(key) and native.write_kv_supported(key, value, k_cache)  # float32 pools only
+
+    def native_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        from kvserve.kernels.cpu import native
+
+        return self.native_ops(query) and native.decode_supported(query, k_cache)
+
+    def native_token_bitmask(self, logits: torch.Tensor) -> bool:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+            return False
+        return self.native_kernels()
+
+
+@dataclass(frozen=True)
+class CudaPlatform(Platform):
+    name: str = "cuda"
+    dist_backend: str = "nccl"
+    default_attention_backend: str = "triton"
+    supports_cuda_graphs: bool = True
+    supports_compile: bool = True
+
+    def set_device(self, device: torch.device) -> None:
+        # Without it every rank (and cuda:N of a single engine) would launch on cuda:0. A bare
+        # "cuda" means the current device (torch refuses to set a device without an index).
+        if device.index is not None:
+            torch.cuda.set_device(device)
+
+    def attention_backend_name(self, requested: str) -> str:
+        if requested != "auto":
+            return requested
+        try:
+            import kvserve.runtime.attention.triton_backend  # noqa: F401  (needs triton)
+        except ImportError:
+            return "torch"
+        return "triton"
+
+    def free_memory_bytes(self, device: torch.device) -> tuple[int, int] | None:
+        self.release_memory()
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+
+    def release_memory(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+CPU = CpuPlatform()
+CUDA = CudaPlatform()
+
+
+def platform_for(device: torch.device | str) -> Platform:
+    """The platform of a device: CPU or CUDA (which device of the family is the worker's business)."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu":
+        return CPU
+    if kind == "cuda":
+        return CUDA
+    raise ValueError(f"device: {kind!r} is not supported; use 'cpu' or 'cuda[:N]'")
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks CUDA when present; 'cuda[:N]' must exist."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} but only {torch.cuda.device_count()} GPUs are visible")
+    return resolved

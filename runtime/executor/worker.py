@@ -1,0 +1,199 @@
+"""One tensor-parallel rank: its device, its weight shard, its KV pools, its CUDA graphs.
+
+The same class runs on every rank, rank 0 inside the engine's process and ranks 1..N-1 in worker
+processes (runtime/executor/worker_process.py), so a feature that works at one rank works at N:
+every rank receives the same ForwardInput and runs the same ``execute_model``. A Worker never
+schedules and never samples; the ranks' row-parallel layers all-reduce and the vocab-parallel
+head all-gathers, so each rank ends a step with the full logits (rank 0 samples them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from kvserve.runtime.executor.forward_input import ForwardInput
+from kvserve.runtime.executor.platform import platform_for
+from kvserve.runtime.kv_cache import (
+    allocate_kv_cache,
+    copy_blocks,
+    copy_group_blocks,
+    determine_group_blocks,
+    determine_num_blocks,
+    kv_cache_bytes,
+    kv_cache_torch_dtype,
+    layer_group_blocks,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config, model_config, *, device: torch.device, dtype: torch.dtype, rank: int = 0,
+                 world_size: int = 1, quant_config=None) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(device)
+        self.platform = platform_for(self.device)
+        self.platform.set_device(self.device)
+        self.dtype = dtype
+        self.rank, self.world_size = rank, world_size
+        self.quant_config = quant_config
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        self.attention_backend = None
+        self.model = None
+        self.kv_groups = None
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.graphs = None  # DecodeGraphs once captured (runtime/executor/cuda_graphs.py)
+
+    # -- startup, in this order on every rank ----------------------------------------------------
+    def load_model(self) -> None:
+        from kvserve.runtime.attention.selector import get_attention_backend
+        from kvserve.runtime.models import load_model
+
+        self.attention_backend = get_attention_backend(self.config.attention_backend, self.device)
+        self.model = load_model(self.config.model, dtype=self.dtype, device=self.device,
+                                attention_backend=self.attention_backend, config=self.model_config,
+                                tp_rank=self.rank, tp_size=self.world_size,
+                                quantization=self.quant_config if self.quant_config is not None
+                                else self.config.quantization)
+
+    @property
+    def weight_bytes(self) -> int:
+        """This rank's weights (its shard): values, scales, zeros."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def determine_kv_blocks(self, kv_groups, *, max_model_len: int, max_step_tokens: int) -> list[int]:
+        """Blocks per KV cache group this rank's budget holds ([blocks] without groups).
+        `max_step_tokens`: the most tokens the scheduler packs into one step."""
+        config, shape = self.config, self.model_config.shape
+        budget = None
+        if (self.platform.free_memory_bytes(self.device) is not None and config.num_kv_blocks is None
+                and config.kv_cache_memory_bytes is None):
+            budget = self._profiled_kv_budget(kv_groups, max_step_tokens)
+        if kv_groups is None:
+            return [determine_num_blocks(config, shape, self.kv_cache_dtype, self.device, budget_bytes=budget)]
+        return determine_group_blocks(config, shape, self.kv_cache_dtype, self.device, kv_groups,
+                                      max_model_len=max_model_len, max_step_tokens=max_step_tokens,
+                                      budget_bytes=budget)
+
+    def _profiled_kv_budget(self, kv_groups, max_step_tokens: int) -> int:
+        """vLLM's rule: the device's total x gpu_memory_utilization, minus what is in use before
+        the pools exist (this rank's weights, the CUDA context, other processes) and minus the
+        activation peak of the largest step, measured by running it."""
+        device = self.device
+        free, total = self.platform.free_memory_bytes(device)  # after handing cached blocks back
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated = torch.cuda.memory_allocated(device)
+        self.profile_run(kv_groups, max_step_tokens)
+        torch.cuda.synchronize(device)
+        activations = torch.cuda.max_memory_allocated(device) - allocated
+        self.platform.release_memory()
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
+        log.info("rank %d: KV budget %.2f GiB = %.2f GiB x %.2f - %.2f GiB in use - %.2f GiB activation peak",
+                 self.rank, budget / 2**30, total / 2**30, self.config.gpu_memory_utilization,
+                 (total - free) / 2**30, activations / 2**30)
+        return budget
+
+    @torch.inference_mode()
+    def profile_run(self, kv_groups, num_tokens: int) -> None:
+        """A forward pass of `num_tokens` prompt tokens (split into one-block sequences over a
+        one-block pool that nothing writes: slot -1) and the logits of max_num_seqs rows: the
+        activation peak of the largest step the scheduler may send."""
+        from kvserve.runtime.attention.backend import AttentionMetadata
+
+        bs, dev = self.config.block_size, self.device
+        lens = [bs] * (num_tokens // bs) + ([num_tokens % bs] if num_tokens % bs else [])
+        pools = allocate_kv_cache(self.model_config.shape, 1, bs, self.kv_cache_dtype, dev, self.world_size)
+        starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        meta = AttentionMetadata(query_start_loc=starts.to(dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
+                                 slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+                                 max_query_len=max(lens), max_seq_len=max(lens), is_decode_only=False)
+        if kv_groups is not None:
+            meta.kv_groups = {g.window: AttentionMetadata(**{**vars(meta), "kv_groups": None}) for g in kv_groups}
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, pools, meta)
+        rows = min(self.config.max_num_seqs, num_tokens)
+        self.model.compute_logits(hidden[:rows])
+
+    def initialize_kv_cache(self, group_blocks: Sequence[int], kv_groups) -> int:
+        """Allocates the pools (the block counts every rank agreed on); returns their bytes."""
+        self.kv_groups = kv_groups
+        layer_blocks = None if kv_groups is None else layer_group_blocks(kv_groups, group_blocks)
+        self.kv_caches = allocate_kv_cache(self.model_config.shape, group_blocks[0], self.config.block_size,
+                                           self.kv_cache_dtype, self.device, self.world_size,
+                                           layer_blocks=layer_blocks)
+        return kv_cache_bytes(self.kv_caches)
+
+    def compile_and_capture(self, *, max_model_len: int) -> None:
+        """torch.compile (compilation_config level 3) and CUDA graphs for decode steps, where the
+        platform has them. Every rank decides the same way from the same config, so at tensor
+        parallelism every rank replays a graph for the same steps (their collectives pair up)."""
+        config, platform = self.config, self.platform
+        cc = config.compilation_config
+        if cc.level == 3:
+            if platform.supports_compile:
+                self.model.forward = torch.compile(self.model.forward, dynamic=True)
+            elif self.rank == 0:
+                log.warning("compilation_config level 3: torch.compile is used on CUDA only; on the CPU the "
+                            "native kernels already fuse each layer's elementwise work")
+        if not platform.supports_cuda_graphs or config.enforce_eager:
+            return
+        sizes = cc.capture_sizes(config.max_num_seqs)
+        name = self.attention_backend.name
+        why_not = ("no capture sizes" if not sizes
+                   else f"the {name} attention backend syncs with the host" if name != "triton" else None)
+        if why_not:
+            if self.rank == 0:
+                log.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
+            return
+        self.graphs = self.build_graphs(sizes, max_model_len=max_model_len, capture=True)
+
+    def build_graphs(self, sizes: list[int], *, max_model_len: int, capture: bool):
+        """Decode graphs over this rank's pools (capture=False: the padded static-buffer path run
+        eagerly, the CPU twin tests use). A model whose forward cannot be captured runs eagerly."""
+        from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
+                              max_model_len=max_model_len, sizes=sizes, device=self.device, capture=capture,
+                              kv_group_windows=None if self.kv_groups is None else [g.window for g in self.kv_groups])
+        try:
+            graphs.capture()
+        except Exception:
+            # Every rank fails alike (same model, same sizes), so they all stay eager together.
+            log.exception("rank %d: CUDA graph capture failed; decode steps run eagerly", self.rank)
+            return None
+        return graphs
+
+    # -- every step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, step: ForwardInput) -> torch.Tensor | None:
+        """Applies the step's block copies, runs the forward pass and returns the float32 logits
+        of `step.logits_rows` (None when the step only fills the cache)."""
+        if self.kv_groups is None:
+            copy_blocks(self.kv_caches, step.block_copies)
+        else:
+            copy_group_blocks(self.kv_caches, self.kv_groups, step.block_copies)
+        step = step.to(self.device)
+        graphs = self.graphs
+        if graphs is not None and step.meta.is_decode_only and graphs.bucket(step.input_ids.shape[0]) is not None:
+            hidden = graphs.run(step.input_ids, step.positions, step.meta)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        rows = step.logits_rows
+        if not rows:
+            return None
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        return self.model.compute_logits(hidden)
+
+    def close(self) -> None:
+        """Drops the graphs, pools and weights and hands their memory back (a later engine in this
+        process sizes its KV cache from what is really free)."""
+        self.graphs = None
+        self.kv_caches = []
+        self.model = None
+        self.platform.release_memory()

@@ -1,0 +1,122 @@
+"""The process around a tensor-parallel Worker of rank 1..N-1: startup handshakes, then a loop
+that hands every step rank 0 broadcasts to the same ``Worker.execute_model`` rank 0 runs.
+
+It never schedules or samples. It exits when told to, when the engine's pipe closes, or when the
+engine process goes away (a watchdog thread), so an engine killed with SIGKILL leaves no worker
+behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from kvserve.runtime.executor import protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    backend: str  # "gloo" | "nccl"
+    device: str  # this rank's device, e.g. "cpu" or "cuda:1"
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    num_threads: int
+    timeout_s: float
+    parent_pid: int
+    max_step_tokens: int  # the most tokens one step packs (KV groups size their pools by it)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    def run():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)  # the engine died without closing us: nothing to report to
+            time.sleep(0.5)
+
+    threading.Thread(target=run, name="kvserve-tp-watchdog", daemon=True).start()
+
+
+def main() -> None:
+    """Process entry point: ``python -c ... main() CTRL_FD REPORT_FD`` (see multiproc.WorkerProcess).
+
+    The engine's first message on the control pipe is the pickled (WorkerArgs, EngineConfig,
+    KV cache groups, max_model_len).
+    """
+    import pickle
+
+    # Ctrl-C goes to the whole foreground process group: the engine decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctrl = Connection(int(sys.argv[1]), writable=False)
+    report = Connection(int(sys.argv[2]), readable=False)
+    try:
+        args, config, kv_groups, max_model_len = pickle.loads(ctrl.recv_bytes())
+    except EOFError:
+        os._exit(0)
+    _watch_parent(args.parent_pid)
+    try:
+        _run(args, config, kv_groups, max_model_len, ctrl, report)
+    except EOFError:
+        os._exit(0)  # the engine closed our pipe: it is gone or shutting down
+    except BaseException:
+        try:
+            report.send_bytes(protocol.encode(protocol.ERROR, args.rank, traceback.format_exc()))
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
+def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connection, report: Connection) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from kvserve.runtime.executor.worker import Worker
+    from kvserve.runtime.model_config import ModelConfig
+
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.num_threads)
+    worker = Worker(config, ModelConfig.from_pretrained(config.model), device=device,
+                    dtype=getattr(torch, args.dtype), rank=args.rank, world_size=args.world_size)
+    report.send_bytes(protocol.encode(protocol.HELLO, args.rank, os.getpid()))
+    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, False,
+                          timeout=datetime.timedelta(seconds=args.timeout_s))
+    dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    try:
+        worker.load_model()
+        blocks = worker.determine_kv_blocks(kv_groups, max_model_len=max_model_len,
+                                            max_step_tokens=args.max_step_tokens)
+        report.send_bytes(protocol.encode(protocol.LOADED, args.rank, blocks, worker.weight_bytes))
+
+        kind, (blocks,) = protocol.decode(ctrl.recv_bytes())
+        if kind != protocol.ALLOCATE:
+            return
+        kv_bytes = worker.initialize_kv_cache(blocks, kv_groups)
+        report.send_bytes(protocol.encode(protocol.READY, args.rank, kv_bytes))
+        # After READY: rank 0 captures once every rank has reported, and capture runs collectives.
+        worker.compile_and_capture(max_model_len=max_model_len)
+
+        while True:
+            kind, payload = protocol.decode(ctrl.recv_bytes())
+            if kind == protocol.SHUTDOWN:
+                return
+            if kind != protocol.STEP:
+                raise RuntimeError(f"unexpected message {kind!r}")
+            worker.execute_model(payload[0])
+    finally:
+        worker.close()
+        dist.destroy_process_group()

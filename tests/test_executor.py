@@ -1,0 +1,164 @@
+"""The executor package on its own: platforms, the step message, the executor's interface, and
+close() handing rank 0's weights, pools and graphs back."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from kvserve.runtime.attention.backend import AttentionMetadata
+from kvserve.runtime.executor import protocol
+from kvserve.runtime.executor.forward_input import ForwardInput
+from kvserve.runtime.executor.platform import CPU, CUDA, platform_for, resolve_device
+
+
+@pytest.mark.parametrize("device, platform", [("cpu", CPU), (torch.device("cpu"), CPU), ("cuda", CUDA),
+                                              ("cuda:1", CUDA)])
+def test_each_device_has_one_platform(device, platform):
+    assert platform_for(device) is platform
+
+
+def test_platforms_say_what_their_device_does():
+    assert (CPU.dist_backend, CPU.default_attention_backend, CPU.supports_cuda_graphs, CPU.supports_compile) == \
+        ("gloo", "torch", False, False)
+    assert (CUDA.dist_backend, CUDA.supports_cuda_graphs, CUDA.supports_compile) == ("nccl", True, True)
+    assert CPU.attention_backend_name("auto") == "torch" and CPU.attention_backend_name("triton") == "triton"
+    assert CPU.free_memory_bytes(torch.device("cpu")) is None
+
+
+def test_an_unsupported_device_is_refused():
+    with pytest.raises(ValueError, match="device: 'meta' is not supported"):
+        platform_for("meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_cuda_names_the_device(device):
+    with pytest.raises(ValueError, match=f"device: '{device}' requested but CUDA is not available"):
+        resolve_device(device)
+    assert resolve_device("auto") == torch.device("cpu")
+
+
+def _meta(tables, slots, seq_lens, **kw) -> AttentionMetadata:
+    return AttentionMetadata(query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                             block_tables=torch.tensor(tables, dtype=torch.int32),
+                             slot_mapping=torch.tensor(slots), max_query_len=1, max_seq_len=max(seq_lens),
+                             is_decode_only=True, **kw)
+
+
+def test_a_step_with_kv_cache_groups_travels_whole():
+    """One metadata per window (full attention: None), nested in the outer one, and the group
+    copies: what a hybrid model's step sends to every rank."""
+    full, local = _meta([[1, 2]], [9], [6]), _meta([[3, 0]], [13], [6])
+    outer = _meta([[1, 2]], [9], [6], kv_groups={None: full, 8: local})
+    step = ForwardInput(torch.tensor([5]), torch.tensor([5]), outer, [0], [(0, 1, 4), (1, 3, 7)])
+    kind, (got,) = protocol.decode(protocol.encode(protocol.STEP, step))
+    assert kind == protocol.STEP and isinstance(got, ForwardInput)
+    assert got.logits_rows == [0] and got.block_copies == [(0, 1, 4), (1, 3, 7)]
+    assert set(got.meta.kv_groups) == {None, 8}
+    for window, want in ((None, full), (8, local)):
+        have = got.meta.kv_groups[window]
+        assert torch.equal(have.block_tables, want.block_tables) and torch.equal(have.slot_mapping, want.slot_mapping)
+        assert have.kv_groups is None
+    assert got.to(torch.device("cpu")) is got  # nothing to move on the CPU
+
+
+def test_the_engine_talks_to_the_executor_interface(tiny_llama):
+    from kvserve.runtime import LLM, SamplingParams
+    from kvserve.runtime.executor.uniproc import UniProcExecutor
+
+    with LLM(str(tiny_llama), num_kv_blocks=32, block_size=4) as llm:
+        ex = llm.engine.executor
+        assert isinstance(ex, UniProcExecutor)
+        assert (ex.kv_groups, ex.num_blocks_per_group, ex.block_size, ex.kv_release_window) == (None, [32], 4, None)
+        assert ex.supports_overlap and ex.model_weight_bytes > 0
+        assert ex.rank_reports[0]["num_kv_blocks"] == 32
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+        assert ex.last_timings is not None and all(t >= 0 for t in ex.last_timings)
+        ex.check_health()
+
+
+def test_close_hands_back_weights_pools_and_graphs(tiny_llama):
+    """A second engine in the same process must see the first one's memory free (on a GPU its
+    KV sizing reads free memory): after close() nothing of rank 0 is reachable."""
+    from kvserve.runtime import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=32, block_size=4)
+    worker = llm.engine.executor.driver_worker
+    worker.graphs = worker.build_graphs([1, 2], max_model_len=64, capture=False)  # the CPU twin
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+    refs = [weakref.ref(next(llm.engine.model.parameters())), weakref.ref(llm.engine.kv_caches[0][0]),
+            weakref.ref(worker.graphs), weakref.ref(llm.engine.model)]
+    llm.close()
+    llm.close()  # idempotent
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    assert llm.engine.model is None and llm.engine.kv_caches == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "deepseek_v3"])
+def test_the_profiling_step_runs_and_writes_no_kv(tiny_model_factory, arch):
+    """On a GPU the KV budget is total x utilization minus the activation peak of this step
+    (a prefill of the largest step, logits for max_num_seqs rows). Here: every model family runs
+    it, also with KV cache groups (gemma2) and the latent cache (MLA), and no pool changes."""
+    from kvserve.runtime import LLM
+
+    with LLM(str(tiny_model_factory(arch)), num_kv_blocks=16, block_size=4, max_num_seqs=3) as llm:
+        ex = llm.engine.executor
+        assert (ex.kv_groups is not None) == (arch == "gemma2")
+        for layer in ex.kv_caches:
+            for pool in layer:
+                pool.fill_(0.5)
+        ex.driver_worker.profile_run(ex.kv_groups, 37)  # 9 full one-block sequences and one of 1
+        assert all(bool((pool == 0.5).all()) for layer in ex.kv_caches for pool in layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_second_engine_in_one_process_gets_the_same_kv_pool(tiny_llama):
+    """The first engine's weights, pools and graphs are handed back on close(), and the
+    profiled budget does not count what a closed engine left in the allocator's cache."""
+    from kvserve.runtime import LLM
+
+    blocks = []
+    for _ in range(2):
+        llm = LLM(str(tiny_llama), device="cuda", gpu_memory_utilization=0.5)
+        blocks.append(llm.engine.executor.num_blocks_per_group)
+        llm.close()
+    assert blocks[0] == blocks[1]
+
+
+def test_the_platform_is_asked_which_kernels_serve_an_operation():
+    """One named question per operation; CUDA never takes the native CPU kernels, the CPU takes
+    them for float32 only (and only where they loaded)."""
+    from kvserve.kernels.cpu import native
+
+    loaded = native.available()
+    f32 = torch.zeros(4, 2, 8)
+    bf16 = f32.to(torch.bfloat16)
+    pool = torch.zeros(3, 4, 2, 8)
+    logits = torch.zeros(2, 64)
+    assert CPU.native_kernels() == loaded
+    assert CPU.native_ops(f32) == loaded and not CPU.native_ops(bf16)
+    assert CPU.native_write_kv(f32, f32, pool) == loaded and not CPU.native_write_kv(bf16, bf16, pool.bfloat16())
+    assert CPU.native_token_bitmask(logits) == loaded
+    assert not CPU.native_token_bitmask(logits.t()) and not CPU.native_token_bitmask(logits.double())
+    for question in (CUDA.native_ops(f32), CUDA.native_write_kv(f32, f32, pool),
+                     CUDA.native_decode_attention(f32, pool), CUDA.native_token_bitmask(logits), CUDA.native_kernels()):
+        assert question is False
+
+
+def test_cuda_n_becomes_the_current_device(monkeypatch):
+    """device="cuda:N" must launch on GPU N (each tensor-parallel rank on its own); a bare "cuda"
+    keeps the current device. No GPU here: the call torch would make is recorded instead."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    CUDA.set_device(torch.device("cuda"))
+    CUDA.set_device(torch.device("cuda", 1))
+    CPU.set_device(torch.device("cpu"))
+    assert calls == [torch.device("cuda", 1)]
