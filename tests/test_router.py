@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -115,6 +116,12 @@ def test_client_disconnect_aborts_the_request_upstream(env):
 
 def test_held_requests_are_released_in_order_after_scale_from_zero(env):
     pods, cluster, prefix = env["pods"], env["cluster"], env["prefix"]
+    # The pod plans requests (parse, template, tokenize) on a pool of threads, which may hand two
+    # requests that arrive a millisecond apart to the engine in either order. One planning thread
+    # keeps tiny-c's engine order equal to the order the router sent them, which is what is tested.
+    state = pods.pods["tiny-c"].thread.server.state
+    state.preprocess, two_threads = ThreadPoolExecutor(1, thread_name_prefix="kvserve-preprocess"), state.preprocess
+    two_threads.shutdown(wait=True)
     cluster.set_pods([])  # scaled to zero
     prefix.wait_ready(0)
     # Still says what it serves while no pod is ready (clients list models before asking).

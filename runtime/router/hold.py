@@ -104,6 +104,10 @@ class HoldQueue:
             raise HoldFull(problem)
         ticket = Ticket(arrived=self.clock(), nbytes=nbytes)
         self._admitted[ticket] = None
+        # Queued at admission, not once its body is read: a small body read fast must not overtake
+        # a large one that arrived first. A ticket released while its body is still arriving goes
+        # as soon as the body is in (the releaser waits `send_grace` for it).
+        self._queue.append(ticket)
         self.held_bytes += nbytes
         self.held_total += 1
         return ticket
@@ -141,7 +145,6 @@ class HoldQueue:
         once, HoldTimeout after the timeout; the ticket has left the queue either way."""
         if ticket is None:
             ticket = self.admit()
-        self._queue.append(ticket)
         self.set_available(self._available.is_set())  # pods may be ready with a queue to drain
         try:
             await asyncio.wait_for(ticket.released.wait(), self.timeout)
