@@ -216,7 +216,6 @@ def step(hf_dir: Path, clock, steps: int, rounds: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-
     from realmodel import ensure_smollm2
 
     from kvserve.kernels.cpu import native

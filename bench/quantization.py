@@ -86,11 +86,10 @@ def gguf_tensor_bytes(path: Path) -> tuple[int, int]:
 
 def run_kvserve(model_path: str, dtype: str, quantization: str | None, prompt, args) -> dict:
     import torch
-
-    from kvserve.runtime import LLM, SamplingParams
     from vs_llamacpp import batch1_decode_ms
 
     from kvserve.kernels.cpu.native import status as native_status
+    from kvserve.runtime import LLM, SamplingParams
     from kvserve.runtime.models.quantization.packed import cpu_packed_enabled
 
     torch.set_num_threads(args.threads)

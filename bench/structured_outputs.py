@@ -164,7 +164,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print(f"\nstructured outputs, {Path(model).name}, {args.device}, {torch.get_num_threads()} threads, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"{'batch':>5} | {'free ms/tok':>11} | {'json ms/tok':>11} | {'overhead':>8} | {'mask ms/step':>12} | {'mask share':>10}")
+    print(f"{'batch':>5} | {'free ms/tok':>11} | {'json ms/tok':>11} | {'overhead':>8} | {'mask ms/step':>12} | "
+          f"{'mask share':>10}")
     for r in rows:
         print(f"{r['batch']:>5} | {r['free_ms_per_token']:>11.2f} | {r['json_ms_per_token']:>11.2f} | "
               f"{r['overhead_pct']:>7.1f}% | {r['mask_ms_per_step']:>12.2f} | {r['mask_pct_of_step']:>9.1f}%")

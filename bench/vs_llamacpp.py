@@ -91,7 +91,7 @@ def prompt_ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
 
 
 def decode_kvserve(hf_dir: Path, prompt: list[int], n: int, repeats: int) -> float:
-    from kvserve.runtime import LLM, SamplingParams
+    from kvserve.runtime import LLM
 
     llm = LLM(str(hf_dir), dtype="float32", device="cpu", max_model_len=2048)
     ms = batch1_decode_ms(llm, prompt, n, repeats)
@@ -185,7 +185,6 @@ def offline_kvserve(hf_dir: Path, prompts, outputs) -> float:
 
 def offline_transformers(hf_dir: Path, prompts, outputs, batch_size: int) -> float:
     import torch
-
     from offline_throughput import run_static_batches
 
     timer, _ = run_static_batches(hf_dir, prompts, outputs, batch_size, "cpu", torch.float32, pad_id=0)

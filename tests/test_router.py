@@ -12,8 +12,7 @@ import threading
 import time
 
 import pytest
-
-from router_harness import (Cluster, RouterProcess, RuntimePods, Workload, get_json, scrape, wait_for)
+from router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json, scrape, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
