@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-attempts", type=int, default=5,
+                   help="tries per request before it counts as failed; only a request that got no token yet is "
+                        "tried again (refused connection, dropped before the answer, HTTP 429/5xx)")
     p.add_argument("--label", default=None)
     p.add_argument("--result-dir", type=Path, default=RESULTS)
     p.add_argument("--result-filename", default=None)
@@ -85,6 +88,12 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     start: float = 0.0
+    attempts: int = 0
+
+
+# Answers that say "not now" rather than "never": a full server, one still loading, a proxy's 502.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+RETRY_BACKOFF_S = 0.2
 
 
 def make_dataset(n: int, in_len: int, out_len: int, ratio: float, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -97,18 +106,16 @@ def make_dataset(n: int, in_len: int, out_len: int, ratio: float, vocab: int, se
     return [([rng.randrange(low, vocab) for _ in range(draw(in_len))], draw(out_len)) for _ in range(n)]
 
 
-async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], out_len: int,
-               temperature: float) -> RequestResult:
-    res = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": temperature, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    res.start = t0 = time.perf_counter()
+async def send_once(session: aiohttp.ClientSession, url: str, body: dict, res: RequestResult) -> bool:
+    """One try; fills res. True if it may be tried again: it failed before its first token."""
+    t0 = time.perf_counter()
     last = t0
+    res.output_len, res.ttft, res.itl, res.error = 0, 0.0, [], ""
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return res
+                return resp.status in RETRY_STATUSES
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: "):
@@ -130,8 +137,27 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
         res.success = res.output_len > 0
         if not res.success:
             res.error = "no usage in stream"
+        return False
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
+        # A stream cut after its first token is a failure to report, not to hide by trying again.
+        return res.ttft == 0.0 and not isinstance(exc, ValueError)
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], out_len: int,
+               temperature: float, max_attempts: int = 1) -> RequestResult:
+    """A request, tried up to max_attempts times while it gets no token; TTFT and latency are
+    those of the try that answered (the time lost to refused tries shows in the duration)."""
+    res = RequestResult(prompt_len=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": temperature, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    res.start = time.perf_counter()
+    for attempt in range(max_attempts):
+        res.attempts = attempt + 1
+        if not await send_once(session, url, body, res):
+            break
+        if attempt + 1 < max_attempts:
+            await asyncio.sleep(RETRY_BACKOFF_S * 2 ** attempt)
     return res
 
 
@@ -151,16 +177,16 @@ async def run(args, base_url: str) -> dict:
         dataset = make_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, vocab, args.seed)
         # Warm-up: one short request so model load / first-call costs stay out of the numbers.
-        await send(session, url, model, dataset[0][0][:8], 2, args.temperature)
+        await send(session, url, model, dataset[0][0][:8], 2, args.temperature, args.max_attempts)
 
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = np.random.default_rng(args.seed)
 
         async def limited(prompt, out_len):
             if sem is None:
-                return await send(session, url, model, prompt, out_len, args.temperature)
+                return await send(session, url, model, prompt, out_len, args.temperature, args.max_attempts)
             async with sem:
-                return await send(session, url, model, prompt, out_len, args.temperature)
+                return await send(session, url, model, prompt, out_len, args.temperature, args.max_attempts)
 
         tasks = []
         t_start = time.perf_counter()
@@ -195,7 +221,10 @@ def summarize(args, model: str, results: list[RequestResult], duration: float, t
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
+        # Requests that answered only after a refused try: a server that drops requests shows
+        # here even when the retries kept them out of "failed".
+        "retried": sum(1 for r in results if r.attempts > 1),
+        "errors": sorted({r.error for r in results if r.error and not r.success})[:5],
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
@@ -207,7 +236,8 @@ def summarize(args, model: str, results: list[RequestResult], duration: float, t
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "e2el_ms": _stats([r.latency for r in ok]),
         "requests": [{"start_s": r.start - t_start, "ttft_s": r.ttft, "latency_s": r.latency,
-                      "output_len": r.output_len, "prompt_len": r.prompt_len} for r in results],
+                      "output_len": r.output_len, "prompt_len": r.prompt_len, "attempts": r.attempts,
+                      "error": r.error} for r in results],
     }
 
 
@@ -215,6 +245,7 @@ def print_table(s: dict) -> None:
     line = "=" * 50
     print(f"{line}\n{' Serving Benchmark Result ':=^50}\n{line}")
     rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+            ("Requests tried again", s["retried"]),
             ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
             ("Total input tokens", s["total_input_tokens"]), ("Total generated tokens", s["total_output_tokens"]),
             ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),

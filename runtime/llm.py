@@ -98,20 +98,9 @@ class LLM:
     def _run(self, prompts: list[Prompt], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        # Compile every grammar first (in the engine's compile threads, in parallel), so that a
-        # bad schema raises here, before anything is queued.
-        grammars = [engine.structured_outputs.compile(p.structured_outputs)
-                    for p in params_list if isinstance(p, SamplingParams) and p.structured_outputs is not None]
-        for fut in grammars:
-            fut.result()
         ids = [f"llm-{next(self._counter)}" for _ in prompts]
-        try:
-            for rid, prompt, params in zip(ids, prompts, params_list):
-                engine.add_request(rid, prompt, params)
-        except ValueError:
-            for rid in ids:  # a rejected batch leaves no output and is not counted as aborted
-                engine.withdraw_request(rid)
-            raise
+        # All or nothing: a bad prompt or schema raises here and nothing is queued.
+        engine.add_requests(zip(ids, prompts, params_list), wait_for_grammars=True)
         index = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = None

@@ -184,7 +184,7 @@ def _install_twin_graphs(llm: LLM) -> DecodeGraphs:
 
 def _generate(model_dir, prompts, params, *, graphs: bool, **kw):
     llm = LLM(str(model_dir), **{**SQUEEZED, **kw})
-    assert llm.engine._overlap == (kw.get("async_scheduling", False) and "speculative_config" not in kw)
+    assert llm.engine.core.overlap == (kw.get("async_scheduling", False) and "speculative_config" not in kw)
     twin = _install_twin_graphs(llm) if graphs else None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
@@ -242,7 +242,7 @@ def _stream(model_dir, *, async_scheduling: bool, abort_after: int | None = None
         steps += bool(outs)  # an overlapped engine's first call only launches step 1
         if steps == abort_after:
             eng.abort_request("gone")
-    assert eng.block_manager.num_used_blocks == 0 and eng._inflight is None
+    assert eng.block_manager.num_used_blocks == 0 and not eng.core.busy
     llm.close()
     return final
 
@@ -267,7 +267,7 @@ def test_an_abort_during_an_overlapped_forward_pass_drops_its_token(tiny_llama):
 def test_async_scheduling_keeps_speculative_steps_synchronous(tiny_llama):
     llm = LLM(str(tiny_llama), async_scheduling=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert not llm.engine._overlap
+    assert not llm.engine.core.overlap
     llm.close()
 
 

@@ -40,7 +40,7 @@ def test_samples_share_prompt_blocks_and_copy_the_partial_one_on_write(tiny_llam
     bm = engine.block_manager
     engine.add_request("r", PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True))
     engine.step()  # prefill, then four first tokens from the same logits: the samples fork
-    tables = [bm.get_block_table(s.seq.seq_id) for s in engine._requests["r"].samples]
+    tables = [bm.get_block_table(s.seq.seq_id) for s in engine.core.requests["r"].samples]
     assert len(tables) == 4 and all(t == tables[0] for t in tables)
     assert [bm.ref_counts[b] for b in tables[0]] == [4, 4, 4]
     assert bm.num_used_blocks == 3  # the prompt is held once whatever n is
@@ -48,7 +48,7 @@ def test_samples_share_prompt_blocks_and_copy_the_partial_one_on_write(tiny_llam
     k_before = [k[shared_partial, :2].clone() for k, _ in engine.kv_caches]
 
     engine.step()  # every sample writes its token 10 into the shared third block
-    tables = [bm.get_block_table(s.seq.seq_id) for s in engine._requests["r"].samples]
+    tables = [bm.get_block_table(s.seq.seq_id) for s in engine.core.requests["r"].samples]
     assert all(t[:2] == tables[0][:2] for t in tables) and bm.ref_counts[tables[0][0]] == 4
     thirds = [t[2] for t in tables]
     assert len(set(thirds)) == 4  # n - 1 copies, and the last writer kept the original
@@ -104,7 +104,7 @@ def test_aborts_before_and_after_the_fork_and_early_finishers_leak_nothing(tiny_
     engine.add_request("after", PROMPT, params)
     for _ in range(5):
         engine.step()
-    assert len(engine._requests["after"].samples) == 4
+    assert len(engine.core.requests["after"].samples) == 4
     engine.abort_request("after")
     drain(engine)
 

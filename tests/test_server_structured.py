@@ -128,6 +128,19 @@ def test_tool_choice_required_and_named(client):
     assert r.choices[0].finish_reason == "stop" and _args_valid(call) == "get_time"  # OpenAI: forced -> stop
 
 
+def test_required_with_parallel_calls_ends_with_tool_calls(client):
+    # Seeds 4 and 5 made the random model write get_time four times and run into max_tokens when
+    # the grammar let the array grow; it holds at most one call per tool now.
+    for tools in (TOOLS, TOOLS[1:]):
+        for seed in (4, 5):
+            r = chat(client, tools=tools, tool_choice="required", seed=seed, max_tokens=200)
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls" and r.usage.completion_tokens < 200
+            assert 1 <= len(choice.message.tool_calls) <= len(tools)
+            for call in choice.message.tool_calls:
+                _args_valid(call)
+
+
 def test_streamed_tool_calls_reassemble_to_the_sync_answer(client):
     for kw in (dict(tool_choice="required", parallel_tool_calls=False),
                dict(tool_choice={"type": "function", "function": {"name": "get_weather"}})):
@@ -210,7 +223,7 @@ def test_bad_requests_are_400s_naming_the_field(server, client, kw, param):
 
 
 def test_a_slow_compile_holds_neither_health_nor_other_requests(server, client):
-    manager = server.server.state.engine.engine.structured_outputs
+    manager = server.server.state.engine.structured_outputs
     slow = StructuredOutputsParams(json={"type": "object", "properties": {"waits": {"type": "boolean"}},
                                          "required": ["waits"]})
     pending: Future = Future()

@@ -278,7 +278,7 @@ def server(model_dir):
                         "--max-schema-chars", "10000000"])
     srv.start()
     wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
-    manager = srv.server.state.engine.engine.structured_outputs
+    manager = srv.server.state.engine.structured_outputs
     # Workers start with the first structured request, not with the server.
     assert manager.worker_pids() == []
     ask(client_from(srv, "127.0.0.1"), {"type": "object", "properties": {"warm": {"type": "integer"}}}, max_tokens=2)
@@ -317,7 +317,7 @@ def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(ser
     threads = [threading.Thread(target=attack, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    manager = server.server.state.engine.engine.structured_outputs
+    manager = server.server.state.engine.structured_outputs
     wait_until(lambda: manager._running.get("127.0.0.2"), timeout=10, interval=0.01)
     asked = time.monotonic()
     answer = ask(user, small("user"), max_tokens=30)
@@ -342,7 +342,7 @@ def test_attack_two_heavy_schemas_are_stopped_while_another_client_is_served(ser
 
 
 def test_a_client_that_disconnects_stops_its_compile(server):
-    manager = server.server.state.engine.engine.structured_outputs
+    manager = server.server.state.engine.structured_outputs
     schema = heavy("gone")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
@@ -381,7 +381,7 @@ def test_limits_are_400s_naming_field_and_flag(server, schema, message):
 
 
 def test_busy_is_a_429_with_retry_after(server):
-    manager = server.server.state.engine.engine.structured_outputs
+    manager = server.server.state.engine.structured_outputs
     schemas = [P(json=heavy(f"busy{i}")) for i in range(4)]
     settings = manager.settings
     manager.settings = dataclasses.replace(settings, timeout_s=60.0)  # held for the whole test, however loaded

@@ -70,6 +70,23 @@ def test_required_tool_call_is_valid_and_sensible(client):
     assert call.function.name == "get_weather" and "Paris" in call.function.arguments
 
 
+def test_required_tool_call_ends_once_its_calls_are_written(client):
+    # With parallel calls allowed and one tool, SmolLM2 wrote this call twice (75 tokens) when the
+    # grammar let the array grow: at max_tokens 60 the answer ended "length" with one call done.
+    weather = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a given location",
+        "parameters": {"type": "object", "properties": {
+            "location": {"type": "string", "description": "City and state, e.g. San Francisco, CA", "maxLength": 40},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location", "unit"]}}}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        tools=weather, tool_choice="required", max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and r.usage.completion_tokens < 60
+    [call] = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), weather[0]["function"]["parameters"])
+
+
 def test_auto_without_the_flags_is_a_400_and_the_server_stays_healthy(server, client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=TOOLS)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvserve.runtime.server.args import TOOL_CALL_PARSERS
 from kvserve.runtime.server.errors import APIError
-from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, Tool
 from kvserve.runtime.server.structured import ToolSettings, plan_outputs, required_schema
 from kvserve.runtime.server.tool_parsers import (
     PARSERS,
@@ -137,6 +137,15 @@ def test_plan_response_formats_and_structured_outputs():
     p = plan_outputs(CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}),
                      ToolSettings())
     assert p.structured.choice == ["a", "b"] and p.field == "structured_outputs" and p.parser is None
+
+
+@pytest.mark.parametrize("num_tools, parallel, max_items", [(1, True, 1), (2, True, 2), (5, True, 5),
+                                                             (1, False, 1), (5, False, 1)])
+def test_required_schema_holds_at_most_one_call_per_tool(num_tools, parallel, max_items):
+    tools = [Tool.model_validate({"type": "function", "function": {"name": f"f{i}"}}) for i in range(num_tools)]
+    schema = required_schema(tools, parallel)
+    assert schema["minItems"] == 1 and schema["maxItems"] == max_items
+    assert [v["properties"]["name"]["enum"] for v in schema["items"]["anyOf"]] == [[f"f{i}"] for i in range(num_tools)]
 
 
 def test_plan_tool_choices():

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 
@@ -182,10 +183,16 @@ def test_tp2_matches_tp1(tiny_model_factory, name):
         _assert_close_until_a_near_tie(want, got)
 
 
+def _twin_graphs(self, *, max_model_len):
+    """Worker.compile_and_capture building the CPU twin of CUDA graphs (padded static buffers,
+    run eagerly)."""
+    self.graphs = self.build_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+
+
+# The same, in the worker processes (sitecustomize runs at their start).
 _TWIN_GRAPHS = '''
 from kvserve.runtime.executor.worker import Worker
 def compile_and_capture(self, *, max_model_len):
-    # The CPU twin of CUDA graphs (padded static buffers, run eagerly) on this rank too.
     self.graphs = self.build_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
 Worker.compile_and_capture = compile_and_capture
 '''
@@ -200,9 +207,7 @@ def test_tp2_decode_graphs_replay_in_step_on_every_rank(tiny_model_factory, tmp_
 
     (tmp_path / "sitecustomize.py").write_text(_TWIN_GRAPHS)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    namespace: dict = {}
-    exec(_TWIN_GRAPHS, namespace)
-    monkeypatch.setattr(Worker, "compile_and_capture", namespace["compile_and_capture"])
+    monkeypatch.setattr(Worker, "compile_and_capture", _twin_graphs)
     model_dir = tiny_model_factory("llama")
     prompts, params = _mixed()
     kw = {**BASE, "max_num_seqs": 8}

@@ -20,17 +20,29 @@ With prefix caching, an admitted sequence first takes the cached blocks of its l
 prefix and computes only the rest; a fully cached sequence still recomputes its last token (its
 logits are needed). A decode with draft tokens (``seq.spec_token_ids``) runs 1 + k positions,
 fewer if the budget is short (the drafts are trimmed).
+
+After the forward pass, ``update_from_output`` takes the sampled tokens: it appends them, asks
+the stop checker (runtime/engine/stop_checker.py) whether each sample ends, rolls a speculative
+run back to what was verified, and forks the other samples of an n > 1 request off sample 0's
+blocks once its prompt is computed, so the engine's step loop does none of that itself.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
 
 from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator
 from kvserve.runtime.engine.prefix_cache import extend_block_hashes
 from kvserve.runtime.engine.sequence import Sequence, SequenceStatus
+from kvserve.runtime.engine.stop_checker import check_stop
+
+if TYPE_CHECKING:
+    from kvserve.runtime.engine.request import Request
+    from kvserve.runtime.outputs import Logprob
+    from kvserve.runtime.sampler import SamplerOutput
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,28 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SampleUpdate:
+    """What one step did to one sample: the tokens it took (a speculative run may take several,
+    and stops at the one that ends it) with their logprob entries, and whether it finished."""
+
+    req: "Request"
+    num_tokens: int
+    logprobs: "dict[int, Logprob] | None" = None  # the (single) token's entry, when asked for
+    finished: bool = False
+
+
+@dataclass
+class StepUpdate:
+    samples: list[SampleUpdate]
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    # Speculative decoding: verified runs, their draft positions, and the drafts accepted.
+    num_spec_runs: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -219,6 +253,72 @@ class Scheduler:
                     extend_block_hashes(seq.block_hashes, seq.token_ids, done, bm.block_size,
                                         seq.cache_extra)
                 bm.register(seq.seq_id, seq.block_hashes[: done // bm.block_size])
+
+    def update_from_output(self, out: SchedulerOutput, result: "SamplerOutput",
+                           requests: Mapping[int, "Request"]) -> StepUpdate:
+        """Takes a step's sampled tokens (`result.token_ids[k]`: an int, or a list for a verified
+        speculative run) in schedule order; `requests` maps seq ids to their samples."""
+        self.on_step_done(out)
+        update = StepUpdate([])
+        k = 0
+        for item in out.scheduled:
+            if not item.samples:
+                continue
+            req = requests[item.seq.seq_id]
+            samples = [req]
+            if req.unforked:
+                samples += self.fork(req)
+            for s in samples:
+                token, lp = result.token_ids[k], result.logprobs[k]
+                k += 1
+                if s.index == 0 and s.seq.num_output_tokens == 0:
+                    update.num_prompt_tokens += s.seq.num_prompt_tokens
+                if isinstance(token, list):  # verified drafts, then the target's own token
+                    update.num_spec_runs += 1
+                    update.num_draft_tokens += item.num_spec
+                    update.num_accepted_tokens += len(token) - 1
+                    update.num_generated_tokens += len(token)
+                    update.samples.append(self._take_spec_run(s, token))
+                    continue
+                update.num_generated_tokens += 1
+                s.seq.append_token(token)
+                update.samples.append(SampleUpdate(s, 1, lp, self._stop_if_done(s, token)))
+        return update
+
+    def _take_spec_run(self, req: "Request", tokens: list[int]) -> SampleUpdate:
+        """Appends a verified run, stopping early if the sample finishes on the way, and rolls the
+        sequence back to its verified length: drafts past the first rejection had K/V written."""
+        seq = req.seq
+        for n, t in enumerate(tokens, 1):
+            seq.append_token(t)
+            if self._stop_if_done(req, t):
+                return SampleUpdate(req, n, None, True)  # finished: its blocks are already freed
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.truncate(seq.seq_id, seq.num_tokens)
+        return SampleUpdate(req, len(tokens))
+
+    def _stop_if_done(self, req: "Request", token: int) -> bool:
+        status = check_stop(req, token)
+        if status is None:
+            return False
+        self.finish(req.seq, status)
+        req.finish_reason = status.finish_reason
+        return True
+
+    def fork(self, req: "Request") -> list["Request"]:
+        """Samples 1..n-1 of an n > 1 request take sample 0's blocks (its prompt is computed now)
+        and start running."""
+        children, req.unforked = req.unforked, []
+        parent = req.seq
+        for child in children:
+            self.block_manager.fork(parent.seq_id, child.seq.seq_id)
+            seq = child.seq
+            seq.num_computed_tokens = parent.num_computed_tokens
+            seq.block_hashes = list(parent.block_hashes)
+            seq.num_cached_tokens = parent.num_cached_tokens
+            self.add_running(seq)
+            child.metrics.first_scheduled_time = req.metrics.first_scheduled_time
+        return children
 
     # -- removal ---------------------------------------------------------------------------------
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

@@ -89,7 +89,7 @@ class ServerState:
 
     @property
     def limits(self) -> RequestLimits:
-        return self.config.limits.for_model(self.engine.engine.max_model_len if self.engine is not None else None)
+        return self.config.limits.for_model(self.engine.max_model_len if self.engine is not None else None)
 
     async def off_loop(self, fn, *args):
         """Runs fn(*args) on the preprocessing pool. A handler cancelled meanwhile (the client
@@ -295,7 +295,7 @@ def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, servi
         raise from_validation_error(exc) from None
     _check_model(state, req.model)
     engine = _check_serving(state)
-    tok = engine.engine.tokenizer
+    tok = engine.tokenizer
     if kind == "completion":
         prompts = []
         for p in req.prompts():
@@ -325,7 +325,7 @@ async def _prepare(request: web.Request, kind: str):
     state = request.app[STATE]
     async with _request_body(request) as body:
         engine, plan = await state.off_loop(_plan, state, body, kind)
-    limit = engine.engine.config.max_num_seqs + state.config.max_queue_len
+    limit = engine.max_num_seqs + state.config.max_queue_len
     wanted = sum(getattr(params, "n", 1) for _, _, params in plan.engine_requests)
     if wanted > limit:  # could never be admitted: a 429 would have the client retry forever
         raise APIError(400, f"n: this request needs {wanted} sequences (prompts x n) but the server admits at most "
@@ -348,7 +348,7 @@ async def _compile_grammar(request: web.Request, engine: AsyncEngine, outputs: s
     last one to leave stops it."""
     if outputs.structured is None:
         return
-    manager = engine.engine.structured_outputs
+    manager = engine.structured_outputs
     # In a thread: the limits check walks the schema, tens of ms for a big one.
     acquiring = asyncio.ensure_future(asyncio.to_thread(manager.acquire, outputs.structured, client=request.remote))
     try:
@@ -439,7 +439,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _model_card(state: ServerState, name: str) -> dict:
-    max_len = state.engine.engine.max_model_len if state.engine else None
+    max_len = state.engine.max_model_len if state.engine else None
     return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "kvserve",
             "root": name, "parent": None, "max_model_len": max_len}
 
@@ -472,7 +472,7 @@ def _tokenize_body(state: ServerState, raw: bytes) -> dict:
         raise from_validation_error(exc) from None
     _check_model(state, req.model)
     engine = _check_serving(state)
-    tok = engine.engine.tokenizer
+    tok = engine.tokenizer
     if req.prompt is not None:
         ids = _tokenize(tok, req.prompt, req.add_special_tokens)
     else:
@@ -483,7 +483,7 @@ def _tokenize_body(state: ServerState, raw: bytes) -> dict:
         text = _chat_prompt(tok, messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=False, kwargs=None, tools=req.template_tools())
         ids = _tokenize(tok, text, False)
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -500,11 +500,11 @@ def _detokenize_body(state: ServerState, raw: bytes) -> dict:
         raise from_validation_error(exc) from None
     _check_model(state, req.model)
     engine = _check_serving(state)
-    vocab = engine.engine.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"tokens: {bad[0]} is not a token id in the vocabulary [0, {vocab})", param="tokens")
-    return {"prompt": engine.engine.tokenizer.decode(req.tokens)}
+    try:
+        engine.check_token_ids(req.tokens, "tokens")
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tokens") from None
+    return {"prompt": engine.tokenizer.decode(req.tokens)}
 
 
 def _broken(state: ServerState) -> web.Response | None:

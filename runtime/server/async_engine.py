@@ -14,7 +14,10 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from kvserve.runtime.engine.client import EngineClient
 
 log = logging.getLogger("kvserve.server")
 
@@ -48,9 +51,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Thread owner of the engine. Create in the event loop; call `start()` once the engine exists."""
+    """Thread owner of the engine. Create in the event loop; call `start()` once the engine exists.
 
-    def __init__(self, engine: Any, on_stats: Callable[[Any], None] | None = None):
+    The engine is anything of the EngineClient shape (runtime/engine/client.py); the handlers
+    read its constant facts through this object and never reach the engine itself."""
+
+    def __init__(self, engine: "EngineClient", on_stats: Callable[[Any], None] | None = None):
         self.engine = engine
         self.on_stats = on_stats
         self.loop = asyncio.get_running_loop()
@@ -65,6 +71,30 @@ class AsyncEngine:
         self.last_stats: Any = None
         self.steps = 0
         self._dirty = False
+
+    # -- the engine's constant facts (any thread) -------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.max_num_seqs
+
+    @property
+    def structured_outputs(self) -> Any:
+        return self.engine.structured_outputs
+
+    def check_token_ids(self, ids: Any, field: str) -> None:
+        self.engine.check_token_ids(ids, field)
 
     # -- event-loop side --------------------------------------------------------------------------
     def start(self) -> None:
@@ -164,6 +194,12 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
 
+    async def close(self) -> None:
+        """After stop(): closes the engine (frees its pools, reaps tensor-parallel workers)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
     # -- engine thread ----------------------------------------------------------------------------
     def _apply_commands(self) -> bool:
         with self._lock:
@@ -177,15 +213,7 @@ class AsyncEngine:
                 continue
             try:
                 if kind == "add":
-                    added: list[str] = []
-                    try:
-                        for rid, prompt, params in payload:
-                            self.engine.add_request(rid, prompt, params)
-                            added.append(rid)
-                    except BaseException:
-                        for rid in added:  # a rejected batch is not an abort in the metrics
-                            self.engine.withdraw_request(rid)
-                        raise
+                    self.engine.add_requests(payload)  # all or nothing
                     result = None
                 elif kind == "abort":
                     for rid in payload:

@@ -165,9 +165,7 @@ class Server:
         await runner.cleanup()
         if state.engine is not None:
             await state.engine.stop()
-            close = getattr(state.engine.engine, "close", None)
-            if close is not None:  # tensor-parallel workers are processes: reap them before exiting
-                await asyncio.to_thread(close)
+            await state.engine.close()  # tensor-parallel workers are processes: reap them before exiting
         log.info("stopped")
         return exit_code
 

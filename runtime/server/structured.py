@@ -6,8 +6,9 @@ read (a tool parser, or none) out. vLLM's OpenAI server is the reference:
 - ``response_format`` json_object / json_schema, or vLLM's ``structured_outputs`` body field,
   constrain the text; it is returned as content.
 - ``tool_choice: "required"`` constrains the answer to a JSON array of ``{"name", "parameters"}``
-  objects, one of the tools each (at most one with ``parallel_tool_calls: false``); a named
-  ``tool_choice`` constrains it to that function's arguments. Both always parse and validate,
+  objects, one of the tools each, at most one call per tool (one in all with
+  ``parallel_tool_calls: false``); a named ``tool_choice`` constrains it to that function's
+  arguments. Both always parse and validate,
   and are written compactly (``{"a": 1}``: arguments are for programs, not readers).
 - ``tool_choice: "auto"`` leaves the text free and reads tool calls out of it with the server's
   ``--tool-call-parser`` (it needs ``--enable-auto-tool-choice``).
@@ -52,15 +53,18 @@ def _parameters(tool: Tool) -> dict[str, Any]:
 
 
 def required_schema(tools: list[Tool], parallel_tool_calls: bool) -> dict[str, Any]:
-    """A JSON array of one or more calls, each naming one of the tools with its own parameters."""
+    """A JSON array of one or more calls, each naming one of the tools with its own parameters.
+
+    The array holds at most one call per tool (one in all without parallel calls). Unbounded, the
+    grammar offers "," after every call and a small model takes it, repeating its call: SmolLM2
+    did until max_tokens, so the answer ended "length" with an unfinished call. Bounded, the
+    grammar allows only "]" and the end once the last call is written: the answer ends
+    "tool_calls"."""
     variants = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
                                 "parameters": _parameters(t)},
                  "required": ["name", "parameters"]} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": {"type": "object", "anyOf": variants}}
-    if not parallel_tool_calls:
-        schema["maxItems"] = 1
-    return schema
+    return {"type": "array", "minItems": 1, "maxItems": len(tools) if parallel_tool_calls else 1,
+            "items": {"type": "object", "anyOf": variants}}
 
 
 def _json_params(schema: Any, field: str, compact: bool = False) -> StructuredOutputsParams:
