@@ -61,7 +61,7 @@ class CompilationConfig:
     max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE
 
     @classmethod
-    def parse(cls, value: Any) -> "CompilationConfig":
+    def parse(cls, value: Any) -> CompilationConfig:
         """None, a dict, a JSON string, a bare level (0 or 3), or a CompilationConfig."""
         if value is None:
             return cls()

@@ -26,7 +26,7 @@ class ForwardInput:
     # (group, src, dst) triples with KV cache groups.
     block_copies: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
-    def to(self, device: torch.device) -> "ForwardInput":
+    def to(self, device: torch.device) -> ForwardInput:
         if device.type == "cpu":
             return self
         return dataclasses.replace(self, input_ids=_to(self.input_ids, device), positions=_to(self.positions, device),

@@ -56,7 +56,7 @@ FAILURE_GRACE_S = 3.0
 _BOOT = ("import json, os, sys; sys.path[:0] = json.loads(os.environ.pop('KVSERVE_TP_SYS_PATH', '[]')); "
          "from kvserve.runtime.executor.worker_process import main; main()")
 
-_live: "weakref.WeakSet[MultiProcExecutor]" = weakref.WeakSet()
+_live: weakref.WeakSet[MultiProcExecutor] = weakref.WeakSet()
 
 
 class TensorParallelError(RuntimeError):
@@ -359,7 +359,7 @@ class MultiProcExecutor(Executor):
             w.kill()
 
     @staticmethod
-    def _watch(ref: "weakref.ref[MultiProcExecutor]", stop_r: int) -> None:
+    def _watch(ref: weakref.ref[MultiProcExecutor], stop_r: int) -> None:
         # Holds the executor only weakly between wake-ups, so an engine dropped without close()
         # is still collected (and __del__ stops its workers).
         while True:

@@ -10,7 +10,7 @@ head all-gathers, so each rank ends a step with the full logits (rank 0 samples 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -108,7 +108,8 @@ class Worker:
         lens = [bs] * (num_tokens // bs) + ([num_tokens % bs] if num_tokens % bs else [])
         pools = allocate_kv_cache(self.model_config.shape, 1, bs, self.kv_cache_dtype, dev, self.world_size)
         starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        meta = AttentionMetadata(query_start_loc=starts.to(dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        meta = AttentionMetadata(query_start_loc=starts.to(dev),
+                                 seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
                                  block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
                                  slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
                                  max_query_len=max(lens), max_seq_len=max(lens), is_decode_only=False)

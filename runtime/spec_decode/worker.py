@@ -173,7 +173,8 @@ class SpecDecoder:
                 local = step.to(self.device)
                 self.draft_model(local.input_ids, local.positions, self.draft_kv, local.meta)
             elif mirror:
-                local = runner.prepare([scheduled[i] for i in mirror], [block_tables[i] for i in mirror]).to(self.device)
+                local = runner.prepare([scheduled[i] for i in mirror], [block_tables[i] for i in mirror])
+                local = local.to(self.device)
                 self.draft_model(local.input_ids, local.positions, self.draft_kv, local.meta)
         if logits is None:
             return SamplerOutput([], [])
