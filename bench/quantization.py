@@ -31,7 +31,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from vs_llamacpp import decode_llamacpp, load_average, offline_llamacpp, prompt_ids  # noqa: E402
 
@@ -140,7 +139,7 @@ def format_bytes_per_param(quantization: str | None, dtype: str, model_shape) ->
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from realmodel import ensure_smollm2
+    from kvserve.testing.realmodel import ensure_smollm2
 
     model = ensure_smollm2()
     hf_dir = Path(model.hf_dir)

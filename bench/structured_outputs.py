@@ -31,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def parse_args(argv=None):
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
 
     model = args.model
     if model is None:
-        from realmodel import ensure_smollm2
+        from kvserve.testing.realmodel import ensure_smollm2
 
         model = ensure_smollm2().hf_dir
     batches = [int(b) for b in args.batch_sizes.split(",")]

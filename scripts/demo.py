@@ -36,7 +36,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -80,7 +79,7 @@ def demo_model() -> Path:
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         say(f"    cached: {path}")
         return path
-    from tinymodels import build_tiny_model
+    from kvserve.testing.tinymodels import build_tiny_model
 
     shutil.rmtree(path, ignore_errors=True)
     build_tiny_model(path, "llama", **MODEL_CONFIG)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tinymodels import build_tokenizer
 
 from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer, make_decode_fn
+from kvserve.testing.tinymodels import build_tokenizer
 
 TEXTS = [
     "Hello world! How are you today?",
