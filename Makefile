@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 TORCH_VERSION ?= 2.13.0
 IMAGE ?= kvserve:dev
 
-.PHONY: install test test-fast bench demo clean manifests prometheus helm-env image
+.PHONY: install lint test test-fast bench demo clean manifests prometheus helm-env image
 
 install: $(VENV)/.installed
 
@@ -18,10 +18,14 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
-test: install
+# ruff first: a lint error fails in seconds, not after the suite (its rules are in pyproject.toml).
+lint: install
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: lint
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: install

@@ -4,9 +4,14 @@
 Python from the repository root never shadows the standard library's `operator` module.
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 FOLDERS = {"runtime": "kvserve.runtime", "kernels": "kvserve.kernels", "operator": "kvserve.operator"}
+# What tests, bench/ and scripts/ share (tiny models, the real model): a checkout's, not the image's.
+if (Path(__file__).resolve().parent / "testing" / "__init__.py").is_file():
+    FOLDERS["testing"] = "kvserve.testing"
 
 package_dir = {}
 packages = []

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -217,9 +216,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from realmodel import ensure_smollm2
-
     from kvserve.kernels.cpu import native
+    from kvserve.testing.realmodel import ensure_smollm2
 
     hf_dir = ensure_smollm2().hf_dir
     result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_count": os.cpu_count(),

@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 
-
 import torch  # noqa: E402
 from aiohttp import web  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

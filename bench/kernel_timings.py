@@ -134,12 +134,12 @@ def bench_decode(grid, copy_bw, rows):
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
         scale = HEAD_DIM ** -0.5
         out = torch.empty_like(q)
-        run = lambda: paged_decode_attention(q, k_cache, v_cache, qsl, seq_lens, tables, scale,  # noqa: E731
+        run = lambda: paged_decode_attention(q, k_cache, v_cache, qsl, seq_lens, tables, scale,  # noqa: E731, F821 (deleted after use below)
                                              max_seq_len=context, out=out)
         run()
         ks, vs = gathered(k_cache, tables, context), gathered(v_cache, tables, context)
         q4 = q.unsqueeze(2)
-        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, ks, vs, scale=scale, enable_gqa=True)  # noqa: E731
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, ks, vs, scale=scale, enable_gqa=True)  # noqa: E731, F821 (deleted after use below)
         err = check(f"decode b{batch} c{context}", out, sdpa().squeeze(2))
         ms, ms_sdpa = timed(run), timed(sdpa)
         moved = kv_bytes + 2 * q.numel() * ELT
@@ -159,7 +159,7 @@ def bench_prefill(grid, rows):
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
         scale = HEAD_DIM ** -0.5
         out = torch.empty_like(q)
-        run = lambda: paged_prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, scale,  # noqa: E731
+        run = lambda: paged_prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, scale,  # noqa: E731, F821 (deleted after use below)
                                               max_query_len=prompt, out=out)
         run()
         group = HEADS // KV_HEADS
@@ -170,9 +170,9 @@ def bench_prefill(grid, rows):
         # nothing is cached can use is_causal; otherwise an explicit mask.
         if cached:
             mask = torch.ones(prompt, context, dtype=torch.bool, device=DEVICE).tril(cached)
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, ks, vs, attn_mask=mask, scale=scale)  # noqa: E731
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, ks, vs, attn_mask=mask, scale=scale)  # noqa: E731, F821 (deleted after use below)
         else:
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, ks, vs, is_causal=True, scale=scale)  # noqa: E731
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, ks, vs, is_causal=True, scale=scale)  # noqa: E731, F821 (deleted after use below)
         want = sdpa().transpose(1, 2).reshape(batch * prompt, HEADS, HEAD_DIM)
         err = check(f"prefill b{batch} p{prompt} c{cached}", out, want)
         ms, ms_sdpa = timed(run), timed(sdpa)
@@ -186,7 +186,7 @@ def bench_prefill(grid, rows):
 
 def bench_elementwise(tokens_grid, copy_bw, rows):
     gen = torch.Generator(device=DEVICE).manual_seed(2)
-    rnd = lambda *shape: torch.randn(*shape, dtype=DTYPE, device=DEVICE, generator=gen)  # noqa: E731
+    rnd = lambda *shape: torch.randn(*shape, dtype=DTYPE, device=DEVICE, generator=gen)  # noqa: E731, F821 (deleted after use below)
     for tokens in tokens_grid:
         x, res, w = rnd(tokens, HIDDEN), rnd(tokens, HIDDEN), rnd(HIDDEN)
         qkv = rnd(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)

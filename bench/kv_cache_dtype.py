@@ -5,7 +5,7 @@
     python bench/kv_cache_dtype.py --device cuda --dtypes bfloat16 --context 4096 --batch 1,64
 
 For each model dtype and kv_cache_dtype (auto, fp8_e4m3, fp8_e5m2), on the real SmolLM2 model
-(tests/realmodel.py): the KV tokens one GiB of pool holds, measured from the engine's allocated
+(testing/realmodel.py): the KV tokens one GiB of pool holds, measured from the engine's allocated
 pool and predicted by the capacity model; decode ms/token at each batch size over a prompt of
 --context tokens (greedy, ignore_eos; engines of one dtype interleaved over --rounds, each keeping
 its best round, so load drifting on a shared machine does not favour one); and how closely greedy
@@ -26,7 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
 
 GiB = 1 << 30
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from realmodel import ensure_smollm2
+        from kvserve.testing.realmodel import ensure_smollm2
 
         args.model = ensure_smollm2().hf_dir
     batches = [int(b) for b in args.batch.split(",")]

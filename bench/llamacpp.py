@@ -136,7 +136,7 @@ class LlamaServer:
         self.log_path = log_path or BUILD / "llamacpp-logs" / f"server-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)

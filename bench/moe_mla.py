@@ -31,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
 
 DEEPSEEK_V3 = dict(model_type="deepseek_v3", num_hidden_layers=61, hidden_size=7168, intermediate_size=18432,
                    moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128,
@@ -82,11 +81,10 @@ def kv_table() -> list[dict]:
 
 def measured_pool() -> dict:
     """A real engine's latent pool against the capacity model (a scaled-down DeepSeek-V2-Lite)."""
-    from tinymodels import build_tiny_model
-
     from kvserve.runtime import LLMEngine
     from kvserve.runtime.capacity import GiB, kv_bytes_per_token
     from kvserve.runtime.kv_cache import kv_cache_bytes
+    from kvserve.testing.tinymodels import build_tiny_model
 
     model_dir = build_tiny_model(RESULTS / "models" / "deepseek-v2-small", "deepseek_v2",
                                  hidden_size=256, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128,

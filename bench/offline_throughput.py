@@ -250,7 +250,8 @@ def main(argv=None) -> int:
 
     result = dict(
         benchmark="offline_throughput", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        model=str(model_dir), architecture=mcfg.architecture, params_millions=round(params_m, 1), dtype=dtype_name, device=args.device,
+        model=str(model_dir), architecture=mcfg.architecture, params_millions=round(params_m, 1),
+        dtype=dtype_name, device=args.device,
         threads=torch.get_num_threads(), machine=platform.platform(), cpu_count=os.cpu_count(),
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)), output_tokens=sum(outputs),

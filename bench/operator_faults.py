@@ -39,15 +39,14 @@ STEPS = ("create", "ready", "spec change", "scale up", "scale down", "delete")
 
 def run_one(rate: float, mode: str, step_timeout: float, seed: int) -> dict:
     import kopf
-
-    from kvserve.operator import handlers, kube
-    from kvserve.operator.handlers import OperatorConfig
-    from kvserve.operator.retry import RetryPolicy
-
     from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all
     from fault_proxy import FaultProxy
     from kube_emulator import EmulatorThread
     from test_operator_e2e import TINY, defaulted
+
+    from kvserve.operator import handlers, kube
+    from kvserve.operator.handlers import OperatorConfig
+    from kvserve.operator.retry import RetryPolicy
 
     saved = (handlers.HANDLER_BACKOFF, handlers.KOPF_ERROR_BACKOFFS, kube.KubeClient.__init__.__kwdefaults__,
              handlers.handler_delay)

@@ -31,7 +31,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from vs_llamacpp import decode_llamacpp, load_average, offline_llamacpp, prompt_ids  # noqa: E402
 
@@ -86,11 +85,10 @@ def gguf_tensor_bytes(path: Path) -> tuple[int, int]:
 
 def run_kvserve(model_path: str, dtype: str, quantization: str | None, prompt, args) -> dict:
     import torch
-
-    from kvserve.runtime import LLM, SamplingParams
     from vs_llamacpp import batch1_decode_ms
 
     from kvserve.kernels.cpu.native import status as native_status
+    from kvserve.runtime import LLM, SamplingParams
     from kvserve.runtime.models.quantization.packed import cpu_packed_enabled
 
     torch.set_num_threads(args.threads)
@@ -141,7 +139,7 @@ def format_bytes_per_param(quantization: str | None, dtype: str, model_shape) ->
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from realmodel import ensure_smollm2
+    from kvserve.testing.realmodel import ensure_smollm2
 
     model = ensure_smollm2()
     hf_dir = Path(model.hf_dir)

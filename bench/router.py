@@ -70,7 +70,7 @@ def parse_args(argv=None):
 
 
 def default_model() -> Path:
-    from realmodel import ensure_smollm2
+    from kvserve.testing.realmodel import ensure_smollm2
 
     return Path(ensure_smollm2().hf_dir)
 

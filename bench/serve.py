@@ -138,7 +138,7 @@ async def send_once(session: aiohttp.ClientSession, url: str, body: dict, res: R
         if not res.success:
             res.error = "no usage in stream"
         return False
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         # A stream cut after its first token is a failure to report, not to hide by trying again.
         return res.ttft == 0.0 and not isinstance(exc, ValueError)
@@ -389,7 +389,8 @@ def main(argv=None) -> int:
                 proc.kill()
     print_table(summary)
     args.result_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.result_filename or f"serve-{summary['label'] or 'server'}-in{args.random_input_len}-out{args.random_output_len}-" \
+    stem = args.result_filename or f"serve-{summary['label'] or 'server'}-in{args.random_input_len}-" \
+                                    f"out{args.random_output_len}-" \
                                     f"n{args.num_prompts}-c{args.max_concurrency or 'inf'}-r{args.request_rate}"
     stem = stem.removesuffix(".json")
     out = args.result_dir / f"{stem}.json"

@@ -247,7 +247,7 @@ def per_sequence_part(args, rng, params, windowed: Path, full: Path, max_len: in
                              seconds=seconds)
         per_seq.append(row)
 
-    print(f"\n1. one sequence: the most KV it holds at once (block manager), model prediction in ()")
+    print("\n1. one sequence: the most KV it holds at once (block manager), model prediction in ()")
     print(f"{'context':>8} {'window: tokens':>18} {'KiB':>8} {'full: tokens':>16} {'KiB':>8} {'full / window':>14}")
     for row in per_seq:
         w, f = row["window"], row["full"]

@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                                 draft_tokens=r["draft_tokens"], accepted_tokens=r["accepted"],
                                 acceptance_rate=rate, tokens_per_verify_step=per_step, same_output=same))
     record = dict(benchmark="spec_decode", model=str(model_dir), device=args.device, threads=torch.get_num_threads(),
-                  k=k, rounds=args.rounds, num_requests=args.num_requests, concurrency=args.concurrency, prompt_len=len(prompts[0]), output_len=args.output_len,
+                  k=k, rounds=args.rounds, num_requests=args.num_requests, concurrency=args.concurrency,
+                  prompt_len=len(prompts[0]), output_len=args.output_len,
                   rows=record_rows, machine=platform.platform(), cpu_count=os.cpu_count(),
                   date=time.strftime("%Y-%m-%d"))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def parse_args(argv=None):
@@ -150,7 +148,7 @@ def main(argv=None) -> int:
 
     model = args.model
     if model is None:
-        from realmodel import ensure_smollm2
+        from kvserve.testing.realmodel import ensure_smollm2
 
         model = ensure_smollm2().hf_dir
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -31,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def parse_args(argv=None):
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
 
     model = args.model
     if model is None:
-        from realmodel import ensure_smollm2
+        from kvserve.testing.realmodel import ensure_smollm2
 
         model = ensure_smollm2().hf_dir
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -164,7 +163,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print(f"\nstructured outputs, {Path(model).name}, {args.device}, {torch.get_num_threads()} threads, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(f"{'batch':>5} | {'free ms/tok':>11} | {'json ms/tok':>11} | {'overhead':>8} | {'mask ms/step':>12} | {'mask share':>10}")
+    print(f"{'batch':>5} | {'free ms/tok':>11} | {'json ms/tok':>11} | {'overhead':>8} | {'mask ms/step':>12} | "
+          f"{'mask share':>10}")
     for r in rows:
         print(f"{r['batch']:>5} | {r['free_ms_per_token']:>11.2f} | {r['json_ms_per_token']:>11.2f} | "
               f"{r['overhead_pct']:>7.1f}% | {r['mask_ms_per_step']:>12.2f} | {r['mask_pct_of_step']:>9.1f}%")

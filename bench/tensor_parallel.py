@@ -169,9 +169,8 @@ def measure(model_dir: Path, tp: int, threads: int, args, prompts, outputs) -> d
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     import offline_throughput as offline  # sibling script: bench/ is on sys.path
+    import torch
 
     if args.tiny:
         model_dir = build_tiny_model(RESULTS / "models" / "llama-tiny")
@@ -200,7 +199,7 @@ def main(argv=None) -> int:
                   f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     med = statistics.median
     rows = []
-    for (tp, threads), rs in runs.items():
+    for rs in runs.values():
         rows.append(dict(rs[0], startup_s=med(r["startup_s"] for r in rs),
                          tpot_ms={b: med(r["tpot_ms"][b] for r in rs) for b in rs[0]["tpot_ms"]},
                          output_tokens_per_s=med(r["output_tokens_per_s"] for r in rs), runs=rs))

@@ -17,7 +17,7 @@ One command, three sections (each engine in turn, one heavy process at a time, s
     python bench/vs_llamacpp.py --quick                        # fewer tokens and requests (~5 min)
     python bench/vs_llamacpp.py --sections decode --engines kvserve,llamacpp
 
-float32 everywhere: the HF directory (float32 safetensors, tests/realmodel.py) for kvserve and
+float32 everywhere: the HF directory (float32 safetensors, testing/realmodel.py) for kvserve and
 transformers, and llama.cpp's own F32 GGUF conversion of that directory. Writes
 bench/results/vs_llamacpp.json and bench/results/vs_llamacpp-serve.png; prints one table with
 each figure's ratio to llama.cpp's and the targets of issue 13.
@@ -40,7 +40,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 ENGINES = ("kvserve", "transformers", "llamacpp")
 SECTIONS = ("decode", "offline", "serve")
@@ -91,7 +90,7 @@ def prompt_ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
 
 
 def decode_kvserve(hf_dir: Path, prompt: list[int], n: int, repeats: int) -> float:
-    from kvserve.runtime import LLM, SamplingParams
+    from kvserve.runtime import LLM
 
     llm = LLM(str(hf_dir), dtype="float32", device="cpu", max_model_len=2048)
     ms = batch1_decode_ms(llm, prompt, n, repeats)
@@ -185,7 +184,6 @@ def offline_kvserve(hf_dir: Path, prompts, outputs) -> float:
 
 def offline_transformers(hf_dir: Path, prompts, outputs, batch_size: int) -> float:
     import torch
-
     from offline_throughput import run_static_batches
 
     timer, _ = run_static_batches(hf_dir, prompts, outputs, batch_size, "cpu", torch.float32, pad_id=0)
@@ -262,7 +260,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from llamacpp import convert_hf_to_gguf
-    from realmodel import ensure_smollm2
+
+    from kvserve.testing.realmodel import ensure_smollm2
 
     engines = [e for e in args.engines.split(",") if e]
     sections = [s for s in args.sections.split(",") if s]

@@ -1,5 +1,6 @@
 """Triton kernels for the per-token layer ops: RMSNorm (plain and fused with the residual add;
-Llama's and Gemma's (1 + weight) variant), rotary embedding, SiLU-and-mul and GELU(tanh)-and-mul. Each mirrors its twin in ``reference.py`` step for step,
+Llama's and Gemma's (1 + weight) variant), rotary embedding, SiLU-and-mul and GELU(tanh)-and-mul.
+Each mirrors its twin in ``reference.py`` step for step,
 including where the twin rounds back to the activation dtype, so they agree to rounding error.
 
 All functions return new tensors (never write their inputs), like the twins.

@@ -68,7 +68,7 @@ class EngineConfig:
         self.validate()
 
     @classmethod
-    def from_args(cls, **kwargs: Any) -> "EngineConfig":
+    def from_args(cls, **kwargs: Any) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

@@ -18,14 +18,13 @@ tokens in the same budget. The attention backends scale on write and read (per-l
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from kvserve.runtime.capacity import ModelShape, blocks_for_budget, kv_bytes_per_token
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.engine.kv_cache_groups import KVCacheGroup, hybrid_group_blocks
-
 
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 

@@ -85,7 +85,7 @@ class SamplingParams:
         self._validate()
 
     @classmethod
-    def from_dict(cls, fields: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
         return cls(**fields)
 
     def _validate(self) -> None:
@@ -152,7 +152,7 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1.0)
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         fields = {name: getattr(self, name) for name in self.__slots__}
         fields.update(changes)
         return SamplingParams(**fields)

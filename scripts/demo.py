@@ -36,7 +36,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -80,7 +79,7 @@ def demo_model() -> Path:
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         say(f"    cached: {path}")
         return path
-    from tinymodels import build_tiny_model
+    from kvserve.testing.tinymodels import build_tiny_model
 
     shutil.rmtree(path, ignore_errors=True)
     build_tiny_model(path, "llama", **MODEL_CONFIG)
@@ -272,7 +271,7 @@ class Kubelet:
         self.router_env = {**self.env, "KUBECONFIG": str(kubeconfig or "")}
         self.prefix = PrefixMeter()
 
-    def start(self) -> "Kubelet":
+    def start(self) -> Kubelet:
         self.thread.start()
         return self
 
@@ -519,7 +518,7 @@ class Operator:
         self.log = logs / "operator.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Operator":
+    def start(self) -> Operator:
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT)
 
@@ -605,7 +604,7 @@ async def one_turn(session, router_ips, model_name: str, messages: list[dict], m
             ttft = first - start if first else None
             tpot = (last - first) / (tokens - 1) if first and tokens > 1 else None
             return Result(True, ttft, tpot, tokens, retries=retries), "".join(text)
-        except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
             err = f"{type(e).__name__}: {e}"
             await asyncio.sleep(0.5)
     return Result(False, error=err, retries=max(retries, 0)), ""
@@ -765,7 +764,7 @@ class Watcher:
                 f"queue {st.get('queueDepth', '-')}")
 
 
-def idle_until_zero(watcher: "Watcher", kubelet: "Kubelet", timeout: float) -> bool:
+def idle_until_zero(watcher: Watcher, kubelet: Kubelet, timeout: float) -> bool:
     """A bar of idle seconds, with the live status, until the service is scaled to zero."""
     from tqdm import tqdm
 

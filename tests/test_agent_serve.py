@@ -6,7 +6,6 @@ import asyncio
 import pathlib
 
 import aiohttp
-import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 

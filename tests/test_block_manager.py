@@ -1,7 +1,8 @@
 """Block manager invariants under random operation sequences, plus copy-on-write by hand."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.runtime.engine.block_manager import BlockManager, NoFreeBlocksError
 

@@ -1,7 +1,8 @@
 """The shared capacity model: table tests against hand-computed numbers and its invariants."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvserve.runtime.capacity import (
     GiB,

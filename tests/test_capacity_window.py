@@ -4,9 +4,9 @@ Mistral) and what is not (Gemma's and Qwen2's mixed layers), in agreement with t
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.capacity import (
     GiB,
     ModelShape,
@@ -15,6 +15,7 @@ from kvserve.runtime.capacity import (
     kv_tokens_held,
     plan_capacity,
 )
+from kvserve.runtime.engine.block_manager import BlockManager
 
 # Real models' configs (the fields that matter here).
 MISTRAL_7B_V01 = dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=4096,

@@ -62,9 +62,9 @@ def test_demo_scales_up_routes_sleeps_wakes_and_cleans_up():
 
 def test_pods_run_the_operators_container_commands_on_their_own_address():
     """The demo's kubelet runs exactly the pod template's commands, relocated to the pod IP."""
+    import demo
     import yaml
 
-    import demo
     from kvserve.operator import manifests as M
     from kvserve.operator.spec import parse_spec
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer, make_decode_fn
-from tinymodels import build_tokenizer
+from kvserve.testing.tinymodels import build_tokenizer
 
 TEXTS = [
     "Hello world! How are you today?",

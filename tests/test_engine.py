@@ -9,8 +9,6 @@ import pytest
 from kvserve.runtime import LLM, EngineConfig, LLMEngine, SamplingParams
 
 
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     return LLMEngine.from_args(model=str(tiny_llama), block_size=4, num_kv_blocks=48,
@@ -133,7 +131,7 @@ def test_streamed_text_extends_and_stats_are_recorded(engine):
     engine.add_request("s1", "The quick brown fox", SamplingParams(temperature=0, max_tokens=12))
     engine.add_request("s2", [9, 10, 11], SamplingParams(temperature=0, max_tokens=5, stop=["zzz"]))
     outs = drain(engine)
-    for rid, stream in outs.items():
+    for stream in outs.values():
         texts = [o.outputs[0].text for o in stream]
         for a, b in zip(texts, texts[1:]):
             assert b.startswith(a)

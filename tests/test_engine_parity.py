@@ -84,7 +84,7 @@ CONFIGS = [
     pytest.param("gemma3", dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
                                                                  "sliding_attention"],
                                 rope_scaling={"rope_type": "linear", "factor": 4.0}), id="gemma3-window8-local-rope"),
-    # Mixture of experts (tests/tinymodels.py holds each family's small expert layout).
+    # Mixture of experts (testing/tinymodels.py holds each family's small expert layout).
     pytest.param("mixtral", {}, id="mixtral-top2of4"),
     pytest.param("qwen2_moe", {}, id="qwen2moe-gated-shared-expert"),
     pytest.param("qwen2_moe", dict(norm_topk_prob=True, decoder_sparse_step=2, num_hidden_layers=3),

@@ -9,11 +9,11 @@ import math
 import pathlib
 import threading
 
+import ggufmodels as G
 import numpy as np
 import pytest
 import torch
 
-import ggufmodels as G
 from kvserve.runtime import LLM, SamplingParams
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.attention.torch_backend import TorchAttentionBackend
@@ -469,7 +469,6 @@ def test_real_smollm2_q4_1_matches_transformers_and_answers(smollm2):
     where the oracle's own top two logits are a near tie (then the rest of that sequence is not
     compared); and a chat question gets the right answer."""
     import transformers
-
     from test_engine_parity import hf_greedy
 
     llm = LLM(str(smollm2.gguf), max_model_len=512)
@@ -507,9 +506,9 @@ def test_serve_a_fetched_gguf_directory_over_the_openai_api(tiny_gguf, tmp_path)
     import shutil
 
     import openai
+    from server_helpers import http, wait_until
 
     from kvserve.runtime.server.main import ServerThread
-    from server_helpers import http, wait_until
 
     model_dir = tmp_path / "models" / "tiny"
     model_dir.mkdir(parents=True)

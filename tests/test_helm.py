@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-
 import test_manifests as tm
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 RENDER = ROOT / "scripts" / "helm_render.py"

@@ -12,11 +12,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine_parity import hf_greedy  # noqa: E402  (tests/ is on sys.path via conftest)
 
 from kvserve.runtime import LLMEngine, SamplingParams
-from kvserve.runtime.engine.block_manager import FREED, BlockManager, NoFreeBlocksError
 from kvserve.runtime.capacity import ModelShape, kv_bytes_per_token, kv_tokens_held, plan_capacity
+from kvserve.runtime.engine.block_manager import FREED, BlockManager, NoFreeBlocksError
 from kvserve.runtime.engine.kv_cache_groups import (
     KVCacheCoordinator,
     KVCacheGroup,
@@ -24,8 +26,6 @@ from kvserve.runtime.engine.kv_cache_groups import (
     kv_cache_groups,
 )
 from kvserve.runtime.engine.prefix_cache import block_hashes
-
-from test_engine_parity import hf_greedy  # noqa: E402  (tests/ is on sys.path via conftest)
 
 WINDOW = 8
 BLOCK = 4

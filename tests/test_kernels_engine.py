@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("triton")
 
 from kvserve.kernels import layers, ops  # noqa: E402
-from kvserve.runtime.attention import triton_backend as attention_backend  # noqa: E402
 from kvserve.runtime import LLM, SamplingParams  # noqa: E402
+from kvserve.runtime.attention import triton_backend as attention_backend  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

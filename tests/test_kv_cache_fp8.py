@@ -181,7 +181,7 @@ def test_prefix_caching_gives_the_same_tokens_on_fp8(tiny_llama):
 
 def test_copy_on_write_copies_float8_blocks(tiny_llama):
     caches = allocate_kv_cache(ModelShape(2, 64, 4, 2, 16, 128, 512), 6, 4, torch.float8_e4m3fn, torch.device("cpu"))
-    for i, (k, v) in enumerate(caches):
+    for k, v in caches:
         k.copy_(torch.randn(k.shape).to(k.dtype))
         v.copy_(torch.randn(v.shape).to(v.dtype))
     before = [(k.clone(), v.clone()) for k, v in caches]

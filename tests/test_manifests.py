@@ -8,7 +8,7 @@ import copy
 import shutil
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import jsonschema
@@ -24,7 +24,7 @@ OVERLAYS = ["crds", "base", "namespaced", "monitoring", "examples/inferenceservi
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize)")
 
 
-@lru_cache(maxsize=None)
+@cache
 def build(overlay: str) -> tuple:
     out = subprocess.run(["kubectl", "kustomize", str(ROOT / "manifests" / overlay)],
                          check=True, capture_output=True, text=True).stdout

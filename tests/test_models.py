@@ -284,7 +284,7 @@ def test_a_decode_row_attends_alike_in_a_mixed_step_and_a_decode_step(window):
 
 
 def _write_config(tmp_path, **changes):
-    from tinymodels import _config  # noqa: PLC0415
+    from kvserve.testing.tinymodels import _config  # noqa: PLC0415
 
     cfg = _config("llama", {}).to_dict()
     cfg["architectures"] = ["LlamaForCausalLM"]

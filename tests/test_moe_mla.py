@@ -227,9 +227,9 @@ def test_tp_that_splits_an_expert_unevenly_is_refused_before_any_worker(tiny_mod
 def test_mla_latent_pool_with_prefix_hits_and_forked_samples(tiny_model_factory, monkeypatch):
     """Prefix-cache hits and n > 1 forks (copy-on-write of a shared partial block) on the latent
     pool: every greedy completion equals transformers' continuation of its prompt."""
-    import kvserve.runtime.executor.worker as model_runner
     from test_engine_parity import hf_greedy
 
+    import kvserve.runtime.executor.worker as model_runner
     from kvserve.runtime import LLM, SamplingParams
 
     copied = []

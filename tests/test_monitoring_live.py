@@ -7,7 +7,8 @@ random-weight model), the agent (`kvserve agent serve`), the operator's metrics 
 dashboard.
 Emulated: kube-state-metrics. Its series are produced here from an InferenceService status by
 applying manifests/monitoring/kube-state-metrics-crs.yaml (the subset of kube-state-metrics'
-custom-resource-state semantics that config uses; see test_monitoring.ksm_series). The scrape labels namespace/pod/inferenceservice are set as
+custom-resource-state semantics that config uses; see test_monitoring.ksm_series). The scrape labels
+namespace/pod/inferenceservice are set as
 the PodMonitors' relabelings would set them in a cluster.
 
 Checks: Prometheus loads and evaluates every rule with health "ok"; every recording rule and
@@ -33,9 +34,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import yaml
-
 import test_monitoring as tmon
+import yaml
 
 pytestmark = pytest.mark.slow
 
@@ -278,7 +278,7 @@ def test_every_dashboard_query_returns_data(live):
     try:
         wait_for(lambda: not missing(), 40, "dashboard queries")
     except AssertionError:
-        raise AssertionError(f"dashboard queries without data: {missing()}")
+        raise AssertionError(f"dashboard queries without data: {missing()}") from None
 
 
 def test_every_alert_parses_and_its_series_exist(live):

@@ -8,8 +8,6 @@ import torch
 from kvserve.runtime import LLM, LLMEngine, SamplingParams
 
 
-
-
 def make_engine(model, **kw):
     opts = dict(block_size=4, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=64)
     opts.update(kw)

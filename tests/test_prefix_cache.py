@@ -9,13 +9,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.runtime import LLMEngine, SamplingParams
 from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.engine.prefix_cache import block_hashes, hash_block
-
-
 
 
 def run(engine, prompts, params, ids=None):

@@ -249,7 +249,7 @@ def _fake_quantized_hf(model_dir, quantization, g_for):
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for p in hf.parameters():
             if p.dim() != 2:
                 continue
             w = p.data

@@ -263,9 +263,10 @@ def test_unsupported_gptq_settings_are_named(change, match):
 
 
 def test_gptq_act_order_refuses_a_row_parallel_split():
+    from torch import nn
+
     from kvserve.runtime.models.quantization.base import LinearSpec
     from kvserve.runtime.models.quantization.gptq import GPTQConfig
-    from torch import nn
 
     spec = LinearSpec(input_size=256, output_sizes=(64,), output_slices=((0, 64),), input_slice=(128, 128),
                       prefixes=("model.layers.0.mlp.down_proj",), tp_rank=1, tp_size=2)

@@ -13,8 +13,15 @@ from hypothesis import strategies as st
 
 from kvserve.runtime.router.access import ROUTES, RouteRefused, bearer_ok, parse_api_keys, resolve_route
 from kvserve.runtime.router.hold import HoldFull, HoldQueue
-from kvserve.runtime.router.limits import (MIB, BodyLimits, ByteBudget, container_memory_limit,
-                                           max_connections_for_memory, parse_memory_limit, prefix_index_capacity)
+from kvserve.runtime.router.limits import (
+    MIB,
+    BodyLimits,
+    ByteBudget,
+    container_memory_limit,
+    max_connections_for_memory,
+    parse_memory_limit,
+    prefix_index_capacity,
+)
 
 
 @pytest.mark.parametrize("method, target, path, kind, model", [
@@ -39,7 +46,8 @@ def test_allowlisted_routes(method, target, path, kind, model):
     ("POST", "/v1/./completions", 404), ("POST", "/v1/completions%00", 404), ("POST", "/v1/%252e%252e/x", 404),
     ("POST", "/v1/completions\t", 404), ("POST", "http://pod/v1/completions", 404), ("POST", "*", 404),
     ("POST", "", 404), ("POST", "/drain", 404), ("POST", "/admin/drain", 404), ("POST", "/v1/embeddings", 404),
-    ("GET", "/v1/models/", 404), ("GET", "/v1/models/tiny/", 404), ("GET", "/v1/models/a/../../../drain", 404), ("GET", "/v1/models/a%2fb", 404),
+    ("GET", "/v1/models/", 404), ("GET", "/v1/models/tiny/", 404), ("GET", "/v1/models/a/../../../drain", 404),
+    ("GET", "/v1/models/a%2fb", 404),
     ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405), ("POST", "/v1/models/x", 405),
     ("GET", "/tokenize", 405),
 ])

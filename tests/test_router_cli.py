@@ -71,8 +71,8 @@ def test_only_ready_pods_of_the_service_are_endpoints():
 
 
 def test_api_key_and_byte_limits_from_flags_env_and_memory(monkeypatch):
-    from kvserve.runtime.router.cli import config_from_args
     from kvserve.runtime.cli import build_parser
+    from kvserve.runtime.router.cli import config_from_args
 
     def config(*argv, memory=None):
         return config_from_args(build_parser().parse_args(["router", "--endpoints", "http://a:1", *argv]), memory)

@@ -9,9 +9,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.runtime.router.policy import (LEAST_LOAD, OVERLOADED, PREFIX_HIT, PREFIX_NEW, ROUND_ROBIN,
-                                           EndpointLoad, HashRing, PolicyConfig, PolicyState, PrefixIndex,
-                                           bounded_capacity, chat_text, choose, chunk_hashes, routing_key)
+from kvserve.runtime.router.policy import (
+    LEAST_LOAD,
+    OVERLOADED,
+    PREFIX_HIT,
+    PREFIX_NEW,
+    ROUND_ROBIN,
+    EndpointLoad,
+    HashRing,
+    PolicyConfig,
+    PolicyState,
+    PrefixIndex,
+    bounded_capacity,
+    chat_text,
+    choose,
+    chunk_hashes,
+    routing_key,
+)
 
 PODS = ["pod-a", "pod-b", "pod-c"]
 

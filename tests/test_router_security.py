@@ -38,7 +38,7 @@ class Pod:
         self.runner: web.AppRunner | None = None
         self.url = ""
 
-    async def start(self) -> "Pod":
+    async def start(self) -> Pod:
         async def any_route(request: web.Request) -> web.Response:
             await request.read()
             self.seen.append((request.method, request.raw_path, request.headers.get("Authorization")))

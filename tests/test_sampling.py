@@ -11,8 +11,6 @@ from kvserve.runtime import LLM, SamplingParams
 from kvserve.runtime.sampler import Sampler, SamplingRow
 
 
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
     return LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, max_num_batched_tokens=64)

@@ -75,7 +75,7 @@ def test_preempts_most_recent_and_requeues_it_first():
     s = make(num_blocks=4, block_size=2, budget=100)
     a = add(s, "a", 3, max_tokens=4)
     b = add(s, "b", 3, max_tokens=4)
-    c = add(s, "c", 3, max_tokens=4)
+    add(s, "c", 3, max_tokens=4)
     assert step(s) == ([("a", 3), ("b", 3)], [])
     # a's decode still fits (slot 3 in its 2nd block)
     assert step(s) == ([("a", 1), ("b", 1)], [])

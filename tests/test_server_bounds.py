@@ -16,9 +16,9 @@ import time
 
 import openai
 import pytest
+from server_helpers import http, idle, wait_until
 
 from kvserve.runtime.server.main import ServerThread
-from server_helpers import http, idle, wait_until
 
 KEY = "sk-bounds"
 AUTH = {"Authorization": f"Bearer {KEY}"}

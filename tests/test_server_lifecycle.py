@@ -13,11 +13,10 @@ import threading
 import time
 
 import aiohttp
-import pytest
+from server_helpers import http, idle, m, wait_until
 
 from kvserve.runtime.agent.app import AgentConfig, build_app
 from kvserve.runtime.server.main import ServerThread
-from server_helpers import http, idle, m, metrics, wait_until
 
 
 def _start_server(model, *extra) -> ServerThread:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.runtime.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimitError, RequestLimits, check_request
 

@@ -7,9 +7,9 @@ import json
 
 import aiohttp
 import pytest
+from server_helpers import http, idle, m, wait_until
 
 from kvserve.runtime.server.main import ServerThread
-from server_helpers import http, idle, m, wait_until
 
 CLIENTS = 200
 MAX_TOKENS = 6
@@ -62,7 +62,7 @@ async def test_200_concurrent_streams_complete_without_leaks(server):
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
         results = await asyncio.gather(*(_one(session, server, i) for i in range(CLIENTS)))
     assert len(results) == CLIENTS
-    for text, usage, finish in results:
+    for _text, usage, finish in results:
         assert usage["completion_tokens"] == MAX_TOKENS and finish == "length"
     after = idle(server)
     assert m(after, "vllm:kv_cache_usage_perc") == 0

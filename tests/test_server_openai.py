@@ -7,9 +7,9 @@ import socket
 
 import openai
 import pytest
+from server_helpers import http, idle, m, metrics, wait_until
 
 from kvserve.runtime.server.main import ServerThread
-from server_helpers import http, idle, m, metrics, wait_until
 
 KEY = "sk-test-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -12,10 +12,10 @@ from concurrent.futures import Future
 import jsonschema
 import openai
 import pytest
+from server_helpers import http, idle, m, metrics, wait_until
 
 from kvserve.runtime.server.main import ServerThread
 from kvserve.runtime.structured_outputs.params import StructuredOutputsParams
-from server_helpers import http, idle, m, metrics, wait_until
 
 MODEL = "tiny-tools"
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -162,7 +162,8 @@ def test_streamed_tool_calls_reassemble_to_the_sync_answer(client):
 def test_auto_tool_choice_parses_hermes_tool_calls(client):
     # The random model would rarely write a tool call by itself: a regex makes it write one, and
     # the hermes parser (auto) must turn that text into tool_calls, sync and streamed alike.
-    forced = r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "C"\}\}\n</tool_call>'
+    forced = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", '
+              r'"arguments": \{"city": "Paris", "unit": "C"\}\}\n</tool_call>')
     kw = dict(tools=TOOLS, extra_body={"structured_outputs": {"regex": forced}})
     r = chat(client, **kw).choices[0]
     assert r.finish_reason == "tool_calls" and r.message.content == "Let me check.\n"

@@ -10,13 +10,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine_parity import hf_greedy  # noqa: E402  (tests/ is on sys.path via conftest)
 
 from kvserve.runtime import LLMEngine, SamplingParams
 from kvserve.runtime.engine.block_manager import FREED, BlockManager
 from kvserve.runtime.engine.prefix_cache import block_hashes
-
-from test_engine_parity import hf_greedy  # noqa: E402  (tests/ is on sys.path via conftest)
 
 WINDOW = 8
 BLOCK = 4

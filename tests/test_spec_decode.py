@@ -19,8 +19,6 @@ from kvserve.runtime import LLMEngine, SamplingParams
 from kvserve.runtime.spec_decode import SpeculativeConfig, greedy_verify, ngram_propose, rejection_sample
 
 
-
-
 def chi_square_p(observed: list[int], expected: list[float]) -> float:
     """P-value of Pearson's chi-square test; cells expecting < 5 are pooled into one."""
     obs, exp, pool_o, pool_e = [], [], 0, 0.0

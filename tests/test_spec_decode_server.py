@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from server_helpers import http, idle, m, wait_until
 
 from kvserve.runtime.cli import build_parser
 from kvserve.runtime.server.main import ServerThread, engine_kwargs
-from server_helpers import http, idle, m, metrics, wait_until
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
 

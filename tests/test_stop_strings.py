@@ -8,7 +8,8 @@ import time
 import weakref
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.runtime.engine.detokenizer import IncrementalDetokenizer
 from kvserve.runtime.engine.stop_strings import StopAutomaton, compile_stops

@@ -19,13 +19,13 @@ import time
 import httpx
 import openai
 import pytest
+from server_helpers import http, idle, wait_until
 
 from kvserve.runtime.server.main import ServerThread
 from kvserve.runtime.structured_outputs.admission import CompileSettings, GrammarCompileBusy
 from kvserve.runtime.structured_outputs.limits import GrammarLimits
 from kvserve.runtime.structured_outputs.manager import StructuredOutputManager
 from kvserve.runtime.structured_outputs.params import StructuredOutputsParams as P
-from server_helpers import http, idle, wait_until
 
 TIMEOUT_S = 1.5
 BIG = GrammarLimits(max_alternatives=100_000, max_schema_bytes=10_000_000)

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.runtime.structured_outputs.admission import (CompileSettings, GrammarCompileBusy, check_admission,
-                                                          pick_next)
+from kvserve.runtime.structured_outputs.admission import CompileSettings, GrammarCompileBusy, check_admission, pick_next
 from kvserve.runtime.structured_outputs.limits import GrammarLimits, SchemaShape, schema_shape
 from kvserve.runtime.structured_outputs.params import StructuredOutputsParams as P
 

@@ -93,7 +93,8 @@ def test_every_kind_gives_valid_output(llm):
         (so(json=PERSON), lambda t: check_json(t, PERSON)),
         (so(json=json.dumps(PERSON), disable_any_whitespace=True), lambda t: check_json(t, PERSON)),
         (so(regex=r"[0-9]{3}-[a-z]{2,4}"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t) or pytest.fail(t)),
-        (so(choice=["yes", "no", "it's \"complicated\""]), lambda t: t in ["yes", "no", "it's \"complicated\""] or pytest.fail(t)),
+        (so(choice=["yes", "no", "it's \"complicated\""]),
+         lambda t: t in ["yes", "no", "it's \"complicated\""] or pytest.fail(t)),
         (so(grammar=grammar), lambda t: re.fullmatch(r"\([a-z][0-9]?(,[a-z][0-9]?)*\)", t) or pytest.fail(t)),
     ]
     params = [sp(s, seed=i, max_tokens=400) for i, (s, _) in enumerate(cases)]

@@ -9,9 +9,9 @@ import json
 import jsonschema
 import openai
 import pytest
+from server_helpers import http, idle, wait_until
 
 from kvserve.runtime.server.main import ServerThread
-from server_helpers import http, idle, wait_until
 
 pytestmark = pytest.mark.slow
 

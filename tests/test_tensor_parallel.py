@@ -353,8 +353,9 @@ async def _agent_signals(engine_url: str) -> dict:
 
 
 def test_server_exports_tp_capacity_and_fails_health_when_a_worker_dies(tiny_model_factory):
-    from kvserve.runtime.server.main import ServerThread
     from server_helpers import http, m, metrics, wait_until
+
+    from kvserve.runtime.server.main import ServerThread
 
     model_dir = tiny_model_factory("llama")
     srv = ServerThread([str(model_dir), "--served-model-name", "tiny", "--port", "0", "--device", "cpu",

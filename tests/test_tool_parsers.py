@@ -81,7 +81,8 @@ def _stream_equals_final(parser, text):
 
 @pytest.mark.parametrize("parser, text", [
     (HermesParser(), 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + "}\n</tool_call>"),
-    (HermesParser(), '<tool_call>{"name":"a","arguments":{"n":12.5}}</tool_call><tool_call>{"name":"b","arguments":{}}</tool_call>'),
+    (HermesParser(), '<tool_call>{"name":"a","arguments":{"n":12.5}}</tool_call>'
+                     '<tool_call>{"name":"b","arguments":{}}</tool_call>'),
     (Llama3JsonParser(), '{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + "}"),
     (MistralParser(), '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) + "}]"),
     (RequiredParser(), '[{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + '}, {"name": "t", "parameters": {}}]'),

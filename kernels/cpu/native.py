@@ -556,8 +556,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class DecoderStack:
     """Every layer of a Llama-family decoder run by one native call per decode step (no Python
     between the ops). Built from per-layer dicts of tensors: qkv/o/gate_up/down weights (float32
-    panels from pack_weight, or Int8Panels / Int4Panels), optional biases, norm weights, q/k norms (or None), the cos/sin table, window,
-    soft-cap and scale. The tensors must stay alive and unchanged (the object keeps references)."""
+    panels from pack_weight, or Int8Panels / Int4Panels), optional biases, norm weights, q/k norms
+    (or None), the cos/sin table, window, soft-cap and scale. The tensors must stay alive and
+    unchanged (the object keeps references)."""
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
                  eps: float):

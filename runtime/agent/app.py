@@ -102,7 +102,7 @@ def signals_json(state: ScrapeState, config: AgentConfig, now: float) -> dict:
 class _SignalsCollector:
     """Renders the state at scrape time so the age is current even if the scraper is stuck."""
 
-    def __init__(self, agent: "Agent"):
+    def __init__(self, agent: Agent):
         self.agent = agent
 
     def collect(self):
@@ -183,7 +183,7 @@ class Agent:
                     async with self.session.get(self.base + "/health", timeout=t) as r2:
                         return r2.status, await r2.text()
                 return resp.status, body
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return 503, f"engine unreachable: {type(exc).__name__}: {exc}"
 
     async def scrape_once(self) -> None:
@@ -195,7 +195,7 @@ class Agent:
                     raise ValueError(f"engine /metrics answered HTTP {resp.status}")
                 text = await resp.text()
             sample = standardize(text, self.config.engine)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             self.state.up = False
             self.state.failures += 1
             self.state.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -250,7 +250,7 @@ class Agent:
                         result["error"] = f"the engine refused the drain: {await _error_message(r)}"
                         result["waited_seconds"] = round(self.clock() - started, 3)
                         return result
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
                 result["error"] = f"{type(exc).__name__}: {exc}"
         # Fallback for engines without a drain route: watch in-flight work through fresh scrapes.
         while True:

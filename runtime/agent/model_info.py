@@ -18,8 +18,9 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 CONFIG_VALUE_LIMIT = 1024  # bytes of JSON per config field passed on (drops label maps and the like)
 CONFIG_LIMIT = 16 * 1024   # bytes of JSON for the whole config passed on

@@ -9,8 +9,8 @@ order of preference, and the first name present in the exposition wins, so vLLM'
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -52,9 +52,9 @@ class AttentionMetadata:
     # KV cache groups (runtime/engine/kv_cache_groups.py): per layer window (None: full attention), the
     # metadata whose block_tables / slot_mapping address that group's pools; None when one block
     # table serves every layer. Model code hands each layer ``for_window(its window)``.
-    kv_groups: dict[int | None, "AttentionMetadata"] | None = None
+    kv_groups: dict[int | None, AttentionMetadata] | None = None
 
-    def for_window(self, window: int | None) -> "AttentionMetadata":
+    def for_window(self, window: int | None) -> AttentionMetadata:
         return self if self.kv_groups is None else self.kv_groups[window]
 
     @property

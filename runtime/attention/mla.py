@@ -171,7 +171,7 @@ class TorchMLAAttention:
         return o[0].transpose(0, 1).to(dtype)
 
 
-_instances: "weakref.WeakKeyDictionary[object, TorchMLAAttention]" = weakref.WeakKeyDictionary()
+_instances: weakref.WeakKeyDictionary[object, TorchMLAAttention] = weakref.WeakKeyDictionary()
 
 
 def mla_attention_for(backend: AttentionBackend) -> TorchMLAAttention:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -370,7 +370,7 @@ class GGUFFile:
         except BufferError:  # a numpy view still holds the mapping; it closes when that is freed
             pass
 
-    def __enter__(self) -> "GGUFFile":
+    def __enter__(self) -> GGUFFile:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -64,7 +64,7 @@ class GroupQuantized:
             out += self.offsets.numpy()[..., None]
         return torch.from_numpy(out.reshape(rows, cols))
 
-    def permute_rows(self, index: torch.Tensor) -> "GroupQuantized":
+    def permute_rows(self, index: torch.Tensor) -> GroupQuantized:
         return GroupQuantized(take_rows(self.codes, index), take_rows(self.scales, index),
                               None if self.offsets is None else take_rows(self.offsets, index), self.bits,
                               self.ggml_type)

@@ -16,7 +16,7 @@ With tp_size == 1 every slice is the whole tensor and every collective is the id
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn

@@ -22,8 +22,6 @@ from kvserve.kernels.reference import is_fp8
 from kvserve.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.runtime.executor.platform import platform_for
 from kvserve.runtime.model_config import ModelConfig
-from kvserve.runtime.models.rope import rope_cos_sin_cache
-from kvserve.runtime.models.quantization import QuantizationConfig
 from kvserve.runtime.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -31,6 +29,8 @@ from kvserve.runtime.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from kvserve.runtime.models.quantization import QuantizationConfig
+from kvserve.runtime.models.rope import rope_cos_sin_cache
 
 
 class Attention(nn.Module):

@@ -75,9 +75,7 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
 
     with torch.no_grad():
         if is_gguf_path(model_dir):
-            from kvserve.runtime.gguf import checkpoint_tensors
-
-            from kvserve.runtime.gguf import GroupQuantized
+            from kvserve.runtime.gguf import GroupQuantized, checkpoint_tensors
 
             def keep_quantized(name: str, ggml_type) -> bool:  # the layer's method holds codes
                 return getattr(targets[name][0], "gguf_codes", False)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hmac
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import aiohttp
 from aiohttp import web, web_urldispatcher
 
 from .access import Route, RouteRefused, bearer_ok, resolve_route
-from .bodies import (MODELS_LIMIT, REFUSAL_LIMIT, BodyRefused, TooLong, read_capped, read_request_body)
+from .bodies import MODELS_LIMIT, REFUSAL_LIMIT, BodyRefused, TooLong, read_capped, read_request_body
 from .endpoints import Endpoint
 from .hold import HoldFull, HoldQueue, HoldTimeout, Ticket
 from .limits import BodyLimits, ByteBudget
@@ -285,12 +285,12 @@ class Router:
             try:
                 upstream = await self.session.request(request.method, url, data=body, headers=headers,
                                                       trace_request_ctx=ticket)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as error:
+            except (TimeoutError, aiohttp.ClientConnectionError, OSError) as error:
                 return Refused("connect", message=f"{type(error).__name__}: {error}")
             if upstream.status in RETRY_STATUSES:
                 try:
                     data = await read_capped(upstream.content, REFUSAL_LIMIT)
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, TooLong) as error:
+                except (TimeoutError, aiohttp.ClientError, OSError, TooLong) as error:
                     return Refused(f"http_{upstream.status}", message=f"HTTP {upstream.status}, then {error}")
                 return Refused(f"http_{upstream.status}", upstream.status, data, dict(upstream.headers),
                                message=f"HTTP {upstream.status}")
@@ -298,7 +298,7 @@ class Router:
                 # Nothing goes to the client before the pod's first body bytes: until then a pod
                 # that dies can still be replaced.
                 first = await upstream.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+            except (TimeoutError, aiohttp.ClientError, OSError) as error:
                 return Refused("disconnected", message=f"{type(error).__name__}: {error}")
             if stream and upstream.status == 200:
                 self.metrics.ttft.labels(pod).observe(time.monotonic() - sent)
@@ -350,7 +350,7 @@ class Router:
                 async with self.session.get(e.url + "/v1/models", headers=headers,
                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
                     return r.status, await read_capped(r.content, MODELS_LIMIT), dict(r.headers)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, TooLong):
+            except (TimeoutError, aiohttp.ClientError, OSError, TooLong):
                 return None
 
         answers = [a for a in await asyncio.gather(*(one(e) for e in self.endpoints.values())) if a is not None]

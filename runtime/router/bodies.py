@@ -5,7 +5,7 @@ streaming through (a pod's refusal, its model list, its load signals).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 

@@ -13,8 +13,9 @@ import asyncio
 import json
 import logging
 import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -183,7 +184,7 @@ class KubeEndpoints:
                             async for line in r.content:
                                 if line.strip():
                                     self._apply(json.loads(line), publish)
-                        except asyncio.TimeoutError:
+                        except TimeoutError:
                             pass  # a quiet watch the server did not end at timeoutSeconds: relist
             except asyncio.CancelledError:
                 raise

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 class HoldFull(Exception):
@@ -82,7 +82,7 @@ class HoldQueue:
             ticket.released.set()
             try:
                 await asyncio.wait_for(ticket.sent.wait(), self.send_grace)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def room_for(self, nbytes: int) -> str | None:
@@ -148,7 +148,7 @@ class HoldQueue:
         self.set_available(self._available.is_set())  # pods may be ready with a queue to drain
         try:
             await asyncio.wait_for(ticket.released.wait(), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.timeouts_total += 1
             raise HoldTimeout(f"no ready pod within {self.timeout:g}s") from None
         except BaseException:  # the client went away while waiting

@@ -17,9 +17,9 @@ bodies, at most 8 MiB (and at most a sixteenth of it) for one; with no limit to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 MIB = 1 << 20
 CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -67,7 +67,7 @@ class BodyLimits:
             raise ValueError(f"max_request_body_bytes: must be >= 1, got {self.max_request_body_bytes}")
 
     @classmethod
-    def for_memory(cls, memory_limit: int | None) -> "BodyLimits":
+    def for_memory(cls, memory_limit: int | None) -> BodyLimits:
         memory = memory_limit or ASSUMED_MEMORY
         return cls(max_request_body_bytes=max(64 << 10, min(8 * MIB, memory // 16)), max_held_bytes=memory // 4,
                    max_buffered_bytes=memory // 2)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -83,7 +84,7 @@ class LoadPoller:
                         sample = load_from_signals(data, self.clock())
                 self.samples[e.name] = sample
                 self.errors.pop(e.name, None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, RecursionError, TooLong) as error:
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, RecursionError, TooLong) as error:
                 self.errors[e.name] = f"{e.signals_url}: {type(error).__name__}: {error}"
 
         await asyncio.gather(*(one(e) for e in endpoints))

@@ -26,8 +26,9 @@ import bisect
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 POLICIES = ("prefix", "least-load", "round-robin")
 

@@ -112,7 +112,7 @@ class ServerState:
             return True
         try:
             await asyncio.wait_for(self.idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self.http_in_flight == 0
         return True
 

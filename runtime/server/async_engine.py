@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.runtime.engine.client import EngineClient
@@ -56,7 +57,7 @@ class AsyncEngine:
     The engine is anything of the EngineClient shape (runtime/engine/client.py); the handlers
     read its constant facts through this object and never reach the engine itself."""
 
-    def __init__(self, engine: "EngineClient", on_stats: Callable[[Any], None] | None = None):
+    def __init__(self, engine: EngineClient, on_stats: Callable[[Any], None] | None = None):
         self.engine = engine
         self.on_stats = on_stats
         self.loop = asyncio.get_running_loop()
@@ -168,7 +169,7 @@ class AsyncEngine:
             return
         try:
             await asyncio.wait_for(self.call(lambda engine: self._refresh_stats()), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     def _dispatch(self, outputs: list[Any]) -> None:

@@ -12,9 +12,9 @@ import os
 import secrets
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 ADMIN_KEY_ENV = "KVSERVE_ADMIN_API_KEY"
 ADMIN_KEY_FILE_ENV = "KVSERVE_ADMIN_API_KEY_FILE"

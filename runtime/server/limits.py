@@ -44,7 +44,7 @@ class RequestLimits:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
-    def for_model(self, max_model_len: int | None) -> "RequestLimits":
+    def for_model(self, max_model_len: int | None) -> RequestLimits:
         """These limits with the prompt size derived from the context length when not set:
         CHARS_PER_TOKEN_BOUND x max_model_len (unchecked while the context length is unknown)."""
         if self.max_prompt_chars is not None or max_model_len is None:

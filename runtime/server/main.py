@@ -12,9 +12,10 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -199,8 +200,8 @@ def preflight(args: argparse.Namespace) -> str | None:
         model_config = ModelConfig.from_pretrained(resolve_model_path(args.model))
     except ValueError:
         return None
-    from kvserve.runtime.executor.multiproc import check_tensor_parallel
     from kvserve.runtime.engine import check_kv_cache_dtype_for_model
+    from kvserve.runtime.executor.multiproc import check_tensor_parallel
     from kvserve.runtime.models.quantization import check_quantization
 
     try:
@@ -248,7 +249,7 @@ class ServerThread:
     def _run(self) -> None:
         self.exit_code = asyncio.run(self.server.serve())
 
-    def start(self, timeout: float = 120.0) -> "ServerThread":
+    def start(self, timeout: float = 120.0) -> ServerThread:
         self._thread.start()
         if not self.server.listening.wait(timeout):
             raise RuntimeError("server did not start listening")

@@ -50,7 +50,7 @@ COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 
 
 class _StatsCollector:
-    def __init__(self, metrics: "ServerMetrics"):
+    def __init__(self, metrics: ServerMetrics):
         self.m = metrics
 
     def collect(self):

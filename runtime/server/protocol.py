@@ -40,7 +40,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("json_schema: required when type is json_schema")
         return self
@@ -58,7 +58,7 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: bool = False
 
     @model_validator(mode="after")
-    def _one(self) -> "StructuredOutputs":
+    def _one(self) -> StructuredOutputs:
         given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
                                 ("grammar", self.grammar), ("json_object", self.json_object)) if v]
         if len(given) != 1:
@@ -118,7 +118,7 @@ class _Sampling(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _cross(self) -> "_Sampling":
+    def _cross(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.logit_bias:
@@ -165,7 +165,7 @@ class CompletionRequest(_Sampling):
         raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
     @model_validator(mode="after")
-    def _completion_only(self) -> "CompletionRequest":
+    def _completion_only(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -210,7 +210,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = None
 
     @model_validator(mode="after")
-    def _tool_fields(self) -> "ChatMessage":
+    def _tool_fields(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls: only assistant messages carry tool calls")
         if self.role == "tool" and not self.tool_call_id:
@@ -294,7 +294,7 @@ class ChatCompletionRequest(_Sampling):
         return v
 
     @model_validator(mode="after")
-    def _chat_only(self) -> "ChatCompletionRequest":
+    def _chat_only(self) -> ChatCompletionRequest:
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ValueError("max_completion_tokens: conflicts with max_tokens")
@@ -366,7 +366,7 @@ class TokenizeRequest(BaseModel):
         return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
-    def _one(self) -> "TokenizeRequest":
+    def _one(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of prompt or messages is required")
         return self

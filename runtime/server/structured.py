@@ -16,8 +16,9 @@ read (a tool parser, or none) out. vLLM's OpenAI server is the reference:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvserve.runtime.structured_outputs.params import StructuredOutputsParams
 

@@ -20,7 +20,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str") -> "SpeculativeConfig":
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
         """From a dict or a JSON object string; bad values raise ValueError naming the key."""
         if isinstance(value, SpeculativeConfig):
             return value

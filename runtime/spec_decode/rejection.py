@@ -8,7 +8,7 @@ is the case of a one-hot q. Greedy requests accept while the draft equals the ta
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -9,8 +9,8 @@ the others keep serving everyone else. Joining a compile that someone already st
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence
 
 Client = Hashable | None
 

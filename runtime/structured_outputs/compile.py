@@ -33,7 +33,7 @@ def string_lengths_as_patterns(node: Any) -> Any:
         if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (low, high) if v is not None):
             out.pop("minLength", None)
             out.pop("maxLength", None)
-            out["pattern"] = "^[^\\x00-\\x1f]{%d,%s}$" % (low, "" if high is None else high)
+            out["pattern"] = f"^[^\\x00-\\x1f]{{{low},{'' if high is None else high}}}$"
         # anything else (not integers) is left for xgrammar to refuse
     return out
 

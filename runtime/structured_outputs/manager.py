@@ -20,18 +20,25 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from kvserve.runtime.executor.platform import platform_for
-from kvserve.runtime.structured_outputs.admission import (Client, CompileSettings, GrammarCompileBusy,
-                                                          check_admission, pick_next)
-from kvserve.runtime.structured_outputs.compile import MAX_JSON_WHITESPACE  # noqa: F401  (re-exported)
-from kvserve.runtime.structured_outputs.compile import choice_grammar  # noqa: F401  (re-exported)
-from kvserve.runtime.structured_outputs.compile import compile_params
+from kvserve.runtime.structured_outputs.admission import (
+    Client,
+    CompileSettings,
+    check_admission,
+    pick_next,
+)
+from kvserve.runtime.structured_outputs.compile import (
+    MAX_JSON_WHITESPACE,  # noqa: F401  (re-exported)
+    choice_grammar,  # noqa: F401  (re-exported)
+    compile_params,
+)
 from kvserve.runtime.structured_outputs.compile import string_lengths_as_patterns as _string_lengths_as_patterns  # noqa: F401
 from kvserve.runtime.structured_outputs.limits import GrammarLimits
 from kvserve.runtime.structured_outputs.params import StructuredOutputsParams
@@ -45,7 +52,7 @@ class GrammarState:
 
     __slots__ = ("matcher", "manager")
 
-    def __init__(self, matcher: Any, manager: "StructuredOutputManager") -> None:
+    def __init__(self, matcher: Any, manager: StructuredOutputManager) -> None:
         self.matcher = matcher
         self.manager = manager
 

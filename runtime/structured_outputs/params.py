@@ -34,7 +34,7 @@ class StructuredOutputsParams:
         self._validate()
 
     @classmethod
-    def coerce(cls, value: Any) -> "StructuredOutputsParams | None":
+    def coerce(cls, value: Any) -> StructuredOutputsParams | None:
         """None, an instance, or a dict of its fields (what a JSON body or a kwargs call gives)."""
         if value is None or isinstance(value, cls):
             return value

@@ -29,9 +29,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Callable
 
 log = logging.getLogger(__name__)
 

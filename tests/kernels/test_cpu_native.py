@@ -110,7 +110,6 @@ def test_write_kv_matches_the_reference_and_skips_minus_one():
 
 
 def _manual_decode(q, k_cache, v_cache, table, seq_len, scale, window=0, softcap=0.0):
-    bs = k_cache.shape[1]
     k = reference.gather_kv(k_cache, table, seq_len)
     v = reference.gather_kv(v_cache, table, seq_len)
     first = max(0, seq_len - window) if window else 0

@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 
 from kvserve.kernels import reference  # noqa: E402
 from kvserve.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
-from kvserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvserve.kernels.cache import write_kv_cache  # noqa: E402
 from kvserve.runtime.attention.backend import AttentionMetadata  # noqa: E402
+from kvserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 # The interpreter makes bfloat16 casts truncate instead of rounding, hence its wider band.
 TOL = {

@@ -11,13 +11,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_kernels_attention import Batch  # noqa: E402
+
 from kvserve.kernels import reference  # noqa: E402
 from kvserve.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
-from kvserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvserve.kernels.cache import write_kv_cache  # noqa: E402
 from kvserve.runtime.attention.backend import AttentionMetadata  # noqa: E402
 from kvserve.runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from test_kernels_attention import Batch  # noqa: E402
+from kvserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 ids = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}

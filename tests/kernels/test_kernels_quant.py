@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.kernels import quant, quant_reference as ref  # noqa: E402
+from kvserve.kernels import quant  # noqa: E402
+from kvserve.kernels import quant_reference as ref
 
 
 def _gen(seed):

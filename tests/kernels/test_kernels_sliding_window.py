@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 
 from kvserve.kernels import reference  # noqa: E402
 from kvserve.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
-from kvserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvserve.runtime.attention.backend import AttentionMetadata  # noqa: E402
 from kvserve.runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3),
        torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}

@@ -28,6 +28,8 @@ import copy
 import json
 from typing import Any, Iterable, Mapping
 
+import yaml
+
 Path = tuple[str, ...]
 IDENTITY = {("apiVersion",), ("kind",), ("metadata", "name"), ("metadata", "namespace"),
             ("metadata", "resourceVersion"), ("metadata", "uid"), ("metadata", "managedFields"),
@@ -163,6 +165,4 @@ def parse_body(raw: Any) -> dict[str, Any]:
     try:
         return json.loads(text)
     except ValueError:
-        import yaml
-
         return yaml.safe_load(text)

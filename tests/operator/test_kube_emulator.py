@@ -16,6 +16,7 @@ import json
 import aiohttp
 import pytest
 
+import server_side_apply as ssa
 from kube_emulator import EmulatorThread
 
 PATH = "/apis/kvserve.dev/v1alpha1/namespaces/default/inferenceservices"
@@ -102,10 +103,6 @@ def test_a_version_older_than_the_history_is_gone(emulator, monkeypatch):
 
 
 # --- server-side apply -------------------------------------------------------------------------
-
-import pytest  # noqa: E402
-
-import server_side_apply as ssa  # noqa: E402
 
 DEPLOY = "/apis/apps/v1/namespaces/default/deployments"
 

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from kvserve.operator import manifests as M
 from kvserve.operator import router as R
 from kvserve.operator.autoscaler import AutoscalerState, Observation, PodSignals, decide, hold
+from kvserve.operator.kube import FIELD_MANAGER
 from kvserve.operator.scaletozero import (SCALE_TO_ZERO, WAKE_ON_DEMAND, RouterDemand, aggregate_demand,
                                           parse_demand, pods_busy, zero_decision)
 from kvserve.operator.spec import parse_spec
 
+import server_side_apply as ssa
 from test_operator_manifests import K8S_VERSION, owner
 
 
@@ -77,9 +79,6 @@ def test_router_and_runtime_pods_never_match_each_others_selectors():
 def test_switching_the_service_selector_removes_the_other_label():
     """Applied over each other (as the test emulator models server-side apply), the selectors do
     not mix: a selector with both labels would match no pod."""
-    import server_side_apply as ssa
-    from kvserve.operator.kube import FIELD_MANAGER
-
     obj, spec = routed()
     on = M.build_service(obj, spec)
     off = M.build_service(obj, parse_spec({**obj["spec"], "router": {}, "autoscaling": {"minReplicas": 1}}))
