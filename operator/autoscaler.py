@@ -29,8 +29,9 @@ TP (when enabled and the model's shape is known) uses `kvserve.runtime.capacity`
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from kvserve.runtime.capacity import ModelShape, dtype_bytes, plan_capacity
 
@@ -54,7 +55,7 @@ class PodSignals:
     tensor_parallel_size: int | None = None
 
     @classmethod
-    def from_json(cls, name: str, data: Mapping[str, Any], *, pod_ready: bool = True) -> "PodSignals":
+    def from_json(cls, name: str, data: Mapping[str, Any], *, pod_ready: bool = True) -> PodSignals:
         def num(key: str, default: float = 0.0) -> float:
             value = data.get(key, default)
             return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
@@ -332,7 +333,9 @@ def _decide_tp(spec: ServiceSpec, shape: ModelShape, obs: Observation, decision:
         if now - since >= a.scale_up_window_seconds:
             new_tp = higher[0]
             why = ("TensorParallelUpAtMaxReplicas" if saturated_at_max else "TensorParallelUpLongContext")
-            message = (f"{'replicas at max (' + str(a.max_replicas) + ') and still saturated' if saturated_at_max else 'KV saturated while few requests run'}; "
+            cause = (f"replicas at max ({a.max_replicas}) and still saturated" if saturated_at_max
+                     else "KV saturated while few requests run")
+            message = (f"{cause}; "
                        f"TP {tp} -> {new_tp} (KV tokens per replica {cap.tokens.get(tp, 0):.0f} -> "
                        f"{cap.tokens.get(new_tp, 0):.0f}); {decision.message}")
             return replace(decision, tp=new_tp, reason=why, message=message,

@@ -9,8 +9,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import aiohttp
 import yaml
@@ -26,7 +27,7 @@ def _number(kind: type, low: float, high: float | None = None, *, open_low: bool
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {text!r}")
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if (value <= low if open_low else value < low) or (high is not None and value > high):
@@ -123,7 +124,7 @@ async def _gather_signals(urls: Sequence[str], timeout: float):
         async def one(i: int, url: str):
             try:
                 return await fetch_url_signals(session, url, f"pod-{i}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as error:
                 print(f"kvserve-operator plan: {url}: {type(error).__name__}: {error}", file=sys.stderr)
                 from .autoscaler import PodSignals
 

@@ -9,8 +9,9 @@ installed. `plan` and the tests use it; the operator itself re-checks specs in `
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import yaml
 

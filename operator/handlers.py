@@ -19,9 +19,10 @@ import asyncio
 import datetime as dt
 import json
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import kopf
 
@@ -39,9 +40,21 @@ from .retry import handler_delay
 from .scaletozero import SCALE_TO_ZERO, RouterDemand, ZeroDecision, pods_busy, zero_decision
 from .sources import AgentSource, PrometheusSource, RouterDemandSource, pod_name, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
-from .status import (append_decision, decision_record, degraded_conditions, iso, learned_config, merge_conditions,
-                     model_status, replacing, rollout_conditions, same_model, scaling_conditions, signal_fields,
-                     tp_note)
+from .status import (
+    append_decision,
+    decision_record,
+    degraded_conditions,
+    iso,
+    learned_config,
+    merge_conditions,
+    model_status,
+    replacing,
+    rollout_conditions,
+    same_model,
+    scaling_conditions,
+    signal_fields,
+    tp_note,
+)
 
 HANDLER_BACKOFF = 2.0
 # Quick first retries; about a minute in all, as kopf's default, before a call gives up.
@@ -68,7 +81,7 @@ class OperatorConfig:
     # The operator's own pods, which spec.networkPolicy lets reach the agents and routers.
     operator_peer: N.OperatorPeer = field(default_factory=N.OperatorPeer)
     clock: Callable[[], float] = time.monotonic
-    wallclock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.timezone.utc))
+    wallclock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.UTC))
 
 
 def read_local_config(path: str) -> Mapping[str, Any] | None:
@@ -230,7 +243,7 @@ class Reconciler:
             try:
                 current = await self._current(meta)
             except APIError as error:
-                raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
+                raise kopf.TemporaryError(str(error), delay=handler_delay(retry)) from error
             if current is None:
                 return
             generation = current["metadata"].get("generation", generation)
@@ -270,10 +283,10 @@ class Reconciler:
             replicas, tp, changed = await self.converge(current, spec, shape, full=full)
         except NotOwned as error:
             self._degraded(body, status, patch, generation, now, "NotOwned", str(error))
-            raise kopf.TemporaryError(str(error), delay=handler_delay(retry, first=5, cap=60))
+            raise kopf.TemporaryError(str(error), delay=handler_delay(retry, first=5, cap=60)) from error
         except APIError as error:
             self._degraded(body, status, patch, generation, now, "ApplyFailed", str(error))
-            raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
+            raise kopf.TemporaryError(str(error), delay=handler_delay(retry)) from error
         if changed:
             kopf.info(body, reason="Applied", message=", ".join(f"{k} {v}" for k, v in changed.items())
                       + f" ({replicas} replicas, TP {tp})")
@@ -298,7 +311,7 @@ class Reconciler:
             await self._record_size(current, fields)
         except APIError as error:
             kopf.warn(body, reason="ScaleFailed", message=str(error))
-            raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
+            raise kopf.TemporaryError(str(error), delay=handler_delay(retry)) from error
 
     async def _sleep_or_wake(self, body, current, spec, shape, zero: ZeroDecision, replicas: int, tp: int, signals,
                              status, patch, memo, logger, now, retry: int = 0) -> None:
@@ -541,7 +554,7 @@ class Reconciler:
                 logger.info(f"deleted {kind} {namespace}/{obj_name}")
         except APIError as error:
             # The finalizer stays until every owned object is gone; try again in seconds.
-            raise kopf.TemporaryError(str(error), delay=handler_delay(retry))
+            raise kopf.TemporaryError(str(error), delay=handler_delay(retry)) from error
         self.converged.pop(uid, None)
         self.applied = {k: v for k, v in self.applied.items() if k[0] != uid}
         self.metrics.forget(namespace, name, uid)

@@ -25,8 +25,9 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import aiohttp
 import kopf

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .spec import API_VERSION, GIB, KIND, ServiceSpec, parse_quantity
 

@@ -12,8 +12,9 @@ NetworkPolicy can name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from . import manifests as M
 from . import router as R

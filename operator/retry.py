@@ -16,8 +16,8 @@ import email.utils
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # Statuses worth another try: throttled, or the server (or a proxy in front of it) failing.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})

@@ -14,8 +14,9 @@ sleep; waking needs only one router that holds a request.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .autoscaler import PodSignals
 from .spec import ServiceSpec

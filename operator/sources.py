@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -141,7 +142,7 @@ class AgentSource(_HttpSource):
                     if isinstance(data.get("model"), dict):
                         models[pod_name(pod)] = data["model"]
                     return PodSignals.from_json(pod_name(pod), data, pod_ready=True)
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+                except (TimeoutError, aiohttp.ClientError, ValueError) as error:
                     errors[pod_name(pod)] = f"{url}: {type(error).__name__}: {error}"
                     return PodSignals(pod_name(pod), ready=True, stale=True)
 
@@ -210,7 +211,7 @@ class PrometheusSource:
             if body.get("status") != "success":
                 raise ValueError(body.get("error") or "query failed")
             return signals_from_prometheus(body["data"]["result"], pods)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as error:
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError) as error:
             errors["prometheus"] = f"{self.url}: {type(error).__name__}: {error}"
             return [PodSignals(pod_name(p), ready=pod_ready(p), stale=True) for p in pods]
 
@@ -261,7 +262,7 @@ class RouterDemandSource(_HttpSource):
                 if answer is None:
                     raise ValueError("not a router's demand answer")
                 return answer
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as error:
                 errors[pod_name(pod)] = f"{url}: {type(error).__name__}: {error}"
                 return None
 

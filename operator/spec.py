@@ -9,8 +9,9 @@ parser applies the same defaults and rules again, and every error names the fiel
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from kvserve.runtime.capacity import (
     KV_CACHE_DTYPES,
@@ -237,7 +238,7 @@ class _Reader:
     def name(self, key: str) -> str:
         return f"{self.path}.{key}"
 
-    def sub(self, key: str) -> "_Reader":
+    def sub(self, key: str) -> _Reader:
         return _Reader(self.raw.get(key), self.name(key))
 
     def string(self, key: str, default: str | None = None, *, choices: tuple[str, ...] = (),

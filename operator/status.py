@@ -7,7 +7,8 @@ message, lastTransitionTime that moves only when status flips, observedGeneratio
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from kvserve.runtime.capacity import ModelShape
 
@@ -19,7 +20,7 @@ MAX_DECISIONS = 5
 
 
 def iso(now: dt.datetime) -> str:
-    return now.astimezone(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return now.astimezone(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def condition(type_: str, status: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:

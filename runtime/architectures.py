@@ -6,7 +6,8 @@ take their answers from here, so they agree on a config they both read.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

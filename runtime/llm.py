@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.engine import LLMEngine, Prompt
@@ -32,7 +33,7 @@ class LLM:
         """Stops the tensor-parallel worker processes, if any (also done at interpreter exit)."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

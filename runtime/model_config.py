@@ -116,7 +116,7 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | pathlib.Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | pathlib.Path) -> ModelConfig:
         """Reads a Hugging Face directory's config.json, or a GGUF file's metadata."""
         from kvserve.runtime.gguf.reader import is_gguf_path, resolve_model_path
 
@@ -138,7 +138,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any], generation: dict[str, Any] | None = None, *,
-                  model_dir: str | pathlib.Path = ".") -> "ModelConfig":
+                  model_dir: str | pathlib.Path = ".") -> ModelConfig:
         generation = generation or {}
         architectures = config.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
@@ -220,7 +220,7 @@ class ModelConfig:
         )
 
     @property
-    def dtype(self) -> "torch.dtype":
+    def dtype(self) -> torch.dtype:
         """The checkpoint's dtype as a torch dtype (only the runtime asks, and it has torch)."""
         import torch
 

@@ -10,9 +10,9 @@ or writes something only rank 0 has.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
 
 import pytest
 

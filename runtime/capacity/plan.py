@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.runtime.capacity.kv import (
-    layer_slots_held,
     blocks_for_budget,
     has_kv_cache_groups,
     kv_bytes_per_token,
     kv_tokens_held,
+    layer_slots_held,
 )
 from kvserve.runtime.capacity.shape import ModelShape
 from kvserve.runtime.capacity.weights import weight_bytes_per_gpu

@@ -6,8 +6,9 @@ on this shape rather than reading these fields again, and the operator reads it 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from kvserve.runtime.architectures import architecture_of, attention_biases
 from kvserve.runtime.capacity import tp as _tp
@@ -130,7 +131,7 @@ class ModelShape:
     mla: MLAShape | None = None
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelShape":
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
         """Reads a Hugging Face `config.json` mapping (Llama, Mistral, Qwen2, Qwen3, Gemma style;
         the expert fields of Mixtral, Qwen2/3-MoE and DeepSeek; DeepSeek's MLA fields)."""
         arch = architecture_of(config)

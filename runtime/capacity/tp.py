@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from kvserve.runtime.capacity.shape import ModelShape
 
 
-def tp_error(shape: "ModelShape", tp: int) -> str | None:
+def tp_error(shape: ModelShape, tp: int) -> str | None:
     """Why `shape` cannot run at tensor-parallel degree `tp`, or None if it can."""
     if tp < 1:
         return f"tensor_parallel_size must be >= 1, got {tp}"
@@ -31,13 +31,13 @@ def tp_error(shape: "ModelShape", tp: int) -> str | None:
     return None
 
 
-def check_tp(shape: "ModelShape", tp: int) -> None:
+def check_tp(shape: ModelShape, tp: int) -> None:
     error = tp_error(shape, tp)
     if error:
         raise ValueError(error)
 
 
-def valid_tp_degrees(shape: "ModelShape", max_tp: int) -> list[int]:
+def valid_tp_degrees(shape: ModelShape, max_tp: int) -> list[int]:
     """Powers of two up to `max_tp` at which the model can be sharded."""
     degrees = []
     tp = 1

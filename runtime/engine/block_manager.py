@@ -28,10 +28,9 @@ later features slot in without a rewrite:
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvserve.runtime.engine.prefix_cache import BlockHash
-
 
 # Block-table entry of a block given back because it lies wholly behind the sliding window.
 FREED = -1

@@ -8,7 +8,8 @@ a test may drive the server with any object of this shape.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.stats import EngineStats

@@ -17,8 +17,9 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator, KVCacheGroup
@@ -64,7 +65,7 @@ class Executor(Protocol):
     last_timings: tuple[float, float, float] | None  # (prepare, forward, sample) of the latest step
 
     def propose_drafts(self, running: list[Sequence],
-                       params_of: Callable[[Sequence], "SamplingParams | None"]) -> None: ...
+                       params_of: Callable[[Sequence], SamplingParams | None]) -> None: ...
 
     def execute_model(self, model_input: ModelInput) -> SamplerOutput: ...
 
@@ -276,7 +277,7 @@ class EngineCore:
                     self._by_seq.pop(s.seq.seq_id, None)
         return CoreStep(update, StatsCollector.now(), step, time.perf_counter() - t_joined)
 
-    def _params_of(self, seq: Sequence) -> "SamplingParams | None":
+    def _params_of(self, seq: Sequence) -> SamplingParams | None:
         req = self._by_seq.get(seq.seq_id)
         return None if req is None else req.params
 

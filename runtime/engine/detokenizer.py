@@ -18,7 +18,8 @@ tokens of the last one.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvserve.runtime.engine.stop_strings import compile_stops
 

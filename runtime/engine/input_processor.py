@@ -10,8 +10,9 @@ request in it leaves the engine as it was: no output, no metric, no block.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -88,7 +89,7 @@ class InputProcessor:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         return params
 
-    def _check(self, request_id: str, prompt: Prompt, params: SamplingParams) -> "_Checked":
+    def _check(self, request_id: str, prompt: Prompt, params: SamplingParams) -> _Checked:
         prompt_text, prompt_ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -102,7 +103,7 @@ class InputProcessor:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
         return _Checked(request_id, prompt_text, prompt_ids, params, max_tokens, extra_key(cache_salt))
 
-    def _build(self, c: "_Checked", grammar: concurrent.futures.Future | None, compiled,
+    def _build(self, c: _Checked, grammar: concurrent.futures.Future | None, compiled,
                arrival_time: float | None) -> Request:
         metrics = RequestMetrics(arrival_time=arrival_time or StatsCollector.now())
         samples = [self._new_sample(c.request_id, c.prompt_text, c.prompt_ids, c.max_tokens, c.params, metrics,

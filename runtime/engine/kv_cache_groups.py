@@ -22,8 +22,8 @@ Pure bookkeeping (no torch): table and property tests drive it directly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.engine.prefix_cache import BlockHash

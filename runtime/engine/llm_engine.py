@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from kvserve.runtime.engine.input_processor import InputProcessor, Prompt
 from kvserve.runtime.engine.output_processor import OutputProcessor
 from kvserve.runtime.engine.scheduler import SchedulerConfig
 from kvserve.runtime.executor import create_executor
+
 # Defined on the executor's side now; importable from here for existing callers.
 from kvserve.runtime.executor.base import hybrid_kv_groups, kv_release_window
 from kvserve.runtime.executor.platform import resolve_device
@@ -163,7 +165,7 @@ class LLMEngine:
         return self.executor.spec_decoder
 
     @classmethod
-    def from_args(cls, **kwargs: Any) -> "LLMEngine":
+    def from_args(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_args(**kwargs))
 
     # -- requests --------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ class LLMEngine:
         self.core.shutdown()
         self.structured_outputs.close()
 
-    def __enter__(self) -> "LLMEngine":
+    def __enter__(self) -> LLMEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

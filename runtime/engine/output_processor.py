@@ -8,7 +8,7 @@ engine this runs while the next forward pass does.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvserve.runtime.engine.request import Request
 from kvserve.runtime.engine.scheduler import StepUpdate

@@ -27,7 +27,7 @@ class Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
-    row: "SamplingRow"
+    row: SamplingRow
     stop_token_ids: frozenset[int]
     eos_token_ids: frozenset[int]
     logprobs: list[dict[int, Logprob]] | None = None
@@ -42,15 +42,15 @@ class Request:
     # A grammar still compiling when the request was admitted (a caller that did not compile
     # first): the core holds the request back until it is ready.
     pending_grammar: Any = None
-    group: list["Request"] | None = None
-    unforked: list["Request"] = field(default_factory=list)
+    group: list[Request] | None = None
+    unforked: list[Request] = field(default_factory=list)
 
     @property
-    def samples(self) -> list["Request"]:
+    def samples(self) -> list[Request]:
         return self.group or [self]
 
     @property
-    def head(self) -> "Request":
+    def head(self) -> Request:
         """Sample 0, which speaks for the whole request (its id, its metrics, its output)."""
         return self.group[0] if self.group else self
 

@@ -30,8 +30,9 @@ blocks once its prompt is computed, so the engine's step loop does none of that 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from kvserve.runtime.engine.block_manager import BlockManager
 from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator
@@ -90,9 +91,9 @@ class SampleUpdate:
     """What one step did to one sample: the tokens it took (a speculative run may take several,
     and stops at the one that ends it) with their logprob entries, and whether it finished."""
 
-    req: "Request"
+    req: Request
     num_tokens: int
-    logprobs: "dict[int, Logprob] | None" = None  # the (single) token's entry, when asked for
+    logprobs: dict[int, Logprob] | None = None  # the (single) token's entry, when asked for
     finished: bool = False
 
 
@@ -254,8 +255,8 @@ class Scheduler:
                                         seq.cache_extra)
                 bm.register(seq.seq_id, seq.block_hashes[: done // bm.block_size])
 
-    def update_from_output(self, out: SchedulerOutput, result: "SamplerOutput",
-                           requests: Mapping[int, "Request"]) -> StepUpdate:
+    def update_from_output(self, out: SchedulerOutput, result: SamplerOutput,
+                           requests: Mapping[int, Request]) -> StepUpdate:
         """Takes a step's sampled tokens (`result.token_ids[k]`: an int, or a list for a verified
         speculative run) in schedule order; `requests` maps seq ids to their samples."""
         self.on_step_done(out)
@@ -285,7 +286,7 @@ class Scheduler:
                 update.samples.append(SampleUpdate(s, 1, lp, self._stop_if_done(s, token)))
         return update
 
-    def _take_spec_run(self, req: "Request", tokens: list[int]) -> SampleUpdate:
+    def _take_spec_run(self, req: Request, tokens: list[int]) -> SampleUpdate:
         """Appends a verified run, stopping early if the sample finishes on the way, and rolls the
         sequence back to its verified length: drafts past the first rejection had K/V written."""
         seq = req.seq
@@ -297,7 +298,7 @@ class Scheduler:
         self.block_manager.truncate(seq.seq_id, seq.num_tokens)
         return SampleUpdate(req, len(tokens))
 
-    def _stop_if_done(self, req: "Request", token: int) -> bool:
+    def _stop_if_done(self, req: Request, token: int) -> bool:
         status = check_stop(req, token)
         if status is None:
             return False
@@ -305,7 +306,7 @@ class Scheduler:
         req.finish_reason = status.finish_reason
         return True
 
-    def fork(self, req: "Request") -> list["Request"]:
+    def fork(self, req: Request) -> list[Request]:
         """Samples 1..n-1 of an n > 1 request take sample 0's blocks (its prompt is computed now)
         and start running."""
         children, req.unforked = req.unforked, []

@@ -99,7 +99,7 @@ class StopAutomaton:
         return node, (best[0], self.stops[best[1]])
 
 
-_live: "weakref.WeakValueDictionary[tuple[str, ...], StopAutomaton]" = weakref.WeakValueDictionary()
+_live: weakref.WeakValueDictionary[tuple[str, ...], StopAutomaton] = weakref.WeakValueDictionary()
 _live_lock = threading.Lock()
 
 

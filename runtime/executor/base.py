@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -12,7 +12,8 @@ linear methods in `kvserve.runtime.models.quantization` (see docs/dev).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvserve.runtime.weight_formats.awq import AWQFormat
 from kvserve.runtime.weight_formats.base import FormatConfig, WeightFormat

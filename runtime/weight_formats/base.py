@@ -7,8 +7,9 @@ checkpoint's quantization_config is read by one parser and sized by one rule.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,12 @@ class FormatConfig:
     at_load = False
 
     @classmethod
-    def from_config(cls, quantization_config: Mapping[str, Any] | None) -> "FormatConfig":
+    def from_config(cls, quantization_config: Mapping[str, Any] | None) -> FormatConfig:
         """Parses and checks the format's settings; ValueError naming the field when unsupported."""
         raise NotImplementedError
 
     @classmethod
-    def for_planning(cls, quantization_config: Mapping[str, Any] | None) -> "FormatConfig":
+    def for_planning(cls, quantization_config: Mapping[str, Any] | None) -> FormatConfig:
         """The settings to size weights with when the checkpoint's own config may be absent (the
         operator planning a spec that only names the format): the format's common defaults."""
         return cls.from_config(quantization_config)

@@ -7,8 +7,9 @@ an ``ignore`` list. Each group is parsed into a `SchemeGroup`; the runtime picks
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from kvserve.runtime.weight_formats.base import FormatConfig, WeightFormat, fp8_bytes, int4_bytes, int8_bytes
 

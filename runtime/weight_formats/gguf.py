@@ -8,7 +8,8 @@ with group 32; every other type is dequantized into the compute dtype.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvserve.runtime.weight_formats.base import FormatConfig, WeightFormat, int4_bytes, int8_bytes
 

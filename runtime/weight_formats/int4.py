@@ -6,7 +6,8 @@ largest of 64 and 32 that does (SmolLM2's hidden size 576 = 9 x 64), so planning
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvserve.runtime.weight_formats.base import FormatConfig, WeightFormat, int4_bytes
 
@@ -30,7 +31,7 @@ class Int4Format(FormatConfig):
         self.group_size = group_size
 
     @classmethod
-    def from_config(cls, quantization_config: Mapping[str, Any] | None = None) -> "Int4Format":
+    def from_config(cls, quantization_config: Mapping[str, Any] | None = None) -> Int4Format:
         return cls()
 
     def weight_format(self, dtype_size: int, row_length: int) -> WeightFormat:

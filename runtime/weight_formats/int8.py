@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvserve.runtime.weight_formats.base import FormatConfig, WeightFormat, int8_bytes
 
@@ -12,7 +13,7 @@ class Int8Format(FormatConfig):
     at_load = True
 
     @classmethod
-    def from_config(cls, quantization_config: Mapping[str, Any] | None = None) -> "Int8Format":
+    def from_config(cls, quantization_config: Mapping[str, Any] | None = None) -> Int8Format:
         return cls()
 
     def weight_format(self, dtype_size: int, row_length: int) -> WeightFormat:

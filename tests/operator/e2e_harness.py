@@ -351,7 +351,7 @@ class OperatorThread:
         except BaseException as error:  # surfaced by the test
             self.error = error
 
-    def start(self) -> "OperatorThread":
+    def start(self) -> OperatorThread:
         self.thread.start()
         if not self.ready_flag.wait(20):
             raise RuntimeError(f"operator did not start: {self.error!r}")

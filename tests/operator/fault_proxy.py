@@ -61,7 +61,7 @@ class FaultProxy:
         self._session: aiohttp.ClientSession | None = None
         self.enabled = True
 
-    async def start(self, host: str = "127.0.0.1") -> "FaultProxy":
+    async def start(self, host: str = "127.0.0.1") -> FaultProxy:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self._runner = web.AppRunner(app, access_log=None)

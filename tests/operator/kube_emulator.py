@@ -32,14 +32,13 @@ import threading
 import uuid
 from typing import Any
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import jsonpointer
-import aiohttp.web
 import kmock
-from kmock._internal import aiobus, enums, k8s
-
 import server_side_apply as ssa
+from kmock._internal import aiobus, enums, k8s
 
 CRD_RESOURCE = "kvserve.dev/v1alpha1/inferenceservices"
 
@@ -183,7 +182,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         try:
             jsonpatch.apply_patch(copy.deepcopy(self._objects[key].raw), request.data)
         except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as error:
-            raise k8s.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {error}")
+            raise k8s.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {error}") from error
         request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": self._next_rv()})
 
     async def _serve_list(self, request):
@@ -314,7 +313,7 @@ class EmulatorThread:
             self._started.set()
             await self._stop.wait()
 
-    def start(self) -> "EmulatorThread":
+    def start(self) -> EmulatorThread:
         self._thread.start()
         if not self._started.wait(10):
             raise RuntimeError("kmock emulator did not start")

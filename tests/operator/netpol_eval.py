@@ -9,8 +9,9 @@ no `from` matches every source; a peer's bare podSelector means pods of the poli
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import yaml
 

@@ -15,7 +15,6 @@ import json
 
 import aiohttp
 import pytest
-
 import server_side_apply as ssa
 from kube_emulator import EmulatorThread
 

@@ -234,7 +234,8 @@ pod_st = st.builds(
     queue_depth=st.floats(0, 200), requests_running=st.floats(0, 64),
     kv_cache_capacity_tokens=st.integers(0, 500_000), tensor_parallel_size=st.sampled_from([None, 1, 2, 4, 8]))
 
-FAST = settings(max_examples=int(__import__("os").environ.get("HYP_N", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=int(__import__("os").environ.get("HYP_N", "60")), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST

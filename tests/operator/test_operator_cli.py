@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from e2e_harness import Load, StubPod, free_port_on_all
 
 OPERATOR = str(Path(sys.executable).parent / "kvserve-operator")
@@ -97,7 +96,6 @@ def test_run_subcommand_reconciles_with_kubeconfig_and_serves_liveness(tmp_path)
     """The console script itself: KUBECONFIG login, a namespace, the liveness and metrics endpoints."""
     import os
     import subprocess
-    import time
     import urllib.request
 
     from e2e_harness import Api, wait_for

@@ -10,13 +10,12 @@ import copy
 import time
 
 import pytest
+from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
+from kube_emulator import EmulatorThread
 
 from kvserve.operator import crd
 from kvserve.operator import manifests as M
 from kvserve.operator.handlers import OperatorConfig
-
-from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
-from kube_emulator import EmulatorThread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -356,7 +355,7 @@ def test_peering_keeps_one_instance_active(cluster):
     peering = "/apis/kopf.dev/v1/namespaces/default/kopfpeerings"
     api.call("POST", peering, {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
                                "metadata": {"name": "default", "namespace": "default"}})
-    now = dt.datetime.now(dt.timezone.utc).isoformat()
+    now = dt.datetime.now(dt.UTC).isoformat()
     api.call("PATCH", f"{peering}/default", {"status": {"other-operator": {"priority": 100, "lifetime": 60,
                                                                           "lastseen": now}}},
              "application/merge-patch+json")

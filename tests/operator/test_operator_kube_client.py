@@ -17,8 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvserve.operator.kube import APIError, KubeClient, NotOwned, apply
-from kvserve.operator.retry import (RetryPolicy, backoff_ceiling, handler_delay, next_delay, parse_retry_after,
-                                    retryable)
+from kvserve.operator.retry import RetryPolicy, backoff_ceiling, handler_delay, next_delay, parse_retry_after, retryable
 
 # --- the policy ------------------------------------------------------------------------------
 

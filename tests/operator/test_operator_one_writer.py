@@ -14,18 +14,17 @@ import logging
 import kopf
 import pytest
 from aiohttp import web
+from e2e_harness import NAMESPACE, Api
 from kopf._core.engines.posting import settings_var
+from kube_emulator import EmulatorThread
+from test_operator_e2e import TINY, defaulted
 
 from kvserve.operator import desired as D
 from kvserve.operator import manifests as M
 from kvserve.operator import router as R
 from kvserve.operator.handlers import OperatorConfig, Reconciler
 from kvserve.operator.kube import KubeClient
-from kvserve.operator.spec import parse_spec, model_shape
-
-from e2e_harness import Api, NAMESPACE
-from kube_emulator import EmulatorThread
-from test_operator_e2e import TINY, defaulted
+from kvserve.operator.spec import model_shape, parse_spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,7 +116,7 @@ class Demand:
         self.runner: web.AppRunner | None = None
         self.port = 0
 
-    async def start(self) -> "Demand":
+    async def start(self) -> Demand:
         app = web.Application()
         app.router.add_get("/router/demand", lambda _: web.json_response(
             {"held": self.held, "in_flight": self.held, "idle_seconds": 0}))

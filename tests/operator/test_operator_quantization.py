@@ -12,8 +12,8 @@ from kvserve.operator.autoscaler import valid_degrees
 from kvserve.operator.manifests import runtime_command
 from kvserve.operator.spec import SpecError, model_shape, parse_spec
 from kvserve.runtime.capacity import (
-    GiB,
     WEIGHT_FORMATS,
+    GiB,
     ModelShape,
     dtype_bytes,
     plan_capacity,

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
+import server_side_apply as ssa
 from hypothesis import given
 from hypothesis import strategies as st
+from test_operator_manifests import K8S_VERSION, owner
 
 from kvserve.operator import manifests as M
 from kvserve.operator import router as R
 from kvserve.operator.autoscaler import AutoscalerState, Observation, PodSignals, decide, hold
 from kvserve.operator.kube import FIELD_MANAGER
-from kvserve.operator.scaletozero import (SCALE_TO_ZERO, WAKE_ON_DEMAND, RouterDemand, aggregate_demand,
-                                          parse_demand, pods_busy, zero_decision)
+from kvserve.operator.scaletozero import (
+    SCALE_TO_ZERO,
+    WAKE_ON_DEMAND,
+    RouterDemand,
+    aggregate_demand,
+    parse_demand,
+    pods_busy,
+    zero_decision,
+)
 from kvserve.operator.spec import parse_spec
-
-import server_side_apply as ssa
-from test_operator_manifests import K8S_VERSION, owner
 
 
 def routed(min_replicas: int = 0, **router) -> tuple[dict, object]:

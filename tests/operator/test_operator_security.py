@@ -11,6 +11,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from netpol_eval import Pod, allowed
 
 from kvserve.operator import crd
 from kvserve.operator import manifests as M
@@ -18,8 +19,6 @@ from kvserve.operator import netpol as N
 from kvserve.operator import router as R
 from kvserve.operator.cli import operator_namespace
 from kvserve.operator.spec import GIB, SpecError, checkpoint_size_limit, parse_spec
-
-from netpol_eval import Pod, allowed
 
 K8S_VERSION = "1.33.0"
 ROOT = Path(__file__).resolve().parents[2]

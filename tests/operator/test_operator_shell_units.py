@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import datetime as dt
 
-from kvserve.operator.autoscaler import Decision, PodSignals, Signals, AutoscalerState
+import server_side_apply as ssa
+
+from kvserve.operator.autoscaler import AutoscalerState, Decision, PodSignals, Signals
 from kvserve.operator.kube import FIELD_MANAGER, owned_by
 from kvserve.operator.sources import PrometheusSource, signals_from_prometheus
-import server_side_apply as ssa
-from kvserve.operator.status import (append_decision, decision_record, merge_conditions, rollout_conditions,
-                                     scaling_conditions)
+from kvserve.operator.status import (
+    append_decision,
+    decision_record,
+    merge_conditions,
+    rollout_conditions,
+    scaling_conditions,
+)
 
-T0 = dt.datetime(2026, 11, 22, 12, 0, tzinfo=dt.timezone.utc)
+T0 = dt.datetime(2026, 11, 22, 12, 0, tzinfo=dt.UTC)
 
 
 def test_apply_changes_only_the_operators_fields_and_keeps_others():
@@ -107,8 +113,8 @@ async def test_agent_source_timeouts_errors_and_bounded_concurrency():
     import asyncio
 
     from aiohttp import web
-
     from e2e_harness import free_port_on_all
+
     from kvserve.operator.sources import AgentSource
 
     in_flight, peak = 0, 0

@@ -38,7 +38,8 @@ format when ``quantization`` is not given; a mismatch is a ValueError, never a s
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig
 from kvserve.runtime.weight_formats import WEIGHT_FORMATS, checkpoint_format, resolve_format

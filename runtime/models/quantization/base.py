@@ -24,8 +24,9 @@ Methods that also cover a vocabulary table (the LM head, and a tied embedding) i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

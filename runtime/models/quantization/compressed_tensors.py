@@ -21,7 +21,13 @@ import re
 import torch
 from torch import nn
 
-from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig, replace_param, sharded_param
+from kvserve.runtime.models.quantization.base import (
+    LinearMethod,
+    LinearSpec,
+    QuantizationConfig,
+    replace_param,
+    sharded_param,
+)
 from kvserve.runtime.models.quantization.fp8 import Fp8LinearMethod, device_has_fp8
 from kvserve.runtime.models.quantization.gptq import fused_g_idx, load_part_g_idx, unpack_cols_seq
 from kvserve.runtime.models.quantization.int4 import check_group, set_int4

@@ -20,7 +20,13 @@ from torch import nn
 
 from kvserve.kernels import quant_reference as ref
 from kvserve.kernels.ops import use_triton
-from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig, replace_param, sharded_param
+from kvserve.runtime.models.quantization.base import (
+    LinearMethod,
+    LinearSpec,
+    QuantizationConfig,
+    replace_param,
+    sharded_param,
+)
 from kvserve.runtime.models.quantization.unquantized import UNQUANTIZED, UnquantizedLinearMethod
 from kvserve.runtime.weight_formats.fp8 import Fp8Format
 

@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.runtime.models.quantization.base import LinearMethod, LinearSpec, QuantizationConfig, replace_param, sharded_param
+from kvserve.runtime.models.quantization.base import (
+    LinearMethod,
+    LinearSpec,
+    QuantizationConfig,
+    replace_param,
+    sharded_param,
+)
 from kvserve.runtime.models.quantization.int4 import check_group, set_int4
 from kvserve.runtime.models.quantization.int8 import set_int8
 from kvserve.runtime.models.quantization.packed import Int4Weight, Int8Weight

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from kvserve.runtime.models.quantization.base import (LinearMethod, LinearSpec, PackedWeightApplier, QuantizationConfig,
-                                                     replace_param)
+from kvserve.runtime.models.quantization.base import (
+    LinearMethod,
+    LinearSpec,
+    PackedWeightApplier,
+    QuantizationConfig,
+    replace_param,
+)
 from kvserve.runtime.models.quantization.packed import Int4Weight, quantize_int4
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
 from kvserve.runtime.weight_formats.int4 import Int4Format, group_size_for
+
 
 def check_group(spec: LinearSpec, group_size: int, fmt: str) -> None:
     """A rank's input slice must hold whole groups (row-parallel layers split the input)."""

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from kvserve.runtime.models.quantization.base import (LinearMethod, LinearSpec, PackedWeightApplier, QuantizationConfig,
-                                                     replace_param)
+from kvserve.runtime.models.quantization.base import (
+    LinearMethod,
+    LinearSpec,
+    PackedWeightApplier,
+    QuantizationConfig,
+    replace_param,
+)
 from kvserve.runtime.models.quantization.packed import Int8Weight, quantize_int8
 from kvserve.runtime.models.quantization.unquantized import UnquantizedLinearMethod
 from kvserve.runtime.weight_formats.int8 import Int8Format

@@ -36,7 +36,6 @@ Kernels, by device (`Int4Weight.matmul` / `Int8Weight.matmul` pick):
 from __future__ import annotations
 
 import functools
-
 import logging
 import os
 
