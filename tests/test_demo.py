@@ -37,8 +37,10 @@ def demo_processes() -> list[str]:
 
 @pytest.mark.slow
 def test_demo_scales_up_routes_sleeps_wakes_and_cleans_up():
+    # 256 tokens an answer: the burst must outlast the autoscaler's scrape and its 2 s scale-up
+    # window on any CPU (at 32 tokens an AVX-512 machine finished it in 0.6 s and never scaled up).
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--conversations", "16",
-                           "--turns", "2", "--concurrency", "16", "--max-tokens", "32",
+                           "--turns", "2", "--concurrency", "16", "--max-tokens", "256",
                            "--scale-down-timeout", "120"],
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
