@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvserve.runtime.server.auth import is_header_token
+
 
 @dataclass(frozen=True)
 class Route:
@@ -98,8 +100,7 @@ def parse_api_keys(text: str | None) -> tuple[str, ...]:
     for i, key in enumerate(keys):
         if not key:
             raise ValueError(f"api-key: key {i + 1} of {len(keys)} in the comma-separated list is empty")
-        # It travels in an HTTP header: anything but visible ASCII would never match what a client sends.
-        if not all("\x21" <= c <= "\x7e" for c in key):
+        if not is_header_token(key):
             raise ValueError(f"api-key: key {i + 1} of {len(keys)} must be visible ASCII characters only "
                              "(no spaces, control characters or non-ASCII)")
     return keys

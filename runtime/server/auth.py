@@ -35,12 +35,18 @@ class AdminKeyError(ValueError):
     """A key that cannot be used; the message names the flag or variable it came from."""
 
 
+def is_header_token(text: str) -> bool:
+    """A key travels in an HTTP header: anything but visible ASCII would never match what a client
+    sends. Shared by every credential kvserve reads (admin key, the router's user keys)."""
+    return all("\x21" <= ch <= "\x7e" for ch in text)
+
+
 def check_key_text(key: str, source: str) -> str:
     """The key as it will be compared: it travels in an HTTP header, so it must be a non-empty run of
     visible ASCII (a space, a newline or a non-ASCII letter would never match what a client sends)."""
     if not key:
         raise AdminKeyError(f"{source}: the admin key is empty")
-    if not all("\x21" <= ch <= "\x7e" for ch in key):
+    if not is_header_token(key):
         raise AdminKeyError(f"{source}: the admin key must be visible ASCII characters only "
                             "(no spaces, control characters or non-ASCII)")
     return key
