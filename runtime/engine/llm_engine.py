@@ -223,6 +223,21 @@ class LLMEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- reshape (runtime/engine/data_parallel.py) ----------------------------------------------
+    def detach_requests(self) -> tuple[list[RequestOutput], list]:
+        """Stops this engine's work for a reshape: the outputs still owed (a step in flight, aborts,
+        failures) and every unfinished request, ready for another engine's attach_requests."""
+        outputs, self._pending = self._pending, []
+        done = self.core.finish_inflight()
+        outputs += self._failed_outputs()
+        if done is not None:
+            outputs += self.output_processor.make_outputs(self.output_processor.process(done.update, done.now))
+        return outputs, self.core.detach_all()
+
+    def attach_requests(self, heads: list) -> None:
+        """Requests another engine detached: they resume by recomputing their tokens here."""
+        self.core.attach(heads)
+
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

@@ -173,10 +173,14 @@ class Server:
     def _default_factory(self) -> Callable[[], Any]:
         kwargs = engine_kwargs(self.args)
 
-        def build():
-            from kvserve.runtime.engine import LLMEngine
+        dp = getattr(self.args, "data_parallel_size", 1) or 1
 
-            return LLMEngine.from_args(**kwargs)
+        def build():
+            from kvserve.runtime.config import EngineConfig
+            from kvserve.runtime.engine.data_parallel import DataParallelEngine
+
+            # Always the data-parallel engine, even of one: the layout may change live later.
+            return DataParallelEngine(EngineConfig.from_args(**kwargs), dp)
 
         return build
 
@@ -208,6 +212,10 @@ def preflight(args: argparse.Namespace) -> str | None:
         check_quantization(args.quantization, model_config.hf_config, args.device, args.dtype)
         check_kv_cache_dtype_for_model(args.kv_cache_dtype or "auto", model_config)
         check_tensor_parallel(model_config, args.tensor_parallel_size)
+        from kvserve.runtime.engine.layout import Layout, check_layout
+
+        layout = Layout(getattr(args, "data_parallel_size", 1), args.tensor_parallel_size)
+        check_layout(layout, layout.devices)
     except ValueError as exc:
         return str(exc)
     return None
