@@ -61,6 +61,9 @@ class EngineConfig:
     # the local layers hold only their window; True keeps one table for all layers (every layer
     # then holds the whole context).
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's KVEventsConfig (runtime/kv_events/config.py), a dict or its JSON string: publish the
+    # prefix cache's stored / removed blocks over ZMQ for a cache-aware router.
+    kv_events_config: Any = None
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -122,6 +125,11 @@ class EngineConfig:
             fail("async_scheduling", "must be a boolean")
         if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
             fail("disable_hybrid_kv_cache_manager", "must be a boolean")
+        from kvserve.runtime.kv_events.config import KVEventsConfig
+
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_events_config is not None and self.kv_events_config.active and not self.enable_prefix_caching:
+            fail("kv_events_config", "needs enable_prefix_caching (events name prefix-cache blocks)")
         from kvserve.runtime.executor.cuda_graphs import CompilationConfig
 
         self.compilation_config = CompilationConfig.parse(self.compilation_config)

@@ -50,6 +50,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["async_scheduling"] = True
     if getattr(args, "disable_hybrid_kv_cache_manager", None):
         kw["disable_hybrid_kv_cache_manager"] = True
+    if getattr(args, "kv_events_config", None):
+        kw["kv_events_config"] = args.kv_events_config  # JSON; the engine validates it
     if getattr(args, "compilation_config", None):
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw
