@@ -146,6 +146,9 @@ class DataParallelEngine:
         """Frees an engine's devices but not the shared grammar manager."""
         engine.executor.shutdown()
         engine.core.shutdown()
+        publisher = getattr(engine, "kv_event_publisher", None)
+        if publisher is not None:  # its endpoint is free again for the next layout's engine
+            publisher.close()
 
     # -- EngineClient ------------------------------------------------------------------------------
     @property
