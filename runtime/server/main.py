@@ -34,7 +34,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device,
                               tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
     for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype"):
+                 "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
+                 "kv_offload_bytes", "kv_offload_dir", "swap_space"):
         value = getattr(args, name, None)
         if value is not None:
             kw[name] = value
@@ -50,6 +51,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["async_scheduling"] = True
     if getattr(args, "disable_hybrid_kv_cache_manager", None):
         kw["disable_hybrid_kv_cache_manager"] = True
+    if getattr(args, "kv_events_config", None):
+        kw["kv_events_config"] = args.kv_events_config  # JSON; the engine validates it
     if getattr(args, "compilation_config", None):
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     return kw
