@@ -69,6 +69,18 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's KVEventsConfig (runtime/kv_events/config.py), a dict or its JSON string: publish the
+    # prefix cache's stored / removed blocks over ZMQ for a cache-aware router.
+    kv_events_config: Any = None
+    # The KV offload tier (kvserve.runtime.kv_offload): blocks leaving the pool are kept there, up
+    # to this many bytes per rank, and found again by their prefix-cache hashes. 0: no tier.
+    kv_offload_bytes: int = 0
+    # A directory for the tier's files (local disk, a PVC): it survives restarts and is keyed by
+    # model, revision, dtype, block size and TP layout. None: host memory (pinned on CUDA).
+    kv_offload_dir: str | None = None
+    # vLLM's name: GiB of CPU swap space per rank for the KV blocks of preempted requests, swapped
+    # back in instead of recomputed when that is cheaper. 0: preemption always recomputes.
+    swap_space: float = 0
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -139,6 +151,23 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         elif self.max_cpu_loras < self.max_loras:
             fail("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
+        from kvserve.runtime.kv_events.config import KVEventsConfig
+
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_events_config is not None and self.kv_events_config.active and not self.enable_prefix_caching:
+            fail("kv_events_config", "needs enable_prefix_caching (events name prefix-cache blocks)")
+        if isinstance(self.kv_offload_bytes, bool) or not isinstance(self.kv_offload_bytes, int) \
+                or self.kv_offload_bytes < 0:
+            fail("kv_offload_bytes", "must be an integer >= 0 (0: no offload tier)")
+        if self.kv_offload_dir is not None:
+            if not isinstance(self.kv_offload_dir, (str, os.PathLike)) or not str(self.kv_offload_dir):
+                fail("kv_offload_dir", "must be a directory path")
+            self.kv_offload_dir = str(self.kv_offload_dir)
+            if self.kv_offload_bytes == 0:
+                fail("kv_offload_dir", "needs kv_offload_bytes > 0 (the tier's capacity)")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) \
+                or not (0 <= self.swap_space < float("inf")):
+            fail("swap_space", "must be a number of GiB >= 0 (0: preemption recomputes)")
         from kvserve.runtime.executor.cuda_graphs import CompilationConfig
 
         self.compilation_config = CompilationConfig.parse(self.compilation_config)

@@ -52,6 +52,10 @@ class EngineStats:
     # steps since the previous get_stats() (seconds), for kvserve:step_duration_seconds.
     step_phase_durations: dict[str, list[float]] = field(default_factory=dict)
     timestamp: float = 0.0
+    # Data-parallel engines of this server (runtime/engine/data_parallel.py), and the durations of
+    # live layout changes since the previous get_stats() (kvserve:reshape_seconds).
+    data_parallel_size: int = 1
+    reshape_seconds: list[float] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

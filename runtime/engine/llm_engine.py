@@ -25,6 +25,7 @@ from kvserve.runtime.executor import create_executor
 from kvserve.runtime.executor.base import hybrid_kv_groups, kv_release_window
 from kvserve.runtime.executor.platform import resolve_device
 from kvserve.runtime.kv_cache import kv_cache_torch_dtype
+from kvserve.runtime.kv_events.publisher import attach_kv_events
 from kvserve.runtime.lora.request import LoRARequest
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
@@ -134,6 +135,7 @@ class LLMEngine:
             attach_grammar=lambda head, compiled: self.input_processor.attach_grammar(head, compiled))
         self.scheduler = self.core.scheduler
         self.block_manager = self.core.block_manager
+        self.kv_event_sink, self.kv_event_publisher = attach_kv_events(config.kv_events_config, self.block_manager)
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.input_processor = InputProcessor(self.tokenizer, self._decode, vocab_size=self.vocab_size,
                                               max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -280,6 +282,7 @@ class LLMEngine:
         pools. Idempotent; no step() after it."""
         self.executor.shutdown()
         self.core.shutdown()
+        self.kv_event_publisher.close()
         self.structured_outputs.close()
 
     def __enter__(self) -> LLMEngine:
@@ -287,6 +290,21 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- reshape (runtime/engine/data_parallel.py) ----------------------------------------------
+    def detach_requests(self) -> tuple[list[RequestOutput], list]:
+        """Stops this engine's work for a reshape: the outputs still owed (a step in flight, aborts,
+        failures) and every unfinished request, ready for another engine's attach_requests."""
+        outputs, self._pending = self._pending, []
+        done = self.core.finish_inflight()
+        outputs += self._failed_outputs()
+        if done is not None:
+            outputs += self.output_processor.make_outputs(self.output_processor.process(done.update, done.now))
+        return outputs, self.core.detach_all()
+
+    def attach_requests(self, heads: list) -> None:
+        """Requests another engine detached: they resume by recomputing their tokens here."""
+        self.core.attach(heads)
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -296,6 +314,9 @@ class LLMEngine:
         except BaseException:
             self._pending += self._failed_outputs()  # for the caller that goes on stepping
             raise
+        finally:
+            if self.kv_event_sink is not None:
+                self.kv_event_publisher.publish(self.kv_event_sink.take())
         outputs += self._failed_outputs()
         if done is None:
             return outputs

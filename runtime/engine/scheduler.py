@@ -269,7 +269,7 @@ class Scheduler:
                 if done // bm.block_size > len(seq.block_hashes):
                     extend_block_hashes(seq.block_hashes, seq.token_ids, done, bm.block_size,
                                         seq.cache_extra)
-                bm.register(seq.seq_id, seq.block_hashes[: done // bm.block_size])
+                bm.register(seq.seq_id, seq.block_hashes[: done // bm.block_size], seq.token_ids)
 
     def update_from_output(self, out: SchedulerOutput, result: SamplerOutput,
                            requests: Mapping[int, Request]) -> StepUpdate:
