@@ -40,6 +40,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # Layers split into this many stages, one group of tensor_parallel_size ranks each
+    # (runtime/executor/pipeline_worker.py); ranks = pipeline x tensor parallel.
+    pipeline_parallel_size: int = 1
     enable_prefix_caching: bool = True
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": DIR,
     #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
@@ -176,6 +179,7 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
+        positive_int("pipeline_parallel_size")  # checked against the model's layers by the engine
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:

@@ -42,6 +42,9 @@ class EngineStats:
     quantization: str = "none"
     dtype: str = ""
     kv_cache_dtype: str = "auto"
+    pipeline_parallel_size: int = 1
+    # Stage 0's idle share of recent steps (moving average), 0 without pipeline parallelism.
+    pipeline_bubble_fraction: float = 0.0
     # Observations since the previous get_stats() (seconds).
     queue_times: list[float] = field(default_factory=list)
     time_to_first_token: list[float] = field(default_factory=list)

@@ -344,6 +344,8 @@ class LLMEngine:
             block_size=self.block_manager.block_size,
             max_num_seqs=self.config.max_num_seqs,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            pipeline_parallel_size=self.config.pipeline_parallel_size,
+            pipeline_bubble_fraction=getattr(self.executor, "pipeline_bubble_fraction", 0.0),
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
