@@ -44,6 +44,9 @@ class EngineStats:
     quantization: str = "none"
     dtype: str = ""
     kv_cache_dtype: str = "auto"
+    pipeline_parallel_size: int = 1
+    # Stage 0's idle share of recent steps (moving average), 0 without pipeline parallelism.
+    pipeline_bubble_fraction: float = 0.0
     # Observations since the previous get_stats() (seconds).
     queue_times: list[float] = field(default_factory=list)
     time_to_first_token: list[float] = field(default_factory=list)
@@ -54,6 +57,10 @@ class EngineStats:
     # steps since the previous get_stats() (seconds), for kvserve:step_duration_seconds.
     step_phase_durations: dict[str, list[float]] = field(default_factory=dict)
     timestamp: float = 0.0
+    # Data-parallel engines of this server (runtime/engine/data_parallel.py), and the durations of
+    # live layout changes since the previous get_stats() (kvserve:reshape_seconds).
+    data_parallel_size: int = 1
+    reshape_seconds: list[float] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

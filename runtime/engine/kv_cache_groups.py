@@ -158,9 +158,9 @@ class KVCacheCoordinator:
         for m, p in zip(self.managers, prefix.per_group):
             m.take_prefix(seq_id, p)
 
-    def register(self, seq_id: int, hashes: Sequence[BlockHash]) -> None:
+    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
         for m in self.managers:
-            m.register(seq_id, hashes)
+            m.register(seq_id, hashes, token_ids)
 
     def reset_prefix_cache(self) -> None:
         for m in self.managers:
