@@ -110,7 +110,13 @@ class Executor:
         self.num_blocks_per_group = list(blocks)
         self.model_weight_bytes = worker.weight_bytes
         generator = torch.Generator(device=device).manual_seed(config.seed)
-        self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups)
+        self.lora_manager = None
+        if worker.lora is not None:
+            from kvserve.runtime.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
+        self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
+                                  lora=self.lora_manager)
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
@@ -153,6 +159,11 @@ class Executor:
     @property
     def kv_cache_dtype(self) -> torch.dtype:
         return self.driver_worker.kv_cache_dtype
+
+    @property
+    def graph_capture_failures(self) -> int:
+        """Failed CUDA graph captures on rank 0 (every rank fails alike)."""
+        return self.driver_worker.graph_capture_failures
 
     def propose_drafts(self, running: Sequence, params_of: Callable) -> None:
         """Speculative decoding: sets each running sequence's spec_token_ids before scheduling."""
