@@ -39,6 +39,11 @@ def _add_agent_parsers(sub) -> None:
     )
     s.add_argument("--model-dir", default=None,
                    help="the pod's model directory (fetch's DEST): its config is reported in /v1/signals as `model`")
+    s.add_argument("--adapters-file", default=None, metavar="PATH",
+                   help="JSON list of LoRA adapters [{name, uri}] to keep loaded in the runtime (re-read when it "
+                        "changes): each is fetched into --adapters-dir and loaded with the admin key")
+    s.add_argument("--adapters-dir", default="/adapters", metavar="DIR",
+                   help="where adapters are fetched (the runtime must see them at the same path)")
 
     m = agent.add_parser("model-info", help="print what the agent reports about a model directory (JSON)")
     m.add_argument("model_dir")
@@ -106,6 +111,8 @@ def _agent(args) -> int:
                 admin_api_key=admin_api_key,
                 tensor_parallel_size=args.tensor_parallel_size,
                 model_dir=args.model_dir,
+                adapters_file=args.adapters_file,
+                adapters_dir=args.adapters_dir,
             )
         )
     if args.agent_cmd == "model-info":

@@ -40,6 +40,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # Layers split into this many stages, one group of tensor_parallel_size ranks each
+    # (runtime/executor/pipeline_worker.py); ranks = pipeline x tensor parallel.
+    pipeline_parallel_size: int = 1
     enable_prefix_caching: bool = True
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": DIR,
     #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
@@ -61,6 +64,9 @@ class EngineConfig:
     # the local layers hold only their window; True keeps one table for all layers (every layer
     # then holds the whole context).
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's KVEventsConfig (runtime/kv_events/config.py), a dict or its JSON string: publish the
+    # prefix cache's stored / removed blocks over ZMQ for a cache-aware router.
+    kv_events_config: Any = None
     # The KV offload tier (kvserve.runtime.kv_offload): blocks leaving the pool are kept there, up
     # to this many bytes per rank, and found again by their prefix-cache hashes. 0: no tier.
     kv_offload_bytes: int = 0
@@ -131,6 +137,11 @@ class EngineConfig:
             fail("async_scheduling", "must be a boolean")
         if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
             fail("disable_hybrid_kv_cache_manager", "must be a boolean")
+        from kvserve.runtime.kv_events.config import KVEventsConfig
+
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_events_config is not None and self.kv_events_config.active and not self.enable_prefix_caching:
+            fail("kv_events_config", "needs enable_prefix_caching (events name prefix-cache blocks)")
         if isinstance(self.kv_offload_bytes, bool) or not isinstance(self.kv_offload_bytes, int) \
                 or self.kv_offload_bytes < 0:
             fail("kv_offload_bytes", "must be an integer >= 0 (0: no offload tier)")
@@ -151,6 +162,10 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
+        positive_int("pipeline_parallel_size")  # checked against the model's layers by the engine
+        if (self.kv_offload_bytes or self.swap_space) and self.pipeline_parallel_size > 1:
+            fail("kv_offload_bytes" if self.kv_offload_bytes else "swap_space",
+                 "the offload tier and swap space do not work with pipeline_parallel_size > 1 yet")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:

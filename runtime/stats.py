@@ -42,6 +42,9 @@ class EngineStats:
     quantization: str = "none"
     dtype: str = ""
     kv_cache_dtype: str = "auto"
+    pipeline_parallel_size: int = 1
+    # Stage 0's idle share of recent steps (moving average), 0 without pipeline parallelism.
+    pipeline_bubble_fraction: float = 0.0
     # The KV offload tier and swap space (runtime/kv_offload/; zeros without them). Tokens
     # looked up and found in the tier, blocks and bytes moved, on rank 0.
     kv_offload_capacity_bytes: int = 0
@@ -70,6 +73,10 @@ class EngineStats:
     # steps since the previous get_stats() (seconds), for kvserve:step_duration_seconds.
     step_phase_durations: dict[str, list[float]] = field(default_factory=dict)
     timestamp: float = 0.0
+    # Data-parallel engines of this server (runtime/engine/data_parallel.py), and the durations of
+    # live layout changes since the previous get_stats() (kvserve:reshape_seconds).
+    data_parallel_size: int = 1
+    reshape_seconds: list[float] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -302,3 +302,40 @@ def test_preemption_choice(tokens, swap_bytes, free, prefill, transfer, expected
 
     assert preemption_choice(num_computed_tokens=tokens, swap_bytes=swap_bytes, swap_free_bytes=free,
                              prefill_tokens_per_s=prefill, transfer_bytes_per_s=transfer) == expected
+
+
+def test_pipeline_parallelism_is_refused_with_a_tier():
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        EngineConfig(model="m", kv_offload_bytes=1 << 20, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="swap_space"):
+        EngineConfig(model="m", swap_space=1, pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("tier, medium", [("memory", "CPU"), ("file", "DISK")])
+def test_tier_stores_and_removals_are_kv_events_with_their_medium(tiny_llama, tmp_path, tier, medium):
+    from kvserve.runtime.kv_events.events import BlockRemoved, BlockStored, KVEventSink
+
+    extra = dict(kv_offload_dir=str(tmp_path)) if tier == "file" else {}
+    # A tier of 40 blocks (of 2 KiB: 2 layers x K and V x 4 tokens x 2 heads x 16 x 4 bytes) for
+    # 60 blocks of prompts: the tier evicts too.
+    with make_engine(tiny_llama, kv_offload_bytes=40 * 2048, **extra) as engine:
+        assert engine.executor.offloader.block_bytes == [2048]
+        sink = KVEventSink(4)
+        engine.block_manager.events = sink  # the wiring kv_events_config does, without a publisher
+        engine.offload.events = sink
+        prompts = conversations()
+        run(engine, prompts)
+        run(engine, prompts)
+        events = sink.take()
+        held_now = {k[1:] for k in engine.offload.tier.keys()}
+    tier_stored = [h for e in events if isinstance(e, BlockStored) and e.medium == medium for h in e.block_hashes]
+    tier_removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == medium for h in e.block_hashes]
+    pool_stored = {h for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
+    assert tier_stored and tier_removed
+    assert set(tier_stored) <= pool_stored  # the tier only ever holds what the pool computed
+    # What the tier holds now is exactly what its events say it holds.
+    held: set[bytes] = set()  # replayed in order, as a subscriber's index does
+    for e in events:
+        if e.medium == medium:
+            held = held | set(e.block_hashes) if isinstance(e, BlockStored) else held - set(e.block_hashes)
+    assert held == held_now

@@ -44,6 +44,10 @@ class AgentConfig:
     tensor_parallel_size: int | None = None  # for engines that do not export it (vLLM, SGLang)
     model_dir: str | None = None  # the pod's model directory: its config goes into /v1/signals
     model_retry_s: float = 5.0  # how often to look again while the directory holds no model yet
+    # LoRA adapters (runtime/agent/adapters.py): the desired list [{name, uri}] and where to fetch
+    # them (a path the runtime sees at the same place). None: the agent manages no adapters.
+    adapters_file: str | None = None
+    adapters_dir: str = "/adapters"
 
 
 @dataclass
@@ -65,7 +69,7 @@ class ScrapeState:
         return now - (self.sampled_at if self.sampled_at is not None else self.started_at)
 
 
-def signals_json(state: ScrapeState, config: AgentConfig, now: float) -> dict:
+def signals_json(state: ScrapeState, config: AgentConfig, now: float, adapters: dict | None = None) -> dict:
     """The operator's view (docs/architecture.md); value fields are null before any sample."""
     sample = state.sample
     age = state.age(now)
@@ -92,10 +96,12 @@ def signals_json(state: ScrapeState, config: AgentConfig, now: float) -> dict:
         "prompt_tokens_total": val("prompt_tokens_total", int),
         "generation_tokens_total": val("generation_tokens_total", int),
         "model_name": sample.model_name if sample else None,
+        "lora_adapters": list(sample.lora_adapters) if sample and sample.lora_adapters is not None else None,
         "engine_up": state.up,
         "last_error": state.last_error,
         "model": state.model,
         "model_error": state.model_error,
+        "adapters": adapters,
     }
 
 
@@ -149,9 +155,16 @@ class Agent:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._model_task: asyncio.Task | None = None
+        self._adapters_task: asyncio.Task | None = None
+        self.adapters = None
+        if self.config.adapters_file:
+            from .adapters import AdapterSync
+
+            self.adapters = AdapterSync(self.config.adapters_file, self.config.adapters_dir, RuntimeAdmin(self))
 
     def signals(self) -> dict:
-        return signals_json(self.state, self.config, self.clock())
+        adapters = self.adapters.report() if self.adapters is not None else None
+        return signals_json(self.state, self.config, self.clock(), adapters)
 
     @property
     def base(self) -> str:
@@ -288,12 +301,24 @@ class Agent:
                  self.state.model.get("num_layers"), self.state.model.get("num_attention_heads"),
                  self.state.model.get("num_kv_heads"), self.state.model.get("dtype"))
 
+    async def run_adapters(self) -> None:
+        """Keeps the runtime's adapters equal to the list, once the runtime is ready."""
+        while True:
+            try:
+                if self.state.ready and self.state.up:
+                    sample = self.state.sample
+                    await self.adapters.sync_once(self.clock(), sample.lora_adapters if sample else None)
+            except Exception:  # one bad round must not end adapter management
+                log.exception("adapter sync failed")
+            await asyncio.sleep(self.config.interval_s)
+
     async def start(self, app: web.Application) -> None:
         self._task = asyncio.create_task(self.run_scraper())
         self._model_task = asyncio.create_task(self.read_model()) if self.config.model_dir else None
+        self._adapters_task = asyncio.create_task(self.run_adapters()) if self.adapters is not None else None
 
     async def stop(self, app: web.Application) -> None:
-        for task in (self._task, self._model_task):
+        for task in (self._task, self._model_task, self._adapters_task):
             if task:
                 task.cancel()
                 try:
@@ -302,6 +327,37 @@ class Agent:
                     pass
         if self._session:
             await self._session.close()
+
+
+class RuntimeAdmin:
+    """The runtime's LoRA admin routes (vLLM's names), called with the pod's admin key."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+
+    async def _post(self, path: str, body: dict) -> None:
+        from .adapters import LoadRefused, Unreachable
+
+        key = self.agent.config.admin_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            # Loading reads the adapter's weights: seconds for a large one.
+            async with self.agent.session.post(self.agent.base + path, json=body, headers=headers,
+                                               timeout=aiohttp.ClientTimeout(total=120)) as r:
+                if r.status == 200:
+                    return
+                message = await _error_message(r)
+                if 400 <= r.status < 500 and r.status not in (401, 403, 408, 429):
+                    raise LoadRefused(f"HTTP {r.status}: {message}")
+                raise Unreachable(f"HTTP {r.status}: {message}")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+
+    async def load(self, name: str, path: str) -> None:
+        await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload(self, name: str) -> None:
+        await self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
 
 AGENT_KEY = web.AppKey("agent", Agent)
@@ -329,6 +385,10 @@ def build_app(config: AgentConfig) -> web.Application:
         return web.json_response(agent.signals())
 
     async def ready(request: web.Request) -> web.Response:
+        if agent.adapters is not None and not agent.adapters.settled:
+            # Not in the Service until every listed adapter was tried: a client naming one must
+            # not get a 404 from a pod that would have it a second later.
+            return web.Response(status=503, text="loading LoRA adapters")
         status, body = await agent.probe_ready()
         return web.Response(status=200 if status == 200 else 503, text=body or ("ok" if status == 200 else "not ready"))
 

@@ -33,8 +33,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvserve.runtime.engine.prefix_cache import BlockHash
+
+if TYPE_CHECKING:
+    from kvserve.runtime.kv_events.events import KVEventSink
 
 # Block-table entry of a block given back because it lies wholly behind the sliding window.
 FREED = -1
@@ -69,6 +73,8 @@ class BlockManager:
         # The offload tier's hooks (None: no tier, and no extra work).
         self.tier_lookup: Callable[[BlockHash], bool] | None = None
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        # KV events (runtime/kv_events): told of every key this pool gains, evicts or forgets.
+        self.events: KVEventSink | None = None
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -193,22 +199,34 @@ class BlockManager:
         self._num_freed[seq_id] = sum(1 for b in prefix if b == FREED)
         return loads
 
-    def key_loaded(self, hashes: Sequence[BlockHash], loads: Sequence[tuple[int, int]]) -> None:
-        """Keys blocks just loaded from the offload tier (`loads` from ``take_prefix``)."""
+    def key_loaded(self, hashes: Sequence[BlockHash], loads: Sequence[tuple[int, int]],
+                   token_ids: Sequence[int] | None = None) -> None:
+        """Keys blocks just loaded from the offload tier (`loads` from ``take_prefix``);
+        `token_ids` (the sequence's) only feed the KV events' BlockStored."""
+        run: list[int] = []
         for i, block in loads:
             h = hashes[i]
             if self.block_hashes[block] is None and h not in self.cached:
                 self.block_hashes[block] = h
                 self.cached[h] = block
+                if self.events is not None:
+                    if run and run[-1] != i - 1:
+                        self._report_stored(run, hashes, token_ids)
+                        run = []
+                    run.append(i)
+        if run:
+            self._report_stored(run, hashes, token_ids)
 
-    def register(self, seq_id: int, hashes: Sequence[BlockHash]) -> None:
+    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
         """Keys the sequence's leading full, computed blocks; `hashes[i]` is block i's key.
-        A block whose content is already cached elsewhere stays unkeyed (one block per key)."""
+        A block whose content is already cached elsewhere stays unkeyed (one block per key).
+        `token_ids` (the sequence's) only feed the KV events' BlockStored."""
         if not self.enable_caching:
             return
         table = self.block_tables.get(seq_id, [])
         start = self._num_registered.get(seq_id, 0)
         end = min(len(hashes), len(table))
+        run: list[int] = []  # consecutive newly keyed blocks: one BlockStored each run
         for i in range(start, end):
             block, h = table[i], hashes[i]
             if block == FREED:
@@ -216,8 +234,20 @@ class BlockManager:
             if self.block_hashes[block] is None and h not in self.cached:
                 self.block_hashes[block] = h
                 self.cached[h] = block
+                if self.events is not None:
+                    if run and run[-1] != i - 1:
+                        self._report_stored(run, hashes, token_ids)
+                        run = []
+                    run.append(i)
+        if run:
+            self._report_stored(run, hashes, token_ids)
         if end > start:
             self._num_registered[seq_id] = end
+
+    def _report_stored(self, run: list[int], hashes: Sequence[BlockHash], token_ids: Sequence[int] | None) -> None:
+        first, last, size = run[0], run[-1], self.block_size
+        tokens = [] if token_ids is None else token_ids[first * size:(last + 1) * size]
+        self.events.stored([hashes[i] for i in run], hashes[first - 1] if first else None, tokens)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Drops the blocks past the first `num_tokens` slots (speculative rollback)."""
@@ -251,6 +281,8 @@ class BlockManager:
         self.block_hashes = [None] * self.num_blocks
         self.cached.clear()
         self._num_registered.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     # -- mutations -------------------------------------------------------------------------------
     def allocate_slots(self, seq_id: int, num_computed: int, num_new: int) -> list[tuple[int, int]]:
@@ -319,6 +351,8 @@ class BlockManager:
                 self.on_evict(block, h)
             self.block_hashes[block] = None
             del self.cached[h]
+            if self.events is not None:
+                self.events.removed([h])
         self.ref_counts[block] = 1
         return block
 

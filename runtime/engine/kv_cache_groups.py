@@ -160,13 +160,14 @@ class KVCacheCoordinator:
         return [(g, i, b) for g, (m, p) in enumerate(zip(self.managers, prefix.per_group))
                 for i, b in m.take_prefix(seq_id, p)]
 
-    def key_loaded(self, hashes: Sequence[BlockHash], loads: Sequence[tuple[int, int, int]]) -> None:
+    def key_loaded(self, hashes: Sequence[BlockHash], loads: Sequence[tuple[int, int, int]],
+                   token_ids: Sequence[int] | None = None) -> None:
         for g, m in enumerate(self.managers):
-            m.key_loaded(hashes, [(i, b) for lg, i, b in loads if lg == g])
+            m.key_loaded(hashes, [(i, b) for lg, i, b in loads if lg == g], token_ids)
 
-    def register(self, seq_id: int, hashes: Sequence[BlockHash]) -> None:
+    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
         for m in self.managers:
-            m.register(seq_id, hashes)
+            m.register(seq_id, hashes, token_ids)
 
     def reset_prefix_cache(self) -> None:
         for m in self.managers:

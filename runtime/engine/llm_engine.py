@@ -25,6 +25,7 @@ from kvserve.runtime.executor import create_executor
 from kvserve.runtime.executor.base import hybrid_kv_groups, kv_release_window
 from kvserve.runtime.executor.platform import resolve_device
 from kvserve.runtime.kv_cache import kv_cache_torch_dtype
+from kvserve.runtime.kv_events.publisher import attach_kv_events
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.stats import EngineStats, StatsCollector
@@ -131,9 +132,11 @@ class LLMEngine:
             attach_grammar=lambda head, compiled: self.input_processor.attach_grammar(head, compiled))
         self.scheduler = self.core.scheduler
         self.block_manager = self.core.block_manager
+        self.kv_event_sink, self.kv_event_publisher = attach_kv_events(config.kv_events_config, self.block_manager)
         self.offload = None
         if ex.offloader is not None:
             self.offload = self._attach_offload(config, ex)
+            self.offload.events = self.kv_event_sink  # tier stores and removals, medium CPU or DISK
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.input_processor = InputProcessor(self.tokenizer, self._decode, vocab_size=self.vocab_size,
                                               max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -245,6 +248,7 @@ class LLMEngine:
                     log.exception("kv offload: saving the pool's cached blocks at shutdown failed")
         self.executor.shutdown()
         self.core.shutdown()
+        self.kv_event_publisher.close()
         self.structured_outputs.close()
 
     def __enter__(self) -> LLMEngine:
@@ -252,6 +256,21 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- reshape (runtime/engine/data_parallel.py) ----------------------------------------------
+    def detach_requests(self) -> tuple[list[RequestOutput], list]:
+        """Stops this engine's work for a reshape: the outputs still owed (a step in flight, aborts,
+        failures) and every unfinished request, ready for another engine's attach_requests."""
+        outputs, self._pending = self._pending, []
+        done = self.core.finish_inflight()
+        outputs += self._failed_outputs()
+        if done is not None:
+            outputs += self.output_processor.make_outputs(self.output_processor.process(done.update, done.now))
+        return outputs, self.core.detach_all()
+
+    def attach_requests(self, heads: list) -> None:
+        """Requests another engine detached: they resume by recomputing their tokens here."""
+        self.core.attach(heads)
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -261,6 +280,9 @@ class LLMEngine:
         except BaseException:
             self._pending += self._failed_outputs()  # for the caller that goes on stepping
             raise
+        finally:
+            if self.kv_event_sink is not None:
+                self.kv_event_publisher.publish(self.kv_event_sink.take())
         outputs += self._failed_outputs()
         if done is None:
             return outputs
@@ -308,6 +330,8 @@ class LLMEngine:
             block_size=self.block_manager.block_size,
             max_num_seqs=self.config.max_num_seqs,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            pipeline_parallel_size=self.config.pipeline_parallel_size,
+            pipeline_bubble_fraction=getattr(self.executor, "pipeline_bubble_fraction", 0.0),
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.runtime.kv_offload.index import SWAP, TierIndex, preemption_choice
 from kvserve.runtime.kv_offload.offloader import SWAP as SWAP_STORE
@@ -52,8 +52,6 @@ class OffloadStats:
     swap_outs: int = 0
     swap_ins: int = 0
     swapped_bytes: int = 0
-    # Events for a KV event sink: ("stored" | "removed", medium, [block hashes]).
-    events: list = field(default_factory=list)
 
 
 @dataclass
@@ -67,7 +65,7 @@ class SwapState:
 class OffloadManager:
     def __init__(self, *, apply: Callable[[list[tuple]], list[bytes]], block_bytes: Sequence[int], block_size: int,
                  tier_bytes: int, swap_bytes: int, medium: str = "CPU",
-                 existing: Sequence[tuple[bytes, int]] = (), emit_events: bool = False) -> None:
+                 existing: Sequence[tuple[bytes, int]] = ()) -> None:
         self._apply = apply
         self.block_bytes = list(block_bytes)
         self.block_size = block_size
@@ -75,7 +73,9 @@ class OffloadManager:
         self.swap = TierIndex(swap_bytes) if swap_bytes > 0 else None
         self.medium = medium
         self.stats = OffloadStats()
-        self.emit_events = emit_events
+        # A KV event sink (runtime/kv_events/events.py): the tier's stores and removals of the
+        # reference group's blocks, with vLLM's medium ("CPU" or "DISK").
+        self.events = None
         self._ops: list[tuple] = []
         self._pinned: set[bytes] = set()
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
@@ -115,15 +115,16 @@ class OffloadManager:
             self._drop_tier(evicted)
             self._ops.append(("save", TIER_STORE, group, block, key))
             self.stats.stored_blocks += 1
-            if self.emit_events:
-                self.stats.events.append(("stored", self.medium, [block_hash]))
+            if self.events is not None and group == 0:
+                # The tier keeps no token ids; the pool's own BlockStored carried them.
+                self.events.stored([block_hash], None, [], medium=self.medium)
         return evict
 
     def _drop_tier(self, keys: list[bytes]) -> None:
         for k in keys:
             self._ops.append(("drop", TIER_STORE, k))
-        if self.emit_events and keys:
-            self.stats.events.append(("removed", self.medium, [k[1:] for k in keys]))
+        if self.events is not None:
+            self.events.removed([k[1:] for k in keys if k[0] == 0], medium=self.medium)
 
     # -- the scheduler's calls -------------------------------------------------------------------
     def pin(self, keys: list[bytes]) -> None:

@@ -60,6 +60,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="layers split into this many stages, tensor-parallel-size ranks each (docs/pipeline-parallel.md)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines in this server, each of --tensor-parallel-size ranks; the server owns "
+                        "DP x TP devices and POST /admin/parallelism changes the split live")
     p.add_argument("--quantization", "-q", default=None, type=lambda v: v.lower().replace("_", "-"),
                    choices=WEIGHT_FORMATS,
                    help="weight format (default: the checkpoint's quantization_config, else full precision); "
@@ -96,6 +101,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
                    help='e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8], "level": 0}\'; a bare 3 turns on '
                         "torch.compile of the model (GPU)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV cache events (vLLM\'s KVEventsConfig), e.g. \'{"enable_kv_cache_events": true, '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)')
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (or set KVSERVE_API_KEY)")
     add_admin_key_flags(p)
