@@ -52,6 +52,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # LoRA: at most this many distinct adapters among the running sequences (so in any step);
+    # 0: no adapters.
+    max_loras: int = 0
 
 
 @dataclass
@@ -195,13 +198,26 @@ class Scheduler:
         # A sequence preempted in this step waits for the next one, so that its freed blocks
         # actually relieve the pressure that caused the preemption.
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                seq = self.waiting[0]
+            # LoRA: a sequence whose adapter would exceed max_loras waits, and so does every
+            # later adapter sequence (first come first served across adapters: the running ones
+            # drain and it is next, so none starves); base-model sequences may pass it.
+            active = {s.lora_int_id for s in self.running if s.lora_int_id} if cfg.max_loras else None
+            blocked = False
+            idx = 0
+            while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.waiting[idx]
+                if active is not None and seq.lora_int_id and (
+                        blocked or (seq.lora_int_id not in active and len(active) >= cfg.max_loras)):
+                    blocked = True
+                    idx += 1
+                    continue
                 if seq.swapped is not None:
-                    resumed = self._swap_in(seq, budget)
+                    resumed = self._swap_in(seq, idx, budget)
                     if resumed is None:
                         break
                     if resumed:
+                        if active is not None and seq.lora_int_id:
+                            active.add(seq.lora_int_id)
                         scheduled.append(resumed)
                         budget -= resumed.num_new_tokens
                     continue
@@ -224,7 +240,9 @@ class Scheduler:
                     if self.offload is None:
                         bm.take_prefix(seq.seq_id, prefix)
                     seq.num_computed_tokens = num_cached
-                self.waiting.popleft()
+                del self.waiting[idx]
+                if active is not None and seq.lora_int_id:
+                    active.add(seq.lora_int_id)
                 if bm.enable_caching:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += num_cached
@@ -263,7 +281,7 @@ class Scheduler:
         offload.count_query(seq.num_tokens, min(reference * bm.block_size, num_cached))
         return True
 
-    def _swap_in(self, seq: Sequence, budget: int) -> ScheduledSequence | None | bool:
+    def _swap_in(self, seq: Sequence, idx: int, budget: int) -> ScheduledSequence | None | bool:
         """Resumes a swapped-out sequence: fresh blocks for what it had plus this step's chunk,
         its saved blocks loaded into them. None: no room yet (it keeps its place); False: the
         swap could not be read, so it recomputes (it stays first in line)."""
@@ -282,7 +300,7 @@ class Scheduler:
         if not self.offload.swap_in(state, bm.get_block_table(seq.seq_id)):
             bm.free(seq.seq_id)
             return False
-        self.waiting.popleft()
+        del self.waiting[idx]
         seq.num_computed_tokens = tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

@@ -58,6 +58,9 @@ class Sequence:
     # Swap preemption: where its blocks went (kvserve.runtime.kv_offload.manager.SwapState) while
     # it waits to resume; None when it holds its blocks or will recompute them.
     swapped: Any = None
+    # The LoRA adapter this sequence runs with (0: the base model): the scheduler keeps at most
+    # max_loras distinct adapters in a step.
+    lora_int_id: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

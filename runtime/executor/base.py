@@ -110,7 +110,13 @@ class Executor:
         self.num_blocks_per_group = list(blocks)
         self.model_weight_bytes = worker.weight_bytes
         generator = torch.Generator(device=device).manual_seed(config.seed)
-        self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups)
+        self.lora_manager = None
+        if worker.lora is not None:
+            from kvserve.runtime.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
+        self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
+                                  lora=self.lora_manager)
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder

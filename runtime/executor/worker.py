@@ -48,6 +48,7 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.graphs = None  # DecodeGraphs once captured (runtime/executor/cuda_graphs.py)
         self.offloader = None  # KVOffloader with an offload tier or swap space (runtime/kv_offload/)
+        self.lora = None  # WorkerLoRA with enable_lora (runtime/lora/worker.py)
 
     # -- startup, in this order on every rank ----------------------------------------------------
     def load_model(self) -> None:
@@ -60,6 +61,13 @@ class Worker:
                                 tp_rank=self.rank, tp_size=self.world_size,
                                 quantization=self.quant_config if self.quant_config is not None
                                 else self.config.quantization)
+        if getattr(self.config, "enable_lora", False):
+            from kvserve.runtime.lora.worker import WorkerLoRA
+
+            config = self.config
+            self.lora = WorkerLoRA(self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                   max_cpu_loras=config.max_cpu_loras, model_dir=config.model,
+                                   hf_config=self.model_config.hf_config)
 
     @property
     def weight_bytes(self) -> int:
@@ -226,7 +234,14 @@ class Worker:
             copy_group_blocks(self.kv_caches, self.kv_groups, step.block_copies)
         step = step.to(self.device)
         graphs = self.graphs
-        if graphs is not None and step.meta.is_decode_only and graphs.bucket(step.input_ids.shape[0]) is not None:
+        if step.lora is not None:
+            # Adapter steps run eagerly: the graphs were captured without adapter work.
+            self.lora.begin_step(step.lora, self.device)
+            try:
+                hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+            finally:
+                self.lora.end_step()
+        elif graphs is not None and step.meta.is_decode_only and graphs.bucket(step.input_ids.shape[0]) is not None:
             hidden = graphs.run(step.input_ids, step.positions, step.meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)

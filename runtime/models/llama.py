@@ -225,6 +225,10 @@ _UNBUILT = object()
 class CausalLM(nn.Module):
     """A packed-token decoder: forward() gives final hidden states, compute_logits() the logits."""
 
+    # True while a step with LoRA adapters runs (runtime/lora/worker.py): the native decode stack
+    # multiplies by the base weights only, so such a step takes the per-op path.
+    lora_active = False
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, dtype: torch.dtype,
                  device: torch.device, tp_rank: int = 0, tp_size: int = 1,
                  quant_config: QuantizationConfig | None = None, layer_range: tuple[int, int] | None = None):
@@ -277,7 +281,7 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
-        if meta.is_decode_only and self.device.type == "cpu":
+        if meta.is_decode_only and self.device.type == "cpu" and not self.lora_active:
             stack = self._native_stack
             if stack is _UNBUILT:
                 from kvserve.runtime.models import native_decode
