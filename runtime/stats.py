@@ -39,6 +39,8 @@ class EngineStats:
     # What this replica runs: weight bytes on one rank (values, scales and zeros of whatever
     # format) and the formats, for kvserve:model_weight_bytes and kvserve:model_info.
     model_weight_bytes: int = 0
+    # CUDA graph captures that failed at startup (logged at ERROR; decode runs eagerly).
+    cuda_graph_capture_failures_total: int = 0
     quantization: str = "none"
     dtype: str = ""
     kv_cache_dtype: str = "auto"

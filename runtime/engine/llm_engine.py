@@ -410,6 +410,7 @@ class LLMEngine:
             generation_tokens_per_second=s.rate(now),
             structured_output_requests_total=s.structured_output_requests_total,
             model_weight_bytes=self.model_weight_bytes,
+            cuda_graph_capture_failures_total=self.executor.graph_capture_failures,
             quantization=self.quantization or "none",
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),

@@ -160,6 +160,11 @@ class Executor:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.driver_worker.kv_cache_dtype
 
+    @property
+    def graph_capture_failures(self) -> int:
+        """Failed CUDA graph captures on rank 0 (every rank fails alike)."""
+        return self.driver_worker.graph_capture_failures
+
     def propose_drafts(self, running: Sequence, params_of: Callable) -> None:
         """Speculative decoding: sets each running sequence's spec_token_ids before scheduling."""
         if self.spec_decoder is not None:
