@@ -148,7 +148,7 @@ def valid_degrees(spec: ServiceSpec, shape: ModelShape) -> list[int]:
                              gpu_memory_bytes=spec.gpu.memory_bytes,
                              gpu_memory_utilization=spec.runtime.gpu_memory_utilization,
                              weight_format=weight_format_for_capacity(spec, dsize),
-                             kv_dtype_size=kv_dtype_size_for_capacity(spec))
+                             kv_dtype_size=kv_dtype_size_for_capacity(spec), pp=spec.pipeline)
         if plan.fits:
             out.append(tp)
     return out
@@ -164,7 +164,7 @@ def _capacity(spec: ServiceSpec, shape: ModelShape, tp: int, observed: list[int]
                                      gpu_memory_bytes=spec.gpu.memory_bytes,
                                      gpu_memory_utilization=spec.runtime.gpu_memory_utilization,
                                      weight_format=weight_format_for_capacity(spec, dsize),
-                                     kv_dtype_size=kv_dtype_size_for_capacity(spec)).kv_tokens
+                                     kv_dtype_size=kv_dtype_size_for_capacity(spec), pp=spec.pipeline).kv_tokens
         except ValueError:
             model[d] = 0
     # Pods know their real pool size; the model only supplies the ratio between degrees.

@@ -17,6 +17,7 @@ from typing import Any
 from kvserve.runtime.capacity import ModelShape
 
 from . import manifests as M
+from . import multinode as MN
 from . import netpol as N
 from . import router as R
 from .autoscaler import hold
@@ -46,10 +47,10 @@ def owned_objects(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int,
                   operator: N.OperatorPeer | None = None) -> list[dict[str, Any]]:
     """Every object the resource should own, in apply order: the NetworkPolicies first (no pod is
     ever reachable from more than they allow), the router's identity before its pods, the
-    Deployment after the Service and PDB that select its pods."""
+    Deployment (or LeaderWorkerSet: operator/multinode.py) after the Service and PDB that select its pods."""
     objects = N.build_network_policies(owner, spec, operator)
     objects += [M.build_service(owner, spec), M.build_pdb(owner),
-                M.build_deployment(owner, spec, replicas=replicas, tp=tp)]
+                MN.build_workload(owner, spec, replicas=replicas, tp=tp)]
     if spec.router.enabled:
         objects += R.build_router_objects(owner, spec)
     return objects
@@ -59,7 +60,7 @@ def possible_objects(name: str) -> list[tuple[str, str]]:
     """(kind, name) of everything any spec could make the resource own, in apply order: what the
     current spec does not ask for is deleted (in reverse order) when it exists and is ours."""
     return ([("NetworkPolicy", N.runtime_policy_name(name)), ("NetworkPolicy", N.router_policy_name(name)),
-             ("Service", name), ("PodDisruptionBudget", name), ("Deployment", name)]
+             ("Service", name), ("PodDisruptionBudget", name), ("Deployment", name), (MN.LWS_KIND, name)]
             + [(kind, R.router_name(name)) for kind in R.ROUTER_KINDS])
 
 

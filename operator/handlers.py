@@ -30,6 +30,7 @@ from kvserve.runtime.capacity import ModelShape
 
 from . import desired as D
 from . import manifests as M
+from . import multinode as MN
 from . import netpol as N
 from . import router as R
 from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decide
@@ -285,6 +286,11 @@ class Reconciler:
             self._degraded(body, status, patch, generation, now, "NotOwned", str(error))
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry, first=5, cap=60)) from error
         except APIError as error:
+            replicas, tp = D.recorded_size(spec, shape, current.get("status"))
+            if error.status == 404 and MN.is_multinode(spec, tp):
+                message = MN.lws_missing_message(spec, tp)
+                self._degraded(body, status, patch, generation, now, "LeaderWorkerSetMissing", message)
+                raise kopf.TemporaryError(message, delay=handler_delay(retry, first=30, cap=300)) from error
             self._degraded(body, status, patch, generation, now, "ApplyFailed", str(error))
             raise kopf.TemporaryError(str(error), delay=handler_delay(retry)) from error
         if changed:
@@ -386,7 +392,8 @@ class Reconciler:
 
     async def _pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
         pods = await self.client.list("Pod", namespace, M.selector_labels(name))
-        return [p for p in pods if not pod_terminating(p)]
+        # A LeaderWorkerSet group is one replica: its leader serves, scrapes and counts.
+        return [p for p in pods if not pod_terminating(p) and MN.serving_pod(p)]
 
     @staticmethod
     def _base_status(name, namespace, generation, pods, ready) -> dict[str, Any]:
@@ -423,8 +430,8 @@ class Reconciler:
                 return  # the reconcile handler reports it
             generation = current["metadata"].get("generation", generation)
             replicas, tp = D.recorded_size(spec, shape, current.get("status"))
-            want = M.build_deployment(current, spec, replicas=replicas, tp=tp)
-            live = await self.client.get("Deployment", namespace, name)
+            want = MN.build_workload(current, spec, replicas=replicas, tp=tp)
+            live = await self.client.get(want["kind"], namespace, name)
             if not self._runs(live, want, uid):
                 # Deleted or edited behind the operator's back, or an apply that failed after its
                 # decision was recorded: converge (level-triggered) before deciding anything.

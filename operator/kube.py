@@ -71,6 +71,8 @@ KINDS: dict[str, Kind] = {
     # spec.networkPolicy: who may reach the pods (operator/netpol.py).
     "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies", k8s.NetworkingV1Api,
                           "namespaced_network_policy"),
+    # Replicas larger than one node (operator/multinode.py); a custom resource (the LWS CRD).
+    "LeaderWorkerSet": Kind("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "InferenceService": Kind("/apis/kvserve.dev/v1alpha1", "inferenceservices"),
     "KopfPeering": Kind("/apis/kopf.dev/v1", "kopfpeerings"),
     "ClusterKopfPeering": Kind("/apis/kopf.dev/v1", "clusterkopfpeerings"),  # cluster-scoped

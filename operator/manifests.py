@@ -149,6 +149,7 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
     command = [*program, model_dir(name), "--host", "0.0.0.0", "--port", str(RUNTIME_PORT),
                "--served-model-name", spec.model.served_name,
                "--tensor-parallel-size", str(tp),
+               *(["--pipeline-parallel-size", str(spec.pipeline)] if spec.pipeline > 1 else []),
                "--block-size", str(rt.block_size),
                "--dtype", rt.dtype,
                "--gpu-memory-utilization", str(rt.gpu_memory_utilization),
@@ -203,7 +204,7 @@ def _fetch_source(name: str, spec: ServiceSpec) -> str:
 def _gpu_resources(spec: ServiceSpec, tp: int) -> dict[str, Any]:
     requests = dict((spec.runtime.resources or {}).get("requests") or {})
     limits = dict((spec.runtime.resources or {}).get("limits") or {})
-    gpus = tp * spec.gpu.per_shard
+    gpus = tp * spec.pipeline * spec.gpu.per_shard
     if gpus:
         # Extended resources must have request == limit.
         requests[spec.gpu.resource_name] = str(gpus)
@@ -328,9 +329,14 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         pod_spec["affinity"] = dict(spec.gpu.affinity)
     if spec.gpu.priority_class_name:
         pod_spec["priorityClassName"] = spec.gpu.priority_class_name
+    pod_labels = labels(name)
+    if spec.gpu.gpus_per_node is not None:
+        # Set with gpusPerNode only (so other services' templates, and pods, stay as they were):
+        # the Service then selects leaders, and a LeaderWorkerSet's workers say "worker".
+        pod_labels["kvserve.dev/role"] = "leader"
     template = {
         "metadata": {
-            "labels": labels(name),
+            "labels": pod_labels,
             "annotations": {TP_ANNOTATION: str(tp), "kvserve.dev/engine": rt.engine,
                             "prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_PORT)},
         },
@@ -371,13 +377,19 @@ def build_service(owner: Mapping[str, Any], spec: ServiceSpec | None = None) -> 
     """The service's address (status.url): its runtime pods, or its router when spec.router is on."""
     name, namespace = owner["metadata"]["name"], owner["metadata"].get("namespace", "default")
     routed = spec is not None and spec.router.enabled
+    selector = router_selector(name) if routed else selector_labels(name)
+    if not routed and spec is not None and spec.gpu.gpus_per_node is not None:
+        from .multinode import ROLE_LABEL
+
+        # A LeaderWorkerSet's workers serve nothing; every pod of a Deployment is a "leader".
+        selector = {**selector, ROLE_LABEL: "leader"}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(name, namespace, owner),
         "spec": {
             "type": "ClusterIP",
-            "selector": router_selector(name) if routed else selector_labels(name),
+            "selector": selector,
             "ports": [{"name": "http", "port": RUNTIME_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -403,19 +415,25 @@ def build_all(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int, tp:
     return [build_deployment(owner, spec, replicas=replicas, tp=tp), build_service(owner, spec), build_pdb(owner)]
 
 
+def _pod_template_of(workload: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A Deployment's pod template, or a LeaderWorkerSet's leader template (operator/multinode.py)."""
+    spec = workload.get("spec") or {}
+    if "leaderWorkerTemplate" in spec:
+        return spec["leaderWorkerTemplate"].get("leaderTemplate") or {}
+    return spec.get("template") or {}
+
+
 def template_hash(deployment: Mapping[str, Any] | None) -> str | None:
     if not deployment:
         return None
-    return ((deployment.get("spec") or {}).get("template", {}).get("metadata", {})
-            .get("annotations", {}).get(HASH_ANNOTATION))
+    return _pod_template_of(deployment).get("metadata", {}).get("annotations", {}).get(HASH_ANNOTATION)
 
 
 def template_tp(deployment: Mapping[str, Any] | None) -> int | None:
     """The TP the live Deployment's pod template runs, if it says."""
     if not deployment:
         return None
-    value = ((deployment.get("spec") or {}).get("template", {}).get("metadata", {})
-             .get("annotations", {}).get(TP_ANNOTATION))
+    value = _pod_template_of(deployment).get("metadata", {}).get("annotations", {}).get(TP_ANNOTATION)
     try:
         return int(value) if value is not None else None
     except ValueError:

@@ -96,10 +96,15 @@ def build_runtime_policy(owner: Mapping[str, Any], spec: ServiceSpec, operator: 
     name, namespace = owner["metadata"]["name"], owner["metadata"].get("namespace", "default")
     router = [_router_peer(name)] if spec.router.enabled else []
     metrics = metrics_peers(spec)
-    return _policy(owner, runtime_policy_name(name), M.labels(name), M.selector_labels(name), [
+    rules = [
         _rule(M.RUNTIME_PORT, router + client_peers(spec, namespace) + metrics),
         _rule(M.AGENT_PORT, operator_peers(operator) + router + metrics),
-    ])
+    ]
+    if spec.gpu.gpus_per_node is not None:
+        # Multi-node replicas: the pods of a group reach each other on every port (the leader's
+        # rendezvous port, torch.distributed's store and the NCCL/gloo connections it opens).
+        rules.append({"from": [{"podSelector": {"matchLabels": M.selector_labels(name)}}]})
+    return _policy(owner, runtime_policy_name(name), M.labels(name), M.selector_labels(name), rules)
 
 
 def build_router_policy(owner: Mapping[str, Any], spec: ServiceSpec, operator: OperatorPeer) -> dict[str, Any]:

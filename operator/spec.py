@@ -152,6 +152,7 @@ class GPUSpec:
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] | None = None
     priority_class_name: str | None = None
+    gpus_per_node: int | None = None  # None: a replica always fits one node (a Deployment)
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,8 @@ class ServiceSpec:
     replicas: int | None = None  # manual size; only without autoscaling
     router: RouterSpec = field(default_factory=RouterSpec)
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
+    pipeline: int = 1  # pipeline stages per replica (spec.parallelism.pipeline)
+    rendezvous_key_secret: tuple[str, str] | None = None  # (secret, key) for multi-node ranks
 
     @property
     def gpus_per_replica_per_tp(self) -> int:
@@ -473,6 +476,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         tolerations=tuple(g.array("tolerations")),
         affinity=g.mapping("affinity"),
         priority_class_name=g.string("priorityClassName"),
+        gpus_per_node=g.integer("gpusPerNode", None, lo=1, hi=64),
     )
 
     t = top.sub("parallelism").sub("tensor")
@@ -528,9 +532,16 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         # nothing would tell the operator to wake the service: they would just fail.
         raise SpecError("spec.autoscaling.minReplicas", "0 (scale to zero) needs spec.router.enabled: true "
                         "(the router holds requests while no pod runs and wakes the service)")
-    return ServiceSpec(model=model, runtime=runtime, gpu=gpu, tensor=tensor,
+    par = top.sub("parallelism")
+    spec = ServiceSpec(model=model, runtime=runtime, gpu=gpu, tensor=tensor,
                        autoscaling=autoscaling, replicas=replicas, router=router,
-                       network_policy=parse_network_policy(top.raw.get("networkPolicy")))
+                       network_policy=parse_network_policy(top.raw.get("networkPolicy")),
+                       pipeline=par.integer("pipeline", 1, lo=1, hi=64),
+                       rendezvous_key_secret=_secret_ref(par, "rendezvousKeySecret", "key"))
+    from .multinode import check_multinode
+
+    check_multinode(spec)
+    return spec
 
 
 def model_shape(spec: ServiceSpec, read_config=None) -> ModelShape | None:
@@ -568,6 +579,11 @@ def check_servable(spec: ServiceSpec, shape: ModelShape | None) -> None:
     error = shape.tp_error(spec.tensor.initial)
     if error:
         raise SpecError("spec.parallelism.tensor.initial", error)
+    from kvserve.runtime.capacity.pipeline import pipeline_error
+
+    error = pipeline_error(shape, spec.pipeline)
+    if error:
+        raise SpecError("spec.parallelism.pipeline", error.removeprefix("pipeline_parallel_size: "))
 
 
 def dtype_for_capacity(spec: ServiceSpec) -> str:

@@ -182,6 +182,7 @@ NAMESPACED_NEEDS = {
     ("kvserve.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("kvserve.dev", "inferenceservices/status"): {"patch"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},  # get/watch only to grant them to a router (spec.router)

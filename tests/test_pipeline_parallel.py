@@ -10,6 +10,7 @@ holds only its layers' weights and KV pools; a killed stage fails the engine and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ import torch
 from test_tensor_parallel import tp_worker_pids
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.capacity import ModelShape
+from kvserve.runtime.capacity import ModelShape, blocks_for_budget, plan_capacity
 from kvserve.runtime.capacity.pipeline import layer_shape, split_layers, stage_weight_bytes
 from kvserve.runtime.executor.multiproc import WorkerDiedError
 
@@ -67,6 +68,12 @@ def test_pp2_matches_pp1(tiny_model_factory, family):
     assert got == want
     assert not tp_worker_pids(), "close() must reap every worker"
     assert stats.pipeline_parallel_size == 2 and 0.0 < stats.pipeline_bubble_fraction < 1.0
+    # Each stage sized KV pools for its own layers from the same budget; the replica holds the
+    # smallest count, as the capacity model says.
+    shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    kv = [blocks_for_budget(KW["kv_cache_memory_bytes"], layer_shape(shape, *r), 4, KW["block_size"], 1)
+          for r in split_layers(shape, 2)]
+    assert stats.kv_blocks_total == min(kv)
     assert [r["rank"] for r in reports] == [0, 1]
 
 
@@ -225,3 +232,12 @@ def test_engine_config_reads_pipeline_flag():
 def test_stage_shape_counts_only_its_layers():
     s = layer_shape(SMOL, 10, 15)
     assert s.num_layers == 5 and s.vocab_size == SMOL.vocab_size
+
+
+def test_capacity_plan_at_pp2_holds_each_stage_and_about_twice_the_tokens():
+    kw = dict(dtype_size=2, block_size=16, tp=1, gpu_memory_bytes=4 << 30, activation_reserve_bytes=0)
+    one, two = plan_capacity(SMOL, **kw), plan_capacity(SMOL, pp=2, **kw)
+    assert two.weight_bytes_per_gpu == max(stage_weight_bytes(SMOL, split_layers(SMOL, 2)))
+    assert two.weight_bytes_per_gpu < one.weight_bytes_per_gpu
+    # Half the layers per GPU: each token costs half the KV bytes there, so about twice the tokens.
+    assert 1.9 < two.kv_tokens / one.kv_tokens < 2.2

@@ -52,6 +52,7 @@ def plan_capacity(
     kv_dtype_size: int | None = None,
     context_len: int | None = None,
     max_step_tokens: int = 2048,
+    pp: int = 1,
 ) -> ReplicaCapacity:
     """KV capacity of one replica at degree `tp` on GPUs of `gpu_memory_bytes` each.
 
@@ -70,6 +71,10 @@ def plan_capacity(
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if activation_reserve_bytes is None:
         activation_reserve_bytes = max(512 * 1024**2, int(0.05 * gpu_memory_bytes))
+    if pp > 1:
+        return _plan_pipeline(shape, pp, dtype_size=dtype_size, kv_size=kv_size, block_size=block_size, tp=tp,
+                              usable=int(gpu_memory_bytes * gpu_memory_utilization) - activation_reserve_bytes,
+                              weight_format=weight_format)
     weights = weight_bytes_per_gpu(shape, dtype_size, tp, weight_format)
     kv_budget = max(0, int(gpu_memory_bytes * gpu_memory_utilization) - weights - activation_reserve_bytes)
     blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
@@ -96,3 +101,25 @@ def plan_capacity(
         kv_tokens=blocks * block_size,
         **at_context,
     )
+
+
+def _plan_pipeline(shape: ModelShape, pp: int, *, dtype_size: int, kv_size: int, block_size: int, tp: int,
+                   usable: int, weight_format: WeightFormat | None) -> ReplicaCapacity:
+    """`pp` stages (runtime/capacity/pipeline.py's split): each GPU of stage s holds its layers'
+    weights and KV for its layers only, from the same per-GPU budget; block ids mean the same slots
+    on every stage, so the replica holds the smallest stage's block count. Reported per GPU: the
+    heaviest stage's weights, the KV bytes per token of the stage with the most layers."""
+    from kvserve.runtime.capacity.pipeline import layer_shape, split_layers, stage_weight_bytes
+
+    ranges = split_layers(shape, pp, dtype_size=dtype_size, tp=tp, fmt=weight_format)
+    weights = stage_weight_bytes(shape, ranges, dtype_size=dtype_size, tp=tp, fmt=weight_format)
+    blocks, budgets, per_token = [], [], []
+    for (start, end), w in zip(ranges, weights):
+        stage = layer_shape(shape, start, end)
+        budget = max(0, usable - w)
+        budgets.append(budget)
+        blocks.append(blocks_for_budget(budget, stage, kv_size, block_size, tp))
+        per_token.append(kv_bytes_per_token(stage, kv_size, tp))
+    return ReplicaCapacity(tensor_parallel_size=tp, weight_bytes_per_gpu=max(weights),
+                           kv_bytes_per_token_per_gpu=max(per_token), kv_cache_bytes_per_gpu=min(budgets),
+                           block_size=block_size, kv_blocks=min(blocks), kv_tokens=min(blocks) * block_size)

@@ -30,7 +30,7 @@ import datetime
 import itertools
 import threading
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp.web
 import attrs
@@ -78,6 +78,9 @@ def _rv(event) -> int:
 @attrs.define(kw_only=True)
 class PatchedEmulator(kmock.KubernetesEmulator):
     _counter: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    # API groups this cluster does not serve (a CRD not installed): every call answers 404, as
+    # an API server does. kmock itself serves any path.
+    UNSERVED_GROUPS: ClassVar[set[str]] = set()
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -87,6 +90,8 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         return str(next(self._counter))
 
     async def _handle(self, request):
+        if request.resource is not None and (request.resource.group or "") in self.UNSERVED_GROUPS:
+            return _status(404, "NotFound", "the server could not find the requested resource")
         if (request.resource is not None and request.action == enums.action.UPDATE and request.name is not None
                 and (request.headers or {}).get("Content-Type", "").startswith("application/apply-patch")):
             return await self._server_side_apply(request)

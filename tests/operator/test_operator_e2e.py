@@ -76,6 +76,7 @@ DOCUMENTED_RBAC = {
     ("kvserve.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("kvserve.dev", "inferenceservices/status"): {"patch"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},  # get and watch only to grant them to a router

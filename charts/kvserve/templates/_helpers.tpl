@@ -27,6 +27,10 @@ owns by server-side apply only: patch, and create for an apply that creates the 
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch, delete]
+# Replicas larger than one node (spec.gpu.gpusPerNode): LeaderWorkerSets, written the same way.
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch, delete]
