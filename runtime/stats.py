@@ -39,9 +39,14 @@ class EngineStats:
     # What this replica runs: weight bytes on one rank (values, scales and zeros of whatever
     # format) and the formats, for kvserve:model_weight_bytes and kvserve:model_info.
     model_weight_bytes: int = 0
+    # CUDA graph captures that failed at startup (logged at ERROR; decode runs eagerly).
+    cuda_graph_capture_failures_total: int = 0
     quantization: str = "none"
     dtype: str = ""
     kv_cache_dtype: str = "auto"
+    pipeline_parallel_size: int = 1
+    # Stage 0's idle share of recent steps (moving average), 0 without pipeline parallelism.
+    pipeline_bubble_fraction: float = 0.0
     # Observations since the previous get_stats() (seconds).
     queue_times: list[float] = field(default_factory=list)
     time_to_first_token: list[float] = field(default_factory=list)
