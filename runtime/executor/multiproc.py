@@ -170,6 +170,7 @@ class MultiProcExecutor(Executor):
         self._closed = False
         self._group_up = False
         self._errors: dict[int, str] = {}
+        self._kv_ops: list[tuple] = []  # offload operations for ranks 1..N-1 (rank 0 applied them)
         self._inbox: dict[int, list[tuple[str, Any]]] = {}
         self._workers: list[_WorkerProcess] = []
         self._monitor: threading.Thread | None = None
@@ -268,6 +269,8 @@ class MultiProcExecutor(Executor):
     def _forward(self, step: ForwardInput) -> torch.Tensor | None:
         """Sends the step to every worker, then runs it here; a failure names the rank."""
         self.check()
+        if self._kv_ops:
+            step.kv_ops, self._kv_ops = self._kv_ops, []
         message = protocol.encode(protocol.STEP, step)
         try:
             self._send_all(message)
@@ -282,6 +285,9 @@ class MultiProcExecutor(Executor):
             # collectives may have returned garbage, so the step's tokens are not used.
             self.check()
         return logits
+
+    def _share_kv_ops(self, ops: list[tuple]) -> None:
+        self._kv_ops.extend(ops)  # sent with the next step, applied before its forward pass
 
     def check_health(self) -> None:
         self.check()
