@@ -32,7 +32,7 @@ RUN apt-get update \
 # and pip does not swap a CPU build for PyPI's CUDA one.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "$(ls /wheels/kvserve-*.whl)[triton]"
+    pip install --no-cache-dir "$(ls /wheels/kvserve-*.whl)[triton,events]"
 # The pods run with a read-only root filesystem: caches go to the /tmp emptyDir the operator
 # mounts (the same variables are set on every container it makes).
 ENV HOME=/tmp \

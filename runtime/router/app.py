@@ -36,7 +36,7 @@ from .hold import HoldFull, HoldQueue, HoldTimeout, Ticket
 from .limits import BodyLimits, ByteBudget
 from .load import LoadPoller
 from .metrics import CONTENT_TYPE, RouterMetrics
-from .policy import PREFIX_HIT, Choice, PolicyConfig, PolicyState, choose, chunk_hashes, routing_key
+from .policy import PREFIX_HIT, Choice, PolicyConfig, PolicyState, adapter_of, choose, chunk_hashes, routing_key
 
 log = logging.getLogger("kvserve.router")
 
@@ -182,10 +182,11 @@ class Router:
 
     # --- forwarding --------------------------------------------------------------------------
 
-    def _choose(self, hashes: list[int], tried: list[str]) -> Choice | None:
+    def _choose(self, hashes: list[int], tried: list[str], adapter: str | None = None) -> Choice | None:
         names = list(self.endpoints)
         loads = {n: self.loads.load(n, self.in_flight[n]) for n in names}
-        return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried)
+        return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried, adapter=adapter,
+                      adapters=self.loads.adapters() if adapter is not None else None)
 
     async def _wait_for_pod(self, ticket: Ticket | None, nbytes: int) -> Ticket:
         self.metrics.held.inc()
@@ -221,8 +222,9 @@ class Router:
                               headers={"Retry-After": str(self.config.retry_after_s)})
 
     async def forward(self, request: web.Request, route: Route, body: bytes, hashes: list[int], stream: bool,
-                      admitted: Ticket | None = None) -> web.StreamResponse:
-        """`admitted`: the hold ticket this request took before its body was read, if any."""
+                      admitted: Ticket | None = None, adapter: str | None = None) -> web.StreamResponse:
+        """`admitted`: the hold ticket this request took before its body was read, if any;
+        `adapter`: the LoRA adapter the request names (pods with it loaded are preferred)."""
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = self._forward_headers(request, request_id)
         tried: list[str] = []
@@ -240,7 +242,7 @@ class Router:
                                           headers={"Retry-After": str(self.config.retry_after_s)})
                 finally:
                     admitted = None
-            choice = self._choose(hashes, tried)
+            choice = self._choose(hashes, tried, adapter)
             if choice is None:
                 if ticket is not None:
                     ticket.sent.set()
@@ -442,8 +444,8 @@ class Router:
                 if refused.status == 413:
                     return error_response(413, refused.message)
                 return self._busy(refused.message)
-            hashes, stream = self._routing(route, body)
-            response = await self.forward(request, route, body, hashes, stream, admitted=ticket)
+            hashes, stream, adapter = self._routing(route, body)
+            response = await self.forward(request, route, body, hashes, stream, admitted=ticket, adapter=adapter)
             status = response.status
             return response
         finally:
@@ -454,22 +456,24 @@ class Router:
             self.touch()
             self.metrics.responses.labels(str(status)).inc()
 
-    def _routing(self, route: Route, body: bytes) -> tuple[list[int], bool]:
-        """The prefix hashes the policy places the request by, and whether it streams."""
+    def _routing(self, route: Route, body: bytes) -> tuple[list[int], bool, str | None]:
+        """The prefix hashes the policy places the request by, whether it streams, and the LoRA
+        adapter it names (None: the base model)."""
         if route.kind not in ROUTED:
-            return [], False
+            return [], False, None
         try:
             obj = json.loads(body) if body else None
         except (ValueError, UnicodeDecodeError, RecursionError):
-            return [], False  # the pod answers the 400 in its own words
+            return [], False, None  # the pod answers the 400 in its own words
         if not isinstance(obj, dict):
-            return [], False
+            return [], False, None
         policy = self.config.policy
+        adapter = adapter_of(obj, self.loads.adapters())
         hashes = []
         if policy.policy == "prefix":
             hashes = chunk_hashes(routing_key(route.kind, obj), block_tokens=policy.block_tokens,
-                                  chunk_chars=policy.chunk_chars)
-        return hashes, obj.get("stream") is True
+                                  chunk_chars=policy.chunk_chars, adapter=adapter)
+        return hashes, obj.get("stream") is True, adapter
 
 
 ROUTER = web.AppKey("router", Router)

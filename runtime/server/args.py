@@ -60,6 +60,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="layers split into this many stages, tensor-parallel-size ranks each (docs/pipeline-parallel.md)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines in this server, each of --tensor-parallel-size ranks; the server owns "
+                        "DP x TP devices and POST /admin/parallelism changes the split live")
     p.add_argument("--quantization", "-q", default=None, type=lambda v: v.lower().replace("_", "-"),
                    choices=WEIGHT_FORMATS,
                    help="weight format (default: the checkpoint's quantization_config, else full precision); "
@@ -84,9 +89,21 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
                    help="one block table for all layers of a model mixing local and global layers (Gemma 2/3): "
                         "its local layers then hold the whole context instead of their window")
+    p.add_argument("--kv-offload-bytes", type=_bounded(int, 0), default=None, metavar="N",
+                   help="bytes (per rank) of a second KV tier that keeps blocks evicted from the pool and loads "
+                        "them back on a prefix hit (default 0: off)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="PATH",
+                   help="keep the offload tier in files under PATH (local disk, a PVC): a restarted server "
+                        "finds its prefixes again; without it the tier is host memory (pinned on CUDA)")
+    p.add_argument("--swap-space", type=_bounded(float, 0.0), default=None, metavar="GiB",
+                   help="CPU swap space (GiB per rank) for the KV blocks of preempted requests: swapped out "
+                        "and back in instead of recomputed when that is cheaper (default 0: recompute)")
     p.add_argument("--compilation-config", "-O", default=None, metavar="JSON",
                    help='e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8], "level": 0}\'; a bare 3 turns on '
                         "torch.compile of the model (GPU)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV cache events (vLLM\'s KVEventsConfig), e.g. \'{"enable_kv_cache_events": true, '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)')
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (or set KVSERVE_API_KEY)")
     add_admin_key_flags(p)
