@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
