@@ -139,6 +139,39 @@ def not_found(model: str, served: list[str]) -> APIError:
     return APIError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}.", param="model")
 
 
+def _engines(engine: Any) -> list[Any]:
+    """The LLMEngines behind the server's one engine: a data-parallel engine has several (and
+    another set after a reshape, where a request's adapter is registered again as it arrives)."""
+    engines = getattr(engine, "engines", None)
+    return list(engines) if engines else [engine]
+
+
+def add_lora(engine: Any, request: Any) -> None:
+    """Registers the adapter on every engine, or on none (ValueError from the first refusal)."""
+    done = []
+    try:
+        for e in _engines(engine):
+            e.add_lora(request)
+            done.append(e)
+    except BaseException:
+        for e in done:
+            e.remove_lora(request.lora_int_id)
+        raise
+
+
+def remove_lora(engine: Any, lora_int_id: int) -> None:
+    """Unregisters the adapter everywhere; ValueError (nothing removed) while a request uses it."""
+    engines = _engines(engine)
+    for e in engines:  # checked on all first: a refusal must leave every engine as it was
+        requests = getattr(getattr(e, "core", None), "requests", {})
+        users = sum(1 for r in requests.values()
+                    if getattr(getattr(r, "lora_request", None), "lora_int_id", None) == lora_int_id)
+        if users:
+            raise ValueError(f"adapter {lora_int_id} is in use by {users} unfinished request(s)")
+    for e in engines:
+        e.remove_lora(lora_int_id)
+
+
 def load_static(engine: Any, registry: LoRARegistry, modules: list[LoRAModule]) -> None:
     """--lora-modules at start, on the loading thread (before the engine thread runs): a bad one
     fails the start, as it does in vLLM (the operator loads through the admin route instead, so
@@ -149,7 +182,7 @@ def load_static(engine: Any, registry: LoRARegistry, modules: list[LoRAModule]) 
         except APIError as err:
             raise ValueError(f"--lora-modules {module.name}: {err.message}") from None
         try:
-            engine.add_lora(request)
+            add_lora(engine, request)
         except ValueError as exc:
             raise ValueError(f"--lora-modules {module.name}: {exc}") from None
         registry.register(request)
@@ -166,18 +199,17 @@ class LoRAInfo:
 def lora_info(engine: Any) -> LoRAInfo | None:
     """Read on the engine thread between steps; None for an engine without LoRA (or whose
     scheduler this cannot see, e.g. data-parallel)."""
-    manager = getattr(engine, "lora", None)
-    scheduler = getattr(engine, "scheduler", None)
-    if manager is None or scheduler is None:
-        return None
-
-    def names(seqs) -> tuple[str, ...]:
-        ids = {getattr(s, "lora_int_id", 0) for s in seqs}
-        out = set()
-        for i in ids:
-            request = manager.get(i) if i else None
-            if request is not None:
-                out.add(request.lora_name)
-        return tuple(sorted(out))
-
-    return LoRAInfo(names(list(scheduler.running)), names(list(scheduler.waiting)))
+    running: set[str] = set()
+    waiting: set[str] = set()
+    seen = False
+    for e in _engines(engine):
+        manager, scheduler = getattr(e, "lora", None), getattr(e, "scheduler", None)
+        if manager is None or scheduler is None:
+            continue
+        seen = True
+        for seqs, out in ((scheduler.running, running), (scheduler.waiting, waiting)):
+            for i in {getattr(s, "lora_int_id", 0) for s in list(seqs)}:
+                request = manager.get(i) if i else None
+                if request is not None:
+                    out.add(request.lora_name)
+    return LoRAInfo(tuple(sorted(running)), tuple(sorted(waiting))) if seen else None
