@@ -74,6 +74,8 @@ def make_adapter(base_dir, out, *, rank, seed, targets=("q_proj", "v_proj")):
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory):
+    # The engine side (kvserve.runtime.lora) lands separately; until it does there is nothing to serve.
+    pytest.importorskip("kvserve.runtime.lora")
     root = tmp_path_factory.mktemp("adapters")
     return {"sql": make_adapter(tiny_llama, root / "sql", rank=4, seed=1),
             "chat": make_adapter(tiny_llama, root / "chat", rank=8, seed=2),
