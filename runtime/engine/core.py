@@ -291,6 +291,59 @@ class EngineCore:
         self.failed.extend(failed)
         return failed
 
+    # -- reshape: requests leave this core for another (runtime/engine/data_parallel.py) --------
+    def finish_inflight(self) -> CoreStep | None:
+        """Overlapped: joins the step in flight without launching another (a reshape needs the
+        core still); what it did goes to the output side like any finished step."""
+        done, self._inflight = self._inflight, None
+        if done is None:
+            return None
+        try:
+            result = done.future.result()
+        except Exception:
+            self._fail_step(done.sched)
+            raise
+        return self._finish_step(done, result)
+
+    def detach_all(self) -> list[Request]:
+        """Takes every unfinished request out, oldest first, as it would come back from a
+        preemption by recompute: its KV blocks freed, its tokens kept, so another core (another
+        layout) prefills them again and goes on. The core is left empty. No step may be in flight."""
+        assert self._inflight is None, "finish_inflight() first"
+        heads = list(self.requests.values())
+        sched, bm = self.scheduler, self.block_manager
+        for head in heads:
+            for s in head.samples:
+                seq = s.seq
+                if s.finish_reason is not None or s in head.unforked:
+                    continue
+                if seq.status is SequenceStatus.RUNNING:
+                    sched.running.remove(seq)
+                elif seq.status is SequenceStatus.WAITING and seq in sched.waiting:
+                    sched.waiting.remove(seq)
+                bm.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.spec_token_ids.clear()
+                seq.status = SequenceStatus.WAITING
+        self.requests.clear()
+        self._by_seq.clear()
+        self._awaiting_grammar.clear()
+        return heads
+
+    def attach(self, heads: list[Request]) -> None:
+        """Takes requests another core detached (detach_all); each recomputes its tokens here.
+        They queue behind nothing: they were admitted before anything waiting here."""
+        resumed = []
+        for head in heads:
+            self.requests[head.request_id] = head
+            for s in head.samples:
+                self._by_seq[s.seq.seq_id] = s
+            if head.pending_grammar is not None:
+                self._awaiting_grammar[head.request_id] = head
+                continue
+            resumed += [s.seq for s in head.samples if s.finish_reason is None and s not in head.unforked]
+        self.scheduler.waiting.extendleft(reversed(resumed))
+
     def record_phases(self, step: _Step, output: float) -> None:
         # Building the sampling rows counts as prepare; a speculative step (whose verification
         # the runner does not time phase by phase) counts as forward. Output is the token

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from kvserve.runtime.executor.base import hybrid_kv_groups, kv_release_window
 from kvserve.runtime.executor.platform import resolve_device
 from kvserve.runtime.kv_cache import kv_cache_torch_dtype
 from kvserve.runtime.kv_events.publisher import attach_kv_events
+from kvserve.runtime.lora.request import LoRARequest
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.stats import EngineStats, StatsCollector
@@ -114,6 +115,7 @@ class LLMEngine:
         self.kv_group_blocks = ex.num_blocks_per_group
         self.num_kv_blocks = ex.num_blocks_per_group[0]
         self.model_weight_bytes = ex.model_weight_bytes
+        self.lora = ex.lora_manager  # None without enable_lora
         if config.async_scheduling and not ex.supports_overlap:
             # Speculative steps: their drafts read the newest tokens.
             log.info("async_scheduling: not with speculative decoding; steps run synchronously")
@@ -126,7 +128,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=self.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            max_loras=config.max_loras if config.enable_lora else 0),
             self.executor, enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling, stats=self._stats,
             attach_grammar=lambda head, compiled: self.input_processor.attach_grammar(head, compiled))
@@ -172,21 +175,83 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | dict | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queues a request; raises ValueError naming the bad field (and queues nothing)."""
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time)
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, lora_request=lora_request)
 
     def add_requests(self, requests: Iterable[tuple[str, Prompt, SamplingParams | dict | None]],
-                     arrival_time: float | None = None, *, wait_for_grammars: bool = False) -> None:
+                     arrival_time: float | None = None, *, wait_for_grammars: bool = False,
+                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> None:
         """Queues a batch (an HTTP request's prompts, an offline generate() call) all or nothing:
         the first bad request raises ValueError naming its field and none of them is queued.
         A grammar still compiling is waited for with `wait_for_grammars`; otherwise its request
-        waits in the core (and ends with finish_reason "abort" if the compile fails)."""
+        waits in the core (and ends with finish_reason "abort" if the compile fails).
+        `lora_request`: one adapter for the whole batch, or one (or None) per request; an adapter
+        not registered yet is loaded first (as add_lora)."""
+        requests = list(requests)
+        loras = self._lora_requests(lora_request, len(requests))
         heads = self.input_processor.process_batch(requests, self.core.requests.__contains__, arrival_time,
-                                                   wait_for_grammars=wait_for_grammars)
+                                                   wait_for_grammars=wait_for_grammars, lora_requests=loras,
+                                                   lora_cache_key=None if self.lora is None else self.lora.cache_key)
         self._stats.structured_output_requests_total += sum(
             1 for h in heads if h.params.structured_outputs is not None)
         self.core.add(heads)
+
+    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras / pin_lora) ------------------
+    def _check_lora_enabled(self) -> None:
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA adapters are not enabled (start the engine with enable_lora=True, "
+                             "or serve with --enable-lora)")
+
+    def _lora_requests(self, lora_request, n: int) -> list | None:
+        """One LoRARequest (or None) per request, each registered (loaded) before anything queues."""
+        if lora_request is None:
+            return None
+        if isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        elif isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"lora_request: {len(loras)} given for {n} prompts")
+        else:
+            raise ValueError(f"lora_request: expected a LoRARequest or a list of them, got {type(lora_request).__name__}")
+        if all(r is None for r in loras):
+            return None
+        self._check_lora_enabled()
+        for r in loras:
+            if r is not None and not isinstance(r, LoRARequest):
+                raise ValueError(f"lora_request: expected a LoRARequest, got {type(r).__name__}")
+        for r in dict.fromkeys(r for r in loras if r is not None):
+            self.lora.add(r)  # already registered: a no-op; a bad adapter raises here
+        return loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter and checks it against the model (ValueError naming the problem: rank
+        above max_lora_rank, a target module the model lacks, another base model, missing files).
+        False if this exact adapter is already loaded."""
+        self._check_lora_enabled()
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter; False if none has that id. ValueError while requests use it."""
+        self._check_lora_enabled()
+        users = sum(1 for r in self.core.requests.values()
+                    if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
+        if users:
+            raise ValueError(f"lora_int_id: adapter {lora_int_id} is in use by {users} unfinished request(s)")
+        return self.lora.remove(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keeps an adapter in the host cache whatever max_cpu_loras says; False if unknown."""
+        self._check_lora_enabled()
+        return self.lora.pin(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters (empty without LoRA)."""
+        return set() if self.lora is None else self.lora.list()
+
+    def get_lora(self, lora_int_id: int) -> LoRARequest | None:
+        return None if self.lora is None else self.lora.get(lora_int_id)
 
     @property
     def max_num_seqs(self) -> int:
@@ -226,6 +291,21 @@ class LLMEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- reshape (runtime/engine/data_parallel.py) ----------------------------------------------
+    def detach_requests(self) -> tuple[list[RequestOutput], list]:
+        """Stops this engine's work for a reshape: the outputs still owed (a step in flight, aborts,
+        failures) and every unfinished request, ready for another engine's attach_requests."""
+        outputs, self._pending = self._pending, []
+        done = self.core.finish_inflight()
+        outputs += self._failed_outputs()
+        if done is not None:
+            outputs += self.output_processor.make_outputs(self.output_processor.process(done.update, done.now))
+        return outputs, self.core.detach_all()
+
+    def attach_requests(self, heads: list) -> None:
+        """Requests another engine detached: they resume by recomputing their tokens here."""
+        self.core.attach(heads)
+
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -264,6 +344,8 @@ class LLMEngine:
             block_size=self.block_manager.block_size,
             max_num_seqs=self.config.max_num_seqs,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            pipeline_parallel_size=self.config.pipeline_parallel_size,
+            pipeline_bubble_fraction=getattr(self.executor, "pipeline_bubble_fraction", 0.0),
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
@@ -277,6 +359,7 @@ class LLMEngine:
             generation_tokens_per_second=s.rate(now),
             structured_output_requests_total=s.structured_output_requests_total,
             model_weight_bytes=self.model_weight_bytes,
+            cuda_graph_capture_failures_total=self.executor.graph_capture_failures,
             quantization=self.quantization or "none",
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),

@@ -52,6 +52,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # LoRA: at most this many distinct adapters among the running sequences (so in any step);
+    # 0: no adapters.
+    max_loras: int = 0
 
 
 @dataclass
@@ -192,8 +195,19 @@ class Scheduler:
         # A sequence preempted in this step waits for the next one, so that its freed blocks
         # actually relieve the pressure that caused the preemption.
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                seq = self.waiting[0]
+            # LoRA: a sequence whose adapter would exceed max_loras waits, and so does every
+            # later adapter sequence (first come first served across adapters: the running ones
+            # drain and it is next, so none starves); base-model sequences may pass it.
+            active = {s.lora_int_id for s in self.running if s.lora_int_id} if cfg.max_loras else None
+            blocked = False
+            idx = 0
+            while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.waiting[idx]
+                if active is not None and seq.lora_int_id and (
+                        blocked or (seq.lora_int_id not in active and len(active) >= cfg.max_loras)):
+                    blocked = True
+                    idx += 1
+                    continue
                 prefix = self._cached_prefix(seq)
                 # Never the whole sequence: its last token must run to give logits.
                 num_cached = min(len(prefix) * bm.block_size, seq.num_tokens - 1) if prefix else 0
@@ -207,7 +221,9 @@ class Scheduler:
                         break
                 elif not bm.can_allocate(seq.seq_id, seq.num_computed_tokens, num_new):
                     break
-                self.waiting.popleft()
+                del self.waiting[idx]
+                if active is not None and seq.lora_int_id:
+                    active.add(seq.lora_int_id)
                 if bm.enable_caching:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += num_cached

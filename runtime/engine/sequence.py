@@ -54,6 +54,9 @@ class Sequence:
     num_cached_tokens: int | None = None
     # Speculative decoding: draft tokens to verify in the next step (not yet in token_ids).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter this sequence runs with (0: the base model): the scheduler keeps at most
+    # max_loras distinct adapters in a step.
+    lora_int_id: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -152,8 +152,12 @@ class MultiProcExecutor(Executor):
     def _start_ranks(self, *, max_step_tokens: int) -> None:
         import torch.distributed as dist
 
-        config, tp = self.config, self.world_size
-        check_tensor_parallel(self.model_config, tp)
+        config, tp = self.config, self.world_size  # every rank: tensor x pipeline parallel
+        check_tensor_parallel(self.model_config, config.tensor_parallel_size)
+        if config.pipeline_parallel_size > 1:
+            from kvserve.runtime.executor.pipeline_worker import check_pipeline_parallel
+
+            check_pipeline_parallel(self.model_config, config.pipeline_parallel_size)
         devices = rank_devices(self.device, tp)
         if dist.is_initialized():
             raise ValueError("tensor_parallel_size: this process already has a torch.distributed "

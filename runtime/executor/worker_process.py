@@ -83,13 +83,13 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
     import torch
     import torch.distributed as dist
 
-    from kvserve.runtime.executor.worker import Worker
+    from kvserve.runtime.executor.base import worker_class
     from kvserve.runtime.model_config import ModelConfig
 
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.num_threads)
-    worker = Worker(config, ModelConfig.from_pretrained(config.model), device=device,
+    worker = worker_class(config)(config, ModelConfig.from_pretrained(config.model), device=device,
                     dtype=getattr(torch, args.dtype), rank=args.rank, world_size=args.world_size)
     report.send_bytes(protocol.encode(protocol.HELLO, args.rank, os.getpid()))
     store = dist.TCPStore(args.store_host, args.store_port, args.world_size, False,

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from kvserve.runtime.engine.stop_strings import compile_stops
 from kvserve.runtime.structured_outputs.admission import GrammarCompileBusy
 
-from . import serving, structured
+from . import parallelism, serving, structured
 from .async_engine import AsyncEngine, EngineDeadError
 from .auth import admin_denial, bearer_token, is_admin_path, token_matches
 from .drain import effective_drain_timeout
@@ -697,6 +697,9 @@ def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> we
     r.add_get("/ready", ready)
     r.add_get("/metrics", metrics)
     r.add_post("/drain", drain)
+    get_parallelism, post_parallelism = parallelism.handlers(STATE)
+    r.add_get("/admin/parallelism", get_parallelism)
+    r.add_post("/admin/parallelism", post_parallelism)
     r.add_post("/v1/load_lora_adapter", load_lora_adapter)
     r.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     return app

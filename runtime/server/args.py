@@ -60,6 +60,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="layers split into this many stages, tensor-parallel-size ranks each (docs/pipeline-parallel.md)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines in this server, each of --tensor-parallel-size ranks; the server owns "
+                        "DP x TP devices and POST /admin/parallelism changes the split live")
     p.add_argument("--quantization", "-q", default=None, type=lambda v: v.lower().replace("_", "-"),
                    choices=WEIGHT_FORMATS,
                    help="weight format (default: the checkpoint's quantization_config, else full precision); "

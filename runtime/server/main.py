@@ -33,6 +33,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from the CLI flags (unset flags keep the engine's defaults)."""
     kw: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device,
                               tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    if getattr(args, "pipeline_parallel_size", 1) != 1:
+        kw["pipeline_parallel_size"] = args.pipeline_parallel_size
     for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                  "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                  "kv_offload_bytes", "kv_offload_dir", "swap_space"):
@@ -214,10 +216,14 @@ class Server:
     def _default_factory(self) -> Callable[[], Any]:
         kwargs = engine_kwargs(self.args)
 
-        def build():
-            from kvserve.runtime.engine import LLMEngine
+        dp = getattr(self.args, "data_parallel_size", 1) or 1
 
-            return LLMEngine.from_args(**kwargs)
+        def build():
+            from kvserve.runtime.config import EngineConfig
+            from kvserve.runtime.engine.data_parallel import DataParallelEngine
+
+            # Always the data-parallel engine, even of one: the layout may change live later.
+            return DataParallelEngine(EngineConfig.from_args(**kwargs), dp)
 
         return build
 
@@ -251,6 +257,18 @@ def preflight(args: argparse.Namespace) -> str | None:
         check_quantization(args.quantization, model_config.hf_config, args.device, args.dtype)
         check_kv_cache_dtype_for_model(args.kv_cache_dtype or "auto", model_config)
         check_tensor_parallel(model_config, args.tensor_parallel_size)
+        if getattr(args, "pipeline_parallel_size", 1) != 1:
+            from kvserve.runtime.executor.pipeline_worker import check_pipeline_parallel
+
+            check_pipeline_parallel(model_config, args.pipeline_parallel_size)
+            if getattr(args, "data_parallel_size", 1) != 1:
+                # Rank 0 of every stage group joins this process's one torch.distributed group.
+                raise ValueError("pipeline_parallel_size: cannot be combined with --data-parallel-size > 1 "
+                                 "(one pipeline group per server process); run replicas instead")
+        from kvserve.runtime.engine.layout import Layout, check_layout
+
+        layout = Layout(getattr(args, "data_parallel_size", 1), args.tensor_parallel_size)
+        check_layout(layout, layout.devices)
     except ValueError as exc:
         return str(exc)
     return None
