@@ -37,6 +37,8 @@ def recorded_size(spec: ServiceSpec, shape: ModelShape | None, status: Mapping[s
     if replicas is None:
         replicas = max(1, spec.autoscaling.min_replicas) if spec.autoscaling.enabled else (spec.replicas or 1)
     tp = _count(status.get("tensorParallelSize"), 1) or spec.tensor.initial
+    if spec.devices_per_pod:
+        tp = spec.tensor.initial  # the template's layout; the live one changes in place (layout.py)
     replicas, tp = hold(spec, replicas, tp)
     if shape is not None and shape.tp_error(tp):
         tp = spec.tensor.initial  # a model change made the recorded degree impossible

@@ -37,6 +37,7 @@ from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decid
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .metrics import OperatorMetrics
 from .peering import REPEAT_SECONDS, peering_objects, watch_peering
+from .reshape import converge_layouts
 from .retry import handler_delay
 from .scaletozero import SCALE_TO_ZERO, RouterDemand, ZeroDecision, pods_busy, zero_decision
 from .sources import AgentSource, PrometheusSource, RouterDemandSource, pod_name, pod_ready, pod_terminating
@@ -474,6 +475,8 @@ class Reconciler:
                     replicas, tp = await self._converge_or_degrade(body, current, spec, shape, status, patch,
                                                                    generation, now, retry, full=False)
                 self._report_limits(body, status, decision)
+                if spec.devices_per_pod:  # each pod's DP x TP, changed in place (layout.py, reshape.py)
+                    await converge_layouts(self, body, current, spec, shape, pods, signals, memo, patch, logger)
             ready = sum(1 for p in pods if pod_ready(p))
             patch.status.update(self._base_status(name, namespace, generation, pods, ready))
             self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready, uid=uid)

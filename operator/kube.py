@@ -65,6 +65,8 @@ KINDS: dict[str, Kind] = {
     "PodDisruptionBudget": Kind("/apis/policy/v1", "poddisruptionbudgets", k8s.PolicyV1Api,
                                 "namespaced_pod_disruption_budget"),
     "Pod": Kind("/api/v1", "pods", k8s.CoreV1Api, "namespaced_pod"),
+    # spec.parallelism.devicesPerPod: the admin key the pods' agents check (read only).
+    "Secret": Kind("/api/v1", "secrets", k8s.CoreV1Api, "namespaced_secret"),
     # The router's identity and rights (spec.router).
     "ServiceAccount": Kind("/api/v1", "serviceaccounts", k8s.CoreV1Api, "namespaced_service_account"),
     "Role": Kind("/apis/rbac.authorization.k8s.io/v1", "roles", k8s.RbacAuthorizationV1Api, "namespaced_role"),

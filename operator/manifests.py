@@ -150,6 +150,7 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
     command = [*program, model_dir(name), "--host", "0.0.0.0", "--port", str(RUNTIME_PORT),
                "--served-model-name", spec.model.served_name,
                "--tensor-parallel-size", str(tp),
+               *(["--data-parallel-size", str(spec.devices_per_pod // tp)] if spec.devices_per_pod else []),
                "--block-size", str(rt.block_size),
                "--dtype", rt.dtype,
                "--gpu-memory-utilization", str(rt.gpu_memory_utilization),
@@ -204,7 +205,8 @@ def _fetch_source(name: str, spec: ServiceSpec) -> str:
 def _gpu_resources(spec: ServiceSpec, tp: int) -> dict[str, Any]:
     requests = dict((spec.runtime.resources or {}).get("requests") or {})
     limits = dict((spec.runtime.resources or {}).get("limits") or {})
-    gpus = tp * spec.gpu.per_shard
+    # devicesPerPod: the pod owns G devices whatever its live layout, so the template never changes.
+    gpus = (spec.devices_per_pod or tp) * spec.gpu.per_shard
     if gpus:
         # Extended resources must have request == limit.
         requests[spec.gpu.resource_name] = str(gpus)
@@ -225,7 +227,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
     per_pod_token = rt.admin_api_key_secret is None
     admin_mount = [{"name": "admin-token", "mountPath": ADMIN_DIR, "readOnly": True}] if per_pod_token else []
     runtime_mounts = list(mounts)
-    if tp > 1:
+    if (spec.devices_per_pod or tp) > 1:
         runtime_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     # vLLM's image has no admin route and no kvserve to read the token with.
     runtime_admin = rt.engine == "kvserve"
@@ -307,7 +309,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
     if per_pod_token:
         # In memory: the token never reaches the node's disk.
         volumes.append({"name": "admin-token", "emptyDir": {"medium": "Memory", "sizeLimit": ADMIN_VOLUME_SIZE}})
-    if tp > 1:
+    if (spec.devices_per_pod or tp) > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     if spec.model.source.kind == "pvc":
         volumes.append({"name": "model-source",

@@ -170,6 +170,17 @@ class TensorAutoscaling:
 
 
 @dataclass(frozen=True)
+class LayoutAutoscaling:
+    """With parallelism.devicesPerPod: when each pod's DP x TP layout changes in place."""
+
+    enabled: bool = True
+    high_load_requests: float = 8.0  # per pod, running + waiting: the most data-parallel layout
+    low_load_requests: float = 2.0  # per pod: the highest tensor-parallel layout
+    stabilization_seconds: float = 30.0
+    reshape_cost_multiple: float = 20.0
+
+
+@dataclass(frozen=True)
 class AutoscalingSpec:
     enabled: bool = True
     min_replicas: int = 1
@@ -185,6 +196,7 @@ class AutoscalingSpec:
     panic_window_seconds: float = 60.0
     scale_to_zero_after_seconds: float = 300.0  # with min_replicas 0: idle this long, then 0 replicas
     tensor: TensorAutoscaling = field(default_factory=TensorAutoscaling)
+    layout: LayoutAutoscaling = field(default_factory=LayoutAutoscaling)
 
 
 @dataclass(frozen=True)
@@ -246,6 +258,8 @@ class ServiceSpec:
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
     adapters: tuple[AdapterSpec, ...] = ()
     lora: LoraSpec = field(default_factory=LoraSpec)
+    # G: devices per pod, served as a DP x TP layout the operator changes in place (None: off).
+    devices_per_pod: int | None = None
 
     @property
     def gpus_per_replica_per_tp(self) -> int:
@@ -516,6 +530,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
 
     a = top.sub("autoscaling")
     ta = a.sub("tensorParallel")
+    la = a.sub("layout")
     autoscaling = AutoscalingSpec(
         enabled=a.boolean("enabled", True),
         min_replicas=a.integer("minReplicas", 1, lo=0, hi=1000),
@@ -536,7 +551,16 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
             kv_saturation=ta.number("kvSaturation", 0.9, lo=0.1, hi=1.0),
             few_running_requests=ta.number("fewRunningRequests", 2, lo=0, hi=10000),
         ),
+        layout=LayoutAutoscaling(
+            enabled=la.boolean("enabled", True),
+            high_load_requests=la.number("highLoadRequests", 8, lo=0, hi=10000),
+            low_load_requests=la.number("lowLoadRequests", 2, lo=0, hi=10000),
+            stabilization_seconds=la.number("stabilizationSeconds", 30, lo=0, hi=86400),
+            reshape_cost_multiple=la.number("reshapeCostMultiple", 20, lo=0, hi=10000),
+        ),
     )
+    if autoscaling.layout.low_load_requests > autoscaling.layout.high_load_requests:
+        raise SpecError("spec.autoscaling.layout", "needs lowLoadRequests <= highLoadRequests")
     if autoscaling.min_replicas > autoscaling.max_replicas:
         raise SpecError("spec.autoscaling", f"needs minReplicas <= maxReplicas, got "
                         f"{autoscaling.min_replicas} > {autoscaling.max_replicas}")
@@ -555,11 +579,25 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         # nothing would tell the operator to wake the service: they would just fail.
         raise SpecError("spec.autoscaling.minReplicas", "0 (scale to zero) needs spec.router.enabled: true "
                         "(the router holds requests while no pod runs and wakes the service)")
+    p = top.sub("parallelism")
+    devices = p.integer("devicesPerPod", None, lo=1, hi=64)
+    if devices is not None:
+        if devices not in TP_DEGREES:
+            raise SpecError(p.name("devicesPerPod"), f"must be a power of two, got {devices}")
+        if tensor.max > devices:
+            raise SpecError(p.name("devicesPerPod"), f"{devices} devices cannot hold parallelism.tensor.max "
+                            f"{tensor.max} ranks")
+        if runtime.engine != "kvserve":
+            raise SpecError(p.name("devicesPerPod"), "changes layouts in place through kvserve's "
+                            "/admin/parallelism: needs runtime.engine kvserve")
+        if runtime.admin_api_key_secret is None:
+            raise SpecError(p.name("devicesPerPod"), "the operator calls the pods' admin route to change "
+                            "their layout: set runtime.adminApiKeySecret (a Secret the operator may read)")
     adapters, lora = parse_adapters(top, model.served_name)
     return ServiceSpec(model=model, runtime=runtime, gpu=gpu, tensor=tensor,
                        autoscaling=autoscaling, replicas=replicas, router=router,
                        network_policy=parse_network_policy(top.raw.get("networkPolicy")),
-                       adapters=adapters, lora=lora)
+                       devices_per_pod=devices, adapters=adapters, lora=lora)
 
 
 def parse_adapters(top: _Reader, served_name: str) -> tuple[tuple[AdapterSpec, ...], LoraSpec]:

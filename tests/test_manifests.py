@@ -186,6 +186,7 @@ NAMESPACED_NEEDS = {
     ("", "configmaps"): {"get", "create", "patch", "delete"},  # spec.adapters
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},  # get/watch only to grant them to a router (spec.router)
+    ("", "secrets"): {"get"},  # spec.parallelism.devicesPerPod: the admin key shown to the pods' agents
     ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},

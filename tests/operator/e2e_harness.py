@@ -126,6 +126,11 @@ class Load:
         self.kv, self.queue, self.running = 0.3, 0, 2
         self.capacity_per_tp = 4096
         self.completions = 0  # requests the stub engines answered
+        self.reshapes: list[tuple[str, int, int]] = []  # (pod, dp, tp) of every POST /admin/parallelism
+
+
+# The admin key every stub pod's agent and engine check (spec.runtime.adminApiKeySecret's value).
+ADMIN_KEY = "e2e-admin-key"
 
 
 class StubLora:
@@ -185,8 +190,9 @@ def _flag(command: list[str], flag: str, default: int) -> int:
 
 class StubPod:
     def __init__(self, name: str, ip: str, tp: int, engine_port: int, agent_port: int, load: Load,
-                 model_dir: str | None = None, lora: StubLora | None = None):
+                 model_dir: str | None = None, dp: int = 1, lora: StubLora | None = None):
         self.name, self.ip, self.tp, self.model_dir = name, ip, tp, model_dir
+        self.dp = dp
         self.engine_port, self.agent_port, self.load = engine_port, agent_port, load
         self.runner: web.AppRunner | None = None
         self.agent: subprocess.Popen | None = None
@@ -200,7 +206,8 @@ class StubPod:
         for name, value in [("vllm:kv_cache_usage_perc", kv), ("vllm:num_requests_waiting", load.queue),
                             ("vllm:num_requests_running", load.running),
                             ("kvserve:kv_cache_capacity_tokens", load.capacity_per_tp * self.tp),
-                            ("kvserve:tensor_parallel_size", self.tp)]:
+                            ("kvserve:tensor_parallel_size", self.tp),
+                            ("kvserve:data_parallel_size", self.dp)]:
             lines += [f"# TYPE {name} gauge", f"{name}{label} {value}"]
         if self.lora is not None:
             lines += self.lora.metrics()
@@ -217,6 +224,7 @@ class StubPod:
             app.router.add_post("/v1/load_lora_adapter", self.lora.load_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.lora.unload_adapter)
             lora_flags = ["--adapters-file", str(self.lora.list_file), "--adapters-dir", str(self.lora.adapters_dir)]
+        app.router.add_post("/admin/parallelism", self.reshape)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.ip, self.engine_port).start()
@@ -225,7 +233,7 @@ class StubPod:
              "--host", self.ip, "--port", str(self.agent_port), "--engine", "kvserve",
              "--interval", "0.2", "--stale-after", "3",
              *(["--model-dir", self.model_dir] if self.model_dir else []), *lora_flags],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "KVSERVE_ADMIN_API_KEY": ADMIN_KEY})
         async with aiohttp.ClientSession() as session:
             for _ in range(200):
                 try:
@@ -236,6 +244,17 @@ class StubPod:
                     pass
                 await asyncio.sleep(0.05)
         raise RuntimeError(f"agent for {self.name} did not come up")
+
+    async def reshape(self, request: web.Request) -> web.Response:
+        """The runtime's live layout change, as the agent passes it on with the pod's admin key."""
+        if request.headers.get("Authorization") != f"Bearer {ADMIN_KEY}":
+            return web.json_response({"error": {"message": "bad admin key"}}, status=403)
+        body = await request.json()
+        before = (self.dp, self.tp)
+        self.dp, self.tp = body["data_parallel"], body["tensor_parallel"]
+        self.load.reshapes.append((self.name, self.dp, self.tp))
+        return web.json_response({"data_parallel": self.dp, "tensor_parallel": self.tp, "changed": before != (self.dp, self.tp),
+                                  "seconds": 0.05, "resumed_requests": self.load.running})
 
     async def complete(self, request: web.Request) -> web.Response:
         self.load.completions += 1
@@ -382,6 +401,7 @@ class Kubelet:
         else:
             tp = int(template["metadata"]["annotations"][M.TP_ANNOTATION])
             runtime = template["spec"]["containers"][0]["command"]
+            dp = int(runtime[runtime.index("--data-parallel-size") + 1]) if "--data-parallel-size" in runtime else 1
             lora = (StubLora(_flag(runtime, "--max-lora-rank", 16), _flag(runtime, "--max-cpu-loras", 16))
                     if "--enable-lora" in runtime else None)
             if lora is not None:  # mounted before the containers start, as a kubelet does
@@ -389,7 +409,7 @@ class Kubelet:
                                      f"{dep['metadata']['name']}-adapters")
                 lora.project(((cm or {}).get("data") or {}).get("adapters.json", "[]"))
             stub = StubPod(name, next(self.ips), tp, self.engine_port, self.agent_port, self.load,
-                           self.model_dirs.get(dep["metadata"]["name"]), lora)
+                           self.model_dirs.get(dep["metadata"]["name"]), dp=dp, lora=lora)
         await stub.start()
         self.pods[name] = stub
         self.created.append(name)

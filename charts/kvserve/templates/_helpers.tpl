@@ -40,6 +40,11 @@ owns by server-side apply only: patch, and create for an apply that creates the 
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+# spec.parallelism.devicesPerPod: the admin key (runtime.adminApiKeySecret) the operator shows the
+# pods' agents to change their layout in place; read by name, no list/watch.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 - apiGroups: [""]
   resources: [serviceaccounts]
   verbs: [get, create, patch, delete]
