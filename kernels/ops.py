@@ -186,3 +186,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     return reference.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def lora_sgmv(x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, batch) -> torch.Tensor:
+    """Adds the step's LoRA products to `out` in place (runtime/lora/layers.py's LoRABatch says
+    which tokens use which slot): Triton's segmented shrink/expand kernels (kernels.lora) on CUDA,
+    grouped torch matmuls on sorted segments elsewhere (kernels.reference.lora_sgmv_ref)."""
+    if use_triton(x):
+        from kvserve.kernels.lora import lora_sgmv as lora_sgmv_triton
+
+        return lora_sgmv_triton(x, out, a_t, b_t, batch.token_idx, batch.seg_slot, batch.seg_start,
+                                batch.seg_len, batch.max_seg_len)
+    return reference.lora_sgmv_ref(x, out, a_t, b_t, batch.segments, batch.perm, batch.cols)

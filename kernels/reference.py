@@ -257,3 +257,26 @@ def mla_decode_ref(
         probs = ((q @ latents.T) * scale).softmax(-1)
         out[starts[i]] = (probs @ latents[:, :kv_lora_rank]).to(query.dtype)
     return out
+
+
+def lora_sgmv_ref(x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
+                  segments: list[tuple[int, int, int]], perm: torch.Tensor | None,
+                  cols: list[int] | None = None) -> torch.Tensor:
+    """Adds each adapter segment's LoRA product to `out` in place: out[t] += x[t] @ a_t[s] @ b_t[s]
+    for the tokens t of segment (s, start, end). a_t [L, in, C] / b_t [L, C, out] are the slots'
+    stacked matrices (B already scaled); `cols[s]` the columns slot s uses (the rest are zeros).
+
+    Segments index x itself when `perm` is None (each adapter's tokens contiguous: two matmuls
+    per segment, no copy), else the rows gathered in `perm` order (Punica's segmented gather:
+    one gather, two matmuls per adapter, one scatter-add)."""
+    if perm is None:
+        for slot, start, end in segments:
+            c = a_t.shape[2] if cols is None else cols[slot]
+            out[start:end].addmm_(x[start:end] @ a_t[slot, :, :c], b_t[slot, :c])
+        return out
+    xs = x.index_select(0, perm)
+    delta = torch.empty(xs.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
+    for slot, start, end in segments:
+        c = a_t.shape[2] if cols is None else cols[slot]
+        torch.mm(xs[start:end] @ a_t[slot, :, :c], b_t[slot, :c], out=delta[start:end])
+    return out.index_add_(0, perm, delta)

@@ -19,6 +19,7 @@ _EXPORTS = {
     "CompletionOutput": "kvserve.runtime.outputs",
     "RequestMetrics": "kvserve.runtime.outputs",
     "EngineStats": "kvserve.runtime.stats",
+    "LoRARequest": "kvserve.runtime.lora.request",
 }
 
 __all__ = list(_EXPORTS)
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from kvserve.runtime.config import EngineConfig
     from kvserve.runtime.engine import LLMEngine
     from kvserve.runtime.llm import LLM
+    from kvserve.runtime.lora.request import LoRARequest
     from kvserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from kvserve.runtime.sampling_params import SamplingParams
     from kvserve.runtime.stats import EngineStats

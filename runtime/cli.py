@@ -1,4 +1,4 @@
-"""The `kvserve` console script: `serve`, `router`, `agent fetch|serve|drain|model-info|admin-token`.
+"""The `kvserve` console script: `serve`, `worker`, `router`, `agent fetch|serve|drain|model-info|admin-token`.
 
 Heavy imports (torch, the engine) happen inside the subcommand, so `kvserve agent ...` starts
 fast in its own small container.
@@ -39,6 +39,11 @@ def _add_agent_parsers(sub) -> None:
     )
     s.add_argument("--model-dir", default=None,
                    help="the pod's model directory (fetch's DEST): its config is reported in /v1/signals as `model`")
+    s.add_argument("--adapters-file", default=None, metavar="PATH",
+                   help="JSON list of LoRA adapters [{name, uri}] to keep loaded in the runtime (re-read when it "
+                        "changes): each is fetched into --adapters-dir and loaded with the admin key")
+    s.add_argument("--adapters-dir", default="/adapters", metavar="DIR",
+                   help="where adapters are fetched (the runtime must see them at the same path)")
 
     m = agent.add_parser("model-info", help="print what the agent reports about a model directory (JSON)")
     m.add_argument("model_dir")
@@ -64,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_parser(sub)
     _add_agent_parsers(sub)
+    w = sub.add_parser("worker", help="a non-leader pod of a multi-node replica: runs only its ranks "
+                                      "(LeaderWorkerSet's LWS_* variables; docs/pipeline-parallel.md)")
+    w.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    w.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     return parser
 
 
@@ -106,6 +115,8 @@ def _agent(args) -> int:
                 admin_api_key=admin_api_key,
                 tensor_parallel_size=args.tensor_parallel_size,
                 model_dir=args.model_dir,
+                adapters_file=args.adapters_file,
+                adapters_dir=args.adapters_dir,
             )
         )
     if args.agent_cmd == "model-info":
@@ -154,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.cmd == "agent":
         return _agent(args)
+    if args.cmd == "worker":
+        from kvserve.runtime.executor.node_worker import run_node
+
+        return run_node(args.tensor_parallel_size, args.pipeline_parallel_size)
     if args.cmd == "router":
         from kvserve.runtime.router.cli import run_router
 

@@ -40,6 +40,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # Layers split into this many stages, one group of tensor_parallel_size ranks each
+    # (runtime/executor/pipeline_worker.py); ranks = pipeline x tensor parallel.
+    pipeline_parallel_size: int = 1
     enable_prefix_caching: bool = True
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": DIR,
     #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
@@ -61,6 +64,14 @@ class EngineConfig:
     # the local layers hold only their window; True keeps one table for all layers (every layer
     # then holds the whole context).
     disable_hybrid_kv_cache_manager: bool = False
+    # LoRA adapters (runtime/lora/): off by default, and then the model runs exactly as without them.
+    # max_loras: distinct adapters in one step (device slots); max_lora_rank: the largest rank
+    # accepted (slots are sized for it); max_cpu_loras: adapters kept loaded in host memory
+    # (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # vLLM's KVEventsConfig (runtime/kv_events/config.py), a dict or its JSON string: publish the
     # prefix cache's stored / removed blocks over ZMQ for a cache-aware router.
     kv_events_config: Any = None
@@ -134,6 +145,17 @@ class EngineConfig:
             fail("async_scheduling", "must be a boolean")
         if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
             fail("disable_hybrid_kv_cache_manager", "must be a boolean")
+        if not isinstance(self.enable_lora, bool):
+            fail("enable_lora", "must be a boolean")
+        positive_int("max_loras")
+        positive_int("max_lora_rank")
+        positive_int("max_cpu_loras", optional=True)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            fail("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size > 1:
+            fail("enable_lora", "LoRA adapters do not run with pipeline parallelism yet (pipeline_parallel_size > 1)")
         from kvserve.runtime.kv_events.config import KVEventsConfig
 
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
@@ -159,6 +181,10 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
+        positive_int("pipeline_parallel_size")  # checked against the model's layers by the engine
+        if (self.kv_offload_bytes or self.swap_space) and self.pipeline_parallel_size > 1:
+            fail("kv_offload_bytes" if self.kv_offload_bytes else "swap_space",
+                 "the offload tier and swap space do not work with pipeline_parallel_size > 1 yet")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.engine import LLMEngine, Prompt
+from kvserve.runtime.lora.request import LoRARequest
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
 
@@ -44,8 +45,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
+        """Runs every prompt to completion; outputs come back in the order of `prompts`.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt
+        (needs ``LLM(..., enable_lora=True)``)."""
         if isinstance(prompts, (str, dict, bytes)) or not hasattr(prompts, "__iter__") or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):  # one prompt; a non-iterable one (None, 5) is then refused by add_request with a ValueError
@@ -59,7 +63,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm)
+        return self._run(prompts, params_list, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -70,6 +74,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Renders one conversation (or a list of them) with the tokenizer's chat template.
 
@@ -94,14 +99,14 @@ class LLM:
             # The template already holds any BOS: do not let the tokenizer add another.
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, prompts: list[Prompt], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"llm-{next(self._counter)}" for _ in prompts]
         # All or nothing: a bad prompt or schema raises here and nothing is queued.
-        engine.add_requests(zip(ids, prompts, params_list), wait_for_grammars=True)
+        engine.add_requests(zip(ids, prompts, params_list), wait_for_grammars=True, lora_request=lora_request)
         index = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -77,3 +78,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = field(default=None, repr=False)
+    # The LoRARequest the request ran with (None: the base model), as vLLM reports it.
+    lora_request: Any = None

@@ -39,9 +39,32 @@ class EngineStats:
     # What this replica runs: weight bytes on one rank (values, scales and zeros of whatever
     # format) and the formats, for kvserve:model_weight_bytes and kvserve:model_info.
     model_weight_bytes: int = 0
+    # CUDA graph captures that failed at startup (logged at ERROR; decode runs eagerly).
+    cuda_graph_capture_failures_total: int = 0
     quantization: str = "none"
     dtype: str = ""
     kv_cache_dtype: str = "auto"
+    pipeline_parallel_size: int = 1
+    # Stage 0's idle share of recent steps (moving average), 0 without pipeline parallelism.
+    pipeline_bubble_fraction: float = 0.0
+    # The KV offload tier and swap space (runtime/kv_offload/; zeros without them). Tokens
+    # looked up and found in the tier, blocks and bytes moved, on rank 0.
+    kv_offload_capacity_bytes: int = 0
+    kv_offload_used_bytes: int = 0
+    kv_offload_queries_tokens_total: int = 0
+    kv_offload_hit_tokens_total: int = 0
+    kv_offload_hit_blocks_total: int = 0
+    kv_offload_stored_blocks_total: int = 0
+    kv_offload_stored_bytes_total: int = 0
+    kv_offload_loaded_bytes_total: int = 0
+    kv_offload_failed_loads_total: int = 0
+    kv_swap_capacity_bytes: int = 0
+    kv_swap_used_bytes: int = 0
+    kv_swap_outs_total: int = 0
+    kv_swap_ins_total: int = 0
+    num_swapped: int = 0
+    kv_offload_store_seconds: list[float] = field(default_factory=list)
+    kv_offload_load_seconds: list[float] = field(default_factory=list)
     # Observations since the previous get_stats() (seconds).
     queue_times: list[float] = field(default_factory=list)
     time_to_first_token: list[float] = field(default_factory=list)
@@ -52,6 +75,10 @@ class EngineStats:
     # steps since the previous get_stats() (seconds), for kvserve:step_duration_seconds.
     step_phase_durations: dict[str, list[float]] = field(default_factory=dict)
     timestamp: float = 0.0
+    # Data-parallel engines of this server (runtime/engine/data_parallel.py), and the durations of
+    # live layout changes since the previous get_stats() (kvserve:reshape_seconds).
+    data_parallel_size: int = 1
+    reshape_seconds: list[float] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

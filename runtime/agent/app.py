@@ -44,6 +44,10 @@ class AgentConfig:
     tensor_parallel_size: int | None = None  # for engines that do not export it (vLLM, SGLang)
     model_dir: str | None = None  # the pod's model directory: its config goes into /v1/signals
     model_retry_s: float = 5.0  # how often to look again while the directory holds no model yet
+    # LoRA adapters (runtime/agent/adapters.py): the desired list [{name, uri}] and where to fetch
+    # them (a path the runtime sees at the same place). None: the agent manages no adapters.
+    adapters_file: str | None = None
+    adapters_dir: str = "/adapters"
 
 
 @dataclass
@@ -65,7 +69,7 @@ class ScrapeState:
         return now - (self.sampled_at if self.sampled_at is not None else self.started_at)
 
 
-def signals_json(state: ScrapeState, config: AgentConfig, now: float) -> dict:
+def signals_json(state: ScrapeState, config: AgentConfig, now: float, adapters: dict | None = None) -> dict:
     """The operator's view (docs/architecture.md); value fields are null before any sample."""
     sample = state.sample
     age = state.age(now)
@@ -89,13 +93,16 @@ def signals_json(state: ScrapeState, config: AgentConfig, now: float) -> dict:
         "requests_running": val("requests_running", int),
         "kv_cache_capacity_tokens": val("kv_cache_capacity_tokens", int),
         "tensor_parallel_size": None if tp is None else int(tp),
+        "data_parallel_size": val("data_parallel_size", int),
         "prompt_tokens_total": val("prompt_tokens_total", int),
         "generation_tokens_total": val("generation_tokens_total", int),
         "model_name": sample.model_name if sample else None,
+        "lora_adapters": list(sample.lora_adapters) if sample and sample.lora_adapters is not None else None,
         "engine_up": state.up,
         "last_error": state.last_error,
         "model": state.model,
         "model_error": state.model_error,
+        "adapters": adapters,
     }
 
 
@@ -149,9 +156,16 @@ class Agent:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._model_task: asyncio.Task | None = None
+        self._adapters_task: asyncio.Task | None = None
+        self.adapters = None
+        if self.config.adapters_file:
+            from .adapters import AdapterSync
+
+            self.adapters = AdapterSync(self.config.adapters_file, self.config.adapters_dir, RuntimeAdmin(self))
 
     def signals(self) -> dict:
-        return signals_json(self.state, self.config, self.clock())
+        adapters = self.adapters.report() if self.adapters is not None else None
+        return signals_json(self.state, self.config, self.clock(), adapters)
 
     @property
     def base(self) -> str:
@@ -288,12 +302,24 @@ class Agent:
                  self.state.model.get("num_layers"), self.state.model.get("num_attention_heads"),
                  self.state.model.get("num_kv_heads"), self.state.model.get("dtype"))
 
+    async def run_adapters(self) -> None:
+        """Keeps the runtime's adapters equal to the list, once the runtime is ready."""
+        while True:
+            try:
+                if self.state.ready and self.state.up:
+                    sample = self.state.sample
+                    await self.adapters.sync_once(self.clock(), sample.lora_adapters if sample else None)
+            except Exception:  # one bad round must not end adapter management
+                log.exception("adapter sync failed")
+            await asyncio.sleep(self.config.interval_s)
+
     async def start(self, app: web.Application) -> None:
         self._task = asyncio.create_task(self.run_scraper())
         self._model_task = asyncio.create_task(self.read_model()) if self.config.model_dir else None
+        self._adapters_task = asyncio.create_task(self.run_adapters()) if self.adapters is not None else None
 
     async def stop(self, app: web.Application) -> None:
-        for task in (self._task, self._model_task):
+        for task in (self._task, self._model_task, self._adapters_task):
             if task:
                 task.cancel()
                 try:
@@ -302,6 +328,38 @@ class Agent:
                     pass
         if self._session:
             await self._session.close()
+
+
+class RuntimeAdmin:
+    """The runtime's LoRA admin routes (vLLM's names), called with the pod's admin key."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+
+    async def _post(self, path: str, body: dict) -> None:
+        from .adapters import LoadRefused, Unreachable
+
+        key = self.agent.config.admin_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            # Loading reads the adapter's weights: seconds for a large one.
+            async with self.agent.session.post(self.agent.base + path, json=body, headers=headers,
+                                               timeout=aiohttp.ClientTimeout(total=120)) as r:
+                if r.status == 200:
+                    return
+                message = await _error_message(r)
+                # 409: an unload while requests still use the adapter; tried again later.
+                if 400 <= r.status < 500 and r.status not in (401, 403, 408, 409, 429):
+                    raise LoadRefused(f"HTTP {r.status}: {message}")
+                raise Unreachable(f"HTTP {r.status}: {message}")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+
+    async def load(self, name: str, path: str) -> None:
+        await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload(self, name: str) -> None:
+        await self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
 
 AGENT_KEY = web.AppKey("agent", Agent)
@@ -314,6 +372,28 @@ async def _error_message(resp: aiohttp.ClientResponse) -> str:
         return str(json.loads(text)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return text.strip()[:500] or f"HTTP {resp.status}"
+
+
+def _parallelism_proxy(agent: Agent, config: AgentConfig):
+    """The runtime's /admin/parallelism (read, or change the pod's layout live) for the operator:
+    the caller shows the admin key here, and the agent sends the pod's key on to the runtime."""
+
+    async def handler(request: web.Request) -> web.Response:
+        route = f"{request.method} /admin/parallelism"
+        denial = admin_denial(request.headers.get("Authorization"), config.admin_api_key, route=route)
+        if denial is not None:
+            return APIError(denial.status, denial.message).response()
+        body = await request.content.read(4097)
+        headers = {"Authorization": f"Bearer {config.admin_api_key}", "Content-Type": "application/json"}
+        try:
+            # A reshape starts the new layout's workers and loads its shards: seconds to minutes.
+            async with agent.session.request(request.method, agent.base + "/admin/parallelism", data=body or None,
+                                             headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as r:
+                return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return APIError(503, f"the runtime did not answer: {type(exc).__name__}: {exc}").response()
+
+    return handler
 
 
 def build_app(config: AgentConfig) -> web.Application:
@@ -329,6 +409,10 @@ def build_app(config: AgentConfig) -> web.Application:
         return web.json_response(agent.signals())
 
     async def ready(request: web.Request) -> web.Response:
+        if agent.adapters is not None and not agent.adapters.settled:
+            # Not in the Service until every listed adapter was tried: a client naming one must
+            # not get a 404 from a pod that would have it a second later.
+            return web.Response(status=503, text="loading LoRA adapters")
         status, body = await agent.probe_ready()
         return web.Response(status=200 if status == 200 else 503, text=body or ("ok" if status == 200 else "not ready"))
 
@@ -351,6 +435,9 @@ def build_app(config: AgentConfig) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/health", health)
     app.router.add_post("/drain", drain)
+    parallelism = _parallelism_proxy(agent, config)
+    app.router.add_get("/admin/parallelism", parallelism)
+    app.router.add_post("/admin/parallelism", parallelism)
     app.on_startup.append(agent.start)
     app.on_cleanup.append(agent.stop)
     return app

@@ -161,6 +161,32 @@ def check_model_dir(directory: str | os.PathLike) -> list[str]:
     return problems
 
 
+def check_adapter_dir(directory: str | os.PathLike) -> list[str]:
+    """Every reason the directory is not a PEFT LoRA adapter: adapter_config.json (a JSON object
+    of peft_type LORA, with its rank) and adapter_model.safetensors, intact. Whether the adapter
+    fits the model (rank, target modules, base model) is the runtime's to say when it loads it."""
+    d = Path(directory)
+    if not d.is_dir():
+        return [f"{d}: not a directory"]
+    problems: list[str] = []
+    try:
+        config = json.loads((d / "adapter_config.json").read_text())
+        if not isinstance(config, dict):
+            problems.append("adapter_config.json: not a JSON object")
+        elif str(config.get("peft_type", "LORA")).upper() != "LORA":
+            problems.append(f"adapter_config.json: peft_type {config.get('peft_type')!r} is not LORA")
+    except FileNotFoundError:
+        problems.append("adapter_config.json: missing")
+    except (OSError, ValueError) as exc:
+        problems.append(f"adapter_config.json: unreadable ({exc})")
+    weights = d / "adapter_model.safetensors"
+    if not weights.exists():
+        problems.append("adapter_model.safetensors: missing")
+    elif (p := _safetensors_problem(weights)) is not None:
+        problems.append(p)
+    return problems
+
+
 def is_code(name: str) -> bool:
     return any(fnmatch.fnmatch(name.lower(), pattern) for pattern in CODE_PATTERNS)
 
@@ -258,15 +284,19 @@ def _hub_snapshot(source: Source) -> tuple[Path, str]:
     return Path(path), Path(path).name
 
 
-def fetch(source_text: str, dest_text: str) -> dict:
-    """Fetches and verifies; returns a summary. Raises FetchError naming every problem."""
+def fetch(source_text: str, dest_text: str, *, adapter: bool = False) -> dict:
+    """Fetches and verifies; returns a summary. Raises FetchError naming every problem.
+    `adapter`: SOURCE is a LoRA adapter (check_adapter_dir), not a model."""
+    check = check_adapter_dir if adapter else check_model_dir
     # An empty argument (an unset variable in a pod command) would otherwise mean the working directory.
     for field, text in (("source", source_text), ("dest", dest_text)):
         if not text.strip():
             raise FetchError(f"{field}: must not be empty")
     source = parse_source(source_text)
+    if adapter and source.filename:
+        raise FetchError(f"{source}: an adapter is a directory (adapter_config.json and weights), not a .gguf file")
     dest = Path(dest_text).absolute()
-    if _marker_matches(dest, source) and not check_model_dir(dest):
+    if _marker_matches(dest, source) and not check(dest):
         out = {"source": str(source), "dest": str(dest), "action": "up-to-date"}
         warning = unpinned_warning(source, _marker_revision(dest))
         if warning:
@@ -283,7 +313,7 @@ def fetch(source_text: str, dest_text: str) -> dict:
                 raise FetchError(f"{source}: the repository has no file {source.filename!r}")
     else:
         src_dir, revision = Path(source.location), None
-        if src_dir.is_file() and src_dir.suffix.lower() == ".gguf":
+        if src_dir.is_file() and src_dir.suffix.lower() == ".gguf" and not adapter:
             single, src_dir = src_dir, src_dir.parent
         elif not src_dir.is_dir():
             raise FetchError(f"source: {src_dir} is not a directory or a .gguf file")
@@ -294,7 +324,7 @@ def fetch(source_text: str, dest_text: str) -> dict:
         files = {single.name: single.stat().st_size}
         sources = {single.name: single}
     else:
-        problems = check_model_dir(src_dir)
+        problems = check(src_dir)
         if problems:
             raise FetchError(f"{source}: incomplete model: " + "; ".join(problems))
         files = _listing(src_dir)
@@ -308,7 +338,7 @@ def fetch(source_text: str, dest_text: str) -> dict:
                 _place(sources[name], target)
     except OSError as exc:  # not a directory, read-only, disk full: say so instead of a traceback
         raise FetchError(f"dest: cannot write {exc.filename or dest}: {exc.strerror or exc}") from None
-    problems = check_model_dir(dest)
+    problems = check(dest)
     if problems:
         raise FetchError(f"{dest}: incomplete after copy: " + "; ".join(problems))
     warning = unpinned_warning(source, revision)

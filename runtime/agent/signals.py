@@ -30,6 +30,10 @@ class EngineSample:
     tensor_parallel_size: float | None = None
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    # LoRA adapters the engine has loaded (kvserve:lora_adapter_loaded), sorted; None when the
+    # engine does not say (vLLM's lora_requests_info names only running and waiting ones).
+    lora_adapters: tuple[str, ...] | None = None
+    data_parallel_size: float | None = None  # kvserve's engines per pod (a live layout, issue 22)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,6 +94,9 @@ SOURCES: dict[str, list[tuple[str, Reducer]]] = {
     ],
     "tensor_parallel_size": [
         ("kvserve:tensor_parallel_size", _max),
+    ],
+    "data_parallel_size": [
+        ("kvserve:data_parallel_size", _max),
     ],
     "prompt_tokens_total": [
         ("vllm:prompt_tokens_total", _sum),
@@ -152,4 +159,18 @@ def standardize(text: str, engine_hint: str = "auto") -> EngineSample:
                 if value is not None:
                     break
         fields[field] = value
-    return EngineSample(engine=engine, model_name=_model_name(samples), **fields)
+    return EngineSample(engine=engine, model_name=_model_name(samples), lora_adapters=_lora_adapters(samples),
+                        **fields)
+
+
+# The runtime exports one series per loaded adapter, at most --max-cpu-loras of them; an
+# exposition with more is not one to trust with the agent's (and the router's) memory.
+MAX_LORA_ADAPTERS = 1024
+
+
+def _lora_adapters(samples: dict[str, Series]) -> tuple[str, ...] | None:
+    series = samples.get("kvserve:lora_adapter_loaded")
+    if series is None:
+        return None
+    names = {labels.get("lora_name", "") for labels, value in series[:MAX_LORA_ADAPTERS] if value > 0}
+    return tuple(sorted(n for n in names if n))

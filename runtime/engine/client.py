@@ -33,7 +33,13 @@ class EngineClient(Protocol):
 
     # Engine thread only.
     def add_requests(self, requests: Iterable[tuple[str, Any, Any]]) -> None:
-        """(request_id, prompt, params) as one group, all or nothing (ValueError naming the field)."""
+        """(request_id, prompt, params) as one group, all or nothing (ValueError naming the field).
+        An engine with LoRA also takes ``lora_request=`` (one LoRARequest for the group)."""
+
+    # LoRA adapters (engine thread; an engine without enable_lora raises ValueError, or lists none):
+    # add_lora(LoRARequest) -> bool, remove_lora(lora_int_id) -> bool, pin_lora(lora_int_id) -> bool,
+    # list_loras() -> set[int], get_lora(lora_int_id) -> LoRARequest | None. They are not part of
+    # the protocol, so a test engine without them still qualifies.
 
     def abort_request(self, request_id: str) -> None: ...
 

@@ -136,6 +136,25 @@ class EngineCore:
         self._inflight: _Step | None = None
         # Requests ended by a failed forward pass, for the output side to report as aborted.
         self.failed: list[Request] = []
+        self.offload = None  # the offload tier's OffloadManager, once attached
+
+    def attach_offload(self, offload) -> None:
+        """Connects an OffloadManager (runtime/kv_offload/manager.py) to the block managers'
+        hooks and the scheduler."""
+        self.offload = offload
+        bm = self.block_manager
+        for group, manager in enumerate(bm.managers if isinstance(bm, KVCacheCoordinator) else [bm]):
+            manager.tier_lookup = offload.tier_lookup(group)
+            manager.on_evict = offload.on_evict(group)
+        self.scheduler.offload = offload
+
+    def save_cached_blocks(self) -> int:
+        """Copies every cached pool block into the offload tier (a persistent tier at shutdown)."""
+        if self.offload is None:
+            return 0
+        bm = self.block_manager
+        managers = bm.managers if isinstance(bm, KVCacheCoordinator) else [bm]
+        return self.offload.save_cached([m.cached for m in managers])
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, heads: list[Request]) -> None:
@@ -269,6 +288,9 @@ class EngineCore:
             # Requests aborted while the forward pass ran: their tokens are dropped.
             sched, result = step.without_finished(result)
         update = self.scheduler.update_from_output(sched, result, self._by_seq)
+        if self.offload is not None and step.t_executed > step.t_execute:
+            # What recomputing costs here, for the swap-or-recompute choice.
+            self.offload.observe_prefill(sched.num_batched_tokens, step.t_executed - step.t_execute)
         self._stats.computed_tokens_total += sched.num_batched_tokens
         for su in update.samples:
             head = su.req.head
@@ -290,6 +312,62 @@ class EngineCore:
                 failed.append(head)
         self.failed.extend(failed)
         return failed
+
+    # -- reshape: requests leave this core for another (runtime/engine/data_parallel.py) --------
+    def finish_inflight(self) -> CoreStep | None:
+        """Overlapped: joins the step in flight without launching another (a reshape needs the
+        core still); what it did goes to the output side like any finished step."""
+        done, self._inflight = self._inflight, None
+        if done is None:
+            return None
+        try:
+            result = done.future.result()
+        except Exception:
+            self._fail_step(done.sched)
+            raise
+        return self._finish_step(done, result)
+
+    def detach_all(self) -> list[Request]:
+        """Takes every unfinished request out, oldest first, as it would come back from a
+        preemption by recompute: its KV blocks freed, its tokens kept, so another core (another
+        layout) prefills them again and goes on. The core is left empty. No step may be in flight."""
+        assert self._inflight is None, "finish_inflight() first"
+        heads = list(self.requests.values())
+        sched, bm = self.scheduler, self.block_manager
+        for head in heads:
+            for s in head.samples:
+                seq = s.seq
+                if s.finish_reason is not None or s in head.unforked:
+                    continue
+                if seq.status is SequenceStatus.RUNNING:
+                    sched.running.remove(seq)
+                elif seq.status is SequenceStatus.WAITING and seq in sched.waiting:
+                    sched.waiting.remove(seq)
+                bm.free(seq.seq_id)
+                if seq.swapped is not None:  # its swapped blocks stay behind with this core
+                    self.offload.discard(seq.swapped)
+                    seq.swapped = None
+                seq.num_computed_tokens = 0
+                seq.spec_token_ids.clear()
+                seq.status = SequenceStatus.WAITING
+        self.requests.clear()
+        self._by_seq.clear()
+        self._awaiting_grammar.clear()
+        return heads
+
+    def attach(self, heads: list[Request]) -> None:
+        """Takes requests another core detached (detach_all); each recomputes its tokens here.
+        They queue behind nothing: they were admitted before anything waiting here."""
+        resumed = []
+        for head in heads:
+            self.requests[head.request_id] = head
+            for s in head.samples:
+                self._by_seq[s.seq.seq_id] = s
+            if head.pending_grammar is not None:
+                self._awaiting_grammar[head.request_id] = head
+                continue
+            resumed += [s.seq for s in head.samples if s.finish_reason is None and s not in head.unforked]
+        self.scheduler.waiting.extendleft(reversed(resumed))
 
     def record_phases(self, step: _Step, output: float) -> None:
         # Building the sampling rows counts as prepare; a speculative step (whose verification

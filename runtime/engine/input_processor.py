@@ -38,6 +38,7 @@ class _Checked:
     params: SamplingParams
     max_tokens: int
     cache_extra: bytes | None
+    lora_request: Any = None
 
 
 class InputProcessor:
@@ -55,11 +56,15 @@ class InputProcessor:
 
     def process_batch(self, requests: Iterable[tuple[str, Prompt, SamplingParams | dict | None]],
                       in_use: Callable[[str], bool], arrival_time: float | None = None,
-                      wait_for_grammars: bool = False) -> list[Request]:
+                      wait_for_grammars: bool = False, lora_requests: list | None = None,
+                      lora_cache_key: Callable[[int], bytes] | None = None) -> list[Request]:
         """Every request of the batch, checked; raises the first ValueError (naming the field).
         `wait_for_grammars` settles every grammar here (an offline batch: a bad schema raises
-        before anything runs) rather than leaving a slow one to finish while the engine steps."""
+        before anything runs) rather than leaving a slow one to finish while the engine steps.
+        `lora_requests[i]` is request i's adapter (already registered; None: the base model),
+        whose `lora_cache_key` keeps its prefix-cache blocks apart."""
         batch = list(requests)
+        loras = lora_requests if lora_requests is not None else [None] * len(batch)
         seen: set[str] = set()
         for request_id, _, _ in batch:
             if not isinstance(request_id, str) or not request_id:
@@ -67,7 +72,9 @@ class InputProcessor:
             if request_id in seen or in_use(request_id):
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             seen.add(request_id)
-        checked = [self._check(rid, prompt, self.sampling_params(params)) for rid, prompt, params in batch]
+        checked = [self._check(rid, prompt, self.sampling_params(params), lora,
+                               None if lora is None else lora_cache_key(lora.lora_int_id))
+                   for (rid, prompt, params), lora in zip(batch, loras)]
         # Grammars last (the rest is cheap), compiled in parallel in the manager's threads. One
         # already compiled (the server compiles before adding, and the cache keeps it) or failed
         # is settled here; one still compiling is admitted and waits in the core, costing the
@@ -89,7 +96,8 @@ class InputProcessor:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         return params
 
-    def _check(self, request_id: str, prompt: Prompt, params: SamplingParams) -> _Checked:
+    def _check(self, request_id: str, prompt: Prompt, params: SamplingParams, lora_request: Any = None,
+               lora_key: bytes | None = None) -> _Checked:
         prompt_text, prompt_ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -101,13 +109,18 @@ class InputProcessor:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
-        return _Checked(request_id, prompt_text, prompt_ids, params, max_tokens, extra_key(cache_salt))
+        return _Checked(request_id, prompt_text, prompt_ids, params, max_tokens, extra_key(cache_salt, lora_key),
+                        lora_request)
 
     def _build(self, c: _Checked, grammar: concurrent.futures.Future | None, compiled,
                arrival_time: float | None) -> Request:
         metrics = RequestMetrics(arrival_time=arrival_time or StatsCollector.now())
         samples = [self._new_sample(c.request_id, c.prompt_text, c.prompt_ids, c.max_tokens, c.params, metrics,
                                     c.cache_extra, index) for index in range(c.params.n)]
+        if c.lora_request is not None:
+            for s in samples:
+                s.lora_request = c.lora_request
+                s.seq.lora_int_id = c.lora_request.lora_int_id
         if c.params.n > 1:
             samples[0].unforked = samples[1:]
             for s in samples:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from kvserve.runtime.executor.base import hybrid_kv_groups, kv_release_window
 from kvserve.runtime.executor.platform import resolve_device
 from kvserve.runtime.kv_cache import kv_cache_torch_dtype
 from kvserve.runtime.kv_events.publisher import attach_kv_events
+from kvserve.runtime.lora.request import LoRARequest
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.stats import EngineStats, StatsCollector
@@ -114,6 +115,7 @@ class LLMEngine:
         self.kv_group_blocks = ex.num_blocks_per_group
         self.num_kv_blocks = ex.num_blocks_per_group[0]
         self.model_weight_bytes = ex.model_weight_bytes
+        self.lora = ex.lora_manager  # None without enable_lora
         if config.async_scheduling and not ex.supports_overlap:
             # Speculative steps: their drafts read the newest tokens.
             log.info("async_scheduling: not with speculative decoding; steps run synchronously")
@@ -126,13 +128,18 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=self.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            max_loras=config.max_loras if config.enable_lora else 0),
             self.executor, enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling, stats=self._stats,
             attach_grammar=lambda head, compiled: self.input_processor.attach_grammar(head, compiled))
         self.scheduler = self.core.scheduler
         self.block_manager = self.core.block_manager
         self.kv_event_sink, self.kv_event_publisher = attach_kv_events(config.kv_events_config, self.block_manager)
+        self.offload = None
+        if ex.offloader is not None:
+            self.offload = self._attach_offload(config, ex)
+            self.offload.events = self.kv_event_sink  # tier stores and removals, medium CPU or DISK
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.input_processor = InputProcessor(self.tokenizer, self._decode, vocab_size=self.vocab_size,
                                               max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -148,6 +155,25 @@ class LLMEngine:
             log.info("KV cache groups: %s", ", ".join(
                 f"{'full attention' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers, {n} blocks"
                 for g, n in zip(self.kv_groups, self.kv_group_blocks)))
+
+    def _attach_offload(self, config: EngineConfig, ex):
+        from kvserve.runtime.kv_offload.manager import OffloadManager
+        from kvserve.runtime.kv_offload.offloader import TIER
+
+        if config.kv_offload_bytes and not config.enable_prefix_caching:
+            log.warning("kv_offload_bytes: the offload tier finds blocks by their prefix-cache keys, and "
+                        "prefix caching is off: nothing will be stored")
+        tier = ex.offloader.stores.get(TIER)
+        offload = OffloadManager(apply=ex.kv_offload_apply, block_bytes=ex.offloader.block_bytes,
+                                 block_size=config.block_size, tier_bytes=config.kv_offload_bytes,
+                                 swap_bytes=int(config.swap_space * 2**30),
+                                 medium=getattr(tier, "medium", "CPU"), existing=ex.kv_offload_scan())
+        offload.flush()  # forget what the warm index could not keep
+        self.core.attach_offload(offload)
+        log.info("kv offload: tier %s (%d bytes per rank%s), swap space %d bytes per rank",
+                 getattr(tier, "medium", "off"), config.kv_offload_bytes,
+                 f", {tier.dir}" if getattr(tier, "persistent", False) else "", int(config.swap_space * 2**30))
+        return offload
 
     # Rank 0's parts, owned by the executor (None once closed).
     @property
@@ -172,21 +198,83 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | dict | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queues a request; raises ValueError naming the bad field (and queues nothing)."""
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time)
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, lora_request=lora_request)
 
     def add_requests(self, requests: Iterable[tuple[str, Prompt, SamplingParams | dict | None]],
-                     arrival_time: float | None = None, *, wait_for_grammars: bool = False) -> None:
+                     arrival_time: float | None = None, *, wait_for_grammars: bool = False,
+                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> None:
         """Queues a batch (an HTTP request's prompts, an offline generate() call) all or nothing:
         the first bad request raises ValueError naming its field and none of them is queued.
         A grammar still compiling is waited for with `wait_for_grammars`; otherwise its request
-        waits in the core (and ends with finish_reason "abort" if the compile fails)."""
+        waits in the core (and ends with finish_reason "abort" if the compile fails).
+        `lora_request`: one adapter for the whole batch, or one (or None) per request; an adapter
+        not registered yet is loaded first (as add_lora)."""
+        requests = list(requests)
+        loras = self._lora_requests(lora_request, len(requests))
         heads = self.input_processor.process_batch(requests, self.core.requests.__contains__, arrival_time,
-                                                   wait_for_grammars=wait_for_grammars)
+                                                   wait_for_grammars=wait_for_grammars, lora_requests=loras,
+                                                   lora_cache_key=None if self.lora is None else self.lora.cache_key)
         self._stats.structured_output_requests_total += sum(
             1 for h in heads if h.params.structured_outputs is not None)
         self.core.add(heads)
+
+    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras / pin_lora) ------------------
+    def _check_lora_enabled(self) -> None:
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA adapters are not enabled (start the engine with enable_lora=True, "
+                             "or serve with --enable-lora)")
+
+    def _lora_requests(self, lora_request, n: int) -> list | None:
+        """One LoRARequest (or None) per request, each registered (loaded) before anything queues."""
+        if lora_request is None:
+            return None
+        if isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        elif isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"lora_request: {len(loras)} given for {n} prompts")
+        else:
+            raise ValueError(f"lora_request: expected a LoRARequest or a list of them, got {type(lora_request).__name__}")
+        if all(r is None for r in loras):
+            return None
+        self._check_lora_enabled()
+        for r in loras:
+            if r is not None and not isinstance(r, LoRARequest):
+                raise ValueError(f"lora_request: expected a LoRARequest, got {type(r).__name__}")
+        for r in dict.fromkeys(r for r in loras if r is not None):
+            self.lora.add(r)  # already registered: a no-op; a bad adapter raises here
+        return loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter and checks it against the model (ValueError naming the problem: rank
+        above max_lora_rank, a target module the model lacks, another base model, missing files).
+        False if this exact adapter is already loaded."""
+        self._check_lora_enabled()
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter; False if none has that id. ValueError while requests use it."""
+        self._check_lora_enabled()
+        users = sum(1 for r in self.core.requests.values()
+                    if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
+        if users:
+            raise ValueError(f"lora_int_id: adapter {lora_int_id} is in use by {users} unfinished request(s)")
+        return self.lora.remove(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keeps an adapter in the host cache whatever max_cpu_loras says; False if unknown."""
+        self._check_lora_enabled()
+        return self.lora.pin(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters (empty without LoRA)."""
+        return set() if self.lora is None else self.lora.list()
+
+    def get_lora(self, lora_int_id: int) -> LoRARequest | None:
+        return None if self.lora is None else self.lora.get(lora_int_id)
 
     @property
     def max_num_seqs(self) -> int:
@@ -214,7 +302,15 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops and reaps the tensor-parallel workers, if any, and frees the weights and KV
-        pools. Idempotent; no step() after it."""
+        pools. Idempotent; no step() after it. A persistent offload tier first gets every cached
+        block of the pool, so a restarted engine finds them."""
+        if self.offload is not None and self.executor.offloader is not None:
+            tier = self.executor.offloader.stores.get(0)
+            if getattr(tier, "persistent", False):
+                try:
+                    self.core.save_cached_blocks()
+                except Exception:  # shutting down anyway: the tier keeps what it has
+                    log.exception("kv offload: saving the pool's cached blocks at shutdown failed")
         self.executor.shutdown()
         self.core.shutdown()
         self.kv_event_publisher.close()
@@ -225,6 +321,21 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- reshape (runtime/engine/data_parallel.py) ----------------------------------------------
+    def detach_requests(self) -> tuple[list[RequestOutput], list]:
+        """Stops this engine's work for a reshape: the outputs still owed (a step in flight, aborts,
+        failures) and every unfinished request, ready for another engine's attach_requests."""
+        outputs, self._pending = self._pending, []
+        done = self.core.finish_inflight()
+        outputs += self._failed_outputs()
+        if done is not None:
+            outputs += self.output_processor.make_outputs(self.output_processor.process(done.update, done.now))
+        return outputs, self.core.detach_all()
+
+    def attach_requests(self, heads: list) -> None:
+        """Requests another engine detached: they resume by recomputing their tokens here."""
+        self.core.attach(heads)
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -252,6 +363,26 @@ class LLMEngine:
         return [self.output_processor.make_output(head, finished=True) for head in failed]
 
     # -- statistics ------------------------------------------------------------------------------
+    def _offload_stats(self) -> dict[str, Any]:
+        offload, offloader = self.offload, self.executor.offloader
+        if offload is None or offloader is None:
+            return {}
+        st = offload.stats
+        store_s, load_s = offloader.drain_timings()
+        tier, swap = offload.tier, offload.swap
+        return dict(
+            kv_offload_capacity_bytes=tier.capacity_bytes if tier else 0,
+            kv_offload_used_bytes=tier.used_bytes if tier else 0,
+            kv_offload_queries_tokens_total=st.queries_tokens, kv_offload_hit_tokens_total=st.hit_tokens,
+            kv_offload_hit_blocks_total=st.hit_blocks, kv_offload_stored_blocks_total=st.stored_blocks,
+            kv_offload_stored_bytes_total=offloader.stored_bytes,
+            kv_offload_loaded_bytes_total=offloader.loaded_bytes,
+            kv_offload_failed_loads_total=st.failed_loads,
+            kv_swap_capacity_bytes=swap.capacity_bytes if swap else 0, kv_swap_used_bytes=swap.used_bytes if swap else 0,
+            kv_swap_outs_total=st.swap_outs, kv_swap_ins_total=st.swap_ins,
+            num_swapped=sum(1 for s in self.scheduler.waiting if s.swapped is not None),
+            kv_offload_store_seconds=store_s, kv_offload_load_seconds=load_s)
+
     def get_stats(self) -> EngineStats:
         """Gauges and counters now, plus latency observations made since the previous call."""
         now = StatsCollector.now()
@@ -264,6 +395,8 @@ class LLMEngine:
             block_size=self.block_manager.block_size,
             max_num_seqs=self.config.max_num_seqs,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            pipeline_parallel_size=self.config.pipeline_parallel_size,
+            pipeline_bubble_fraction=getattr(self.executor, "pipeline_bubble_fraction", 0.0),
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits,
@@ -277,10 +410,12 @@ class LLMEngine:
             generation_tokens_per_second=s.rate(now),
             structured_output_requests_total=s.structured_output_requests_total,
             model_weight_bytes=self.model_weight_bytes,
+            cuda_graph_capture_failures_total=self.executor.graph_capture_failures,
             quantization=self.quantization or "none",
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
+            **self._offload_stats(),
             timestamp=now,
             **s.drain(),
         )

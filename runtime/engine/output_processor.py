@@ -86,4 +86,5 @@ class OutputProcessor:
             finished=finished,
             metrics=req.metrics,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            lora_request=req.lora_request,
         )

@@ -29,9 +29,14 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
     return h.digest()
 
 
-def extra_key(cache_salt: str | None) -> bytes | None:
-    """The extra key mixed into the first block only (it then flows down the chain)."""
-    return None if cache_salt is None else cache_salt.encode("utf-8")
+def extra_key(cache_salt: str | None, lora_key: bytes | None = None) -> bytes | None:
+    """The extra key mixed into the first block only (it then flows down the chain): the cache
+    salt and the LoRA adapter (K/V computed under one adapter is not another's)."""
+    salt = None if cache_salt is None else cache_salt.encode("utf-8")
+    if lora_key is None:
+        return salt
+    # Length-prefixed, so no (salt, adapter) pair encodes like another.
+    return struct.pack("<I", len(lora_key)) + lora_key + (salt or b"")
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], num_tokens: int,

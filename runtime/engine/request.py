@@ -44,6 +44,8 @@ class Request:
     pending_grammar: Any = None
     group: list[Request] | None = None
     unforked: list[Request] = field(default_factory=list)
+    # The LoRA adapter (kvserve.runtime.lora.LoRARequest) this request runs with; None: the base model.
+    lora_request: Any = None
 
     @property
     def samples(self) -> list[Request]:

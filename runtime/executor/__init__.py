@@ -5,6 +5,7 @@ rank), the Worker every rank runs, and the Platform that knows the device.
     uniproc.py        UniProcExecutor: tensor_parallel_size 1
     multiproc.py      MultiProcExecutor: ranks 1..N-1 in worker processes, failures named by rank
     worker.py         Worker: one rank's weights, KV pools, CUDA graphs and forward pass
+    pipeline_worker.py PipelineWorker: one pipeline stage's shard; activations sent stage to stage
     worker_process.py the process around a Worker of rank 1..N-1
     model_runner.py   ModelRunner: packs a step into a ForwardInput, samples the logits
     forward_input.py  ForwardInput: one forward pass, as every rank receives it
@@ -36,8 +37,8 @@ __all__ = list(_EXPORTS)
 
 
 def create_executor(config, model_config, *, device, dtype, max_model_len: int, quant_config=None):
-    """The executor for `config.tensor_parallel_size`: one process, or one process per rank."""
-    if config.tensor_parallel_size > 1:
+    """One process (TP 1, PP 1), or one process per rank (tensor_parallel_size x pipeline_parallel_size)."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         from kvserve.runtime.executor.multiproc import MultiProcExecutor as cls
     else:
         from kvserve.runtime.executor.uniproc import UniProcExecutor as cls

@@ -26,6 +26,15 @@ from kvserve.runtime.sampler import Sampler, SamplerOutput
 log = logging.getLogger(__name__)
 
 
+def worker_class(config) -> type[Worker]:
+    """Worker, or PipelineWorker (one stage's layers) at pipeline_parallel_size > 1."""
+    if config.pipeline_parallel_size > 1:
+        from kvserve.runtime.executor.pipeline_worker import PipelineWorker
+
+        return PipelineWorker
+    return Worker
+
+
 def kv_release_window(model_config, draft=None) -> int | None:
     """The window behind which no layer reads K/V again, so the block manager may give those
     blocks back: only when every layer of the model (and of a draft model sharing its block
@@ -46,6 +55,10 @@ def hybrid_kv_groups(config, model_config) -> tuple | None:
     groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])
     if len(groups) == 1 or config.disable_hybrid_kv_cache_manager:
         return None
+    if config.pipeline_parallel_size > 1:
+        log.info("hybrid KV cache manager off (pipeline parallelism): one block table serves every layer, "
+                 "so the local layers hold the whole context")
+        return None
     if config.speculative_config is not None:
         log.info("hybrid KV cache manager off (speculative decoding): one block table serves every layer, "
                  "so the local layers hold the whole context")
@@ -64,11 +77,12 @@ class Executor:
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.last_timings: tuple[float, float, float] | None = None
+        self.pipeline_bubble_fraction = 0.0
         self.rank_reports: list[dict[str, Any]] = [dict(rank=0, pid=os.getpid())]
-        self.driver_worker = Worker(config, model_config, device=device, dtype=dtype, rank=0,
-                                    world_size=self.world_size, quant_config=quant_config)
+        self.driver_worker = worker_class(config)(config, model_config, device=device, dtype=dtype, rank=0,
+                                                  world_size=self.world_size, quant_config=quant_config)
         draft = self._load_draft()
         self.kv_groups = hybrid_kv_groups(config, model_config)
         self.kv_release_window = None if self.kv_groups is not None else kv_release_window(model_config, draft)
@@ -96,7 +110,13 @@ class Executor:
         self.num_blocks_per_group = list(blocks)
         self.model_weight_bytes = worker.weight_bytes
         generator = torch.Generator(device=device).manual_seed(config.seed)
-        self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups)
+        self.lora_manager = None
+        if worker.lora is not None:
+            from kvserve.runtime.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
+        self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
+                                  lora=self.lora_manager)
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
@@ -140,6 +160,11 @@ class Executor:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.driver_worker.kv_cache_dtype
 
+    @property
+    def graph_capture_failures(self) -> int:
+        """Failed CUDA graph captures on rank 0 (every rank fails alike)."""
+        return self.driver_worker.graph_capture_failures
+
     def propose_drafts(self, running: Sequence, params_of: Callable) -> None:
         """Speculative decoding: sets each running sequence's spec_token_ids before scheduling."""
         if self.spec_decoder is not None:
@@ -157,7 +182,28 @@ class Executor:
             out = runner.execute(model_input.scheduled, model_input.block_tables, model_input.rows,
                                  model_input.repeats)
         self.last_timings = runner.last_timings
+        bubble = getattr(self.driver_worker, "last_bubble", None)
+        if bubble is not None:
+            self.pipeline_bubble_fraction = 0.9 * self.pipeline_bubble_fraction + 0.1 * bubble
         return out
+
+    @property
+    def offloader(self):
+        """Rank 0's KVOffloader (None without an offload tier or swap space)."""
+        return self.driver_worker.offloader
+
+    def kv_offload_apply(self, ops: list[tuple]) -> list[bytes]:
+        """Applies offload operations on rank 0 now and on the other ranks before their next
+        forward pass; returns the keys whose loads failed on rank 0."""
+        failed = self.driver_worker.offloader.apply(ops)
+        self._share_kv_ops(ops)
+        return failed
+
+    def kv_offload_scan(self) -> list[tuple[bytes, int]]:
+        return self.driver_worker.offload_scan()
+
+    def _share_kv_ops(self, ops: list[tuple]) -> None:
+        """Hands offload operations to ranks 1..N-1 (none here)."""
 
     def check_health(self) -> None:
         """Raises when the executor can no longer step (a tensor-parallel worker died)."""

@@ -27,13 +27,15 @@ Forward = Callable[[ForwardInput], "torch.Tensor | None"]
 
 class ModelRunner:
     def __init__(self, forward: Forward, block_size: int, sampler: Sampler,
-                 kv_groups: Sequence | None = None) -> None:
+                 kv_groups: Sequence | None = None, lora=None) -> None:
         # Runs one ForwardInput on every rank; returns the logits of its logits_rows (None if none).
         self.forward = forward
         # With KV cache groups, each sequence's block table is a tuple of one table per group.
         self.kv_groups = tuple(kv_groups) if kv_groups is not None else None
         self.block_size = block_size
         self.sampler = sampler
+        # LoRA (runtime/lora/manager.py): each step's adapter slots and token layout; None: off.
+        self.lora = lora
         # Seconds spent in (prepare, forward, sample) by the latest execute(); on a GPU, forward is
         # the time to launch the kernels and sample includes waiting for them (the one sync).
         self.last_timings: tuple[float, float, float] | None = None
@@ -51,7 +53,11 @@ class ModelRunner:
             # A new outer object: group 0's own metadata is one of the windows it maps.
             meta = dataclasses.replace(meta, kv_groups={group.window: prepared[2]
                                                         for group, prepared in zip(self.kv_groups, per_group)})
-        return ForwardInput(input_ids, positions, meta, logits_rows, copies)
+        step = ForwardInput(input_ids, positions, meta, logits_rows, copies)
+        if self.lora is not None:
+            step.lora = self.lora.step_input([item.seq.lora_int_id for item in scheduled],
+                                             [item.num_new_tokens for item in scheduled])
+        return step
 
     def _prepare(self, scheduled,
                  block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

@@ -45,6 +45,20 @@ class Platform:
         """Returns what dropped tensors held to the allocator's owner (the OS, the driver)."""
         gc.collect()
 
+    # What the KV sizing measures around its profiling runs (runtime/executor/worker.py); only
+    # read where free_memory_bytes is not None.
+    def memory_allocated(self, device: torch.device) -> int:
+        return 0
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        pass
+
+    def peak_memory_allocated(self, device: torch.device) -> int:
+        return 0
+
+    def synchronize(self, device: torch.device) -> None:
+        pass
+
     def native_kernels(self) -> bool:
         """Whether kvserve's native CPU kernels are loaded and serve float32 work here."""
         return False
@@ -130,6 +144,18 @@ class CudaPlatform(Platform):
     def release_memory(self) -> None:
         gc.collect()
         torch.cuda.empty_cache()
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def peak_memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.max_memory_allocated(device)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
 
 
 CPU = CpuPlatform()

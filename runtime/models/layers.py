@@ -42,6 +42,16 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     param.copy_(loaded)
 
 
+# The process group of this rank's tensor-parallel peers; None is the default (world) group.
+# Pipeline parallelism sets it: the world is pp x tp ranks and a layer reduces within its stage.
+_tp_group = None
+
+
+def set_tp_group(group) -> None:
+    global _tp_group
+    _tp_group = group
+
+
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     """Sums partial results across tensor-parallel ranks (identity at tp_size == 1)."""
     if tp_size == 1:
@@ -50,7 +60,7 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tensor parallelism needs an initialized torch.distributed process group")
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_tp_group)
     return x
 
 
@@ -62,7 +72,7 @@ def all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tensor parallelism needs an initialized torch.distributed process group")
     parts = [torch.empty_like(x) for _ in range(tp_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=-1)
 
 

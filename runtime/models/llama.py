@@ -225,12 +225,21 @@ _UNBUILT = object()
 class CausalLM(nn.Module):
     """A packed-token decoder: forward() gives final hidden states, compute_logits() the logits."""
 
+    # True while a step with LoRA adapters runs (runtime/lora/worker.py): the native decode stack
+    # multiplies by the base weights only, so such a step takes the per-op path.
+    lora_active = False
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, dtype: torch.dtype,
                  device: torch.device, tp_rank: int = 0, tp_size: int = 1,
-                 quant_config: QuantizationConfig | None = None):
+                 quant_config: QuantizationConfig | None = None, layer_range: tuple[int, int] | None = None):
         super().__init__()
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        # A pipeline stage (runtime/models/pipeline_stage.py) builds only its layers; the first
+        # stage holds the embedding, the last the final norm and the head (and the embedding
+        # again when it is the head: tied embeddings).
+        self.layer_start, self.layer_end = layer_range or (0, cfg.num_layers)
+        first, last = self.layer_start == 0, self.layer_end == cfg.num_layers
         self.config = cfg
         self.dtype, self.device = dtype, torch.device(device)
         self._platform = platform_for(self.device)
@@ -238,11 +247,14 @@ class CausalLM(nn.Module):
         self.quant_config = quant_config
         kw = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=self.device)
         qkw = dict(kw, quant_config=quant_config)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **qkw)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **qkw)
+                             if first or (last and cfg.tie_word_embeddings) else None)
         layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_cls(cfg, backend, layer=i, **qkw) for i in range(cfg.num_layers))
-        self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device)
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **qkw)
+        self.layers = nn.ModuleList(layer_cls(cfg, backend, layer=i, **qkw)
+                                    for i in range(self.layer_start, self.layer_end))
+        self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device) if last else None
+        self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **qkw)
+                        if last and not cfg.tie_word_embeddings else None)
         # float32 regardless of the model dtype: ops.rotary_embedding casts per call, as HF does.
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg, device=self.device), persistent=False)
         # Gemma 3's local layers rotate with their own base frequency.
@@ -269,7 +281,7 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
-        if meta.is_decode_only and self.device.type == "cpu":
+        if meta.is_decode_only and self.device.type == "cpu" and not self.lora_active:
             stack = self._native_stack
             if stack is _UNBUILT:
                 from kvserve.runtime.models import native_decode
@@ -312,7 +324,7 @@ class CausalLM(nn.Module):
         names vLLM accepts (self_attn.k_scale / v_scale, k_proj.k_scale / v_proj.v_scale, and the
         older single self_attn.kv_scale)."""
         out: dict[str, tuple[torch.Tensor, str | None]] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers, start=self.layer_start):
             attn, pre = layer.self_attn, f"model.layers.{i}.self_attn."
             if not hasattr(attn, "k_scale"):  # MLA: its latent cache has no float8 form yet
                 continue
@@ -323,11 +335,14 @@ class CausalLM(nn.Module):
 
     def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, str | None]]:
         """Maps every checkpoint tensor name this model consumes to (parameter, shard id)."""
-        out: dict[str, tuple[torch.Tensor, str | None]] = {"model.norm.weight": (self.norm.weight, None)}
-        out.update(self.embed_tokens.checkpoint_params())
+        out: dict[str, tuple[torch.Tensor, str | None]] = {}
+        if self.norm is not None:
+            out["model.norm.weight"] = (self.norm.weight, None)
+        if self.embed_tokens is not None:
+            out.update(self.embed_tokens.checkpoint_params())
         if self.lm_head is not None:
             out.update(self.lm_head.checkpoint_params())
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers, start=self.layer_start):
             pre = f"model.layers.{i}."
             out.update(layer.self_attn.checkpoint_params(f"{pre}self_attn."))
             out.update(layer.mlp.checkpoint_params(pre + layer.mlp_prefix))

@@ -42,12 +42,14 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: torch.device | str,
                attention_backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
                config: ModelConfig | None = None,
-               quantization: str | QuantizationConfig | None = None) -> CausalLM:
+               quantization: str | QuantizationConfig | None = None,
+               layer_range: tuple[int, int] | None = None) -> CausalLM:
     """Loads a supported HF causal LM from a local directory (or a GGUF file), with this rank's
     weight shards.
 
     `quantization`: a format name (None: whatever the checkpoint's quantization_config says,
-    else full precision) or an already resolved QuantizationConfig."""
+    else full precision) or an already resolved QuantizationConfig. `layer_range`: a pipeline
+    stage's layers [start, end) (runtime/models/pipeline_stage.py); other stages' tensors are skipped."""
     model_dir = pathlib.Path(model_dir)
     cfg = config or ModelConfig.from_pretrained(model_dir)
     device = torch.device(device)
@@ -56,7 +58,15 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
     if quant_config is not None:
         quant_config.check_supported(device, dtype)
     model = CausalLM(cfg, attention_backend, dtype=dtype, device=device,
-                     tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config)
+                     tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config, layer_range=layer_range)
+    if layer_range is None:
+        def other_stage(name: str) -> bool:
+            return False
+    else:
+        from kvserve.runtime.models.pipeline_stage import other_stage_tensor
+
+        def other_stage(name: str) -> bool:
+            return other_stage_tensor(name, *layer_range, cfg.num_layers, cfg.tie_word_embeddings)
     targets = model.checkpoint_params()
     optional = model.optional_checkpoint_params()
     loaded: set[str] = set()
@@ -96,7 +106,8 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
                     with safe_open(str(path), framework="pt", device="cpu") as f:
                         for name in f.keys():
                             if name not in targets and name not in optional:
-                                if not _IGNORED.search(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                                tied_head = name == "lm_head.weight" and cfg.tie_word_embeddings
+                                if not _IGNORED.search(name) and not other_stage(name) and not tied_head:
                                     log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
                                 continue
                             consume(name, f.get_tensor(name))

@@ -22,12 +22,15 @@ from kvserve.kernels import ops
 
 
 def _bias(linear) -> torch.Tensor | None:
+    linear = getattr(linear, "base_layer", linear)
     return None if linear.bias is None else linear.bias.detach()
 
 
 def _native_weight(linear):
     """What the native stack multiplies by for this linear layer, or None: its float32 panels, or
-    the native panels of its int8/int4 weight when its method's apply is exactly matmul + bias."""
+    the native panels of its int8/int4 weight when its method's apply is exactly matmul + bias.
+    A LoRA wrapper stands for its base layer: the stack runs the steps without adapters."""
+    linear = getattr(linear, "base_layer", linear)
     if getattr(linear, "packed_out_features", None) is not None:
         return linear.weight.detach()
     if getattr(linear, "gptq_perm", None) is not None or getattr(linear, "ct_perm", None) is not None:

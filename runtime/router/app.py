@@ -40,7 +40,7 @@ from .kv_index import KVIndexConfig, PreciseMatch
 from .limits import BodyLimits, ByteBudget
 from .load import LoadPoller
 from .metrics import CONTENT_TYPE, RouterMetrics
-from .policy import PREFIX_HIT, Choice, PolicyConfig, PolicyState, choose, chunk_hashes, routing_key
+from .policy import PREFIX_HIT, Choice, PolicyConfig, PolicyState, adapter_of, choose, chunk_hashes, routing_key
 from .prompt_keys import MAX_BLOCKS, PromptKeys, load_tokenizer
 
 log = logging.getLogger("kvserve.router")
@@ -202,16 +202,20 @@ class Router:
 
     # --- forwarding --------------------------------------------------------------------------
 
-    def _choose(self, hashes: list[int], tried: list[str], precise: PreciseMatch | None = None) -> Choice | None:
+    def _choose(self, hashes: list[int], tried: list[str], adapter: str | None = None,
+                precise: PreciseMatch | None = None) -> Choice | None:
         names = list(self.endpoints)
         loads = {n: self.loads.load(n, self.in_flight[n]) for n in names}
-        return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried, precise=precise)
+        return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried, precise=precise,
+                      adapter=adapter, adapters=self.loads.adapters() if adapter is not None else None)
 
-    async def _precise(self, route: Route, obj: Any) -> PreciseMatch | None:
+    async def _precise(self, route: Route, obj: Any, adapter: str | None) -> PreciseMatch | None:
         """What the pods' KV events say they hold of this request (None: no pod's events to go by,
-        or a request the router cannot hash as the runtime does)."""
+        or a request the router cannot hash as the runtime does: one for a LoRA adapter, whose
+        blocks the pod keys by its own adapter id)."""
         events = self.kv_events
-        if events is None or route.kind not in ROUTED or not isinstance(obj, dict) or not events.indexes:
+        if events is None or route.kind not in ROUTED or not isinstance(obj, dict) or not events.indexes \
+                or adapter is not None:
             return None
         kind = route.kind
         if self.prompt_keys is not None:
@@ -273,8 +277,11 @@ class Router:
                               headers={"Retry-After": str(self.config.retry_after_s)})
 
     async def forward(self, request: web.Request, route: Route, body: bytes, hashes: list[int], stream: bool,
-                      admitted: Ticket | None = None, obj: Any = None) -> web.StreamResponse:
-        """`admitted`: the hold ticket this request took before its body was read, if any."""
+                      admitted: Ticket | None = None, adapter: str | None = None,
+                      obj: Any = None) -> web.StreamResponse:
+        """`admitted`: the hold ticket this request took before its body was read, if any;
+        `adapter`: the LoRA adapter the request names (pods with it loaded are preferred);
+        `obj`: the parsed body (hashed for the pods' KV events)."""
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = self._forward_headers(request, request_id)
         tried: list[str] = []
@@ -292,8 +299,8 @@ class Router:
                                           headers={"Retry-After": str(self.config.retry_after_s)})
                 finally:
                     admitted = None
-            precise = await self._precise(route, obj)  # after any hold: the pods are known now
-            choice = self._choose(hashes, tried, precise)
+            precise = await self._precise(route, obj, adapter)  # after any hold: the pods are known now
+            choice = self._choose(hashes, tried, adapter, precise)
             if choice is None:
                 if ticket is not None:
                     ticket.sent.set()
@@ -497,8 +504,9 @@ class Router:
                 if refused.status == 413:
                     return error_response(413, refused.message)
                 return self._busy(refused.message)
-            hashes, stream, obj = self._routing(route, body)
-            response = await self.forward(request, route, body, hashes, stream, admitted=ticket, obj=obj)
+            hashes, stream, adapter, obj = self._routing(route, body)
+            response = await self.forward(request, route, body, hashes, stream, admitted=ticket, adapter=adapter,
+                                          obj=obj)
             status = response.status
             return response
         finally:
@@ -509,23 +517,24 @@ class Router:
             self.touch()
             self.metrics.responses.labels(str(status)).inc()
 
-    def _routing(self, route: Route, body: bytes) -> tuple[list[int], bool, Any]:
-        """The prefix hashes the policy places the request by, whether it streams, and the
-        parsed body (for the KV events' hashes)."""
+    def _routing(self, route: Route, body: bytes) -> tuple[list[int], bool, str | None, Any]:
+        """The prefix hashes the policy places the request by, whether it streams, the LoRA
+        adapter it names (None: the base model), and the parsed body (for the KV events' hashes)."""
         if route.kind not in ROUTED:
-            return [], False, None
+            return [], False, None, None
         try:
             obj = json.loads(body) if body else None
         except (ValueError, UnicodeDecodeError, RecursionError):
-            return [], False, None  # the pod answers the 400 in its own words
+            return [], False, None, None  # the pod answers the 400 in its own words
         if not isinstance(obj, dict):
-            return [], False, None
+            return [], False, None, None
         policy = self.config.policy
+        adapter = adapter_of(obj, self.loads.adapters())
         hashes = []
         if policy.policy == "prefix":
             hashes = chunk_hashes(routing_key(route.kind, obj), block_tokens=policy.block_tokens,
-                                  chunk_chars=policy.chunk_chars)
-        return hashes, obj.get("stream") is True, obj
+                                  chunk_chars=policy.chunk_chars, adapter=adapter)
+        return hashes, obj.get("stream") is True, adapter, obj
 
 
 ROUTER = web.AppKey("router", Router)

@@ -28,6 +28,7 @@ class Sample:
     kv_cache_utilization: float
     ok: bool  # the agent says its engine sample is fresh and the engine ready
     at: float
+    adapters: frozenset[str] = frozenset()  # LoRA adapters the pod has loaded (affinity)
 
 
 def _num(data: Mapping[str, Any], key: str) -> float:
@@ -35,10 +36,22 @@ def _num(data: Mapping[str, Any], key: str) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
+# A pod holds at most --max-cpu-loras adapters; a longer list is a broken or hostile answer, and
+# keeping it would grow the router's memory per pod.
+MAX_ADAPTERS = 1024
+
+
+def _adapters(value: Any) -> frozenset[str]:
+    if not isinstance(value, list):
+        return frozenset()
+    return frozenset(v for v in value[:MAX_ADAPTERS] if isinstance(v, str) and 0 < len(v) <= 256)
+
+
 def load_from_signals(data: Mapping[str, Any], at: float) -> Sample:
     return Sample(running=max(0.0, _num(data, "requests_running")), queue_depth=max(0.0, _num(data, "queue_depth")),
                   kv_cache_utilization=min(1.0, max(0.0, _num(data, "kv_cache_utilization"))),
-                  ok=not data.get("stale", False) and data.get("ready", True) is not False, at=at)
+                  ok=not data.get("stale", False) and data.get("ready", True) is not False, at=at,
+                  adapters=_adapters(data.get("lora_adapters")))
 
 
 def load_from_metrics(text: str, at: float) -> Sample:
@@ -46,7 +59,8 @@ def load_from_metrics(text: str, at: float) -> Sample:
 
     s = standardize(text)
     return Sample(running=s.requests_running or 0.0, queue_depth=s.queue_depth or 0.0,
-                  kv_cache_utilization=min(1.0, max(0.0, s.kv_cache_utilization or 0.0)), ok=True, at=at)
+                  kv_cache_utilization=min(1.0, max(0.0, s.kv_cache_utilization or 0.0)), ok=True, at=at,
+                  adapters=_adapters(list(s.lora_adapters or ())))
 
 
 def current_load(sample: Sample | None, in_flight: int, now: float, stale_after: float) -> EndpointLoad:
@@ -65,6 +79,12 @@ class LoadPoller:
 
     def load(self, name: str, in_flight: int) -> EndpointLoad:
         return current_load(self.samples.get(name), in_flight, self.clock(), self.stale_after)
+
+    def adapters(self) -> dict[str, frozenset[str]]:
+        """pod -> the LoRA adapters its last answer listed. Not aged out like the load: a pod's
+        adapters change only when the operator loads or unloads one, and a pod that went away
+        leaves with its sample."""
+        return {name: s.adapters for name, s in self.samples.items() if s.adapters}
 
     async def poll_once(self, session: aiohttp.ClientSession, endpoints: Iterable[Endpoint]) -> None:
         endpoints = [e for e in endpoints if e.signals_url]

@@ -18,6 +18,13 @@ Policies:
   * `least-load`: the pod with the fewest requests in flight (the router's own count, or the
     agent's running + waiting when that is higher), then the lowest KV use.
   * `round-robin`: each ready pod in turn (what a plain Service does, for comparison).
+
+A request whose `model` names a LoRA adapter (multi-LoRA serving) is placed among the pods that
+report the adapter loaded, by the same policy and the same load bound (computed over those
+pods): a pod without the adapter could only answer 404. Its prefix chunks are hashed under the
+adapter's name, because the same prompt under another adapter (or the base model) has other KV.
+When no pod reports the adapter (signals not in yet, or an unknown name) every pod is a
+candidate, and the pod's own answer decides.
 """
 
 from __future__ import annotations
@@ -121,10 +128,12 @@ def routing_key(route: str, body: Mapping[str, Any]) -> str | list[int] | None:
 
 
 def chunk_hashes(key: str | Sequence[int] | None, *, block_tokens: int = 16, chunk_chars: int = 64,
-                 max_chunks: int = MAX_CHUNKS) -> list[int]:
+                 max_chunks: int = MAX_CHUNKS, adapter: str | None = None) -> list[int]:
     """Chained 64-bit hashes of the key's full chunks (a key shorter than one chunk gives one
     hash of the whole key, so a short prompt still has a home). blake2b, not hash(): every
-    router replica and every restart must agree."""
+    router replica and every restart must agree. `adapter` (a LoRA adapter's name) seeds the
+    chain, so one prompt under two adapters never shares an entry; None leaves the base model's
+    hashes as they always were."""
     if key is None:
         return []
     if isinstance(key, str):
@@ -139,6 +148,8 @@ def chunk_hashes(key: str | Sequence[int] | None, *, block_tokens: int = 16, chu
         tag = b"i"
     if not chunks:
         chunks = [data]
+    if adapter is not None:
+        tag += b"\x00lora\x00" + adapter.encode("utf-8", "surrogatepass")
     out = []
     digest = tag
     for chunk in chunks[:max_chunks]:
@@ -289,6 +300,25 @@ class PolicyState:
             self.index.record(hashes, pod, now)
 
 
+def adapter_of(body: Mapping[str, Any], adapters: Mapping[str, frozenset[str]]) -> str | None:
+    """The LoRA adapter a request names in `model`, when some pod reports it loaded
+    (`adapters`: pod -> its loaded adapters); None for the base model or a name no pod knows."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        return None
+    return model if any(model in names for names in adapters.values()) else None
+
+
+def adapter_holders(adapter: str | None, pods: Iterable[str], adapters: Mapping[str, frozenset[str]]) -> list[str]:
+    """The pods to place a request among: those with its adapter loaded, or all of them when
+    there is no adapter or no pod reports it."""
+    pods = list(pods)
+    if adapter is None:
+        return pods
+    holders = [p for p in pods if adapter in adapters.get(p, ())]
+    return holders or pods
+
+
 def _least_loaded(pods: Sequence[str], loads: Mapping[str, EndpointLoad], turn: int) -> str:
     # Ties (an idle service) go in turn, so a burst at idle does not all land on one pod.
     n = len(pods)
@@ -317,14 +347,17 @@ def prefix_fractions(served: Mapping[str, int], total_chunks: int, precise: Prec
 
 
 def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads: Mapping[str, EndpointLoad],
-           now: float, exclude: Iterable[str] = (), precise: PreciseMatch | None = None) -> Choice | None:
+           now: float, exclude: Iterable[str] = (), precise: PreciseMatch | None = None, *,
+           adapter: str | None = None, adapters: Mapping[str, frozenset[str]] | None = None) -> Choice | None:
     """The pod for a request, or None when no pod is left (all excluded, or none ready).
 
     `pods` are the ready pods; `exclude` the ones this request already failed on; `precise` what
-    the pods' KV events say they hold of this prompt (None: served-based only).
+    the pods' KV events say they hold of this prompt (None: served-based only); `adapter` the
+    LoRA adapter the request names and `adapters` each pod's loaded adapters (module docstring).
     """
     skip = set(exclude)
     candidates = sorted(p for p in set(pods) if p not in skip)
+    candidates = adapter_holders(adapter, candidates, adapters or {})
     if not candidates:
         return None
     config = state.config

@@ -33,6 +33,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from the CLI flags (unset flags keep the engine's defaults)."""
     kw: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device,
                               tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    if getattr(args, "pipeline_parallel_size", 1) != 1:
+        kw["pipeline_parallel_size"] = args.pipeline_parallel_size
     for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                  "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
                  "kv_offload_bytes", "kv_offload_dir", "swap_space"):
@@ -55,7 +57,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["kv_events_config"] = args.kv_events_config  # JSON; the engine validates it
     if getattr(args, "compilation_config", None):
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
+    if getattr(args, "enable_lora", None):  # without it the engine config is the base model's alone
+        kw["enable_lora"] = True
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(args, name, None) is not None:
+                kw[name] = getattr(args, name)
     return kw
+
+
+def lora_problem(args: argparse.Namespace) -> str | None:
+    """LoRA flags that only make sense together (the one-line reason, or None)."""
+    if getattr(args, "enable_lora", None):
+        return None
+    for flag in ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras"):
+        if getattr(args, flag, None):
+            return f"--{flag.replace('_', '-')} needs --enable-lora"
+    return None
 
 
 def _load_in_daemon_thread(factory: Callable[[], Any]) -> Future:
@@ -70,6 +87,24 @@ def _load_in_daemon_thread(factory: Callable[[], Any]) -> Future:
 
     threading.Thread(target=run, name="kvserve-load", daemon=True).start()
     return fut
+
+
+def _with_static_adapters(factory: Callable[[], Any], registry, modules) -> Callable[[], Any]:
+    """The engine, with --lora-modules loaded on the loading thread before it serves."""
+    from .lora import load_static
+
+    def build():
+        engine = factory()
+        try:
+            load_static(engine, registry, modules)
+        except BaseException:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+            raise
+        return engine
+
+    return build
 
 
 @dataclass
@@ -114,6 +149,9 @@ class Server:
                                  max_prompt_chars=a.max_prompt_chars, max_schema_chars=a.max_schema_chars),
             tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
                                tool_call_parser=getattr(a, "tool_call_parser", None)),
+            max_lora_adapters=(getattr(a, "max_cpu_loras", None) or getattr(a, "max_loras", None) or 1
+                               if getattr(a, "enable_lora", None) else None),
+            max_loras=getattr(a, "max_loras", None) or 1,
         )
         app = build_app(config)
         state = self.state = app[STATE]
@@ -139,6 +177,8 @@ class Server:
 
         exit_code = 0
         factory = self.engine_factory or self._default_factory()
+        if state.lora is not None and getattr(a, "lora_modules", None):
+            factory = _with_static_adapters(factory, state.lora, a.lora_modules)
         load = asyncio.wrap_future(_load_in_daemon_thread(factory))
         stop = asyncio.create_task(self.stop_event.wait())
         await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -176,10 +216,14 @@ class Server:
     def _default_factory(self) -> Callable[[], Any]:
         kwargs = engine_kwargs(self.args)
 
-        def build():
-            from kvserve.runtime.engine import LLMEngine
+        dp = getattr(self.args, "data_parallel_size", 1) or 1
 
-            return LLMEngine.from_args(**kwargs)
+        def build():
+            from kvserve.runtime.config import EngineConfig
+            from kvserve.runtime.engine.data_parallel import DataParallelEngine
+
+            # Always the data-parallel engine, even of one: the layout may change live later.
+            return DataParallelEngine(EngineConfig.from_args(**kwargs), dp)
 
         return build
 
@@ -192,6 +236,8 @@ def preflight(args: argparse.Namespace) -> str | None:
     read, or weights that do not load, are left to the load, which reports it on /ready and exits 1."""
     from kvserve.runtime.config import EngineConfig
 
+    if (problem := lora_problem(args)) is not None:
+        return problem
     try:
         EngineConfig.from_args(**engine_kwargs(args))
     except ValueError as exc:
@@ -211,6 +257,18 @@ def preflight(args: argparse.Namespace) -> str | None:
         check_quantization(args.quantization, model_config.hf_config, args.device, args.dtype)
         check_kv_cache_dtype_for_model(args.kv_cache_dtype or "auto", model_config)
         check_tensor_parallel(model_config, args.tensor_parallel_size)
+        if getattr(args, "pipeline_parallel_size", 1) != 1:
+            from kvserve.runtime.executor.pipeline_worker import check_pipeline_parallel
+
+            check_pipeline_parallel(model_config, args.pipeline_parallel_size)
+            if getattr(args, "data_parallel_size", 1) != 1:
+                # Rank 0 of every stage group joins this process's one torch.distributed group.
+                raise ValueError("pipeline_parallel_size: cannot be combined with --data-parallel-size > 1 "
+                                 "(one pipeline group per server process); run replicas instead")
+        from kvserve.runtime.engine.layout import Layout, check_layout
+
+        layout = Layout(getattr(args, "data_parallel_size", 1), args.tensor_parallel_size)
+        check_layout(layout, layout.devices)
     except ValueError as exc:
         return str(exc)
     return None

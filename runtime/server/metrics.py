@@ -8,6 +8,7 @@ each snapshot hands over exactly once. prometheus_client appends `_total` to cou
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -39,11 +40,17 @@ EXPORTED_NAMES = (
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info",
     "kvserve:kv_cache_capacity_tokens", "kvserve:max_num_seqs", "kvserve:tensor_parallel_size",
-    "kvserve:model_weight_bytes", "kvserve:model_info",
+    "kvserve:pipeline_parallel_size", "kvserve:pipeline_bubble_fraction",
+    "kvserve:model_weight_bytes", "kvserve:model_info", "kvserve:cuda_graph_capture_failures_total",
     "kvserve:generation_tokens_per_second",
     "kvserve:structured_output_requests_total", "kvserve:grammar_compile_seconds",
-    "kvserve:step_duration_seconds",
+    "kvserve:step_duration_seconds", "kvserve:data_parallel_size", "kvserve:reshape_seconds",
 )
+# With --enable-lora only.
+LORA_EXPORTED_NAMES = ("vllm:lora_requests_info", "kvserve:lora_requests_total", "kvserve:lora_adapter_loaded")
+
+# A live layout change: tens of milliseconds for a tiny model, seconds for a large one.
+RESHAPE_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0]
 
 # Grammar compilation: milliseconds for a small schema, seconds for a large one.
 COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -103,8 +110,18 @@ class _StatsCollector:
         yield gauge("kvserve:max_num_seqs", "Most requests the engine runs at once.", s.max_num_seqs)
         yield gauge("kvserve:tensor_parallel_size", "Tensor-parallel degree of this replica.",
                     s.tensor_parallel_size)
+        yield gauge("kvserve:pipeline_parallel_size", "Pipeline stages of this replica.",
+                    getattr(s, "pipeline_parallel_size", 1))
+        yield gauge("kvserve:pipeline_bubble_fraction", "Share of recent steps the first pipeline stage "
+                    "waited for the others (moving average; 0 without pipeline parallelism).",
+                    getattr(s, "pipeline_bubble_fraction", 0.0))
+        yield gauge("kvserve:data_parallel_size", "Data-parallel engines of this replica (each of "
+                    "kvserve:tensor_parallel_size ranks).", getattr(s, "data_parallel_size", 1))
         yield gauge("kvserve:model_weight_bytes", "Bytes of model weights on each tensor-parallel rank, "
                     "quantization scales and zeros included.", getattr(s, "model_weight_bytes", 0))
+        yield counter("kvserve:cuda_graph_capture_failures", "CUDA graph captures that failed at startup "
+                      "(decode then runs eagerly; the log has the traceback).",
+                      getattr(s, "cuda_graph_capture_failures_total", 0))
         model_info = GaugeMetricFamily("kvserve:model_info", "What this replica runs (always 1).",
                                        labels=["model_name", "quantization", "dtype", "kv_cache_dtype"])
         model_info.add_metric([name, getattr(s, "quantization", "none"), getattr(s, "dtype", ""),
@@ -115,6 +132,32 @@ class _StatsCollector:
         yield counter("kvserve:structured_output_requests",
                       "Requests with structured outputs (response_format, structured_outputs, forced tool calls).",
                       getattr(s, "structured_output_requests_total", 0))
+        yield from self._lora(name)
+
+    def _lora(self, name: str):
+        """With --enable-lora: vLLM's lora_requests_info, and per adapter (at most --max-cpu-loras
+        label values, each gone once its adapter is unloaded) loaded and request counts."""
+        lora = self.m.lora
+        if lora is None:
+            return
+        registry, info = lora()
+        if registry is None:
+            return
+        running, waiting = (info.running, info.waiting) if info is not None else ((), ())
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        # vLLM's value: when the snapshot was taken; the labels carry the information.
+        g.add_metric([",".join(running), ",".join(waiting), str(registry.max_loras)], time.time())
+        yield g
+        loaded = GaugeMetricFamily("kvserve:lora_adapter_loaded", "1 for each LoRA adapter loaded on this replica.",
+                                   labels=["model_name", "lora_name"])
+        total = CounterMetricFamily("kvserve:lora_requests", "Requests per LoRA adapter.",
+                                    labels=["model_name", "lora_name"])
+        for adapter in registry.names():
+            loaded.add_metric([name, adapter], 1)
+            total.add_metric([name, adapter], registry.requests_total.get(adapter, 0))
+        yield loaded
+        yield total
 
 
 class ServerMetrics:
@@ -123,6 +166,8 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats = None
+        # With --enable-lora: () -> (LoRARegistry, LoRAInfo | None), read at scrape time.
+        self.lora = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(self))
         self._lock = threading.Lock()
@@ -147,11 +192,15 @@ class ServerMetrics:
                          "output (detokenize, stop checks, outputs).",
                          labelnames=["model_name", "phase"], buckets=STEP_BUCKETS, registry=self.registry)
         self.step_phases = {phase: step.labels(model_name, phase) for phase in STEP_PHASES}
+        self.reshape = hist("kvserve:reshape_seconds", "Histogram of live parallel-layout changes "
+                            "(POST /admin/parallelism), from stopping the engines to serving on the new layout.",
+                            RESHAPE_BUCKETS)
 
     def update(self, stats) -> None:
         for hist, values in ((self.ttft, stats.time_to_first_token), (self.itl, stats.inter_token_latencies),
                              (self.e2e, stats.e2e_latencies), (self.queue, stats.queue_times),
-                             (self.grammar_compile, getattr(stats, "grammar_compile_times", ()))):
+                             (self.grammar_compile, getattr(stats, "grammar_compile_times", ())),
+                             (self.reshape, getattr(stats, "reshape_seconds", ()))):
             for v in values:
                 hist.observe(v)
         for phase, values in getattr(stats, "step_phase_durations", {}).items():

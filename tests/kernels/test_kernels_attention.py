@@ -109,8 +109,8 @@ def test_decode_matches_reference_across_splits(case):
     expected = b.expected()
     # One split (direct write), and splits of 16 tokens: half-block and cross-block boundaries,
     # empty trailing splits for the shorter sequences, and the log-sum-exp merge.
-    for tokens_per_split in (None, 16):
-        out = paged_decode_attention(*b.args(), tokens_per_split=tokens_per_split, out=b.poisoned_out())
+    for splits in ({}, dict(num_splits=32, min_split_tokens=16)):
+        out = paged_decode_attention(*b.args(), **splits, out=b.poisoned_out())
         _assert_close(out, expected, dtype)
 
 
@@ -136,7 +136,7 @@ def test_prefill_of_one_token_queries_equals_decode():
     b = Batch([(9, 1), (30, 1), (0, 1)], dtype=torch.float32, head_dim=64, block_size=16, heads=4,
               kv_heads=2, seed=3)
     prefill = paged_prefill_attention(*b.args(), out=b.poisoned_out())
-    decode = paged_decode_attention(*b.args(), tokens_per_split=16, out=b.poisoned_out())
+    decode = paged_decode_attention(*b.args(), num_splits=32, min_split_tokens=16, out=b.poisoned_out())
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
 
 
@@ -235,5 +235,6 @@ def test_random_batches_prefill_and_decode(seed):
     decode_specs = [(ctx + q - 1, 1) if q else (ctx, 0) for ctx, q in specs]
     d = Batch(decode_specs, dtype=dtype, head_dim=dim, block_size=bs, heads=kv_heads * group,
               kv_heads=kv_heads, seed=seed)
-    out = paged_decode_attention(*d.args(), tokens_per_split=rnd.choice([16, 24, 48]), out=d.poisoned_out())
+    out = paged_decode_attention(*d.args(), num_splits=rnd.choice([2, 3, 32]), min_split_tokens=rnd.choice([16, 24, 48]),
+                                 out=d.poisoned_out())
     _assert_close(out, d.expected(), dtype)

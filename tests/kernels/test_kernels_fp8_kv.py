@@ -64,14 +64,15 @@ def _fp8_batch(specs, fp8, *, dim=64, bs=16, heads=4, kv_heads=2, seed=0, scales
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=ids.get)
-@pytest.mark.parametrize("tokens_per_split", [None, 16])
-def test_decode_on_fp8_pools_matches_the_twin(fp8, tokens_per_split):
+@pytest.mark.parametrize("min_split_tokens", [None, 16])
+def test_decode_on_fp8_pools_matches_the_twin(fp8, min_split_tokens):
     lens = [1, 16, 17, 50, 95]
     specs = [(n - 1, 1) for n in lens] + [(20, 0)]
     random.Random(5).shuffle(specs)
     b, ks, vs, full = _fp8_batch(specs, fp8, seed=5)
     expected = reference.paged_attention_ref(*b.args(), k_scale=ks, v_scale=vs)
-    out = paged_decode_attention(*b.args(), tokens_per_split=tokens_per_split, out=b.poisoned_out(),
+    out = paged_decode_attention(*b.args(), num_splits=None if min_split_tokens is None else 32,
+                                 min_split_tokens=min_split_tokens, out=b.poisoned_out(),
                                  k_scale=ks, v_scale=vs)
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)

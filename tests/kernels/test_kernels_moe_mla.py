@@ -103,7 +103,8 @@ def test_mla_decode_matches_twin(seq_lens, heads, lora, rope, block_size, split,
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = (lora + rope) ** -0.5
     want = reference.mla_decode_ref(q, cache, qsl, lens, tables, scale, lora)
-    got = mla_decode_attention(q, cache, qsl, lens, tables, scale, lora, tokens_per_split=split)
+    got = mla_decode_attention(q, cache, qsl, lens, tables, scale, lora, num_splits=None if split is None else 32,
+                               min_split_tokens=split)
     assert got.shape == (n, heads, lora) and not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
 

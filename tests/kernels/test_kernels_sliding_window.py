@@ -138,8 +138,8 @@ def test_decode_kernel_matches_the_definition_across_splits(window, soft_cap):
     b = WindowBatch(DECODE_SPECS, window, head_dim=64, block_size=8, heads=6, kv_heads=2, seed=3)
     expected = b.dense(soft_cap)
     opts = dict(sliding_window=window, logits_soft_cap=soft_cap)
-    for tokens_per_split in (None, 4):
-        _close(paged_decode_attention(*b.args(), tokens_per_split=tokens_per_split, **opts), expected, b.dtype)
+    for splits in ({}, dict(num_splits=32, min_split_tokens=4)):
+        _close(paged_decode_attention(*b.args(), **splits, **opts), expected, b.dtype)
     key, value = b.new_kv()
     _close(TorchAttentionBackend().attend(b.query, key, value, b.k_cache, b.v_cache, b.meta(), b.scale, **opts),
            expected, b.dtype)
@@ -181,7 +181,7 @@ def test_half_precision_windows(dtype):
     _close(paged_prefill_attention(*b.args(), sliding_window=7), b.dense(), dtype)
     d = WindowBatch([(20, 1), (3, 1), (35, 1)], 7, dtype=dtype, head_dim=80, block_size=16, heads=4, kv_heads=1,
                     seed=6)
-    _close(paged_decode_attention(*d.args(), sliding_window=7, tokens_per_split=32), d.dense(), dtype)
+    _close(paged_decode_attention(*d.args(), sliding_window=7, num_splits=2, min_split_tokens=4), d.dense(), dtype)
 
 
 def test_triton_backend_passes_the_layer_options():

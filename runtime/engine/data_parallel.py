@@ -1,0 +1,355 @@
+"""DataParallelEngine: a server's G devices as data-parallel engines of tensor-parallel ranks
+(vLLM's ``--data-parallel-size`` x ``--tensor-parallel-size``), whose layout can change live.
+
+It is the server's one EngineClient (runtime/engine/client.py) and runs on the server's engine
+thread. Each data-parallel engine is a whole LLMEngine (scheduler, block manager, executor); a
+request group goes to the engine with the fewest unfinished requests, and each step steps every
+busy engine (in parallel threads: the forward passes release the GIL).
+
+Reshape (``reshape(data_parallel, tensor_parallel)``, POST /admin/parallelism) on the engine
+thread, between steps, so requests arriving meanwhile queue in the server's command queue and
+none is refused:
+1. each engine finishes the step it has in flight and hands back every unfinished request with
+   its tokens so far, as after a preemption by recompute (runtime/engine/core.py detach_all);
+2. the old engines free their devices (workers reaped, pools and weights dropped);
+3. the new layout's engines are built from the checkpoint on local disk (the safetensors files
+   are memory-mapped, so the weights come from the page cache, never fetched again); each sizes
+   its KV pools with the capacity model for its tensor-parallel degree;
+4. the requests resume on the new engines, oldest first, spread by least outstanding work: their
+   prompt and generated tokens are prefilled again, and they go on with the same Request objects
+   (same detokenizer, same stream), so greedy text is what it would have been without the reshape.
+A failure in step 3 (a worker killed while starting, a device that cannot hold the shard) builds
+the old layout again and resumes there; the reshape raises ReshapeError and serving goes on.
+The pure decisions (valid layouts, devices, placement) are in runtime/engine/layout.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvserve.runtime.engine.layout import Layout, assign, check_layout, engine_devices, pick_engine
+from kvserve.runtime.outputs import RequestOutput
+from kvserve.runtime.stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+# EngineStats fields that only grow: a retired engine's last values stay in the totals.
+_COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+             "prefix_cache_hits_total", "computed_tokens_total", "spec_decode_num_drafts_total",
+             "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+             "structured_output_requests_total", "cuda_graph_capture_failures_total")
+# Gauges that add up over engines.
+_SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
+           "generation_tokens_per_second")
+_OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", "e2e_latencies",
+                 "grammar_compile_times")
+
+
+class ReshapeError(RuntimeError):
+    """A reshape failed part way; the previous layout was restored and serves on."""
+
+
+def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layout) -> EngineStats:
+    """One EngineStats for the server: gauges and counters summed over engines (counters plus
+    those of engines a reshape retired), observations concatenated."""
+    first = parts[0]
+    fields: dict[str, Any] = {f.name: getattr(first, f.name) for f in dataclasses.fields(EngineStats)}
+    for name in _SUMMED:
+        fields[name] = sum(getattr(p, name) for p in parts)
+    for name in _COUNTERS:
+        fields[name] = sum(getattr(p, name) for p in parts) + retired.get(name, 0)
+    success: dict[str, int] = dict(retired.get("request_success_total", {}))
+    for p in parts:
+        for k, v in p.request_success_total.items():
+            success[k] = success.get(k, 0) + v
+    fields["request_success_total"] = success
+    for name in _OBSERVATIONS:
+        fields[name] = [x for p in parts for x in getattr(p, name)]
+    phases: dict[str, list[float]] = {}
+    for p in parts:
+        for k, v in p.step_phase_durations.items():
+            phases.setdefault(k, []).extend(v)
+    fields["step_phase_durations"] = phases
+    fields["timestamp"] = max(p.timestamp for p in parts)
+    fields["tensor_parallel_size"] = layout.tensor_parallel
+    fields["data_parallel_size"] = layout.data_parallel
+    return EngineStats(**fields)
+
+
+def _retire_into(retired: dict[str, Any], stats: EngineStats) -> None:
+    for name in _COUNTERS:
+        retired[name] = retired.get(name, 0) + getattr(stats, name)
+    success = retired.setdefault("request_success_total", {})
+    for k, v in stats.request_success_total.items():
+        success[k] = success.get(k, 0) + v
+
+
+class DataParallelEngine:
+    """`data_parallel_size` engines of `config.tensor_parallel_size` ranks; implements EngineClient."""
+
+    def __init__(self, config, data_parallel_size: int = 1,
+                 engine_factory: Callable[[Any], Any] | None = None) -> None:
+        if engine_factory is None:
+            from kvserve.runtime.engine.llm_engine import LLMEngine
+
+            engine_factory = LLMEngine
+        self.config = config
+        self._factory = engine_factory
+        self.layout = Layout(data_parallel_size, config.tensor_parallel_size)
+        self.num_devices = self.layout.devices
+        check_layout(self.layout, self.num_devices)
+        self._grammars = None  # one grammar manager for every engine, present and future
+        self.engines: list[Any] = self._build(self.layout)
+        first = self.engines[0]
+        self.model_config = first.model_config
+        self.tokenizer = first.tokenizer
+        self.max_model_len = first.max_model_len
+        self.vocab_size = first.vocab_size
+        self.structured_outputs = self._grammars
+        self._owner: dict[str, Any] = {}  # request id -> the engine running it
+        self._pending: list[RequestOutput] = []  # outputs owed by engines a reshape retired
+        self._retired: dict[str, Any] = {}
+        self._retired_obs: list[EngineStats] = []
+        self._reshape_seconds: list[float] = []
+        self.reshapes: list[dict[str, Any]] = []  # the history, newest last (bounded)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loras: dict[int, Any] = {}  # adapters added through add_lora, loaded again after a reshape
+
+    # -- building a layout -------------------------------------------------------------------------
+    def _build(self, layout: Layout) -> list[Any]:
+        devices = engine_devices(layout, str(self.config.device))
+        engines: list[Any] = []
+        try:
+            for device in devices:
+                cfg = dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
+                engine = self._factory(cfg)
+                own = engine.structured_outputs
+                if self._grammars is None:
+                    self._grammars = own
+                elif own is not self._grammars:
+                    # One manager (its limits, its compile workers, its cache) for every engine.
+                    own.close()
+                    engine.structured_outputs = self._grammars
+                    engine.input_processor.structured_outputs = self._grammars
+                engines.append(engine)
+        except BaseException:
+            for engine in engines:
+                self._close_engine(engine)
+            raise
+        return engines
+
+    def _close_engine(self, engine: Any) -> None:
+        """Frees an engine's devices but not the shared grammar manager."""
+        engine.executor.shutdown()
+        engine.core.shutdown()
+        publisher = getattr(engine, "kv_event_publisher", None)
+        if publisher is not None:  # its endpoint is free again for the next layout's engine
+            publisher.close()
+
+    # -- EngineClient ------------------------------------------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        return sum(e.max_num_seqs for e in self.engines)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.layout.tensor_parallel
+
+    def check_token_ids(self, ids: Iterable[Any], field: str) -> None:
+        self.engines[0].check_token_ids(ids, field)
+
+    def _loads(self) -> list[int]:
+        return [e.get_num_unfinished_requests() for e in self.engines]
+
+    def add_requests(self, requests: Iterable[tuple[str, Any, Any]], arrival_time: float | None = None,
+                     **kwargs: Any) -> None:
+        requests = list(requests)
+        for rid, _, _ in requests:
+            if rid in self._owner:
+                raise ValueError(f"request_id: {rid!r} is already in use")
+        # A group (n prompts of one HTTP request) stays on one engine: it is added all or nothing.
+        engine = self.engines[pick_engine(self._loads())]
+        engine.add_requests(requests, arrival_time, **kwargs)
+        for rid, _, _ in requests:
+            self._owner[rid] = engine
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time)
+
+    def abort_request(self, request_id: str) -> None:
+        engine = self._owner.pop(request_id, None)
+        if engine is not None:
+            engine.abort_request(request_id)
+
+    # -- LoRA adapters: every engine holds every adapter (a request may land on any of them) ------
+    def add_lora(self, lora_request: Any) -> bool:
+        added = [e.add_lora(lora_request) for e in self.engines]
+        self._loras[lora_request.lora_int_id] = lora_request
+        return any(added)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        for e in self.engines:  # refused (in use) on any engine: refused before any unloads
+            users = sum(1 for r in e.core.requests.values()
+                        if getattr(r, "lora_request", None) is not None and r.lora_request.lora_int_id == lora_int_id)
+            if users:
+                raise ValueError(f"lora_int_id: adapter {lora_int_id} is in use by {users} unfinished request(s)")
+        self._loras.pop(lora_int_id, None)
+        return any([e.remove_lora(lora_int_id) for e in self.engines])
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return all([e.pin_lora(lora_int_id) for e in self.engines])
+
+    def list_loras(self) -> set[int]:
+        return self.engines[0].list_loras()
+
+    def get_lora(self, lora_int_id: int) -> Any:
+        return self.engines[0].get_lora(lora_int_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or any(e.has_unfinished_requests() for e in self.engines)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(self._loads())
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        busy = [e for e in self.engines if e.has_unfinished_requests()]
+        if len(busy) == 1:
+            outputs += busy[0].step()
+        elif busy:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.num_devices, thread_name_prefix="kvserve-dp")
+            for outs in self._pool.map(lambda e: e.step(), busy):
+                outputs += outs
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        stats = merge_stats([e.get_stats() for e in self.engines], self._retired, self.layout)
+        for old in self._retired_obs:  # observations a retired engine made since the last call
+            for name in _OBSERVATIONS:
+                getattr(stats, name).extend(getattr(old, name))
+            for k, v in old.step_phase_durations.items():
+                stats.step_phase_durations.setdefault(k, []).extend(v)
+        self._retired_obs = []
+        stats.reshape_seconds, self._reshape_seconds = self._reshape_seconds, []
+        return stats
+
+    def check_health(self) -> None:
+        for e in self.engines:
+            e.check_health()
+
+    def close(self) -> None:
+        for e in self.engines:
+            self._close_engine(e)
+        if self._grammars is not None:
+            self._grammars.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> DataParallelEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reshape -----------------------------------------------------------------------------------
+    def _tp_error(self, tp: int) -> str | None:
+        from kvserve.runtime.executor.multiproc import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(self.model_config, tp)
+        except ValueError as exc:
+            return str(exc).removeprefix("tensor_parallel_size: ")
+        return None
+
+    def reshape(self, data_parallel: int, tensor_parallel: int) -> dict[str, Any]:
+        """Changes the layout live (engine thread only). Returns what was done; raises ValueError
+        for a layout this server cannot run (nothing changes) and ReshapeError when the new layout
+        failed to start (the old one serves again)."""
+        target = Layout(data_parallel, tensor_parallel)
+        if getattr(self.config, "pipeline_parallel_size", 1) != 1:
+            raise ValueError("tensor_parallel: a live layout change is not supported with pipeline parallelism")
+        check_layout(target, self.num_devices, self._tp_error)
+        old = self.layout
+        if target == old:
+            return self._record(old, target, 0.0, 0, changed=False)
+        t0 = time.perf_counter()
+        # 1. Stop: finish what is in flight, take every unfinished request out.
+        heads = []
+        for engine in self.engines:
+            outputs, detached = engine.detach_requests()
+            self._pending += outputs
+            heads += detached
+        heads.sort(key=lambda h: h.metrics.arrival_time)
+        # 2. Free the devices; the old engines' counters stay in the totals.
+        for engine in self.engines:
+            stats = engine.get_stats()
+            _retire_into(self._retired, stats)
+            self._retired_obs.append(stats)
+            self._close_engine(engine)
+        self.engines = []
+        # 3. Start the new layout, or the old one again.
+        failure: BaseException | None = None
+        try:
+            self.engines = self._build(target)
+            self.layout = target
+        except Exception as exc:
+            failure = exc
+            log.error("reshape %s -> %s failed (%s: %s); restoring %s", old, target, type(exc).__name__, exc, old)
+            self.engines = self._build(old)  # if even this fails, the engine loop ends and /health says why
+        for lora in self._loras.values():  # the adapters the old engines had (from local files)
+            for engine in self.engines:
+                engine.add_lora(lora)
+        # 4. Resume every request on the engines now running.
+        self._resume(heads)
+        seconds = time.perf_counter() - t0
+        record = self._record(old, target, seconds, len(heads), changed=failure is None,
+                              error=None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise ReshapeError(f"reshape {old} -> {target} failed and was rolled back to {old} "
+                               f"({type(failure).__name__}: {failure})") from failure
+        self._reshape_seconds.append(seconds)
+        log.info("reshaped %s -> %s in %.2fs, %d requests resumed by recompute", old, target, seconds, len(heads))
+        return record
+
+    def _resume(self, heads: list[Any]) -> None:
+        self._owner = {}
+        placement = assign(self._loads(), [1] * len(heads))
+        by_engine: dict[int, list[Any]] = {}
+        for head, i in zip(heads, placement):
+            by_engine.setdefault(i, []).append(head)
+        for i, group in by_engine.items():
+            engine = self.engines[i]
+            engine.attach_requests(group)
+            for head in group:
+                self._owner[head.request_id] = engine
+                try:
+                    # A smaller pool than before may never hold it: end it now rather than hang it.
+                    engine.scheduler.check_fits(head.seq.num_prompt_tokens, head.seq.max_tokens)
+                except ValueError as exc:
+                    log.warning("request %s no longer fits after the reshape: %s", head.request_id, exc)
+                    engine.abort_request(head.request_id)
+
+    def _record(self, old: Layout, new: Layout, seconds: float, resumed: int, *, changed: bool,
+                error: str | None = None) -> dict[str, Any]:
+        record = {"from": {"data_parallel": old.data_parallel, "tensor_parallel": old.tensor_parallel},
+                  "to": {"data_parallel": new.data_parallel, "tensor_parallel": new.tensor_parallel},
+                  "data_parallel": self.layout.data_parallel, "tensor_parallel": self.layout.tensor_parallel,
+                  "changed": changed, "seconds": round(seconds, 4), "resumed_requests": resumed,
+                  "at": time.time()}
+        if error is not None:
+            record["error"] = error
+        self.reshapes = (self.reshapes + [record])[-32:]
+        return record

@@ -1,0 +1,188 @@
+"""One rank of a pipeline-parallel group: a tensor-parallel shard of one stage's layers.
+
+Ranks are laid out stage-major: global rank ``r`` is stage ``r // tp``, tensor-parallel rank
+``r % tp`` within it, so global rank 0 (the engine's own process) is stage 0's first shard. Each
+stage's TP ranks get their own process group for the layers' all-reduces and the head's
+all-gather (runtime/models/layers.py ``set_tp_group``); activations cross stages point to point
+on the world group: TP rank t of stage s sends (hidden, residual), stacked into one tensor, to TP
+rank t of stage s + 1 (after a row-parallel layer every TP rank holds the whole activation, so
+each pair carries a full copy and no stage needs a gather). The last stage's first shard sends the
+float32 logits of the step's sampling rows to rank 0, which samples exactly as a single-process
+engine does: structured outputs, speculative decoding (verification is a forward pass like any
+other), penalties and n > 1 need nothing stage-specific.
+
+Every rank receives the same ForwardInput from rank 0 (the executor broadcasts it as it does at
+TP), so a stage knows each step's token count and rows before anything arrives: the receive
+buffers are sized from it, and there is no shape exchange. One step is in flight at a time; a
+stage waits while the others run (the bubble, measured on rank 0: ``last_bubble``).
+
+Each stage holds only its layers' weights (the loader skips other stages' tensors) and KV pools
+(its layers' pools of the agreed block count; block ids mean the same slots on every stage, so
+the block manager on rank 0 serves all of them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.runtime.capacity.pipeline import layer_shape, split_layers
+from kvserve.runtime.executor.forward_input import ForwardInput
+from kvserve.runtime.executor.worker import Worker
+from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks, determine_num_blocks, kv_cache_bytes
+
+log = logging.getLogger(__name__)
+
+
+def stage_ranges(config, model_config) -> list[tuple[int, int]]:
+    """The layer range of every stage, balanced by the capacity model (weights per GPU)."""
+    # Weights and vocabulary share one dtype, so its size does not move the split: 2 bytes.
+    return split_layers(model_config.shape, config.pipeline_parallel_size, tp=config.tensor_parallel_size)
+
+
+class PipelineWorker(Worker):
+    """A Worker whose model is one stage's layers; `rank` and `world_size` are global."""
+
+    def __init__(self, config, model_config, *, device: torch.device, dtype: torch.dtype, rank: int = 0,
+                 world_size: int = 1, quant_config=None) -> None:
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if world_size != tp * pp:
+            raise ValueError(f"pipeline worker: world size {world_size} is not tensor_parallel_size {tp} x "
+                             f"pipeline_parallel_size {pp}")
+        super().__init__(config, model_config, device=device, dtype=dtype, rank=rank % tp, world_size=tp,
+                         quant_config=quant_config)
+        self.global_rank, self.tp, self.pp = rank, tp, pp
+        self.stage = rank // tp
+        self.ranges = stage_ranges(config, model_config)
+        self.layer_start, self.layer_end = self.ranges[self.stage]
+        self.stage_shape = layer_shape(model_config.shape, self.layer_start, self.layer_end)
+        self.first, self.last = self.stage == 0, self.stage == pp - 1
+        self.prev_rank = rank - tp if not self.first else None
+        self.next_rank = rank + tp if not self.last else None
+        # The rank that sends the sampled rows' logits to rank 0: the last stage's first shard.
+        self.logits_rank = (pp - 1) * tp
+        self.last_bubble: float | None = None
+
+    def load_model(self) -> None:
+        import torch.distributed as dist
+
+        from kvserve.runtime.attention.selector import get_attention_backend
+        from kvserve.runtime.models import layers, load_model
+
+        if self.tp > 1:
+            # new_group is collective over the world: every rank creates every stage's group, in order.
+            groups = [dist.new_group(list(range(s * self.tp, (s + 1) * self.tp))) for s in range(self.pp)]
+            layers.set_tp_group(groups[self.stage])
+        self.attention_backend = get_attention_backend(self.config.attention_backend, self.device)
+        self.model = load_model(self.config.model, dtype=self.dtype, device=self.device,
+                                attention_backend=self.attention_backend, config=self.model_config,
+                                tp_rank=self.rank, tp_size=self.world_size,
+                                quantization=self.quant_config if self.quant_config is not None
+                                else self.config.quantization,
+                                layer_range=(self.layer_start, self.layer_end))
+        log.info("pipeline stage %d/%d (rank %d): layers %d..%d", self.stage, self.pp, self.global_rank,
+                 self.layer_start, self.layer_end - 1)
+
+    def determine_kv_blocks(self, kv_groups, *, max_model_len: int, max_step_tokens: int) -> list[int]:
+        """Blocks this stage's budget holds for its own layers (so a stage of fewer layers holds
+        more; rank 0 takes the smallest count over all stages)."""
+        if kv_groups is not None:
+            raise ValueError("pipeline parallelism keeps one block table for every layer (KV cache groups off)")
+        budget = None
+        config = self.config
+        if (self.platform.free_memory_bytes(self.device) is not None and config.num_kv_blocks is None
+                and config.kv_cache_memory_bytes is None):
+            budget = self._profiled_kv_budget(None, max_step_tokens, max_model_len)
+        return [determine_num_blocks(config, self.stage_shape, self.kv_cache_dtype, self.device, budget_bytes=budget)]
+
+    @torch.inference_mode()
+    def profile_run(self, kv_groups, num_tokens: int) -> None:
+        """The activation peak of the largest step through this stage's layers alone."""
+        from kvserve.runtime.attention.backend import AttentionMetadata
+        from kvserve.runtime.models.pipeline_stage import stage_forward
+
+        bs, dev = self.config.block_size, self.device
+        lens = [bs] * (num_tokens // bs) + ([num_tokens % bs] if num_tokens % bs else [])
+        pools = allocate_kv_cache(self.stage_shape, 1, bs, self.kv_cache_dtype, dev, self.world_size)
+        starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        meta = AttentionMetadata(query_start_loc=starts.to(dev),
+                                 seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
+                                 slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+                                 max_query_len=max(lens), max_seq_len=max(lens), is_decode_only=False)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        hidden = residual = None
+        if not self.first:
+            hidden = torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=dev)
+            residual = torch.zeros_like(hidden)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        hidden, _ = stage_forward(self.model, ids, positions, pools, meta, hidden, residual)
+        if self.last:
+            self.model.compute_logits(hidden[:min(self.config.max_num_seqs, num_tokens)])
+
+    def initialize_kv_cache(self, group_blocks: Sequence[int], kv_groups) -> int:
+        self.kv_groups = None
+        self.kv_caches = allocate_kv_cache(self.stage_shape, group_blocks[0], self.config.block_size,
+                                           self.kv_cache_dtype, self.device, self.world_size)
+        return kv_cache_bytes(self.kv_caches)
+
+    def graph_sizes(self) -> tuple[list[int], str | None]:
+        return [], "pipeline parallelism"  # see compile_and_capture
+
+    def compile_and_capture(self, *, max_model_len: int) -> None:
+        # A stage's forward pass ends in a send and starts with a receive: neither CUDA graphs
+        # (captured around the whole model's forward) nor torch.compile of CausalLM.forward apply.
+        if self.global_rank == 0 and (self.config.compilation_config.level == 3 or not self.config.enforce_eager):
+            log.info("pipeline parallelism: steps run eagerly (no CUDA graphs or torch.compile per stage yet)")
+
+    @torch.inference_mode()
+    def execute_model(self, step: ForwardInput) -> torch.Tensor | None:
+        """Runs this stage's part of the step. Rank 0 returns the sampling rows' logits (from the
+        last stage); the last stage's ranks return them too; the others return None."""
+        import torch.distributed as dist
+
+        from kvserve.runtime.models.pipeline_stage import stage_forward
+
+        t0 = time.perf_counter()
+        copy_blocks(self.kv_caches, step.block_copies)
+        step = step.to(self.device)
+        num_tokens = step.input_ids.shape[0]
+        hidden = residual = None
+        if not self.first:
+            buf = torch.empty(2, num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(buf, self.prev_rank)
+            hidden, residual = buf[0], buf[1]
+        hidden, residual = stage_forward(self.model, step.input_ids if self.first else None, step.positions,
+                                         self.kv_caches, step.meta, hidden, residual)
+        rows = step.logits_rows
+        logits = None
+        if not self.last:
+            dist.send(torch.stack((hidden, residual)), self.next_rank)
+        elif rows:
+            if len(rows) != hidden.shape[0]:
+                hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            logits = self.model.compute_logits(hidden).contiguous()
+            if self.global_rank == self.logits_rank and self.global_rank != 0:
+                dist.send(logits, 0)
+        if self.global_rank == 0:
+            busy = time.perf_counter() - t0
+            if rows and not self.last:
+                logits = torch.empty(len(rows), self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+                dist.recv(logits, self.logits_rank)
+            # Stage 0's idle share of the step: with one step in flight, about (pp - 1) / pp
+            # when the stages are balanced and the transfers are cheap.
+            wall = time.perf_counter() - t0
+            self.last_bubble = max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
+        return logits
+
+
+def check_pipeline_parallel(model_config, pp: int) -> None:
+    """Raises ValueError when the model cannot be split into `pp` stages (before any process starts)."""
+    from kvserve.runtime.capacity.pipeline import pipeline_error
+
+    error = pipeline_error(model_config.shape, pp)
+    if error:
+        raise ValueError(error)

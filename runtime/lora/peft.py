@@ -1,0 +1,196 @@
+"""A PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) read
+into full-size float32 matrices and checked against the model before any of it is used.
+
+Each target module gets A ``[r, in]`` and B ``[out, r]`` with PEFT's scaling (``lora_alpha / r``,
+or ``lora_alpha / sqrt(r)`` with rsLoRA; per-module ``rank_pattern`` / ``alpha_pattern``) folded
+into B, so applying it is ``x @ A.T @ B.T``, what PEFT computes unmerged. Matrices stay whole
+here: each tensor-parallel rank slices its part when it copies them into its device slots.
+
+Every problem is a ValueError naming it: a missing file, a rank above ``max_lora_rank``, a target
+module the model lacks (or that kvserve cannot adapt: embeddings, the LM head, MoE experts, MLA's
+projections), shapes of another base model, PEFT features that change the math (DoRA, trained
+biases, ``modules_to_save``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.runtime.lora.request import LoRARequest
+
+# PEFT's module names kvserve adapts, and where each lives in a decoder layer.
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
+_LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>[a-z_]+)$")
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+# (layer index, PEFT module name) -> (in_features, out_features) of the whole (unsharded) layer.
+Targets = Mapping[tuple[int, str], tuple[int, int]]
+
+
+@dataclass
+class LoRAWeights:
+    """One adapter, loaded: per (layer, module) the float32 A [r, in] and scaled B [out, r]."""
+
+    request: LoRARequest
+    rank: int  # the largest rank of any of its modules (its slot rows)
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.modules.values())
+
+
+def read_config(path: str) -> dict:
+    """The adapter's adapter_config.json, checked for what kvserve can run."""
+    if not os.path.isdir(path):
+        raise ValueError(f"lora_path: {path!r} is not a directory")
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"lora_path: {path!r} has no {CONFIG_FILE} (not a PEFT adapter directory)")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"lora_path: {cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"lora_path: {cfg_path} must hold a JSON object")
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise ValueError(f"adapter_config: peft_type {peft_type!r} is not supported (LORA only)")
+    if cfg.get("use_dora"):
+        raise ValueError("adapter_config: use_dora (DoRA) is not supported")
+    if cfg.get("bias", "none") not in ("none", None):
+        raise ValueError(f"adapter_config: bias {cfg.get('bias')!r} is not supported (trained biases); use 'none'")
+    if cfg.get("modules_to_save"):
+        raise ValueError(f"adapter_config: modules_to_save {cfg['modules_to_save']!r} is not supported "
+                         "(fully trained modules, not LoRA)")
+    if cfg.get("fan_in_fan_out"):
+        raise ValueError("adapter_config: fan_in_fan_out is not supported (Conv1D models)")
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"adapter_config: {key} must be a positive number, got {value!r}")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        for t in targets:
+            name = str(t).rsplit(".", 1)[-1]
+            if name not in SUPPORTED_MODULES:
+                raise ValueError(f"adapter_config: target module {t!r} is not supported; kvserve adapts "
+                                 f"{', '.join(SUPPORTED_MODULES)}")
+    return cfg
+
+
+def _pattern_value(patterns: Mapping[str, float] | None, module: str, default: float) -> float:
+    """PEFT's rank_pattern / alpha_pattern lookup: a key matches a module name's suffix (as regex)."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def check_base_model(cfg: dict, request: LoRARequest, model_dir: str, hf_config) -> None:
+    """A base-model mismatch where it can be told from names: the request's base_model_name, or
+    the adapter's base_model_name_or_path when that is a local model directory."""
+    base = cfg.get("base_model_name_or_path")
+    if not base or not isinstance(base, str):
+        return
+    if request.base_model_name is not None:
+        # Compare the last path component: hub ids and local copies of one model share it.
+        if os.path.basename(base.rstrip("/")) != os.path.basename(request.base_model_name.rstrip("/")):
+            raise ValueError(f"base_model_name: the adapter was trained on {base!r}, "
+                             f"not {request.base_model_name!r}")
+    config_json = os.path.join(base, "config.json")
+    if os.path.isfile(config_json) and os.path.realpath(base) != os.path.realpath(model_dir):
+        try:
+            with open(config_json, encoding="utf-8") as f:
+                theirs = json.load(f)
+        except (OSError, ValueError):
+            return
+        ours = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"):
+            if key in theirs and key in ours and theirs[key] != ours[key]:
+                raise ValueError(f"base model mismatch: the adapter's base model {base!r} has {key} "
+                                 f"{theirs[key]!r}, this model {ours[key]!r}")
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(file, device="cpu")
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated or foreign file: say which
+            raise ValueError(f"lora_path: cannot read {file}: {type(exc).__name__}: {exc}") from None
+    raise ValueError(f"lora_path: {path!r} has no adapter weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, num_layers: int,
+                 model_dir: str = "", hf_config=None) -> LoRAWeights:
+    """Reads and checks `request`'s adapter against the model's adaptable modules (`targets`)."""
+    path = request.lora_path
+    cfg = read_config(path)
+    if hf_config is not None:
+        check_base_model(cfg, request, model_dir, hf_config)
+    tensors = _read_tensors(path)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"adapter weights: tensor {key!r} is not a LoRA A/B matrix (embedding LoRA, "
+                             f"trained biases and saved modules are not supported)")
+        pairs.setdefault(m["module"], {})[m["ab"]] = tensor
+    if not pairs:
+        raise ValueError(f"adapter weights: {path!r} holds no LoRA matrices")
+    alpha_default = cfg.get("lora_alpha", cfg.get("r", 8))
+    rslora = bool(cfg.get("use_rslora", False))
+    out = LoRAWeights(request, rank=0)
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"adapter weights: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        m = _LAYER_MODULE.match(module)
+        name = module.rsplit(".", 1)[-1]
+        if m is None or name not in SUPPORTED_MODULES:
+            raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts "
+                             f"{', '.join(SUPPORTED_MODULES)} of the decoder layers)")
+        layer = int(m["layer"])
+        if layer >= num_layers:
+            raise ValueError(f"target module {module!r}: the model has {num_layers} layers (base model mismatch?)")
+        shape = targets.get((layer, name))
+        if shape is None:
+            raise ValueError(f"target module {module!r}: the model lacks it (this architecture's layer {layer} "
+                             f"has no adaptable {name}: MoE experts and MLA projections are not supported)")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"adapter weights: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                             "which do not form a LoRA pair")
+        rank = a.shape[0]
+        if rank > max_lora_rank:
+            raise ValueError(f"adapter rank: {module} has rank {rank}, above max_lora_rank {max_lora_rank}")
+        in_f, out_f = shape
+        if a.shape[1] != in_f or b.shape[0] != out_f:
+            raise ValueError(f"base model mismatch: {module} expects [{out_f} x {in_f}] (out x in), the adapter's "
+                             f"lora_B x lora_A is [{b.shape[0]} x {a.shape[1]}] "
+                             f"(trained on {cfg.get('base_model_name_or_path')!r}?)")
+        alpha = _pattern_value(cfg.get("alpha_pattern"), module, alpha_default)
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        out.modules[(layer, name)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
+        out.rank = max(out.rank, rank)
+    return out

@@ -1,0 +1,129 @@
+"""One rank's adapters: the model's layers wrapped, the host cache, the device slots, and each
+step's activation (slots filled, token layout on the device) around the forward pass.
+
+The same class runs on every tensor-parallel rank: a step's `LoRAStepInput` names the adapters
+to put into slots, and each rank loads them (from its host cache, or the adapter directory) and
+copies in its own slice, so ranks need no other message.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.runtime.lora.layers import LoRABatch, LoRALinear, LoRAState
+from kvserve.runtime.lora.peft import LoRAWeights, load_adapter
+from kvserve.runtime.lora.request import LoRARequest
+from kvserve.runtime.lora.slots import LoRAStepInput, LRUCache
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLoRA:
+    def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int, model_dir: str = "",
+                 hf_config=None) -> None:
+        self.model = model
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.model_dir, self.hf_config = model_dir, hf_config
+        self.state = LoRAState(max_loras)
+        self.cache = LRUCache(max_cpu_loras)  # LoRARequest -> LoRAWeights
+        # (layer, PEFT module name) -> (wrapper, part index)
+        self.targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
+        self.wrappers: list[tuple[int, LoRALinear]] = []
+        self._wrap()
+
+    def _wrap(self) -> None:
+        from kvserve.runtime.models.llama import MLP, Attention
+
+        kw = dict(max_loras=self.max_loras, max_rank=self.max_lora_rank)
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            wrapped = []
+            if isinstance(attn, Attention):  # not MLA: its projections are another shape
+                attn.qkv_proj = LoRALinear(attn.qkv_proj, self.state, parts=("q_proj", "k_proj", "v_proj"),
+                                           row_parallel=False, **kw)
+                attn.o_proj = LoRALinear(attn.o_proj, self.state, parts=("o_proj",), row_parallel=True, **kw)
+                wrapped += [attn.qkv_proj, attn.o_proj]
+            if isinstance(mlp, MLP):  # not an expert block (MoE)
+                mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, self.state, parts=("gate_proj", "up_proj"),
+                                              row_parallel=False, **kw)
+                mlp.down_proj = LoRALinear(mlp.down_proj, self.state, parts=("down_proj",), row_parallel=True, **kw)
+                wrapped += [mlp.gate_up_proj, mlp.down_proj]
+            for w in wrapped:
+                self.wrappers.append((i, w))
+                for p, name in enumerate(w.parts):
+                    self.targets[(i, name)] = (w, p)
+
+    @property
+    def target_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        return {key: w.full_shape(p) for key, (w, p) in self.targets.items()}
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device memory of the slots (all max_loras of them)."""
+        return sum(w.a_t.numel() * w.a_t.element_size() + w.b_t.numel() * w.b_t.element_size()
+                   for _, w in self.wrappers)
+
+    # -- host cache ------------------------------------------------------------------------------
+    def load(self, request: LoRARequest, protect=()) -> LoRAWeights:
+        """The adapter's weights, from the host cache or read and checked now (ValueError)."""
+        weights = self.cache.get(request)
+        if weights is None:
+            weights = load_adapter(request, targets=self.target_shapes, max_lora_rank=self.max_lora_rank,
+                                   num_layers=len(self.model.layers), model_dir=self.model_dir,
+                                   hf_config=self.hf_config)
+            for evicted in self.cache.put(request, weights, protect=protect):
+                log.info("LoRA adapter %s left the host cache (max_cpu_loras %d)", evicted.lora_name,
+                         self.cache.capacity)
+        return weights
+
+    def remove(self, request: LoRARequest) -> None:
+        self.cache.pop(request)
+
+    def pin(self, request: LoRARequest) -> None:
+        self.cache.pinned.add(request)
+
+    # -- every step ------------------------------------------------------------------------------
+    def _fill_slot(self, slot: int, weights: LoRAWeights) -> None:
+        for i, w in self.wrappers:
+            w.set_slot(slot, weights.rank, [weights.modules.get((i, name)) for name in w.parts])
+        self.state.slot_ranks[slot] = weights.rank
+
+    def begin_step(self, step: LoRAStepInput, device: torch.device) -> None:
+        step_requests = [r for _, r in step.loads]
+        for slot, request in step.loads:
+            self._fill_slot(slot, self.load(request, protect=step_requests))
+        layout = step.layout
+        if not layout.segments:
+            self.state.batch = None
+            return
+        order = layout.perm if layout.perm is not None else [t for _, s, e in layout.segments for t in range(s, e)]
+
+        def ints(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        self.state.batch = LoRABatch(
+            segments=layout.segments,
+            perm=None if layout.perm is None else ints(layout.perm, torch.long),
+            cols=[],
+            token_idx=ints(order),
+            seg_slot=ints([s for s, _, _ in layout.segments]),
+            seg_start=ints(_starts(layout.segments)),
+            seg_len=ints([e - s for _, s, e in layout.segments]),
+            max_seg_len=max(e - s for _, s, e in layout.segments),
+        )
+        self.model.lora_active = True
+
+    def end_step(self) -> None:
+        self.state.batch = None
+        self.model.lora_active = False
+
+
+def _starts(segments) -> list[int]:
+    """Segment starts in token_idx (segments laid end to end)."""
+    out, pos = [], 0
+    for _, s, e in segments:
+        out.append(pos)
+        pos += e - s
+    return out

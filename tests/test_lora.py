@@ -1,0 +1,197 @@
+"""LoRA adapters in the engine (runtime/lora/): greedy output per adapter equal to transformers +
+peft on the unmerged adapter, alone and in one batch mixing adapters and the base model; bad
+adapters refused with a ValueError naming the problem; the prefix cache kept apart per adapter;
+preemption, speculative decoding and structured outputs with an adapter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvserve.runtime import LLM, LoRARequest, SamplingParams
+from kvserve.testing.adapters import build_lora_adapter, peft_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26], [40, 41, 42], [7, 7, 8, 9, 30, 31]]
+MAX_TOKENS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+def _adapters(base, root, family_seed=0):
+    """Four adapters that differ in every way the loader handles: ranks, modules, rsLoRA, patterns."""
+    return {
+        "all8": build_lora_adapter(base, root / "all8", r=8, seed=family_seed + 1, std=0.1),
+        "qv4": build_lora_adapter(base, root / "qv4", r=4, seed=family_seed + 2, std=0.15,
+                                  target_modules=["q_proj", "v_proj", "down_proj"]),
+        "rs": build_lora_adapter(base, root / "rs", r=8, lora_alpha=4, seed=family_seed + 3, std=0.1,
+                                 use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]),
+        "pattern": build_lora_adapter(base, root / "pattern", r=8, seed=family_seed + 4, std=0.1,
+                                      layers_to_transform=[1], rank_pattern={"o_proj": 2},
+                                      alpha_pattern={"up_proj": 3}),
+    }
+
+
+def _reference(pm, name, prompt):
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        if name is None:
+            with pm.disable_adapter():
+                out = pm.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        else:
+            pm.set_adapter(name)
+            out = pm.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama_setup(tiny_model_factory, tmp_path_factory):
+    base = tiny_model_factory("llama")
+    adapters = _adapters(base, tmp_path_factory.mktemp("loras"))
+    pm = peft_model(base, {k: str(v) for k, v in adapters.items()})
+    llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=8, num_kv_blocks=128, block_size=4)
+    requests = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
+    yield base, adapters, pm, llm, requests
+    llm.close()
+
+
+def test_mixed_batch_of_four_adapters_and_the_base_matches_peft(llama_setup):
+    base, adapters, pm, llm, requests = llama_setup
+    names = ["all8", "qv4", None, "rs", "pattern"]
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                        lora_request=[None if n is None else requests[n] for n in names])
+    got = [o.outputs[0].token_ids for o in outs]
+    want = [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+    assert got == want
+    # The adapters matter: every adapter changes at least one of these greedy answers.
+    base_out = [_reference(pm, None, p) for p in PROMPTS]
+    for name in adapters:
+        assert [_reference(pm, name, p) for p in PROMPTS] != base_out, name
+    assert outs[0].lora_request == requests["all8"] and outs[2].lora_request is None
+
+
+@pytest.mark.parametrize("name", ["all8", "pattern"])
+def test_one_adapter_alone_matches_peft(llama_setup, name):
+    _, _, pm, llm, requests = llama_setup
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests[name])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, name, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "mistral"])
+def test_other_families_match_peft(tiny_model_factory, tmp_path, arch):
+    base = tiny_model_factory(arch)
+    adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=11, std=0.1),
+                "b": build_lora_adapter(base, tmp_path / "b", r=4, seed=12, std=0.1,
+                                        target_modules=["q_proj", "k_proj", "up_proj", "down_proj"])}
+    pm = peft_model(base, {k: str(v) for k, v in adapters.items()})
+    names = ["a", "b", None]
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False,
+                            lora_request=[LoRARequest("a", 1, str(adapters["a"])),
+                                          LoRARequest("b", 2, str(adapters["b"])), None])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+
+
+# -- the engine's adapter API and its errors -------------------------------------------------------
+def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_factory, tmp_path):
+    base, adapters, _, llm, requests = llama_setup
+    engine = llm.engine
+    extra = LoRARequest("extra", 40, str(adapters["all8"]))
+    assert engine.add_lora(extra) is True
+    assert engine.add_lora(extra) is False  # the same adapter again
+    assert 40 in engine.list_loras()
+    with pytest.raises(ValueError, match="lora_int_id: 40 is already used"):
+        engine.add_lora(LoRARequest("other", 40, str(adapters["qv4"])))
+    with pytest.raises(ValueError, match="lora_name: 'extra' is already loaded"):
+        engine.add_lora(LoRARequest("extra", 41, str(adapters["qv4"])))
+    assert engine.remove_lora(40) is True and engine.remove_lora(40) is False
+    assert 40 not in engine.list_loras()
+
+    big = build_lora_adapter(base, tmp_path / "big", r=16, seed=5)
+    with pytest.raises(ValueError, match="rank 16, above max_lora_rank 8"):
+        engine.add_lora(LoRARequest("big", 50, str(big)))
+    lm_head = build_lora_adapter(base, tmp_path / "lmhead", r=4, seed=6, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match="target module 'lm_head' is not supported"):
+        engine.add_lora(LoRARequest("lmhead", 51, str(lm_head)))
+    other_base = tiny_model_factory("llama", hidden_size=96)
+    mismatch = build_lora_adapter(other_base, tmp_path / "mismatch", r=4, seed=7)
+    with pytest.raises(ValueError, match="base model mismatch"):
+        engine.add_lora(LoRARequest("mismatch", 52, str(mismatch)))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        engine.add_lora(LoRARequest("empty", 53, str(tmp_path)))
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["qv4"], broken)
+    (broken / "adapter_model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no adapter weights"):
+        engine.add_lora(LoRARequest("broken", 54, str(broken)))
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["qv4"], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA"):
+        engine.add_lora(LoRARequest("dora", 55, str(dora)))
+    # A bad adapter on a request queues nothing.
+    with pytest.raises(ValueError, match="above max_lora_rank"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 50, str(big)))
+    assert not engine.has_unfinished_requests()
+    assert engine.list_loras() == {r.lora_int_id for r in requests.values()}
+    with pytest.raises(ValueError, match="lora_int_id: must be an integer >= 1"):
+        LoRARequest("zero", 0, str(big))
+
+
+def test_remove_refuses_an_adapter_in_use(llama_setup):
+    _, _, _, llm, requests = llama_setup
+    engine = llm.engine
+    engine.add_request("busy", PROMPTS[0], GREEDY, lora_request=requests["qv4"])
+    with pytest.raises(ValueError, match="in use by 1 unfinished request"):
+        engine.remove_lora(requests["qv4"].lora_int_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_lora_request_needs_enable_lora(tiny_model_factory, llama_setup):
+    _, adapters, _, _, _ = llama_setup
+    with LLM(str(tiny_model_factory("llama")), num_kv_blocks=32, block_size=4) as llm:
+        with pytest.raises(ValueError, match="not enabled"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("a", 1, str(adapters["all8"])))
+        assert llm.engine.list_loras() == set()
+    with pytest.raises(ValueError, match="max_cpu_loras: must be >= max_loras"):
+        LLM(str(tiny_model_factory("llama")), enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+# -- the rest of the engine with adapters ---------------------------------------------------------
+def test_prefix_cache_is_keyed_by_adapter(llama_setup):
+    _, _, pm, llm, requests = llama_setup
+    prompt = list(range(50, 70))  # five full blocks of 4
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=requests["all8"])[0]
+    other = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=requests["qv4"])[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=requests["all8"])[0]
+    plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0
+    assert again.num_cached_tokens >= 16
+    assert other.outputs[0].token_ids == _reference(pm, "qv4", prompt)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == _reference(pm, "all8", prompt)
+
+
+def test_preemption_with_adapters_keeps_outputs(llama_setup):
+    base, adapters, pm, _, requests = llama_setup
+    names = ["all8", "qv4", "rs", None, "pattern"]
+    # 10 blocks of 4 tokens cannot hold five sequences of ~16 tokens: some are preempted.
+    with LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=8, num_kv_blocks=10, block_size=4,
+             enable_prefix_caching=False) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+
+
+def test_ngram_speculative_decoding_with_an_adapter(llama_setup):
+    base, _, pm, _, requests = llama_setup
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=4,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        prompts = [[5, 6, 7, 5, 6, 7, 5, 6], PROMPTS[1]]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[requests["all8"], requests["qv4"]])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, "all8", prompts[0]),
+                                                      _reference(pm, "qv4", prompts[1])]

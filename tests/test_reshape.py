@@ -1,0 +1,187 @@
+"""Live parallel-layout changes (issue 22) through the real server: G = 2 CPU devices served as
+2 x TP1 or 1 x TP2 (real worker processes, real gloo), changed by POST /admin/parallelism under a
+load of 32 streaming requests on the official openai client.
+
+Every stream ends on its own connection with the greedy text the server gives without any
+reshape, none is lost or fails, and the KV cache is empty afterwards; a worker killed while the
+new layout starts rolls the reshape back and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+from server_helpers import http, idle, m, metrics, wait_until
+from test_tensor_parallel import tp_worker_pids
+
+from kvserve.runtime.server.main import ServerThread
+
+ADMIN = "admin-secret"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
+MODEL = "tiny"
+N_STREAMS = 32
+MAX_TOKENS = 48
+PROMPTS = [f"Request {i}: once upon a time" + " the" * (i % 7) for i in range(N_STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerThread([str(tiny_llama), "--served-model-name", MODEL, "--port", "0", "--device", "cpu",
+                        "--data-parallel-size", "2", "--admin-api-key", ADMIN, "--block-size", "4",
+                        "--num-kv-blocks", "1024", "--max-model-len", "256", "--max-num-seqs", "32",
+                        "--drain-timeout", "5"]).start()
+    wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+    yield srv.url
+    assert srv.stop() == 0
+    assert not tp_worker_pids()
+
+
+@pytest.fixture(scope="module")
+def greedy(server):
+    """Each prompt's greedy text from the server with no reshape (2 x TP1)."""
+    async def one(client, prompt):
+        r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+    return asyncio.run(run())
+
+
+def reshape(url: str, dp: int, tp: int, headers=ADMIN_AUTH):
+    return http(url, "POST", "/admin/parallelism", {"data_parallel": dp, "tensor_parallel": tp}, headers=headers,
+                timeout=120)
+
+
+async def _stream(client, prompt: str, started: threading.Event, counter: list) -> tuple[str, str | None]:
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    text, finish = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+            if text:
+                counter[0] += 1
+                started.set()
+    return text, finish
+
+
+def _load(url: str, prompts: list[str], started: threading.Event, first: int) -> list:
+    """Runs the streams: `first` of them at once, the rest only once the first tokens flowed (so
+    they arrive while a reshape is under way)."""
+    async def run():
+        counter = [0]
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+            tasks = [asyncio.create_task(_stream(client, p, started, counter)) for p in prompts[:first]]
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            tasks += [asyncio.create_task(_stream(client, p, started, counter)) for p in prompts[first:]]
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    return asyncio.run(run())
+
+
+def test_reshape_under_streaming_load_keeps_every_stream_and_its_text(server, greedy):
+    started = threading.Event()
+    results: list = []
+    loader = threading.Thread(target=lambda: results.extend(_load(server, PROMPTS, started, N_STREAMS // 2)))
+    loader.start()
+    assert started.wait(60)
+    status, _, body = reshape(server, 1, 2)  # the second half of the streams arrives meanwhile
+    assert status == 200, body
+    first = __import__("json").loads(body)
+    assert (first["data_parallel"], first["tensor_parallel"], first["changed"]) == (1, 2, True)
+    assert first["resumed_requests"] > 0  # streams were in flight
+    status, _, body = reshape(server, 2, 1)
+    assert status == 200, body
+    loader.join(120)
+    assert len(results) == N_STREAMS
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    assert [finish for _, finish in results] == ["length"] * N_STREAMS
+    assert [text for text, _ in results] == greedy
+    snap = idle(server)  # KV blocks back to 0
+    assert m(snap, "kvserve:data_parallel_size") == 2 and m(snap, "kvserve:tensor_parallel_size") == 1
+    assert m(snap, "kvserve:reshape_seconds_count") == 2
+    assert m(snap, "vllm:request_success_total", finished_reason="length") >= 2 * N_STREAMS
+    status, _, body = http(server, "GET", "/admin/parallelism", headers=ADMIN_AUTH)
+    layout = __import__("json").loads(body)
+    assert (layout["data_parallel"], layout["tensor_parallel"], layout["devices"]) == (2, 1, 2)
+    assert [h["to"]["tensor_parallel"] for h in layout["history"]][-2:] == [2, 1]
+
+
+def test_worker_killed_mid_reshape_rolls_back_and_keeps_serving(server, greedy):
+    before = tp_worker_pids()
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_new_worker():
+        # The new layout's rank 1 is a fresh interpreter: kill it while it starts.
+        while not stop.is_set():
+            new = tp_worker_pids() - before
+            if new:
+                pid = new.pop()
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.005)
+
+    started = threading.Event()
+    results: list = []
+    loader = threading.Thread(target=lambda: results.extend(_load(server, PROMPTS[:8], started, 8)))
+    loader.start()
+    assert started.wait(60)
+    killer = threading.Thread(target=kill_new_worker)
+    killer.start()
+    try:
+        status, _, body = reshape(server, 1, 2)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed
+    assert status == 500 and b"rolled back" in body, body
+    loader.join(120)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert [text for text, _ in results] == greedy[:8]
+    status, _, body = http(server, "GET", "/admin/parallelism", headers=ADMIN_AUTH)
+    layout = __import__("json").loads(body)
+    assert (layout["data_parallel"], layout["tensor_parallel"]) == (2, 1)
+    assert "error" in layout["history"][-1]
+    assert http(server, "GET", "/health")[0] == 200
+    status, _, body = http(server, "POST", "/v1/completions",
+                           {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": MAX_TOKENS, "temperature": 0,
+                            "ignore_eos": True})
+    assert status == 200 and __import__("json").loads(body)["choices"][0]["text"] == greedy[3]
+    idle(server)
+    assert not tp_worker_pids() - before
+
+
+@pytest.mark.parametrize("body, status, field", [
+    ({"data_parallel": 2, "tensor_parallel": 2}, 400, "data_parallel x tensor_parallel"),
+    ({"data_parallel": 0, "tensor_parallel": 2}, 400, "data_parallel"),
+    ({"data_parallel": 1, "tensor_parallel": "2"}, 400, "tensor_parallel"),
+    ({"data_parallel": 1, "tensor_parallel": 2, "pipeline": 1}, 400, "pipeline"),
+    ("[1, 2]", 400, "JSON object"),
+])
+def test_bad_layouts_are_400_naming_the_field(server, body, status, field):
+    got, _, text = http(server, "POST", "/admin/parallelism", body, headers=ADMIN_AUTH)
+    assert got == status and field.encode() in text, text
+
+
+def test_parallelism_needs_the_admin_key(server):
+    assert reshape(server, 1, 2, headers={})[0] == 401
+    assert reshape(server, 1, 2, headers={"Authorization": "Bearer wrong"})[0] in (401, 403)
+    assert http(server, "GET", "/admin/parallelism")[0] == 401
+    snap = metrics(server)
+    assert m(snap, "kvserve:data_parallel_size") == 2
