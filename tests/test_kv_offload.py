@@ -339,3 +339,33 @@ def test_tier_stores_and_removals_are_kv_events_with_their_medium(tiny_llama, tm
         if e.medium == medium:
             held = held | set(e.block_hashes) if isinstance(e, BlockStored) else held - set(e.block_hashes)
     assert held == held_now
+
+
+# -- the server: flags to metrics ------------------------------------------------------------------
+def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_llama, tmp_path):
+    import openai
+    from server_helpers import http, m, metrics, wait_until
+
+    from kvserve.runtime.server.main import ServerThread
+
+    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "4",
+                        "--num-kv-blocks", "24", "--max-model-len", "128", "--kv-offload-bytes", str(1 << 24),
+                        "--kv-offload-dir", str(tmp_path), "--swap-space", "0.001"])
+    srv.start()
+    try:
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        prompts = conversations()
+        texts = [[client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0).choices[0].text
+                  for p in prompts] for _ in range(2)]
+        assert texts[0] == texts[1]
+        snap = metrics(srv.url)
+        assert m(snap, "vllm:external_prefix_cache_hits_total") > 0
+        assert m(snap, "vllm:external_prefix_cache_queries_total") >= m(snap, "vllm:external_prefix_cache_hits_total")
+        assert m(snap, "kvserve:kv_offload_hits_total") > 0 and m(snap, "kvserve:kv_offload_loaded_bytes_total") > 0
+        assert m(snap, "kvserve:kv_offload_capacity_bytes") == 1 << 24
+        assert 0 < m(snap, "kvserve:kv_offload_used_bytes") <= 1 << 24
+        assert m(snap, "kvserve:kv_offload_load_seconds_count") > 0
+        assert m(snap, "vllm:num_requests_swapped") == 0 and m(snap, "vllm:cpu_cache_usage_perc") == 0
+    finally:
+        assert srv.stop() == 0
