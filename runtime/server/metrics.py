@@ -8,6 +8,7 @@ each snapshot hands over exactly once. prometheus_client appends `_total` to cou
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -52,6 +53,8 @@ EXPORTED_NAMES = (
     "kvserve:structured_output_requests_total", "kvserve:grammar_compile_seconds",
     "kvserve:step_duration_seconds", "kvserve:data_parallel_size", "kvserve:reshape_seconds",
 )
+# With --enable-lora only.
+LORA_EXPORTED_NAMES = ("vllm:lora_requests_info", "kvserve:lora_requests_total", "kvserve:lora_adapter_loaded")
 
 # A live layout change: tens of milliseconds for a tiny model, seconds for a large one.
 RESHAPE_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0]
@@ -163,6 +166,32 @@ class _StatsCollector:
         yield counter("kvserve:structured_output_requests",
                       "Requests with structured outputs (response_format, structured_outputs, forced tool calls).",
                       getattr(s, "structured_output_requests_total", 0))
+        yield from self._lora(name)
+
+    def _lora(self, name: str):
+        """With --enable-lora: vLLM's lora_requests_info, and per adapter (at most --max-cpu-loras
+        label values, each gone once its adapter is unloaded) loaded and request counts."""
+        lora = self.m.lora
+        if lora is None:
+            return
+        registry, info = lora()
+        if registry is None:
+            return
+        running, waiting = (info.running, info.waiting) if info is not None else ((), ())
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        # vLLM's value: when the snapshot was taken; the labels carry the information.
+        g.add_metric([",".join(running), ",".join(waiting), str(registry.max_loras)], time.time())
+        yield g
+        loaded = GaugeMetricFamily("kvserve:lora_adapter_loaded", "1 for each LoRA adapter loaded on this replica.",
+                                   labels=["model_name", "lora_name"])
+        total = CounterMetricFamily("kvserve:lora_requests", "Requests per LoRA adapter.",
+                                    labels=["model_name", "lora_name"])
+        for adapter in registry.names():
+            loaded.add_metric([name, adapter], 1)
+            total.add_metric([name, adapter], registry.requests_total.get(adapter, 0))
+        yield loaded
+        yield total
 
 
 class ServerMetrics:
@@ -171,6 +200,8 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats = None
+        # With --enable-lora: () -> (LoRARegistry, LoRAInfo | None), read at scrape time.
+        self.lora = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(self))
         self._lock = threading.Lock()
