@@ -136,6 +136,10 @@ class LLMEngine:
         self.scheduler = self.core.scheduler
         self.block_manager = self.core.block_manager
         self.kv_event_sink, self.kv_event_publisher = attach_kv_events(config.kv_events_config, self.block_manager)
+        self.offload = None
+        if ex.offloader is not None:
+            self.offload = self._attach_offload(config, ex)
+            self.offload.events = self.kv_event_sink  # tier stores and removals, medium CPU or DISK
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.input_processor = InputProcessor(self.tokenizer, self._decode, vocab_size=self.vocab_size,
                                               max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -151,6 +155,25 @@ class LLMEngine:
             log.info("KV cache groups: %s", ", ".join(
                 f"{'full attention' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers, {n} blocks"
                 for g, n in zip(self.kv_groups, self.kv_group_blocks)))
+
+    def _attach_offload(self, config: EngineConfig, ex):
+        from kvserve.runtime.kv_offload.manager import OffloadManager
+        from kvserve.runtime.kv_offload.offloader import TIER
+
+        if config.kv_offload_bytes and not config.enable_prefix_caching:
+            log.warning("kv_offload_bytes: the offload tier finds blocks by their prefix-cache keys, and "
+                        "prefix caching is off: nothing will be stored")
+        tier = ex.offloader.stores.get(TIER)
+        offload = OffloadManager(apply=ex.kv_offload_apply, block_bytes=ex.offloader.block_bytes,
+                                 block_size=config.block_size, tier_bytes=config.kv_offload_bytes,
+                                 swap_bytes=int(config.swap_space * 2**30),
+                                 medium=getattr(tier, "medium", "CPU"), existing=ex.kv_offload_scan())
+        offload.flush()  # forget what the warm index could not keep
+        self.core.attach_offload(offload)
+        log.info("kv offload: tier %s (%d bytes per rank%s), swap space %d bytes per rank",
+                 getattr(tier, "medium", "off"), config.kv_offload_bytes,
+                 f", {tier.dir}" if getattr(tier, "persistent", False) else "", int(config.swap_space * 2**30))
+        return offload
 
     # Rank 0's parts, owned by the executor (None once closed).
     @property
@@ -279,7 +302,15 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops and reaps the tensor-parallel workers, if any, and frees the weights and KV
-        pools. Idempotent; no step() after it."""
+        pools. Idempotent; no step() after it. A persistent offload tier first gets every cached
+        block of the pool, so a restarted engine finds them."""
+        if self.offload is not None and self.executor.offloader is not None:
+            tier = self.executor.offloader.stores.get(0)
+            if getattr(tier, "persistent", False):
+                try:
+                    self.core.save_cached_blocks()
+                except Exception:  # shutting down anyway: the tier keeps what it has
+                    log.exception("kv offload: saving the pool's cached blocks at shutdown failed")
         self.executor.shutdown()
         self.core.shutdown()
         self.kv_event_publisher.close()
@@ -332,6 +363,26 @@ class LLMEngine:
         return [self.output_processor.make_output(head, finished=True) for head in failed]
 
     # -- statistics ------------------------------------------------------------------------------
+    def _offload_stats(self) -> dict[str, Any]:
+        offload, offloader = self.offload, self.executor.offloader
+        if offload is None or offloader is None:
+            return {}
+        st = offload.stats
+        store_s, load_s = offloader.drain_timings()
+        tier, swap = offload.tier, offload.swap
+        return dict(
+            kv_offload_capacity_bytes=tier.capacity_bytes if tier else 0,
+            kv_offload_used_bytes=tier.used_bytes if tier else 0,
+            kv_offload_queries_tokens_total=st.queries_tokens, kv_offload_hit_tokens_total=st.hit_tokens,
+            kv_offload_hit_blocks_total=st.hit_blocks, kv_offload_stored_blocks_total=st.stored_blocks,
+            kv_offload_stored_bytes_total=offloader.stored_bytes,
+            kv_offload_loaded_bytes_total=offloader.loaded_bytes,
+            kv_offload_failed_loads_total=st.failed_loads,
+            kv_swap_capacity_bytes=swap.capacity_bytes if swap else 0, kv_swap_used_bytes=swap.used_bytes if swap else 0,
+            kv_swap_outs_total=st.swap_outs, kv_swap_ins_total=st.swap_ins,
+            num_swapped=sum(1 for s in self.scheduler.waiting if s.swapped is not None),
+            kv_offload_store_seconds=store_s, kv_offload_load_seconds=load_s)
+
     def get_stats(self) -> EngineStats:
         """Gauges and counters now, plus latency observations made since the previous call."""
         now = StatsCollector.now()
@@ -364,6 +415,7 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
+            **self._offload_stats(),
             timestamp=now,
             **s.drain(),
         )

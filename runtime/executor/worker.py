@@ -49,6 +49,7 @@ class Worker:
         self.kv_groups = None
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.graphs = None  # DecodeGraphs once captured (runtime/executor/cuda_graphs.py)
+        self.offloader = None  # KVOffloader with an offload tier or swap space (runtime/kv_offload/)
         # Failed CUDA graph captures (each logged at ERROR with its traceback): the KV sizing's
         # measuring capture or the real one. kvserve:cuda_graph_capture_failures_total.
         self.graph_capture_failures = 0
@@ -195,7 +196,50 @@ class Worker:
         self.kv_caches = allocate_kv_cache(self.model_config.shape, group_blocks[0], self.config.block_size,
                                            self.kv_cache_dtype, self.device, self.world_size,
                                            layer_blocks=layer_blocks)
+        if self.config.kv_offload_bytes or self.config.swap_space:
+            self.offloader = self._make_offloader()
         return kv_cache_bytes(self.kv_caches)
+
+    def offload_namespace(self, rank: int | None = None):
+        """The namespace this rank's offloaded blocks live in (runtime/kv_offload/namespace.py)."""
+        from kvserve.runtime.kv_offload.namespace import namespace_for
+
+        groups = self.kv_groups or ()
+        layout = {"groups": [[g.window, list(g.layers)] for g in groups],
+                  "pools": list(self.model_config.shape.kv_cache_layout(self.world_size)),
+                  "layers": self.model_config.num_layers}
+        return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
+                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+                             tp_rank=self.rank if rank is None else rank, layout=repr(layout))
+
+    def _make_offloader(self):
+        from kvserve.runtime.kv_offload.offloader import SWAP, TIER, KVOffloader
+        from kvserve.runtime.kv_offload.store import FileStore, HostStore
+
+        pin = self.platform.name == "cuda"  # pinned host memory copies at full speed
+        stores = {}
+        if self.config.kv_offload_bytes:
+            stores[TIER] = (FileStore(self.config.kv_offload_dir, self.offload_namespace())
+                            if self.config.kv_offload_dir else HostStore(pin_memory=pin))
+        if self.config.swap_space:
+            stores[SWAP] = HostStore(pin_memory=pin)
+        groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None
+                  else [tuple(range(len(self.kv_caches)))])
+        return KVOffloader(self.kv_caches, groups, stores)
+
+    def offload_scan(self) -> list[tuple[bytes, int]]:
+        """The persistent tier's blocks every rank holds (the ranks of a pod share its directory),
+        least recently written first: what a restarted engine starts its index with."""
+        from kvserve.runtime.kv_offload.offloader import TIER
+        from kvserve.runtime.kv_offload.store import FileStore
+
+        if self.offloader is None or not getattr(self.offloader.stores.get(TIER), "persistent", False):
+            return []
+        found = self.offloader.stores[TIER].scan()
+        for rank in range(1, self.world_size):
+            other = {k for k, _ in FileStore(self.config.kv_offload_dir, self.offload_namespace(rank)).scan()}
+            found = [(k, n) for k, n in found if k in other]
+        return found
 
     def graph_sizes(self) -> tuple[list[int], str | None]:
         """The decode batch sizes this rank captures as CUDA graphs, or ([], why not). Every rank
@@ -251,6 +295,8 @@ class Worker:
     def execute_model(self, step: ForwardInput) -> torch.Tensor | None:
         """Applies the step's block copies, runs the forward pass and returns the float32 logits
         of `step.logits_rows` (None when the step only fills the cache)."""
+        if step.kv_ops and self.rank != 0:  # rank 0 applied them while scheduling
+            self.offloader.apply(step.kv_ops)
         if self.kv_groups is None:
             copy_blocks(self.kv_caches, step.block_copies)
         else:
@@ -279,6 +325,9 @@ class Worker:
         """Drops the graphs, pools and weights and hands their memory back (a later engine in this
         process sizes its KV cache from what is really free)."""
         self.graphs = None
+        if self.offloader is not None:
+            self.offloader.close()  # queued writes reach the disk first
+            self.offloader = None
         self.kv_caches = []
         self.model = None
         self.platform.release_memory()
