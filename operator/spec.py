@@ -222,6 +222,31 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """One LoRA adapter (spec.adapters[]): clients pick it by `name` in `model`."""
+
+    name: str
+    uri: str
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """spec.lora: whether the runtime runs with LoRA, and its limits (vLLM's flags)."""
+
+    enabled: bool = False  # effective: spec.lora.enabled, else whether spec.adapters lists any
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
+MAX_ADAPTERS = 256
+DEFAULT_MAX_CPU_LORAS = 16
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ADAPTER_URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|file:///.+|/.+)$")
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     model: ModelSpec
     runtime: RuntimeSpec
@@ -231,6 +256,8 @@ class ServiceSpec:
     replicas: int | None = None  # manual size; only without autoscaling
     router: RouterSpec = field(default_factory=RouterSpec)
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
+    adapters: tuple[AdapterSpec, ...] = ()
+    lora: LoraSpec = field(default_factory=LoraSpec)
     # G: devices per pod, served as a DP x TP layout the operator changes in place (None: off).
     devices_per_pod: int | None = None
 
@@ -566,10 +593,50 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         if runtime.admin_api_key_secret is None:
             raise SpecError(p.name("devicesPerPod"), "the operator calls the pods' admin route to change "
                             "their layout: set runtime.adminApiKeySecret (a Secret the operator may read)")
+    adapters, lora = parse_adapters(top, model.served_name)
     return ServiceSpec(model=model, runtime=runtime, gpu=gpu, tensor=tensor,
                        autoscaling=autoscaling, replicas=replicas, router=router,
                        network_policy=parse_network_policy(top.raw.get("networkPolicy")),
-                       devices_per_pod=devices)
+                       devices_per_pod=devices, adapters=adapters, lora=lora)
+
+
+def parse_adapters(top: _Reader, served_name: str) -> tuple[tuple[AdapterSpec, ...], LoraSpec]:
+    """spec.adapters and spec.lora (docs/lora.md)."""
+    items = top.array("adapters")
+    if len(items) > MAX_ADAPTERS:
+        raise SpecError("spec.adapters", f"{len(items)} adapters, at most {MAX_ADAPTERS}")
+    adapters: list[AdapterSpec] = []
+    for i, item in enumerate(items):
+        a = _Reader(item, f"spec.adapters[{i}]")
+        name, uri = a.string("name", required=True), a.string("uri", required=True)
+        if not _ADAPTER_NAME.match(name):
+            raise SpecError(a.name("name"), f"must be letters, digits, '.', '_' or '-' (at most 128), got {name!r}")
+        if name == served_name:
+            raise SpecError(a.name("name"), f"{name!r} is the model's served name; clients pick an adapter by "
+                            "its own name")
+        if name in {x.name for x in adapters}:
+            raise SpecError(a.name("name"), f"{name!r} is listed twice")
+        if len(uri) > 1024 or not _ADAPTER_URI.match(uri):
+            raise SpecError(a.name("uri"), f"must be hf://org/name[@revision], file:///path or /path, got {uri!r}")
+        adapters.append(AdapterSpec(name, uri))
+    lo = top.sub("lora")
+    enabled = lo.raw.get("enabled")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise SpecError(lo.name("enabled"), f"must be true or false, got {enabled!r}")
+    max_loras = lo.integer("maxLoras", 4, lo=1, hi=64)
+    # The default does not follow the number of adapters: the runtime's flags are in the pod
+    # template, and adding an adapter must not restart the pods.
+    cpu = lo.integer("maxCpuLoras", max(max_loras, DEFAULT_MAX_CPU_LORAS), lo=1, hi=MAX_ADAPTERS)
+    if cpu < max_loras:
+        raise SpecError(lo.name("maxCpuLoras"), f"must be at least spec.lora.maxLoras ({max_loras}), got {cpu}")
+    if len(adapters) > cpu:
+        raise SpecError("spec.adapters", f"{len(adapters)} adapters, more than spec.lora.maxCpuLoras ({cpu}) "
+                        "lets a pod hold")
+    lora = LoraSpec(enabled=bool(adapters) if enabled is None else enabled, max_loras=max_loras,
+                    max_lora_rank=lo.integer("maxLoraRank", 16, choices=LORA_RANKS), max_cpu_loras=cpu)
+    if adapters and not lora.enabled:
+        raise SpecError(lo.name("enabled"), "is false but spec.adapters lists adapters")
+    return tuple(adapters), lora
 
 
 def model_shape(spec: ServiceSpec, read_config=None) -> ModelShape | None:

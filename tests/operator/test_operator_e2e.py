@@ -77,6 +77,7 @@ DOCUMENTED_RBAC = {
     ("kvserve.dev", "inferenceservices/status"): {"patch"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},  # get and watch only to grant them to a router
     ("", "secrets"): {"get"},  # spec.parallelism.devicesPerPod: the admin key for the pods' agents
