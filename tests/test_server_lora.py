@@ -198,8 +198,9 @@ def test_agent_keeps_the_runtime_adapters_equal_to_its_list(server, adapters, tm
 
     async def go():
         try:
-            listing.write_text(json.dumps([{"name": "chat", "uri": adapters["chat"]},
-                                           {"name": "big", "uri": adapters["big"]}]))
+            # big first: with sql and chat loaded the --max-cpu-loras bound would refuse it instead.
+            listing.write_text(json.dumps([{"name": "big", "uri": adapters["big"]},
+                                           {"name": "chat", "uri": adapters["chat"]}]))
             await sync.sync_once(0.0, engine_loaded=["sql"])
             report = sync.report()
             assert report["loaded"] == ["chat"] and "rank" in report["failed"]["big"].lower()
