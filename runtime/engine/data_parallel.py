@@ -42,12 +42,17 @@ log = logging.getLogger(__name__)
 _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
              "prefix_cache_hits_total", "computed_tokens_total", "spec_decode_num_drafts_total",
              "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-             "structured_output_requests_total", "cuda_graph_capture_failures_total")
+             "structured_output_requests_total", "cuda_graph_capture_failures_total",
+             "kv_offload_queries_tokens_total", "kv_offload_hit_tokens_total",
+             "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
+             "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
+             "kv_swap_ins_total")
 # Gauges that add up over engines.
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
-           "generation_tokens_per_second")
+           "generation_tokens_per_second", "kv_offload_capacity_bytes", "kv_offload_used_bytes",
+           "kv_swap_capacity_bytes", "kv_swap_used_bytes", "num_swapped")
 _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", "e2e_latencies",
-                 "grammar_compile_times")
+                 "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
 
 
 class ReshapeError(RuntimeError):
