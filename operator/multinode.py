@@ -37,7 +37,7 @@ LWS_MISSING = ("the LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1) is not ins
 
 
 def replica_gpus(spec: ServiceSpec, tp: int) -> int:
-    return tp * spec.pipeline * spec.gpu.per_shard
+    return (spec.devices_per_pod or tp) * spec.pipeline * spec.gpu.per_shard
 
 
 def nodes_per_replica(spec: ServiceSpec, tp: int) -> int:
@@ -55,6 +55,9 @@ def is_multinode(spec: ServiceSpec, tp: int) -> bool:
 
 def check_multinode(spec: ServiceSpec) -> None:
     """Rules for replicas that span nodes (SpecError naming the field)."""
+    if spec.pipeline > 1 and spec.devices_per_pod is not None:
+        raise SpecError("spec.parallelism.devicesPerPod", "live DP x TP layouts are not supported with "
+                        "spec.parallelism.pipeline > 1 (one pipeline group per server process)")
     if spec.pipeline > 1 and spec.autoscaling.tensor.enabled:
         raise SpecError("spec.autoscaling.tensorParallel.enabled", "TP autoscaling is not supported with "
                         "spec.parallelism.pipeline > 1 (a TP change would move layers between stages)")
@@ -71,6 +74,9 @@ def check_multinode(spec: ServiceSpec) -> None:
         if gpus % spec.gpu.gpus_per_node or (tp * spec.pipeline) % nodes:
             raise SpecError("spec.gpu.gpusPerNode", f"a replica of {gpus} GPUs (TP {tp} x pipeline {spec.pipeline} "
                             f"x perShard {spec.gpu.per_shard}) must fill whole nodes of {spec.gpu.gpus_per_node}")
+        if spec.devices_per_pod is not None:
+            raise SpecError("spec.parallelism.devicesPerPod", "live DP x TP layouts need the replica on one node "
+                            f"({nodes} nodes here)")
         if spec.runtime.engine != "kvserve":
             raise SpecError("spec.runtime.engine", "replicas larger than one node run kvserve's own workers "
                             "(engine: kvserve)")

@@ -42,12 +42,17 @@ log = logging.getLogger(__name__)
 _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
              "prefix_cache_hits_total", "computed_tokens_total", "spec_decode_num_drafts_total",
              "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-             "structured_output_requests_total")
+             "structured_output_requests_total", "cuda_graph_capture_failures_total",
+             "kv_offload_queries_tokens_total", "kv_offload_hit_tokens_total",
+             "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
+             "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
+             "kv_swap_ins_total")
 # Gauges that add up over engines.
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
-           "generation_tokens_per_second")
+           "generation_tokens_per_second", "kv_offload_capacity_bytes", "kv_offload_used_bytes",
+           "kv_swap_capacity_bytes", "kv_swap_used_bytes", "num_swapped")
 _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", "e2e_latencies",
-                 "grammar_compile_times")
+                 "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
 
 
 class ReshapeError(RuntimeError):
@@ -118,6 +123,7 @@ class DataParallelEngine:
         self._reshape_seconds: list[float] = []
         self.reshapes: list[dict[str, Any]] = []  # the history, newest last (bounded)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loras: dict[int, Any] = {}  # adapters added through add_lora, loaded again after a reshape
 
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
@@ -189,6 +195,30 @@ class DataParallelEngine:
         if engine is not None:
             engine.abort_request(request_id)
 
+    # -- LoRA adapters: every engine holds every adapter (a request may land on any of them) ------
+    def add_lora(self, lora_request: Any) -> bool:
+        added = [e.add_lora(lora_request) for e in self.engines]
+        self._loras[lora_request.lora_int_id] = lora_request
+        return any(added)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        for e in self.engines:  # refused (in use) on any engine: refused before any unloads
+            users = sum(1 for r in e.core.requests.values()
+                        if getattr(r, "lora_request", None) is not None and r.lora_request.lora_int_id == lora_int_id)
+            if users:
+                raise ValueError(f"lora_int_id: adapter {lora_int_id} is in use by {users} unfinished request(s)")
+        self._loras.pop(lora_int_id, None)
+        return any([e.remove_lora(lora_int_id) for e in self.engines])
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return all([e.pin_lora(lora_int_id) for e in self.engines])
+
+    def list_loras(self) -> set[int]:
+        return self.engines[0].list_loras()
+
+    def get_lora(self, lora_int_id: int) -> Any:
+        return self.engines[0].get_lora(lora_int_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or any(e.has_unfinished_requests() for e in self.engines)
 
@@ -254,6 +284,8 @@ class DataParallelEngine:
         for a layout this server cannot run (nothing changes) and ReshapeError when the new layout
         failed to start (the old one serves again)."""
         target = Layout(data_parallel, tensor_parallel)
+        if getattr(self.config, "pipeline_parallel_size", 1) != 1:
+            raise ValueError("tensor_parallel: a live layout change is not supported with pipeline parallelism")
         check_layout(target, self.num_devices, self._tp_error)
         old = self.layout
         if target == old:
@@ -282,6 +314,9 @@ class DataParallelEngine:
             failure = exc
             log.error("reshape %s -> %s failed (%s: %s); restoring %s", old, target, type(exc).__name__, exc, old)
             self.engines = self._build(old)  # if even this fails, the engine loop ends and /health says why
+        for lora in self._loras.values():  # the adapters the old engines had (from local files)
+            for engine in self.engines:
+                engine.add_lora(lora)
         # 4. Resume every request on the engines now running.
         self._resume(heads)
         seconds = time.perf_counter() - t0

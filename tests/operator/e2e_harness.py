@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -124,15 +126,77 @@ class Load:
         self.kv, self.queue, self.running = 0.3, 0, 2
         self.capacity_per_tp = 4096
         self.completions = 0  # requests the stub engines answered
+        self.reshapes: list[tuple[str, int, int]] = []  # (pod, dp, tp) of every POST /admin/parallelism
+
+
+# The admin key every stub pod's agent and engine check (spec.runtime.adminApiKeySecret's value).
+ADMIN_KEY = "e2e-admin-key"
+
+
+class StubLora:
+    """A pod's LoRA side (spec.adapters): the adapter list as the kubelet projects the ConfigMap
+    into the pod, the adapters volume, and what the stub engine has loaded. The stub refuses an
+    adapter above the template's --max-lora-rank, as the runtime does."""
+
+    def __init__(self, max_rank: int, max_loaded: int):
+        self.root = Path(tempfile.mkdtemp(prefix="kvserve-pod-"))
+        self.list_file = self.root / "list" / "adapters.json"
+        self.list_file.parent.mkdir()
+        self.adapters_dir = self.root / "adapters"
+        self.max_rank, self.max_loaded = max_rank, max_loaded
+        self.loaded: dict[str, str] = {}
+
+    def project(self, text: str) -> None:
+        if not self.list_file.exists() or self.list_file.read_text() != text:
+            tmp = self.list_file.with_suffix(".tmp")  # the kubelet swaps the projection atomically
+            tmp.write_text(text)
+            os.replace(tmp, self.list_file)
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name, path = body["lora_name"], Path(body["lora_path"])
+        rank = json.loads((path / "adapter_config.json").read_text()).get("r", 0)
+        if rank > self.max_rank:
+            return _error(400, f"LoRA rank {rank} of {name!r} is above --max-lora-rank {self.max_rank}")
+        if name in self.loaded:
+            return _error(400, f"The lora adapter {name!r} has already been loaded.")
+        if len(self.loaded) >= self.max_loaded:
+            return _error(400, f"{self.max_loaded} adapters are loaded (--max-cpu-loras)")
+        self.loaded[name] = str(path)
+        return web.Response(text=f"Success: LoRA adapter {name!r} added successfully.")
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        name = (await request.json())["lora_name"]
+        if self.loaded.pop(name, None) is None:
+            return _error(404, f"The lora adapter {name!r} cannot be found.")
+        return web.Response(text=f"Success: LoRA adapter {name!r} removed successfully.")
+
+    def metrics(self) -> list[str]:
+        return ["# TYPE kvserve:lora_adapter_loaded gauge"] + [
+            f'kvserve:lora_adapter_loaded{{model_name="tiny",lora_name="{n}"}} 1' for n in sorted(self.loaded)]
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "BadRequestError", "code": status}},
+                             status=status)
+
+
+def _flag(command: list[str], flag: str, default: int) -> int:
+    return int(command[command.index(flag) + 1]) if flag in command else default
 
 
 class StubPod:
     def __init__(self, name: str, ip: str, tp: int, engine_port: int, agent_port: int, load: Load,
-                 model_dir: str | None = None):
+                 model_dir: str | None = None, dp: int = 1, lora: StubLora | None = None):
         self.name, self.ip, self.tp, self.model_dir = name, ip, tp, model_dir
+        self.dp = dp
         self.engine_port, self.agent_port, self.load = engine_port, agent_port, load
         self.runner: web.AppRunner | None = None
         self.agent: subprocess.Popen | None = None
+        self.lora = lora
 
     def metrics(self) -> str:
         load, label = self.load, '{model_name="tiny"}'
@@ -142,8 +206,11 @@ class StubPod:
         for name, value in [("vllm:kv_cache_usage_perc", kv), ("vllm:num_requests_waiting", load.queue),
                             ("vllm:num_requests_running", load.running),
                             ("kvserve:kv_cache_capacity_tokens", load.capacity_per_tp * self.tp),
-                            ("kvserve:tensor_parallel_size", self.tp)]:
+                            ("kvserve:tensor_parallel_size", self.tp),
+                            ("kvserve:data_parallel_size", self.dp)]:
             lines += [f"# TYPE {name} gauge", f"{name}{label} {value}"]
+        if self.lora is not None:
+            lines += self.lora.metrics()
         return "\n".join(lines) + "\n"
 
     async def start(self) -> None:
@@ -152,6 +219,12 @@ class StubPod:
         app.router.add_get("/ready", lambda r: web.Response(text="ok"))
         app.router.add_get("/health", lambda r: web.Response(text="ok"))
         app.router.add_post("/v1/completions", self.complete)
+        lora_flags = []
+        if self.lora is not None:
+            app.router.add_post("/v1/load_lora_adapter", self.lora.load_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.lora.unload_adapter)
+            lora_flags = ["--adapters-file", str(self.lora.list_file), "--adapters-dir", str(self.lora.adapters_dir)]
+        app.router.add_post("/admin/parallelism", self.reshape)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.ip, self.engine_port).start()
@@ -159,8 +232,8 @@ class StubPod:
             [KVSERVE, "agent", "serve", "--engine-url", f"http://{self.ip}:{self.engine_port}",
              "--host", self.ip, "--port", str(self.agent_port), "--engine", "kvserve",
              "--interval", "0.2", "--stale-after", "3",
-             *(["--model-dir", self.model_dir] if self.model_dir else [])],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             *(["--model-dir", self.model_dir] if self.model_dir else []), *lora_flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "KVSERVE_ADMIN_API_KEY": ADMIN_KEY})
         async with aiohttp.ClientSession() as session:
             for _ in range(200):
                 try:
@@ -171,6 +244,17 @@ class StubPod:
                     pass
                 await asyncio.sleep(0.05)
         raise RuntimeError(f"agent for {self.name} did not come up")
+
+    async def reshape(self, request: web.Request) -> web.Response:
+        """The runtime's live layout change, as the agent passes it on with the pod's admin key."""
+        if request.headers.get("Authorization") != f"Bearer {ADMIN_KEY}":
+            return web.json_response({"error": {"message": "bad admin key"}}, status=403)
+        body = await request.json()
+        before = (self.dp, self.tp)
+        self.dp, self.tp = body["data_parallel"], body["tensor_parallel"]
+        self.load.reshapes.append((self.name, self.dp, self.tp))
+        return web.json_response({"data_parallel": self.dp, "tensor_parallel": self.tp, "changed": before != (self.dp, self.tp),
+                                  "seconds": 0.05, "resumed_requests": self.load.running})
 
     async def complete(self, request: web.Request) -> web.Response:
         self.load.completions += 1
@@ -188,6 +272,8 @@ class StubPod:
                 self.agent.kill()
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.lora is not None:
+            self.lora.cleanup()
 
 
 class RouterPod:
@@ -279,6 +365,18 @@ class Kubelet:
                     await self.delete_pod(session, pod)
         for name, dep in deps.items():
             await self.reconcile(session, dep, by_owner.get(name, []))
+        await self.project_configmaps(session)
+
+    async def project_configmaps(self, session) -> None:
+        """What the kubelet does for a mounted ConfigMap: the pod's file follows the object."""
+        for stub in list(self.pods.values()):
+            lora = getattr(stub, "lora", None)
+            if lora is None:
+                continue
+            owner = stub.name.rsplit("-", 1)[0]
+            cm = await self._req(session, "GET", f"/api/v1/namespaces/{NAMESPACE}/configmaps/{owner}-adapters")
+            if cm is not None:
+                lora.project((cm.get("data") or {}).get("adapters.json", "[]"))
 
     async def reconcile(self, session, dep: dict, pods: list[dict]) -> None:
         want = dep["spec"]["replicas"]
@@ -302,8 +400,16 @@ class Kubelet:
                              kubeconfig=self.kubeconfig)
         else:
             tp = int(template["metadata"]["annotations"][M.TP_ANNOTATION])
+            runtime = template["spec"]["containers"][0]["command"]
+            dp = int(runtime[runtime.index("--data-parallel-size") + 1]) if "--data-parallel-size" in runtime else 1
+            lora = (StubLora(_flag(runtime, "--max-lora-rank", 16), _flag(runtime, "--max-cpu-loras", 16))
+                    if "--enable-lora" in runtime else None)
+            if lora is not None:  # mounted before the containers start, as a kubelet does
+                cm = await self._req(session, "GET", f"/api/v1/namespaces/{NAMESPACE}/configmaps/"
+                                     f"{dep['metadata']['name']}-adapters")
+                lora.project(((cm or {}).get("data") or {}).get("adapters.json", "[]"))
             stub = StubPod(name, next(self.ips), tp, self.engine_port, self.agent_port, self.load,
-                           self.model_dirs.get(dep["metadata"]["name"]))
+                           self.model_dirs.get(dep["metadata"]["name"]), dp=dp, lora=lora)
         await stub.start()
         self.pods[name] = stub
         self.created.append(name)

@@ -78,8 +78,10 @@ DOCUMENTED_RBAC = {
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},  # get and watch only to grant them to a router
+    ("", "secrets"): {"get"},  # spec.parallelism.devicesPerPod: the admin key for the pods' agents
     ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
