@@ -93,6 +93,20 @@ def test_other_families_match_peft(tiny_model_factory, tmp_path, arch):
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
 
 
+def test_moe_model_adapts_attention_and_refuses_experts(tiny_model_factory, tmp_path):
+    """MoE families: the attention projections (dense) take adapters; expert MLPs are refused."""
+    base = tiny_model_factory("qwen2_moe")
+    attn = build_lora_adapter(base, tmp_path / "attn", r=4, seed=21, std=0.15,
+                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    pm = peft_model(base, {"attn": str(attn)})
+    with LLM(str(base), enable_lora=True, max_lora_rank=8, num_kv_blocks=64, block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=LoRARequest("attn", 1, str(attn)))
+        assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, "attn", p) for p in PROMPTS[:2]]
+        experts = build_lora_adapter(base, tmp_path / "experts", r=4, seed=22, target_modules=["gate_proj"])
+        with pytest.raises(ValueError, match="shared_expert.gate_proj': not supported .* MoE experts"):
+            llm.engine.add_lora(LoRARequest("experts", 2, str(experts)))
+
+
 # -- the engine's adapter API and its errors -------------------------------------------------------
 def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_factory, tmp_path):
     base, adapters, _, llm, requests = llama_setup
@@ -144,6 +158,10 @@ def test_remove_refuses_an_adapter_in_use(llama_setup):
     _, _, _, llm, requests = llama_setup
     engine = llm.engine
     engine.add_request("busy", PROMPTS[0], GREEDY, lora_request=requests["qv4"])
+    stats = engine.get_stats()
+    assert (stats.waiting_lora_adapters, stats.running_lora_adapters, stats.max_lora) == (["qv4"], [], 4)
+    engine.step()
+    assert engine.get_stats().running_lora_adapters == ["qv4"]
     with pytest.raises(ValueError, match="in use by 1 unfinished request"):
         engine.remove_lora(requests["qv4"].lora_int_id)
     while engine.has_unfinished_requests():

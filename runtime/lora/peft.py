@@ -168,8 +168,9 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
         m = _LAYER_MODULE.match(module)
         name = module.rsplit(".", 1)[-1]
         if m is None or name not in SUPPORTED_MODULES:
-            raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts "
-                             f"{', '.join(SUPPORTED_MODULES)} of the decoder layers)")
+            raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts the decoder "
+                             f"layers' self_attn q/k/v/o_proj and dense mlp gate/up/down_proj; MoE experts, shared "
+                             f"experts, embeddings and the LM head are not)")
         layer = int(m["layer"])
         if layer >= num_layers:
             raise ValueError(f"target module {module!r}: the model has {num_layers} layers (base model mismatch?)")
