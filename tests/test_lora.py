@@ -213,3 +213,56 @@ def test_ngram_speculative_decoding_with_an_adapter(llama_setup):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[requests["all8"], requests["qv4"]])
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, "all8", prompts[0]),
                                                       _reference(pm, "qv4", prompts[1])]
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen3", dict(num_key_value_heads=1))])
+def test_tensor_parallel_2_matches_peft(tiny_model_factory, tmp_path, arch, overrides):
+    """TP=2 (gloo): A and B sharded with their base layer (column-parallel q|k|v and gate|up take
+    their rows of B; row-parallel o and down their columns of A, summed in the one all-reduce);
+    with one KV head both ranks keep a copy of k/v and of their B rows."""
+    base = tiny_model_factory(arch, **overrides)
+    adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=31, std=0.1),
+                "b": build_lora_adapter(base, tmp_path / "b", r=4, seed=32, std=0.15,
+                                        target_modules=["k_proj", "v_proj", "o_proj", "down_proj"])}
+    pm = peft_model(base, {k: str(v) for k, v in adapters.items()})
+    names = ["a", None, "b", "a"]
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=4,
+             tensor_parallel_size=2, device="cpu") as llm:
+        outs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else LoRARequest(n, 1 + (n == "b"), str(adapters[n]))
+                                          for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+
+
+def test_int8_base_weights_with_adapters_match_peft_on_the_dequantized_model(tiny_model_factory, llama_setup):
+    """Quantized base (load-time int8, every linear and the vocabulary): the adapters run in full
+    precision beside it. Oracle: peft on transformers with the same dequantized int8 weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.runtime.models.quantization.packed import quantize_int8
+
+    base, adapters, _, _, requests = llama_setup
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                q, s = quantize_int8(p.data, p.shape[1])
+                p.copy_(q.float() * s)
+    pm = PeftModel.from_pretrained(hf, str(adapters["all8"]), adapter_name="all8")
+    pm.load_adapter(str(adapters["rs"]), adapter_name="rs")
+    pm.eval()
+    names = ["all8", None, "rs"]
+    with LLM(str(base), quantization="int8", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64,
+             block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+
+
+def test_structured_output_with_an_adapter(llama_setup):
+    _, _, _, llm, requests = llama_setup
+    choices = ["yes", "no", "maybe later"]
+    params = SamplingParams(max_tokens=16, temperature=0, structured_outputs={"choice": choices})
+    outs = llm.generate(["Is it?", "Or not?"], params, use_tqdm=False, lora_request=[requests["all8"], None])
+    assert all(o.outputs[0].text in choices for o in outs)
