@@ -86,5 +86,5 @@ class LoRAManager:
             return None
         with self._lock:
             slot_of, loads = self.slots.assign(seq_ids)
-            layout = step_layout([slot_of[i] if i else -1 for i in seq_ids], seq_tokens)
+            layout = step_layout([slot_of[i] if i else -1 for i in seq_ids], seq_tokens, self.max_loras)
             return LoRAStepInput(layout, [(slot, self.registry[i]) for slot, i in loads])

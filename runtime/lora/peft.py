@@ -48,9 +48,13 @@ class LoRAWeights:
     rank: int  # the largest rank of any of its modules (its slot rows)
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    # Set by the rank that loads it: its slot contents per wrapped layer (runtime/lora/worker.py).
+    images: list | None = None
+
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.modules.values())
+        pairs = self.images if self.images is not None else self.modules.values()
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in pairs)
 
 
 def read_config(path: str) -> dict:
