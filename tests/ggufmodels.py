@@ -29,7 +29,7 @@ QK_K = 256
 _ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
          "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
          "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
-         "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2"}
+         "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2", "Phi3ForCausalLM": "phi3"}
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -66,6 +66,8 @@ _MOE_LAYER = {
     "self_attn.q_b_proj.weight": "attn_q_b.weight",
     "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
     "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3: fused as in its checkpoints
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 # Expert projections: transformers' per-expert names -> the stacked GGUF tensor.
 _EXPERT_PART = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
@@ -271,6 +273,8 @@ def _metadata(w, arch: str, config: dict, head_dim: int) -> None:
         return
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(theta or 10000.0))
+    if arch == "phi3" and config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         w.add_expert_count(experts)

@@ -70,6 +70,7 @@ class RuntimePod:
     port: int
     proc: subprocess.Popen | None = None  # a process of its own, or
     thread: Any = None  # an in-process kvserve.runtime.server.main.ServerThread (cheaper to start)
+    annotations: dict[str, str] = field(default_factory=dict)  # on its Pod object
 
     @property
     def url(self) -> str:
@@ -79,6 +80,28 @@ class RuntimePod:
         return self.proc.poll() is None if self.proc is not None else self.thread.exit_code is None
 
 
+_taken_ports: set[int] = set()
+
+
+def free_port_pair() -> int:
+    """A port p, with p + 1, free on every interface (a KV events publisher and its replay socket),
+    never handed out twice in this process."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", 0))
+            port = s.getsockname()[1]
+        if port + 1 > 65535 or {port, port + 1} & _taken_ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port + 1))
+            except OSError:
+                continue
+        _taken_ports.update((port, port + 1))
+        return port
+    raise RuntimeError("no free port pair")
+
+
 class RuntimePods:
     """`kvserve serve` runtimes, one per loopback address, all on the same port: each a process of
     its own, or (names in `in_process`) a server thread of the test process, which skips a torch
@@ -86,7 +109,9 @@ class RuntimePods:
 
     def __init__(self, model: Path, ips: list[str], *, extra: dict[str, list[str]] | None = None,
                  args: list[str] = (), logs: Path | None = None, threads: int = 1, in_process: set[str] = frozenset(),
-                 served_name: str = "tiny", port: int | None = None, prefix: str = "tiny"):
+                 served_name: str = "tiny", port: int | None = None, prefix: str = "tiny", kv_events: bool = False):
+        """`kv_events`: every pod publishes KV events on a port pair of its own (the publisher binds
+        every interface), named on its Pod by the kvserve.dev/kv-events-port annotation."""
         self.model, self.ips, self.logs = model, ips, logs
         self.port = port or free_port_on_all(ips)
         self.pods: dict[str, RuntimePod] = {}
@@ -95,14 +120,22 @@ class RuntimePods:
             name = f"{prefix}-{chr(ord('a') + i)}"
             argv = [str(model), "--host", ip, "--port", str(self.port), "--served-model-name", served_name, *args,
                     *((extra or {}).get(name, []))]
+            annotations = {}
+            if kv_events:
+                events = free_port_pair()
+                argv += ["--kv-events-config", json.dumps({
+                    "enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}",
+                    "replay_endpoint": f"tcp://*:{events + 1}"})]
+                annotations["kvserve.dev/kv-events-port"] = str(events)
             if name in in_process:
                 from kvserve.runtime.server.main import ServerThread
 
-                self.pods[name] = RuntimePod(name, ip, self.port, thread=ServerThread(argv).start())
+                self.pods[name] = RuntimePod(name, ip, self.port, thread=ServerThread(argv).start(),
+                                             annotations=annotations)
                 continue
             out = open(logs / f"{name}.log", "w") if logs else subprocess.DEVNULL
             self.pods[name] = RuntimePod(name, ip, self.port, proc=subprocess.Popen(
-                [KVSERVE, "serve", *argv], stdout=out, stderr=subprocess.STDOUT, env=env))
+                [KVSERVE, "serve", *argv], stdout=out, stderr=subprocess.STDOUT, env=env), annotations=annotations)
 
     def wait_ready(self, timeout: float = 180) -> RuntimePods:
         for pod in self.pods.values():
@@ -197,7 +230,7 @@ class Cluster:
                 continue
             self._call("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", {
                 "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": NAMESPACE,
+                "metadata": {"name": name, "namespace": NAMESPACE, "annotations": dict(pod.annotations),
                              "labels": {**inferenceservice_selector(self.service), "app.kubernetes.io/name": "kvserve"}},
                 "spec": {"containers": [{"name": "runtime", "image": "kvserve"}]},
                 "status": {"phase": "Running", "podIP": pod.ip,

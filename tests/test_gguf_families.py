@@ -1,5 +1,5 @@
 """GGUF files of every family the runtime serves from safetensors (Gemma 2/3, Mistral, Mixtral,
-Qwen2/3-MoE, DeepSeek V2/V3), written the way llama.cpp's converter lays them out
+Qwen2/3-MoE, DeepSeek V2/V3, Phi-3), written the way llama.cpp's converter lays them out
 (tests/ggufmodels.py), at Q8_0, Q4_K and Q6_K: logits against transformers on the weights the
 file encodes, and against transformers' own GGUF loading where it reads the family; the config
 each file's metadata maps to; greedy decoding through the engine."""
@@ -32,10 +32,12 @@ FAMILIES = {
     "qwen3_moe": dict(moe_intermediate_size=256, head_dim=64),
     "deepseek_v2": dict(moe_intermediate_size=256, v_head_dim=64, num_key_value_heads=4),
     "deepseek_v3": dict(moe_intermediate_size=256, v_head_dim=64, q_lora_rank=256, num_key_value_heads=4),
+    "phi3": dict(sliding_window=8),
 }
 HF_ARCH = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "mistral": "LlamaForCausalLM",
            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+           "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+           "phi3": "Phi3ForCausalLM"}
 KINDS = ["Q8_0", "Q4_K", "Q6_K"]
 PROMPT = [1, 5, 77, 300, 12, 9, 400, 33, 250, 7, 64, 128]
 
@@ -151,7 +153,7 @@ def test_metadata_maps_onto_the_model_description(files):
         assert cfg.hidden_act == hf.hidden_act and cfg.tie_word_embeddings == hf.tie_word_embeddings, family
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "deepseek_v2", "phi3"])
 def test_engine_greedy_decoding_from_gguf(files, family, exact_cpu_matmuls):
     """Through the engine (paged KV cache, decode steps, the int4 / int8 layers the file keeps):
     greedy tokens equal the oracle's generate on the weights the file encodes."""

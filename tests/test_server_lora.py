@@ -182,3 +182,36 @@ def test_lora_metrics(server):
     info = [labels for (name, labels) in snap if name == "vllm:lora_requests_info"]
     assert info and dict(info[0])["max_lora"] == "2"
     assert set(dict(info[0])) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}
+
+
+def test_agent_keeps_the_runtime_adapters_equal_to_its_list(server, adapters, tmp_path):
+    """The pod's agent (runtime/agent/adapters.py) against the real server: fetch, load with the
+    admin key, report a refusal, unload when dropped from the list."""
+    import asyncio
+
+    from kvserve.runtime.agent.app import Agent, AgentConfig
+
+    listing = tmp_path / "adapters.json"
+    agent = Agent(AgentConfig(engine_url=server.url, engine="kvserve", admin_api_key=ADMIN,
+                              adapters_file=str(listing), adapters_dir=str(tmp_path / "fetched")))
+    sync = agent.adapters
+
+    async def go():
+        try:
+            # big first: with sql and chat loaded the --max-cpu-loras bound would refuse it instead.
+            listing.write_text(json.dumps([{"name": "big", "uri": adapters["big"]},
+                                           {"name": "chat", "uri": adapters["chat"]}]))
+            await sync.sync_once(0.0, engine_loaded=["sql"])
+            report = sync.report()
+            assert report["loaded"] == ["chat"] and "rank" in report["failed"]["big"].lower()
+            assert (tmp_path / "fetched" / "chat" / "adapter_config.json").exists()
+            assert "chat" in {m.id for m in client(server).models.list().data}
+            listing.write_text("[]")
+            sync._mtime = None
+            await sync.sync_once(1.0, engine_loaded=["sql", "chat"])
+            assert sync.report()["loaded"] == [] and not (tmp_path / "fetched" / "chat").exists()
+            assert {m.id for m in client(server).models.list().data} == {"tiny", "sql"}
+        finally:
+            await agent.stop(None)
+
+    asyncio.run(go())

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.runtime.architectures import fused_parts
 from kvserve.runtime.gguf.names import LAYER_RE, hf_names
 from kvserve.runtime.gguf.reader import GGUFError, GGUFFile
 
@@ -31,6 +32,7 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
 GEMMA = ("gemma2", "gemma3")
 # llama.cpp's ggml_expert_gating_func: 1 softmax, 2 sigmoid.
@@ -114,6 +116,11 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         config["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     if arch in GEMMA:
         config.update(_gemma(get, arch, config))
+    if arch == "phi3":
+        if any(n.startswith("rope_factors_") for n in names):
+            raise GGUFError(gf.path, "tensor 'rope_factors_long.weight'",
+                            "Phi-3's longrope scaling is not supported (a 4k-context Phi-3 file has none)")
+        config["sliding_window"] = get("attention.sliding_window")
     if experts and arch != "deepseek2":
         used = get("expert_used_count", required=True)
         if arch == "llama":
@@ -134,8 +141,9 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
     # per layer (kvserve.runtime.models.quantization.gguf).
     config["quantization_config"] = {
         "quant_method": "gguf",
-        "tensor_types": {hf: info.type_name for name, info in gf.tensors.items()
-                         for hf in hf_names(name, arch, len(info.shape), experts)},
+        "tensor_types": {part: info.type_name for name, info in gf.tensors.items()
+                         for hf in hf_names(name, arch, len(info.shape), experts)
+                         for part in fused_parts(hf_arch, hf) or (hf,)},
     }
     scaling = _rope_scaling(get, gf.path, arch)
     if scaling is not None:

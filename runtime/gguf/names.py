@@ -70,7 +70,9 @@ _DEEPSEEK = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
-_LAYER_NAMES = {"gemma2": _GEMMA, "gemma3": _GEMMA, "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE,
+# Phi-3: q|k|v and gate|up fused, as in its checkpoints (the loader splits them).
+_PHI3 = {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_LAYER_NAMES = {"phi3": _PHI3, "gemma2": _GEMMA, "gemma3": _GEMMA, "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE,
                 "deepseek2": _DEEPSEEK}
 # The stacked expert tensors: GGUF kind -> part (the names per family are in _expert_name).
 EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}

@@ -34,8 +34,6 @@ from .drain import effective_drain_timeout
 from .errors import APIError, from_validation_error
 from .limits import RequestLimitError, RequestLimits, check_request
 from .lora import LoRARegistry
-from .lora import add_lora as engine_add_lora
-from .lora import remove_lora as engine_remove_lora
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages
 
@@ -513,7 +511,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     lora_request = state.lora.new_request(name, path, body.get("base_model_name"))
     state.lora.register(lora_request)  # held while loading: a second load of the name is refused
     try:
-        await engine.call(lambda e: engine_add_lora(e, lora_request))
+        await engine.call(lambda e: e.add_lora(lora_request))
     except ValueError as exc:
         state.lora.unregister(name)
         raise APIError(400, f"The lora adapter '{name}' cannot be loaded: {exc}", param="lora_path") from None
@@ -535,7 +533,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     # Out of the table first: no new request can name it while the engine removes it.
     state.lora.unregister(name)
     try:
-        await engine.call(lambda e: engine_remove_lora(e, lora_request.lora_int_id))
+        await engine.call(lambda e: e.remove_lora(lora_request.lora_int_id))
     except ValueError as exc:
         state.lora.register(lora_request)
         raise APIError(409, f"The lora adapter '{name}' cannot be unloaded now: {exc}", param="lora_name") from None

@@ -140,36 +140,9 @@ def not_found(model: str, served: list[str]) -> APIError:
 
 
 def _engines(engine: Any) -> list[Any]:
-    """The LLMEngines behind the server's one engine: a data-parallel engine has several (and
-    another set after a reshape, where a request's adapter is registered again as it arrives)."""
+    """The LLMEngines behind the server's one engine (a data-parallel engine has several)."""
     engines = getattr(engine, "engines", None)
     return list(engines) if engines else [engine]
-
-
-def add_lora(engine: Any, request: Any) -> None:
-    """Registers the adapter on every engine, or on none (ValueError from the first refusal)."""
-    done = []
-    try:
-        for e in _engines(engine):
-            e.add_lora(request)
-            done.append(e)
-    except BaseException:
-        for e in done:
-            e.remove_lora(request.lora_int_id)
-        raise
-
-
-def remove_lora(engine: Any, lora_int_id: int) -> None:
-    """Unregisters the adapter everywhere; ValueError (nothing removed) while a request uses it."""
-    engines = _engines(engine)
-    for e in engines:  # checked on all first: a refusal must leave every engine as it was
-        requests = getattr(getattr(e, "core", None), "requests", {})
-        users = sum(1 for r in requests.values()
-                    if getattr(getattr(r, "lora_request", None), "lora_int_id", None) == lora_int_id)
-        if users:
-            raise ValueError(f"adapter {lora_int_id} is in use by {users} unfinished request(s)")
-    for e in engines:
-        e.remove_lora(lora_int_id)
 
 
 def load_static(engine: Any, registry: LoRARegistry, modules: list[LoRAModule]) -> None:
@@ -182,7 +155,7 @@ def load_static(engine: Any, registry: LoRARegistry, modules: list[LoRAModule]) 
         except APIError as err:
             raise ValueError(f"--lora-modules {module.name}: {err.message}") from None
         try:
-            add_lora(engine, request)
+            engine.add_lora(request)  # a data-parallel engine registers it on each of its engines
         except ValueError as exc:
             raise ValueError(f"--lora-modules {module.name}: {exc}") from None
         registry.register(request)

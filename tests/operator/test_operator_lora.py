@@ -173,7 +173,7 @@ def test_adapters_load_and_unload_on_running_pods_without_a_restart(tmp_path):
         cond = condition(api.get_isvc("lora"), "AdaptersReady")
         assert cond["status"] == "False" and cond["reason"] == "AdapterFailed"
         wait_for(lambda: {e["message"].split(":")[0] for e in api.events()
-                          if e["reason"] == "AdapterFailed"} >= {"adapter big", "adapter lost"}, what="Events")
+                          if e["reason"] == "AdapterFailed"} >= {"adapter big", "adapter lost"}, timeout=60, what="Events")
         (pod,) = kubelet.pods.values()
         assert set(pod.lora.loaded) == {"sql"}
         hash_before, created_before = M.template_hash(api.get("Deployment", "lora")), list(kubelet.created)
@@ -185,7 +185,7 @@ def test_adapters_load_and_unload_on_running_pods_without_a_restart(tmp_path):
         assert set(pod.lora.loaded) == {"sql", "chat"}
         api.patch_spec("lora", {"adapters": [{"name": "chat", "uri": chat}]})
         wait_for(lambda: set(pod.lora.loaded) == {"chat"}, timeout=30, what="sql unloaded")
-        wait_for(lambda: (adapters_status() or {}).get("loaded") == ["chat"], what="status follows")
+        wait_for(lambda: (adapters_status() or {}).get("loaded") == ["chat"], timeout=60, what="status follows")
         assert not (pod.lora.adapters_dir / "sql").exists()  # its files are gone with it
         assert M.template_hash(api.get("Deployment", "lora")) == hash_before
         assert kubelet.created == created_before  # no pod was replaced
