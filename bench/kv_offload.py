@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-offload-bytes", type=int, default=1 << 30)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--tier-first", action="store_true",
+                   help="run the file tier before the pool alone (load on a shared machine drifts: swap the order "
+                        "to see how much of a ratio is drift)")
     p.add_argument("--out", type=Path, default=RESULTS / "kv_offload.json")
     return p.parse_args(argv)
 
@@ -219,9 +222,13 @@ def main(argv=None) -> int:
           f"{args.num_kv_blocks}-block pool, max {args.max_num_seqs} running; logs in {work}; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     load_before = os.getloadavg()
-    base, workload = multi_turn(args, model, work, "pool-only", [])
-    tier, _ = multi_turn(args, model, work, "file-tier", ["--kv-offload-bytes", str(args.kv_offload_bytes),
-                                                          "--kv-offload-dir", str(tier_root / "multi")])
+    tier_flags = ["--kv-offload-bytes", str(args.kv_offload_bytes), "--kv-offload-dir", str(tier_root / "multi")]
+    if args.tier_first:
+        tier, _ = multi_turn(args, model, work, "file-tier", tier_flags)
+        base, _ = multi_turn(args, model, work, "pool-only", [])
+    else:
+        base, _ = multi_turn(args, model, work, "pool-only", [])
+        tier, _ = multi_turn(args, model, work, "file-tier", tier_flags)
     # The warm restart's first server: the same conversations, its tier persisted at shutdown.
     warm_dir = tier_root / "restart"
     _, served = multi_turn(args, model, work, "before-restart", ["--kv-offload-bytes", str(args.kv_offload_bytes),
