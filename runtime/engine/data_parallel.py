@@ -150,6 +150,9 @@ class DataParallelEngine:
 
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
+        persist = getattr(engine, "persist_kv_offload", None)
+        if persist is not None:  # a persistent offload tier keeps the pool's cached blocks
+            persist()
         engine.executor.shutdown()
         engine.core.shutdown()
         publisher = getattr(engine, "kv_event_publisher", None)

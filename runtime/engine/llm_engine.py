@@ -304,17 +304,23 @@ class LLMEngine:
         """Stops and reaps the tensor-parallel workers, if any, and frees the weights and KV
         pools. Idempotent; no step() after it. A persistent offload tier first gets every cached
         block of the pool, so a restarted engine finds them."""
-        if self.offload is not None and self.executor.offloader is not None:
-            tier = self.executor.offloader.stores.get(0)
-            if getattr(tier, "persistent", False):
-                try:
-                    self.core.save_cached_blocks()
-                except Exception:  # shutting down anyway: the tier keeps what it has
-                    log.exception("kv offload: saving the pool's cached blocks at shutdown failed")
+        self.persist_kv_offload()
         self.executor.shutdown()
         self.core.shutdown()
         self.kv_event_publisher.close()
         self.structured_outputs.close()
+
+    def persist_kv_offload(self) -> None:
+        """With a persistent offload tier: writes every cached pool block it lacks (before the
+        pools go away: shutdown, or a reshape retiring this engine)."""
+        offloader = self.executor.offloader
+        if self.offload is None or offloader is None or not getattr(offloader.stores.get(0), "persistent", False):
+            return
+        try:
+            n = self.core.save_cached_blocks()
+            log.info("kv offload: %d cached pool blocks written to the persistent tier", n)
+        except Exception:  # shutting down anyway: the tier keeps what it has
+            log.exception("kv offload: saving the pool's cached blocks failed")
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -31,9 +31,9 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("m, n, k, g, split", [(1, 80, 128, 32, 1), (3, 64, 256, 64, 4), (17, 48, 128, 128, 2),
                                                (5, 64, 192, 64, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int4_dequant_gemm_matches_twin(m, n, k, g, split, dtype):
-    q, packed, scale, offset = _int4(n, k, g, m * n + k, dtype)
-    x = torch.randn(m, k, generator=_gen(m)).to(dtype)
+def test_int4_dequant_gemm_matches_twin(m, n, k, g, split, dtype, device):
+    q, packed, scale, offset = (t.to(device) for t in _int4(n, k, g, m * n + k, dtype))
+    x = torch.randn(m, k, generator=_gen(m)).to(dtype).to(device)
     want = ref.int4_matmul_ref(x, packed, scale, offset, g)
     got = quant.int4_matmul(x, packed, scale, offset, g, split_k=split)
     assert got.dtype == dtype and not got.isnan().any()
@@ -41,11 +41,11 @@ def test_int4_dequant_gemm_matches_twin(m, n, k, g, split, dtype):
 
 
 @pytest.mark.parametrize("m, n, k, g, split", [(2, 64, 128, 128, 1), (4, 32, 256, 32, 8)])
-def test_int8_dequant_gemm_matches_twin(m, n, k, g, split):
+def test_int8_dequant_gemm_matches_twin(m, n, k, g, split, device):
     gen = _gen(k)
-    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    scale = torch.rand(n, k // g, generator=gen) * 0.01
-    x = torch.randn(m, k, generator=gen)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(device)
+    scale = (torch.rand(n, k // g, generator=gen) * 0.01).to(device)
+    x = torch.randn(m, k, generator=gen).to(device)
     want = ref.int8_matmul_ref(x, q, scale, g)
     torch.testing.assert_close(quant.int8_matmul(x, q, scale, g, split_k=split), want, atol=1e-4, rtol=1e-4)
 
@@ -60,11 +60,13 @@ def test_twins_match_float64():
 
 
 @pytest.mark.parametrize("per_token, per_channel", [(True, True), (False, False), (True, False)])
-def test_fp8_scaled_matmul_matches_twin(per_token, per_channel):
+def test_fp8_scaled_matmul_matches_twin(per_token, per_channel, device):
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        pytest.skip("FP8 matmuls need compute capability 8.9")
     gen = _gen(7)
     m, n, k = 5, 48, 96
-    x = torch.randn(m, k, generator=gen)
-    w = torch.randn(n, k, generator=gen) * 0.1
+    x = torch.randn(m, k, generator=gen).to(device)
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(device)
     if per_token:
         xq, xs = ref.quantize_fp8_per_token(x)
     else:
