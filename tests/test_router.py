@@ -13,7 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json, scrape, wait_for
+
+from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json, scrape, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
