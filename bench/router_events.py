@@ -1,6 +1,6 @@
 """Routing benchmark with KV events: event-fed vs served-based vs round-robin `kvserve router`.
 
-    python bench/router_events.py                 # SmolLM2-135M, 3 pods, 6 conversations x 4 turns per policy
+    python bench/router_events.py                 # SmolLM2-135M, 3 pods, 6 conversations x 6 turns per policy
     python bench/router_events.py --num-kv-blocks 64 --user-words 150    # a tighter pool: evictions
 
 What runs: `--replicas` real `kvserve serve` processes (one torch thread each), each on its own
@@ -34,11 +34,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from router import Run, default_model  # noqa: E402
-from router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json  # noqa: E402
+
+from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,11 +47,11 @@ def parse_args(argv=None):
                    help="HF model directory (default: SmolLM2-135M-Instruct from build/smollm2)")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--conversations", type=int, default=6, help="per policy")
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
     p.add_argument("--concurrency", type=int, default=3, help="conversations in flight at once")
     p.add_argument("--system-words", type=int, default=20)
-    p.add_argument("--user-words", type=int, default=150)
-    p.add_argument("--max-tokens", type=int, default=8, help="answer length (ignore_eos)")
+    p.add_argument("--user-words", type=int, default=120)
+    p.add_argument("--max-tokens", type=int, default=4, help="answer length (ignore_eos)")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="each pod's KV pool, in 16-token blocks")
     p.add_argument("--out", type=Path, default=RESULTS / "router_events.json")
     return p.parse_args(argv)
