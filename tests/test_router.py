@@ -32,8 +32,10 @@ def env(tiny_llama, tmp_path_factory):
     routers: list[RouterProcess] = []
     try:
         port = ("--runtime-port", str(pods.port))
+        # Served-based: the pods' KV events (their annotation) are test_event_fed_router's.
         prefix = RouterProcess("--inferenceservice", "tiny", *port, "--agent-port", "0", "--hold-timeout", "60",
-                               "--served-model-name", "tiny", cluster=cluster, log=work / "router-prefix.log")
+                               "--served-model-name", "tiny", "--no-kv-events", cluster=cluster,
+                               log=work / "router-prefix.log")
         routers.append(prefix)
         rr = RouterProcess("--inferenceservice", "tiny", *port, "--agent-port", "0", "--policy", "round-robin",
                            cluster=cluster, log=work / "router-rr.log")
