@@ -123,11 +123,17 @@ class DataParallelEngine:
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
         devices = engine_devices(layout, str(self.config.device))
+        configs = [dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
+                   for device in devices]
         engines: list[Any] = []
+        # The engines start side by side: most of a start is torch work that leaves the GIL
+        # (filling the KV pools, packing weights), so G engines take little more than one.
+        with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="kvserve-dp-start") as pool:
+            futures = [pool.submit(self._factory, cfg) for cfg in configs]
+            concurrent.futures.wait(futures)
         try:
-            for device in devices:
-                cfg = dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
-                engine = self._factory(cfg)
+            for fut in futures:
+                engine = fut.result()
                 own = engine.structured_outputs
                 if self._grammars is None:
                     self._grammars = own
@@ -138,8 +144,11 @@ class DataParallelEngine:
                     engine.input_processor.structured_outputs = self._grammars
                 engines.append(engine)
         except BaseException:
-            for engine in engines:
-                self._close_engine(engine)
+            for fut in futures:  # every engine that did start, not only those already taken
+                if fut.exception() is None:
+                    self._close_engine(fut.result())
+                    if fut.result().structured_outputs is not self._grammars:
+                        fut.result().structured_outputs.close()
             raise
         return engines
 
