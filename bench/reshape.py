@@ -176,14 +176,28 @@ async def part_restart(model: Path, g: int, in_flight: int, out_len: int) -> dic
         out["restart_tp_s"] = await srv.ready()
     finally:
         srv.stop()
+    # Without spare workers: the new layout's ranks start as fresh interpreters.
     srv = Server(model, g, 1, [])
+    try:
+        await srv.ready()
+        await srv.reshape(1, g)  # once, so the page cache and the allocator are as warm as below
+        await srv.reshape(g, 1)
+        wall, body = await srv.reshape(1, g)
+        out["reshape_idle_to_tp_no_spares"] = {"wall_s": wall, "seconds": body["seconds"]}
+    finally:
+        srv.stop()
+    srv = Server(model, g, 1, ["--reshape-spare-workers"])
     try:
         out["start_dp_s"] = await srv.ready()
         await run_phase(srv.url, 1, make_prompts(1, 16, 0), 4)  # warm
+        await srv.reshape(1, g)
+        await srv.reshape(g, 1)
+        await asyncio.sleep(3.0)  # the spares started after that reshape import torch
         wall, body = await srv.reshape(1, g)
         out["reshape_idle_to_tp"] = {"wall_s": wall, "seconds": body["seconds"]}
         wall, body = await srv.reshape(g, 1)
         out["reshape_idle_to_dp"] = {"wall_s": wall, "seconds": body["seconds"]}
+        await asyncio.sleep(3.0)
         # With streams in flight: they pause, the layout changes, they resume by recompute.
         prompts = make_prompts(in_flight, 64, 1)
         load = asyncio.create_task(run_phase(srv.url, in_flight, prompts, out_len))
@@ -206,7 +220,7 @@ async def part_ramp(model: Path, g: int, high: int, n_low: int, n_high: int, in_
     out: dict = {}
     for name, (dp, tp, live) in {f"fixed {g}xTP1": (g, 1, False), f"fixed 1xTP{g}": (1, g, False),
                                  "live": (g, 1, True)}.items():
-        srv = Server(model, dp, tp, [])
+        srv = Server(model, dp, tp, ["--reshape-spare-workers"] if live else [])
         try:
             await srv.ready()
             await run_phase(srv.url, 2, make_prompts(2, 16, 99), 4)  # warm
@@ -237,10 +251,12 @@ def print_restart(r: dict) -> None:
     print(f"\n== restart with TP {g} vs live reshape (G = {g}, CPU) ==")
     print(f"{'what':48s} {'seconds':>9s}")
     print(f"{f'restart: kvserve serve -tp {g} until /ready':48s} {r['restart_tp_s']:9.2f}")
-    for key, label in (("reshape_idle_to_tp", f"reshape {g}xTP1 -> 1xTP{g}, idle"),
+    for key, label in (("reshape_idle_to_tp_no_spares", f"reshape {g}xTP1 -> 1xTP{g}, idle, no spares"),
+                       ("reshape_idle_to_tp", f"reshape {g}xTP1 -> 1xTP{g}, idle"),
                        ("reshape_idle_to_dp", f"reshape 1xTP{g} -> {g}xTP1, idle"),
                        ("reshape_loaded_to_tp", f"reshape {g}xTP1 -> 1xTP{g}, streams in flight")):
         print(f"{label:48s} {r[key]['seconds']:9.2f}  (HTTP wall {r[key]['wall_s']:.2f})")
+    print("(reshapes with --reshape-spare-workers unless said otherwise)")
     print(f"restart / reshape to TP {g}: {r['restart_over_reshape']:.1f}x idle, "
           f"{r['restart_over_reshape_loaded']:.1f}x with {r['reshape_loaded_to_tp'].get('resumed_requests')} "
           f"requests resumed ({r['loaded_requests_completed']} completed)")

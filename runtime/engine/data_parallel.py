@@ -93,7 +93,7 @@ class DataParallelEngine:
     """`data_parallel_size` engines of `config.tensor_parallel_size` ranks; implements EngineClient."""
 
     def __init__(self, config, data_parallel_size: int = 1,
-                 engine_factory: Callable[[Any], Any] | None = None) -> None:
+                 engine_factory: Callable[[Any], Any] | None = None, *, spare_workers: bool = False) -> None:
         if engine_factory is None:
             from kvserve.runtime.engine.llm_engine import LLMEngine
 
@@ -104,7 +104,11 @@ class DataParallelEngine:
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
+        # Keep G - 1 worker interpreters started while no engine uses them, so a reshape to
+        # tensor parallelism skips their start-up (multiproc.prestart_workers).
+        self.spare_workers = spare_workers
         self.engines: list[Any] = self._build(self.layout)
+        self._keep_spares()
         first = self.engines[0]
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
@@ -151,6 +155,13 @@ class DataParallelEngine:
                         fut.result().structured_outputs.close()
             raise
         return engines
+
+    def _keep_spares(self) -> None:
+        if not self.spare_workers or self.num_devices < 2:
+            return
+        from kvserve.runtime.executor.multiproc import prestart_workers
+
+        prestart_workers(self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0)
 
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
@@ -262,6 +273,10 @@ class DataParallelEngine:
     def close(self) -> None:
         for e in self.engines:
             self._close_engine(e)
+        if self.spare_workers:
+            from kvserve.runtime.executor.multiproc import prestart_workers
+
+            prestart_workers(0)
         if self._grammars is not None:
             self._grammars.close()
         if self._pool is not None:
@@ -323,6 +338,7 @@ class DataParallelEngine:
                 engine.add_lora(lora)
         # 4. Resume every request on the engines now running.
         self._resume(heads)
+        self._keep_spares()
         seconds = time.perf_counter() - t0
         record = self._record(old, target, seconds, len(heads), changed=failure is None,
                               error=None if failure is None else f"{type(failure).__name__}: {failure}")
