@@ -104,6 +104,7 @@ class DataParallelEngine:
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
+        self._started_one = False
         # Keep G - 1 worker interpreters started while no engine uses them, so a reshape to
         # tensor parallelism skips their start-up (multiproc.prestart_workers).
         self.spare_workers = spare_workers
@@ -131,10 +132,23 @@ class DataParallelEngine:
                    for device in devices]
         engines: list[Any] = []
         # The engines start side by side: most of a start is torch work that leaves the GIL
-        # (filling the KV pools, packing weights), so G engines take little more than one.
-        with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="kvserve-dp-start") as pool:
-            futures = [pool.submit(self._factory, cfg) for cfg in configs]
-            concurrent.futures.wait(futures)
+        # (filling the KV pools, packing weights), so G engines take little more than one. The
+        # process's first engine starts alone: lazy imports (transformers' among them) are not
+        # safe to race from several threads.
+        futures: list[concurrent.futures.Future] = []
+        if not self._started_one:
+            first: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                first.set_result(self._factory(configs[0]))
+            except BaseException as exc:
+                first.set_exception(exc)
+            futures.append(first)
+            configs = configs[1:] if first.exception() is None else []
+            self._started_one = first.exception() is None
+        if configs:
+            with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="kvserve-dp-start") as pool:
+                futures += [pool.submit(self._factory, cfg) for cfg in configs]
+                concurrent.futures.wait(futures)
         try:
             for fut in futures:
                 engine = fut.result()
