@@ -973,6 +973,17 @@ def main(argv: list[str] | None = None) -> int:
         wait(lambda: (watcher.obj.get("status") or {}).get("readyReplicas"), 120, "a ready pod")
         wait(kubelet.router_ips, 60, "a ready router pod")
         say(f"    runtime pod and router pod ready after {time.monotonic() - t0:.1f}s: {watcher.line()}")
+        # devicesPerPod 2: quiet, the operator gives the pod the latency layout, in place; the
+        # burst below takes it back to the throughput layout while requests stream.
+        t0 = time.monotonic()
+        try:
+            wait(lambda: ((watcher.obj.get("status") or {}).get("layout") or {}).get("tensorParallel") == 2
+                 and any(e.get("reason") == "ReshapedInPlace" for e in api.items(f"/api/v1/namespaces/{ns}/events")),
+                 60, "the quiet pod's layout change")
+            say(f"    quiet: the pod went to the latency layout in place after {time.monotonic() - t0:.1f}s: "
+                f"{watcher.line()}")
+        except RuntimeError as e:
+            say(f"    {e} ({watcher.line()})")
 
         header("5/8", f"Burst: {args.conversations} chats x {args.turns} turns, {args.concurrency} at a time, "
                       f"through the router (each turn resends the history)")
