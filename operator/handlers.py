@@ -29,6 +29,7 @@ import kopf
 from kvserve.runtime.capacity import ModelShape
 
 from . import desired as D
+from . import lora as L
 from . import manifests as M
 from . import netpol as N
 from . import router as R
@@ -43,6 +44,7 @@ from .sources import AgentSource, PrometheusSource, RouterDemandSource, pod_name
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
 from .status import (
     append_decision,
+    condition,
     decision_record,
     degraded_conditions,
     iso,
@@ -437,8 +439,10 @@ class Reconciler:
             rollout = any(self._pod_hash(p) != current_hash for p in pods)
             errors: dict[str, str] = {}
             models: dict[str, dict[str, Any]] = {}
-            signals = await self.source.scrape(namespace, name, pods, errors, models)
+            adapters: dict[str, dict[str, Any]] = {}
+            signals = await self.source.scrape(namespace, name, pods, errors, models, adapters=adapters)
             self._learn_model(body, status, patch, spec, pods, models, current_hash, now)
+            adapter_conditions = self._report_adapters(body, status, patch, memo, spec, adapters, generation)
 
             decision: Decision | None = None
             zero = None
@@ -481,7 +485,8 @@ class Reconciler:
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
                 + (scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
-                                      note=tp_note(spec, shape)) if zero is None else []),
+                                      note=tp_note(spec, shape)) if zero is None else [])
+                + adapter_conditions,
                 now)
 
     @staticmethod
@@ -511,6 +516,29 @@ class Reconciler:
             f"{record.get('numKeyValueHeads')} KV heads, head dim {record.get('headDim')}, "
             f"{record.get('dtype')}{', ' + record['quantization'] if record.get('quantization') else ''}"
             f"{f', {weights / 1e9:.2f} GB of weights' if isinstance(weights, int) else ''}; {shape}"))
+
+    @staticmethod
+    def _report_adapters(body, status, patch, memo, spec, reports, generation) -> list[dict[str, Any]]:
+        """status.adapters (per pod), the AdaptersReady condition, and one Warning per adapter as it
+        fails (operator/lora.py). Returns the condition to merge (none without LoRA)."""
+        fields = None
+        if spec.lora.enabled:
+            entries = L.adapters_status(reports)
+            patch.status["adapters"] = entries
+            fields = L.condition_fields(spec, entries)
+            failed = L.failures(entries)
+            previous = memo.get("kvserve_adapter_failures") or {}
+            for adapter, message in sorted(failed.items()):
+                if previous.get(adapter) != message:
+                    kopf.warn(body, reason="AdapterFailed", message=f"adapter {adapter}: {message}")
+            memo["kvserve_adapter_failures"] = failed
+        elif status.get("adapters"):
+            patch.status["adapters"] = None
+        if fields is None:
+            if any(c.get("type") == L.CONDITION for c in status.get("conditions") or []):
+                return [condition(L.CONDITION, True, "LoRADisabled", "spec.adapters lists none", generation)]
+            return []
+        return [condition(L.CONDITION, fields[0], fields[1], fields[2], generation)]
 
     @staticmethod
     def _report_scrape_errors(body, memo, errors: dict[str, str]) -> None:

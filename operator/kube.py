@@ -60,6 +60,8 @@ class Kind:
 KINDS: dict[str, Kind] = {
     "Deployment": Kind("/apis/apps/v1", "deployments", k8s.AppsV1Api, "namespaced_deployment"),
     "Service": Kind("/api/v1", "services", k8s.CoreV1Api, "namespaced_service"),
+    # spec.adapters: the LoRA adapter list the pods' agents read (operator/lora.py).
+    "ConfigMap": Kind("/api/v1", "configmaps", k8s.CoreV1Api, "namespaced_config_map"),
     "PodDisruptionBudget": Kind("/apis/policy/v1", "poddisruptionbudgets", k8s.PolicyV1Api,
                                 "namespaced_pod_disruption_budget"),
     "Pod": Kind("/api/v1", "pods", k8s.CoreV1Api, "namespaced_pod"),

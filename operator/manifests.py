@@ -11,6 +11,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from . import kvcache as K
+from . import lora as L
 from .spec import API_VERSION, GIB, KIND, ServiceSpec, parse_quantity
 
 RUNTIME_PORT = 8000
@@ -167,7 +169,7 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
         command += ["--drain-timeout", str(rt.drain_timeout_seconds)]
         if spec.gpu.per_shard == 0:
             command += ["--device", "cpu"]
-    return command + list(rt.args)
+    return command + L.runtime_args(spec) + K.runtime_args(spec) + list(rt.args)
 
 
 def _http_probe(path: str, **timing: int) -> dict[str, Any]:
@@ -233,6 +235,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
     runtime_admin = rt.engine == "kvserve"
     if runtime_admin:
         runtime_mounts += admin_mount
+    runtime_mounts += L.runtime_mounts(spec) + K.runtime_mounts(spec)
     fetch_env = _cache_env()
     if spec.model.hf_token_secret:
         # Only the step that downloads needs it: the serving containers never see it.
@@ -247,9 +250,9 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "imagePullPolicy": rt.image_pull_policy,
         "command": runtime_command(name, spec, tp),
         "env": _cache_env() + api_key_env(spec, rt.engine) + (admin_env(spec) if runtime_admin else [])
-        + [{"name": k, "value": v} for k, v in rt.env],
-        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
-        "resources": _gpu_resources(spec, tp),
+        + L.runtime_env(spec) + [{"name": k, "value": v} for k, v in rt.env],
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}] + K.runtime_ports(spec),
+        "resources": K.with_offload_memory(_gpu_resources(spec, tp), spec, tp),
         "volumeMounts": runtime_mounts,
         "securityContext": _security_context(),
         **runtime_probes(rt.engine),
@@ -266,14 +269,14 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
                     "--tensor-parallel-size", str(tp),
                     "--drain-timeout", str(rt.drain_timeout_seconds),
                     # Reported in /v1/signals: the operator learns the model's shape from it.
-                    "--model-dir", model_dir(name)],
+                    "--model-dir", model_dir(name)] + L.agent_args(spec),
         # The agent calls only the runtime's /metrics, /ready and (admin) /drain: no user key.
         "env": _cache_env() + admin_env(spec),
         "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
         # 512Mi: reading a GGUF file's metadata runs the GGUF reader (and torch) in a short child.
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
-                         {"name": "tmp", "mountPath": "/tmp"}] + admin_mount,
+                         {"name": "tmp", "mountPath": "/tmp"}] + admin_mount + L.agent_mounts(spec),
         "securityContext": _security_context(),
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "agent"}, "periodSeconds": 5},
         # tcp, not /ready: a dead engine must not get the agent restarted.
@@ -304,7 +307,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         })
     volumes: list[dict[str, Any]] = [
         {"name": "models", "emptyDir": {"sizeLimit": _quantity(model_size_limit(spec, tp))}},
-        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}]
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}] + L.volumes(name, spec) + K.volumes(spec, tp)
     if per_pod_token:
         # In memory: the token never reaches the node's disk.
         volumes.append({"name": "admin-token", "emptyDir": {"medium": "Memory", "sizeLimit": ADMIN_VOLUME_SIZE}})
@@ -335,7 +338,8 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "metadata": {
             "labels": labels(name),
             "annotations": {TP_ANNOTATION: str(tp), "kvserve.dev/engine": rt.engine,
-                            "prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_PORT)},
+                            "prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_PORT),
+                            **K.pod_annotations(spec)},
         },
         "spec": pod_spec,
     }

@@ -21,18 +21,26 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-_MISTRAL_BIAS_RULE = ("MistralForCausalLM", "MixtralForCausalLM")
+_MISTRAL_BIAS_RULE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 
 # A config written by hand (an operator spec's model.config) may give only model_type.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                  "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+# Checkpoint tensors that hold several projections stacked by rows (Phi-3's qkv_proj and
+# gate_up_proj): suffix -> the parts, in row order. The loader splits them (part sizes from
+# fused_part_rows), so the model keeps one layout for every family.
+_FUSED = {"Phi3ForCausalLM": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                             "self_attn.v_proj.weight"),
+                              "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}}
 
 
 def architecture_of(config: Mapping[str, Any]) -> str:
@@ -50,7 +58,7 @@ def architecture_of(config: Mapping[str, Any]) -> str:
 def attention_biases(arch: str, config: Mapping[str, Any]) -> tuple[bool, bool]:
     """(q/k/v projections have a bias, o_proj has one), as transformers builds each family:
     Qwen2 always biases q/k/v and never o_proj; Qwen2-MoE the same unless ``qkv_bias`` is false;
-    Mistral and Mixtral ignore ``attention_bias``; the others bias all four with it."""
+    Mistral, Mixtral and Phi-3 ignore ``attention_bias``; the others bias all four with it."""
     attention_bias = bool(config.get("attention_bias", False))
     if arch == "Qwen2ForCausalLM":
         return True, False
@@ -59,3 +67,19 @@ def attention_biases(arch: str, config: Mapping[str, Any]) -> tuple[bool, bool]:
     if arch in _MISTRAL_BIAS_RULE:
         return False, False
     return attention_bias, attention_bias
+
+
+def fused_parts(arch: str, name: str) -> tuple[str, ...] | None:
+    """The checkpoint names a fused tensor `name` holds, in row order, or None if it is not one."""
+    for suffix, parts in _FUSED.get(arch, {}).items():
+        if name.endswith("." + suffix):
+            prefix = name[: -len(suffix)]
+            return tuple(prefix + part for part in parts)
+    return None
+
+
+def fused_part_rows(name: str, rows: int, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Rows of each part of a fused tensor of `rows` rows: q | k | v by heads, gate | up halves."""
+    if name.endswith("qkv_proj.weight"):
+        return num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim
+    return rows // 2, rows - rows // 2

@@ -136,6 +136,13 @@ def dashboard() -> dict:
                description="Layouts over time: with spec.parallelism.devicesPerPod the operator changes each "
                            "pod's layout in place (more DP at high load, higher TP at low load); each change "
                            "is a ReshapedInPlace Event, its duration kvserve:reshape_seconds."),
+        # spec.adapters (docs/lora.md): empty for services without LoRA adapters.
+        _panel(24, "LoRA adapters: requests per second by adapter",
+               [(f"sum by (lora_name) (rate(kvserve:lora_requests_total{{{SEL}}}[$__rate_interval]))",
+                 "{{lora_name}}")],
+               (0, 85, 24, 8), unit="reqps",
+               description="Which adapters are hot (kvserve:lora_requests_total, one series per loaded adapter); "
+                           "vllm:lora_requests_info names the adapters running and waiting right now."),
         # spec.router (docs/router.md): empty for services without a router.
         {"id": 15, "type": "row", "title": "Router", "collapsed": False,
          "gridPos": {"x": 0, "y": 52, "w": 24, "h": 1}, "panels": []},

@@ -12,7 +12,7 @@ import pathlib
 from typing import Any
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v2", "deepseek_v3")
+         "deepseek_v2", "deepseek_v3", "phi3")
 
 INIT_STD = 0.1
 
@@ -86,7 +86,7 @@ def _config(arch: str, overrides: dict[str, Any]):
     if arch not in ARCHS:
         raise ValueError(f"arch: unsupported {arch!r}; supported: {list(ARCHS)}")
     kwargs = dict(_DEFAULTS)
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         kwargs["sliding_window"] = None
     if arch in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = False
@@ -111,6 +111,7 @@ def _config(arch: str, overrides: dict[str, Any]):
         "deepseek_v3": transformers.DeepseekV3Config,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
     }[arch]
     return cls(**kwargs)
 
@@ -130,6 +131,7 @@ def _model_class(arch: str):
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[arch]
 
 

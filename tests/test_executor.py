@@ -262,3 +262,12 @@ def test_a_failed_graph_capture_is_an_error_with_its_traceback_and_a_stat(tiny_l
         # A measuring capture that fails (while sizing the KV cache) also keeps the real one from being tried.
         assert worker.profile_graphs(None, [1, 2], max_model_len=64, capture=True) == 0
         assert worker.graph_capture_failures == 2 and worker._graphs_refused
+
+
+def test_a_step_message_refuses_device_tensors():
+    """Rank 0 sends the step it prepared on the host; it never copies a device tensor back to send
+    it (a "meta" tensor stands in for a GPU one)."""
+    step = ForwardInput(torch.tensor([5]), torch.tensor([5]), _meta([[1]], [9], [6]), [0])
+    protocol.encode(protocol.STEP, step)  # host tensors travel
+    with pytest.raises(ValueError, match="host tensors only; got one on meta"):
+        protocol.encode(protocol.STEP, ForwardInput(torch.empty(1, device="meta"), torch.tensor([5]), step.meta, [0]))

@@ -339,3 +339,94 @@ def test_tier_stores_and_removals_are_kv_events_with_their_medium(tiny_llama, tm
         if e.medium == medium:
             held = held | set(e.block_hashes) if isinstance(e, BlockStored) else held - set(e.block_hashes)
     assert held == held_now
+
+
+# -- the server: flags to metrics ------------------------------------------------------------------
+def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_llama, tmp_path):
+    import openai
+    from server_helpers import http, m, metrics, wait_until
+
+    from kvserve.runtime.server.main import ServerThread
+
+    def start():
+        srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "4",
+                            "--num-kv-blocks", "24", "--max-model-len", "128", "--kv-offload-bytes", str(1 << 24),
+                            "--kv-offload-dir", str(tmp_path), "--swap-space", "0.001"])
+        srv.start()
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+        return srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+    def complete(client, prompts):
+        return [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0).choices[0].text
+                for p in prompts]
+
+    prompts = conversations()
+    srv, client = start()
+    try:
+        texts = [complete(client, prompts) for _ in range(2)]
+        assert texts[0] == texts[1]
+        snap = metrics(srv.url)
+        assert m(snap, "vllm:external_prefix_cache_hits_total") > 0
+        assert m(snap, "vllm:external_prefix_cache_queries_total") >= m(snap, "vllm:external_prefix_cache_hits_total")
+        assert m(snap, "kvserve:kv_offload_hits_total") > 0 and m(snap, "kvserve:kv_offload_loaded_bytes_total") > 0
+        assert m(snap, "kvserve:kv_offload_capacity_bytes") == 1 << 24
+        assert 0 < m(snap, "kvserve:kv_offload_used_bytes") <= 1 << 24
+        assert m(snap, "kvserve:kv_offload_load_seconds_count") > 0
+        assert m(snap, "vllm:num_requests_swapped") == 0 and m(snap, "vllm:cpu_cache_usage_perc") == 0
+        fresh = conversations(seed=9, n=1)
+        answer = complete(client, fresh)  # its blocks are only in the pool when the server stops
+    finally:
+        assert srv.stop() == 0  # SIGTERM's path: the pool's cached blocks are written to the tier
+    srv, client = start()
+    try:
+        assert complete(client, fresh) == answer
+        assert m(metrics(srv.url), "vllm:external_prefix_cache_hits_total") == 39
+    finally:
+        assert srv.stop() == 0
+
+
+# -- KV cache groups and tensor parallelism --------------------------------------------------------
+def test_hybrid_groups_reload_each_groups_blocks_bit_exact(tiny_model_factory, tmp_path):
+    """Gemma 3 (local and global layers): each group's blocks go to the tier under their own keys,
+    and a hit loads the full group's prefix but only the window group's live blocks."""
+    model = tiny_model_factory("gemma3", sliding_window=8, max_position_embeddings=512, num_hidden_layers=3,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    prompts = conversations(seed=5)
+    ref = make_engine(model, num_kv_blocks=400)
+    want = run(ref, prompts)
+    ref.close()
+    with make_engine(model, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as engine:
+        assert engine.kv_groups is not None and len(engine.executor.offloader.block_bytes) == 2
+        assert run(engine, prompts) == want
+        before = engine.get_stats()
+        assert run(engine, prompts) == want
+        after = engine.get_stats()
+        assert after.kv_offload_hit_tokens_total > before.kv_offload_hit_tokens_total
+        assert after.prefix_cache_hits_total - before.prefix_cache_hits_total == len(prompts) * 39
+        assert_no_leak(engine)
+    keys = [p.name for p in tmp_path.rglob("*.kvb")]
+    assert {k[:2] for k in keys} == {"00", "01"}  # both groups' blocks, each under its group byte
+
+
+def test_tensor_parallel_ranks_store_and_reload_their_own_shards(tiny_llama, reference, tmp_path):
+    prompts = conversations()
+    with make_engine(tiny_llama, tensor_parallel_size=2, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path), swap_space=0.001) as engine:
+        assert run(engine, prompts) == reference["first"]
+        assert run(engine, prompts) == reference["again"]
+        stats = engine.get_stats()
+        assert stats.kv_offload_hit_tokens_total > 0 and stats.kv_offload_failed_loads_total == 0
+        assert_no_leak(engine)
+    # Each rank wrote its own shard, in its own namespace: the same keys, half the heads each.
+    dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(dirs) == 2
+    names = [{p.name for p in d.glob("*.kvb")} for d in dirs]
+    assert names[0] and names[0] == names[1]
+    # A restart at the same layout finds them; at TP 1 (another layout) nothing is read.
+    with make_engine(tiny_llama, tensor_parallel_size=2, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path)) as warm:
+        assert run(warm, prompts) == reference["again"]
+        assert warm.get_stats().kv_offload_hit_tokens_total == len(prompts) * 39
+    with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as tp1:
+        run(tp1, prompts[:1])
+        assert tp1.get_stats().kv_offload_loaded_bytes_total == 0

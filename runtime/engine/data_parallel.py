@@ -42,12 +42,17 @@ log = logging.getLogger(__name__)
 _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
              "prefix_cache_hits_total", "computed_tokens_total", "spec_decode_num_drafts_total",
              "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-             "structured_output_requests_total", "cuda_graph_capture_failures_total")
+             "structured_output_requests_total", "cuda_graph_capture_failures_total",
+             "kv_offload_queries_tokens_total", "kv_offload_hit_tokens_total",
+             "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
+             "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
+             "kv_swap_ins_total")
 # Gauges that add up over engines.
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
-           "generation_tokens_per_second")
+           "generation_tokens_per_second", "kv_offload_capacity_bytes", "kv_offload_used_bytes",
+           "kv_swap_capacity_bytes", "kv_swap_used_bytes", "num_swapped")
 _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", "e2e_latencies",
-                 "grammar_compile_times")
+                 "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
 
 
 class ReshapeError(RuntimeError):
@@ -179,6 +184,9 @@ class DataParallelEngine:
 
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
+        persist = getattr(engine, "persist_kv_offload", None)
+        if persist is not None:  # a persistent offload tier keeps the pool's cached blocks
+            persist()
         engine.executor.shutdown()
         engine.core.shutdown()
         publisher = getattr(engine, "kv_event_publisher", None)
@@ -217,7 +225,8 @@ class DataParallelEngine:
             self._owner[rid] = engine
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time)
+        # As LLMEngine.add_request: a grammar still compiling is waited for (all or nothing).
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, wait_for_grammars=True)
 
     def abort_request(self, request_id: str) -> None:
         engine = self._owner.pop(request_id, None)

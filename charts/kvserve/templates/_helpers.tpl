@@ -30,6 +30,10 @@ owns by server-side apply only: patch, and create for an apply that creates the 
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch, delete]
+# spec.adapters: the LoRA adapter list its pods' agents read (mounted, updated in place).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch, delete]

@@ -27,7 +27,9 @@ Kernels, by device (`Int4Weight.matmul` / `Int8Weight.matmul` pick):
   They are fast only with bfloat16 inputs, so activations enter them in bfloat16 (fp32
   accumulation) and the result is cast back to the compute dtype. Anything else (grouped int8,
   small groups, odd row counts) dequantizes then multiplies.
-- CUDA: the Triton dequant-GEMM kernels of `kvserve.kernels.quant` (split-K for small batches).
+- CUDA: the Triton dequant-GEMM kernels of `kvserve.kernels.quant` (split-K for small batches)
+  up to 64 activation rows; above, the weight is dequantized to the compute dtype and multiplied
+  by cuBLAS (the platform chooses: runtime/executor/platform.py's ``int_matmul_kernel``).
 - Everywhere, the pure-torch twins of those kernels (`kvserve.kernels.reference`) are the oracle,
   and ``set_cpu_packed(False)`` / ``KVSERVE_QUANT_CPU_PACKED=0`` makes the CPU use them (exact
   dequantize-then-matmul in the compute dtype) instead of the native or packed kernels.
@@ -42,7 +44,7 @@ import os
 import torch
 
 from kvserve.kernels import quant_reference as ref
-from kvserve.kernels.ops import use_triton
+from kvserve.runtime.executor.platform import platform_for
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +102,11 @@ def _cpu_int4_group(group_size: int, k: int) -> int | None:
     return None
 
 
-def _triton_ok(x: torch.Tensor, group_size: int) -> bool:
-    if not use_triton(x):
-        return False
-    from kvserve.kernels import quant
-
-    return quant.supports_group(group_size)
-
-
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                 group_size: int) -> torch.Tensor:
-    """The Triton dequant-GEMM where it runs (CUDA), else its torch twin."""
-    if _triton_ok(x, group_size):
+    """The Triton dequant-GEMM where the platform picks it (CUDA, decode-sized batches), else
+    dequantize-then-matmul (cuBLAS for a GPU's prefill; the torch twin elsewhere)."""
+    if platform_for(x.device).int_matmul_kernel(x, group_size) == "triton":
         from kvserve.kernels import quant
 
         return quant.int4_matmul(x, packed, scale, offset, group_size)
@@ -119,7 +114,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    if _triton_ok(x, group_size):
+    if platform_for(x.device).int_matmul_kernel(x, group_size) == "triton":
         from kvserve.kernels import quant
 
         return quant.int8_matmul(x, q, scale, group_size)
