@@ -36,8 +36,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))  # sibling scripts (rbac_audit)
 
 BIN = Path(sys.executable).parent
 WORK = ROOT / "build" / "demo"
@@ -893,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     model = demo_model()
 
     header("2/8", "Kubernetes API: EMULATED (kmock KubernetesEmulator, in this process)")
-    from kube_emulator import EmulatorThread
+    from kvserve.testing.kube_emulator import EmulatorThread
 
     emulator = EmulatorThread().start()
     api = Api(emulator.url)

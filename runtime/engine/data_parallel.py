@@ -150,6 +150,9 @@ class DataParallelEngine:
 
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
+        persist = getattr(engine, "persist_kv_offload", None)
+        if persist is not None:  # a persistent offload tier keeps the pool's cached blocks
+            persist()
         engine.executor.shutdown()
         engine.core.shutdown()
         publisher = getattr(engine, "kv_event_publisher", None)
@@ -188,7 +191,8 @@ class DataParallelEngine:
             self._owner[rid] = engine
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time)
+        # As LLMEngine.add_request: a grammar still compiling is waited for (all or nothing).
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, wait_for_grammars=True)
 
     def abort_request(self, request_id: str) -> None:
         engine = self._owner.pop(request_id, None)
