@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from . import kvcache as K
 from . import lora as L
 from .spec import API_VERSION, GIB, KIND, ServiceSpec, parse_quantity
 
@@ -150,7 +151,8 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
     command = [*program, model_dir(name), "--host", "0.0.0.0", "--port", str(RUNTIME_PORT),
                "--served-model-name", spec.model.served_name,
                "--tensor-parallel-size", str(tp),
-               *(["--data-parallel-size", str(spec.devices_per_pod // tp)] if spec.devices_per_pod else []),
+               *(["--data-parallel-size", str(spec.devices_per_pod // tp), "--reshape-spare-workers"]
+                 if spec.devices_per_pod else []),
                "--block-size", str(rt.block_size),
                "--dtype", rt.dtype,
                "--gpu-memory-utilization", str(rt.gpu_memory_utilization),
@@ -167,7 +169,7 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
         command += ["--drain-timeout", str(rt.drain_timeout_seconds)]
         if spec.gpu.per_shard == 0:
             command += ["--device", "cpu"]
-    return command + L.runtime_args(spec) + list(rt.args)
+    return command + L.runtime_args(spec) + K.runtime_args(spec) + list(rt.args)
 
 
 def _http_probe(path: str, **timing: int) -> dict[str, Any]:
@@ -233,7 +235,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
     runtime_admin = rt.engine == "kvserve"
     if runtime_admin:
         runtime_mounts += admin_mount
-    runtime_mounts += L.runtime_mounts(spec)
+    runtime_mounts += L.runtime_mounts(spec) + K.runtime_mounts(spec)
     fetch_env = _cache_env()
     if spec.model.hf_token_secret:
         # Only the step that downloads needs it: the serving containers never see it.
@@ -249,8 +251,8 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "command": runtime_command(name, spec, tp),
         "env": _cache_env() + api_key_env(spec, rt.engine) + (admin_env(spec) if runtime_admin else [])
         + L.runtime_env(spec) + [{"name": k, "value": v} for k, v in rt.env],
-        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
-        "resources": _gpu_resources(spec, tp),
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}] + K.runtime_ports(spec),
+        "resources": K.with_offload_memory(_gpu_resources(spec, tp), spec, tp),
         "volumeMounts": runtime_mounts,
         "securityContext": _security_context(),
         **runtime_probes(rt.engine),
@@ -305,7 +307,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         })
     volumes: list[dict[str, Any]] = [
         {"name": "models", "emptyDir": {"sizeLimit": _quantity(model_size_limit(spec, tp))}},
-        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}] + L.volumes(name, spec)
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}] + L.volumes(name, spec) + K.volumes(spec, tp)
     if per_pod_token:
         # In memory: the token never reaches the node's disk.
         volumes.append({"name": "admin-token", "emptyDir": {"medium": "Memory", "sizeLimit": ADMIN_VOLUME_SIZE}})
@@ -336,7 +338,8 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "metadata": {
             "labels": labels(name),
             "annotations": {TP_ANNOTATION: str(tp), "kvserve.dev/engine": rt.engine,
-                            "prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_PORT)},
+                            "prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_PORT),
+                            **K.pod_annotations(spec)},
         },
         "spec": pod_spec,
     }

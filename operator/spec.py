@@ -120,6 +120,18 @@ class ModelSpec:
     size_limit: int | None = None  # bytes; the models emptyDir's sizeLimit (None: derived, manifests.py)
 
 
+KV_OFFLOAD_MEDIA = ("memory", "emptyDir", "pvc")
+
+
+@dataclass(frozen=True)
+class KVOffloadSpec:
+    """spec.runtime.kvOffload: the runtime's KV offload tier (--kv-offload-bytes/-dir, per rank)."""
+
+    size_bytes: int  # per tensor-parallel rank, as the runtime's --kv-offload-bytes
+    medium: str = "emptyDir"  # memory: host RAM; emptyDir: files on the node; pvc: files on a claim
+    claim_name: str | None = None  # medium pvc: an existing PersistentVolumeClaim
+
+
 @dataclass(frozen=True)
 class RuntimeSpec:
     engine: str = "kvserve"
@@ -140,6 +152,7 @@ class RuntimeSpec:
     resources: Mapping[str, Any] = field(default_factory=dict)
     api_key_secret: tuple[str, str] | None = None  # (secret name, key): the user API key
     admin_api_key_secret: tuple[str, str] | None = None  # None: a random per-pod admin token
+    kv_offload: KVOffloadSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +220,13 @@ class RouterSpec:
     replicas: int = 1
     policy: str = "prefix"
     hold_timeout_seconds: int = 300
+    # With the prefix policy: the pods publish KV events and the router ranks them by the blocks
+    # they hold (docs/kv-events.md).
+    kv_events: bool = True
+
+    @property
+    def follows_kv_events(self) -> bool:
+        return self.enabled and self.policy == "prefix" and self.kv_events
 
 
 @dataclass(frozen=True)
@@ -492,6 +512,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         resources=r.mapping("resources") or {},
         api_key_secret=_secret_ref(r, "apiKeySecret", "KVSERVE_API_KEY"),
         admin_api_key_secret=_secret_ref(r, "adminApiKeySecret", "KVSERVE_ADMIN_API_KEY"),
+        kv_offload=parse_kv_offload(r),
     )
 
     if runtime.engine == "vllm" and runtime.quantization in ("int8", "int4"):
@@ -573,6 +594,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         replicas=rt.integer("replicas", 1, lo=1, hi=100),
         policy=rt.string("policy", "prefix", choices=ROUTER_POLICIES),
         hold_timeout_seconds=rt.integer("holdTimeoutSeconds", 300, lo=1, hi=3600),
+        kv_events=rt.boolean("kvEvents", True),
     )
     if autoscaling.enabled and autoscaling.min_replicas == 0 and not router.enabled:
         # Without the router nothing would hold the requests that arrive while no pod runs, and
@@ -598,6 +620,28 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
                        autoscaling=autoscaling, replicas=replicas, router=router,
                        network_policy=parse_network_policy(top.raw.get("networkPolicy")),
                        devices_per_pod=devices, adapters=adapters, lora=lora)
+
+
+def parse_kv_offload(runtime: _Reader) -> KVOffloadSpec | None:
+    if runtime.raw.get("kvOffload") is None:
+        return None
+    k = runtime.sub("kvOffload")
+    if k.raw.get("size") is None:
+        raise SpecError(k.name("size"), "is required (the tier's bytes per tensor-parallel rank, e.g. 8Gi)")
+    size = parse_quantity(k.raw["size"], k.name("size"))
+    if size < 1024**2:
+        raise SpecError(k.name("size"), f"must be at least 1Mi, got {k.raw['size']!r}")
+    medium = k.string("medium", "emptyDir", choices=KV_OFFLOAD_MEDIA)
+    claim = k.string("claimName")
+    if medium == "pvc":
+        if not claim or not _NAME.match(claim):
+            raise SpecError(k.name("claimName"), f"medium pvc needs the name of an existing PersistentVolumeClaim, "
+                            f"got {claim!r}")
+    elif claim is not None:
+        raise SpecError(k.name("claimName"), f"only with medium pvc, not {medium!r}")
+    if runtime.raw.get("engine", "kvserve") != "kvserve":
+        raise SpecError(k.path, "is kvserve's offload tier (--kv-offload-bytes); needs runtime.engine kvserve")
+    return KVOffloadSpec(size, medium, claim)
 
 
 def parse_adapters(top: _Reader, served_name: str) -> tuple[tuple[AdapterSpec, ...], LoraSpec]:

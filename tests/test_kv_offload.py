@@ -348,16 +348,22 @@ def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_l
 
     from kvserve.runtime.server.main import ServerThread
 
-    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "4",
-                        "--num-kv-blocks", "24", "--max-model-len", "128", "--kv-offload-bytes", str(1 << 24),
-                        "--kv-offload-dir", str(tmp_path), "--swap-space", "0.001"])
-    srv.start()
-    try:
+    def start():
+        srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "4",
+                            "--num-kv-blocks", "24", "--max-model-len", "128", "--kv-offload-bytes", str(1 << 24),
+                            "--kv-offload-dir", str(tmp_path), "--swap-space", "0.001"])
+        srv.start()
         wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        prompts = conversations()
-        texts = [[client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0).choices[0].text
-                  for p in prompts] for _ in range(2)]
+        return srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+    def complete(client, prompts):
+        return [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0).choices[0].text
+                for p in prompts]
+
+    prompts = conversations()
+    srv, client = start()
+    try:
+        texts = [complete(client, prompts) for _ in range(2)]
         assert texts[0] == texts[1]
         snap = metrics(srv.url)
         assert m(snap, "vllm:external_prefix_cache_hits_total") > 0
@@ -367,6 +373,14 @@ def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_l
         assert 0 < m(snap, "kvserve:kv_offload_used_bytes") <= 1 << 24
         assert m(snap, "kvserve:kv_offload_load_seconds_count") > 0
         assert m(snap, "vllm:num_requests_swapped") == 0 and m(snap, "vllm:cpu_cache_usage_perc") == 0
+        fresh = conversations(seed=9, n=1)
+        answer = complete(client, fresh)  # its blocks are only in the pool when the server stops
+    finally:
+        assert srv.stop() == 0  # SIGTERM's path: the pool's cached blocks are written to the tier
+    srv, client = start()
+    try:
+        assert complete(client, fresh) == answer
+        assert m(metrics(srv.url), "vllm:external_prefix_cache_hits_total") == 39
     finally:
         assert srv.stop() == 0
 

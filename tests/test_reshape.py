@@ -185,3 +185,36 @@ def test_parallelism_needs_the_admin_key(server):
     assert http(server, "GET", "/admin/parallelism")[0] == 401
     snap = metrics(server)
     assert m(snap, "kvserve:data_parallel_size") == 2
+
+
+def test_spare_workers_make_the_reshape_skip_worker_start_up(tiny_llama):
+    """With spare workers the layout's tensor-parallel rank is a spare started while 2 x TP1 ran;
+    the text is the same, and nothing outlives the engine."""
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.executor.multiproc import spare_worker_pids
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=256,
+                                    max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = DataParallelEngine(config, 2, spare_workers=True)
+    try:
+        spares = spare_worker_pids()
+        assert len(spares) == 1 and set(spares) <= tp_worker_pids()
+        engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+        before = [o for o in engine.step() if o.request_id == "a"]
+        engine.reshape(1, 2)
+        assert engine.engines[0].executor.worker_pids == spares and not spare_worker_pids()
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.reshape(2, 1)
+        assert len(spare_worker_pids()) == 1  # ready for the next reshape
+        engine.add_request("b", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert before and done["a"].outputs[0].token_ids == done["b"].outputs[0].token_ids
+    finally:
+        engine.close()
+    assert not spare_worker_pids() and not tp_worker_pids()

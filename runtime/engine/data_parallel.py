@@ -98,7 +98,7 @@ class DataParallelEngine:
     """`data_parallel_size` engines of `config.tensor_parallel_size` ranks; implements EngineClient."""
 
     def __init__(self, config, data_parallel_size: int = 1,
-                 engine_factory: Callable[[Any], Any] | None = None) -> None:
+                 engine_factory: Callable[[Any], Any] | None = None, *, spare_workers: bool = False) -> None:
         if engine_factory is None:
             from kvserve.runtime.engine.llm_engine import LLMEngine
 
@@ -109,7 +109,12 @@ class DataParallelEngine:
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
+        self._started_one = False
+        # Keep G - 1 worker interpreters started while no engine uses them, so a reshape to
+        # tensor parallelism skips their start-up (multiproc.prestart_workers).
+        self.spare_workers = spare_workers
         self.engines: list[Any] = self._build(self.layout)
+        self._keep_spares()
         first = self.engines[0]
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
@@ -128,11 +133,30 @@ class DataParallelEngine:
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
         devices = engine_devices(layout, str(self.config.device))
+        configs = [dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
+                   for device in devices]
         engines: list[Any] = []
+        # The engines start side by side: most of a start is torch work that leaves the GIL
+        # (filling the KV pools, packing weights), so G engines take little more than one. The
+        # process's first engine starts alone: lazy imports (transformers' among them) are not
+        # safe to race from several threads.
+        futures: list[concurrent.futures.Future] = []
+        if not self._started_one:
+            first: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                first.set_result(self._factory(configs[0]))
+            except BaseException as exc:
+                first.set_exception(exc)
+            futures.append(first)
+            configs = configs[1:] if first.exception() is None else []
+            self._started_one = first.exception() is None
+        if configs:
+            with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="kvserve-dp-start") as pool:
+                futures += [pool.submit(self._factory, cfg) for cfg in configs]
+                concurrent.futures.wait(futures)
         try:
-            for device in devices:
-                cfg = dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
-                engine = self._factory(cfg)
+            for fut in futures:
+                engine = fut.result()
                 own = engine.structured_outputs
                 if self._grammars is None:
                     self._grammars = own
@@ -143,13 +167,26 @@ class DataParallelEngine:
                     engine.input_processor.structured_outputs = self._grammars
                 engines.append(engine)
         except BaseException:
-            for engine in engines:
-                self._close_engine(engine)
+            for fut in futures:  # every engine that did start, not only those already taken
+                if fut.exception() is None:
+                    self._close_engine(fut.result())
+                    if fut.result().structured_outputs is not self._grammars:
+                        fut.result().structured_outputs.close()
             raise
         return engines
 
+    def _keep_spares(self) -> None:
+        if not self.spare_workers or self.num_devices < 2:
+            return
+        from kvserve.runtime.executor.multiproc import prestart_workers
+
+        prestart_workers(self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0)
+
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
+        persist = getattr(engine, "persist_kv_offload", None)
+        if persist is not None:  # a persistent offload tier keeps the pool's cached blocks
+            persist()
         engine.executor.shutdown()
         engine.core.shutdown()
         publisher = getattr(engine, "kv_event_publisher", None)
@@ -188,7 +225,8 @@ class DataParallelEngine:
             self._owner[rid] = engine
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time)
+        # As LLMEngine.add_request: a grammar still compiling is waited for (all or nothing).
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, wait_for_grammars=True)
 
     def abort_request(self, request_id: str) -> None:
         engine = self._owner.pop(request_id, None)
@@ -258,6 +296,10 @@ class DataParallelEngine:
     def close(self) -> None:
         for e in self.engines:
             self._close_engine(e)
+        if self.spare_workers:
+            from kvserve.runtime.executor.multiproc import prestart_workers
+
+            prestart_workers(0)
         if self._grammars is not None:
             self._grammars.close()
         if self._pool is not None:
@@ -319,6 +361,7 @@ class DataParallelEngine:
                 engine.add_lora(lora)
         # 4. Resume every request on the engines now running.
         self._resume(heads)
+        self._keep_spares()
         seconds = time.perf_counter() - t0
         record = self._record(old, target, seconds, len(heads), changed=failure is None,
                               error=None if failure is None else f"{type(failure).__name__}: {failure}")

@@ -45,11 +45,11 @@ def test_bad_split_options_raise_value_errors():
 
 
 @pytest.mark.parametrize("window", [None, 40])
-def test_short_contexts_in_a_launch_sized_for_128k(window):
+def test_short_contexts_in_a_launch_sized_for_128k(window, device):
     # Contexts of 1 to 300 tokens: one, two or three live splits of the 32 launched (tiles of
     # 32 tokens, smallest split 64); the others return without writing a partial.
     specs = [(n - 1, 1) for n in (1, 17, 64, 65, 200, 300)] + [(30, 0)]
-    b = Batch(specs, dtype=torch.float32, head_dim=32, block_size=16, heads=4, kv_heads=2, seed=7)
+    b = Batch(specs, dtype=torch.float32, head_dim=32, block_size=16, heads=4, kv_heads=2, seed=7, device=device)
     expected = (b.expected() if window is None else
                 reference.paged_attention_ref(*b.args(), sliding_window=window))
     out = paged_decode_attention(*b.args(), max_seq_len=131072, num_splits=MAX_DECODE_SPLITS,
@@ -62,7 +62,7 @@ def test_short_contexts_in_a_launch_sized_for_128k(window):
         _assert_close(out, expected, torch.float32)
 
 
-def test_mla_short_contexts_in_a_launch_sized_for_163840():
+def test_mla_short_contexts_in_a_launch_sized_for_163840(device):
     from test_kernels_moe_mla import _paged_latents
 
     seq_lens, heads, lora, rope, block_size = [1, 40, 130, 7], 16, 32, 8, 8
@@ -73,6 +73,7 @@ def test_mla_short_contexts_in_a_launch_sized_for_163840():
     qsl = torch.arange(n + 1, dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = (lora + rope) ** -0.5
+    q, cache, qsl, lens, tables = (t.to(device) for t in (q, cache, qsl, lens, tables))
     want = reference.mla_decode_ref(q, cache, qsl, lens, tables, scale, lora)
     got = mla_decode_attention(q, cache, qsl, lens, tables, scale, lora, max_seq_len=163840,
                                num_splits=MAX_DECODE_SPLITS, min_split_tokens=32)
