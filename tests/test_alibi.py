@@ -1,6 +1,7 @@
 """ALiBi models (MPT): slopes, the torch backend's ALiBi against dense attention with the bias,
 greedy decoding through the engine (paged decode, a prefix served from the prefix cache)
-against transformers, and what is refused. Layer-by-layer logits against transformers over
+against transformers, and what is refused. The Triton kernels' ALiBi is
+tests/kernels/test_kernels_alibi.py's. Layer-by-layer logits against transformers over
 prefill, chunked prefill and mixed decode steps are tests/test_models.py's (mpt-alibi-6heads)."""
 
 from __future__ import annotations
@@ -95,14 +96,10 @@ def test_engine_greedy_with_a_cached_prefix_matches_transformers(tiny_model_fact
         assert list(out.outputs[0].token_ids) == want
 
 
-def test_alibi_is_refused_where_it_is_not_implemented(tiny_model_factory):
-    from kvserve.runtime.attention.triton_backend import TritonAttentionBackend
+def test_unsupported_mpt_options_are_named(tiny_model_factory):
     from kvserve.runtime.model_config import ModelConfig
-    from kvserve.runtime.models import load_model
 
     path = tiny_model_factory("mpt", **MPT)
-    with pytest.raises(ValueError, match="needs ALiBi, which the 'triton' backend does not implement"):
-        load_model(path, dtype=torch.float32, device="cpu", attention_backend=TritonAttentionBackend())
     base = ModelConfig.from_pretrained(path).hf_config
     for change, field in ((dict(attn_config={"alibi": False}), "attn_config.alibi"),
                           (dict(attn_config={"qk_ln": True}), "attn_config.qk_ln"),

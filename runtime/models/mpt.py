@@ -3,8 +3,8 @@
 The decoder is the shared one (models.llama.CausalLM): the checkpoint's names are mapped onto
 the shared layout at load (architectures.checkpoint_name) and its fused Wqkv is split like
 Phi-3's qkv_proj, so only the layer differs. ALiBi adds slope_h * (j - i) to the score of query
-position i and key position j; the attention backend applies it (the torch backend; the native
-CPU decode kernel has no ALiBi term, so these layers never take it).
+position i and key position j; the attention backend applies it (the torch backend and the Triton
+kernels; the native CPU decode kernel has no ALiBi term, so these layers never take it).
 """
 
 from __future__ import annotations
@@ -48,9 +48,6 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 class AlibiAttention(Attention):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, tp_rank: int, tp_size: int, **kw):
         super().__init__(cfg, backend, tp_rank=tp_rank, tp_size=tp_size, **kw)
-        if getattr(backend, "name", "") != "torch":
-            raise ValueError(f"attention_backend: {cfg.architecture} needs ALiBi, which the {backend.name!r} backend "
-                             "does not implement yet; use attention_backend='torch'")
         slopes = alibi_slopes(cfg.shape.num_attention_heads, cfg.alibi_bias_max)
         self.register_buffer("alibi_slopes", slopes[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads]
                              .to(kw["device"]), persistent=False)
