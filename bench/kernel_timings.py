@@ -6,7 +6,8 @@
                                                  # checks results and that the script works; its
                                                  # timings mean nothing
 
-Every CUDA timing is the median of --iters runs measured with CUDA events after --warmup runs.
+Every CUDA timing is triton.testing.do_bench's median (it flushes the L2 cache between runs and
+repeats the call for --rep milliseconds after --warmup milliseconds), not one event pair per call.
 Memory-bound kernels report GB/s and the fraction of the device's measured copy bandwidth
 (a device-to-device copy of 1 GiB, read + write bytes counted); prefill reports TFLOP/s. Decode
 attention is compared with torch SDPA over K/V already gathered into contiguous tensors (gather
@@ -20,7 +21,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,8 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--interpret", action="store_true", help="tiny CPU smoke run under TRITON_INTERPRET=1")
     p.add_argument("--quick", action="store_true", help="smaller grids")
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, milliseconds")
+    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, milliseconds")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/kernels[-interpret].json)")
     return p.parse_args(argv)
 
@@ -50,6 +50,7 @@ if not ARGS.interpret and not torch.cuda.is_available():
              "Use --interpret for a CPU smoke run of the script (timings meaningless).")
 
 import triton  # noqa: E402
+import triton.testing  # noqa: E402
 
 from kvserve.kernels import layers, reference  # noqa: E402
 from kvserve.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
@@ -65,24 +66,14 @@ if ARGS.interpret:
 
 
 def timed(fn) -> float:
-    """Median milliseconds of fn() (CUDA events on GPU; wall clock under the interpreter)."""
-    warmup, iters = (1, 1) if ARGS.interpret else (ARGS.warmup, ARGS.iters)
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if DEVICE.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    """Median milliseconds of fn() (triton.testing.do_bench on a GPU; one wall-clock call under
+    the interpreter, where the number only shows that the script runs)."""
+    if DEVICE.type == "cuda":
+        return float(triton.testing.do_bench(fn, warmup=ARGS.warmup, rep=ARGS.rep, return_mode="median"))
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def copy_bandwidth_gbs() -> float:
@@ -262,7 +253,8 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
         device=device, dtype=ARGS.dtype, copy_bandwidth_gbs=copy_bw, torch=torch.__version__,
-        triton=triton.__version__, interpret=ARGS.interpret, warmup=ARGS.warmup, iters=ARGS.iters,
+        triton=triton.__version__, interpret=ARGS.interpret, warmup_ms=ARGS.warmup, rep_ms=ARGS.rep,
+        timer="triton.testing.do_bench",
         shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden=HIDDEN, intermediate=INTER,
                    block_size=BLOCK),
         rows=rows), indent=1))

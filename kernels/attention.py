@@ -9,10 +9,17 @@ one tile is ever built.
 GQA/MQA: a program owns one KV head and computes all query heads of its group against each K/V
 tile it loads, so a KV block is read once per KV head, not once per query head.
 
-Decode (one query token per sequence): the context is cut into splits of ``tokens_per_split``
-tokens; each (sequence, KV head, split) program writes a normalised partial output and its
-log-sum-exp, and a merge kernel combines the splits. With a single split the decode kernel writes
-the output directly and the merge is skipped.
+Decode (one query token per sequence): the launch has a fixed number of splits per sequence
+(``num_splits``, chosen on the host from the batch size and the longest context the launch may
+see, at most ``MAX_DECODE_SPLITS``), and each program works out from its sequence's *real*
+length how many tokens a split holds (at least ``min_split_tokens``): a 200-token context in a
+launch sized for 128k uses two splits, and the programs of the other splits return at once. Each
+(sequence, KV head, split) program with tokens writes a normalised partial output and its
+log-sum-exp, and a merge kernel combines the splits that have tokens (it derives their count
+the same way, so it never reads what an empty split did not write). With a single split the
+decode kernel writes the output directly and the merge is skipped. This is what lets a CUDA
+graph captured for ``max_model_len`` replay cheaply for short contexts: the grid is fixed at
+capture, the work is not.
 
 Prefill: packed variable-length queries (``query_start_loc``), query token j of sequence i at
 position ``seq_lens[i] - query_len_i + j``, attending causally over the cached prefix and the
@@ -23,6 +30,8 @@ Sliding window (``sliding_window`` w): a query at position p sees keys p - w < j
 kernels start their key loop at the first position the program's rows can see, so a slot behind
 the window is never read (its block may be freed) and the work is bounded by the window. Soft-capping
 (``logits_soft_cap`` c, Gemma 2) replaces each scaled score s by c * tanh(s / c) before the softmax.
+ALiBi (``alibi_slopes``, float32 [num_heads], MPT) adds slope_h * (j - i) to the score of a query
+at position i and a key at j, after soft-capping; the slopes enter in log2 units like the scale.
 
 float8 K/V pools (kv_cache_dtype fp8): tiles are loaded as float8 (half the bytes of bf16) and
 upcast to the query dtype in registers; the per-layer k_scale multiplies the score scale and
@@ -44,7 +53,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(
-    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, MID_O, MID_LSE, K_SCALE, V_SCALE,
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, MID_O, MID_LSE, K_SCALE, V_SCALE, ALIBI,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -53,10 +62,10 @@ def _decode_kernel(
     stride_ot, stride_oh,
     stride_ms, stride_mh, stride_mp,
     stride_ls, stride_lh,
-    GROUP, HEAD_DIM, tokens_per_split, window, soft_cap_log2,
+    GROUP, HEAD_DIM, num_splits, min_split, align, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -73,7 +82,6 @@ def _decode_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     # Rows to read and write: none for a sequence without a query token (limits, not scalar
     # masks, because the interpreter rejects tensor & scalar-bool masks).
@@ -81,14 +89,18 @@ def _decode_kernel(
     heads = kvh * GROUP + g
     q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + heads, mask=row_ok, other=0.0)  # log2 units
 
     # The query sits at seq_len - 1; with a window it sees seq_len - window .. seq_len - 1, and the
     # splits cover only that span.
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    start = lo + split * tokens_per_split
-    end = tl.minimum(seq_len, start + tokens_per_split)
+    # Tokens per split from this sequence's real span (same formula as the merge kernel's).
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, num_splits), align) * align, min_split)
+    start = lo + split * per_split
+    end = tl.minimum(seq_len, start + per_split)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -112,6 +124,8 @@ def _decode_kernel(
             x = tl.minimum(tl.maximum(s / soft_cap_log2, -20.0), 20.0)  # tanh(20) is 1 in float32
             e2x = tl.exp2(x * (2.0 * 1.4426950408889634))
             s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
+        if HAS_ALIBI:  # the query sits at seq_len - 1
+            s = s + slope[:, None] * (n[None, :] - (seq_len - 1)).to(tl.float32)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -137,29 +151,38 @@ def _decode_kernel(
         tl.store(OUT + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        # Empty splits store lse = -inf and o = 0, which the merge weighs as zero.
+        # A split past the sequence's span did no work and stores nothing: the merge reads only
+        # the splits that have tokens.
+        live = g < tl.where(start < seq_len, GROUP, 0)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(MID_O + seq * stride_ms + heads[:, None] * stride_mh + split * stride_mp + d[None, :],
-                 o, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(MID_LSE + seq * stride_ls + heads * stride_lh + split, lse, mask=g_ok)
+                 o, mask=live[:, None] & d_ok[None, :])
+        tl.store(MID_LSE + seq * stride_ls + heads * stride_lh + split, lse, mask=live)
 
 
 @triton.jit
 def _merge_kernel(
-    MID_O, MID_LSE, QSL, OUT,
+    MID_O, MID_LSE, QSL, SEQ_LENS, OUT,
     stride_ms, stride_mh, stride_mp,
     stride_ls, stride_lh,
     stride_ot, stride_oh,
-    num_splits, HEAD_DIM,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_splits, min_split, align, window, HEAD_DIM,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     q_row = tl.load(QSL + seq).to(tl.int64)
     q_len = tl.load(QSL + seq + 1) - q_row
+    # The splits that have tokens, worked out as the decode kernels do.
+    seq_len = tl.where(q_len > 0, tl.load(SEQ_LENS + seq), 0)
+    span = seq_len
+    if HAS_WINDOW:
+        span = seq_len - tl.maximum(seq_len - window, 0)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), align) * align, min_split)
+    live = tl.cdiv(span, per_split)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    sp_ok = sp < num_splits
+    sp_ok = sp < live
     d_ok = d < HEAD_DIM
     lse = tl.load(MID_LSE + seq * stride_ls + head * stride_lh + sp, mask=sp_ok, other=float("-inf"))
     top = tl.max(lse, 0)
@@ -175,7 +198,7 @@ def _merge_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, K_SCALE, V_SCALE,
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, K_SCALE, V_SCALE, ALIBI,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -185,11 +208,13 @@ def _prefill_kernel(
     GROUP, HEAD_DIM, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
+    # Query tiles on grid axis 0 (up to 2^31 - 1 programs): a long prompt of a wide GQA group has
+    # more tiles than axis z allows (65,535); sequences, at most max_num_seqs, sit on z.
+    tile = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2)
+    seq = tl.program_id(2).to(tl.int64)
     qk_scale = scale_log2
     if KV_FP8:
         qk_scale = scale_log2 * tl.load(K_SCALE)
@@ -207,6 +232,8 @@ def _prefill_kernel(
     q_ptr = Q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     pos = ctx_len + tok  # absolute position of each row's token
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + heads, mask=r_ok, other=0.0)  # log2 units
 
     # Keys past the tile's last valid token are causally invisible to every row of the tile.
     has_rows = tile * BLOCK_M < q_len * GROUP
@@ -241,6 +268,8 @@ def _prefill_kernel(
             x = tl.minimum(tl.maximum(s / soft_cap_log2, -20.0), 20.0)  # tanh(20) is 1 in float32
             e2x = tl.exp2(x * (2.0 * 1.4426950408889634))
             s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
+        if HAS_ALIBI:
+            s = s + slope[:, None] * (n[None, :] - pos[:, None]).to(tl.float32)
         visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (n[None, :] > pos[:, None] - window)
@@ -321,10 +350,24 @@ def _kv_scales(query: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor
     return True, as_arg(k_scale), as_arg(v_scale)
 
 
+def _alibi_arg(query: torch.Tensor, slopes: torch.Tensor | None) -> torch.Tensor:
+    """The slopes in log2 units as the kernels read them (a placeholder pointer without ALiBi)."""
+    if slopes is None:
+        return query  # never read: HAS_ALIBI is off
+    if slopes.shape != (query.shape[1],):
+        raise ValueError(f"alibi_slopes must be [num_heads] = [{query.shape[1]}], got {tuple(slopes.shape)}")
+    return (slopes.to(device=query.device, dtype=torch.float32) * _LOG2E).contiguous()
+
+
 def _dot_f32(query: torch.Tensor) -> bool:
     # Triton's interpreter computes bfloat16 dots wrongly (3.9); there the operands are widened
     # after the same bfloat16 rounding the GPU applies, so the numerics stay those of the GPU path.
     return query.dtype == torch.bfloat16 and not query.is_cuda
+
+
+# At most this many splits per sequence: the merge then reads a [32, head_dim] float32 tile per
+# head, and a long context still gets 32-way parallelism per (sequence, head) program column.
+MAX_DECODE_SPLITS = 32
 
 
 @functools.cache
@@ -332,17 +375,41 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _tokens_per_split(device: torch.device, num_seqs: int, kv_heads: int, max_seq_len: int,
-                      block_n: int) -> int:
-    """Enough programs for several waves per SM (a short last wave then costs little), but no
-    split shorter than four tiles. Unmeasured on a GPU so far: a starting point to tune."""
-    if device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        splits = max(1, -(-8 * sms // max(1, num_seqs * kv_heads)))
-    else:
-        splits = 1
-    per_split = max(-(-max_seq_len // splits), 4 * block_n)
-    return -(-per_split // block_n) * block_n
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 elsewhere (the interpreter runs one program at
+    a time, so splitting buys nothing there)."""
+    if device.type != "cuda":
+        return 0
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def decode_num_splits(sms: int, num_seqs: int, parallel_heads: int, max_span: int, min_split: int) -> int:
+    """Splits per sequence of a decode launch: enough programs for several waves per SM (a short
+    last wave then costs little), no more than a `max_span`-token context fills with splits of
+    `min_split` tokens, and at most MAX_DECODE_SPLITS. Depends only on the launch's shape (batch
+    size and the longest context it may see, e.g. max_model_len under a CUDA graph), never on
+    the contexts' real lengths: the kernels derive the tokens per split from those. Unmeasured on
+    a GPU so far: a starting point to tune."""
+    if sms <= 0:
+        return 1
+    want = -(-8 * sms // max(1, num_seqs * parallel_heads))
+    fits = -(-max(1, max_span) // max(1, min_split))
+    return max(1, min(want, fits, MAX_DECODE_SPLITS))
+
+
+def _split_args(device: torch.device, num_seqs: int, parallel_heads: int, max_span: int, block_n: int,
+                num_splits: int | None, min_split_tokens: int | None) -> tuple[int, int, int]:
+    """(splits per sequence, smallest split in tokens, what a split's length is a multiple of:
+    whole key tiles, or the smallest split where that is shorter than a tile)."""
+    if min_split_tokens is not None and min_split_tokens < 1:
+        raise ValueError(f"min_split_tokens must be >= 1, got {min_split_tokens!r}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_DECODE_SPLITS}, got {num_splits!r}")
+    min_split = min_split_tokens or 4 * block_n
+    align = min(block_n, min_split)
+    if num_splits is None:
+        num_splits = decode_num_splits(device_sms(device), num_seqs, parallel_heads, max_span, min_split)
+    return num_splits, min_split, align
 
 
 def paged_decode_attention(
@@ -353,17 +420,20 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # int32 [num_seqs]
     block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
     scale: float,
-    max_seq_len: int | None = None,
-    tokens_per_split: int | None = None,
+    max_seq_len: int | None = None,  # the longest context this launch may see (sizes the split count)
+    num_splits: int | None = None,  # splits per sequence (None: decode_num_splits)
+    min_split_tokens: int | None = None,  # the smallest split (None: four key tiles)
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
     v_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (None: no ALiBi)
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
     kv_fp8, k_scale, v_scale = _kv_scales(query, k_cache, k_scale, v_scale)
+    alibi = _alibi_arg(query, alibi_slopes)
     tokens, heads, dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -380,9 +450,8 @@ def paged_decode_attention(
     # K and V tiles of 64 tokens, halved where a row is over 512 bytes (fp32 x 256) so that two
     # pipeline stages stay well inside shared memory.
     block_n = (64 if block_d * query.element_size() <= 512 else 32) if query.is_cuda else 32
-    if tokens_per_split is None:
-        tokens_per_split = _tokens_per_split(query.device, num_seqs, kv_heads, span, block_n)
-    num_splits = max(1, -(-span // tokens_per_split))
+    num_splits, min_split, align = _split_args(query.device, num_seqs, kv_heads, span, block_n, num_splits,
+                                        min_split_tokens)
     direct = num_splits == 1
     if direct:
         mid_o = mid_lse = out  # unused by the DIRECT variant
@@ -393,26 +462,27 @@ def paged_decode_attention(
         mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     kernel_for(_decode_kernel, query.device)[(num_seqs, kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, mid_o, mid_lse,
-        k_scale, v_scale, scale * _LOG2E,
+        k_scale, v_scale, alibi, scale * _LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *mid_strides,
-        group, dim, tokens_per_split, sliding_window or 0, (logits_soft_cap or 0.0) * _LOG2E,
+        group, dim, num_splits, min_split, align, sliding_window or 0, (logits_soft_cap or 0.0) * _LOG2E,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
-        num_warps=4 if dim <= 128 else 8, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=4 if dim <= 128 else 8, num_stages=2,
     )
     if not direct:
         kernel_for(_merge_kernel, query.device)[(num_seqs, heads)](
-            mid_o, mid_lse, query_start_loc, out,
+            mid_o, mid_lse, query_start_loc, seq_lens, out,
             *mid_strides,
             out.stride(0), out.stride(1),
-            num_splits, dim,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(dim), num_warps=4,
+            num_splits, min_split, align, sliding_window or 0, dim,
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(dim),
+            HAS_WINDOW=sliding_window is not None, num_warps=4,
         )
     return out
 
@@ -431,10 +501,12 @@ def paged_prefill_attention(
     logits_soft_cap: float | None = None,
     k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
     v_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (None: no ALiBi)
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
     kv_fp8, k_scale, v_scale = _kv_scales(query, k_cache, k_scale, v_scale)
+    alibi = _alibi_arg(query, alibi_slopes)
     tokens, heads, dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -453,8 +525,8 @@ def paged_prefill_attention(
     else:  # interpreter: fewer, larger numpy ops are what make it fast
         block_m, block_n, warps = 32, 32, 4
     tiles = triton.cdiv(max_query_len * group, block_m)
-    kernel_for(_prefill_kernel, query.device)[(num_seqs, kv_heads, tiles)](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale,
+    kernel_for(_prefill_kernel, query.device)[(tiles, kv_heads, num_seqs)](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale, alibi,
         scale * _LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -465,6 +537,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
-        num_warps=warps, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=warps, num_stages=2,
     )
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.attention import _LOG2E, _merge_kernel, _tokens_per_split
+from kvserve.kernels.attention import _LOG2E, _merge_kernel, _split_args
 from kvserve.kernels.triton_utils import dot_precision, kernel_for, next_pow2
 
 
@@ -34,7 +34,7 @@ def _mla_decode_kernel(
     stride_ot, stride_oh,
     stride_ms, stride_mh, stride_mp,
     stride_ls, stride_lh,
-    NUM_HEADS, tokens_per_split,
+    NUM_HEADS, num_splits, min_split, align,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -48,7 +48,6 @@ def _mla_decode_kernel(
     seq_len = tl.where(q_len > 0, tl.load(SEQ_LENS + seq), 0)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < NUM_HEADS
     row_ok = heads < tl.where(q_len > 0, NUM_HEADS, 0)
     lat = tl.arange(0, BLOCK_L)
     lat_ok = lat < KV_LORA
@@ -58,8 +57,10 @@ def _mla_decode_kernel(
     q_c = tl.load(q_base + lat[None, :], mask=row_ok[:, None] & lat_ok[None, :], other=0.0)  # [H, L]
     q_r = tl.load(q_base + KV_LORA + rope[None, :], mask=row_ok[:, None] & rope_ok[None, :], other=0.0)  # [H, R]
 
-    start = split * tokens_per_split
-    end = tl.minimum(seq_len, start + tokens_per_split)
+    # Tokens per split from this sequence's real length (the merge kernel's formula).
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), align) * align, min_split)
+    start = split * per_split
+    end = tl.minimum(seq_len, start + per_split)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
@@ -96,10 +97,12 @@ def _mla_decode_kernel(
         tl.store(OUT + q_row * stride_ot + heads[:, None] * stride_oh + lat[None, :],
                  o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & lat_ok[None, :])
     else:
+        # A split past the sequence's end stores nothing; the merge reads only splits with tokens.
+        live = heads < tl.where(start < seq_len, NUM_HEADS, 0)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(MID_O + seq * stride_ms + heads[:, None] * stride_mh + split * stride_mp + lat[None, :],
-                 o, mask=h_ok[:, None] & lat_ok[None, :])
-        tl.store(MID_LSE + seq * stride_ls + heads * stride_lh + split, lse, mask=h_ok)
+                 o, mask=live[:, None] & lat_ok[None, :])
+        tl.store(MID_LSE + seq * stride_ls + heads * stride_lh + split, lse, mask=live)
 
 
 def mla_decode_attention(
@@ -110,8 +113,9 @@ def mla_decode_attention(
     block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
     scale: float,
     kv_lora_rank: int,
-    max_seq_len: int | None = None,
-    tokens_per_split: int | None = None,
+    max_seq_len: int | None = None,  # the longest context this launch may see (sizes the split count)
+    num_splits: int | None = None,  # splits per sequence (None: kernels.attention.decode_num_splits)
+    min_split_tokens: int | None = None,  # the smallest split (None: four key tiles)
 ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
     if query.dim() != 3 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
         raise ValueError(f"query must be [tokens, heads, dim] and kv_cache [blocks, block_size, 1, dim], got "
@@ -135,9 +139,8 @@ def mla_decode_attention(
     block_h = 16
     head_blocks = triton.cdiv(heads, block_h)
     block_n = 32
-    if tokens_per_split is None:
-        tokens_per_split = _tokens_per_split(query.device, num_seqs, head_blocks, max_seq_len, block_n)
-    num_splits = max(1, -(-max_seq_len // tokens_per_split))
+    num_splits, min_split, align = _split_args(query.device, num_seqs, head_blocks, max_seq_len, block_n, num_splits,
+                                        min_split_tokens)
     direct = num_splits == 1
     if direct:
         mid_o = mid_lse = out
@@ -154,7 +157,7 @@ def mla_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *mid_strides,
-        heads, tokens_per_split,
+        heads, num_splits, min_split, align,
         KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=max(16, next_pow2(rope)),
         DIRECT=direct, DOT_PREC=dot_precision(query.dtype),
@@ -163,10 +166,11 @@ def mla_decode_attention(
     )
     if not direct:
         kernel_for(_merge_kernel, query.device)[(num_seqs, heads)](
-            mid_o, mid_lse, query_start_loc, out,
+            mid_o, mid_lse, query_start_loc, seq_lens, out,
             *mid_strides,
             out.stride(0), out.stride(1),
-            num_splits, kv_lora_rank,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(kv_lora_rank), num_warps=4,
+            num_splits, min_split, align, 0, kv_lora_rank,
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(kv_lora_rank),
+            HAS_WINDOW=False, num_warps=4,
         )
     return out

@@ -53,6 +53,7 @@ class PodSignals:
     requests_running: float = 0.0
     kv_cache_capacity_tokens: int = 0
     tensor_parallel_size: int | None = None
+    data_parallel_size: int | None = None  # kvserve's engines per pod (spec.parallelism.devicesPerPod)
 
     @classmethod
     def from_json(cls, name: str, data: Mapping[str, Any], *, pod_ready: bool = True) -> PodSignals:
@@ -61,6 +62,7 @@ class PodSignals:
             return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
         tp = data.get("tensor_parallel_size")
+        dp = data.get("data_parallel_size")
         return cls(
             name=name,
             ready=pod_ready and bool(data.get("ready", True)),
@@ -71,6 +73,7 @@ class PodSignals:
             requests_running=max(0.0, num("requests_running")),
             kv_cache_capacity_tokens=int(num("kv_cache_capacity_tokens")),
             tensor_parallel_size=int(tp) if isinstance(tp, int) and tp > 0 else None,
+            data_parallel_size=int(dp) if isinstance(dp, int) and dp > 0 else None,
         )
 
     def fresh(self, max_age: float) -> bool:
@@ -299,7 +302,8 @@ def decide(spec: ServiceSpec, shape: ModelShape | None, obs: Observation, state:
 
     decision = Decision(desired, tp, reason, message, state=new_state, limited=limited,
                         limited_message=limited_message, **base)
-    if a.tensor.enabled and shape is not None and desired == cur:
+    # With devicesPerPod the pods' layout changes in place instead (layout.py), never by a rollout.
+    if a.tensor.enabled and shape is not None and desired == cur and spec.devices_per_pod is None:
         decision = _decide_tp(spec, shape, obs, decision, fresh, raw)
     return decision
 

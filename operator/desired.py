@@ -16,6 +16,7 @@ from typing import Any
 
 from kvserve.runtime.capacity import ModelShape
 
+from . import lora as L
 from . import manifests as M
 from . import netpol as N
 from . import router as R
@@ -36,6 +37,8 @@ def recorded_size(spec: ServiceSpec, shape: ModelShape | None, status: Mapping[s
     if replicas is None:
         replicas = max(1, spec.autoscaling.min_replicas) if spec.autoscaling.enabled else (spec.replicas or 1)
     tp = _count(status.get("tensorParallelSize"), 1) or spec.tensor.initial
+    if spec.devices_per_pod:
+        tp = spec.tensor.initial  # the template's layout; the live one changes in place (layout.py)
     replicas, tp = hold(spec, replicas, tp)
     if shape is not None and shape.tp_error(tp):
         tp = spec.tensor.initial  # a model change made the recorded degree impossible
@@ -48,6 +51,8 @@ def owned_objects(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int,
     ever reachable from more than they allow), the router's identity before its pods, the
     Deployment after the Service and PDB that select its pods."""
     objects = N.build_network_policies(owner, spec, operator)
+    if spec.lora.enabled:  # before the Deployment: its pods mount it
+        objects.append(L.build_configmap(owner, spec))
     objects += [M.build_service(owner, spec), M.build_pdb(owner),
                 M.build_deployment(owner, spec, replicas=replicas, tp=tp)]
     if spec.router.enabled:
@@ -59,7 +64,8 @@ def possible_objects(name: str) -> list[tuple[str, str]]:
     """(kind, name) of everything any spec could make the resource own, in apply order: what the
     current spec does not ask for is deleted (in reverse order) when it exists and is ours."""
     return ([("NetworkPolicy", N.runtime_policy_name(name)), ("NetworkPolicy", N.router_policy_name(name)),
-             ("Service", name), ("PodDisruptionBudget", name), ("Deployment", name)]
+             ("ConfigMap", L.configmap_name(name)), ("Service", name), ("PodDisruptionBudget", name),
+             ("Deployment", name)]
             + [(kind, R.router_name(name)) for kind in R.ROUTER_KINDS])
 
 

@@ -29,6 +29,7 @@ import kopf
 from kvserve.runtime.capacity import ModelShape
 
 from . import desired as D
+from . import lora as L
 from . import manifests as M
 from . import netpol as N
 from . import router as R
@@ -36,12 +37,14 @@ from .autoscaler import AutoscalerState, Decision, Observation, aggregate, decid
 from .kube import APIError, KubeClient, NotOwned, apply, owned_by
 from .metrics import OperatorMetrics
 from .peering import REPEAT_SECONDS, peering_objects, watch_peering
+from .reshape import converge_layouts
 from .retry import handler_delay
 from .scaletozero import SCALE_TO_ZERO, RouterDemand, ZeroDecision, pods_busy, zero_decision
 from .sources import AgentSource, PrometheusSource, RouterDemandSource, pod_name, pod_ready, pod_terminating
 from .spec import GROUP, PLURAL, VERSION, ServiceSpec, SpecError, check_name, check_servable, model_shape, parse_spec
 from .status import (
     append_decision,
+    condition,
     decision_record,
     degraded_conditions,
     iso,
@@ -436,8 +439,10 @@ class Reconciler:
             rollout = any(self._pod_hash(p) != current_hash for p in pods)
             errors: dict[str, str] = {}
             models: dict[str, dict[str, Any]] = {}
-            signals = await self.source.scrape(namespace, name, pods, errors, models)
+            adapters: dict[str, dict[str, Any]] = {}
+            signals = await self.source.scrape(namespace, name, pods, errors, models, adapters=adapters)
             self._learn_model(body, status, patch, spec, pods, models, current_hash, now)
+            adapter_conditions = self._report_adapters(body, status, patch, memo, spec, adapters, generation)
 
             decision: Decision | None = None
             zero = None
@@ -470,6 +475,8 @@ class Reconciler:
                     replicas, tp = await self._converge_or_degrade(body, current, spec, shape, status, patch,
                                                                    generation, now, retry, full=False)
                 self._report_limits(body, status, decision)
+                if spec.devices_per_pod:  # each pod's DP x TP, changed in place (layout.py, reshape.py)
+                    await converge_layouts(self, body, current, spec, shape, pods, signals, memo, patch, logger)
             ready = sum(1 for p in pods if pod_ready(p))
             patch.status.update(self._base_status(name, namespace, generation, pods, ready))
             self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready, uid=uid)
@@ -478,7 +485,8 @@ class Reconciler:
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
                 + (scaling_conditions(decision, enabled=spec.autoscaling.enabled, generation=generation,
-                                      note=tp_note(spec, shape)) if zero is None else []),
+                                      note=tp_note(spec, shape)) if zero is None else [])
+                + adapter_conditions,
                 now)
 
     @staticmethod
@@ -508,6 +516,29 @@ class Reconciler:
             f"{record.get('numKeyValueHeads')} KV heads, head dim {record.get('headDim')}, "
             f"{record.get('dtype')}{', ' + record['quantization'] if record.get('quantization') else ''}"
             f"{f', {weights / 1e9:.2f} GB of weights' if isinstance(weights, int) else ''}; {shape}"))
+
+    @staticmethod
+    def _report_adapters(body, status, patch, memo, spec, reports, generation) -> list[dict[str, Any]]:
+        """status.adapters (per pod), the AdaptersReady condition, and one Warning per adapter as it
+        fails (operator/lora.py). Returns the condition to merge (none without LoRA)."""
+        fields = None
+        if spec.lora.enabled:
+            entries = L.adapters_status(reports)
+            patch.status["adapters"] = entries
+            fields = L.condition_fields(spec, entries)
+            failed = L.failures(entries)
+            previous = memo.get("kvserve_adapter_failures") or {}
+            for adapter, message in sorted(failed.items()):
+                if previous.get(adapter) != message:
+                    kopf.warn(body, reason="AdapterFailed", message=f"adapter {adapter}: {message}")
+            memo["kvserve_adapter_failures"] = failed
+        elif status.get("adapters"):
+            patch.status["adapters"] = None
+        if fields is None:
+            if any(c.get("type") == L.CONDITION for c in status.get("conditions") or []):
+                return [condition(L.CONDITION, True, "LoRADisabled", "spec.adapters lists none", generation)]
+            return []
+        return [condition(L.CONDITION, fields[0], fields[1], fields[2], generation)]
 
     @staticmethod
     def _report_scrape_errors(body, memo, errors: dict[str, str]) -> None:

@@ -60,9 +60,13 @@ class Kind:
 KINDS: dict[str, Kind] = {
     "Deployment": Kind("/apis/apps/v1", "deployments", k8s.AppsV1Api, "namespaced_deployment"),
     "Service": Kind("/api/v1", "services", k8s.CoreV1Api, "namespaced_service"),
+    # spec.adapters: the LoRA adapter list the pods' agents read (operator/lora.py).
+    "ConfigMap": Kind("/api/v1", "configmaps", k8s.CoreV1Api, "namespaced_config_map"),
     "PodDisruptionBudget": Kind("/apis/policy/v1", "poddisruptionbudgets", k8s.PolicyV1Api,
                                 "namespaced_pod_disruption_budget"),
     "Pod": Kind("/api/v1", "pods", k8s.CoreV1Api, "namespaced_pod"),
+    # spec.parallelism.devicesPerPod: the admin key the pods' agents check (read only).
+    "Secret": Kind("/api/v1", "secrets", k8s.CoreV1Api, "namespaced_secret"),
     # The router's identity and rights (spec.router).
     "ServiceAccount": Kind("/api/v1", "serviceaccounts", k8s.CoreV1Api, "namespaced_service_account"),
     "Role": Kind("/apis/rbac.authorization.k8s.io/v1", "roles", k8s.RbacAuthorizationV1Api, "namespaced_role"),

@@ -11,6 +11,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from . import kvcache as K
+from . import lora as L
 from .spec import API_VERSION, GIB, KIND, ServiceSpec, parse_quantity
 
 RUNTIME_PORT = 8000
@@ -149,6 +151,8 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
     command = [*program, model_dir(name), "--host", "0.0.0.0", "--port", str(RUNTIME_PORT),
                "--served-model-name", spec.model.served_name,
                "--tensor-parallel-size", str(tp),
+               *(["--data-parallel-size", str(spec.devices_per_pod // tp), "--reshape-spare-workers"]
+                 if spec.devices_per_pod else []),
                "--block-size", str(rt.block_size),
                "--dtype", rt.dtype,
                "--gpu-memory-utilization", str(rt.gpu_memory_utilization),
@@ -165,7 +169,7 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
         command += ["--drain-timeout", str(rt.drain_timeout_seconds)]
         if spec.gpu.per_shard == 0:
             command += ["--device", "cpu"]
-    return command + list(rt.args)
+    return command + L.runtime_args(spec) + K.runtime_args(spec) + list(rt.args)
 
 
 def _http_probe(path: str, **timing: int) -> dict[str, Any]:
@@ -203,7 +207,8 @@ def _fetch_source(name: str, spec: ServiceSpec) -> str:
 def _gpu_resources(spec: ServiceSpec, tp: int) -> dict[str, Any]:
     requests = dict((spec.runtime.resources or {}).get("requests") or {})
     limits = dict((spec.runtime.resources or {}).get("limits") or {})
-    gpus = tp * spec.gpu.per_shard
+    # devicesPerPod: the pod owns G devices whatever its live layout, so the template never changes.
+    gpus = (spec.devices_per_pod or tp) * spec.gpu.per_shard
     if gpus:
         # Extended resources must have request == limit.
         requests[spec.gpu.resource_name] = str(gpus)
@@ -224,12 +229,13 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
     per_pod_token = rt.admin_api_key_secret is None
     admin_mount = [{"name": "admin-token", "mountPath": ADMIN_DIR, "readOnly": True}] if per_pod_token else []
     runtime_mounts = list(mounts)
-    if tp > 1:
+    if (spec.devices_per_pod or tp) > 1:
         runtime_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     # vLLM's image has no admin route and no kvserve to read the token with.
     runtime_admin = rt.engine == "kvserve"
     if runtime_admin:
         runtime_mounts += admin_mount
+    runtime_mounts += L.runtime_mounts(spec) + K.runtime_mounts(spec)
     fetch_env = _cache_env()
     if spec.model.hf_token_secret:
         # Only the step that downloads needs it: the serving containers never see it.
@@ -244,9 +250,9 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "imagePullPolicy": rt.image_pull_policy,
         "command": runtime_command(name, spec, tp),
         "env": _cache_env() + api_key_env(spec, rt.engine) + (admin_env(spec) if runtime_admin else [])
-        + [{"name": k, "value": v} for k, v in rt.env],
-        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
-        "resources": _gpu_resources(spec, tp),
+        + L.runtime_env(spec) + [{"name": k, "value": v} for k, v in rt.env],
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}] + K.runtime_ports(spec),
+        "resources": K.with_offload_memory(_gpu_resources(spec, tp), spec, tp),
         "volumeMounts": runtime_mounts,
         "securityContext": _security_context(),
         **runtime_probes(rt.engine),
@@ -263,14 +269,14 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
                     "--tensor-parallel-size", str(tp),
                     "--drain-timeout", str(rt.drain_timeout_seconds),
                     # Reported in /v1/signals: the operator learns the model's shape from it.
-                    "--model-dir", model_dir(name)],
+                    "--model-dir", model_dir(name)] + L.agent_args(spec),
         # The agent calls only the runtime's /metrics, /ready and (admin) /drain: no user key.
         "env": _cache_env() + admin_env(spec),
         "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
         # 512Mi: reading a GGUF file's metadata runs the GGUF reader (and torch) in a short child.
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
-                         {"name": "tmp", "mountPath": "/tmp"}] + admin_mount,
+                         {"name": "tmp", "mountPath": "/tmp"}] + admin_mount + L.agent_mounts(spec),
         "securityContext": _security_context(),
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "agent"}, "periodSeconds": 5},
         # tcp, not /ready: a dead engine must not get the agent restarted.
@@ -301,11 +307,11 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         })
     volumes: list[dict[str, Any]] = [
         {"name": "models", "emptyDir": {"sizeLimit": _quantity(model_size_limit(spec, tp))}},
-        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}]
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}] + L.volumes(name, spec) + K.volumes(spec, tp)
     if per_pod_token:
         # In memory: the token never reaches the node's disk.
         volumes.append({"name": "admin-token", "emptyDir": {"medium": "Memory", "sizeLimit": ADMIN_VOLUME_SIZE}})
-    if tp > 1:
+    if (spec.devices_per_pod or tp) > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     if spec.model.source.kind == "pvc":
         volumes.append({"name": "model-source",
@@ -332,7 +338,8 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         "metadata": {
             "labels": labels(name),
             "annotations": {TP_ANNOTATION: str(tp), "kvserve.dev/engine": rt.engine,
-                            "prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_PORT)},
+                            "prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_PORT),
+                            **K.pod_annotations(spec)},
         },
         "spec": pod_spec,
     }

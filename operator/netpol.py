@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import kvcache as K
 from . import manifests as M
 from . import router as R
 from .spec import ServiceSpec
@@ -99,6 +100,9 @@ def build_runtime_policy(owner: Mapping[str, Any], spec: ServiceSpec, operator: 
     return _policy(owner, runtime_policy_name(name), M.labels(name), M.selector_labels(name), [
         _rule(M.RUNTIME_PORT, router + client_peers(spec, namespace) + metrics),
         _rule(M.AGENT_PORT, operator_peers(operator) + router + metrics),
+        # The router follows each pod's KV events (publisher and replay sockets); nobody else.
+        *([_rule(K.EVENTS_PORT, router), _rule(K.EVENTS_REPLAY_PORT, router)] if K.events_on(spec)
+          else []),
     ])
 
 

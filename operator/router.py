@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from . import kvcache as K
 from . import manifests as M
 from .spec import ServiceSpec
 
@@ -47,7 +48,7 @@ def router_command(name: str, namespace: str, spec: ServiceSpec) -> list[str]:
             "--runtime-port", str(M.RUNTIME_PORT), "--agent-port", str(M.AGENT_PORT),
             "--policy", r.policy, "--hold-timeout", str(r.hold_timeout_seconds),
             "--block-size", str(spec.runtime.block_size),
-            "--served-model-name", spec.model.served_name]
+            "--served-model-name", spec.model.served_name] + K.router_args(spec)
 
 
 def build_router_deployment(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:

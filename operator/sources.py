@@ -120,9 +120,11 @@ class AgentSource(_HttpSource):
 
     async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]],
                      errors: dict[str, str] | None = None,
-                     models: dict[str, dict[str, Any]] | None = None) -> list[PodSignals]:
+                     models: dict[str, dict[str, Any]] | None = None,
+                     adapters: dict[str, dict[str, Any]] | None = None) -> list[PodSignals]:
         """Signals for every pod, in order; failures are also put in `errors` (pod -> message),
-        and what each agent reports about its model in `models` (pod -> the agent's `model`)."""
+        what each agent reports about its model in `models` (pod -> the agent's `model`) and
+        about its LoRA adapters in `adapters` (pod -> the agent's `adapters`)."""
         semaphore = asyncio.Semaphore(self.concurrency)
         errors = {} if errors is None else errors
         models = {} if models is None else models
@@ -141,6 +143,8 @@ class AgentSource(_HttpSource):
                         raise ValueError("answer is not a JSON object")
                     if isinstance(data.get("model"), dict):
                         models[pod_name(pod)] = data["model"]
+                    if adapters is not None and isinstance(data.get("adapters"), dict):
+                        adapters[pod_name(pod)] = data["adapters"]
                     return PodSignals.from_json(pod_name(pod), data, pod_ready=True)
                 except (TimeoutError, aiohttp.ClientError, ValueError) as error:
                     errors[pod_name(pod)] = f"{url}: {type(error).__name__}: {error}"
@@ -199,8 +203,9 @@ class PrometheusSource:
 
     async def scrape(self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]],
                      errors: dict[str, str] | None = None,
-                     models: dict[str, dict[str, Any]] | None = None) -> list[PodSignals]:
-        # Prometheus carries numbers only: no model reports through this source.
+                     models: dict[str, dict[str, Any]] | None = None,
+                     adapters: dict[str, dict[str, Any]] | None = None) -> list[PodSignals]:
+        # Prometheus carries numbers only: no model (or adapter) reports through this source.
         pods = list(pods)
         errors = {} if errors is None else errors
         try:

@@ -120,6 +120,18 @@ class ModelSpec:
     size_limit: int | None = None  # bytes; the models emptyDir's sizeLimit (None: derived, manifests.py)
 
 
+KV_OFFLOAD_MEDIA = ("memory", "emptyDir", "pvc")
+
+
+@dataclass(frozen=True)
+class KVOffloadSpec:
+    """spec.runtime.kvOffload: the runtime's KV offload tier (--kv-offload-bytes/-dir, per rank)."""
+
+    size_bytes: int  # per tensor-parallel rank, as the runtime's --kv-offload-bytes
+    medium: str = "emptyDir"  # memory: host RAM; emptyDir: files on the node; pvc: files on a claim
+    claim_name: str | None = None  # medium pvc: an existing PersistentVolumeClaim
+
+
 @dataclass(frozen=True)
 class RuntimeSpec:
     engine: str = "kvserve"
@@ -140,6 +152,7 @@ class RuntimeSpec:
     resources: Mapping[str, Any] = field(default_factory=dict)
     api_key_secret: tuple[str, str] | None = None  # (secret name, key): the user API key
     admin_api_key_secret: tuple[str, str] | None = None  # None: a random per-pod admin token
+    kv_offload: KVOffloadSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +183,17 @@ class TensorAutoscaling:
 
 
 @dataclass(frozen=True)
+class LayoutAutoscaling:
+    """With parallelism.devicesPerPod: when each pod's DP x TP layout changes in place."""
+
+    enabled: bool = True
+    high_load_requests: float = 8.0  # per pod, running + waiting: the most data-parallel layout
+    low_load_requests: float = 2.0  # per pod: the highest tensor-parallel layout
+    stabilization_seconds: float = 30.0
+    reshape_cost_multiple: float = 20.0
+
+
+@dataclass(frozen=True)
 class AutoscalingSpec:
     enabled: bool = True
     min_replicas: int = 1
@@ -185,6 +209,7 @@ class AutoscalingSpec:
     panic_window_seconds: float = 60.0
     scale_to_zero_after_seconds: float = 300.0  # with min_replicas 0: idle this long, then 0 replicas
     tensor: TensorAutoscaling = field(default_factory=TensorAutoscaling)
+    layout: LayoutAutoscaling = field(default_factory=LayoutAutoscaling)
 
 
 @dataclass(frozen=True)
@@ -195,6 +220,13 @@ class RouterSpec:
     replicas: int = 1
     policy: str = "prefix"
     hold_timeout_seconds: int = 300
+    # With the prefix policy: the pods publish KV events and the router ranks them by the blocks
+    # they hold (docs/kv-events.md).
+    kv_events: bool = True
+
+    @property
+    def follows_kv_events(self) -> bool:
+        return self.enabled and self.policy == "prefix" and self.kv_events
 
 
 @dataclass(frozen=True)
@@ -210,6 +242,31 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """One LoRA adapter (spec.adapters[]): clients pick it by `name` in `model`."""
+
+    name: str
+    uri: str
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """spec.lora: whether the runtime runs with LoRA, and its limits (vLLM's flags)."""
+
+    enabled: bool = False  # effective: spec.lora.enabled, else whether spec.adapters lists any
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
+MAX_ADAPTERS = 256
+DEFAULT_MAX_CPU_LORAS = 16
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ADAPTER_URI = re.compile(r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|file:///.+|/.+)$")
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     model: ModelSpec
     runtime: RuntimeSpec
@@ -219,6 +276,10 @@ class ServiceSpec:
     replicas: int | None = None  # manual size; only without autoscaling
     router: RouterSpec = field(default_factory=RouterSpec)
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
+    adapters: tuple[AdapterSpec, ...] = ()
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    # G: devices per pod, served as a DP x TP layout the operator changes in place (None: off).
+    devices_per_pod: int | None = None
 
     @property
     def gpus_per_replica_per_tp(self) -> int:
@@ -451,6 +512,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         resources=r.mapping("resources") or {},
         api_key_secret=_secret_ref(r, "apiKeySecret", "KVSERVE_API_KEY"),
         admin_api_key_secret=_secret_ref(r, "adminApiKeySecret", "KVSERVE_ADMIN_API_KEY"),
+        kv_offload=parse_kv_offload(r),
     )
 
     if runtime.engine == "vllm" and runtime.quantization in ("int8", "int4"):
@@ -489,6 +551,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
 
     a = top.sub("autoscaling")
     ta = a.sub("tensorParallel")
+    la = a.sub("layout")
     autoscaling = AutoscalingSpec(
         enabled=a.boolean("enabled", True),
         min_replicas=a.integer("minReplicas", 1, lo=0, hi=1000),
@@ -509,7 +572,16 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
             kv_saturation=ta.number("kvSaturation", 0.9, lo=0.1, hi=1.0),
             few_running_requests=ta.number("fewRunningRequests", 2, lo=0, hi=10000),
         ),
+        layout=LayoutAutoscaling(
+            enabled=la.boolean("enabled", True),
+            high_load_requests=la.number("highLoadRequests", 8, lo=0, hi=10000),
+            low_load_requests=la.number("lowLoadRequests", 2, lo=0, hi=10000),
+            stabilization_seconds=la.number("stabilizationSeconds", 30, lo=0, hi=86400),
+            reshape_cost_multiple=la.number("reshapeCostMultiple", 20, lo=0, hi=10000),
+        ),
     )
+    if autoscaling.layout.low_load_requests > autoscaling.layout.high_load_requests:
+        raise SpecError("spec.autoscaling.layout", "needs lowLoadRequests <= highLoadRequests")
     if autoscaling.min_replicas > autoscaling.max_replicas:
         raise SpecError("spec.autoscaling", f"needs minReplicas <= maxReplicas, got "
                         f"{autoscaling.min_replicas} > {autoscaling.max_replicas}")
@@ -522,15 +594,93 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         replicas=rt.integer("replicas", 1, lo=1, hi=100),
         policy=rt.string("policy", "prefix", choices=ROUTER_POLICIES),
         hold_timeout_seconds=rt.integer("holdTimeoutSeconds", 300, lo=1, hi=3600),
+        kv_events=rt.boolean("kvEvents", True),
     )
     if autoscaling.enabled and autoscaling.min_replicas == 0 and not router.enabled:
         # Without the router nothing would hold the requests that arrive while no pod runs, and
         # nothing would tell the operator to wake the service: they would just fail.
         raise SpecError("spec.autoscaling.minReplicas", "0 (scale to zero) needs spec.router.enabled: true "
                         "(the router holds requests while no pod runs and wakes the service)")
+    p = top.sub("parallelism")
+    devices = p.integer("devicesPerPod", None, lo=1, hi=64)
+    if devices is not None:
+        if devices not in TP_DEGREES:
+            raise SpecError(p.name("devicesPerPod"), f"must be a power of two, got {devices}")
+        if tensor.max > devices:
+            raise SpecError(p.name("devicesPerPod"), f"{devices} devices cannot hold parallelism.tensor.max "
+                            f"{tensor.max} ranks")
+        if runtime.engine != "kvserve":
+            raise SpecError(p.name("devicesPerPod"), "changes layouts in place through kvserve's "
+                            "/admin/parallelism: needs runtime.engine kvserve")
+        if runtime.admin_api_key_secret is None:
+            raise SpecError(p.name("devicesPerPod"), "the operator calls the pods' admin route to change "
+                            "their layout: set runtime.adminApiKeySecret (a Secret the operator may read)")
+    adapters, lora = parse_adapters(top, model.served_name)
     return ServiceSpec(model=model, runtime=runtime, gpu=gpu, tensor=tensor,
                        autoscaling=autoscaling, replicas=replicas, router=router,
-                       network_policy=parse_network_policy(top.raw.get("networkPolicy")))
+                       network_policy=parse_network_policy(top.raw.get("networkPolicy")),
+                       devices_per_pod=devices, adapters=adapters, lora=lora)
+
+
+def parse_kv_offload(runtime: _Reader) -> KVOffloadSpec | None:
+    if runtime.raw.get("kvOffload") is None:
+        return None
+    k = runtime.sub("kvOffload")
+    if k.raw.get("size") is None:
+        raise SpecError(k.name("size"), "is required (the tier's bytes per tensor-parallel rank, e.g. 8Gi)")
+    size = parse_quantity(k.raw["size"], k.name("size"))
+    if size < 1024**2:
+        raise SpecError(k.name("size"), f"must be at least 1Mi, got {k.raw['size']!r}")
+    medium = k.string("medium", "emptyDir", choices=KV_OFFLOAD_MEDIA)
+    claim = k.string("claimName")
+    if medium == "pvc":
+        if not claim or not _NAME.match(claim):
+            raise SpecError(k.name("claimName"), f"medium pvc needs the name of an existing PersistentVolumeClaim, "
+                            f"got {claim!r}")
+    elif claim is not None:
+        raise SpecError(k.name("claimName"), f"only with medium pvc, not {medium!r}")
+    if runtime.raw.get("engine", "kvserve") != "kvserve":
+        raise SpecError(k.path, "is kvserve's offload tier (--kv-offload-bytes); needs runtime.engine kvserve")
+    return KVOffloadSpec(size, medium, claim)
+
+
+def parse_adapters(top: _Reader, served_name: str) -> tuple[tuple[AdapterSpec, ...], LoraSpec]:
+    """spec.adapters and spec.lora (docs/lora.md)."""
+    items = top.array("adapters")
+    if len(items) > MAX_ADAPTERS:
+        raise SpecError("spec.adapters", f"{len(items)} adapters, at most {MAX_ADAPTERS}")
+    adapters: list[AdapterSpec] = []
+    for i, item in enumerate(items):
+        a = _Reader(item, f"spec.adapters[{i}]")
+        name, uri = a.string("name", required=True), a.string("uri", required=True)
+        if not _ADAPTER_NAME.match(name):
+            raise SpecError(a.name("name"), f"must be letters, digits, '.', '_' or '-' (at most 128), got {name!r}")
+        if name == served_name:
+            raise SpecError(a.name("name"), f"{name!r} is the model's served name; clients pick an adapter by "
+                            "its own name")
+        if name in {x.name for x in adapters}:
+            raise SpecError(a.name("name"), f"{name!r} is listed twice")
+        if len(uri) > 1024 or not _ADAPTER_URI.match(uri):
+            raise SpecError(a.name("uri"), f"must be hf://org/name[@revision], file:///path or /path, got {uri!r}")
+        adapters.append(AdapterSpec(name, uri))
+    lo = top.sub("lora")
+    enabled = lo.raw.get("enabled")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise SpecError(lo.name("enabled"), f"must be true or false, got {enabled!r}")
+    max_loras = lo.integer("maxLoras", 4, lo=1, hi=64)
+    # The default does not follow the number of adapters: the runtime's flags are in the pod
+    # template, and adding an adapter must not restart the pods.
+    cpu = lo.integer("maxCpuLoras", max(max_loras, DEFAULT_MAX_CPU_LORAS), lo=1, hi=MAX_ADAPTERS)
+    if cpu < max_loras:
+        raise SpecError(lo.name("maxCpuLoras"), f"must be at least spec.lora.maxLoras ({max_loras}), got {cpu}")
+    if len(adapters) > cpu:
+        raise SpecError("spec.adapters", f"{len(adapters)} adapters, more than spec.lora.maxCpuLoras ({cpu}) "
+                        "lets a pod hold")
+    lora = LoraSpec(enabled=bool(adapters) if enabled is None else enabled, max_loras=max_loras,
+                    max_lora_rank=lo.integer("maxLoraRank", 16, choices=LORA_RANKS), max_cpu_loras=cpu)
+    if adapters and not lora.enabled:
+        raise SpecError(lo.name("enabled"), "is false but spec.adapters lists adapters")
+    return tuple(adapters), lora
 
 
 def model_shape(spec: ServiceSpec, read_config=None) -> ModelShape | None:

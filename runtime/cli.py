@@ -1,4 +1,4 @@
-"""The `kvserve` console script: `serve`, `router`, `agent fetch|serve|drain|model-info|admin-token`.
+"""The `kvserve` console script: `serve`, `worker`, `router`, `agent fetch|serve|drain|model-info|admin-token`.
 
 Heavy imports (torch, the engine) happen inside the subcommand, so `kvserve agent ...` starts
 fast in its own small container.
@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_parser(sub)
     _add_agent_parsers(sub)
+    w = sub.add_parser("worker", help="a non-leader pod of a multi-node replica: runs only its ranks "
+                                      "(LeaderWorkerSet's LWS_* variables; docs/pipeline-parallel.md)")
+    w.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    w.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     return parser
 
 
@@ -161,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.cmd == "agent":
         return _agent(args)
+    if args.cmd == "worker":
+        from kvserve.runtime.executor.node_worker import run_node
+
+        return run_node(args.tensor_parallel_size, args.pipeline_parallel_size)
     if args.cmd == "router":
         from kvserve.runtime.router.cli import run_router
 

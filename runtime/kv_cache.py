@@ -7,8 +7,9 @@ cache layout (``ModelShape.kv_cache_layout``): a K pool and a V pool of
 ``[.., 1, kv_lora_rank + qk_rope_head_dim]`` for MLA. Code that handles whole layers (block
 copies, byte counts) iterates over a layer's pools and never assumes two. The block count comes
 from, in order: an explicit ``num_kv_blocks``; a byte budget ``kv_cache_memory_bytes``;
-on CUDA, the budget the rank's Worker profiles (total memory x ``gpu_memory_utilization``
-minus what is in use and the activation peak of the largest step: runtime/executor/worker.py); on CPU,
+on CUDA, the budget the rank's Worker profiles (``profiled_kv_budget``: total memory x
+``gpu_memory_utilization`` minus what is in use, the activation peak of the largest step and the
+CUDA-graph memory decode capture will take: runtime/executor/worker.py); on CPU,
 ``EngineConfig.DEFAULT_CPU_KV_BYTES``. Bytes per token come from the shared capacity model.
 
 The pools hold the model's dtype, or float8 with ``kv_cache_dtype`` "fp8"/"fp8_e4m3" (e4m3fn:
@@ -25,6 +26,7 @@ import torch
 from kvserve.runtime.capacity import ModelShape, blocks_for_budget, kv_bytes_per_token
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.engine.kv_cache_groups import KVCacheGroup, hybrid_group_blocks
+from kvserve.runtime.executor.platform import platform_for
 
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -64,10 +66,32 @@ def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     if config.kv_cache_memory_bytes is not None:
         return config.kv_cache_memory_bytes
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # Keep (1 - utilization) of the whole GPU unused, as vLLM does, out of what is free now.
+        # Unprofiled (a caller without a Worker): keep (1 - utilization) of the whole GPU unused out
+        # of what is free once the allocator's cache is handed back.
+        free, total = platform_for(device).free_memory_bytes(device)
         return int(free - total * (1 - config.gpu_memory_utilization))
     return EngineConfig.DEFAULT_CPU_KV_BYTES
+
+
+def profiled_kv_budget(total: int, utilization: float, in_use: int, activation_peak: int, graph_bytes: int) -> int:
+    """vLLM's rule on a GPU: the KV pools get total x utilization, less what is in use before they
+    exist (weights, the CUDA context, other processes), the activation peak of the largest step
+    and the CUDA-graph pool that decode capture will take after them (it comes out of the same
+    memory; left out, the capture would push the device past its utilization or out of memory)."""
+    for name, value in (("in_use", in_use), ("activation_peak", activation_peak), ("graph_bytes", graph_bytes)):
+        if value < 0:
+            raise ValueError(f"{name}: a measured size cannot be negative, got {value}")
+    return int(total * utilization) - in_use - activation_peak - graph_bytes
+
+
+def graph_memory_estimate(first_graph_bytes: int, next_graph_bytes: int, num_graphs: int) -> int:
+    """The memory `num_graphs` decode graphs take, from two measured captures: the largest batch
+    size first (its static buffers, the pool its activations fill, the graph itself), then the
+    smallest into the same pool (what each further graph adds: the pool is already big enough, so
+    mostly the graph's own executable). Captured largest first, every other graph is like the second."""
+    if num_graphs < 1:
+        return 0
+    return max(0, first_graph_bytes) + max(0, next_graph_bytes) * (num_graphs - 1)
 
 
 def determine_group_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device,

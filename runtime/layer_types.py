@@ -19,7 +19,7 @@ def attention_layer_types(arch: str, config: dict[str, Any],
                           num_layers: int) -> tuple[tuple[str, ...], int | None]:
     """Per-layer attention kinds and the sliding window, following transformers for each family:
 
-    - Mistral, Mixtral: `sliding_window` (when not null) on every layer;
+    - Mistral, Mixtral, Phi-3: `sliding_window` (when not null) on every layer;
     - Qwen2/Qwen3: only with `use_sliding_window`, on the layers `layer_types` names, or else on
       layers i >= `max_window_layers`;
     - Gemma 2/3: `layer_types`, or else alternating local/global layers (every second layer is
@@ -31,7 +31,7 @@ def attention_layer_types(arch: str, config: dict[str, Any],
         if config.get("use_sliding_window"):  # released Qwen MoE checkpoints all set false
             raise ValueError(f"model config: use_sliding_window true is not supported for {arch}; supported: false")
         return full, None
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         if window is None:
             return full, None
         return tuple([SLIDING_ATTENTION] * num_layers), _window(window)

@@ -39,12 +39,32 @@ class EngineStats:
     # What this replica runs: weight bytes on one rank (values, scales and zeros of whatever
     # format) and the formats, for kvserve:model_weight_bytes and kvserve:model_info.
     model_weight_bytes: int = 0
+    # CUDA graph captures that failed at startup (logged at ERROR; decode runs eagerly).
+    cuda_graph_capture_failures_total: int = 0
     quantization: str = "none"
     dtype: str = ""
     kv_cache_dtype: str = "auto"
     pipeline_parallel_size: int = 1
     # Stage 0's idle share of recent steps (moving average), 0 without pipeline parallelism.
     pipeline_bubble_fraction: float = 0.0
+    # The KV offload tier and swap space (runtime/kv_offload/; zeros without them). Tokens
+    # looked up and found in the tier, blocks and bytes moved, on rank 0.
+    kv_offload_capacity_bytes: int = 0
+    kv_offload_used_bytes: int = 0
+    kv_offload_queries_tokens_total: int = 0
+    kv_offload_hit_tokens_total: int = 0
+    kv_offload_hit_blocks_total: int = 0
+    kv_offload_stored_blocks_total: int = 0
+    kv_offload_stored_bytes_total: int = 0
+    kv_offload_loaded_bytes_total: int = 0
+    kv_offload_failed_loads_total: int = 0
+    kv_swap_capacity_bytes: int = 0
+    kv_swap_used_bytes: int = 0
+    kv_swap_outs_total: int = 0
+    kv_swap_ins_total: int = 0
+    num_swapped: int = 0
+    kv_offload_store_seconds: list[float] = field(default_factory=list)
+    kv_offload_load_seconds: list[float] = field(default_factory=list)
     # Observations since the previous get_stats() (seconds).
     queue_times: list[float] = field(default_factory=list)
     time_to_first_token: list[float] = field(default_factory=list)

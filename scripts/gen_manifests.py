@@ -126,6 +126,23 @@ def dashboard() -> dict:
                description="Weight bytes each runtime holds (per tensor-parallel rank), labelled with the "
                            "weight format (none, int8, awq, gguf, ...), compute dtype and KV cache dtype it "
                            "actually runs: a rollout that changes spec.runtime.quantization shows here."),
+        # spec.parallelism.devicesPerPod (docs/reshape.md): each pod's live DP x TP layout.
+        _panel(23, "Parallel layout per pod (data-parallel engines x tensor-parallel ranks)",
+               [(f"max by (pod) (kvserve:data_parallel_size{{{SEL}}})", "{{pod}} DP"),
+                (f"max by (pod) (kvserve:tensor_parallel_size{{{SEL}}})", "{{pod}} TP"),
+                (f"sum(increase(kvserve:reshape_seconds_sum{{{SEL}}}[$__rate_interval])) / "
+                 f"sum(increase(kvserve:reshape_seconds_count{{{SEL}}}[$__rate_interval]))", "reshape time (s)")],
+               (0, 77, 24, 8),
+               description="Layouts over time: with spec.parallelism.devicesPerPod the operator changes each "
+                           "pod's layout in place (more DP at high load, higher TP at low load); each change "
+                           "is a ReshapedInPlace Event, its duration kvserve:reshape_seconds."),
+        # spec.adapters (docs/lora.md): empty for services without LoRA adapters.
+        _panel(24, "LoRA adapters: requests per second by adapter",
+               [(f"sum by (lora_name) (rate(kvserve:lora_requests_total{{{SEL}}}[$__rate_interval]))",
+                 "{{lora_name}}")],
+               (0, 85, 24, 8), unit="reqps",
+               description="Which adapters are hot (kvserve:lora_requests_total, one series per loaded adapter); "
+                           "vllm:lora_requests_info names the adapters running and waiting right now."),
         # spec.router (docs/router.md): empty for services without a router.
         {"id": 15, "type": "row", "title": "Router", "collapsed": False,
          "gridPos": {"x": 0, "y": 52, "w": 24, "h": 1}, "panels": []},

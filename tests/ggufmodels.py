@@ -1,6 +1,14 @@
 """Tiny GGUF files of random-weight models, written with the gguf package the way llama.cpp's
 converter writes them: metadata under the architecture's keys, a byte-level BPE tokenizer with
-its chat template, LLaMA's Q/K rows permuted for ggml's RoPE, each matrix in the requested type.
+its chat template, LLaMA's Q/K rows permuted for ggml's RoPE, Gemma's norms stored as 1 + w,
+experts stacked into one [experts, rows, cols] tensor per projection, DeepSeek's kv_b_proj split
+into attn_k_b (transposed per head) and attn_v_b, each matrix in the requested type (a matrix
+whose rows do not split into the type's blocks falls back to Q8_0, else F16, as llama.cpp's
+quantizer does). The layout was checked tensor by tensor against convert_hf_to_gguf.py.
+
+`write_gguf(..., twin=dict)` also fills `twin` with the Hugging Face state dict the file encodes
+(each weight replaced by the gguf package's dequantization of its blocks): transformers on that
+state dict is the oracle for families whose GGUF files transformers cannot load.
 
 The gguf package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 itself; it has no quantizer
 for the K types, so Q4_K, Q5_K and Q6_K blocks are packed here (a plain min/max quantizer, not
@@ -19,7 +27,9 @@ K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 QK_K = 256
 
 _ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-         "Qwen3ForCausalLM": "qwen3"}
+         "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+         "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+         "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2", "Phi3ForCausalLM": "phi3"}
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -36,6 +46,32 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+_GEMMA_LAYER = {**_LAYER, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+_MOE_LAYER = {
+    **_LAYER,
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3: fused as in its checkpoints
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
+# Expert projections: transformers' per-expert names -> the stacked GGUF tensor.
+_EXPERT_PART = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 # ---------------------------------------------------------------------------- K-quant packing
@@ -152,11 +188,112 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _block_kind(cols: int, kind: str) -> str:
+    """The type a matrix with rows of `cols` values gets: `kind` if its rows split into that
+    type's blocks, else Q8_0 (32-value blocks), else F16."""
+    import gguf
+
+    if kind in ("F32", "F16"):
+        return kind
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+    if cols % block == 0:
+        return kind
+    return "Q8_0" if cols % 32 == 0 else "F16"
+
+
+def encoded(x: np.ndarray, kind: str) -> np.ndarray:
+    """The float32 values a tensor written as `kind` holds (what a dequantizer returns)."""
+    import gguf
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 1 or kind == "F32":
+        return x
+    if kind == "F16":
+        return x.astype(np.float16).astype(np.float32)
+    flat = x.reshape(-1, x.shape[-1])
+    out = gguf.quants.dequantize(quantize(flat, kind), gguf.GGMLQuantizationType[kind])
+    return np.asarray(out, dtype=np.float32).reshape(x.shape)
+
+
+def _metadata(w, arch: str, config: dict, head_dim: int) -> None:
+    """The architecture keys convert_hf_to_gguf.py writes for each family."""
+    import gguf
+
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config.get("max_position_embeddings", 2048))
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        rope = rope["full_attention"]
+    theta = rope.get("rope_theta") or config.get("rope_theta")
+    if arch == "deepseek2":
+        w.add_head_count_kv(1)
+        kv_lora, rope_dim = config["kv_lora_rank"], config["qk_rope_head_dim"]
+        w.add_rope_freq_base(float(theta or 10000.0))
+        w.add_key_length(kv_lora + rope_dim)
+        w.add_value_length(kv_lora)
+        w.add_key_length_mla(config["qk_nope_head_dim"] + rope_dim)
+        w.add_value_length_mla(config["v_head_dim"])
+        w.add_kv_lora_rank(kv_lora)
+        if config.get("q_lora_rank"):
+            w.add_q_lora_rank(config["q_lora_rank"])
+        w.add_rope_dimension_count(rope_dim)
+        w.add_leading_dense_block_count(config["first_k_dense_replace"])
+        w.add_expert_count(config["n_routed_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        w.add_expert_shared_count(config["n_shared_experts"])
+        w.add_expert_weights_scale(config.get("routed_scaling_factor") or 1.0)
+        if config.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        if config.get("n_group"):
+            w.add_expert_group_count(config["n_group"])
+            w.add_expert_group_used_count(config["topk_group"])
+        if config["architectures"][0] == "DeepseekV3ForCausalLM":  # config.json's scoring_func: sigmoid
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        return
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
+        w.add_sliding_window(config["sliding_window"])
+        return
+    if arch == "gemma3":
+        w.add_rope_freq_base(float(theta or 1_000_000.0))
+        local = (config.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+        w.add_rope_freq_base_swa(float(local or config.get("rope_local_base_freq") or 10000.0))
+        w.add_sliding_window(config["sliding_window"])
+        return
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(theta or 10000.0))
+    if arch == "phi3" and config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if arch != "llama":
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, embed_kind: str | None = None,
-               rope_freqs: np.ndarray | None = None, tensor_kinds: dict[str, str] | None = None) -> pathlib.Path:
+               rope_freqs: np.ndarray | None = None, tensor_kinds: dict[str, str] | None = None,
+               twin: dict | None = None) -> pathlib.Path:
     """Writes the HF model in `hf_dir` as a GGUF file: every 2-D weight in `kind` (embedding in
     `embed_kind`, default `kind`; `tensor_kinds` maps a GGUF tensor kind such as "attn_v" to its
-    own type, as llama.cpp's mixed Q4_K_M files do), norms and biases in F32."""
+    own type, as llama.cpp's mixed Q4_K_M files do), norms and biases in F32. `twin`, if given,
+    receives the HF state dict the file encodes (see the module docstring)."""
+    import re
+
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -172,18 +309,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, em
         state.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
 
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config.get("max_position_embeddings", 2048))
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    rope = config.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0))
-    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    _metadata(w, arch, config, head_dim)
     w.add_vocab_size(config["vocab_size"])
 
     tok = AutoTokenizer.from_pretrained(hf_dir)
@@ -206,30 +332,73 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, em
     if tok.chat_template:
         w.add_chat_template(tok.chat_template)
 
-    def add(name: str, x: np.ndarray, k: str) -> None:
-        if x.ndim == 1 or k == "F32":
+    def add(name: str, x: np.ndarray, k: str) -> str:
+        k = "F32" if x.ndim == 1 else _block_kind(x.shape[-1], k)
+        if k == "F32":
             w.add_tensor(name, np.ascontiguousarray(x, dtype=np.float32))
         elif k == "F16":
             w.add_tensor(name, x.astype(np.float16))
         else:
-            packed = quantize(np.ascontiguousarray(x, dtype=np.float32), k)
+            flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+            packed = quantize(flat, k).reshape(*x.shape[:-1], -1)
             w.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType[k])
+        return k
 
-    add("token_embd.weight", state["model.embed_tokens.weight"], embed_kind or kind)
+    def record(hf: str, x: np.ndarray, k: str) -> None:
+        if twin is not None:
+            twin[hf] = torch.from_numpy(encoded(x, k))
+
+    def kind_of(gguf_name: str) -> str:
+        return (tensor_kinds or {}).get(gguf_name.split(".")[0], kind)
+
+    gemma = arch in ("gemma2", "gemma3")
+    layer_names = _GEMMA_LAYER if gemma else _MOE_LAYER
+    record("model.embed_tokens.weight", state["model.embed_tokens.weight"],
+           add("token_embd.weight", state["model.embed_tokens.weight"], embed_kind or kind))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    expert_re = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
     for i in range(config["num_hidden_layers"]):
-        for hf, gg in _LAYER.items():
-            name = f"model.layers.{i}.{hf}"
-            if name not in state:
+        pre = f"model.layers.{i}."
+        stacks: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+        for name in [n for n in state if n.startswith(pre)]:
+            x, hf = state[name], name[len(pre):]
+            if (m := expert_re.match(hf)) is not None:
+                stacks.setdefault(_EXPERT_PART[m.group(3)], {})[int(m.group(2))] = (name, x)
                 continue
-            x = state[name]
+            if hf == "self_attn.kv_b_proj.weight":
+                # The converter's MLA split: per head, key rows transposed (attn_k_b) and value rows.
+                nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+                kv = x.reshape(heads, nope + v, x.shape[-1])
+                k_b, v_b = np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), kv[:, nope:]
+                kb_kind = add(f"blk.{i}.attn_k_b.weight", k_b, kind_of("attn_k_b"))
+                vb_kind = add(f"blk.{i}.attn_v_b.weight", v_b, kind_of("attn_v_b"))
+                if twin is not None:
+                    both = np.concatenate((encoded(k_b, kb_kind).transpose(0, 2, 1), encoded(v_b, vb_kind)), axis=1)
+                    twin[name] = torch.from_numpy(np.ascontiguousarray(both.reshape(x.shape)))
+                continue
+            if hf not in layer_names:
+                continue
+            gg = layer_names[hf]
+            stored = x
             if arch == "llama" and hf.startswith(("self_attn.q_proj", "self_attn.k_proj")):
-                x = llamacpp_permute(x, heads if "q_proj" in hf else kv_heads)
-            add(f"blk.{i}.{gg}", x, (tensor_kinds or {}).get(gg.split(".")[0], kind))
-    add("output_norm.weight", state["model.norm.weight"], "F32")
+                stored = llamacpp_permute(x, heads if "q_proj" in hf else kv_heads)
+            if gemma and hf.endswith("norm.weight"):
+                stored = x + 1
+            if hf == "mlp.gate.e_score_correction_bias":
+                stored = x
+            k = add(f"blk.{i}.{gg}", stored, kind_of(gg))
+            record(name, x, k)  # row permutations commute with row-wise quantization
+        for gg, experts in stacks.items():
+            order = sorted(experts)
+            k = add(f"blk.{i}.{gg}.weight", np.stack([experts[e][1] for e in order]), kind_of(gg))
+            for e in order:
+                record(experts[e][0], experts[e][1], k)
+    w.add_tensor("output_norm.weight", np.ascontiguousarray(state["model.norm.weight"] + (1 if gemma else 0),
+                                                             dtype=np.float32))
+    record("model.norm.weight", state["model.norm.weight"], "F32")
     if not config.get("tie_word_embeddings", False):
-        add("output.weight", state["lm_head.weight"], kind)
+        record("lm_head.weight", state["lm_head.weight"], add("output.weight", state["lm_head.weight"], kind))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -148,8 +148,10 @@ def test_the_platform_is_asked_which_kernels_serve_an_operation():
     assert CPU.native_write_kv(f32, f32, pool) == loaded and not CPU.native_write_kv(bf16, bf16, pool.bfloat16())
     assert CPU.native_token_bitmask(logits) == loaded
     assert not CPU.native_token_bitmask(logits.t()) and not CPU.native_token_bitmask(logits.double())
+    assert CPU.native_int_weights() == loaded and CPU.torch_packed_int_weights()
     for question in (CUDA.native_ops(f32), CUDA.native_write_kv(f32, f32, pool),
-                     CUDA.native_decode_attention(f32, pool), CUDA.native_token_bitmask(logits), CUDA.native_kernels()):
+                     CUDA.native_decode_attention(f32, pool), CUDA.native_token_bitmask(logits), CUDA.native_kernels(),
+                     CUDA.native_int_weights(), CUDA.torch_packed_int_weights()):
         assert question is False
 
 
@@ -162,3 +164,112 @@ def test_cuda_n_becomes_the_current_device(monkeypatch):
     CUDA.set_device(torch.device("cuda", 1))
     CPU.set_device(torch.device("cpu"))
     assert calls == [torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("total,util,in_use,act,graphs,want", [
+    (80 * 2**30, 0.9, 10 * 2**30, 2 * 2**30, 2**30, 72 * 2**30 - 13 * 2**30 - 1),  # 72 GiB - 13 GiB (floor)
+    (1000, 0.5, 100, 50, 0, 350),
+    (1000, 0.5, 400, 50, 100, -50),  # nothing left: determine_num_blocks then says no block fits
+])
+def test_the_kv_budget_leaves_room_for_activations_and_graphs(total, util, in_use, act, graphs, want):
+    from kvserve.runtime.kv_cache import profiled_kv_budget
+
+    assert abs(profiled_kv_budget(total, util, in_use, act, graphs) - want) <= 1
+    with pytest.raises(ValueError, match="graph_bytes"):
+        profiled_kv_budget(total, util, in_use, act, -1)
+
+
+@pytest.mark.parametrize("first,each,n,want", [(1000, 10, 4, 1030), (1000, 10, 1, 1000), (5, -3, 3, 5),
+                                               (7, 7, 0, 0)])
+def test_graph_memory_extrapolates_from_two_captures(first, each, n, want):
+    from kvserve.runtime.kv_cache import graph_memory_estimate
+
+    assert graph_memory_estimate(first, each, n) == want
+
+
+def _scripted_platform(free_values, total, allocated=0, peak=0):
+    """A platform that reports device memory from a script: the CPU stands in for a GPU whose
+    numbers the test chooses (nothing here has a device with fixed memory to measure)."""
+    from dataclasses import dataclass
+
+    from kvserve.runtime.executor.platform import CpuPlatform
+
+    free = iter(free_values)
+
+    @dataclass(frozen=True)
+    class Scripted(CpuPlatform):
+        def free_memory_bytes(self, device):
+            return next(free), total
+
+        def memory_allocated(self, device):
+            return allocated
+
+        def peak_memory_allocated(self, device):
+            return peak
+
+    return Scripted()
+
+
+def test_kv_sizing_profiles_the_largest_step_and_the_decode_graphs(tiny_llama, monkeypatch):
+    """The budget subtracts the activation peak of a prefill of max_num_batched_tokens (with
+    max_num_seqs logits rows) and the graphs' memory from two measured captures (the CPU twin
+    runs their forwards over a one-block pool: no real pool is touched)."""
+    from kvserve.runtime import LLM
+
+    with LLM(str(tiny_llama), num_kv_blocks=16, block_size=4, max_num_seqs=3, max_model_len=64) as llm:
+        ex = llm.engine.executor
+        worker = ex.driver_worker
+        for layer in ex.kv_caches:
+            for pool in layer:
+                pool.fill_(0.5)
+        rows = []
+        real_logits = worker.model.compute_logits
+        monkeypatch.setattr(worker.model, "compute_logits", lambda h: rows.append(h.shape[0]) or real_logits(h))
+        monkeypatch.setattr(worker, "graph_sizes", lambda: ([1, 2, 4, 8], None))
+        real_profile = worker.profile_graphs
+        calls = []
+
+        def profile_graphs(kv_groups, sizes, *, max_model_len, capture=None):
+            calls.append((sizes, max_model_len))
+            return real_profile(kv_groups, sizes, max_model_len=max_model_len, capture=False)
+
+        monkeypatch.setattr(worker, "profile_graphs", profile_graphs)
+        # free before profiling, then before / after the largest graph / after the smallest one
+        gib = 2**30
+        worker.platform = _scripted_platform([6 * gib, 5 * gib, 5 * gib - 1000, 5 * gib - 1010], 8 * gib,
+                                             allocated=100, peak=100 + 3000)
+        budget = worker._profiled_kv_budget(None, 40, 64)
+        assert rows == [3]  # max_num_seqs sampler rows of the 40-token step
+        assert calls == [([1, 2, 4, 8], 64)]
+        assert budget == int(8 * gib * llm.engine.config.gpu_memory_utilization) - 2 * gib - 3000 - (1000 + 3 * 10)
+        assert all(bool((pool == 0.5).all()) for layer in ex.kv_caches for pool in layer)
+
+
+def test_a_failed_graph_capture_is_an_error_with_its_traceback_and_a_stat(tiny_llama, caplog):
+    """Capture needs CUDA; on the CPU it fails for real, which is the fault injected here."""
+    import logging
+
+    from kvserve.runtime import LLM
+    from kvserve.runtime.server.metrics import EXPORTED_NAMES
+
+    with LLM(str(tiny_llama), num_kv_blocks=16, block_size=4) as llm:
+        worker = llm.engine.executor.driver_worker
+        assert llm.engine.get_stats().cuda_graph_capture_failures_total == 0
+        with caplog.at_level(logging.ERROR, logger="kvserve.runtime.executor.worker"):
+            assert worker.build_graphs([1, 2], max_model_len=64, capture=True) is None
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR and "CUDA graph capture failed" in r.message]
+        assert len(errors) == 1 and errors[0].exc_info is not None
+        assert llm.engine.get_stats().cuda_graph_capture_failures_total == 1
+        assert "kvserve:cuda_graph_capture_failures_total" in EXPORTED_NAMES
+        # A measuring capture that fails (while sizing the KV cache) also keeps the real one from being tried.
+        assert worker.profile_graphs(None, [1, 2], max_model_len=64, capture=True) == 0
+        assert worker.graph_capture_failures == 2 and worker._graphs_refused
+
+
+def test_a_step_message_refuses_device_tensors():
+    """Rank 0 sends the step it prepared on the host; it never copies a device tensor back to send
+    it (a "meta" tensor stands in for a GPU one)."""
+    step = ForwardInput(torch.tensor([5]), torch.tensor([5]), _meta([[1]], [9], [6]), [0])
+    protocol.encode(protocol.STEP, step)  # host tensors travel
+    with pytest.raises(ValueError, match="host tensors only; got one on meta"):
+        protocol.encode(protocol.STEP, ForwardInput(torch.empty(1, device="meta"), torch.tensor([5]), step.meta, [0]))

@@ -456,7 +456,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'gpt2'.*supported: llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2'.*supported: llama, qwen2, qwen3, gemma2, .*deepseek2"):
         ModelConfig.from_pretrained(out)
 
 

@@ -50,3 +50,383 @@ def test_bad_flags_are_usage_errors():
         _serve_args("m", "--kv-offload-bytes", "-5")
     with pytest.raises(SystemExit):
         _serve_args("m", "--swap-space", "-1")
+
+
+# -- engine end to end (tiny model) ----------------------------------------------------------------
+import random  # noqa: E402
+
+from kvserve.runtime import LLMEngine, SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def run(engine, prompts, params=GREEDY, ids=None):
+    ids = ids or [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    final = {}
+    for _ in range(5000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    return {k: v.outputs[0].token_ids for k, v in final.items()}
+
+
+def assert_no_leak(engine):
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0 and not bm.block_tables
+
+
+def make_engine(model, **kw):
+    opts = dict(block_size=4, num_kv_blocks=24, max_model_len=128, max_num_batched_tokens=64)
+    opts.update(kw)
+    return LLMEngine.from_args(model=str(model), **opts)
+
+
+def conversations(seed=0, n=6, length=40):
+    """Distinct long prompts: together far more than the pool, so each one's blocks are evicted
+    before it comes back."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Greedy outputs of a big pool without a tier (nothing is ever evicted)."""
+    engine = make_engine(tiny_llama, num_kv_blocks=400)
+    prompts = conversations()
+    return {"first": run(engine, prompts), "again": run(engine, prompts)}
+
+
+@pytest.mark.parametrize("tier", ["memory", "file"])
+def test_returning_prompts_load_from_the_tier_bit_exact(tiny_llama, reference, tier, tmp_path):
+    prompts = conversations()
+    extra = dict(kv_offload_dir=str(tmp_path)) if tier == "file" else {}
+    engine = make_engine(tiny_llama, kv_offload_bytes=1 << 24, **extra)
+    assert run(engine, prompts) == reference["first"]
+    before = engine.get_stats()
+    assert before.kv_offload_stored_blocks_total > 0  # the pool (24 blocks) overflowed into the tier
+    assert run(engine, prompts) == reference["again"]
+    after = engine.get_stats()
+    assert after.kv_offload_hit_tokens_total > 0 and after.kv_offload_loaded_bytes_total > 0
+    # Every returning prompt's full blocks came back from the pool or the tier: none recomputed.
+    assert after.prefix_cache_hits_total - before.prefix_cache_hits_total == len(prompts) * 40 - len(prompts)
+    assert after.kv_offload_failed_loads_total == 0
+    assert_no_leak(engine)
+    engine.close()
+
+
+def test_swap_preemption_equals_recompute_preemption(tiny_llama, reference):
+    prompts = conversations()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for swap in (0, 0.01):
+        # 24 blocks of 4 tokens for six 40-token prompts growing by 24: running sequences are preempted.
+        engine = make_engine(tiny_llama, swap_space=swap, enable_prefix_caching=False)
+        outs[swap] = run(engine, prompts, params)
+        stats = engine.get_stats()
+        assert stats.num_preemptions_total > 0
+        if swap:
+            assert stats.kv_swap_outs_total > 0 and stats.kv_swap_ins_total == stats.kv_swap_outs_total
+            assert stats.kv_swap_used_bytes == 0 and stats.num_swapped == 0
+        assert_no_leak(engine)
+        engine.close()
+    assert outs[0.01] == outs[0]
+
+
+# -- warm restarts and namespaces ----------------------------------------------------------------
+def test_warm_restart_finds_the_prefixes_and_other_namespaces_never_read_them(tiny_llama, tiny_model_factory,
+                                                                                reference, tmp_path):
+    prompts = conversations()
+    with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as first:
+        assert run(first, prompts) == reference["first"]
+    # A new engine on the same directory: every prompt's blocks come back from the files.
+    with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as warm:
+        assert run(warm, prompts) == reference["again"]
+        stats = warm.get_stats()
+        assert stats.kv_offload_hit_tokens_total == stats.prefix_cache_hits_total == len(prompts) * 39
+        assert_no_leak(warm)
+    # Anything else that shapes the bytes is another namespace: nothing is found, nothing read.
+    other_weights = tiny_model_factory("llama", seed=1)
+    for model, kw in [(tiny_llama, dict(block_size=8)), (tiny_llama, dict(dtype="bfloat16")),
+                      (tiny_llama, dict(kv_cache_dtype="fp8")), (other_weights, {})]:
+        with make_engine(model, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path), **kw) as cold:
+            run(cold, prompts[:2])
+            stats = cold.get_stats()
+            assert stats.kv_offload_hit_tokens_total == 0 and stats.kv_offload_loaded_bytes_total == 0, kw
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 5  # one directory per namespace
+
+
+def test_namespace_covers_every_field():
+    from dataclasses import replace
+
+    from kvserve.runtime.kv_offload.namespace import Namespace
+
+    base = Namespace("m", "w", "float32", "float32", 16, 2, 0, "l")
+    variants = [replace(base, **{f: v}) for f, v in [("model_id", "n"), ("weights", "x"), ("dtype", "bfloat16"),
+                                                    ("kv_cache_dtype", "fp8"), ("block_size", 32),
+                                                    ("tp_size", 4), ("tp_rank", 1), ("layout", "k")]]
+    digests = {v.digest for v in variants} | {base.digest}
+    assert len(digests) == len(variants) + 1
+    assert base.for_rank(1) == replace(base, tp_rank=1)
+
+
+def test_weights_fingerprint_tells_revisions_apart(tmp_path):
+    from kvserve.runtime.kv_offload.namespace import weights_fingerprint
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(random.Random(0).randbytes(1 << 20))
+    a = weights_fingerprint(str(model))
+    assert weights_fingerprint(str(model)) == a
+    # Another revision of the same size (a fine-tune changes weights everywhere; the fingerprint samples them).
+    (model / "model.safetensors").write_bytes(random.Random(1).randbytes(1 << 20))
+    assert weights_fingerprint(str(model)) != a
+    (model / "config.json").write_text('{"x": 1}')  # and config.json is read whole
+    b = weights_fingerprint(str(model))
+    (model / "config.json").write_text("{}")
+    assert weights_fingerprint(str(model)) != b
+
+
+# -- the file store: crashes and corruption never read back ---------------------------------------
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import torch  # noqa: E402
+
+from kvserve.runtime.kv_offload.namespace import Namespace  # noqa: E402
+from kvserve.runtime.kv_offload.store import FileStore  # noqa: E402
+
+NS = Namespace("m", "w", "float32", "float32", 16, 1, 0, "l")
+
+
+def test_a_writer_killed_between_write_and_rename_leaves_nothing_readable(tmp_path):
+    # A real process, killed (SIGKILL) after its bytes are written and fsynced, before the rename.
+    code = textwrap.dedent(f"""
+        import os, signal, torch
+        from kvserve.runtime.kv_offload.namespace import Namespace
+        from kvserve.runtime.kv_offload.store import FileStore
+        store = FileStore({str(tmp_path)!r}, Namespace(*{tuple(NS.__dict__.values())!r}))
+        store.put(b"k-done", torch.arange(64, dtype=torch.uint8))
+        store.put(b"k-torn", torch.arange(64, dtype=torch.uint8),
+                  _before_rename=lambda: os.kill(os.getpid(), signal.SIGKILL))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    leftovers = list((tmp_path / NS.dirname).glob("*.tmp"))
+    assert len(leftovers) == 1  # the torn write exists only under its temporary name
+    store = FileStore(tmp_path, NS)  # a restart
+    assert not list(store.dir.glob("*.tmp"))
+    assert [k for k, _ in store.scan()] == [b"k-done"]
+    assert store.get(b"k-torn") is None
+    assert torch.equal(store.get(b"k-done"), torch.arange(64, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "other-namespace", "renamed"])
+def test_a_damaged_file_is_never_read_and_is_deleted(tmp_path, damage):
+    store = FileStore(tmp_path, NS)
+    data = torch.arange(200, dtype=torch.uint8)
+    store.put(b"key", data)
+    path = store.path(b"key")
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(raw[:-7])
+    elif damage == "flip":
+        raw[-3] ^= 0x10
+        path.write_bytes(raw)
+    elif damage == "other-namespace":
+        other = FileStore(tmp_path, Namespace(*{**NS.__dict__, "block_size": 32}.values()))
+        other.put(b"key", data)
+        path.write_bytes(other.path(b"key").read_bytes())
+    else:
+        store.put(b"other", data)
+        store.path(b"other").replace(path)  # the content of another key under this name
+    assert store.get(b"key") is None
+    assert not path.exists()
+    if damage != "flip":  # a scan checks headers and sizes; a flipped payload byte is the checksum's job
+        store.put(b"key2", data)
+        path2 = store.path(b"key2")
+        path2.write_bytes(path2.read_bytes()[:-1])
+        assert store.scan() == [] and not path2.exists()
+
+
+def test_a_corrupted_tier_file_is_recomputed_not_read(tiny_llama, reference, tmp_path):
+    prompts = conversations()
+    with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as first:
+        run(first, prompts)
+    files = sorted((p for p in tmp_path.rglob("*.kvb")), key=lambda p: p.name)
+    for p in files[::2]:  # damage half of the blocks
+        raw = bytearray(p.read_bytes())
+        raw[-1] ^= 0xFF
+        p.write_bytes(raw)
+    with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as warm:
+        assert run(warm, prompts) == reference["again"]
+        stats = warm.get_stats()
+        assert stats.kv_offload_failed_loads_total > 0 and stats.kv_offload_hit_tokens_total > 0
+        assert_no_leak(warm)
+
+
+# -- pure policy -----------------------------------------------------------------------------------
+def test_tier_index_is_an_lru_with_a_byte_budget():
+    from kvserve.runtime.kv_offload.index import TierIndex
+
+    idx = TierIndex(100)
+    assert idx.add(b"a", 40) == [] and idx.add(b"b", 40) == []
+    assert idx.touch(b"a") and not idx.touch(b"zz")
+    assert idx.add(b"c", 40) == [b"b"]  # b is the least recently used
+    assert idx.keys() == [b"a", b"c"] and idx.used_bytes == 80
+    assert idx.add(b"d", 50, pinned=[b"a"]) == [b"c"]  # a is about to be read: kept
+    assert idx.add(b"e", 200) is None and b"e" not in idx  # larger than the whole budget
+    assert idx.add(b"f", 60, pinned=[b"a", b"d"]) is None  # no room without a pinned key
+    assert idx.remove(b"a") and not idx.remove(b"a") and idx.used_bytes == 50
+    assert idx.add(b"d", 50) == [] and len(idx) == 1  # re-adding a held key only touches it
+
+
+@pytest.mark.parametrize("tokens, swap_bytes, free, prefill, transfer, expected", [
+    (1000, 10_000_000, 1 << 30, 2000.0, 2e9, "swap"),  # 10 ms of copies vs 0.5 s of prefill
+    (1000, 10_000_000, 1 << 30, 1e7, 2e9, "recompute"),  # a very fast device recomputes
+    (1000, 10_000_000, 5_000_000, 2000.0, 2e9, "recompute"),  # no room in the swap space
+    (0, 0, 1 << 30, 2000.0, 2e9, "recompute"),  # nothing computed yet
+    (16, 4096, 1 << 30, 0.0, 2e9, "swap"),  # prefill rate unknown: copies are cheaper
+    (16, 4096, 1 << 30, 2000.0, 0.0, "recompute"),  # no transfer path
+    (100, 1_000_000, 1 << 30, 1000.0, 2e7, "recompute"),  # 0.1 s both ways: a tie recomputes
+])
+def test_preemption_choice(tokens, swap_bytes, free, prefill, transfer, expected):
+    from kvserve.runtime.kv_offload.index import preemption_choice
+
+    assert preemption_choice(num_computed_tokens=tokens, swap_bytes=swap_bytes, swap_free_bytes=free,
+                             prefill_tokens_per_s=prefill, transfer_bytes_per_s=transfer) == expected
+
+
+def test_pipeline_parallelism_is_refused_with_a_tier():
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        EngineConfig(model="m", kv_offload_bytes=1 << 20, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="swap_space"):
+        EngineConfig(model="m", swap_space=1, pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("tier, medium", [("memory", "CPU"), ("file", "DISK")])
+def test_tier_stores_and_removals_are_kv_events_with_their_medium(tiny_llama, tmp_path, tier, medium):
+    from kvserve.runtime.kv_events.events import BlockRemoved, BlockStored, KVEventSink
+
+    extra = dict(kv_offload_dir=str(tmp_path)) if tier == "file" else {}
+    # A tier of 40 blocks (of 2 KiB: 2 layers x K and V x 4 tokens x 2 heads x 16 x 4 bytes) for
+    # 60 blocks of prompts: the tier evicts too.
+    with make_engine(tiny_llama, kv_offload_bytes=40 * 2048, **extra) as engine:
+        assert engine.executor.offloader.block_bytes == [2048]
+        sink = KVEventSink(4)
+        engine.block_manager.events = sink  # the wiring kv_events_config does, without a publisher
+        engine.offload.events = sink
+        prompts = conversations()
+        run(engine, prompts)
+        run(engine, prompts)
+        events = sink.take()
+        held_now = {k[1:] for k in engine.offload.tier.keys()}
+    tier_stored = [h for e in events if isinstance(e, BlockStored) and e.medium == medium for h in e.block_hashes]
+    tier_removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == medium for h in e.block_hashes]
+    pool_stored = {h for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
+    assert tier_stored and tier_removed
+    assert set(tier_stored) <= pool_stored  # the tier only ever holds what the pool computed
+    # What the tier holds now is exactly what its events say it holds.
+    held: set[bytes] = set()  # replayed in order, as a subscriber's index does
+    for e in events:
+        if e.medium == medium:
+            held = held | set(e.block_hashes) if isinstance(e, BlockStored) else held - set(e.block_hashes)
+    assert held == held_now
+
+
+# -- the server: flags to metrics ------------------------------------------------------------------
+def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_llama, tmp_path):
+    import openai
+    from server_helpers import http, m, metrics, wait_until
+
+    from kvserve.runtime.server.main import ServerThread
+
+    def start():
+        srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "4",
+                            "--num-kv-blocks", "24", "--max-model-len", "128", "--kv-offload-bytes", str(1 << 24),
+                            "--kv-offload-dir", str(tmp_path), "--swap-space", "0.001"])
+        srv.start()
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+        return srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+    def complete(client, prompts):
+        return [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0).choices[0].text
+                for p in prompts]
+
+    prompts = conversations()
+    srv, client = start()
+    try:
+        texts = [complete(client, prompts) for _ in range(2)]
+        assert texts[0] == texts[1]
+        snap = metrics(srv.url)
+        assert m(snap, "vllm:external_prefix_cache_hits_total") > 0
+        assert m(snap, "vllm:external_prefix_cache_queries_total") >= m(snap, "vllm:external_prefix_cache_hits_total")
+        assert m(snap, "kvserve:kv_offload_hits_total") > 0 and m(snap, "kvserve:kv_offload_loaded_bytes_total") > 0
+        assert m(snap, "kvserve:kv_offload_capacity_bytes") == 1 << 24
+        assert 0 < m(snap, "kvserve:kv_offload_used_bytes") <= 1 << 24
+        assert m(snap, "kvserve:kv_offload_load_seconds_count") > 0
+        assert m(snap, "vllm:num_requests_swapped") == 0 and m(snap, "vllm:cpu_cache_usage_perc") == 0
+        fresh = conversations(seed=9, n=1)
+        answer = complete(client, fresh)  # its blocks are only in the pool when the server stops
+    finally:
+        assert srv.stop() == 0  # SIGTERM's path: the pool's cached blocks are written to the tier
+    srv, client = start()
+    try:
+        assert complete(client, fresh) == answer
+        assert m(metrics(srv.url), "vllm:external_prefix_cache_hits_total") == 39
+    finally:
+        assert srv.stop() == 0
+
+
+# -- KV cache groups and tensor parallelism --------------------------------------------------------
+def test_hybrid_groups_reload_each_groups_blocks_bit_exact(tiny_model_factory, tmp_path):
+    """Gemma 3 (local and global layers): each group's blocks go to the tier under their own keys,
+    and a hit loads the full group's prefix but only the window group's live blocks."""
+    model = tiny_model_factory("gemma3", sliding_window=8, max_position_embeddings=512, num_hidden_layers=3,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    prompts = conversations(seed=5)
+    ref = make_engine(model, num_kv_blocks=400)
+    want = run(ref, prompts)
+    ref.close()
+    with make_engine(model, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as engine:
+        assert engine.kv_groups is not None and len(engine.executor.offloader.block_bytes) == 2
+        assert run(engine, prompts) == want
+        before = engine.get_stats()
+        assert run(engine, prompts) == want
+        after = engine.get_stats()
+        assert after.kv_offload_hit_tokens_total > before.kv_offload_hit_tokens_total
+        assert after.prefix_cache_hits_total - before.prefix_cache_hits_total == len(prompts) * 39
+        assert_no_leak(engine)
+    keys = [p.name for p in tmp_path.rglob("*.kvb")]
+    assert {k[:2] for k in keys} == {"00", "01"}  # both groups' blocks, each under its group byte
+
+
+def test_tensor_parallel_ranks_store_and_reload_their_own_shards(tiny_llama, reference, tmp_path):
+    prompts = conversations()
+    with make_engine(tiny_llama, tensor_parallel_size=2, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path), swap_space=0.001) as engine:
+        assert run(engine, prompts) == reference["first"]
+        assert run(engine, prompts) == reference["again"]
+        stats = engine.get_stats()
+        assert stats.kv_offload_hit_tokens_total > 0 and stats.kv_offload_failed_loads_total == 0
+        assert_no_leak(engine)
+    # Each rank wrote its own shard, in its own namespace: the same keys, half the heads each.
+    dirs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(dirs) == 2
+    names = [{p.name for p in d.glob("*.kvb")} for d in dirs]
+    assert names[0] and names[0] == names[1]
+    # A restart at the same layout finds them; at TP 1 (another layout) nothing is read.
+    with make_engine(tiny_llama, tensor_parallel_size=2, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path)) as warm:
+        assert run(warm, prompts) == reference["again"]
+        assert warm.get_stats().kv_offload_hit_tokens_total == len(prompts) * 39
+    with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as tp1:
+        run(tp1, prompts[:1])
+        assert tp1.get_stats().kv_offload_loaded_bytes_total == 0

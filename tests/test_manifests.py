@@ -183,8 +183,10 @@ NAMESPACED_NEEDS = {
     ("kvserve.dev", "inferenceservices/status"): {"patch"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},  # spec.adapters
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},  # get/watch only to grant them to a router (spec.router)
+    ("", "secrets"): {"get"},  # spec.parallelism.devicesPerPod: the admin key shown to the pods' agents
     ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},

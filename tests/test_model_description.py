@@ -172,8 +172,8 @@ def test_model_config_dtype_is_a_name_until_torch_asks():
 
 
 def test_registry_lists_follow_the_config_classes():
-    assert WEIGHT_FORMATS == ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8", "gguf")
-    assert CHECKPOINT_FORMATS == ("awq", "gptq", "compressed-tensors", "fp8", "gguf")
+    assert WEIGHT_FORMATS == ("int8", "int4", "awq", "gptq", "compressed-tensors", "fp8", "gguf", "bitsandbytes")
+    assert CHECKPOINT_FORMATS == ("awq", "gptq", "compressed-tensors", "fp8", "gguf", "bitsandbytes")
     assert LOAD_TIME_FORMATS == ("int8", "int4", "fp8")
 
 

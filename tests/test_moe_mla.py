@@ -164,6 +164,7 @@ def test_quantized_experts_and_mla_match_transformers_on_dequantized_weights(tin
                                                                              quantization):
     from test_models import PagedCache, _hf_logits, _prompts
 
+    from kvserve.kernels import ops
     from kvserve.runtime.attention import TorchAttentionBackend
     from kvserve.runtime.models import load_model
     from kvserve.runtime.models.moe import QuantizedExperts
@@ -188,6 +189,21 @@ def test_quantized_experts_and_mla_match_transformers_on_dequantized_weights(tin
     # one decode step too (MLA: the absorbed path, with kv_b_proj in full precision)
     nxt = cache.step(model, [(0, [7])])
     torch.testing.assert_close(nxt, _hf_logits(hf, prompt + [7])[-1:], atol=2e-4, rtol=0)
+    # The path a CUDA graph captures (no routing counts read back) agrees with the routed one and
+    # traces whole: a .tolist() would stop fullgraph.
+    experts, n = moe_layer.experts, model.config.shape.moe.experts_per_token
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, model.config.shape.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:n] for _ in range(3)])
+    weights = torch.rand(3, n, generator=g)
+    set_cpu_packed(False)  # the twins (the GPU's path); the native CPU kernels are not traceable
+    try:
+        with ops.kernel_mode("torch"):
+            dense = torch.compile(experts.forward, fullgraph=True, backend="eager")(x, weights, ids)
+    finally:
+        set_cpu_packed(None)
+        torch._dynamo.reset()
+    torch.testing.assert_close(dense, experts(x, weights, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_prequantized_deepseek_checkpoint_with_interleaved_rope_is_refused(tiny_model_factory):

@@ -13,7 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json, scrape, wait_for
+
+from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json, scrape, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -25,13 +26,16 @@ def env(tiny_llama, tmp_path_factory):
     work = tmp_path_factory.mktemp("router")
     # tiny-c runs one sequence at a time: the order requests reach it is the order they finish.
     pods = RuntimePods(tiny_llama, IPS, args=["--num-kv-blocks", "1024", "--max-model-len", "2048"],
-                       extra={"tiny-c": ["--max-num-seqs", "1"]}, logs=work, in_process={"tiny-b", "tiny-c"})
+                       extra={"tiny-c": ["--max-num-seqs", "1"]}, logs=work, in_process={"tiny-b", "tiny-c"},
+                       kv_events=True)
     cluster = Cluster(work)
     routers: list[RouterProcess] = []
     try:
         port = ("--runtime-port", str(pods.port))
+        # Served-based: the pods' KV events (their annotation) are test_event_fed_router's.
         prefix = RouterProcess("--inferenceservice", "tiny", *port, "--agent-port", "0", "--hold-timeout", "60",
-                               "--served-model-name", "tiny", cluster=cluster, log=work / "router-prefix.log")
+                               "--served-model-name", "tiny", "--no-kv-events", cluster=cluster,
+                               log=work / "router-prefix.log")
         routers.append(prefix)
         rr = RouterProcess("--inferenceservice", "tiny", *port, "--agent-port", "0", "--policy", "round-robin",
                            cluster=cluster, log=work / "router-rr.log")
@@ -73,6 +77,29 @@ def test_prefix_routing_finds_the_cache_round_robin_misses(env):
     asyncio.run(Workload(seed=3, conversations=3, turns=1, max_tokens=4).run(prefix.url))
     m = scrape(prefix.url)
     assert sum(v for k, v in m.items() if k.startswith("kvserve_router_upstream_ttft_seconds_count")) >= 3
+
+
+def test_event_fed_router_ranks_pods_by_the_blocks_they_hold(env):
+    pods, work = env["pods"], env["work"]
+    # No --tokenizer, as the operator runs it: the router asks a pod's /tokenize for the token ids
+    # (its own tokenizer is tested against the runtime's hashes in test_router_kv_events.py).
+    router = RouterProcess("--inferenceservice", "tiny", "--runtime-port", str(pods.port), "--agent-port", "0",
+                           cluster=env["cluster"], log=work / "router-events.log")
+    try:
+        router.wait_ready(3, timeout=60)
+        # Every pod's stream followed (the annotation gives each its own port), replayed from 0.
+        wait_for(lambda: [p["state"] for p in get_json(router.url + "/router/kv-events")["pods"].values()]
+                 == ["live"] * 3, 30, "all pods' events live")
+        shape = dict(conversations=4, turns=3, concurrency=2, max_tokens=8, system_words=20, user_words=60)
+        rate = hit_rate(pods, Workload(seed=11, **shape), router.url)
+        status = get_json(router.url + "/router/kv-events")
+        assert status["ranked_by_events"] >= 4 * 2  # the later turns: every pod's events were live
+        assert all(p["blocks"] > 0 for p in status["pods"].values() if p["batches"]), status
+        m = scrape(router.url)
+        hits = sum(v for k, v in m.items() if k.startswith("kvserve_router_requests_total") and "prefix-hit" in k)
+        assert hits >= 4 * 2 and rate > 0.5, (hits, rate)
+    finally:
+        router.stop()
 
 
 def test_models_are_merged_and_health_answers(env):

@@ -186,12 +186,16 @@ class AdapterSync:
             await asyncio.to_thread(shutil.rmtree, Path(self.adapters_dir) / name, True)
             log.info("adapter %s: unloaded", name)
         for d in load:
-            await self._load(d, now)
+            await self._load(d, now, engine_loaded)
 
-    async def _load(self, d: Desired, now: float) -> None:
+    async def _load(self, d: Desired, now: float, engine_loaded: Iterable[str] | None = None) -> None:
         from .fetch import FetchError, fetch
 
         s = self.state.get(d.name)
+        if s is None and engine_loaded is not None and d.name in set(engine_loaded):
+            # The agent restarted beside a runtime that kept its adapters: take them as they are.
+            self.state[d.name] = AdapterState(d.uri, LOADED)
+            return
         if s is None or s.uri != d.uri:
             s = self.state[d.name] = AdapterState(d.uri)
         s.attempts += 1

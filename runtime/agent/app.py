@@ -93,6 +93,7 @@ def signals_json(state: ScrapeState, config: AgentConfig, now: float, adapters: 
         "requests_running": val("requests_running", int),
         "kv_cache_capacity_tokens": val("kv_cache_capacity_tokens", int),
         "tensor_parallel_size": None if tp is None else int(tp),
+        "data_parallel_size": val("data_parallel_size", int),
         "prompt_tokens_total": val("prompt_tokens_total", int),
         "generation_tokens_total": val("generation_tokens_total", int),
         "model_name": sample.model_name if sample else None,
@@ -347,7 +348,10 @@ class RuntimeAdmin:
                 if r.status == 200:
                     return
                 message = await _error_message(r)
-                if 400 <= r.status < 500 and r.status not in (401, 403, 408, 429):
+                # 409: an unload while requests still use the adapter; tried again later. A 401/403
+                # (e.g. vLLM with an API key, which knows no admin key) is final and reported: the
+                # pod must not wait for a credential that will never change.
+                if 400 <= r.status < 500 and r.status not in (408, 409, 429):
                     raise LoadRefused(f"HTTP {r.status}: {message}")
                 raise Unreachable(f"HTTP {r.status}: {message}")
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -370,6 +374,28 @@ async def _error_message(resp: aiohttp.ClientResponse) -> str:
         return str(json.loads(text)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return text.strip()[:500] or f"HTTP {resp.status}"
+
+
+def _parallelism_proxy(agent: Agent, config: AgentConfig):
+    """The runtime's /admin/parallelism (read, or change the pod's layout live) for the operator:
+    the caller shows the admin key here, and the agent sends the pod's key on to the runtime."""
+
+    async def handler(request: web.Request) -> web.Response:
+        route = f"{request.method} /admin/parallelism"
+        denial = admin_denial(request.headers.get("Authorization"), config.admin_api_key, route=route)
+        if denial is not None:
+            return APIError(denial.status, denial.message).response()
+        body = await request.content.read(4097)
+        headers = {"Authorization": f"Bearer {config.admin_api_key}", "Content-Type": "application/json"}
+        try:
+            # A reshape starts the new layout's workers and loads its shards: seconds to minutes.
+            async with agent.session.request(request.method, agent.base + "/admin/parallelism", data=body or None,
+                                             headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as r:
+                return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return APIError(503, f"the runtime did not answer: {type(exc).__name__}: {exc}").response()
+
+    return handler
 
 
 def build_app(config: AgentConfig) -> web.Application:
@@ -411,6 +437,9 @@ def build_app(config: AgentConfig) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/health", health)
     app.router.add_post("/drain", drain)
+    parallelism = _parallelism_proxy(agent, config)
+    app.router.add_get("/admin/parallelism", parallelism)
+    app.router.add_post("/admin/parallelism", parallelism)
     app.on_startup.append(agent.start)
     app.on_cleanup.append(agent.stop)
     return app

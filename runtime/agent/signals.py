@@ -33,6 +33,7 @@ class EngineSample:
     # LoRA adapters the engine has loaded (kvserve:lora_adapter_loaded), sorted; None when the
     # engine does not say (vLLM's lora_requests_info names only running and waiting ones).
     lora_adapters: tuple[str, ...] | None = None
+    data_parallel_size: float | None = None  # kvserve's engines per pod (a live layout, issue 22)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +94,9 @@ SOURCES: dict[str, list[tuple[str, Reducer]]] = {
     ],
     "tensor_parallel_size": [
         ("kvserve:tensor_parallel_size", _max),
+    ],
+    "data_parallel_size": [
+        ("kvserve:data_parallel_size", _max),
     ],
     "prompt_tokens_total": [
         ("vllm:prompt_tokens_total", _sum),

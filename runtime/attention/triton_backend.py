@@ -6,15 +6,16 @@ long takes the flash-decoding kernel; any other batch (prefill, chunked prefill,
 speculative k+1 rows, or a mix with decodes) takes the varlen prefill kernel, which handles any
 query length >= 1 and so also the decode rows mixed into it.
 
-On CPU tensors the kernels only run under TRITON_INTERPRET=1 (tests); see ``triton_utils``.
+The kernels are called through kernels/custom_ops.py, so that torch.compile sees each launch as
+one opaque op and never specialises on the launchers' host-side arithmetic (the decode split
+count). On CPU tensors the kernels only run under TRITON_INTERPRET=1 (tests); see ``triton_utils``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvserve.kernels.attention import paged_decode_attention, paged_prefill_attention
-from kvserve.kernels.cache import write_kv_cache
+from kvserve.kernels.custom_ops import decode_attention, prefill_attention, write_kv
 from kvserve.runtime.attention.backend import AttentionMetadata
 
 
@@ -32,7 +33,7 @@ class TritonAttentionBackend:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> None:
-        write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -48,15 +49,16 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only or meta.max_query_len <= 1:
-            return paged_decode_attention(
+            return decode_attention(
                 query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
             )
-        return paged_prefill_attention(
+        return prefill_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale, max_query_len=meta.max_query_len, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
         )

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kernels.cache import write_kv_cache
-from kvserve.kernels.mla import mla_decode_attention
+from kvserve.kernels.custom_ops import mla_decode, write_latent
 from kvserve.runtime.attention.mla import MLAPlan, TorchMLAAttention
 
 
@@ -17,13 +16,11 @@ class TritonMLAAttention(TorchMLAAttention):
 
     @staticmethod
     def write_latent(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        # The scatter kernel writes a K and a V pool; here both are the one latent pool.
-        latent = entry[:, None, :]
-        write_kv_cache(latent, latent, cache, cache, slot_mapping)
+        write_latent(entry, cache, slot_mapping)
 
     def decode(self, q: torch.Tensor, cache: torch.Tensor, plan: MLAPlan, kv_lora_rank: int,
                scale: float) -> torch.Tensor:
         meta = plan.decode_meta
         assert meta is not None
-        return mla_decode_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+        return mla_decode(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                                     kv_lora_rank, max_seq_len=meta.max_seq_len)

@@ -23,12 +23,16 @@ later features slot in without a rewrite:
   positions aligned with table indices), so a long sequence holds about w + one step of tokens,
   not its whole context. A prefix-cache hit then needs only the blocks inside the window of the
   hit's end: the blocks before it may have been evicted, and come back as ``FREED`` entries.
+- Offload tier (runtime/kv_offload/, only when configured): ``tier_lookup`` extends a prefix hit
+  with blocks the tier holds (``TIER`` entries; ``take_prefix`` gives each a fresh block and
+  returns it for the caller to load), and ``on_evict`` sees every cached block just before it is
+  reused, so its content can be copied out first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.runtime.engine.prefix_cache import BlockHash
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
 
 # Block-table entry of a block given back because it lies wholly behind the sliding window.
 FREED = -1
+# Prefix-lookup entry of a block the offload tier holds (never in a block table).
+TIER = -2
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -64,6 +70,9 @@ class BlockManager:
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, int] = {}  # key -> block holding that content
         self._num_registered: dict[int, int] = {}  # seq -> leading blocks already keyed
+        # The offload tier's hooks (None: no tier, and no extra work).
+        self.tier_lookup: Callable[[BlockHash], bool] | None = None
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
         # KV events (runtime/kv_events): told of every key this pool gains, evicts or forgets.
         self.events: KVEventSink | None = None
 
@@ -128,16 +137,21 @@ class BlockManager:
         blocks: list[int] = []
         if not self.enable_caching:
             return blocks
+        tier = self.tier_lookup
         if self.sliding_window is None:
             for h in hashes:
                 block = self.cached.get(h)
                 if block is None:
-                    break
+                    if tier is None or not tier(h):
+                        break
+                    block = TIER
                 blocks.append(block)
             return blocks
         best, run_start = 0, 0
         for j, h in enumerate(hashes):
             block = self.cached.get(h)
+            if block is None and tier is not None and tier(h):
+                block = TIER
             blocks.append(block if block is not None else FREED)
             if block is None:
                 run_start = j + 1
@@ -154,23 +168,54 @@ class BlockManager:
         needed = max(0, end - len(prefix))
         # A written prefix block someone else holds is copied first.
         needed += sum(1 for i in range(num_computed // self.block_size, min(len(prefix), end))
-                      if prefix[i] != FREED and self.ref_counts[prefix[i]] >= 1)
-        revived = sum(1 for b in prefix if b != FREED and self.ref_counts[b] == 0)
+                      if prefix[i] >= 0 and self.ref_counts[prefix[i]] >= 1)
+        if self.tier_lookup is not None:
+            needed += sum(1 for b in prefix if b == TIER)  # each loaded into a fresh block
+        revived = sum(1 for b in prefix if b >= 0 and self.ref_counts[b] == 0)
         return needed <= len(self._free) - revived
 
-    def take_prefix(self, seq_id: int, prefix: Sequence[int]) -> None:
-        """Gives a sequence without blocks the cached blocks `prefix` (from ``lookup``)."""
+    def take_prefix(self, seq_id: int, prefix: Sequence[int]) -> list[tuple[int, int]]:
+        """Gives a sequence without blocks the cached blocks `prefix` (from ``lookup``). Returns
+        (table index, block) of each ``TIER`` entry, now a fresh block for the caller to load and
+        then key with ``key_loaded``."""
         if self.block_tables.get(seq_id):
             raise ValueError(f"sequence {seq_id} already has blocks")
         for block in prefix:
-            if block == FREED:
+            if block < 0:
                 continue
             if self.ref_counts[block] == 0:
                 del self._free[block]
             self.ref_counts[block] += 1
-        self.block_tables[seq_id] = list(prefix)
+        table = list(prefix)
+        loads = []
+        if self.tier_lookup is not None:
+            # After the pool's own hits are held, so making room never evicts one of them.
+            for i, block in enumerate(table):
+                if block == TIER:
+                    table[i] = self._pop_free()
+                    loads.append((i, table[i]))
+        self.block_tables[seq_id] = table
         self._num_registered[seq_id] = len(prefix)
         self._num_freed[seq_id] = sum(1 for b in prefix if b == FREED)
+        return loads
+
+    def key_loaded(self, hashes: Sequence[BlockHash], loads: Sequence[tuple[int, int]],
+                   token_ids: Sequence[int] | None = None) -> None:
+        """Keys blocks just loaded from the offload tier (`loads` from ``take_prefix``);
+        `token_ids` (the sequence's) only feed the KV events' BlockStored."""
+        run: list[int] = []
+        for i, block in loads:
+            h = hashes[i]
+            if self.block_hashes[block] is None and h not in self.cached:
+                self.block_hashes[block] = h
+                self.cached[h] = block
+                if self.events is not None:
+                    if run and run[-1] != i - 1:
+                        self._report_stored(run, hashes, token_ids)
+                        run = []
+                    run.append(i)
+        if run:
+            self._report_stored(run, hashes, token_ids)
 
     def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
         """Keys the sequence's leading full, computed blocks; `hashes[i]` is block i's key.
@@ -302,6 +347,8 @@ class BlockManager:
         block, _ = self._free.popitem(last=False)
         h = self.block_hashes[block]
         if h is not None:  # evict: the content is about to be overwritten
+            if self.on_evict is not None:
+                self.on_evict(block, h)
             self.block_hashes[block] = None
             del self.cached[h]
             if self.events is not None:

@@ -136,6 +136,25 @@ class EngineCore:
         self._inflight: _Step | None = None
         # Requests ended by a failed forward pass, for the output side to report as aborted.
         self.failed: list[Request] = []
+        self.offload = None  # the offload tier's OffloadManager, once attached
+
+    def attach_offload(self, offload) -> None:
+        """Connects an OffloadManager (runtime/kv_offload/manager.py) to the block managers'
+        hooks and the scheduler."""
+        self.offload = offload
+        bm = self.block_manager
+        for group, manager in enumerate(bm.managers if isinstance(bm, KVCacheCoordinator) else [bm]):
+            manager.tier_lookup = offload.tier_lookup(group)
+            manager.on_evict = offload.on_evict(group)
+        self.scheduler.offload = offload
+
+    def save_cached_blocks(self) -> int:
+        """Copies every cached pool block into the offload tier (a persistent tier at shutdown)."""
+        if self.offload is None:
+            return 0
+        bm = self.block_manager
+        managers = bm.managers if isinstance(bm, KVCacheCoordinator) else [bm]
+        return self.offload.save_cached([m.cached for m in managers])
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, heads: list[Request]) -> None:
@@ -269,6 +288,9 @@ class EngineCore:
             # Requests aborted while the forward pass ran: their tokens are dropped.
             sched, result = step.without_finished(result)
         update = self.scheduler.update_from_output(sched, result, self._by_seq)
+        if self.offload is not None and step.t_executed > step.t_execute:
+            # What recomputing costs here, for the swap-or-recompute choice.
+            self.offload.observe_prefill(sched.num_batched_tokens, step.t_executed - step.t_execute)
         self._stats.computed_tokens_total += sched.num_batched_tokens
         for su in update.samples:
             head = su.req.head
@@ -322,6 +344,9 @@ class EngineCore:
                 elif seq.status is SequenceStatus.WAITING and seq in sched.waiting:
                     sched.waiting.remove(seq)
                 bm.free(seq.seq_id)
+                if seq.swapped is not None:  # its swapped blocks stay behind with this core
+                    self.offload.discard(seq.swapped)
+                    seq.swapped = None
                 seq.num_computed_tokens = 0
                 seq.spec_token_ids.clear()
                 seq.status = SequenceStatus.WAITING

@@ -42,12 +42,17 @@ log = logging.getLogger(__name__)
 _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
              "prefix_cache_hits_total", "computed_tokens_total", "spec_decode_num_drafts_total",
              "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-             "structured_output_requests_total")
+             "structured_output_requests_total", "cuda_graph_capture_failures_total",
+             "kv_offload_queries_tokens_total", "kv_offload_hit_tokens_total",
+             "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
+             "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
+             "kv_swap_ins_total")
 # Gauges that add up over engines.
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
-           "generation_tokens_per_second")
+           "generation_tokens_per_second", "kv_offload_capacity_bytes", "kv_offload_used_bytes",
+           "kv_swap_capacity_bytes", "kv_swap_used_bytes", "num_swapped")
 _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", "e2e_latencies",
-                 "grammar_compile_times")
+                 "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
 
 
 class ReshapeError(RuntimeError):
@@ -93,7 +98,7 @@ class DataParallelEngine:
     """`data_parallel_size` engines of `config.tensor_parallel_size` ranks; implements EngineClient."""
 
     def __init__(self, config, data_parallel_size: int = 1,
-                 engine_factory: Callable[[Any], Any] | None = None) -> None:
+                 engine_factory: Callable[[Any], Any] | None = None, *, spare_workers: bool = False) -> None:
         if engine_factory is None:
             from kvserve.runtime.engine.llm_engine import LLMEngine
 
@@ -104,7 +109,12 @@ class DataParallelEngine:
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
+        self._started_one = False
+        # Keep G - 1 worker interpreters started while no engine uses them, so a reshape to
+        # tensor parallelism skips their start-up (multiproc.prestart_workers).
+        self.spare_workers = spare_workers
         self.engines: list[Any] = self._build(self.layout)
+        self._keep_spares()
         first = self.engines[0]
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
@@ -118,15 +128,40 @@ class DataParallelEngine:
         self._reshape_seconds: list[float] = []
         self.reshapes: list[dict[str, Any]] = []  # the history, newest last (bounded)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loras: dict[int, Any] = {}  # adapters added through add_lora, loaded again after a reshape
 
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
         devices = engine_devices(layout, str(self.config.device))
+        configs = [dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
+                   for device in devices]
+        events = getattr(self.config, "kv_events_config", None)
+        share_events = len(configs) > 1 and events is not None and events.active
+        if share_events:
+            # One endpoint per server: engine 0 binds it, the others publish through its publisher.
+            configs = configs[:1] + [dataclasses.replace(c, kv_events_config=None) for c in configs[1:]]
         engines: list[Any] = []
+        # The engines start side by side: most of a start is torch work that leaves the GIL
+        # (filling the KV pools, packing weights), so G engines take little more than one. The
+        # process's first engine starts alone: lazy imports (transformers' among them) are not
+        # safe to race from several threads.
+        futures: list[concurrent.futures.Future] = []
+        if not self._started_one:
+            first: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                first.set_result(self._factory(configs[0]))
+            except BaseException as exc:
+                first.set_exception(exc)
+            futures.append(first)
+            configs = configs[1:] if first.exception() is None else []
+            self._started_one = first.exception() is None
+        if configs:
+            with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="kvserve-dp-start") as pool:
+                futures += [pool.submit(self._factory, cfg) for cfg in configs]
+                concurrent.futures.wait(futures)
         try:
-            for device in devices:
-                cfg = dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
-                engine = self._factory(cfg)
+            for fut in futures:
+                engine = fut.result()
                 own = engine.structured_outputs
                 if self._grammars is None:
                     self._grammars = own
@@ -136,18 +171,51 @@ class DataParallelEngine:
                     engine.structured_outputs = self._grammars
                     engine.input_processor.structured_outputs = self._grammars
                 engines.append(engine)
+            if share_events:
+                self._share_kv_events(engines)
         except BaseException:
-            for engine in engines:
-                self._close_engine(engine)
+            for fut in futures:  # every engine that did start, not only those already taken
+                if fut.exception() is None:
+                    self._close_engine(fut.result())
+                    if fut.result().structured_outputs is not self._grammars:
+                        fut.result().structured_outputs.close()
             raise
         return engines
 
+    @staticmethod
+    def _share_kv_events(engines: list[Any]) -> None:
+        """The KV events of engines 1..n go out through engine 0's publisher (thread-safe: it
+        queues), so subscribers see the pod's whole cache on the pod's one endpoint."""
+        from kvserve.runtime.kv_events.events import KVEventSink
+
+        publisher = engines[0].kv_event_publisher
+        for engine in engines[1:]:
+            bm = engine.block_manager
+            pool = bm.managers[0] if hasattr(bm, "managers") else bm
+            sink = KVEventSink(pool.block_size)
+            pool.events = sink
+            if getattr(engine, "offload", None) is not None:
+                engine.offload.events = sink
+            engine.kv_event_sink, engine.kv_event_publisher = sink, publisher
+            engine.kv_events_shared = True  # engine 0 closes the publisher
+
+    def _keep_spares(self) -> None:
+        if not self.spare_workers or self.num_devices < 2:
+            return
+        from kvserve.runtime.executor.multiproc import prestart_workers
+
+        prestart_workers(self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0)
+
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
+        persist = getattr(engine, "persist_kv_offload", None)
+        if persist is not None:  # a persistent offload tier keeps the pool's cached blocks
+            persist()
         engine.executor.shutdown()
         engine.core.shutdown()
         publisher = getattr(engine, "kv_event_publisher", None)
-        if publisher is not None:  # its endpoint is free again for the next layout's engine
+        if publisher is not None and not getattr(engine, "kv_events_shared", False):
+            # its endpoint is free again for the next layout's engine
             publisher.close()
 
     # -- EngineClient ------------------------------------------------------------------------------
@@ -182,12 +250,37 @@ class DataParallelEngine:
             self._owner[rid] = engine
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time)
+        # As LLMEngine.add_request: a grammar still compiling is waited for (all or nothing).
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, wait_for_grammars=True)
 
     def abort_request(self, request_id: str) -> None:
         engine = self._owner.pop(request_id, None)
         if engine is not None:
             engine.abort_request(request_id)
+
+    # -- LoRA adapters: every engine holds every adapter (a request may land on any of them) ------
+    def add_lora(self, lora_request: Any) -> bool:
+        added = [e.add_lora(lora_request) for e in self.engines]
+        self._loras[lora_request.lora_int_id] = lora_request
+        return any(added)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        for e in self.engines:  # refused (in use) on any engine: refused before any unloads
+            users = sum(1 for r in e.core.requests.values()
+                        if getattr(r, "lora_request", None) is not None and r.lora_request.lora_int_id == lora_int_id)
+            if users:
+                raise ValueError(f"lora_int_id: adapter {lora_int_id} is in use by {users} unfinished request(s)")
+        self._loras.pop(lora_int_id, None)
+        return any([e.remove_lora(lora_int_id) for e in self.engines])
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return all([e.pin_lora(lora_int_id) for e in self.engines])
+
+    def list_loras(self) -> set[int]:
+        return self.engines[0].list_loras()
+
+    def get_lora(self, lora_int_id: int) -> Any:
+        return self.engines[0].get_lora(lora_int_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or any(e.has_unfinished_requests() for e in self.engines)
@@ -228,6 +321,10 @@ class DataParallelEngine:
     def close(self) -> None:
         for e in self.engines:
             self._close_engine(e)
+        if self.spare_workers:
+            from kvserve.runtime.executor.multiproc import prestart_workers
+
+            prestart_workers(0)
         if self._grammars is not None:
             self._grammars.close()
         if self._pool is not None:
@@ -254,6 +351,8 @@ class DataParallelEngine:
         for a layout this server cannot run (nothing changes) and ReshapeError when the new layout
         failed to start (the old one serves again)."""
         target = Layout(data_parallel, tensor_parallel)
+        if getattr(self.config, "pipeline_parallel_size", 1) != 1:
+            raise ValueError("tensor_parallel: a live layout change is not supported with pipeline parallelism")
         check_layout(target, self.num_devices, self._tp_error)
         old = self.layout
         if target == old:
@@ -282,8 +381,12 @@ class DataParallelEngine:
             failure = exc
             log.error("reshape %s -> %s failed (%s: %s); restoring %s", old, target, type(exc).__name__, exc, old)
             self.engines = self._build(old)  # if even this fails, the engine loop ends and /health says why
+        for lora in self._loras.values():  # the adapters the old engines had (from local files)
+            for engine in self.engines:
+                engine.add_lora(lora)
         # 4. Resume every request on the engines now running.
         self._resume(heads)
+        self._keep_spares()
         seconds = time.perf_counter() - t0
         record = self._record(old, target, seconds, len(heads), changed=failure is None,
                               error=None if failure is None else f"{type(failure).__name__}: {failure}")

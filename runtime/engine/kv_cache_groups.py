@@ -152,11 +152,18 @@ class KVCacheCoordinator:
         return all(m.can_allocate_with_prefix(p, num_computed, num_new)
                    for m, p in zip(self.managers, prefix.per_group))
 
-    def take_prefix(self, seq_id: int, prefix: GroupPrefix) -> None:
+    def take_prefix(self, seq_id: int, prefix: GroupPrefix) -> list[tuple[int, int, int]]:
+        """Every group's blocks of the hit; returns the (group, table index, block) to load from
+        the offload tier."""
         if any(m.get_block_table(seq_id) for m in self.managers):
             raise ValueError(f"sequence {seq_id} already has blocks")
-        for m, p in zip(self.managers, prefix.per_group):
-            m.take_prefix(seq_id, p)
+        return [(g, i, b) for g, (m, p) in enumerate(zip(self.managers, prefix.per_group))
+                for i, b in m.take_prefix(seq_id, p)]
+
+    def key_loaded(self, hashes: Sequence[BlockHash], loads: Sequence[tuple[int, int, int]],
+                   token_ids: Sequence[int] | None = None) -> None:
+        for g, m in enumerate(self.managers):
+            m.key_loaded(hashes, [(i, b) for lg, i, b in loads if lg == g], token_ids)
 
     def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
         for m in self.managers:

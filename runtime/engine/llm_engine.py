@@ -136,6 +136,10 @@ class LLMEngine:
         self.scheduler = self.core.scheduler
         self.block_manager = self.core.block_manager
         self.kv_event_sink, self.kv_event_publisher = attach_kv_events(config.kv_events_config, self.block_manager)
+        self.offload = None
+        if ex.offloader is not None:
+            self.offload = self._attach_offload(config, ex)
+            self.offload.events = self.kv_event_sink  # tier stores and removals, medium CPU or DISK
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.input_processor = InputProcessor(self.tokenizer, self._decode, vocab_size=self.vocab_size,
                                               max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -151,6 +155,25 @@ class LLMEngine:
             log.info("KV cache groups: %s", ", ".join(
                 f"{'full attention' if g.window is None else f'window {g.window}'}: {len(g.layers)} layers, {n} blocks"
                 for g, n in zip(self.kv_groups, self.kv_group_blocks)))
+
+    def _attach_offload(self, config: EngineConfig, ex):
+        from kvserve.runtime.kv_offload.manager import OffloadManager
+        from kvserve.runtime.kv_offload.offloader import TIER
+
+        if config.kv_offload_bytes and not config.enable_prefix_caching:
+            log.warning("kv_offload_bytes: the offload tier finds blocks by their prefix-cache keys, and "
+                        "prefix caching is off: nothing will be stored")
+        tier = ex.offloader.stores.get(TIER)
+        offload = OffloadManager(apply=ex.kv_offload_apply, block_bytes=ex.offloader.block_bytes,
+                                 block_size=config.block_size, tier_bytes=config.kv_offload_bytes,
+                                 swap_bytes=int(config.swap_space * 2**30),
+                                 medium=getattr(tier, "medium", "CPU"), existing=ex.kv_offload_scan())
+        offload.flush()  # forget what the warm index could not keep
+        self.core.attach_offload(offload)
+        log.info("kv offload: tier %s (%d bytes per rank%s), swap space %d bytes per rank",
+                 getattr(tier, "medium", "off"), config.kv_offload_bytes,
+                 f", {tier.dir}" if getattr(tier, "persistent", False) else "", int(config.swap_space * 2**30))
+        return offload
 
     # Rank 0's parts, owned by the executor (None once closed).
     @property
@@ -176,8 +199,12 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | dict | None = None,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
-        """Queues a request; raises ValueError naming the bad field (and queues nothing)."""
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, lora_request=lora_request)
+        """Queues a request; raises ValueError naming the bad field (and queues nothing). A grammar
+        still compiling is waited for, so a compile that fails raises here instead of ending a
+        queued request with "abort" (all or nothing); callers that compile first and must not
+        block (the server) use add_requests."""
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, lora_request=lora_request,
+                          wait_for_grammars=True)
 
     def add_requests(self, requests: Iterable[tuple[str, Prompt, SamplingParams | dict | None]],
                      arrival_time: float | None = None, *, wait_for_grammars: bool = False,
@@ -279,11 +306,25 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops and reaps the tensor-parallel workers, if any, and frees the weights and KV
-        pools. Idempotent; no step() after it."""
+        pools. Idempotent; no step() after it. A persistent offload tier first gets every cached
+        block of the pool, so a restarted engine finds them."""
+        self.persist_kv_offload()
         self.executor.shutdown()
         self.core.shutdown()
         self.kv_event_publisher.close()
         self.structured_outputs.close()
+
+    def persist_kv_offload(self) -> None:
+        """With a persistent offload tier: writes every cached pool block it lacks (before the
+        pools go away: shutdown, or a reshape retiring this engine)."""
+        offloader = self.executor.offloader
+        if self.offload is None or offloader is None or not getattr(offloader.stores.get(0), "persistent", False):
+            return
+        try:
+            n = self.core.save_cached_blocks()
+            log.info("kv offload: %d cached pool blocks written to the persistent tier", n)
+        except Exception:  # shutting down anyway: the tier keeps what it has
+            log.exception("kv offload: saving the pool's cached blocks failed")
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -343,6 +384,26 @@ class LLMEngine:
         return dict(running_lora_adapters=names(self.scheduler.running),
                     waiting_lora_adapters=names(self.scheduler.waiting), max_lora=self.config.max_loras)
 
+    def _offload_stats(self) -> dict[str, Any]:
+        offload, offloader = self.offload, self.executor.offloader
+        if offload is None or offloader is None:
+            return {}
+        st = offload.stats
+        store_s, load_s = offloader.drain_timings()
+        tier, swap = offload.tier, offload.swap
+        return dict(
+            kv_offload_capacity_bytes=tier.capacity_bytes if tier else 0,
+            kv_offload_used_bytes=tier.used_bytes if tier else 0,
+            kv_offload_queries_tokens_total=st.queries_tokens, kv_offload_hit_tokens_total=st.hit_tokens,
+            kv_offload_hit_blocks_total=st.hit_blocks, kv_offload_stored_blocks_total=st.stored_blocks,
+            kv_offload_stored_bytes_total=offloader.stored_bytes,
+            kv_offload_loaded_bytes_total=offloader.loaded_bytes,
+            kv_offload_failed_loads_total=st.failed_loads,
+            kv_swap_capacity_bytes=swap.capacity_bytes if swap else 0, kv_swap_used_bytes=swap.used_bytes if swap else 0,
+            kv_swap_outs_total=st.swap_outs, kv_swap_ins_total=st.swap_ins,
+            num_swapped=sum(1 for s in self.scheduler.waiting if s.swapped is not None),
+            kv_offload_store_seconds=store_s, kv_offload_load_seconds=load_s)
+
     def get_stats(self) -> EngineStats:
         """Gauges and counters now, plus latency observations made since the previous call."""
         now = StatsCollector.now()
@@ -370,10 +431,12 @@ class LLMEngine:
             generation_tokens_per_second=s.rate(now),
             structured_output_requests_total=s.structured_output_requests_total,
             model_weight_bytes=self.model_weight_bytes,
+            cuda_graph_capture_failures_total=self.executor.graph_capture_failures,
             quantization=self.quantization or "none",
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
+            **self._offload_stats(),
             timestamp=now,
             **self._lora_stats(),
             **s.drain(),

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.runtime.engine.block_manager import BlockManager
+from kvserve.runtime.engine.block_manager import TIER, BlockManager
 from kvserve.runtime.engine.kv_cache_groups import KVCacheCoordinator
 from kvserve.runtime.engine.prefix_cache import extend_block_hashes
 from kvserve.runtime.engine.sequence import Sequence, SequenceStatus
@@ -121,6 +121,9 @@ class Scheduler:
         # Prefix cache counters, in tokens (vllm:prefix_cache_queries / _hits).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The offload tier and swap space (kvserve.runtime.kv_offload.manager.OffloadManager), or
+        # None: then admission and preemption do exactly what they do without one.
+        self.offload = None
 
     # -- admission -------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -208,6 +211,16 @@ class Scheduler:
                     blocked = True
                     idx += 1
                     continue
+                if seq.swapped is not None:
+                    resumed = self._swap_in(seq, idx, budget)
+                    if resumed is None:
+                        break
+                    if resumed:
+                        if active is not None and seq.lora_int_id:
+                            active.add(seq.lora_int_id)
+                        scheduled.append(resumed)
+                        budget -= resumed.num_new_tokens
+                    continue
                 prefix = self._cached_prefix(seq)
                 # Never the whole sequence: its last token must run to give logits.
                 num_cached = min(len(prefix) * bm.block_size, seq.num_tokens - 1) if prefix else 0
@@ -221,6 +234,12 @@ class Scheduler:
                         break
                 elif not bm.can_allocate(seq.seq_id, seq.num_computed_tokens, num_new):
                     break
+                if prefix:
+                    if self.offload is not None and not self._take_prefix_loading(seq, prefix, num_cached):
+                        continue  # a tier block could not be read: look the prefix up again without it
+                    if self.offload is None:
+                        bm.take_prefix(seq.seq_id, prefix)
+                    seq.num_computed_tokens = num_cached
                 del self.waiting[idx]
                 if active is not None and seq.lora_int_id:
                     active.add(seq.lora_int_id)
@@ -229,16 +248,63 @@ class Scheduler:
                     self.prefix_cache_hits += num_cached
                     if seq.num_cached_tokens is None:
                         seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
-                if prefix:
-                    bm.take_prefix(seq.seq_id, prefix)
-                    seq.num_computed_tokens = num_cached
                 copies = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 scheduled.append(ScheduledSequence(seq, num_new, copies))
                 budget -= num_new
 
+        if self.offload is not None:
+            self.offload.flush()  # blocks saved in this schedule leave before the forward pass writes
         return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget)
+
+    def _take_prefix_loading(self, seq: Sequence, prefix, num_cached: int) -> bool:
+        """Takes a prefix hit whose blocks may partly come from the offload tier, loading those
+        into fresh blocks now. False (and the sequence holds nothing) if a load failed."""
+        from kvserve.runtime.kv_offload.manager import tier_key
+
+        bm, offload = self.block_manager, self.offload
+        grouped = isinstance(bm, KVCacheCoordinator)
+        entries = prefix.per_group if grouped else [prefix]
+        # Kept in the tier while fresh blocks are found for them (that may save evicted blocks).
+        offload.pin([tier_key(g, seq.block_hashes[i]) for g, p in enumerate(entries)
+                     for i, b in enumerate(p) if b == TIER])
+        taken = bm.take_prefix(seq.seq_id, prefix)
+        offload.pin([])
+        loads = taken if grouped else [(0, i, b) for i, b in taken]
+        if loads:
+            if not offload.load(loads, seq.block_hashes):
+                bm.free(seq.seq_id)  # the loaded blocks were never keyed: they go back as plain free blocks
+                return False
+            bm.key_loaded(seq.block_hashes, taken, seq.token_ids)
+        reference = sum(1 for g, _, _ in loads if g == 0)
+        offload.count_query(seq.num_tokens, min(reference * bm.block_size, num_cached))
+        return True
+
+    def _swap_in(self, seq: Sequence, idx: int, budget: int) -> ScheduledSequence | None | bool:
+        """Resumes a swapped-out sequence: fresh blocks for what it had plus this step's chunk,
+        its saved blocks loaded into them. None: no room yet (it keeps its place); False: the
+        swap could not be read, so it recomputes (it stays first in line)."""
+        cfg, bm = self.config, self.block_manager
+        state = seq.swapped
+        tokens = state.num_computed_tokens
+        num_new = seq.num_tokens - tokens
+        if num_new > budget:
+            if not cfg.enable_chunked_prefill:
+                return None
+            num_new = budget
+        if not bm.can_allocate(seq.seq_id, 0, tokens + num_new):
+            return None
+        copies = bm.allocate_slots(seq.seq_id, 0, tokens + num_new)
+        seq.swapped = None
+        if not self.offload.swap_in(state, bm.get_block_table(seq.seq_id)):
+            bm.free(seq.seq_id)
+            return False
+        del self.waiting[idx]
+        seq.num_computed_tokens = tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return ScheduledSequence(seq, num_new, copies)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         bm = self.block_manager
@@ -248,6 +314,10 @@ class Scheduler:
         return bm.lookup(seq.block_hashes)
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.offload is not None and isinstance(self.block_manager, BlockManager):
+            # Swapped out (its blocks saved before they are freed) when cheaper than recompute.
+            seq.swapped = self.offload.swap_out(seq.seq_id, self.block_manager.get_block_table(seq.seq_id),
+                                                seq.num_computed_tokens)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.spec_token_ids.clear()
@@ -350,6 +420,9 @@ class Scheduler:
                 pass
         seq.status = status
         self.block_manager.free(seq.seq_id)
+        if seq.swapped is not None:
+            self.offload.discard(seq.swapped)
+            seq.swapped = None
 
     # -- queries ---------------------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 _seq_ids = itertools.count()
 
@@ -54,6 +55,9 @@ class Sequence:
     num_cached_tokens: int | None = None
     # Speculative decoding: draft tokens to verify in the next step (not yet in token_ids).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Swap preemption: where its blocks went (kvserve.runtime.kv_offload.manager.SwapState) while
+    # it waits to resume; None when it holds its blocks or will recompute them.
+    swapped: Any = None
     # The LoRA adapter this sequence runs with (0: the base model): the scheduler keeps at most
     # max_loras distinct adapters in a step.
     lora_int_id: int = 0

@@ -160,6 +160,11 @@ class Executor:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.driver_worker.kv_cache_dtype
 
+    @property
+    def graph_capture_failures(self) -> int:
+        """Failed CUDA graph captures on rank 0 (every rank fails alike)."""
+        return self.driver_worker.graph_capture_failures
+
     def propose_drafts(self, running: Sequence, params_of: Callable) -> None:
         """Speculative decoding: sets each running sequence's spec_token_ids before scheduling."""
         if self.spec_decoder is not None:
@@ -181,6 +186,24 @@ class Executor:
         if bubble is not None:
             self.pipeline_bubble_fraction = 0.9 * self.pipeline_bubble_fraction + 0.1 * bubble
         return out
+
+    @property
+    def offloader(self):
+        """Rank 0's KVOffloader (None without an offload tier or swap space)."""
+        return self.driver_worker.offloader
+
+    def kv_offload_apply(self, ops: list[tuple]) -> list[bytes]:
+        """Applies offload operations on rank 0 now and on the other ranks before their next
+        forward pass; returns the keys whose loads failed on rank 0."""
+        failed = self.driver_worker.offloader.apply(ops)
+        self._share_kv_ops(ops)
+        return failed
+
+    def kv_offload_scan(self) -> list[tuple[bytes, int]]:
+        return self.driver_worker.offload_scan()
+
+    def _share_kv_ops(self, ops: list[tuple]) -> None:
+        """Hands offload operations to ranks 1..N-1 (none here)."""
 
     def check_health(self) -> None:
         """Raises when the executor can no longer step (a tensor-parallel worker died)."""

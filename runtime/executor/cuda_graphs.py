@@ -118,7 +118,7 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, *, block_size: int, max_model_len: int,
                  sizes: list[int], device: torch.device, capture: bool,
-                 kv_group_windows: list[int | None] | None = None):
+                 kv_group_windows: list[int | None] | None = None, pool: Any = None):
         if not sizes:
             raise ValueError("DecodeGraphs needs at least one capture size")
         self.model, self.kv_caches = model, kv_caches
@@ -142,6 +142,9 @@ class DecodeGraphs:
                                            (torch.full_like(self.slot_mapping, -1), torch.zeros_like(self.block_tables)))
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=dev)
         self.capture_enabled = capture
+        # The graphs' shared memory pool (torch.cuda.graph_pool_handle); another instance's to
+        # share it (the KV sizing measures what a further graph adds to a pool).
+        self.pool = pool
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._rows_loaded = 0  # rows of the static buffers that hold a real sequence's data
@@ -200,7 +203,9 @@ class DecodeGraphs:
         """Records one graph per bucket, largest first, sharing one memory pool (CUDA only)."""
         if not self.capture_enabled:
             return
-        pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        pool = self.pool
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

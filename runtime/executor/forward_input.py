@@ -26,6 +26,9 @@ class ForwardInput:
     # Copy-on-write block copies to apply before the forward pass: (src, dst) pairs, or
     # (group, src, dst) triples with KV cache groups.
     block_copies: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    # Offload-tier operations (runtime/kv_offload/offloader.py) rank 0 has already applied, for
+    # the other ranks to apply to their own pools before this forward pass.
+    kv_ops: list[tuple] = dataclasses.field(default_factory=list)
     # LoRA (runtime/lora/slots.py's LoRAStepInput): adapters to load into slots and the token
     # layout; None when no token of the step uses an adapter.
     lora: Any = None

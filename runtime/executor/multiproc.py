@@ -107,20 +107,77 @@ def _timeout_s() -> float:
     return value
 
 
+def _spawn() -> tuple[subprocess.Popen, int, int]:
+    """A worker interpreter and the engine's ends of its pipes (control write, report read)."""
+    ctrl_r, ctrl_w = os.pipe()
+    report_r, report_w = os.pipe()
+    env = dict(os.environ, KVSERVE_TP_SYS_PATH=json.dumps([p for p in sys.path if p]))
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank runs on this host
+    try:
+        popen = subprocess.Popen([sys.executable, "-c", _BOOT, str(ctrl_r), str(report_w)],
+                                 pass_fds=(ctrl_r, report_w), env=env)
+    finally:
+        os.close(ctrl_r)
+        os.close(report_w)
+    return popen, ctrl_w, report_r
+
+
+# Worker interpreters started ahead of need (prestart_workers): a live reshape to tensor
+# parallelism (runtime/engine/data_parallel.py) then does not wait for Python and torch to start.
+# Each has imported what a rank needs and waits for its rank on the control pipe.
+_spares: list[tuple[subprocess.Popen, int, int]] = []
+_spares_lock = threading.Lock()
+
+
+def _close_spare(spare: tuple[subprocess.Popen, int, int]) -> None:
+    popen, ctrl_w, report_r = spare
+    for fd in (ctrl_w, report_r):
+        try:
+            os.close(fd)  # the spare reads EOF and exits
+        except OSError:
+            pass
+    try:
+        popen.wait(2.0)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+
+
+def prestart_workers(n: int) -> None:
+    """Keeps `n` spare worker interpreters ready (0: stops them)."""
+    with _spares_lock:
+        dead = [s for s in _spares if s[0].poll() is not None]
+        live = [s for s in _spares if s[0].poll() is None]
+        extra, live = live[n:], live[:n]
+        while len(live) < n:
+            live.append(_spawn())
+        _spares[:] = live
+    for spare in dead + extra:
+        _close_spare(spare)
+
+
+def spare_worker_pids() -> list[int]:
+    with _spares_lock:
+        return [s[0].pid for s in _spares]
+
+
+def _take_spare() -> tuple[subprocess.Popen, int, int] | None:
+    with _spares_lock:
+        while _spares:
+            spare = _spares.pop(0)
+            if spare[0].poll() is None:
+                return spare
+            _close_spare(spare)
+    return None
+
+
 class _WorkerProcess:
     """One worker process and its two pipes (control: engine -> worker; report: worker -> engine)."""
 
     def __init__(self, args: WorkerArgs, config, kv_groups, max_model_len: int) -> None:
         self.rank = args.rank
-        ctrl_r, ctrl_w = os.pipe()
-        report_r, report_w = os.pipe()
-        env = dict(os.environ, KVSERVE_TP_SYS_PATH=json.dumps([p for p in sys.path if p]))
-        try:
-            self.popen = subprocess.Popen([sys.executable, "-c", _BOOT, str(ctrl_r), str(report_w)],
-                                          pass_fds=(ctrl_r, report_w), env=env)
-        finally:
-            os.close(ctrl_r)
-            os.close(report_w)
+        self.popen, ctrl_w, report_r = _take_spare() or _spawn()
         self.pid = self.popen.pid
         self.ctrl = Connection(ctrl_w, readable=False)
         self.report = Connection(report_r, writable=False)
@@ -158,7 +215,12 @@ class MultiProcExecutor(Executor):
             from kvserve.runtime.executor.pipeline_worker import check_pipeline_parallel
 
             check_pipeline_parallel(self.model_config, config.pipeline_parallel_size)
-        devices = rank_devices(self.device, tp)
+        from kvserve.runtime.executor.rendezvous import Rendezvous
+
+        # Several nodes (a LeaderWorkerSet group): this node hosts ranks 0..local-1, the others connect.
+        rdv = Rendezvous.from_env()
+        local = tp if rdv is None else rdv.ranks_per_node(tp)
+        devices = rank_devices(self.device, local)
         if dist.is_initialized():
             raise ValueError("tensor_parallel_size: this process already has a torch.distributed "
                              "group (another tensor-parallel engine?); close it first")
@@ -170,29 +232,48 @@ class MultiProcExecutor(Executor):
         self._closed = False
         self._group_up = False
         self._errors: dict[int, str] = {}
+        self._kv_ops: list[tuple] = []  # offload operations for ranks 1..N-1 (rank 0 applied them)
         self._inbox: dict[int, list[tuple[str, Any]]] = {}
         self._workers: list[_WorkerProcess] = []
         self._monitor: threading.Thread | None = None
         self._stop_r, self._stop_w = os.pipe()
-        if sys.platform.startswith("linux"):
+        if sys.platform.startswith("linux") and rdv is None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank runs on this host
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timeout, wait_for_workers=False)
+        store_host = "127.0.0.1" if rdv is None else rdv.leader_address
+        store = dist.TCPStore(store_host, 0 if rdv is None else rdv.store_port, tp, True, timeout=timeout,
+                              wait_for_workers=False)
         dtype_name = str(self.dtype).removeprefix("torch.")
         _live.add(self)
+
+        def worker_args(rank: int) -> WorkerArgs:
+            return WorkerArgs(rank=rank, world_size=tp, store_host=store_host, store_port=store.port,
+                              backend=self.backend, device=str(devices[rank % local]), dtype=dtype_name,
+                              num_threads=torch.get_num_threads(), timeout_s=self.timeout_s,
+                              parent_pid=os.getpid(), max_step_tokens=max_step_tokens)
+
         try:
-            for rank in range(1, tp):
-                args = WorkerArgs(rank=rank, world_size=tp, store_host="127.0.0.1", store_port=store.port,
-                                  backend=self.backend, device=str(devices[rank]), dtype=dtype_name,
-                                  num_threads=torch.get_num_threads(), timeout_s=self.timeout_s,
-                                  parent_pid=os.getpid(), max_step_tokens=max_step_tokens)
-                worker = _WorkerProcess(args, config, self.kv_groups, self.max_model_len)
+            for rank in range(1, local):
+                worker = _WorkerProcess(worker_args(rank), config, self.kv_groups, self.max_model_len)
                 self._workers.append(worker)
                 self.rank_reports.append(dict(rank=rank, pid=worker.pid))
+            if rdv is not None:
+                from kvserve.runtime.executor.rendezvous import accept_ranks
+
+                def init_message(rank: int) -> bytes:
+                    return pickle.dumps((worker_args(rank), config, self.kv_groups, self.max_model_len),
+                                        protocol=pickle.HIGHEST_PROTOCOL)
+
+                remote = accept_ranks(rdv, range(local, tp), init_message, time.monotonic() + rdv.timeout_s)
+                self._workers.extend(remote)
+                self.rank_reports.extend(dict(rank=r.rank, pid=None, node=r.peer) for r in remote)
             # Join the group only once every worker is up: a worker that fails to start is then
             # reported at once instead of after the rendezvous timeout.
-            self._collect(protocol.HELLO, max(self.timeout_s, STARTUP_TIMEOUT_FLOOR_S))
+            hello = self._collect(protocol.HELLO, max(self.timeout_s, STARTUP_TIMEOUT_FLOOR_S))
+            for w in self._workers:
+                if w.pid is None:  # a remote rank: its pid on its own node
+                    w.pid = self.rank_reports[w.rank]["pid"] = hello[w.rank][1]
             dist.init_process_group(self.backend, store=store, rank=0, world_size=tp, timeout=timeout)
             self._group_up = True
         except BaseException:
@@ -268,6 +349,8 @@ class MultiProcExecutor(Executor):
     def _forward(self, step: ForwardInput) -> torch.Tensor | None:
         """Sends the step to every worker, then runs it here; a failure names the rank."""
         self.check()
+        if self._kv_ops:
+            step.kv_ops, self._kv_ops = self._kv_ops, []
         message = protocol.encode(protocol.STEP, step)
         try:
             self._send_all(message)
@@ -282,6 +365,9 @@ class MultiProcExecutor(Executor):
             # collectives may have returned garbage, so the step's tokens are not used.
             self.check()
         return logits
+
+    def _share_kv_ops(self, ops: list[tuple]) -> None:
+        self._kv_ops.extend(ops)  # sent with the next step, applied before its forward pass
 
     def check_health(self) -> None:
         self.check()
@@ -309,6 +395,8 @@ class MultiProcExecutor(Executor):
         self._drain_reports()
         if rank in self._errors:
             cause = f"failed: {protocol.last_line(self._errors[rank])}"
+        elif getattr(w, "lost", None):
+            cause = w.lost  # a rank on another node: its connection is all the leader sees
         elif w.exitcode is None:
             cause = "closed its pipe but is still running"
         else:
@@ -467,3 +555,4 @@ class MultiProcExecutor(Executor):
 def _shutdown_all() -> None:
     for executor in list(_live):
         executor._stop_ranks(timeout_s=2.0)
+    prestart_workers(0)

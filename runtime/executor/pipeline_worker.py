@@ -95,7 +95,7 @@ class PipelineWorker(Worker):
         config = self.config
         if (self.platform.free_memory_bytes(self.device) is not None and config.num_kv_blocks is None
                 and config.kv_cache_memory_bytes is None):
-            budget = self._profiled_kv_budget(None, max_step_tokens)
+            budget = self._profiled_kv_budget(None, max_step_tokens, max_model_len)
         return [determine_num_blocks(config, self.stage_shape, self.kv_cache_dtype, self.device, budget_bytes=budget)]
 
     @torch.inference_mode()
@@ -128,6 +128,9 @@ class PipelineWorker(Worker):
         self.kv_caches = allocate_kv_cache(self.stage_shape, group_blocks[0], self.config.block_size,
                                            self.kv_cache_dtype, self.device, self.world_size)
         return kv_cache_bytes(self.kv_caches)
+
+    def graph_sizes(self) -> tuple[list[int], str | None]:
+        return [], "pipeline parallelism"  # see compile_and_capture
 
     def compile_and_capture(self, *, max_model_len: int) -> None:
         # A stage's forward pass ends in a send and starts with a receive: neither CUDA graphs

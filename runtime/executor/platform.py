@@ -8,8 +8,12 @@ may take, and how memory is handed back when an engine closes. Whether kvserve's
 kernels (kvserve.kernels.cpu) serve an operation is asked here too, one named question per
 operation (``native_ops``, ``native_write_kv``, ``native_decode_attention``,
 ``native_token_bitmask``): the attention backend, the model and the sampler ask the platform of
-their tensors' device instead of deciding for themselves. (The quantized linear methods still
-make their own choice: runtime/models/quantization/packed.py.)
+their tensors' device instead of deciding for themselves. The quantized linear methods ask it
+which form an int4/int8 weight takes at load (``native_int_weights``: kvserve's native panels;
+``torch_packed_int_weights``: torch's packed CPU layouts) and which kernel multiplies activations
+by an int4/int8 weight (``int_matmul_kernel``) or an FP8 one (``fp8_matmul_kernel``); the
+switches tests and benchmarks flip (``set_cpu_packed``, ``set_cpu_native``) stay in
+runtime/models/quantization/packed.py and narrow what the platform offers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,35 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger(__name__)
+
+# Activation rows above which a CUDA int4/int8 matmul dequantizes the weight to the compute dtype
+# and calls cuBLAS: the Triton dequant-GEMM's tiles are sized for decode's few rows (split-K),
+# and a prefill of many rows amortises one dequantization over all of them.
+DEQUANT_GEMM_MIN_ROWS = 64
+
+
+def int_matmul_choice(rows: int, *, triton: bool, group_ok: bool, dequant_min_rows: int | None) -> str:
+    """"triton" (the dequant-GEMM kernel), "dequant" (dequantize, then a dense matmul: cuBLAS on a
+    GPU) or "twin" (the torch twin, also dequantize-then-matmul, where no kernel applies)."""
+    if not triton:
+        return "twin"
+    if dequant_min_rows is not None and rows > dequant_min_rows:
+        return "dequant"
+    return "triton" if group_ok else "twin"
+
+
+def fp8_matmul_choice(*, scaled_mm: bool, triton: bool) -> str:
+    """"scaled_mm" (torch._scaled_mm with rowwise scales: cuBLASLt's FP8 GEMM), "triton" (the
+    kernel of kvserve.kernels.quant) or "twin" (float32 emulation)."""
+    return "scaled_mm" if scaled_mm else "triton" if triton else "twin"
+
+
+def scaled_mm_rowwise_ok(out_dtype: torch.dtype, n: int, k: int, capability: tuple[int, int] | None) -> bool:
+    """Whether torch._scaled_mm takes this GEMM with per-row activation and per-column weight
+    scales on a GPU of `capability`: rowwise scaling needs a bfloat16 output, dimensions that are
+    multiples of 16 and (as kvserve uses it) a Hopper-class GPU; elsewhere the Triton kernel runs."""
+    return (hasattr(torch, "_scaled_mm") and capability is not None and capability >= (9, 0)
+            and out_dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0)
 
 
 @dataclass(frozen=True)
@@ -45,6 +78,20 @@ class Platform:
         """Returns what dropped tensors held to the allocator's owner (the OS, the driver)."""
         gc.collect()
 
+    # What the KV sizing measures around its profiling runs (runtime/executor/worker.py); only
+    # read where free_memory_bytes is not None.
+    def memory_allocated(self, device: torch.device) -> int:
+        return 0
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        pass
+
+    def peak_memory_allocated(self, device: torch.device) -> int:
+        return 0
+
+    def synchronize(self, device: torch.device) -> None:
+        pass
+
     def native_kernels(self) -> bool:
         """Whether kvserve's native CPU kernels are loaded and serve float32 work here."""
         return False
@@ -62,6 +109,38 @@ class Platform:
     def native_token_bitmask(self, logits: torch.Tensor) -> bool:
         """The grammar bitmask applied by the native kernel (xgrammar's tests one bit at a time)."""
         return False
+
+    dequant_gemm_min_rows: int | None = None  # see DEQUANT_GEMM_MIN_ROWS; None: never
+
+    def native_int_weights(self) -> bool:
+        """Whether int4/int8 weights here are repacked at load for kvserve's native kernels."""
+        return False
+
+    def torch_packed_int_weights(self) -> bool:
+        """Whether int4/int8 weights here may take torch's packed CPU layouts
+        (aten._weight_int4pack_mm_for_cpu, aten._weight_int8pack_mm)."""
+        return False
+
+    def int_matmul_kernel(self, x: torch.Tensor, group_size: int) -> str:
+        """Which kernel multiplies activations `x` [.., K] by an int4/int8 weight with groups of
+        `group_size` (int_matmul_choice's answers). Triton under the kernel mode (kernels/ops.py:
+        CUDA, or the interpreter when forced)."""
+        from kvserve.kernels import ops
+
+        triton = ops.use_triton(x)
+        group_ok = False
+        if triton:
+            from kvserve.kernels import quant
+
+            group_ok = quant.supports_group(group_size)
+        return int_matmul_choice(x.numel() // max(1, x.shape[-1]), triton=triton, group_ok=group_ok,
+                                 dequant_min_rows=self.dequant_gemm_min_rows)
+
+    def fp8_matmul_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> str:
+        """Which kernel multiplies FP8-quantized activations by an FP8 weight [N, K] (W8A8)."""
+        from kvserve.kernels import ops
+
+        return fp8_matmul_choice(scaled_mm=False, triton=ops.use_triton(x) and x.is_cuda)
 
 
 @dataclass(frozen=True)
@@ -98,6 +177,12 @@ class CpuPlatform(Platform):
             return False
         return self.native_kernels()
 
+    def native_int_weights(self) -> bool:
+        return self.native_kernels()
+
+    def torch_packed_int_weights(self) -> bool:
+        return True
+
 
 @dataclass(frozen=True)
 class CudaPlatform(Platform):
@@ -122,6 +207,15 @@ class CudaPlatform(Platform):
             return "torch"
         return "triton"
 
+    dequant_gemm_min_rows: int | None = DEQUANT_GEMM_MIN_ROWS
+
+    def fp8_matmul_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> str:
+        from kvserve.kernels import ops
+
+        n, k = weight.shape
+        ok = scaled_mm_rowwise_ok(x.dtype, n, k, torch.cuda.get_device_capability(x.device))
+        return fp8_matmul_choice(scaled_mm=ok, triton=ops.use_triton(x))
+
     def free_memory_bytes(self, device: torch.device) -> tuple[int, int] | None:
         self.release_memory()
         free, total = torch.cuda.mem_get_info(device)
@@ -130,6 +224,18 @@ class CudaPlatform(Platform):
     def release_memory(self) -> None:
         gc.collect()
         torch.cuda.empty_cache()
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def peak_memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.max_memory_allocated(device)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
 
 
 CPU = CpuPlatform()

@@ -3,7 +3,8 @@
 Pure and I/O-free. A step message carries the ``ForwardInput`` rank 0 prepared (dataclasses of
 tensors, ``AttentionMetadata`` with its per-window dict, lists, ints), so a field added to either
 travels without a protocol change. Tensors go as numpy arrays (pickled once for all workers) and
-come back as CPU tensors; each Worker moves them to its device.
+come back as CPU tensors; each Worker moves them to its device. A device tensor is refused: rank 0
+prepares on the host, so one here would be a copy back every step.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ class _Tensor:
     def __init__(self, t: torch.Tensor):
         t = t.detach()
         if t.device.type != "cpu":
-            t = t.cpu()
+            # Rank 0 prepares every step on the host and each rank moves it to its own device;
+            # a device tensor here would be a copy back to the host every step (a sync).
+            raise ValueError(f"a message to the workers carries host tensors only; got one on {t.device} "
+                             f"(shape {tuple(t.shape)})")
         try:
             self.array, self.tensor = t.numpy(), None
         except TypeError:  # dtypes numpy lacks (bfloat16): pickle the tensor itself

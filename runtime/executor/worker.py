@@ -22,9 +22,11 @@ from kvserve.runtime.kv_cache import (
     copy_group_blocks,
     determine_group_blocks,
     determine_num_blocks,
+    graph_memory_estimate,
     kv_cache_bytes,
     kv_cache_torch_dtype,
     layer_group_blocks,
+    profiled_kv_budget,
 )
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,11 @@ class Worker:
         self.kv_groups = None
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.graphs = None  # DecodeGraphs once captured (runtime/executor/cuda_graphs.py)
+        self.offloader = None  # KVOffloader with an offload tier or swap space (runtime/kv_offload/)
+        # Failed CUDA graph captures (each logged at ERROR with its traceback): the KV sizing's
+        # measuring capture or the real one. kvserve:cuda_graph_capture_failures_total.
+        self.graph_capture_failures = 0
+        self._graphs_refused = False  # the measuring capture failed: the real one is not tried
         self.lora = None  # WorkerLoRA with enable_lora (runtime/lora/worker.py)
 
     # -- startup, in this order on every rank ----------------------------------------------------
@@ -80,30 +87,84 @@ class Worker:
         budget = None
         if (self.platform.free_memory_bytes(self.device) is not None and config.num_kv_blocks is None
                 and config.kv_cache_memory_bytes is None):
-            budget = self._profiled_kv_budget(kv_groups, max_step_tokens)
+            budget = self._profiled_kv_budget(kv_groups, max_step_tokens, max_model_len)
         if kv_groups is None:
             return [determine_num_blocks(config, shape, self.kv_cache_dtype, self.device, budget_bytes=budget)]
         return determine_group_blocks(config, shape, self.kv_cache_dtype, self.device, kv_groups,
                                       max_model_len=max_model_len, max_step_tokens=max_step_tokens,
                                       budget_bytes=budget)
 
-    def _profiled_kv_budget(self, kv_groups, max_step_tokens: int) -> int:
-        """vLLM's rule: the device's total x gpu_memory_utilization, minus what is in use before
-        the pools exist (this rank's weights, the CUDA context, other processes) and minus the
-        activation peak of the largest step, measured by running it."""
-        device = self.device
-        free, total = self.platform.free_memory_bytes(device)  # after handing cached blocks back
-        torch.cuda.reset_peak_memory_stats(device)
-        allocated = torch.cuda.memory_allocated(device)
+    def _profiled_kv_budget(self, kv_groups, max_step_tokens: int, max_model_len: int) -> int:
+        """vLLM's rule (runtime/kv_cache.py's profiled_kv_budget): the device's total x
+        gpu_memory_utilization, minus what is in use before the pools exist (this rank's weights,
+        the CUDA context, other processes), the activation peak of the largest step, measured by
+        running it, and the memory of the decode graphs, measured by capturing two of them."""
+        device, platform = self.device, self.platform
+        free, total = platform.free_memory_bytes(device)  # after handing cached blocks back
+        platform.reset_peak_memory(device)
+        allocated = platform.memory_allocated(device)
         self.profile_run(kv_groups, max_step_tokens)
-        torch.cuda.synchronize(device)
-        activations = torch.cuda.max_memory_allocated(device) - allocated
-        self.platform.release_memory()
-        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
-        log.info("rank %d: KV budget %.2f GiB = %.2f GiB x %.2f - %.2f GiB in use - %.2f GiB activation peak",
-                 self.rank, budget / 2**30, total / 2**30, self.config.gpu_memory_utilization,
-                 (total - free) / 2**30, activations / 2**30)
+        platform.synchronize(device)
+        activations = max(0, platform.peak_memory_allocated(device) - allocated)
+        platform.release_memory()
+        sizes, _ = self.graph_sizes()
+        graph_bytes = self.profile_graphs(kv_groups, sizes, max_model_len=max_model_len) if sizes else 0
+        budget = profiled_kv_budget(total, self.config.gpu_memory_utilization, total - free, activations,
+                                    graph_bytes)
+        log.info("rank %d: KV budget %.2f GiB = %.2f GiB x %.2f - %.2f GiB in use - %.2f GiB activation peak "
+                 "- %.2f GiB CUDA graphs (%d sizes)", self.rank, budget / 2**30, total / 2**30,
+                 self.config.gpu_memory_utilization, (total - free) / 2**30, activations / 2**30,
+                 graph_bytes / 2**30, len(sizes))
         return budget
+
+    def profile_graphs(self, kv_groups, sizes: list[int], *, max_model_len: int, capture: bool | None = None) -> int:
+        """Bytes the decode graphs of `sizes` will take, measured before the KV pools exist: the
+        largest size captured over a one-block pool, then the smallest into the same graph pool
+        (runtime/kv_cache.py's graph_memory_estimate extrapolates to every size). capture=False
+        runs the two forwards eagerly instead (the CPU twin; nothing to measure there). A capture
+        that fails here is counted and logged once, and the real capture is not tried."""
+        from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
+
+        capture = self.platform.supports_cuda_graphs if capture is None else capture
+        device, platform = self.device, self.platform
+        pools = allocate_kv_cache(self.model_config.shape, 1, self.config.block_size, self.kv_cache_dtype, device,
+                                  self.world_size)
+        windows = None if kv_groups is None else [g.window for g in kv_groups]
+        measured, pool, kept = [], None, []
+        free = self._free_bytes()
+        try:
+            for size in sorted({max(sizes), min(sizes)}, reverse=True):
+                graphs = DecodeGraphs(self.model, pools, block_size=self.config.block_size,
+                                      max_model_len=max_model_len, sizes=[size], device=device, capture=capture,
+                                      kv_group_windows=windows, pool=pool)
+                with torch.inference_mode():
+                    graphs.capture()
+                    if not capture:
+                        graphs._forward(size)
+                pool = graphs.pool
+                kept.append(graphs)  # alive until both are measured: what they hold stays allocated
+                now = self._free_bytes()
+                measured.append(max(0, free - now))
+                free = now
+        except Exception:
+            self._capture_failed("the KV sizing's measuring capture")
+            self._graphs_refused = True
+            measured = []
+        finally:
+            del kept, pools, pool
+            platform.release_memory()
+        if not measured:
+            return 0
+        return graph_memory_estimate(measured[0], measured[1] if len(measured) > 1 else measured[0], len(sizes))
+
+    def _free_bytes(self) -> int:
+        got = self.platform.free_memory_bytes(self.device)
+        return 0 if got is None else got[0]
+
+    def _capture_failed(self, what: str) -> None:
+        # Every rank fails alike (same model, same sizes), so they all stay eager together.
+        self.graph_capture_failures += 1
+        log.exception("rank %d: CUDA graph capture failed (%s); decode steps run eagerly", self.rank, what)
 
     @torch.inference_mode()
     def profile_run(self, kv_groups, num_tokens: int) -> None:
@@ -135,12 +196,69 @@ class Worker:
         self.kv_caches = allocate_kv_cache(self.model_config.shape, group_blocks[0], self.config.block_size,
                                            self.kv_cache_dtype, self.device, self.world_size,
                                            layer_blocks=layer_blocks)
+        if self.config.kv_offload_bytes or self.config.swap_space:
+            self.offloader = self._make_offloader()
         return kv_cache_bytes(self.kv_caches)
+
+    def offload_namespace(self, rank: int | None = None):
+        """The namespace this rank's offloaded blocks live in (runtime/kv_offload/namespace.py)."""
+        from kvserve.runtime.kv_offload.namespace import namespace_for
+
+        groups = self.kv_groups or ()
+        layout = {"groups": [[g.window, list(g.layers)] for g in groups],
+                  "pools": list(self.model_config.shape.kv_cache_layout(self.world_size)),
+                  "layers": self.model_config.num_layers}
+        return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
+                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+                             tp_rank=self.rank if rank is None else rank, layout=repr(layout))
+
+    def _make_offloader(self):
+        from kvserve.runtime.kv_offload.offloader import SWAP, TIER, KVOffloader
+        from kvserve.runtime.kv_offload.store import FileStore, HostStore
+
+        pin = self.platform.name == "cuda"  # pinned host memory copies at full speed
+        stores = {}
+        if self.config.kv_offload_bytes:
+            stores[TIER] = (FileStore(self.config.kv_offload_dir, self.offload_namespace())
+                            if self.config.kv_offload_dir else HostStore(pin_memory=pin))
+        if self.config.swap_space:
+            stores[SWAP] = HostStore(pin_memory=pin)
+        groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None
+                  else [tuple(range(len(self.kv_caches)))])
+        return KVOffloader(self.kv_caches, groups, stores)
+
+    def offload_scan(self) -> list[tuple[bytes, int]]:
+        """The persistent tier's blocks every rank holds (the ranks of a pod share its directory),
+        least recently written first: what a restarted engine starts its index with."""
+        from kvserve.runtime.kv_offload.offloader import TIER
+        from kvserve.runtime.kv_offload.store import FileStore
+
+        if self.offloader is None or not getattr(self.offloader.stores.get(TIER), "persistent", False):
+            return []
+        found = self.offloader.stores[TIER].scan()
+        for rank in range(1, self.world_size):
+            other = {k for k, _ in FileStore(self.config.kv_offload_dir, self.offload_namespace(rank)).scan()}
+            found = [(k, n) for k, n in found if k in other]
+        return found
+
+    def graph_sizes(self) -> tuple[list[int], str | None]:
+        """The decode batch sizes this rank captures as CUDA graphs, or ([], why not). Every rank
+        decides the same way from the same config, so at tensor parallelism every rank replays a
+        graph for the same steps (their collectives pair up)."""
+        config = self.config
+        if not self.platform.supports_cuda_graphs or config.enforce_eager:
+            return [], "eager"
+        if self._graphs_refused:
+            return [], "capture failed while sizing the KV cache"
+        sizes = config.compilation_config.capture_sizes(config.max_num_seqs)
+        name = self.attention_backend.name
+        why_not = ("no capture sizes" if not sizes
+                   else f"the {name} attention backend syncs with the host" if name != "triton" else None)
+        return ([], why_not) if why_not else (sizes, None)
 
     def compile_and_capture(self, *, max_model_len: int) -> None:
         """torch.compile (compilation_config level 3) and CUDA graphs for decode steps, where the
-        platform has them. Every rank decides the same way from the same config, so at tensor
-        parallelism every rank replays a graph for the same steps (their collectives pair up)."""
+        platform has them."""
         config, platform = self.config, self.platform
         cc = config.compilation_config
         if cc.level == 3:
@@ -149,21 +267,17 @@ class Worker:
             elif self.rank == 0:
                 log.warning("compilation_config level 3: torch.compile is used on CUDA only; on the CPU the "
                             "native kernels already fuse each layer's elementwise work")
-        if not platform.supports_cuda_graphs or config.enforce_eager:
-            return
-        sizes = cc.capture_sizes(config.max_num_seqs)
-        name = self.attention_backend.name
-        why_not = ("no capture sizes" if not sizes
-                   else f"the {name} attention backend syncs with the host" if name != "triton" else None)
-        if why_not:
-            if self.rank == 0:
+        sizes, why_not = self.graph_sizes()
+        if not sizes:
+            if why_not != "eager" and self.rank == 0:
                 log.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
             return
         self.graphs = self.build_graphs(sizes, max_model_len=max_model_len, capture=True)
 
     def build_graphs(self, sizes: list[int], *, max_model_len: int, capture: bool):
         """Decode graphs over this rank's pools (capture=False: the padded static-buffer path run
-        eagerly, the CPU twin tests use). A model whose forward cannot be captured runs eagerly."""
+        eagerly, the CPU twin tests use). A model whose forward cannot be captured runs eagerly;
+        the failure is logged at ERROR with its traceback and counted (graph_capture_failures)."""
         from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
@@ -172,8 +286,7 @@ class Worker:
         try:
             graphs.capture()
         except Exception:
-            # Every rank fails alike (same model, same sizes), so they all stay eager together.
-            log.exception("rank %d: CUDA graph capture failed; decode steps run eagerly", self.rank)
+            self._capture_failed(f"batch sizes {sizes}")
             return None
         return graphs
 
@@ -182,6 +295,8 @@ class Worker:
     def execute_model(self, step: ForwardInput) -> torch.Tensor | None:
         """Applies the step's block copies, runs the forward pass and returns the float32 logits
         of `step.logits_rows` (None when the step only fills the cache)."""
+        if step.kv_ops and self.rank != 0:  # rank 0 applied them while scheduling
+            self.offloader.apply(step.kv_ops)
         if self.kv_groups is None:
             copy_blocks(self.kv_caches, step.block_copies)
         else:
@@ -210,6 +325,9 @@ class Worker:
         """Drops the graphs, pools and weights and hands their memory back (a later engine in this
         process sizes its KV cache from what is really free)."""
         self.graphs = None
+        if self.offloader is not None:
+            self.offloader.close()  # queued writes reach the disk first
+            self.offloader = None
         self.kv_caches = []
         self.model = None
         self.platform.release_memory()

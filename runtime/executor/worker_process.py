@@ -61,11 +61,42 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctrl = Connection(int(sys.argv[1]), writable=False)
     report = Connection(int(sys.argv[2]), readable=False)
+    # What every rank needs, before waiting for the rank: a spare started ahead of a reshape
+    # (multiproc.prestart_workers) has it loaded by the time its rank comes.
+    import torch  # noqa: F401
+
+    from kvserve.runtime.executor import worker  # noqa: F401
     try:
         args, config, kv_groups, max_model_len = pickle.loads(ctrl.recv_bytes())
     except EOFError:
         os._exit(0)
     _watch_parent(args.parent_pid)
+    _serve(args, config, kv_groups, max_model_len, ctrl, report)
+
+
+def main_remote() -> None:
+    """Entry point of a rank on another node (``kvserve worker`` starts one per local rank, rank
+    in ``KVSERVE_RANK``): connects to the leader (runtime/executor/rendezvous.py), then runs the
+    same loop as a local worker over that one connection."""
+    import dataclasses
+    import pickle
+
+    from kvserve.runtime.executor.rendezvous import Rendezvous, connect
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank = int(os.environ["KVSERVE_RANK"])
+    conn = connect(Rendezvous.from_env(), rank)
+    try:
+        args, config, kv_groups, max_model_len = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        os._exit(0)
+    # The watchdog follows the node's `kvserve worker` process, not the leader's.
+    args = dataclasses.replace(args, parent_pid=os.getppid())
+    _watch_parent(args.parent_pid)
+    _serve(args, config, kv_groups, max_model_len, conn, conn)
+
+
+def _serve(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connection, report: Connection) -> None:
     try:
         _run(args, config, kv_groups, max_model_len, ctrl, report)
     except EOFError:

@@ -9,66 +9,38 @@ It also says how each GGUF tensor name maps onto the checkpoint names CausalLM c
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import numpy as np
 
+from kvserve.runtime.architectures import fused_parts
+from kvserve.runtime.gguf.names import LAYER_RE, hf_names
 from kvserve.runtime.gguf.reader import GGUFError, GGUFFile
 
 # general.architecture -> (HF architecture, model_type, whether llama.cpp's converter permuted the
 # rows of Q and K). The converter reorders LLaMA's Q/K rows from rotate-half pairs (i, i + d/2)
-# into interleaved pairs (2i, 2i + 1) for ggml's RoPE; Qwen models keep Hugging Face's order.
-# Mistral files say "llama" (same graph in llama.cpp); sliding window is not in GGUF metadata.
+# into interleaved pairs (2i, 2i + 1) for ggml's RoPE; the other families keep Hugging Face's
+# order. Mistral and Mixtral files say "llama" (one graph in llama.cpp; a file with experts is
+# Mixtral); Mistral's sliding window is not in GGUF metadata (llama.cpp attends to everything).
+# "deepseek2" holds DeepSeek V2 and V3 (V3: sigmoid gating).
 ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+GEMMA = ("gemma2", "gemma3")
+# llama.cpp's ggml_expert_gating_func: 1 softmax, 2 sigmoid.
+_GATING = {1: "softmax", 2: "sigmoid"}
 
 # Tensors that carry no weight of their own here: RoPE frequency factors become part of the
-# config (see rope_freq_factors).
+# config (see rope_freqs).
 ROPE_FREQS = "rope_freqs.weight"
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face checkpoint name for a GGUF tensor name, or None if it has none."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-
-
-def permuted_heads(gguf_name: str, architecture: str, num_heads: int, num_kv_heads: int) -> int | None:
-    """How many heads' rows llama.cpp interleaved in this tensor (None: stored in HF order)."""
-    if not ARCHITECTURES.get(architecture, ("", "", False))[2]:
-        return None
-    m = _LAYER_RE.match(gguf_name)
-    if m is None:
-        return None
-    return {"attn_q": num_heads, "attn_k": num_kv_heads}.get(m.group(2))
 
 
 def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -92,30 +64,21 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
     kv_heads = get("attention.head_count_kv", heads)
     hidden = get("embedding_length", required=True)
     layers = get("block_count", required=True)
-    present = {int(m.group(1)) for name in gf.tensors if (m := _LAYER_RE.match(name))}
+    present = {int(m.group(1)) for name in gf.tensors if (m := LAYER_RE.match(name))}
     if present and max(present) >= layers:
         raise GGUFError(gf.path, f"metadata key '{arch}.block_count'",
                         f"{layers} layers, but the file has tensors of layer {max(present)}")
     if len(present) < layers:  # also bounds what the config allocates per layer by the file's size
         raise GGUFError(gf.path, f"metadata key '{arch}.block_count'",
                         f"{layers} layers, but the file has tensors for {len(present)}")
-    head_dim = get("attention.key_length", hidden // heads)
-    if head_dim < 1:
-        raise GGUFError(gf.path, f"metadata key '{arch}.embedding_length'",
-                        f"{hidden} is smaller than the head count {heads}")
-    value_dim = get("attention.value_length", head_dim)
-    if value_dim != head_dim:
-        raise GGUFError(gf.path, f"metadata key '{arch}.attention.value_length'",
-                        f"{value_dim} differs from key_length {head_dim}; not supported")
-    rope_dim = get("rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise GGUFError(gf.path, f"metadata key '{arch}.rope.dimension_count'",
-                        f"{rope_dim} != head dim {head_dim} (partial rotary embeddings are not supported)")
     embed = gf.tensors.get("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
         raise GGUFError(gf.path, "tensor 'token_embd.weight'", "missing (or not a matrix)")
     vocab = embed.shape[0]
     names = set(gf.tensors)
+    experts = get("expert_count", 0)
+    if arch == "llama" and experts:
+        hf_arch, model_type = "MixtralForCausalLM", "mixtral"
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -124,26 +87,72 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         "intermediate_size": get("feed_forward_length", required=True),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
         "vocab_size": vocab,
         "max_position_embeddings": get("context_length", 2048),
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6, kind=float),
-        "rope_theta": get("rope.freq_base", 10000.0, kind=float),
+        "rope_theta": get("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0, kind=float),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
         "torch_dtype": _checkpoint_dtype(gf),
     }
+    if arch == "deepseek2":
+        config.update(_deepseek2(get, gf, config, experts))
+    else:
+        head_dim = get("attention.key_length", hidden // heads)
+        if head_dim < 1:
+            raise GGUFError(gf.path, f"metadata key '{arch}.embedding_length'",
+                            f"{hidden} is smaller than the head count {heads}")
+        value_dim = get("attention.value_length", head_dim)
+        if value_dim != head_dim:
+            raise GGUFError(gf.path, f"metadata key '{arch}.attention.value_length'",
+                            f"{value_dim} differs from key_length {head_dim}; not supported")
+        rope_dim = get("rope.dimension_count", head_dim)
+        if rope_dim != head_dim:
+            raise GGUFError(gf.path, f"metadata key '{arch}.rope.dimension_count'",
+                            f"{rope_dim} != head dim {head_dim} (partial rotary embeddings are not supported)")
+        config["head_dim"] = head_dim
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = "blk.0.ffn_gate.bias" in names
+    if arch in GEMMA:
+        config.update(_gemma(get, arch, config))
+    if arch == "phi3":
+        if any(n.startswith("rope_factors_") for n in names):
+            raise GGUFError(gf.path, "tensor 'rope_factors_long.weight'",
+                            "Phi-3's longrope scaling is not supported (a 4k-context Phi-3 file has none)")
+        config["sliding_window"] = get("attention.sliding_window")
+    if experts and arch != "deepseek2":
+        used = get("expert_used_count", required=True)
+        if arch == "llama":
+            config.update(num_local_experts=experts, num_experts_per_tok=used, sliding_window=None)
+        else:
+            # llama.cpp renormalizes the chosen experts' weights for Qwen3-MoE and never for
+            # Qwen2-MoE (the released checkpoints' norm_topk_prob); the files do not say.
+            config.update(num_experts=experts, num_experts_per_tok=used,
+                          moe_intermediate_size=get("expert_feed_forward_length", required=True),
+                          norm_topk_prob=arch == "qwen3moe", decoder_sparse_step=1, mlp_only_layers=[],
+                          use_sliding_window=False)
+            if arch == "qwen2moe":
+                config["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length", 0)
+                config["qkv_bias"] = "blk.0.attn_q.bias" in names
+    elif arch in ("qwen2moe", "qwen3moe"):
+        raise GGUFError(gf.path, f"metadata key '{arch}.expert_count'", "is missing")
     # The weight format: every tensor's type, from which the gguf linear method picks a kernel
     # per layer (kvserve.runtime.models.quantization.gguf).
     config["quantization_config"] = {
         "quant_method": "gguf",
-        "tensor_types": {hf: info.type_name for name, info in gf.tensors.items() if (hf := hf_name(name))},
+        "tensor_types": {part: info.type_name for name, info in gf.tensors.items()
+                         for hf in hf_names(name, arch, len(info.shape), experts)
+                         for part in fused_parts(hf_arch, hf) or (hf,)},
     }
     scaling = _rope_scaling(get, gf.path, arch)
     if scaling is not None:
+        if arch == "deepseek2" and scaling["rope_type"] == "yarn":
+            # The converter stores DeepSeek's mscale_all_dim as 0.1 * mscale_all_dim (llama.cpp's
+            # legacy yarn_log_multiplier); released checkpoints set mscale equal to it.
+            log_mul = get("rope.scaling.yarn_log_multiplier", kind=float)
+            if log_mul is not None:
+                scaling["mscale_all_dim"] = scaling["mscale"] = log_mul / 0.1
         config["rope_scaling"] = scaling
     generation: dict[str, Any] = {}
     eos = [_checked(gf, k, md[k], _TOKEN_ID) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
@@ -155,6 +164,84 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         if key in md:
             generation[field] = _checked(gf, key, md[key], _TOKEN_ID)
     return config, generation
+
+
+def _gemma(get, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3: GELU(tanh), tied embeddings, local layers in a sliding window (every second
+    layer global in Gemma 2, every sixth in Gemma 3, as llama.cpp fixes them), soft-capping (Gemma
+    2), Gemma 3's local RoPE base. GGUF has no query_pre_attn_scalar: llama.cpp scales by
+    head_dim ** -0.5, except the 27B models (46 layers of Gemma 2, 62 of Gemma 3), which scale by
+    (hidden / heads) ** -0.5, their checkpoints' query_pre_attn_scalar."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    big = layers == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // heads if big else config["head_dim"],
+        "sliding_window": get("attention.sliding_window", required=True),
+        "final_logit_softcapping": get("final_logit_softcapping", kind=float),
+    }
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = get("attn_logit_softcapping", kind=float)
+    else:
+        out["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0, kind=float)
+        out["sliding_window_pattern"] = 6
+    return out
+
+
+def _deepseek2(get, gf: GGUFFile, config: dict[str, Any], experts: int) -> dict[str, Any]:
+    """DeepSeek V2/V3 (MLA, shared experts, leading dense layers). The converter writes MLA as
+    MQA over the latent (key_length = kv_lora_rank + rope dims, one KV head) and the per-head
+    sizes under key_length_mla / value_length_mla; older files give them as key/value_length."""
+    arch = "deepseek2"
+    kv_lora = get("attention.kv_lora_rank", required=True)
+    rope = get("rope.dimension_count", required=True)
+    mla_keys = f"{arch}.attention.key_length_mla" in gf.metadata
+    qk = get("attention.key_length_mla" if mla_keys else "attention.key_length", required=True)
+    v = get("attention.value_length_mla" if mla_keys else "attention.value_length", required=True)
+    if qk <= rope:
+        raise GGUFError(gf.path, f"metadata key '{arch}.rope.dimension_count'",
+                        f"{rope} leaves no non-rotary query dims of the {qk} per head")
+    if not experts:
+        raise GGUFError(gf.path, f"metadata key '{arch}.expert_count'", "is missing")
+    # Files without the key: softmax (DeepSeek V2's, as llama.cpp assumes), unless the file has
+    # V3's routing bias (a V3 converted from a config.json that left scoring_func at its default).
+    gating = get("expert_gating_func", 2 if any(n.endswith(".exp_probs_b.bias") for n in gf.tensors) else 1)
+    if gating not in _GATING:
+        raise GGUFError(gf.path, f"metadata key '{arch}.expert_gating_func'",
+                        f"{gating} is not supported; supported: 1 (softmax), 2 (sigmoid)")
+    groups = get("expert_group_count", 1)
+    used_groups = get("expert_group_used_count", groups)
+    norm_key = f"{arch}.expert_weights_norm"
+    norm = gf.metadata.get(norm_key, False)
+    if not isinstance(norm, (bool, np.bool_)):
+        raise GGUFError(gf.path, f"metadata key {norm_key!r}", f"must be a boolean, not {norm!r}")
+    v3 = _GATING[gating] == "sigmoid"
+    out: dict[str, Any] = {
+        "num_key_value_heads": config["num_attention_heads"],  # the MQA view is llama.cpp's
+        "q_lora_rank": get("attention.q_lora_rank"),
+        "kv_lora_rank": kv_lora,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": qk - rope,
+        "v_head_dim": v,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": get("expert_used_count", required=True),
+        "moe_intermediate_size": get("expert_feed_forward_length", required=True),
+        "n_shared_experts": get("expert_shared_count", 0),
+        "first_k_dense_replace": get("leading_dense_block_count", 0),
+        "routed_scaling_factor": get("expert_weights_scale", 1.0, kind=float),
+        "norm_topk_prob": bool(norm),
+        "scoring_func": _GATING[gating],
+        "n_group": groups,
+        "topk_group": used_groups,
+        # Rotary rows are de-interleaved by the GGUF loader itself (kvserve.runtime.gguf.names).
+        "rope_interleave": False,
+    }
+    if v3:
+        config["architectures"], config["model_type"] = ["DeepseekV3ForCausalLM"], "deepseek_v3"
+        out["topk_method"] = "noaux_tc"
+    else:
+        out["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    return out
 
 
 _TOKEN_ID = "token id"

@@ -20,6 +20,7 @@ Q4_K's eight sub-blocks of 32 are exactly group-32 scale + min, so it maps like 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,7 +88,8 @@ def to_float(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> torch.Ten
     if ggml_type == T.BF16:
         return torch.from_numpy(raw.view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
     if ggml_type in GROUPWISE_TYPES:  # torch unpacking is faster than the numpy reference
-        return group_quantized(raw, ggml_type, shape).dequantize()
+        rows = math.prod(shape[:-1])  # rows of a 3-D tensor (stacked experts) are rows all the same
+        return group_quantized(raw, ggml_type, (rows, shape[-1])).dequantize().reshape(shape)
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(raw, ggml_type)).reshape(shape))
 
 
@@ -145,3 +147,14 @@ def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
     if head_dim * num_heads != rows or head_dim % 2:
         raise ValueError(f"cannot undo the Q/K permutation of {rows} rows over {num_heads} heads")
     return torch.arange(rows).view(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def rope_deinterleave_index(rows: int, group: int, rope_dim: int) -> torch.Tensor:
+    """Row order that turns the last rope_dim rows of every group of `group` rows from
+    interleaved pairs (x0, x1), (x2, x3), ... into rotate-half order (x0, x2, ..., x1, x3, ...)."""
+    if rows % group or rope_dim > group or rope_dim % 2:
+        raise ValueError(f"cannot de-interleave {rope_dim} rotary rows in groups of {group} of {rows} rows")
+    base = torch.arange(rows).view(rows // group, group)
+    nope, rope = base.split([group - rope_dim, rope_dim], dim=1)
+    order = torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
+    return torch.cat((nope, rope[:, order]), dim=1).reshape(-1)

@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 # The engine's own KV pool is "GPU" in vLLM's vocabulary on every device (a CPU pod's pool too);
 # an offload tier reports "CPU" (host memory) or "DISK" (files).
 MEDIUM_GPU = "GPU"
@@ -75,6 +73,8 @@ def encode_batch(batch: EventBatch) -> bytes:
     body: list[Any] = [batch.ts, [e.to_wire() for e in batch.events]]
     if batch.data_parallel_rank is not None:  # omitted at its default, as msgspec's omit_defaults does
         body.append(batch.data_parallel_rank)
+    import msgpack  # the events extra; importing this module (the router's policy does) needs none
+
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -114,6 +114,8 @@ def _event(raw: Any) -> Event:
 def decode_batch(payload: bytes) -> EventBatch:
     """A payload off the wire; ValueError for anything that is not a batch in this shape (a
     subscriber drops such a batch and resyncs rather than trusting half of it)."""
+    import msgpack
+
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad input

@@ -111,8 +111,10 @@ class LinearBase(nn.Module):
         for name, param in self.named_parameters(recurse=False):
             if getattr(param, "weight_loader", None) is None:
                 continue
+            # A checkpoint name that is no attribute name ("weight.absmax") is the parameter's suffix.
+            suffix = getattr(param, "checkpoint_suffix", name)
             for prefix, part in zip(prefixes or self.spec.prefixes, self.spec.part_names):
-                out[f"{prefix}.{name}"] = (param, part)
+                out[f"{prefix}.{suffix}"] = (param, part)
         return out
 
     def process_weights_after_loading(self) -> None:

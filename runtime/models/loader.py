@@ -10,6 +10,7 @@ import re
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvserve.runtime.architectures import checkpoint_name, fused_part_rows, fused_parts
 from kvserve.runtime.attention.backend import AttentionBackend
 from kvserve.runtime.gguf.reader import is_gguf_path
 from kvserve.runtime.model_config import ModelConfig
@@ -72,6 +73,11 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
     loaded: set[str] = set()
 
     def consume(name: str, tensor: torch.Tensor) -> None:
+        parts = fused_parts(cfg.architecture, name)
+        if parts is not None:
+            for part, piece in _split_rows(cfg, name, parts, tensor):
+                consume(part, piece)
+            return
         if name in optional:  # float8 KV scales: float32 whatever the model dtype
             param, shard_id = optional[name]
             param.weight_loader(param, tensor, shard_id)
@@ -87,11 +93,13 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
         if is_gguf_path(model_dir):
             from kvserve.runtime.gguf import GroupQuantized, checkpoint_tensors
 
-            def keep_quantized(name: str, ggml_type) -> bool:  # the layer's method holds codes
-                return getattr(targets[name][0], "gguf_codes", False)
+            def target(name: str) -> str:  # a fused tensor's layer is its first part's
+                return (fused_parts(cfg.architecture, name) or (name,))[0]
 
-            for name, tensor in checkpoint_tensors(model_dir, cfg, keep_quantized=keep_quantized,
-                                                   wanted=targets.__contains__):
+            def keep_quantized(name: str, ggml_type) -> bool:  # the layer's method holds codes
+                return getattr(targets[target(name)][0], "gguf_codes", False)
+
+            def consume_gguf(name: str, tensor) -> None:
                 if isinstance(tensor, GroupQuantized):
                     prefix = name.removesuffix(".weight")
                     consume(name, tensor.codes)
@@ -100,17 +108,28 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
                         consume(f"{prefix}.gguf_offset", tensor.offsets)
                 else:
                     consume(name, tensor)
+
+            for name, tensor in checkpoint_tensors(model_dir, cfg, keep_quantized=keep_quantized,
+                                                   wanted=lambda n: target(n) in targets):
+                parts = fused_parts(cfg.architecture, name)
+                if parts is not None and isinstance(tensor, GroupQuantized):
+                    for part, piece in _split_rows(cfg, name, parts, tensor):
+                        consume_gguf(part, piece)
+                else:
+                    consume_gguf(name, tensor)
         else:
             for path in checkpoint_files(model_dir):
                 try:
                     with safe_open(str(path), framework="pt", device="cpu") as f:
-                        for name in f.keys():
-                            if name not in targets and name not in optional:
+                        for stored in f.keys():
+                            name = checkpoint_name(cfg.architecture, stored)
+                            if (name not in targets and name not in optional
+                                    and fused_parts(cfg.architecture, name) is None):
                                 tied_head = name == "lm_head.weight" and cfg.tie_word_embeddings
                                 if not _IGNORED.search(name) and not other_stage(name) and not tied_head:
                                     log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
                                 continue
-                            consume(name, f.get_tensor(name))
+                            consume(name, f.get_tensor(stored))
                 except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
                     raise ValueError(f"model: {path} is not a readable safetensors file ({exc})") from None
     missing = sorted(name for name in set(targets) - loaded if not getattr(targets[name][0], "optional", False))
@@ -123,3 +142,21 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
             if isinstance(module, LinearBase):
                 module.process_weights_after_loading()
     return model.eval()
+
+
+def _split_rows(cfg: ModelConfig, name: str, parts: tuple[str, ...], tensor):
+    """A fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) as its parts, by rows; a GGUF
+    tensor kept quantized splits by rows the same way (its blocks run along rows)."""
+    codes = getattr(tensor, "codes", tensor)
+    shape = cfg.shape
+    rows = fused_part_rows(name, codes.shape[0], shape.num_attention_heads, shape.num_kv_heads, shape.head_dim)
+    if sum(rows) != codes.shape[0]:
+        raise ValueError(f"weight {name}: checkpoint has {codes.shape[0]} rows, the config implies "
+                         f"{' + '.join(map(str, rows))}")
+    start = 0
+    for part, n in zip(parts, rows):
+        if hasattr(tensor, "permute_rows"):
+            yield part, tensor.permute_rows(torch.arange(start, start + n))
+        else:
+            yield part, tensor.narrow(0, start, n)
+        start += n

@@ -175,12 +175,35 @@ class QuantizedExperts(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if _no_host_reads(x):
+            return self.forward_dense(x, topk_weights, topk_ids)
         out = torch.zeros_like(x)
         weights = topk_weights.reshape(-1)
         for expert, pairs, tokens in route_by_expert(topk_ids, self.num_experts):
             y = self.down[expert](ops.silu_and_mul(self.gate_up[expert](x[tokens])))
             out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
         return out
+
+
+    def forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, weighted by the token's routing weight for it (0 where it
+        did not choose the expert). No routing count is read back to the host, so a CUDA graph can
+        capture it and torch.compile traces it whole; it costs num_experts / top_k times the routed
+        path's expert work, which is what a captured decode step of a few tokens can afford."""
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True)  # [tokens, 1]
+            y = self.down[expert](ops.silu_and_mul(self.gate_up[expert](x)))
+            out += (y * weight).to(out.dtype)
+        return out
+
+
+def _no_host_reads(x: torch.Tensor) -> bool:
+    """Whether this forward is being captured into a CUDA graph or traced by torch.compile, where
+    the routed path's per-expert counts (a host read) would break the capture or the graph."""
+    if torch.compiler.is_compiling():
+        return True
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class ReplicatedLinear(nn.Module):

@@ -29,14 +29,19 @@ from typing import Any
 import aiohttp
 from aiohttp import web, web_urldispatcher
 
+from kvserve.runtime.engine.prefix_cache import block_hashes, extra_key
+
 from .access import Route, RouteRefused, bearer_ok, resolve_route
 from .bodies import MODELS_LIMIT, REFUSAL_LIMIT, BodyRefused, TooLong, read_capped, read_request_body
 from .endpoints import Endpoint
 from .hold import HoldFull, HoldQueue, HoldTimeout, Ticket
+from .kv_events import KVEventSubscriptions
+from .kv_index import KVIndexConfig, PreciseMatch
 from .limits import BodyLimits, ByteBudget
 from .load import LoadPoller
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import PREFIX_HIT, Choice, PolicyConfig, PolicyState, adapter_of, choose, chunk_hashes, routing_key
+from .prompt_keys import MAX_BLOCKS, PromptKeys, load_tokenizer, tokenize_request
 
 log = logging.getLogger("kvserve.router")
 
@@ -64,6 +69,11 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()  # empty: the router lets the pods check credentials
     signals_interval_s: float = 1.0
     signals_stale_after_s: float = 5.0
+    # KV events (kv_events.py): None follows no pod's events; the prefix policy is then served-based only.
+    kv_index: KVIndexConfig | None = None
+    kv_events_topic: str = ""
+    tokenizer: str | None = None  # the model's tokenizer: prompts hash to the pods' block hashes
+    tokenize_timeout_s: float = 2.0  # without a tokenizer: a pod's /tokenize, at most this long
 
 
 _KIND_CODE = object()  # error_response's default: the code that goes with the status
@@ -109,6 +119,13 @@ class Router:
         self.last_activity = clock()
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        self.kv_events: KVEventSubscriptions | None = None
+        self.ranked_by_events = 0  # requests some pod's KV events placed
+        self.prompt_keys: PromptKeys | None = None
+        if config.kv_index is not None and config.policy.policy == "prefix":
+            self.kv_events = KVEventSubscriptions(config.kv_index, topic=config.kv_events_topic, clock=clock)
+            if config.tokenizer:
+                self.prompt_keys = PromptKeys(load_tokenizer(config.tokenizer))
 
     # --- endpoints ---------------------------------------------------------------------------
 
@@ -126,6 +143,8 @@ class Router:
             self.touch()
         self.endpoints = new
         self.policy.set_pods(new)
+        if self.kv_events is not None:
+            self.kv_events.set_endpoints(endpoints)
         self.metrics.endpoints.set(len(new))
         self.hold.set_available(bool(new))
 
@@ -148,6 +167,8 @@ class Router:
                        asyncio.create_task(self.loads.run(self.session, lambda: list(self.endpoints.values())))]
 
     async def stop(self, app: web.Application) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -182,11 +203,69 @@ class Router:
 
     # --- forwarding --------------------------------------------------------------------------
 
-    def _choose(self, hashes: list[int], tried: list[str], adapter: str | None = None) -> Choice | None:
+    def _choose(self, hashes: list[int], tried: list[str], adapter: str | None = None,
+                precise: PreciseMatch | None = None) -> Choice | None:
         names = list(self.endpoints)
         loads = {n: self.loads.load(n, self.in_flight[n]) for n in names}
-        return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried, adapter=adapter,
-                      adapters=self.loads.adapters() if adapter is not None else None)
+        return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried, precise=precise,
+                      adapter=adapter, adapters=self.loads.adapters() if adapter is not None else None)
+
+    async def _remote_tokens(self, kind: str, obj: dict, headers: dict[str, str]) -> tuple[list[int], bool] | None:
+        """The request's token ids from a pod's /tokenize (the least loaded): no tokenizer here."""
+        request = tokenize_request(kind, obj)
+        if request is None or not self.endpoints or self.session is None:
+            return None
+        payload, cut = request
+        pod = min(self.endpoints, key=lambda n: self.loads.load(n, self.in_flight[n]).score())
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        try:
+            async with self.session.post(self.endpoints[pod].url + "/tokenize", json=payload, headers=auth,
+                                         timeout=aiohttp.ClientTimeout(total=self.config.tokenize_timeout_s)) as r:
+                if r.status != 200:
+                    return None
+                tokens = (json.loads(await read_capped(r.content, self.config.max_request_body_bytes))
+                          .get("tokens"))
+        except (TimeoutError, aiohttp.ClientError, OSError, TooLong, ValueError, AttributeError):
+            return None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            return None
+        return tokens, cut
+
+    async def _precise(self, route: Route, obj: Any, adapter: str | None,
+                       headers: dict[str, str]) -> PreciseMatch | None:
+        """What the pods' KV events say they hold of this request (None: no pod's events to go by,
+        or a request the router cannot hash as the runtime does: one for a LoRA adapter, whose
+        blocks the pod keys by its own adapter id)."""
+        events = self.kv_events
+        if events is None or route.kind not in ROUTED or not isinstance(obj, dict) or not events.indexes \
+                or adapter is not None:
+            return None
+        kind = route.kind
+        prompt = obj.get("prompt") if kind == "completion" else None
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            got = (prompt, False)  # token ids: hashed as they are
+        elif self.prompt_keys is not None:
+            got = await asyncio.to_thread(self.prompt_keys.token_ids, kind, obj)  # tokenizing costs ~ms
+        else:
+            got = await self._remote_tokens(kind, obj, headers)
+        if got is None:
+            return None
+        ids, cut = got
+        salt = obj.get("cache_salt")
+        extra = extra_key(salt if isinstance(salt, str) and salt else None)
+        memo: dict[int, list[bytes]] = {}
+
+        def keys_for(block_size: int | None) -> list[bytes]:
+            size = block_size or self.config.policy.block_tokens
+            if size not in memo:
+                keys = block_hashes(ids[:MAX_BLOCKS * size], size, extra)
+                memo[size] = keys[:-2] if cut else keys
+            return memo[size]
+
+        precise = events.precise(keys_for, list(self.endpoints))
+        if precise is not None and precise.held:
+            self.ranked_by_events += 1
+        return precise
 
     async def _wait_for_pod(self, ticket: Ticket | None, nbytes: int) -> Ticket:
         self.metrics.held.inc()
@@ -222,9 +301,11 @@ class Router:
                               headers={"Retry-After": str(self.config.retry_after_s)})
 
     async def forward(self, request: web.Request, route: Route, body: bytes, hashes: list[int], stream: bool,
-                      admitted: Ticket | None = None, adapter: str | None = None) -> web.StreamResponse:
+                      admitted: Ticket | None = None, adapter: str | None = None,
+                      obj: Any = None) -> web.StreamResponse:
         """`admitted`: the hold ticket this request took before its body was read, if any;
-        `adapter`: the LoRA adapter the request names (pods with it loaded are preferred)."""
+        `adapter`: the LoRA adapter the request names (pods with it loaded are preferred);
+        `obj`: the parsed body (hashed for the pods' KV events)."""
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         headers = self._forward_headers(request, request_id)
         tried: list[str] = []
@@ -242,7 +323,8 @@ class Router:
                                           headers={"Retry-After": str(self.config.retry_after_s)})
                 finally:
                     admitted = None
-            choice = self._choose(hashes, tried, adapter)
+            precise = await self._precise(route, obj, adapter, headers)  # after any hold: pods are known now
+            choice = self._choose(hashes, tried, adapter, precise)
             if choice is None:
                 if ticket is not None:
                     ticket.sent.set()
@@ -306,6 +388,8 @@ class Router:
                 self.metrics.ttft.labels(pod).observe(time.monotonic() - sent)
             if upstream.status == 200:
                 self.policy.record(hashes, pod, self.clock())
+                if self.kv_events is not None:
+                    self.kv_events.routed(pod)
             self._count(choice)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():
@@ -444,8 +528,9 @@ class Router:
                 if refused.status == 413:
                     return error_response(413, refused.message)
                 return self._busy(refused.message)
-            hashes, stream, adapter = self._routing(route, body)
-            response = await self.forward(request, route, body, hashes, stream, admitted=ticket, adapter=adapter)
+            hashes, stream, adapter, obj = self._routing(route, body)
+            response = await self.forward(request, route, body, hashes, stream, admitted=ticket, adapter=adapter,
+                                          obj=obj)
             status = response.status
             return response
         finally:
@@ -456,24 +541,24 @@ class Router:
             self.touch()
             self.metrics.responses.labels(str(status)).inc()
 
-    def _routing(self, route: Route, body: bytes) -> tuple[list[int], bool, str | None]:
-        """The prefix hashes the policy places the request by, whether it streams, and the LoRA
-        adapter it names (None: the base model)."""
+    def _routing(self, route: Route, body: bytes) -> tuple[list[int], bool, str | None, Any]:
+        """The prefix hashes the policy places the request by, whether it streams, the LoRA
+        adapter it names (None: the base model), and the parsed body (for the KV events' hashes)."""
         if route.kind not in ROUTED:
-            return [], False, None
+            return [], False, None, None
         try:
             obj = json.loads(body) if body else None
         except (ValueError, UnicodeDecodeError, RecursionError):
-            return [], False, None  # the pod answers the 400 in its own words
+            return [], False, None, None  # the pod answers the 400 in its own words
         if not isinstance(obj, dict):
-            return [], False, None
+            return [], False, None, None
         policy = self.config.policy
         adapter = adapter_of(obj, self.loads.adapters())
         hashes = []
         if policy.policy == "prefix":
             hashes = chunk_hashes(routing_key(route.kind, obj), block_tokens=policy.block_tokens,
                                   chunk_chars=policy.chunk_chars, adapter=adapter)
-        return hashes, obj.get("stream") is True, adapter
+        return hashes, obj.get("stream") is True, adapter, obj
 
 
 ROUTER = web.AppKey("router", Router)
@@ -556,12 +641,20 @@ def build_app(config: RouterConfig, source) -> web.Application:
     async def demand(request: web.Request) -> web.Response:
         return web.json_response(router.demand())
 
+    async def kv_events(request: web.Request) -> web.Response:
+        # Each pod's event stream as this router replica follows it (states, seqs, gaps, resyncs).
+        events = router.kv_events
+        return web.json_response({"enabled": events is not None, "ranked_by_events": router.ranked_by_events,
+                                  "tokenizer": router.prompt_keys is not None,
+                                  "pods": events.status() if events else {}})
+
     r = app.router
     # The router's own routes, matched exactly; everything else meets the allowlist.
     r.add_get("/health", health)
     r.add_get("/ready", ready)
     r.add_get("/metrics", metrics)
     r.add_get("/router/demand", demand)
+    r.add_get("/router/kv-events", kv_events)
     r.add_route("*", "/{tail:.*}", front_door, expect_handler=expect_continue)
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from .kv_index import KVIndexConfig
 from .policy import POLICIES, PolicyConfig
 
 
@@ -48,6 +49,25 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
                      help="... or with more KV-cache use than this (0..1)")
     pol.add_argument("--prefix-ttl", type=_bounded(float, 1.0), default=d.prefix_ttl_seconds,
                      help="seconds a pod counts as holding a prefix it served")
+
+    ev = p.add_argument_group("KV events (precise prefix routing; docs/kv-events.md)")
+    ev.add_argument("--kv-events-port", type=_bounded(int, 0, 65534), default=0, metavar="PORT",
+                    help="follow each pod's KV events (vLLM's ZMQ publisher) at this port, its replay socket at "
+                         "PORT+1; a pod's kvserve.dev/kv-events-port annotation overrides it. The prefix policy "
+                         "then ranks a pod by the blocks it holds, falling back to what it served while its "
+                         "events are missing or lagging. 0 (default): only pods with the annotation")
+    ev.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                    help="follow no pod's KV events, annotation or not: rank by what each pod served only")
+    ev.add_argument("--kv-events-topic", default="", help="the publishers' topic (their kv_events_config.topic)")
+    ev.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="the model's tokenizer (a Hugging Face directory), so text and chat prompts hash to the "
+                         "pods' block hashes; without it only token-id prompts do")
+    ev.add_argument("--kv-events-max-blocks", type=_bounded(int, 1), default=KVIndexConfig().max_blocks_per_pod,
+                    metavar="N", help="block hashes remembered per pod (oldest forgotten first)")
+    ev.add_argument("--kv-events-lag", type=_bounded(float, 0.1), default=KVIndexConfig().lag_seconds,
+                    metavar="S", help="a pod sent a request this long ago with no event since is lagging")
+    ev.add_argument("--kv-events-medium-weights", default="GPU=1,CPU=0.8,DISK=0.5", metavar="M=W[,M=W...]",
+                    help="what a held block is worth by medium: the pool (GPU), an offload tier (CPU, DISK)")
 
     hold = p.add_argument_group("holding requests while no pod is ready (scale from zero)")
     hold.add_argument("--hold-timeout", type=_bounded(float, 0.0, 86400.0), default=300.0,
@@ -115,8 +135,9 @@ def build_source(args: argparse.Namespace):
     kube = args.inferenceservice or args.selector
     if args.endpoints is not None and kube:
         raise ValueError("--endpoints cannot be combined with --inferenceservice/--selector")
+    events_port = args.kv_events_port or None
     if args.endpoints is not None:
-        return StaticEndpoints(parse_endpoints(args.endpoints, agent_port=agent_port))
+        return StaticEndpoints(parse_endpoints(args.endpoints, agent_port=agent_port, events_port=events_port))
     if not kube:
         raise ValueError("no pods to route to: give --endpoints URL[,URL...] or --inferenceservice NAME "
                          "(or --selector K=V)")
@@ -124,7 +145,33 @@ def build_source(args: argparse.Namespace):
     namespace = args.namespace or _service_account_namespace()
     if not namespace:
         raise ValueError("--namespace is required outside a pod (no $POD_NAMESPACE, no service account)")
-    return KubeEndpoints(namespace, selector, runtime_port=args.runtime_port, agent_port=agent_port)
+    return KubeEndpoints(namespace, selector, runtime_port=args.runtime_port, agent_port=agent_port,
+                         events_port=events_port)
+
+
+def medium_weights(text: str) -> dict[str, float]:
+    out = {}
+    for term in (t.strip() for t in text.split(",") if t.strip()):
+        medium, eq, weight = term.partition("=")
+        try:
+            out[medium.strip().upper()] = float(weight)
+        except ValueError:
+            raise ValueError(f"--kv-events-medium-weights: {term!r} is not MEDIUM=WEIGHT") from None
+        if not eq or not medium.strip():
+            raise ValueError(f"--kv-events-medium-weights: {term!r} is not MEDIUM=WEIGHT")
+    return out
+
+
+def kv_index_config(args: argparse.Namespace) -> KVIndexConfig | None:
+    """The event index's settings; None when the policy cannot use one (the flags then do nothing).
+    Pods are followed when --kv-events-port is set or they carry the annotation."""
+    if args.policy != "prefix" or not args.kv_events:
+        return None
+    try:
+        return KVIndexConfig(max_blocks_per_pod=args.kv_events_max_blocks, lag_seconds=args.kv_events_lag,
+                             medium_weights=medium_weights(args.kv_events_medium_weights))
+    except ValueError as error:
+        raise ValueError(f"--kv-events-medium-weights: {error}") from None
 
 
 def config_from_args(args: argparse.Namespace, memory_limit: int | None = None):
@@ -152,7 +199,8 @@ def config_from_args(args: argparse.Namespace, memory_limit: int | None = None):
                         max_request_body_bytes=pick(args.max_request_body_bytes, derived.max_request_body_bytes),
                         max_held_bytes=pick(args.max_held_bytes, derived.max_held_bytes),
                         max_buffered_bytes=pick(args.max_buffered_bytes, derived.max_buffered_bytes),
-                        api_keys=api_keys)
+                        api_keys=api_keys, kv_index=kv_index_config(args), kv_events_topic=args.kv_events_topic,
+                        tokenizer=args.tokenizer)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -175,7 +223,11 @@ def run_router(args: argparse.Namespace) -> int:
     from .serve import serve
 
     max_connections = args.max_connections or max_connections_for_memory(memory_limit)
-    app = build_app(config, source)
+    try:
+        app = build_app(config, source)  # loads --tokenizer
+    except ValueError as error:
+        print(f"kvserve router: {error}", file=sys.stderr)
+        return 2
     log.info("router on http://%s:%d, policy %s, pods from %s", args.host, args.port, args.policy,
              args.endpoints or f"{getattr(source, 'namespace', '')}/{args.inferenceservice or args.selector}")
     log.info("API key %s; request bodies: %d bytes each, %d held, %d buffered at most (memory limit %s)",

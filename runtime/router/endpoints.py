@@ -24,6 +24,9 @@ log = logging.getLogger("kvserve.router")
 # The labels the operator puts on an InferenceService's runtime pods (operator/manifests.py).
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 OWNER_LABEL = "kvserve.dev/inferenceservice"
+# A pod's KV events publisher port (its replay socket listens on the next port), when it differs
+# from the router's --kv-events-port; the operator sets it on every runtime pod.
+EVENTS_PORT_ANNOTATION = "kvserve.dev/kv-events-port"
 
 
 def inferenceservice_selector(name: str) -> dict[str, str]:
@@ -35,9 +38,18 @@ class Endpoint:
     name: str  # pod name, or host:port for a fixed URL
     url: str  # the runtime's base URL (OpenAI routes)
     signals_url: str | None  # the agent's /v1/signals, or the runtime's /metrics; None: none
+    # The pod's KV events: (PUB endpoint, replay endpoint), e.g. tcp://10.0.0.5:5557 and :5558.
+    events: tuple[str, str] | None = None
 
 
-def parse_endpoints(text: str, *, agent_port: int | None) -> list[Endpoint]:
+def events_endpoints(host: str, port: int | None) -> tuple[str, str] | None:
+    if not port:
+        return None
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+
+
+def parse_endpoints(text: str, *, agent_port: int | None, events_port: int | None = None) -> list[Endpoint]:
     """`--endpoints http://a:8000,http://b:8000`. The load of each comes from an agent on the same
     host at `agent_port`, or (agent_port 0) from the runtime's own /metrics."""
     out: list[Endpoint] = []
@@ -54,7 +66,8 @@ def parse_endpoints(text: str, *, agent_port: int | None) -> list[Endpoint]:
             raise ValueError(f"endpoints: {raw!r} has an invalid port") from None
         base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         name = f"{parts.hostname}:{port}"
-        out.append(Endpoint(name, base, _signals_url(parts.scheme, parts.hostname, base, agent_port)))
+        out.append(Endpoint(name, base, _signals_url(parts.scheme, parts.hostname, base, agent_port),
+                            events_endpoints(parts.hostname, events_port)))
     if not out:
         raise ValueError("endpoints: no URL given (expected http://host:port[,http://host:port...])")
     names = [e.name for e in out]
@@ -81,8 +94,17 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
+def pod_events_port(pod: Mapping[str, Any], default: int | None) -> int | None:
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(EVENTS_PORT_ANNOTATION)
+    try:
+        port = int(raw) if raw is not None else default
+    except ValueError:
+        return default
+    return port if port and 0 < port < 65535 else None
+
+
 def endpoints_from_pods(pods: Iterable[Mapping[str, Any]], *, selector: Mapping[str, str], runtime_port: int,
-                        agent_port: int | None) -> list[Endpoint]:
+                        agent_port: int | None, events_port: int | None = None) -> list[Endpoint]:
     """The Ready pods that carry every selector label, as endpoints (sorted by name)."""
     out = []
     for pod in pods:
@@ -92,7 +114,8 @@ def endpoints_from_pods(pods: Iterable[Mapping[str, Any]], *, selector: Mapping[
         ip = pod["status"]["podIP"]
         host = f"[{ip}]" if ":" in ip else ip
         base = f"http://{host}:{runtime_port}"
-        out.append(Endpoint(pod["metadata"]["name"], base, _signals_url("http", ip, base, agent_port)))
+        out.append(Endpoint(pod["metadata"]["name"], base, _signals_url("http", ip, base, agent_port),
+                            events_endpoints(ip, pod_events_port(pod, events_port))))
     return sorted(out, key=lambda e: e.name)
 
 
@@ -141,9 +164,9 @@ class KubeEndpoints:
 
     def __init__(self, namespace: str, selector: Mapping[str, str], *, runtime_port: int, agent_port: int | None,
                  login: Callable[[], KubeConnection] = kube_login, watch_timeout: int = 60,
-                 max_backoff: float = 10.0):
+                 max_backoff: float = 10.0, events_port: int | None = None):
         self.namespace, self.selector = namespace, dict(selector)
-        self.runtime_port, self.agent_port = runtime_port, agent_port
+        self.runtime_port, self.agent_port, self.events_port = runtime_port, agent_port, events_port
         self.login, self.watch_timeout, self.max_backoff = login, watch_timeout, max_backoff
         self.pods: dict[str, dict] = {}
         self.synced = False  # a first list succeeded
@@ -155,7 +178,7 @@ class KubeEndpoints:
 
     def _publish(self, publish: Listener) -> None:
         publish(endpoints_from_pods(self.pods.values(), selector=self.selector, runtime_port=self.runtime_port,
-                                    agent_port=self.agent_port))
+                                    agent_port=self.agent_port, events_port=self.events_port))
 
     async def run(self, publish: Listener) -> None:
         backoff = 0.2

@@ -37,6 +37,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .kv_index import PreciseMatch
+
 POLICIES = ("prefix", "least-load", "round-robin")
 
 # Decision labels (metrics, logs, the X-Kvserve-Route header).
@@ -324,12 +326,38 @@ def _least_loaded(pods: Sequence[str], loads: Mapping[str, EndpointLoad], turn: 
     return min(rotated, key=lambda p: loads.get(p, EndpointLoad()).score())
 
 
+def prefix_fractions(served: Mapping[str, int], total_chunks: int, precise: PreciseMatch | None,
+                     pods: Iterable[str]) -> dict[str, float]:
+    """pod -> fraction of the prompt's prefix it holds (pods holding none absent). A pod whose KV
+    events are trusted is ranked by the blocks it holds now (kv_index.py); the others by what
+    they served recently (the approximate index), at least what a partial event index shows."""
+    out = {p: n / total_chunks for p, n in served.items()} if total_chunks else {}
+    if precise is None or not precise.total_blocks:
+        return out
+    if not any(v > 0 for v in (*precise.held.values(), *precise.partial.values())):
+        # Not even the first block anywhere: a new prompt, one evicted everywhere, or one the router
+        # hashed differently from the pods (another chat template, an option it does not know).
+        # The served-based index is right about the first and no worse about the others.
+        return out
+    for p in pods:
+        if p in precise.held:
+            held = precise.held[p] / precise.total_blocks
+            if held > 0:
+                out[p] = held
+            else:
+                out.pop(p, None)
+        elif precise.partial.get(p, 0) > 0:
+            out[p] = max(out.get(p, 0.0), precise.partial[p] / precise.total_blocks)
+    return out
+
+
 def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads: Mapping[str, EndpointLoad],
-           now: float, exclude: Iterable[str] = (), *, adapter: str | None = None,
-           adapters: Mapping[str, frozenset[str]] | None = None) -> Choice | None:
+           now: float, exclude: Iterable[str] = (), precise: PreciseMatch | None = None, *,
+           adapter: str | None = None, adapters: Mapping[str, frozenset[str]] | None = None) -> Choice | None:
     """The pod for a request, or None when no pod is left (all excluded, or none ready).
 
-    `pods` are the ready pods; `exclude` the ones this request already failed on; `adapter` the
+    `pods` are the ready pods; `exclude` the ones this request already failed on; `precise` what
+    the pods' KV events say they hold of this prompt (None: served-based only); `adapter` the
     LoRA adapter the request names and `adapters` each pod's loaded adapters (module docstring).
     """
     skip = set(exclude)
@@ -349,17 +377,21 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
         return loads.get(p, EndpointLoad())
 
     usable = [p for p in candidates if not overloaded(load(p), config)]
-    matches = state.index.match(hashes, candidates, now)
-    longest = max(matches.values(), default=0)
-    if longest and longest >= config.sticky_fraction * total:
+    fractions = prefix_fractions(state.index.match(hashes, candidates, now), total, precise, candidates)
+    longest = max(fractions.values(), default=0.0)
+
+    def chunks(p: str) -> int:
+        return round(fractions.get(p, 0.0) * total)
+
+    if longest and longest >= config.sticky_fraction:
         # Most of the prompt is cached on these pods (a conversation's history, a long shared
         # document): worth more than balance, until the pod itself says it is overloaded.
-        holders = sorted(p for p, n in matches.items() if n == longest)
+        holders = sorted(p for p, f in fractions.items() if f >= longest - 1e-9)
         best = _least_loaded(holders, loads, state.turn)
         if best in usable or not usable:  # every pod over its thresholds: the cache still helps
-            return Choice(best, PREFIX_HIT, longest, total)
+            return Choice(best, PREFIX_HIT, chunks(best), total)
         pick = _least_loaded(usable or candidates, loads, state.turn)
-        return Choice(pick, OVERLOADED, matches.get(pick, 0), total)
+        return Choice(pick, OVERLOADED, chunks(pick), total)
     # A new prompt, or one that shares only a short prefix (a system prompt every pod soon holds):
     # the ring position of the whole prompt, skipping pods at the load bound, so identical
     # prompts land together and new conversations spread.
@@ -367,6 +399,6 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
     ring = state.ring if set(candidates) <= set(state.ring.names) else HashRing(candidates)
     for pod in ring.walk(hashes[-1]):
         if pod in usable and load(pod).busy() + 1 <= cap:
-            return Choice(pod, PREFIX_NEW, matches.get(pod, 0), total)
+            return Choice(pod, PREFIX_NEW, chunks(pod), total)
     pick = _least_loaded(usable or candidates, loads, state.turn)
-    return Choice(pick, OVERLOADED, matches.get(pick, 0), total)
+    return Choice(pick, OVERLOADED, chunks(pick), total)

@@ -33,6 +33,7 @@ from .auth import admin_denial, bearer_token, is_admin_path, token_matches
 from .drain import effective_drain_timeout
 from .errors import APIError, from_validation_error
 from .limits import RequestLimitError, RequestLimits, check_request
+from .lora import LoRARegistry
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages
 
@@ -60,6 +61,9 @@ class ServerConfig:
     # Requests being parsed, validated, templated and tokenized at once; more wait their turn.
     # Small on purpose: each holds the GIL for part of its work, which the loop and the engine need.
     preprocess_threads: int = 2
+    # LoRA adapters (--enable-lora): how many may be loaded at once (--max-cpu-loras); None: no LoRA.
+    max_lora_adapters: int | None = None
+    max_loras: int = 1  # adapters in one batch (--max-loras), for vllm:lora_requests_info
 
 
 @dataclass
@@ -78,6 +82,7 @@ class ServerState:
     retired: bool = False
     preprocess: ThreadPoolExecutor | None = None
     buffered_request_bytes: int = 0
+    lora: LoRARegistry | None = None  # with --enable-lora: the adapters clients may name
 
     @property
     def model_name(self) -> str:
@@ -157,7 +162,8 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     request[REQUEST_ID] = rid
     try:
         key = state.config.api_key
-        if key and request.path.startswith(_PROTECTED) and not _key_ok(request, key):
+        # Admin routes take the admin key alone (some live under /v1/, as vLLM names them).
+        if key and request.path.startswith(_PROTECTED) and not is_admin_path(request.path) and not _key_ok(request, key):
             raise APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.")
         if is_admin_path(request.path):
             denial = admin_denial(request.headers.get("Authorization"), state.config.admin_api_key,
@@ -247,10 +253,14 @@ def _check_limits(state: ServerState, body: dict) -> None:
         raise APIError(400, str(exc), param=exc.param) from None
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
+def _check_model(state: ServerState, model: str | None) -> Any | None:
+    """The LoRA adapter `model` names (a LoRARequest), None for the base model; 404 otherwise."""
+    if state.lora is not None:
+        return state.lora.resolve(model)
     if model is not None and model not in state.config.served_model_names:
         raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(state.config.served_model_names)}.",
                        param="model")
+    return None
 
 
 def _check_serving(state: ServerState) -> AsyncEngine:
@@ -293,7 +303,7 @@ def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, servi
         req = (CompletionRequest if kind == "completion" else ChatCompletionRequest).model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    _check_model(state, req.model)
+    lora_request = _check_model(state, req.model)
     engine = _check_serving(state)
     tok = engine.tokenizer
     if kind == "completion":
@@ -316,6 +326,9 @@ def _plan(state: ServerState, raw: bytes, kind: str) -> tuple[AsyncEngine, servi
         prompts = [(text, _tokenize(tok, text, req.add_special_tokens))]
     outputs = structured.plan_outputs(req, state.config.tools)
     plan = serving.make_plan(kind, req, state.model_name, prompts, outputs)
+    if lora_request is not None:
+        plan.lora_request = lora_request
+        plan.model = lora_request.lora_name  # responses name the adapter the client asked for
     if req.stop:
         plan.stop_automaton = compile_stops(tuple(req.stop_list()))
     return engine, plan
@@ -391,8 +404,14 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     stream = None
     try:
         await _compile_grammar(request, engine, plan.outputs)
+        if plan.lora_request is not None:
+            # Checked again right before adding: an unload that began meanwhile would otherwise
+            # see the engine register the adapter again for this request.
+            if state.lora.adapters.get(plan.lora_request.lora_name) is not plan.lora_request:
+                raise state.lora.not_found(plan.lora_request.lora_name)
+            state.lora.count(plan.lora_request)
         try:
-            stream = await engine.add(plan.engine_requests)
+            stream = await engine.add(plan.engine_requests, lora_request=plan.lora_request)
         except ValueError as exc:
             raise serving.engine_error(exc) from None
         by_request = plan.by_request
@@ -440,13 +459,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def _model_card(state: ServerState, name: str) -> dict:
     max_len = state.engine.max_model_len if state.engine else None
-    return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "kvserve",
+    card = {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "kvserve",
             "root": name, "parent": None, "max_model_len": max_len}
+    if state.lora is not None and name in state.lora.adapters:  # vLLM's shape: root = path, parent = base
+        card.update(state.lora.model_card_fields(name))
+    return card
+
+
+def _model_names(state: ServerState) -> list[str]:
+    return state.config.served_model_names + (state.lora.names() if state.lora is not None else [])
 
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [_model_card(state, n) for n in state.config.served_model_names]})
+    return web.json_response({"object": "list", "data": [_model_card(state, n) for n in _model_names(state)]})
 
 
 async def model(request: web.Request) -> web.Response:
@@ -455,6 +481,67 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     _check_model(state, name)
     return web.json_response(_model_card(state, name))
+
+
+async def _admin_body(request: web.Request) -> dict:
+    async with _request_body(request) as body:
+        return _parse_json(body)
+
+
+def _field(body: dict, name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{name}: required, a non-empty string", param=name)
+    return value
+
+
+def _lora_state(request: web.Request) -> tuple[ServerState, AsyncEngine]:
+    state = request.app[STATE]
+    if state.lora is None:
+        raise APIError(400, "LoRA adapters are not enabled: start the server with --enable-lora")
+    return state, _check_serving(state)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """Admin (vLLM's route): loads an adapter from a directory the server can read. The engine
+    reads and checks it (rank, target modules, base model): a bad one is a 400 saying why."""
+    state, engine = _lora_state(request)
+    body = await _admin_body(request)
+    name, path = _field(body, "lora_name"), _field(body, "lora_path")
+    lora_request = state.lora.new_request(name, path, body.get("base_model_name"))
+    state.lora.register(lora_request)  # held while loading: a second load of the name is refused
+    try:
+        await engine.call(lambda e: e.add_lora(lora_request))
+    except ValueError as exc:
+        state.lora.unregister(name)
+        raise APIError(400, f"The lora adapter '{name}' cannot be loaded: {exc}", param="lora_path") from None
+    except BaseException:
+        state.lora.unregister(name)
+        raise
+    log.info("LoRA adapter %s loaded from %s", name, path)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """Admin (vLLM's route): unloads an adapter no unfinished request uses (409 while one does)."""
+    state, engine = _lora_state(request)
+    body = await _admin_body(request)
+    name = _field(body, "lora_name")
+    lora_request = state.lora.adapters.get(name)
+    if lora_request is None:
+        raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
+    # Out of the table first: no new request can name it while the engine removes it.
+    state.lora.unregister(name)
+    try:
+        await engine.call(lambda e: e.remove_lora(lora_request.lora_int_id))
+    except ValueError as exc:
+        state.lora.register(lora_request)
+        raise APIError(409, f"The lora adapter '{name}' cannot be unloaded now: {exc}", param="lora_name") from None
+    except BaseException:
+        state.lora.register(lora_request)
+        raise
+    log.info("LoRA adapter %s unloaded", name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -586,6 +673,10 @@ def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> we
     app = web.Application(middlewares=[_middleware], client_max_size=config.max_request_body_bytes)
     app[STATE] = ServerState(config=config, metrics=metrics_ or ServerMetrics(config.served_model_names[0]))
     app[STATE].idle.set()
+    if config.max_lora_adapters is not None:
+        state = app[STATE]
+        state.lora = LoRARegistry(config.served_model_names, config.max_lora_adapters, config.max_loras)
+        state.metrics.lora = lambda: (state.lora, getattr(state.engine, "lora_info", None))
     app[STATE].preprocess = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="kvserve-preprocess")
 
     async def stop_preprocess(app: web.Application) -> None:
@@ -607,4 +698,6 @@ def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> we
     get_parallelism, post_parallelism = parallelism.handlers(STATE)
     r.add_get("/admin/parallelism", get_parallelism)
     r.add_post("/admin/parallelism", post_parallelism)
+    r.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    r.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     return app

@@ -65,6 +65,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engines in this server, each of --tensor-parallel-size ranks; the server owns "
                         "DP x TP devices and POST /admin/parallelism changes the split live")
+    p.add_argument("--reshape-spare-workers", action="store_true",
+                   help="keep DP x TP - 1 tensor-parallel worker interpreters started while a data-parallel "
+                        "layout runs, so a live reshape to tensor parallelism skips their start-up")
     p.add_argument("--quantization", "-q", default=None, type=lambda v: v.lower().replace("_", "-"),
                    choices=WEIGHT_FORMATS,
                    help="weight format (default: the checkpoint's quantization_config, else full precision); "
@@ -134,8 +137,28 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="how tool calls are read out of the model's text: hermes (<tool_call> tags: Qwen, "
                         "Hermes), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS]), pythonic ([f(a=1)])")
     add_structured_outputs_flags(p)
+    add_lora_flags(p)
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     return p
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters (vLLM's flags; docs/lora.md)."""
+    from .lora import lora_module_arg
+
+    g = p.add_argument_group("LoRA adapters", "many fine-tunes of the model served at once")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters: clients pick one by its name in `model`")
+    g.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=None, metavar="MODULE",
+                   help='adapters to load at start: name=path, or \'{"name": ..., "path": ..., '
+                        '"base_model_name": ...}\' (needs --enable-lora)')
+    g.add_argument("--max-loras", type=_bounded(int, 1, 256), default=None, metavar="N",
+                   help="distinct adapters in one batch (default 1)")
+    g.add_argument("--max-lora-rank", type=_bounded(int, 1, 512), default=None, metavar="R",
+                   help="largest adapter rank accepted (default 16); a larger one is refused")
+    g.add_argument("--max-cpu-loras", type=_bounded(int, 1, 4096), default=None, metavar="N",
+                   help="adapters loaded at once (host memory; default --max-loras); POST /v1/load_lora_adapter "
+                        "past it answers 400")
 
 
 def add_structured_outputs_flags(p: argparse.ArgumentParser) -> None:

@@ -70,6 +70,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
         self.last_stats: Any = None
+        self.lora_info: Any = None  # adapters of running and waiting requests (server/lora.py)
         self.steps = 0
         self._dirty = False
 
@@ -122,8 +123,9 @@ class AsyncEngine:
         self._wake.set()
         return asyncio.wrap_future(fut, loop=self.loop) if fut is not None else None
 
-    async def add(self, requests: list[tuple[str, Any, Any]]) -> RequestStream:
-        """Adds (request_id, prompt, params) as one group; all or nothing.
+    async def add(self, requests: list[tuple[str, Any, Any]], lora_request: Any = None) -> RequestStream:
+        """Adds (request_id, prompt, params) as one group, with one LoRA adapter (None: the base
+        model); all or nothing.
 
         Raises the engine's ValueError (nothing stays added) or EngineDeadError.
         """
@@ -132,7 +134,7 @@ class AsyncEngine:
             self._streams[rid] = stream
             self._seqs[rid] = getattr(params, "n", 1) or 1
         try:
-            await self._submit("add", requests, True)
+            await self._submit("add", (requests, lora_request), True)
         except BaseException:
             # Also on cancellation: the add may still be applied, so an abort must follow it.
             for rid in stream.request_ids:
@@ -214,7 +216,11 @@ class AsyncEngine:
                 continue
             try:
                 if kind == "add":
-                    self.engine.add_requests(payload)  # all or nothing
+                    requests, lora_request = payload
+                    if lora_request is None:  # an engine without LoRA takes no lora_request at all
+                        self.engine.add_requests(requests)  # all or nothing
+                    else:
+                        self.engine.add_requests(requests, lora_request=lora_request)
                     result = None
                 elif kind == "abort":
                     for rid in payload:
@@ -231,7 +237,10 @@ class AsyncEngine:
         return bool(commands)
 
     def _refresh_stats(self) -> None:
+        from .lora import lora_info
+
         self.last_stats = self.engine.get_stats()
+        self.lora_info = lora_info(self.engine)
         self._stats_at = time.monotonic()
         if self.on_stats is not None:
             self.on_stats(self.last_stats)

@@ -24,11 +24,15 @@ HOW_TO_CONFIGURE = (f"start it with --admin-api-key KEY or --admin-api-key-file 
                     f"(or set {ADMIN_KEY_ENV} / {ADMIN_KEY_FILE_ENV})")
 
 
+# vLLM's names for loading and unloading LoRA adapters: admin routes under /v1/.
+ADMIN_V1_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
 def is_admin_path(path: str) -> bool:
-    """Admin routes: POST /drain and everything under /admin/. Checked before routing, so a route
-    added there later is protected without remembering to, and probing for one without the key
-    learns nothing (401/403, never 404)."""
-    return path == "/drain" or path == "/admin" or path.startswith("/admin/")
+    """Admin routes: POST /drain, everything under /admin/, and the LoRA load/unload routes.
+    Checked before routing, so a route added there later is protected without remembering to,
+    and probing for one without the key learns nothing (401/403, never 404)."""
+    return path == "/drain" or path == "/admin" or path.startswith("/admin/") or path in ADMIN_V1_PATHS
 
 
 class AdminKeyError(ValueError):

@@ -57,7 +57,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["kv_events_config"] = args.kv_events_config  # JSON; the engine validates it
     if getattr(args, "compilation_config", None):
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
+    if getattr(args, "enable_lora", None):  # without it the engine config is the base model's alone
+        kw["enable_lora"] = True
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(args, name, None) is not None:
+                kw[name] = getattr(args, name)
     return kw
+
+
+def lora_problem(args: argparse.Namespace) -> str | None:
+    """LoRA flags that only make sense together (the one-line reason, or None)."""
+    if getattr(args, "enable_lora", None):
+        return None
+    for flag in ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras"):
+        if getattr(args, flag, None):
+            return f"--{flag.replace('_', '-')} needs --enable-lora"
+    return None
 
 
 def _load_in_daemon_thread(factory: Callable[[], Any]) -> Future:
@@ -72,6 +87,24 @@ def _load_in_daemon_thread(factory: Callable[[], Any]) -> Future:
 
     threading.Thread(target=run, name="kvserve-load", daemon=True).start()
     return fut
+
+
+def _with_static_adapters(factory: Callable[[], Any], registry, modules) -> Callable[[], Any]:
+    """The engine, with --lora-modules loaded on the loading thread before it serves."""
+    from .lora import load_static
+
+    def build():
+        engine = factory()
+        try:
+            load_static(engine, registry, modules)
+        except BaseException:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+            raise
+        return engine
+
+    return build
 
 
 @dataclass
@@ -116,6 +149,9 @@ class Server:
                                  max_prompt_chars=a.max_prompt_chars, max_schema_chars=a.max_schema_chars),
             tools=ToolSettings(enable_auto_tool_choice=getattr(a, "enable_auto_tool_choice", False),
                                tool_call_parser=getattr(a, "tool_call_parser", None)),
+            max_lora_adapters=(getattr(a, "max_cpu_loras", None) or getattr(a, "max_loras", None) or 1
+                               if getattr(a, "enable_lora", None) else None),
+            max_loras=getattr(a, "max_loras", None) or 1,
         )
         app = build_app(config)
         state = self.state = app[STATE]
@@ -141,6 +177,8 @@ class Server:
 
         exit_code = 0
         factory = self.engine_factory or self._default_factory()
+        if state.lora is not None and getattr(a, "lora_modules", None):
+            factory = _with_static_adapters(factory, state.lora, a.lora_modules)
         load = asyncio.wrap_future(_load_in_daemon_thread(factory))
         stop = asyncio.create_task(self.stop_event.wait())
         await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -179,13 +217,14 @@ class Server:
         kwargs = engine_kwargs(self.args)
 
         dp = getattr(self.args, "data_parallel_size", 1) or 1
+        spares = bool(getattr(self.args, "reshape_spare_workers", False))
 
         def build():
             from kvserve.runtime.config import EngineConfig
             from kvserve.runtime.engine.data_parallel import DataParallelEngine
 
             # Always the data-parallel engine, even of one: the layout may change live later.
-            return DataParallelEngine(EngineConfig.from_args(**kwargs), dp)
+            return DataParallelEngine(EngineConfig.from_args(**kwargs), dp, spare_workers=spares)
 
         return build
 
@@ -198,6 +237,8 @@ def preflight(args: argparse.Namespace) -> str | None:
     read, or weights that do not load, are left to the load, which reports it on /ready and exits 1."""
     from kvserve.runtime.config import EngineConfig
 
+    if (problem := lora_problem(args)) is not None:
+        return problem
     try:
         EngineConfig.from_args(**engine_kwargs(args))
     except ValueError as exc:

@@ -8,6 +8,7 @@ each snapshot hands over exactly once. prometheus_client appends `_total` to cou
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -40,11 +41,20 @@ EXPORTED_NAMES = (
     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:cache_config_info",
     "kvserve:kv_cache_capacity_tokens", "kvserve:max_num_seqs", "kvserve:tensor_parallel_size",
     "kvserve:pipeline_parallel_size", "kvserve:pipeline_bubble_fraction",
-    "kvserve:model_weight_bytes", "kvserve:model_info",
+    "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
+    "vllm:num_requests_swapped", "vllm:cpu_cache_usage_perc",
+    "kvserve:kv_offload_capacity_bytes", "kvserve:kv_offload_used_bytes", "kvserve:kv_offload_hits_total",
+    "kvserve:kv_offload_stored_blocks_total", "kvserve:kv_offload_stored_bytes_total",
+    "kvserve:kv_offload_loaded_bytes_total", "kvserve:kv_offload_failed_loads_total",
+    "kvserve:kv_swap_outs_total", "kvserve:kv_swap_ins_total",
+    "kvserve:kv_offload_store_seconds", "kvserve:kv_offload_load_seconds",
+    "kvserve:model_weight_bytes", "kvserve:model_info", "kvserve:cuda_graph_capture_failures_total",
     "kvserve:generation_tokens_per_second",
     "kvserve:structured_output_requests_total", "kvserve:grammar_compile_seconds",
     "kvserve:step_duration_seconds", "kvserve:data_parallel_size", "kvserve:reshape_seconds",
 )
+# With --enable-lora only.
+LORA_EXPORTED_NAMES = ("vllm:lora_requests_info", "kvserve:lora_requests_total", "kvserve:lora_adapter_loaded")
 
 # A live layout change: tens of milliseconds for a tiny model, seconds for a large one.
 RESHAPE_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0]
@@ -112,10 +122,40 @@ class _StatsCollector:
         yield gauge("kvserve:pipeline_bubble_fraction", "Share of recent steps the first pipeline stage "
                     "waited for the others (moving average; 0 without pipeline parallelism).",
                     getattr(s, "pipeline_bubble_fraction", 0.0))
+        # The KV offload tier and swap space (docs/kv-offload.md); zeros without them.
+        yield counter("vllm:external_prefix_cache_queries", "External prefix cache queries (the KV offload tier), "
+                      "in terms of number of queried tokens.", getattr(s, "kv_offload_queries_tokens_total", 0))
+        yield counter("vllm:external_prefix_cache_hits", "External prefix cache hits (the KV offload tier), in "
+                      "terms of number of cached tokens.", getattr(s, "kv_offload_hit_tokens_total", 0))
+        yield gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU.", getattr(s, "num_swapped", 0))
+        swap_total = getattr(s, "kv_swap_capacity_bytes", 0)
+        yield gauge("vllm:cpu_cache_usage_perc", "CPU KV-cache usage (the swap space). 1 means 100 percent usage.",
+                    getattr(s, "kv_swap_used_bytes", 0) / swap_total if swap_total else 0.0)
+        yield gauge("kvserve:kv_offload_capacity_bytes", "Bytes the KV offload tier may hold (per rank).",
+                    getattr(s, "kv_offload_capacity_bytes", 0))
+        yield gauge("kvserve:kv_offload_used_bytes", "Bytes the KV offload tier holds (per rank).",
+                    getattr(s, "kv_offload_used_bytes", 0))
+        yield counter("kvserve:kv_offload_hits", "KV blocks loaded back from the offload tier.",
+                      getattr(s, "kv_offload_hit_blocks_total", 0))
+        yield counter("kvserve:kv_offload_stored_blocks", "KV blocks copied into the offload tier.",
+                      getattr(s, "kv_offload_stored_blocks_total", 0))
+        yield counter("kvserve:kv_offload_stored_bytes", "Bytes copied out of the KV pool (tier and swap, rank 0).",
+                      getattr(s, "kv_offload_stored_bytes_total", 0))
+        yield counter("kvserve:kv_offload_loaded_bytes", "Bytes copied into the KV pool (tier and swap, rank 0).",
+                      getattr(s, "kv_offload_loaded_bytes_total", 0))
+        yield counter("kvserve:kv_offload_failed_loads", "Offloaded KV blocks that could not be read back "
+                      "(missing, truncated or corrupt files): recomputed instead.",
+                      getattr(s, "kv_offload_failed_loads_total", 0))
+        yield counter("kvserve:kv_swap_outs", "Preempted requests swapped out instead of recomputed.",
+                      getattr(s, "kv_swap_outs_total", 0))
+        yield counter("kvserve:kv_swap_ins", "Swapped-out requests swapped back in.", getattr(s, "kv_swap_ins_total", 0))
         yield gauge("kvserve:data_parallel_size", "Data-parallel engines of this replica (each of "
                     "kvserve:tensor_parallel_size ranks).", getattr(s, "data_parallel_size", 1))
         yield gauge("kvserve:model_weight_bytes", "Bytes of model weights on each tensor-parallel rank, "
                     "quantization scales and zeros included.", getattr(s, "model_weight_bytes", 0))
+        yield counter("kvserve:cuda_graph_capture_failures", "CUDA graph captures that failed at startup "
+                      "(decode then runs eagerly; the log has the traceback).",
+                      getattr(s, "cuda_graph_capture_failures_total", 0))
         model_info = GaugeMetricFamily("kvserve:model_info", "What this replica runs (always 1).",
                                        labels=["model_name", "quantization", "dtype", "kv_cache_dtype"])
         model_info.add_metric([name, getattr(s, "quantization", "none"), getattr(s, "dtype", ""),
@@ -126,6 +166,32 @@ class _StatsCollector:
         yield counter("kvserve:structured_output_requests",
                       "Requests with structured outputs (response_format, structured_outputs, forced tool calls).",
                       getattr(s, "structured_output_requests_total", 0))
+        yield from self._lora(name)
+
+    def _lora(self, name: str):
+        """With --enable-lora: vLLM's lora_requests_info, and per adapter (at most --max-cpu-loras
+        label values, each gone once its adapter is unloaded) loaded and request counts."""
+        lora = self.m.lora
+        if lora is None:
+            return
+        registry, info = lora()
+        if registry is None:
+            return
+        running, waiting = (info.running, info.waiting) if info is not None else ((), ())
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        # vLLM's value: when the snapshot was taken; the labels carry the information.
+        g.add_metric([",".join(running), ",".join(waiting), str(registry.max_loras)], time.time())
+        yield g
+        loaded = GaugeMetricFamily("kvserve:lora_adapter_loaded", "1 for each LoRA adapter loaded on this replica.",
+                                   labels=["model_name", "lora_name"])
+        total = CounterMetricFamily("kvserve:lora_requests", "Requests per LoRA adapter.",
+                                    labels=["model_name", "lora_name"])
+        for adapter in registry.names():
+            loaded.add_metric([name, adapter], 1)
+            total.add_metric([name, adapter], registry.requests_total.get(adapter, 0))
+        yield loaded
+        yield total
 
 
 class ServerMetrics:
@@ -134,6 +200,8 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats = None
+        # With --enable-lora: () -> (LoRARegistry, LoRAInfo | None), read at scrape time.
+        self.lora = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(self))
         self._lock = threading.Lock()
@@ -153,6 +221,12 @@ class ServerMetrics:
         self.grammar_compile = hist("kvserve:grammar_compile_seconds",
                                     "Histogram of grammar compilation time (a cached grammar is not compiled again).",
                                     COMPILE_BUCKETS)
+        self.offload_store = hist("kvserve:kv_offload_store_seconds",
+                                  "Time to copy a batch of KV blocks out of the pool, and to write one block's "
+                                  "file (the background writer).", STEP_BUCKETS)
+        self.offload_load = hist("kvserve:kv_offload_load_seconds",
+                                 "Time to load a batch of KV blocks from the offload tier or swap space into the pool.",
+                                 STEP_BUCKETS)
         step = Histogram("kvserve:step_duration_seconds",
                          "Engine step time by phase: schedule, prepare (inputs), forward (model), sample, "
                          "output (detokenize, stop checks, outputs).",
@@ -166,7 +240,9 @@ class ServerMetrics:
         for hist, values in ((self.ttft, stats.time_to_first_token), (self.itl, stats.inter_token_latencies),
                              (self.e2e, stats.e2e_latencies), (self.queue, stats.queue_times),
                              (self.grammar_compile, getattr(stats, "grammar_compile_times", ())),
-                             (self.reshape, getattr(stats, "reshape_seconds", ()))):
+                             (self.reshape, getattr(stats, "reshape_seconds", ())),
+                             (self.offload_store, getattr(stats, "kv_offload_store_seconds", ())),
+                             (self.offload_load, getattr(stats, "kv_offload_load_seconds", ()))):
             for v in values:
                 hist.observe(v)
         for phase, values in getattr(stats, "step_phase_durations", {}).items():

@@ -106,6 +106,7 @@ class Plan:
     outputs: OutputPlan = field(default_factory=OutputPlan)
     # Held while the request runs, so the engine thread finds the stop automaton already built.
     stop_automaton: Any = None
+    lora_request: Any = None  # the LoRA adapter the request's `model` names (None: the base model)
 
     @property
     def by_request(self) -> dict[str, list[Choice]]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvserve.runtime.weight_formats.awq import AWQFormat
 from kvserve.runtime.weight_formats.base import FormatConfig, WeightFormat
+from kvserve.runtime.weight_formats.bitsandbytes import BitsAndBytesFormat
 from kvserve.runtime.weight_formats.compressed_tensors import CompressedTensorsFormat
 from kvserve.runtime.weight_formats.fp8 import Fp8Format
 from kvserve.runtime.weight_formats.gguf import GGUFFormat
@@ -28,7 +29,7 @@ __all__ = ["CHECKPOINT_FORMATS", "FORMATS", "FormatConfig", "LOAD_TIME_FORMATS",
            "checkpoint_format", "format_name", "resolve_format", "weight_format"]
 
 _CLASSES: tuple[type[FormatConfig], ...] = (Int8Format, Int4Format, AWQFormat, GPTQFormat, CompressedTensorsFormat,
-                                            Fp8Format, GGUFFormat)
+                                            Fp8Format, GGUFFormat, BitsAndBytesFormat)
 FORMATS: dict[str, type[FormatConfig]] = {cls.name: cls for cls in _CLASSES}
 # `quantization=` / `--quantization` / spec.runtime.quantization values.
 WEIGHT_FORMATS = tuple(FORMATS)

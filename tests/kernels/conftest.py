@@ -23,3 +23,11 @@ def _nan_poisoned_allocations(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the kernel tests run their kernels: compiled on a GPU when one is present, else on
+    the CPU under the interpreter. Inputs are built on the CPU (seeded) and moved here, and the
+    twins run on the same device."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

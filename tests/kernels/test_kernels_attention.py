@@ -34,7 +34,7 @@ NAN_BLOCK = 0  # padding entries of the block tables point here; it is never wri
 class Batch:
     """A packed batch: per sequence (cached tokens, new tokens), its KV already in a NaN cache."""
 
-    def __init__(self, specs, *, dtype, head_dim, block_size, heads, kv_heads, seed):
+    def __init__(self, specs, *, dtype, head_dim, block_size, heads, kv_heads, seed, device="cpu"):
         gen = torch.Generator().manual_seed(seed)
         rnd = random.Random(seed)
         self.specs = specs
@@ -64,6 +64,10 @@ class Batch:
         self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32)
         self.query = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
         self.scale = head_dim ** -0.5
+        # Built on the CPU (seeded), then moved: the same numbers on every device.
+        for name in ("block_tables", "k_cache", "v_cache", "all_slots", "keys", "values", "query_start_loc",
+                     "seq_lens", "query"):
+            setattr(self, name, getattr(self, name).to(device))
 
     def args(self):
         return (self.query, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
@@ -99,18 +103,19 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-bs{c[2]}-h{c[3]}/{c[4]}")
-def test_decode_matches_reference_across_splits(case):
+def test_decode_matches_reference_across_splits(case, device):
     dtype, dim, bs, heads, kv_heads, lens = case
     # Two extra sequences without a new token this step (one with cached context, one empty):
     # they own no query row and must be skipped.
     specs = [(n - 1, 1) for n in lens] + [(20, 0), (0, 0)]
     random.Random(dim).shuffle(specs)
-    b = Batch(specs, dtype=dtype, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=dim + bs)
+    b = Batch(specs, dtype=dtype, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=dim + bs,
+              device=device)
     expected = b.expected()
     # One split (direct write), and splits of 16 tokens: half-block and cross-block boundaries,
     # empty trailing splits for the shorter sequences, and the log-sum-exp merge.
-    for tokens_per_split in (None, 16):
-        out = paged_decode_attention(*b.args(), tokens_per_split=tokens_per_split, out=b.poisoned_out())
+    for splits in ({}, dict(num_splits=32, min_split_tokens=16)):
+        out = paged_decode_attention(*b.args(), **splits, out=b.poisoned_out())
         _assert_close(out, expected, dtype)
 
 
@@ -125,9 +130,10 @@ PREFILL_CASES = [
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-bs{c[2]}-h{c[3]}/{c[4]}")
-def test_prefill_matches_reference_with_cached_prefixes(case):
+def test_prefill_matches_reference_with_cached_prefixes(case, device):
     dtype, dim, bs, heads, kv_heads, specs = case
-    b = Batch(specs, dtype=dtype, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=dim * 7 + bs)
+    b = Batch(specs, dtype=dtype, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=dim * 7 + bs,
+              device=device)
     out = paged_prefill_attention(*b.args(), out=b.poisoned_out())
     _assert_close(out, b.expected(), dtype)
 
@@ -136,7 +142,7 @@ def test_prefill_of_one_token_queries_equals_decode():
     b = Batch([(9, 1), (30, 1), (0, 1)], dtype=torch.float32, head_dim=64, block_size=16, heads=4,
               kv_heads=2, seed=3)
     prefill = paged_prefill_attention(*b.args(), out=b.poisoned_out())
-    decode = paged_decode_attention(*b.args(), tokens_per_split=16, out=b.poisoned_out())
+    decode = paged_decode_attention(*b.args(), num_splits=32, min_split_tokens=16, out=b.poisoned_out())
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
 
 
@@ -220,7 +226,7 @@ def test_bad_shapes_raise_value_errors_naming_the_field():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_batches_prefill_and_decode(seed):
+def test_random_batches_prefill_and_decode(seed, device):
     """Seeded random configurations beyond the hand-picked cases above."""
     rnd = random.Random(1000 + seed)
     dtype = rnd.choice(list(TOL))
@@ -230,10 +236,11 @@ def test_random_batches_prefill_and_decode(seed):
              for _ in range(rnd.randrange(1, 5))]
     specs.append((rnd.randrange(0, 50), rnd.randrange(1, 20)))  # at least one query token
     b = Batch(specs, dtype=dtype, head_dim=dim, block_size=bs, heads=kv_heads * group,
-              kv_heads=kv_heads, seed=seed)
+              kv_heads=kv_heads, seed=seed, device=device)
     _assert_close(paged_prefill_attention(*b.args(), out=b.poisoned_out()), b.expected(), dtype)
     decode_specs = [(ctx + q - 1, 1) if q else (ctx, 0) for ctx, q in specs]
     d = Batch(decode_specs, dtype=dtype, head_dim=dim, block_size=bs, heads=kv_heads * group,
-              kv_heads=kv_heads, seed=seed)
-    out = paged_decode_attention(*d.args(), tokens_per_split=rnd.choice([16, 24, 48]), out=d.poisoned_out())
+              kv_heads=kv_heads, seed=seed, device=device)
+    out = paged_decode_attention(*d.args(), num_splits=rnd.choice([2, 3, 32]), min_split_tokens=rnd.choice([16, 24, 48]),
+                                 out=d.poisoned_out())
     _assert_close(out, d.expected(), dtype)

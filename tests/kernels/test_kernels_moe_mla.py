@@ -32,12 +32,13 @@ def _experts(e, h, i, dtype, g):
     (64, 16, 4, 32, 16, 64),      # many experts idle at block_m 64
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_matches_twin(tokens, experts, top_k, hidden, inter, block_m, dtype):
+def test_fused_moe_matches_twin(tokens, experts, top_k, hidden, inter, block_m, dtype, device):
     g = torch.Generator().manual_seed(tokens * 100 + experts)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w13, w2 = _experts(experts, hidden, inter, dtype, g)
     logits = torch.randn(tokens, experts, generator=g)
     weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    x, w13, w2, weights, ids = (t.to(device) for t in (x, w13, w2, weights, ids))
     want = reference.fused_moe_ref(x, w13, w2, weights, ids)
     got = fused_moe(x, w13, w2, weights, ids, block_m=block_m)
     assert got.dtype == dtype and not got.isnan().any()
@@ -94,7 +95,7 @@ def _paged_latents(seq_lens, block_size, dim, dtype, g, num_blocks=64):
     ([200], 20, 32, 8, 8, 64),                 # heads not a multiple of the 16-head tile
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_matches_twin(seq_lens, heads, lora, rope, block_size, split, dtype):
+def test_mla_decode_matches_twin(seq_lens, heads, lora, rope, block_size, split, dtype, device):
     g = torch.Generator().manual_seed(sum(seq_lens) + heads)
     cache, tables = _paged_latents(seq_lens, block_size, lora + rope, dtype, g)
     n = len(seq_lens)
@@ -102,8 +103,10 @@ def test_mla_decode_matches_twin(seq_lens, heads, lora, rope, block_size, split,
     qsl = torch.arange(n + 1, dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = (lora + rope) ** -0.5
+    q, cache, qsl, lens, tables = (t.to(device) for t in (q, cache, qsl, lens, tables))
     want = reference.mla_decode_ref(q, cache, qsl, lens, tables, scale, lora)
-    got = mla_decode_attention(q, cache, qsl, lens, tables, scale, lora, tokens_per_split=split)
+    got = mla_decode_attention(q, cache, qsl, lens, tables, scale, lora, num_splits=None if split is None else 32,
+                               min_split_tokens=split)
     assert got.shape == (n, heads, lora) and not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
 

@@ -89,6 +89,10 @@ def test_fp8_kv_cache_doubles_the_planned_tokens():
                                                                 "group_size": 64}}}}, 0.5 + 4 / 64),
     ("compressed-tensors", {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
                                                                 "strategy": "channel"}}}}, 1 + 4 / 8192),
+    # bitsandbytes: LLM.int8 kept as per-channel int8; NF4/FP4 held dequantized (no codebook kernel).
+    ("bitsandbytes", {"load_in_8bit": True}, 1 + 2 / 8192),
+    ("bitsandbytes", {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, 2.0),
+    ("bitsandbytes", None, 2.0),
 ])
 def test_bytes_per_weight_of_every_format(name, qc, linear_bytes):
     fmt = weight_format(name, dtype_bytes("bfloat16"), 8192, qc)
@@ -109,5 +113,5 @@ def test_load_time_quantization_is_refused_for_the_vllm_engine(name):
     with pytest.raises(SpecError, match=f"spec.runtime.quantization: {name!r} is kvserve's load-time "
                                         f"quantization; vLLM has no such method"):
         _spec({"engine": "vllm", "quantization": name})
-    for ok in ("awq", "gptq", "compressed-tensors", "fp8", "gguf"):
+    for ok in ("awq", "gptq", "compressed-tensors", "fp8", "gguf", "bitsandbytes"):
         assert _spec({"engine": "vllm", "quantization": ok}).runtime.quantization == ok

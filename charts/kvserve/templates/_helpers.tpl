@@ -30,12 +30,21 @@ owns by server-side apply only: patch, and create for an apply that creates the 
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch, delete]
+# spec.adapters: the LoRA adapter list its pods' agents read (mounted, updated in place).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+# spec.parallelism.devicesPerPod: the admin key (runtime.adminApiKeySecret) the operator shows the
+# pods' agents to change their layout in place; read by name, no list/watch.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 - apiGroups: [""]
   resources: [serviceaccounts]
   verbs: [get, create, patch, delete]

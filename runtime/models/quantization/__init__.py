@@ -31,7 +31,8 @@ methods' ``apply``, which pick torch's packed CPU kernels, the Triton GPU kernel
 
 Formats: ``int8`` and ``int4`` (weight-only, quantized at load from a full-precision checkpoint),
 ``awq``, ``gptq``, ``compressed-tensors`` (pack-quantized W4A16/W8A16, FP8 W8A8), ``fp8`` (an FP8
-checkpoint, or FP8 quantization at load). The checkpoint's ``quantization_config`` selects its
+checkpoint, or FP8 quantization at load), ``bitsandbytes`` (pre-quantized NF4/FP4 and LLM.int8
+checkpoints). The checkpoint's ``quantization_config`` selects its
 format when ``quantization`` is not given; a mismatch is a ValueError, never a silent fallback.
 """
 
@@ -56,6 +57,7 @@ _FORMATS = {
     "compressed-tensors": "compressed_tensors:CompressedTensorsConfig",
     "fp8": "fp8:Fp8Config",
     "gguf": "gguf:GGUFConfig",
+    "bitsandbytes": "bitsandbytes:BitsAndBytesConfig",
 }
 assert set(_FORMATS) == set(WEIGHT_FORMATS)
 

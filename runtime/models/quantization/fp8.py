@@ -6,7 +6,9 @@ in float8_e4m3fn, a per-tensor ``weight_scale``, and with ``activation_scheme: s
 
 Activations: W8A8 (activations quantized to FP8 per token, or with the checkpoint's static input
 scale; FP8 x FP8 products with float32 accumulation) runs where FP8 matmuls exist, CUDA devices
-of compute capability 8.9 and newer, through `kvserve.kernels.quant.fp8_scaled_matmul`. Load-time
+of compute capability 8.9 and newer: through ``torch._scaled_mm`` with rowwise scales (cuBLASLt)
+where the platform says it takes the GEMM (Hopper, bfloat16 output, dimensions multiples of
+16), else `kvserve.kernels.quant.fp8_scaled_matmul` (Triton). Load-time
 FP8 elsewhere is weight-only: the weight is dequantized into the compute dtype for each matmul
 (memory is what it saves). A checkpoint that was quantized W8A8 keeps its activation quantization
 on CPU through the kernel's torch twin (exact numerics, slow: for testing), and is refused on a
@@ -19,7 +21,8 @@ import torch
 from torch import nn
 
 from kvserve.kernels import quant_reference as ref
-from kvserve.kernels.ops import use_triton
+from kvserve.kernels.triton_utils import triton_available
+from kvserve.runtime.executor.platform import platform_for
 from kvserve.runtime.models.quantization.base import (
     LinearMethod,
     LinearSpec,
@@ -39,17 +42,37 @@ def device_has_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def fp8_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
-    """W8A8: x quantized per token (or with a static per-tensor scale) times the FP8 weight."""
-    if input_scale is None:
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
+               kernel: str | None = None) -> torch.Tensor:
+    """W8A8: x quantized per token (or with a static per-tensor scale) times the FP8 weight.
+    `kernel` (tests): "scaled_mm", "triton" or "twin" instead of the platform's choice."""
+    kernel = kernel or platform_for(x.device).fp8_matmul_kernel(x, w)
+    if kernel == "triton" or (kernel == "scaled_mm" and x.is_cuda and triton_available()):
+        from kvserve.kernels import quant
+
+        xq, xs = quant.quantize_fp8(x, input_scale)  # one kernel, the twin's bytes
+    elif input_scale is None:
         xq, xs = ref.quantize_fp8_per_token(x)
     else:
         xq, xs = ref.quantize_fp8_static(x, input_scale), input_scale.float().reshape(1)
-    if use_triton(x) and x.is_cuda:
+    if kernel == "scaled_mm":
+        return scaled_mm_rowwise(xq, xs, w, w_scale, x.dtype)
+    if kernel == "triton":
         from kvserve.kernels import quant
 
         return quant.fp8_scaled_matmul(xq, xs, w, w_scale, x.dtype)
     return ref.fp8_scaled_matmul_ref(xq, xs, w, w_scale, x.dtype)
+
+
+def scaled_mm_rowwise(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm with one float32 scale per activation row ([M, 1]; a static per-tensor
+    scale repeated) and one per weight row ([1, N]). The weight [N, K] transposed is the
+    column-major second operand the FP8 GEMM wants, without a copy."""
+    m = xq.shape[0]
+    scale_a = xs.float().reshape(-1, 1).expand(m, 1).contiguous()
+    scale_b = w_scale.float().reshape(1, -1)
+    return torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

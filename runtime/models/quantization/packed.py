@@ -27,7 +27,9 @@ Kernels, by device (`Int4Weight.matmul` / `Int8Weight.matmul` pick):
   They are fast only with bfloat16 inputs, so activations enter them in bfloat16 (fp32
   accumulation) and the result is cast back to the compute dtype. Anything else (grouped int8,
   small groups, odd row counts) dequantizes then multiplies.
-- CUDA: the Triton dequant-GEMM kernels of `kvserve.kernels.quant` (split-K for small batches).
+- CUDA: the Triton dequant-GEMM kernels of `kvserve.kernels.quant` (split-K for small batches)
+  up to 64 activation rows; above, the weight is dequantized to the compute dtype and multiplied
+  by cuBLAS (the platform chooses: runtime/executor/platform.py's ``int_matmul_kernel``).
 - Everywhere, the pure-torch twins of those kernels (`kvserve.kernels.reference`) are the oracle,
   and ``set_cpu_packed(False)`` / ``KVSERVE_QUANT_CPU_PACKED=0`` makes the CPU use them (exact
   dequantize-then-matmul in the compute dtype) instead of the native or packed kernels.
@@ -42,7 +44,7 @@ import os
 import torch
 
 from kvserve.kernels import quant_reference as ref
-from kvserve.kernels.ops import use_triton
+from kvserve.runtime.executor.platform import platform_for
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +79,9 @@ def native_enabled(device: torch.device) -> bool:
     """Whether weights on `device` go to kvserve's native AVX2 integer kernels: the CPU, the
     library loaded (see `kvserve.kernels.cpu.native.status()`; ``KVSERVE_CPU_KERNELS=0`` turns it
     off) and the packed CPU path not switched off."""
-    if device.type != "cpu" or not cpu_packed_enabled() or _native_override is False:
+    if not cpu_packed_enabled() or _native_override is False:
         return False
-    from kvserve.kernels.cpu import native
-
-    return native.available()
+    return platform_for(device).native_int_weights()
 
 
 def _native_matmul(panels, x: torch.Tensor) -> torch.Tensor:
@@ -100,18 +100,11 @@ def _cpu_int4_group(group_size: int, k: int) -> int | None:
     return None
 
 
-def _triton_ok(x: torch.Tensor, group_size: int) -> bool:
-    if not use_triton(x):
-        return False
-    from kvserve.kernels import quant
-
-    return quant.supports_group(group_size)
-
-
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                 group_size: int) -> torch.Tensor:
-    """The Triton dequant-GEMM where it runs (CUDA), else its torch twin."""
-    if _triton_ok(x, group_size):
+    """The Triton dequant-GEMM where the platform picks it (CUDA, decode-sized batches), else
+    dequantize-then-matmul (cuBLAS for a GPU's prefill; the torch twin elsewhere)."""
+    if platform_for(x.device).int_matmul_kernel(x, group_size) == "triton":
         from kvserve.kernels import quant
 
         return quant.int4_matmul(x, packed, scale, offset, group_size)
@@ -119,7 +112,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    if _triton_ok(x, group_size):
+    if platform_for(x.device).int_matmul_kernel(x, group_size) == "triton":
         from kvserve.kernels import quant
 
         return quant.int8_matmul(x, q, scale, group_size)
@@ -197,7 +190,8 @@ class Int4Weight:
             from kvserve.kernels.cpu import native
 
             self.native = native.Int4Panels(q, scale, offset, group_size)
-        self.cpu_group = _cpu_int4_group(group_size, k) if q.device.type == "cpu" and self.native is None else None
+        torch_packed = platform_for(q.device).torch_packed_int_weights()
+        self.cpu_group = _cpu_int4_group(group_size, k) if torch_packed and self.native is None else None
         self.cpu_packed = None
         if self.cpu_group is not None and n % 16 == 0 and cpu_packed_enabled():
             rep = group_size // self.cpu_group
@@ -276,7 +270,8 @@ class Int8Weight:
             return
         self.q = q.to(torch.int8).contiguous()
         self.scale = scale.to(dtype).contiguous()
-        self.use_cpu_packed = self.per_channel and q.device.type == "cpu" and cpu_packed_enabled()
+        self.use_cpu_packed = (self.per_channel and platform_for(q.device).torch_packed_int_weights()
+                               and cpu_packed_enabled())
         self.scale_bf16 = self.scale[:, 0].to(torch.bfloat16).contiguous() if self.use_cpu_packed else None
 
     def tensors(self) -> dict[str, torch.Tensor]:

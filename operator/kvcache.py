@@ -1,0 +1,132 @@
+"""The pod-side pieces of the KV cache beyond the pool (pure): the offload tier of
+spec.runtime.kvOffload (flags, volume, mount, memory request) and the KV events the pods publish
+for the router when it ranks them by the blocks they hold (spec.router, prefix policy).
+
+manifests.py, router.py and netpol.py call these; nothing here talks to the API.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .spec import ServiceSpec, parse_quantity
+
+OFFLOAD_DIR = "/kv-offload"
+OFFLOAD_VOLUME = "kv-offload"
+# vLLM's default KV events ports: the publisher, and its replay socket on the next one.
+EVENTS_PORT = 5557
+EVENTS_REPLAY_PORT = EVENTS_PORT + 1
+EVENTS_PORT_ANNOTATION = "kvserve.dev/kv-events-port"  # what the router reads (runtime/router/endpoints.py)
+
+
+def _ranks(spec: ServiceSpec, tp: int) -> int:
+    # The tier is per rank: a pod of G devices runs G ranks whatever its DP x TP layout.
+    return spec.devices_per_pod or tp
+
+
+def offload_pod_bytes(spec: ServiceSpec, tp: int) -> int:
+    """What the tier takes in one pod: its size per rank times the pod's ranks (0: no tier)."""
+    k = spec.runtime.kv_offload
+    return 0 if k is None else k.size_bytes * _ranks(spec, tp)
+
+
+# -- the offload tier ----------------------------------------------------------------------------
+def runtime_args(spec: ServiceSpec) -> list[str]:
+    out: list[str] = []
+    k = spec.runtime.kv_offload
+    if k is not None:
+        out += ["--kv-offload-bytes", str(k.size_bytes)]
+        if k.medium != "memory":
+            out += ["--kv-offload-dir", OFFLOAD_DIR]
+    if events_on(spec):
+        out += ["--kv-events-config", events_config()]
+    return out
+
+
+def volumes(spec: ServiceSpec, tp: int) -> list[dict[str, Any]]:
+    k = spec.runtime.kv_offload
+    if k is None or k.medium == "memory":
+        return []
+    if k.medium == "pvc":
+        return [{"name": OFFLOAD_VOLUME, "persistentVolumeClaim": {"claimName": k.claim_name}}]
+    # The kubelet evicts a pod whose emptyDir passes its sizeLimit: room for the tier and no more.
+    return [{"name": OFFLOAD_VOLUME, "emptyDir": {"sizeLimit": str(offload_pod_bytes(spec, tp))}}]
+
+
+def runtime_mounts(spec: ServiceSpec) -> list[dict[str, Any]]:
+    k = spec.runtime.kv_offload
+    if k is None or k.medium == "memory":
+        return []
+    return [{"name": OFFLOAD_VOLUME, "mountPath": OFFLOAD_DIR}]
+
+
+def with_offload_memory(resources: Mapping[str, Any], spec: ServiceSpec, tp: int) -> dict[str, Any]:
+    """The runtime container's resources with a memory tier counted in: host memory it will hold,
+    so the scheduler must find it on the node (request) and the limit must not kill the pod for it."""
+    out = {key: dict(value) for key, value in resources.items()}
+    k = spec.runtime.kv_offload
+    if k is None or k.medium != "memory":
+        return out
+    extra = offload_pod_bytes(spec, tp)
+    for kind in ("requests", "limits"):
+        current = out.get(kind, {}).get("memory")
+        if current is None and kind == "limits":
+            continue  # no limit stays no limit
+        base = 0 if current is None else parse_quantity(current, f"spec.runtime.resources.{kind}.memory")
+        out.setdefault(kind, {})["memory"] = str(base + extra)
+    return out
+
+
+# -- KV events -----------------------------------------------------------------------------------
+def events_on(spec: ServiceSpec) -> bool:
+    """The router ranks pods by their KV events: it runs the prefix policy with spec.router.kvEvents,
+    and the pods have a prefix cache (events name its blocks)."""
+    return spec.router.follows_kv_events and spec.runtime.enable_prefix_caching
+
+
+def events_config() -> str:
+    """--kv-events-config (vLLM's KVEventsConfig keys): every interface, replay on the next port."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{EVENTS_PORT}",
+                       "replay_endpoint": f"tcp://*:{EVENTS_REPLAY_PORT}"}, separators=(",", ":"))
+
+
+def runtime_ports(spec: ServiceSpec) -> list[dict[str, Any]]:
+    if not events_on(spec):
+        return []
+    return [{"name": "kv-events", "containerPort": EVENTS_PORT, "protocol": "TCP"},
+            {"name": "kv-replay", "containerPort": EVENTS_REPLAY_PORT, "protocol": "TCP"}]
+
+
+def pod_annotations(spec: ServiceSpec) -> dict[str, str]:
+    return {EVENTS_PORT_ANNOTATION: str(EVENTS_PORT)} if events_on(spec) else {}
+
+
+def router_args(spec: ServiceSpec) -> list[str]:
+    return ["--kv-events-port", str(EVENTS_PORT)] if events_on(spec) else []
+
+
+# -- the capacity model --------------------------------------------------------------------------
+def offload_plan(spec: ServiceSpec, shape, tp: int) -> dict[str, Any] | None:
+    """What the tier holds at degree `tp` (the plan command prints it): blocks and tokens per rank
+    from the model's KV bytes per token and rank, next to the pool's. None without a tier or shape."""
+    k = spec.runtime.kv_offload
+    if k is None or shape is None:
+        return None
+    from kvserve.runtime.capacity import dtype_bytes, plan_capacity
+
+    from .spec import dtype_for_capacity, kv_dtype_size_for_capacity, weight_format_for_capacity
+
+    dsize = dtype_bytes(dtype_for_capacity(spec))
+    plan = plan_capacity(shape, dtype_size=dsize, block_size=spec.runtime.block_size, tp=tp,
+                         gpu_memory_bytes=spec.gpu.memory_bytes,
+                         gpu_memory_utilization=spec.runtime.gpu_memory_utilization,
+                         weight_format=weight_format_for_capacity(spec, dsize),
+                         kv_dtype_size=kv_dtype_size_for_capacity(spec))
+    block_bytes = plan.kv_bytes_per_token_per_gpu * spec.runtime.block_size
+    blocks = k.size_bytes // block_bytes if block_bytes else 0
+    return {"medium": k.medium, "bytesPerRank": k.size_bytes, "bytesPerPod": offload_pod_bytes(spec, tp),
+            "blocksPerRank": blocks, "tokensPerRank": blocks * spec.runtime.block_size,
+            "poolTokensPerRank": plan.kv_tokens,
+            "podMemoryRequestAdded": offload_pod_bytes(spec, tp) if k.medium == "memory" else 0}

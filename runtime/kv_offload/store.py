@@ -1,0 +1,164 @@
+"""Where offloaded KV blocks live: host memory, or one file per block under a directory.
+
+A store maps a key to one block's bytes (every layer of its group, each pool, on this rank) and
+knows nothing of policy: the engine's index (index.py) decides what is added and dropped.
+
+File format (one file per block, named by the key in hex): magic, the namespace digest, the key,
+the payload length, a CRC-32 of the payload, then the payload. A file is written under a temporary
+name, flushed (fsynced unless turned off) and renamed into place, so a crash mid-write leaves only
+a temporary file, which the next start deletes; a file whose header, length or checksum is wrong
+(truncated, another namespace, bit rot) is never returned and is deleted when found.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pathlib
+import struct
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from kvserve.runtime.kv_offload.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVSBLK\x01\x00"
+_HEAD = struct.Struct("<8s32sH")  # magic, namespace digest, key length; then key, then _TAIL
+_TAIL = struct.Struct("<QI")  # payload length, crc32
+SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+
+
+class HostStore:
+    """Blocks in host memory (pinned on CUDA, so copies to and from the device run at full speed)."""
+
+    medium = "CPU"
+    persistent = False
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self._blocks: dict[bytes, torch.Tensor] = {}
+
+    def put(self, key: bytes, data: torch.Tensor) -> None:
+        buf = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=self.pin_memory)
+        buf.copy_(data.reshape(-1))
+        self._blocks[key] = buf
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        return self._blocks.get(key)
+
+    def delete(self, key: bytes) -> None:
+        self._blocks.pop(key, None)
+
+    def scan(self) -> list[tuple[bytes, int]]:
+        return []
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class FileStore:
+    """Blocks as files under ``root/<namespace>/`` (local disk, a PVC, a shared filesystem)."""
+
+    medium = "DISK"
+    persistent = True
+
+    def __init__(self, root: str | os.PathLike, namespace: Namespace, *, fsync: bool = True) -> None:
+        self.namespace = namespace
+        self.digest = namespace.digest
+        self.dir = pathlib.Path(root) / namespace.dirname
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self._tmp_ids = itertools.count()
+        # What the directory holds, for whoever looks at a PVC (never read back).
+        about = self.dir / "namespace.json"
+        if not about.exists():
+            about.write_text(namespace.describe() + "\n")
+        for tmp in self.dir.glob(f"*{TMP_SUFFIX}"):  # a write a crash interrupted
+            tmp.unlink(missing_ok=True)
+
+    def path(self, key: bytes) -> pathlib.Path:
+        return self.dir / (key.hex() + SUFFIX)
+
+    def put(self, key: bytes, data: torch.Tensor, _before_rename: Callable[[], None] | None = None) -> None:
+        payload = memoryview(data.reshape(-1).numpy())
+        header = _HEAD.pack(MAGIC, self.digest, len(key)) + key + _TAIL.pack(len(payload), zlib.crc32(payload))
+        final = self.path(key)
+        tmp = self.dir / f".{final.name}.{os.getpid()}.{next(self._tmp_ids)}{TMP_SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            if _before_rename is not None:  # fault injection (tests)
+                _before_rename()
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _read_header(self, f, key: bytes | None) -> tuple[bytes, int, int] | None:
+        head = f.read(_HEAD.size)
+        if len(head) != _HEAD.size:
+            return None
+        magic, digest, key_len = _HEAD.unpack(head)
+        if magic != MAGIC or digest != self.digest:
+            return None
+        stored_key = f.read(key_len)
+        tail = f.read(_TAIL.size)
+        if len(stored_key) != key_len or len(tail) != _TAIL.size or (key is not None and stored_key != key):
+            return None
+        length, crc = _TAIL.unpack(tail)
+        return stored_key, length, crc
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The block's bytes, or None when the file is missing or fails any check (then it is
+        deleted: it can never become valid)."""
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                header = self._read_header(f, key)
+                if header is not None:
+                    _, length, crc = header
+                    payload = bytearray(length)
+                    n = f.readinto(payload)
+                    extra = f.read(1)
+                    if n == length and not extra and zlib.crc32(payload) == crc:
+                        return torch.frombuffer(payload, dtype=torch.uint8)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("kv offload: cannot read %s: %s", path, exc)
+            return None
+        log.warning("kv offload: %s is truncated, corrupt or of another namespace; deleted", path.name)
+        path.unlink(missing_ok=True)
+        return None
+
+    def delete(self, key: bytes) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def scan(self) -> list[tuple[bytes, int]]:
+        """(key, payload bytes) of every file whose header and size check out, least recently
+        written first (a warm restart's LRU order). The checksum is checked when a block is read."""
+        found = []
+        for path in self.dir.glob(f"*{SUFFIX}"):
+            try:
+                st = path.stat()
+                with open(path, "rb") as f:
+                    header = self._read_header(f, None)
+                    start = f.tell()
+            except OSError:
+                continue
+            if header is None or st.st_size != start + header[1] or path.name != header[0].hex() + SUFFIX:
+                log.warning("kv offload: %s is truncated, corrupt or of another namespace; deleted", path.name)
+                path.unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime_ns, header[0], header[1]))
+        found.sort()
+        return [(key, n) for _, key, n in found]

@@ -1,0 +1,161 @@
+"""spec.runtime.kvOffload and the KV events wiring (operator/kvcache.py): the CRD and the parser
+agree on what is valid, the pod template gets the tier's flags, volume and memory, and with the
+router's prefix policy the pods publish KV events that the router follows and only the router
+may reach (NetworkPolicy, evaluated with tests/operator/netpol_eval.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from netpol_eval import Pod, allowed
+
+from kvserve.operator import crd
+from kvserve.operator import kvcache as K
+from kvserve.operator import manifests as M
+from kvserve.operator import netpol as N
+from kvserve.operator import router as R
+from kvserve.operator.spec import SpecError, parse_spec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "crds" / "examples"
+UID = "0b5e2a1c-1111-4222-8333-944455556666"
+
+
+def owner(name: str = "tiny-cpu", **runtime_or_router) -> dict:
+    obj = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    obj["metadata"]["uid"] = UID
+    obj["metadata"].setdefault("namespace", "default")
+    for key, value in runtime_or_router.items():
+        obj["spec"][key] = {**obj["spec"].get(key, {}), **value}
+    return obj
+
+
+def runtime_container(obj: dict, tp: int = 1) -> tuple[dict, dict]:
+    spec = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+    template = M.build_deployment(obj, spec, replicas=1, tp=tp)["spec"]["template"]
+    return next(c for c in template["spec"]["containers"] if c["name"] == "runtime"), template
+
+
+def flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+@pytest.mark.parametrize("kv_offload, error", [
+    ({"size": "8Gi", "medium": "pvc"}, "claimName"),
+    ({"size": "8Gi", "medium": "emptyDir", "claimName": "c"}, "claimName"),
+    ({"medium": "memory"}, "size"),
+    ({"size": "100Ki"}, "size"),
+    ({"size": "8Gi", "medium": "tape"}, "medium"),
+])
+def test_bad_kv_offload_is_refused_by_crd_and_parser_naming_the_field(kv_offload, error):
+    obj = owner(runtime={"kvOffload": kv_offload})
+    with pytest.raises(SpecError, match=f"spec.runtime.kvOffload(.{error})?"):
+        parse_spec(obj["spec"])
+    if error != "size" or "size" not in kv_offload:  # 100Ki passes the schema (a quantity), not the parser
+        assert crd.validate(obj), "the CRD let it through"
+
+
+def test_kv_offload_is_kvserves_only():
+    obj = owner(runtime={"kvOffload": {"size": "1Gi"}, "engine": "vllm"})
+    with pytest.raises(SpecError, match="spec.runtime.kvOffload"):
+        parse_spec(obj["spec"])
+
+
+@pytest.mark.parametrize("medium, volume, args_dir", [
+    ("emptyDir", {"emptyDir": {"sizeLimit": str(2 * 8 * 1024**3)}}, K.OFFLOAD_DIR),
+    ("pvc", {"persistentVolumeClaim": {"claimName": "kv-cache"}}, K.OFFLOAD_DIR),
+    ("memory", None, None),
+])
+def test_offload_tier_in_the_pod_template(medium, volume, args_dir):
+    kv = {"size": "8Gi", "medium": medium, **({"claimName": "kv-cache"} if medium == "pvc" else {})}
+    obj = owner(runtime={"kvOffload": kv, "resources": {"requests": {"memory": "4Gi"}, "limits": {"memory": "6Gi"}}})
+    assert crd.validate(obj) == []
+    runtime, template = runtime_container(obj, tp=2)
+    assert flag(runtime["command"], "--kv-offload-bytes") == str(8 * 1024**3)  # per rank, as the runtime takes it
+    assert flag(runtime["command"], "--kv-offload-dir") == args_dir
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in runtime["volumeMounts"]}
+    memory = runtime["resources"]
+    if volume is None:
+        assert K.OFFLOAD_VOLUME not in volumes and K.OFFLOAD_VOLUME not in mounts
+        # Host memory for 2 ranks x 8Gi on top of what the spec asked for.
+        assert memory["requests"]["memory"] == str(4 * 1024**3 + 16 * 1024**3)
+        assert memory["limits"]["memory"] == str(6 * 1024**3 + 16 * 1024**3)
+    else:
+        assert {k: v for k, v in volumes[K.OFFLOAD_VOLUME].items() if k != "name"} == volume
+        assert mounts[K.OFFLOAD_VOLUME] == K.OFFLOAD_DIR
+        assert memory["requests"]["memory"] == "4Gi"
+
+
+def test_no_tier_no_change():
+    runtime, template = runtime_container(owner())
+    assert "--kv-offload-bytes" not in runtime["command"]
+    assert K.OFFLOAD_VOLUME not in {v["name"] for v in template["spec"]["volumes"]}
+
+
+def _render(obj: dict) -> tuple[dict, dict, list[dict]]:
+    spec = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+    runtime, template = runtime_container(obj)
+    router = R.build_router_deployment(obj, spec)["spec"]["template"]["spec"]["containers"][0]
+    return runtime, template, router, N.build_network_policies(obj, spec)
+
+
+def test_router_prefix_policy_wires_kv_events_end_to_end():
+    obj = owner(router={"enabled": True})
+    runtime, template, router, policies = _render(obj)
+    config = json.loads(flag(runtime["command"], "--kv-events-config"))
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                      "replay_endpoint": "tcp://*:5558"}
+    from kvserve.runtime.kv_events import KVEventsConfig
+
+    assert KVEventsConfig.parse(config).active  # what the runtime accepts
+    assert {p["name"]: p["containerPort"] for p in runtime["ports"]} == {"http": M.RUNTIME_PORT, "kv-events": 5557,
+                                                                         "kv-replay": 5558}
+    assert template["metadata"]["annotations"][K.EVENTS_PORT_ANNOTATION] == "5557"
+    assert flag(router["command"], "--kv-events-port") == "5557"
+    # The router's own parser takes the operator's command.
+    from kvserve.runtime.cli import build_parser
+    from kvserve.runtime.router.cli import kv_index_config
+
+    args = build_parser().parse_args(router["command"][1:])
+    assert args.kv_events_port == 5557 and kv_index_config(args) is not None
+    # Only the router reaches the events ports; a client of the namespace does not.
+    ns = obj["metadata"]["namespace"]
+    pod = Pod(ns, M.labels(obj["metadata"]["name"]))
+    router_pod = Pod(ns, R.router_labels(obj["metadata"]["name"]))
+    client = Pod(ns, {"app": "client"})
+    for port in (5557, 5558):
+        assert allowed(policies, router_pod, pod, port) and not allowed(policies, client, pod, port)
+    assert allowed(policies, client, router_pod, R.ROUTER_PORT)
+
+
+@pytest.mark.parametrize("change", [
+    {"router": {"enabled": True, "kvEvents": False}},
+    {"router": {"enabled": True, "policy": "round-robin"}},
+    {"router": {"enabled": True}, "runtime": {"enablePrefixCaching": False}},
+    {"router": {"enabled": False}},
+])
+def test_no_events_without_a_router_that_uses_them(change):
+    obj = copy.deepcopy(owner(**change))
+    assert crd.validate(obj) == []
+    runtime, template, router, policies = _render(obj)
+    assert "--kv-events-config" not in runtime["command"] and "--kv-events-port" not in router["command"]
+    assert K.EVENTS_PORT_ANNOTATION not in template["metadata"]["annotations"]
+    assert all(rule["ports"][0]["port"] not in (5557, 5558) for p in policies for rule in p["spec"]["ingress"])
+
+
+def test_plan_counts_the_tier_in_blocks_next_to_the_pool():
+    from kvserve.operator.spec import model_shape
+
+    obj = owner("llama-8b-gpu", runtime={"kvOffload": {"size": "16Gi", "medium": "memory"}})
+    spec = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+    shape = model_shape(spec)
+    got = K.offload_plan(spec, shape, tp=2)
+    # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes = 128 KiB per token, half per rank at TP 2.
+    per_token = 32 * 8 * 128 * 2 * 2 // 2
+    assert got["blocksPerRank"] == 16 * 1024**3 // (per_token * 16) and got["tokensPerRank"] == got["blocksPerRank"] * 16
+    assert got["bytesPerPod"] == got["podMemoryRequestAdded"] == 2 * 16 * 1024**3 and got["poolTokensPerRank"] > 0
+    assert K.offload_plan(parse_spec(owner()["spec"]), shape, 1) is None

@@ -1,0 +1,135 @@
+"""Per-pod parallel layouts (spec.parallelism.devicesPerPod): the spec's rules, the pod template
+(which never depends on the live layout), and the layout policy, one table per rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.operator import manifests as M
+from kvserve.operator.autoscaler import Signals
+from kvserve.operator.desired import recorded_size
+from kvserve.operator.layout import LayoutState, PodLayout, decide_layout, initial_layout, pod_layouts
+from kvserve.operator.reshape import recorded_layout, secret_value
+from kvserve.operator.spec import SpecError, model_shape, parse_spec
+
+LLAMA_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "torch_dtype": "bfloat16"}
+OWNER = {"apiVersion": "kvserve.dev/v1alpha1", "kind": "InferenceService",
+         "metadata": {"name": "m", "namespace": "ns", "uid": "u1"}}
+
+
+def make_spec(devices=2, tensor=None, layout=None, runtime=None, config=LLAMA_8B):
+    raw = {"model": {"uri": "hf://org/m", "config": config},
+           "runtime": runtime if runtime is not None else {"adminApiKeySecret": {"name": "adm", "key": "k"}},
+           "parallelism": {"devicesPerPod": devices, "tensor": tensor or {"min": 1, "max": devices}},
+           "autoscaling": {"layout": {"stabilizationSeconds": 30, "reshapeCostMultiple": 10, **(layout or {})}}}
+    spec = parse_spec(raw)
+    return spec, model_shape(spec)
+
+
+@pytest.mark.parametrize("devices, tensor, runtime, field", [
+    (3, None, None, "devicesPerPod"),  # not a power of two
+    (2, {"min": 1, "max": 4}, None, "devicesPerPod"),  # TP bound beyond the pod's devices
+    (2, None, {"engine": "vllm", "adminApiKeySecret": {"name": "a", "key": "k"}}, "devicesPerPod"),
+    (2, None, {}, "devicesPerPod"),  # no admin key the operator could show the agents
+])
+def test_spec_rules_name_the_field(devices, tensor, runtime, field):
+    with pytest.raises(SpecError, match=field):
+        make_spec(devices, tensor=tensor or {"min": 1, "max": min(devices, 2)} if tensor is None else tensor,
+                  runtime=runtime)
+
+
+@pytest.mark.parametrize("devices, tensor, expected", [
+    (2, {"min": 1, "max": 2}, [PodLayout(2, 1), PodLayout(1, 2)]),
+    (4, {"min": 1, "max": 4}, [PodLayout(4, 1), PodLayout(1, 4)]),  # 2xTP2: one TP group per process today
+    (4, {"min": 1, "max": 2}, [PodLayout(4, 1)]),
+    (2, {"min": 2, "max": 2, "initial": 2}, [PodLayout(1, 2)]),
+])
+def test_pod_layouts(devices, tensor, expected):
+    spec, shape = make_spec(devices, tensor=tensor)
+    assert pod_layouts(spec, shape) == expected
+
+
+def test_template_owns_g_devices_and_never_depends_on_the_live_layout():
+    spec, shape = make_spec(4, tensor={"min": 1, "max": 4})
+    replicas, tp = recorded_size(spec, shape, {"layout": {"devicesPerPod": 4, "dataParallel": 1,
+                                                          "tensorParallel": 4}, "tensorParallelSize": 4})
+    assert tp == 1  # the template's TP is the initial one; the live layout is in status.layout only
+    dep = M.build_deployment(OWNER, spec, replicas=replicas, tp=tp)
+    runtime = dep["spec"]["template"]["spec"]["containers"][0]
+    assert runtime["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    cmd = runtime["command"]
+    assert cmd[cmd.index("--data-parallel-size") + 1] == "4" and cmd[cmd.index("--tensor-parallel-size") + 1] == "1"
+    assert recorded_layout(spec, {"layout": {"devicesPerPod": 4, "dataParallel": 1, "tensorParallel": 4}}) \
+        == PodLayout(1, 4)
+    assert recorded_layout(spec, {"layout": {"devicesPerPod": 2, "dataParallel": 1, "tensorParallel": 2}}) \
+        == initial_layout(spec) == PodLayout(4, 1)  # recorded for another G: back to the template's
+
+
+def sig(per_pod_running, queue=0.0, kv=0.3, pods=2):
+    return Signals(pods=pods, kv_cache_utilization=kv, queue_depth=queue * pods,
+                   requests_running=per_pod_running * pods)
+
+
+DP, TP = PodLayout(2, 1), PodLayout(1, 2)
+
+
+@pytest.mark.parametrize("current, signals, reason, expected", [
+    (TP, sig(12), "LayoutDataParallel", DP),  # high load: throughput
+    (TP, sig(6, queue=4), "LayoutDataParallel", DP),  # waiting requests count as load
+    (DP, sig(1), "LayoutTensorParallel", TP),  # low load: latency
+    (DP, sig(2, kv=0.95), "LayoutTensorParallel", TP),  # long contexts
+    (DP, sig(5), "LayoutWithinBand", DP),  # between the thresholds: hysteresis band
+    (TP, sig(5), "LayoutWithinBand", TP),
+    (DP, sig(12), "LayoutSettled", DP),
+    (DP, Signals(), "NoMetrics", DP),
+])
+def test_layout_wish_after_stabilization(current, signals, reason, expected):
+    spec, shape = make_spec()
+    state = LayoutState(wish=expected, wish_since=0.0) if expected != current else LayoutState()
+    d = decide_layout(spec, shape, current, signals, state, now=100.0)
+    assert (d.reason, d.layout) == (reason, expected)
+
+
+def test_a_wish_must_hold_for_the_stabilization_window():
+    spec, shape = make_spec()
+    state, out = LayoutState(), []
+    for t, s in [(0, sig(12)), (20, sig(12)), (25, sig(5)), (30, sig(12)), (50, sig(12)), (60, sig(12))]:
+        d = decide_layout(spec, shape, TP, s, state, now=t)
+        state = d.state
+        out.append(d.reason)
+    # the dip into the band at t=25 restarts the window: the change comes 30 s after t=30
+    assert out == ["LayoutStabilizing", "LayoutStabilizing", "LayoutWithinBand", "LayoutStabilizing",
+                   "LayoutStabilizing", "LayoutDataParallel"]
+
+
+def test_measured_reshape_cost_gates_the_next_change():
+    spec, shape = make_spec(layout={"stabilizationSeconds": 0, "reshapeCostMultiple": 10})
+    state = LayoutState(last_change=0.0, last_reshape_seconds=6.0)  # 10 x 6 s: kept 60 s
+    d = decide_layout(spec, shape, DP, sig(1), state, now=30.0)
+    assert (d.reason, d.layout) == ("LayoutCostGated", DP)
+    d = decide_layout(spec, shape, DP, sig(1), d.state, now=61.0)
+    assert (d.reason, d.layout, d.state.last_change) == ("LayoutTensorParallel", TP, 61.0)
+
+
+def test_no_flapping_under_a_load_oscillating_around_one_threshold():
+    spec, shape = make_spec()
+    layout, state, changes = DP, LayoutState(), 0
+    for t in range(0, 600, 5):  # 7.5 .. 8.5 requests per pod: around highLoadRequests 8, never below low
+        d = decide_layout(spec, shape, layout, sig(8.5 if (t // 5) % 2 else 7.5), state, now=float(t))
+        state, changes = d.state, changes + d.changed
+        layout = d.layout
+    assert changes == 0
+
+
+def test_fixed_when_only_one_layout_or_disabled():
+    spec, shape = make_spec(2, tensor={"min": 2, "max": 2, "initial": 2})
+    assert decide_layout(spec, shape, TP, sig(20), LayoutState(), 0).reason == "LayoutFixed"
+    spec, shape = make_spec(layout={"enabled": False})
+    assert decide_layout(spec, shape, DP, sig(0), LayoutState(), 0).reason == "LayoutFixed"
+
+
+def test_secret_value():
+    assert secret_value({"data": {"k": "c2VjcmV0Cg=="}}, "k") == "secret"
+    assert secret_value({"stringData": {"k": "s"}}, "k") == "s"
+    assert secret_value({"data": {}}, "k") is None and secret_value(None, "k") is None
