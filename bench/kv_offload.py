@@ -37,9 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
 
-from router_harness import RuntimePods, Workload, percentile  # noqa: E402
+from kvserve.testing.router_harness import RuntimePods, Workload, percentile  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -152,13 +152,15 @@ def paged_attention_ref(
     logits_soft_cap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context (float32 math).
     float8 pools are dequantized with `k_scale` / `v_scale` (None: 1) before anything else.
 
     Covers decode (one new token), prefill, chunked prefill and cached prefixes alike: query token
     j of sequence i sits at position seq_lens[i] - query_len_i + j. With `sliding_window` w it
-    sees positions p - w < j <= p only; with `logits_soft_cap` c each score s becomes c tanh(s / c).
+    sees positions p - w < j <= p only; with `logits_soft_cap` c each score s becomes c tanh(s / c);
+    with `alibi_slopes` (ALiBi) slope_h * (j - p) is then added to each score.
     Blocks wholly behind every window are never read (they may have been freed).
     """
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -187,6 +189,8 @@ def paged_attention_ref(
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         positions = torch.arange(seq_len - (q_hi - q_lo), seq_len, device=query.device)
         keys = torch.arange(lo, seq_len, device=query.device)[None, :]
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float().view(-1, 1, 1) * (keys - positions[:, None]).float()
         visible = keys <= positions[:, None]
         if sliding_window is not None:
             visible &= keys > positions[:, None] - sliding_window

@@ -123,8 +123,11 @@ def policy_after_serving(pod: str, hashes: list[int]) -> PolicyState:
     # a's events say the prefix was evicted there, c's that c holds it (a tier counts too).
     ("events know better", PreciseMatch(10, {"a": 0, "b": 0, "c": 9}), "c", PREFIX_HIT),
     ("tier copy", PreciseMatch(10, {"a": 0, "b": 0, "c": 10 * 0.8}), "c", PREFIX_HIT),
-    # Nobody holds it any more: a new prompt's placement, not a stale affinity.
-    ("evicted everywhere", PreciseMatch(10, {"a": 0, "b": 0, "c": 0}), None, PREFIX_NEW),
+    # Not even its first block anywhere: evicted everywhere, or hashed unlike the pods (a guard
+    # against a router/runtime mismatch): what was served decides.
+    ("held nowhere", PreciseMatch(10, {"a": 0, "b": 0, "c": 0}), "a", PREFIX_HIT),
+    # Held by none of the pods that served it, by c only in part: c's part is the longest.
+    ("evicted on a", PreciseMatch(10, {"a": 0, "b": 0, "c": 2}), None, PREFIX_NEW),
     # a's events are missing (not in held): its served record stands; b's events show less.
     ("a without events", PreciseMatch(10, {"b": 6, "c": 0}), "a", PREFIX_HIT),
     # A partial index is a floor under what was served.

@@ -199,8 +199,12 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | dict | None = None,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
-        """Queues a request; raises ValueError naming the bad field (and queues nothing)."""
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, lora_request=lora_request)
+        """Queues a request; raises ValueError naming the bad field (and queues nothing). A grammar
+        still compiling is waited for, so a compile that fails raises here instead of ending a
+        queued request with "abort" (all or nothing); callers that compile first and must not
+        block (the server) use add_requests."""
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, lora_request=lora_request,
+                          wait_for_grammars=True)
 
     def add_requests(self, requests: Iterable[tuple[str, Prompt, SamplingParams | dict | None]],
                      arrival_time: float | None = None, *, wait_for_grammars: bool = False,

@@ -250,6 +250,10 @@ class CausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **qkw)
                              if first or (last and cfg.tie_word_embeddings) else None)
         layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
+        if cfg.alibi_bias_max is not None:  # MPT: ALiBi, LayerNorms, plain MLP (models/mpt.py)
+            from kvserve.runtime.models import mpt
+
+            layer_cls = mpt.AlibiDecoderLayer
         self.layers = nn.ModuleList(layer_cls(cfg, backend, layer=i, **qkw)
                                     for i in range(self.layer_start, self.layer_end))
         self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device) if last else None
@@ -264,6 +268,8 @@ class CausalLM(nn.Module):
         self._local_rope_layers = frozenset(i for i in range(cfg.num_layers) if cfg.layer_window(i) is not None)
         self.final_norm = ops.gemma_fused_add_rms_norm if cfg.gemma_norms else ops.fused_add_rms_norm
         self.first_norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
+        if cfg.alibi_bias_max is not None:
+            self.final_norm, self.first_norm = mpt.add_layer_norm, mpt.layer_norm
         # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to the model dtype as HF does.
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).to(self.device)
                             if cfg.gemma_norms else None)

@@ -11,8 +11,6 @@ import json
 
 import pytest
 import torch
-from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
-from kube_emulator import EmulatorThread
 from safetensors.torch import save_file
 
 from kvserve.operator import crd
@@ -21,6 +19,8 @@ from kvserve.operator import lora as L
 from kvserve.operator import manifests as M
 from kvserve.operator.handlers import OperatorConfig
 from kvserve.operator.spec import SpecError, parse_spec
+from kvserve.testing.e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
+from kvserve.testing.kube_emulator import EmulatorThread
 
 OWNER = {"apiVersion": "kvserve.dev/v1alpha1", "kind": "InferenceService",
          "metadata": {"name": "svc", "namespace": "default", "uid": "u1"}}
