@@ -6,7 +6,7 @@ model alone, adapter load time and memory per adapter.
     python bench/lora.py --device cuda --dtype bfloat16
 
 Same requests (seeded prompt and output lengths, `ignore_eos`), all at once, through `LLM.generate`
-in one process, one run each:
+in one process, the three runs interleaved for `--rounds` rounds (ratios are taken within a round):
   base         an engine without LoRA (the model's own path, the CPU's native decode stack);
   lora-base    an engine with enable_lora (max_loras 8) whose requests all use the base model;
   lora-mixed   the same engine, requests spread round-robin over 8 adapters and the base model.
@@ -42,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--quick", action="store_true", help="16 requests, outputs 16-64")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "lora.json")
     return p.parse_args(argv)
@@ -101,14 +102,13 @@ def main(argv=None) -> int:
     print(f"model {model}, {args.device}/{args.dtype}, {torch.get_num_threads()} threads, "
           f"CPU flags {' '.join(flags) or '?'}, {args.num_adapters} adapters of rank {args.rank}")
 
-    results: dict = {}
-    with LLM(str(model), **kw) as llm:
-        prompts, lens = workload(args, llm.engine.vocab_size)
-        timed_generate(llm, prompts[:2], [4, 4])  # warm-up (native kernels, allocator)
-        results["base"], base_out = timed_generate(llm, prompts, lens)
-
-    with LLM(str(model), enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
-             max_cpu_loras=max(args.max_loras, args.num_adapters), **kw) as llm:
+    results: dict = {"base": [], "lora-base": [], "lora-mixed": []}
+    # Both engines stay up and the runs interleave, round after round: on a shared machine the
+    # load moves between minutes, so only ratios within a round are compared.
+    with LLM(str(model), **kw) as plain, LLM(str(model), enable_lora=True, max_loras=args.max_loras,
+                                             max_lora_rank=args.rank,
+                                             max_cpu_loras=max(args.max_loras, args.num_adapters), **kw) as llm:
+        prompts, lens = workload(args, plain.engine.vocab_size)
         engine = llm.engine
         load_s = []
         for r in requests:
@@ -125,21 +125,32 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             slot_s.append(time.perf_counter() - t)
         engine.executor.lora_manager.slots = type(engine.executor.lora_manager.slots)(args.max_loras)  # forget
+        timed_generate(plain, prompts[:2], [4, 4])  # warm-up (native kernels, allocator)
         timed_generate(llm, prompts[:2], [4, 4])
-        results["lora-base"], lora_base_out = timed_generate(llm, prompts, lens)
         groups = [*requests, None]
         loras = [groups[i % len(groups)] for i in range(len(prompts))]
-        results["lora-mixed"], _ = timed_generate(llm, prompts, lens, loras)
+        for _ in range(args.rounds):
+            r, base_out = timed_generate(plain, prompts, lens)
+            results["base"].append(r)
+            r, _ = timed_generate(llm, prompts, lens, loras)
+            results["lora-mixed"].append(r)
+            r, lora_base_out = timed_generate(llm, prompts, lens)
+            results["lora-base"].append(r)
         slot_bytes = worker.slot_bytes // args.max_loras
+    ratios = {name: [r["tok_per_s"] / b["tok_per_s"] for r, b in zip(runs, results["base"])]
+              for name, runs in results.items()}
 
-    base = results["base"]["tok_per_s"]
-    print(f"\n{'run':<14}{'output tok/s':>14}{'wall s':>10}{'vs base':>10}")
-    for name, r in results.items():
-        print(f"{name:<14}{r['tok_per_s']:>14.1f}{r['wall_s']:>10.1f}{r['tok_per_s'] / base:>9.2f}x")
+    print(f"\n{'run':<14}" + "".join(f"{'round ' + str(i + 1) + ' tok/s':>16}" for i in range(args.rounds))
+          + f"{'median vs base':>16}")
+    for name, runs in results.items():
+        print(f"{name:<14}" + "".join(f"{r['tok_per_s']:>16.1f}" for r in runs)
+              + f"{statistics.median(ratios[name]):>15.2f}x")
     print(f"\nadapter load (add_lora: read + check + host copy), rank {args.rank}: median "
           f"{statistics.median(load_s) * 1e3:.0f} ms, max {max(load_s) * 1e3:.0f} ms (first {load_s[0] * 1e3:.0f} ms)")
     print(f"copy into a device slot: median {statistics.median(slot_s) * 1e3:.1f} ms")
-    print(f"memory per adapter: host {host_bytes[0] / 2**20:.1f} MiB (float32 A and B), "
+    peft_bytes = sum(f.stat().st_size for f in dirs[0].glob("adapter_model.*"))
+    print(f"memory per adapter: PEFT file {peft_bytes / 2**20:.1f} MiB, host cache {host_bytes[0] / 2**20:.1f} MiB "
+          f"(slot images), "
           f"device slot {slot_bytes / 2**20:.1f} MiB ({args.dtype}, padded to rank {args.rank})")
     print(f"base-model outputs identical with and without enable_lora: {base_out == lora_base_out}")
     record = dict(
@@ -147,11 +158,11 @@ def main(argv=None) -> int:
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=platform.platform(),
         cpu_count=os.cpu_count(), cpu_flags=flags, threads=torch.get_num_threads(), load=os.getloadavg(),
         device=args.device, dtype=args.dtype, requests=len(prompts), adapters=args.num_adapters, rank=args.rank,
-        max_loras=args.max_loras, runs=results,
-        ratio_mixed_vs_base=results["lora-mixed"]["tok_per_s"] / base,
-        ratio_lora_base_vs_base=results["lora-base"]["tok_per_s"] / base,
+        max_loras=args.max_loras, rounds=args.rounds, runs=results, ratios_vs_base=ratios,
+        median_ratio_mixed_vs_base=statistics.median(ratios["lora-mixed"]),
+        median_ratio_lora_base_vs_base=statistics.median(ratios["lora-base"]),
         load_ms=[s * 1e3 for s in load_s], slot_copy_ms=[s * 1e3 for s in slot_s],
-        host_bytes_per_adapter=host_bytes[0], slot_bytes_per_adapter=slot_bytes,
+        host_bytes_per_adapter=host_bytes[0], slot_bytes_per_adapter=slot_bytes, peft_file_bytes=peft_bytes,
         base_outputs_identical=base_out == lora_base_out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
