@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvserve.runtime.architectures import (
-    ALIBI_ARCHITECTURES,
     MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -122,6 +121,9 @@ class ModelConfig:
     alibi_bias_max: float | None = None
     softmax_scale: float | None = None
     clip_qkv: float | None = None
+    # BLOOM: its LayerNorms have biases, and the embeddings are LayerNorm-ed before the first layer.
+    norm_bias: bool = False
+    embed_norm: bool = False
 
     @classmethod
     def from_pretrained(cls, model_dir: str | pathlib.Path) -> ModelConfig:
@@ -167,7 +169,8 @@ class ModelConfig:
         # Gemma configs name the activation hidden_activation (hidden_act is a legacy alias).
         act_field = "hidden_activation" if is_gemma and config.get("hidden_activation") else "hidden_act"
         act = config.get(act_field) or ("gelu_pytorch_tanh" if is_gemma else "silu")
-        alibi = _alibi(config) if arch in ALIBI_ARCHITECTURES else {}
+        alibi = (_alibi(config) if arch == "MptForCausalLM" else _bloom(config) if arch == "BloomForCausalLM"
+                 else {})
         if alibi:  # MPT's MLP is fixed: exact GELU, ungated (models/mpt.py); config.json names none
             act = "silu"
         if act not in _ACTIVATIONS:
@@ -220,10 +223,10 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             o_proj_bias=attention_biases(arch, config)[1],
-            mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
+            mlp_bias=(arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False))) or arch == "BloomForCausalLM",
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             local_rope=local_rope,
-            hidden_act="gelu" if alibi else _ACTIVATIONS[act],
+            hidden_act=("gelu_tanh" if arch == "BloomForCausalLM" else "gelu") if alibi else _ACTIVATIONS[act],
             **gemma,
             routing=routing,
             **alibi,
@@ -383,6 +386,15 @@ def _alibi(config: dict[str, Any]) -> dict[str, Any]:
         if attn.get(key) is not None:
             out[field_name] = _positive_or_none(attn, key)
     return out
+
+
+def _bloom(config: dict[str, Any]) -> dict[str, Any]:
+    """BLOOM: ALiBi with the slopes of MPT's formula at bias max 8 (the two agree for every head
+    count), biased LayerNorms, a LayerNorm on the embeddings."""
+    if config.get("apply_residual_connection_post_layernorm"):
+        raise ValueError("model config: apply_residual_connection_post_layernorm true is not supported; "
+                         "supported: false")
+    return {"alibi_bias_max": 8.0, "norm_bias": True, "embed_norm": True}
 
 
 def _positive_or_none(config: dict[str, Any], name: str) -> float | None:

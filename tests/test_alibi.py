@@ -1,4 +1,4 @@
-"""ALiBi models (MPT): slopes, the torch backend's ALiBi against dense attention with the bias,
+"""ALiBi models (MPT, BLOOM): slopes, the torch backend's ALiBi against dense attention with the bias,
 greedy decoding through the engine (paged decode, a prefix served from the prefix cache)
 against transformers, and what is refused. The Triton kernels' ALiBi is
 tests/kernels/test_kernels_alibi.py's. Layer-by-layer logits against transformers over
@@ -23,6 +23,15 @@ def test_slopes_are_transformers_mpt_slopes(heads):
 
     bias = build_mpt_alibi_tensor(heads, 5, alibi_bias_max=8)  # [H, 1, 5]: slope * (j - 4)
     torch.testing.assert_close(alibi_slopes(heads, 8.0), -bias[:, 0, 0] / 4)
+
+
+@pytest.mark.parametrize("heads", [4, 6, 12, 40])
+def test_bloom_slopes_are_the_same(heads):
+    """BLOOM builds its slopes another way (powers of 2^(-8/n) plus odd powers of the next
+    power of two's base); every head count gives MPT's slopes at bias max 8."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    torch.testing.assert_close(alibi_slopes(heads, 8.0), _get_alibi_slopes(heads, torch.device("cpu")).float())
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, 20], [5, 7]])
@@ -77,10 +86,11 @@ def test_torch_backend_alibi_equals_dense_attention(query_lens):
         torch.testing.assert_close(got[starts[i]:starts[i + 1]].double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_greedy_with_a_cached_prefix_matches_transformers(tiny_model_factory):
+@pytest.mark.parametrize("family", ["mpt", "bloom"])
+def test_engine_greedy_with_a_cached_prefix_matches_transformers(tiny_model_factory, family):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_factory("mpt", **MPT)
+    path = tiny_model_factory(family, **MPT)
     prefix = [1, 40, 41, 42, 300, 17, 5, 9, 250, 12, 7, 64, 128, 77, 33, 400]  # two whole blocks of 8
     prompts = [prefix + [3, 4], prefix + [200, 201, 202]]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -107,3 +117,6 @@ def test_unsupported_mpt_options_are_named(tiny_model_factory):
                           (dict(logit_scale=2.0), "logit_scale")):
         with pytest.raises(ValueError, match=field):
             ModelConfig.from_dict({**base, **change})
+    bloom = ModelConfig.from_pretrained(tiny_model_factory("bloom", **MPT)).hf_config
+    with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm"):
+        ModelConfig.from_dict({**bloom, "apply_residual_connection_post_layernorm": True})

@@ -135,6 +135,11 @@ class DataParallelEngine:
         devices = engine_devices(layout, str(self.config.device))
         configs = [dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
                    for device in devices]
+        events = getattr(self.config, "kv_events_config", None)
+        share_events = len(configs) > 1 and events is not None and events.active
+        if share_events:
+            # One endpoint per server: engine 0 binds it, the others publish through its publisher.
+            configs = configs[:1] + [dataclasses.replace(c, kv_events_config=None) for c in configs[1:]]
         engines: list[Any] = []
         # The engines start side by side: most of a start is torch work that leaves the GIL
         # (filling the KV pools, packing weights), so G engines take little more than one. The
@@ -166,6 +171,8 @@ class DataParallelEngine:
                     engine.structured_outputs = self._grammars
                     engine.input_processor.structured_outputs = self._grammars
                 engines.append(engine)
+            if share_events:
+                self._share_kv_events(engines)
         except BaseException:
             for fut in futures:  # every engine that did start, not only those already taken
                 if fut.exception() is None:
@@ -174,6 +181,23 @@ class DataParallelEngine:
                         fut.result().structured_outputs.close()
             raise
         return engines
+
+    @staticmethod
+    def _share_kv_events(engines: list[Any]) -> None:
+        """The KV events of engines 1..n go out through engine 0's publisher (thread-safe: it
+        queues), so subscribers see the pod's whole cache on the pod's one endpoint."""
+        from kvserve.runtime.kv_events.events import KVEventSink
+
+        publisher = engines[0].kv_event_publisher
+        for engine in engines[1:]:
+            bm = engine.block_manager
+            pool = bm.managers[0] if hasattr(bm, "managers") else bm
+            sink = KVEventSink(pool.block_size)
+            pool.events = sink
+            if getattr(engine, "offload", None) is not None:
+                engine.offload.events = sink
+            engine.kv_event_sink, engine.kv_event_publisher = sink, publisher
+            engine.kv_events_shared = True  # engine 0 closes the publisher
 
     def _keep_spares(self) -> None:
         if not self.spare_workers or self.num_devices < 2:
@@ -190,7 +214,8 @@ class DataParallelEngine:
         engine.executor.shutdown()
         engine.core.shutdown()
         publisher = getattr(engine, "kv_event_publisher", None)
-        if publisher is not None:  # its endpoint is free again for the next layout's engine
+        if publisher is not None and not getattr(engine, "kv_events_shared", False):
+            # its endpoint is free again for the next layout's engine
             publisher.close()
 
     # -- EngineClient ------------------------------------------------------------------------------

@@ -1,10 +1,15 @@
-"""MPT: ALiBi attention (no rotary embedding), weight-only LayerNorms and an ungated GELU MLP.
+"""ALiBi families: MPT and BLOOM. ALiBi attention (no rotary embedding), LayerNorms (weight-only
+for MPT, with biases for BLOOM, which also norms its embeddings) and an ungated GELU MLP (exact for
+MPT; BLOOM's tanh approximation, with biases).
 
 The decoder is the shared one (models.llama.CausalLM): the checkpoint's names are mapped onto
-the shared layout at load (architectures.checkpoint_name) and its fused Wqkv is split like
-Phi-3's qkv_proj, so only the layer differs. ALiBi adds slope_h * (j - i) to the score of query
-position i and key position j; the attention backend applies it (the torch backend and the Triton
-kernels; the native CPU decode kernel has no ALiBi term, so these layers never take it).
+the shared layout at load (architectures.checkpoint_name) and the fused q|k|v is split like
+Phi-3's qkv_proj (BLOOM's head by head), so only the layer differs. BLOOM's slopes are MPT's
+formula at bias max 8: for every head count the two constructions give the same values.
+
+ALiBi adds slope_h * (j - i) to the score of query position i and key position j; the attention
+backend applies it (the torch backend and the Triton kernels; the native CPU decode kernel has no
+ALiBi term, so these layers never take it).
 """
 
 from __future__ import annotations
@@ -34,15 +39,38 @@ def alibi_slopes(num_heads: int, bias_max: float) -> torch.Tensor:
     return slopes
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(x + residual), x + residual): the shape of ops.fused_add_rms_norm."""
     residual = x + residual
-    return layer_norm(residual, weight, eps), residual
+    return layer_norm(residual, weight, eps, bias), residual
+
+
+class LayerNorm(nn.Module):
+    """A replicated LayerNorm: `weight`, and `bias` when the family has one (BLOOM)."""
+
+    def __init__(self, size: int, *, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.norm_weight = ReplicatedWeight(size, dtype=dtype, device=device)
+        self.norm_bias = ReplicatedWeight(size, dtype=dtype, device=device) if bias else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.norm_weight.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.norm_bias is None else self.norm_bias.weight
+
+    def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, None]]:
+        out = {f"{pre}.weight": (self.weight, None)}
+        if self.norm_bias is not None:
+            out[f"{pre}.bias"] = (self.bias, None)
+        return out
 
 
 class AlibiAttention(Attention):
@@ -73,7 +101,7 @@ class AlibiAttention(Attention):
 
 
 class PlainMLP(nn.Module):
-    """up_proj -> exact GELU -> down_proj (no gate)."""
+    """up_proj -> GELU (exact, or BLOOM's tanh approximation) -> down_proj (no gate)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device,
                  prefix: str = "mlp", quant_config: QuantizationConfig | None = None):
@@ -83,15 +111,16 @@ class PlainMLP(nn.Module):
             raise ValueError(f"intermediate_size {inter} is not divisible by tensor_parallel_size {tp_size}")
         shard = inter // tp_size
         self.up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, output_sizes=[inter], shard_sizes=[shard], shard_starts=[tp_rank * shard], bias=False,
+            cfg.hidden_size, output_sizes=[inter], shard_sizes=[shard], shard_starts=[tp_rank * shard], bias=cfg.mlp_bias,
             dtype=dtype, device=device, part_names=[None], prefixes=[f"{prefix}.up_proj"],
             quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size,
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size,
                                            dtype=dtype, device=device, prefix=f"{prefix}.down_proj",
                                            quant_config=quant_config)
+        self.approximate = "tanh" if cfg.hidden_act == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.up_proj(x)))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))
 
     def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:
         out = self.up_proj.checkpoint_params([f"{pre}up_proj"])
@@ -110,17 +139,23 @@ class AlibiDecoderLayer(nn.Module):
         self.mlp = PlainMLP(cfg, prefix=f"model.layers.{layer}.mlp", quant_config=quant_config, **kw)
         self.mlp_prefix = "mlp."
         dd = dict(dtype=kw["dtype"], device=kw["device"])
-        self.input_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
-        self.post_attention_layernorm = ReplicatedWeight(cfg.hidden_size, **dd)
-        self.norm_names = ("input_layernorm", "post_attention_layernorm")
+        self.input_layernorm = LayerNorm(cfg.hidden_size, bias=cfg.norm_bias, **dd)
+        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, bias=cfg.norm_bias, **dd)
+        self.norm_names = ()  # listed by checkpoint_extras, biases included
         self.eps = cfg.rms_norm_eps
 
+    def checkpoint_extras(self, pre: str) -> dict[str, tuple[torch.Tensor, None]]:
+        out = self.input_layernorm.checkpoint_params(f"{pre}input_layernorm")
+        out.update(self.post_attention_layernorm.checkpoint_params(f"{pre}post_attention_layernorm"))
+        return out
+
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin):
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             residual = hidden
-            hidden = layer_norm(hidden, self.input_layernorm.weight, self.eps)
+            hidden = layer_norm(hidden, ln1.weight, self.eps, ln1.bias)
         else:
-            hidden, residual = add_layer_norm(hidden, residual, self.input_layernorm.weight, self.eps)
+            hidden, residual = add_layer_norm(hidden, residual, ln1.weight, self.eps, ln1.bias)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin)
-        hidden, residual = add_layer_norm(hidden, residual, self.post_attention_layernorm.weight, self.eps)
+        hidden, residual = add_layer_norm(hidden, residual, ln2.weight, self.eps, ln2.bias)
         return self.mlp(hidden), residual

@@ -1,6 +1,6 @@
 """ALiBi in paged attention: the Triton prefill and decode kernels (interpreter), the torch twin
 and the torch backend against the definition written here, with windows and across decode
-splits; and a whole MPT model on the Triton backend against transformers."""
+splits; and whole MPT and BLOOM models on the Triton backend against transformers."""
 
 from __future__ import annotations
 
@@ -60,14 +60,15 @@ def test_decode_kernel_alibi_across_splits(device):
                                           alibi_slopes=slopes), expected, b.dtype)
 
 
-def test_mpt_on_the_triton_backend_matches_transformers(tiny_model_factory):
+@pytest.mark.parametrize("family", ["mpt", "bloom"])
+def test_alibi_model_on_the_triton_backend_matches_transformers(tiny_model_factory, family):
     from transformers import AutoModelForCausalLM
 
     from kvserve.runtime.attention.backend import AttentionMetadata
     from kvserve.runtime.attention.triton_backend import TritonAttentionBackend
     from kvserve.runtime.models import load_model
 
-    path = tiny_model_factory("mpt", num_attention_heads=6, hidden_size=96)
+    path = tiny_model_factory(family, num_attention_heads=6, hidden_size=96)
     model = load_model(path, dtype=torch.float32, device="cpu", attention_backend=TritonAttentionBackend())
     prompt = [1, 5, 77, 300, 12, 9, 400, 33, 250, 7]
     n = len(prompt)
