@@ -75,6 +75,8 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
     fields["request_success_total"] = success
     for name in _OBSERVATIONS:
         fields[name] = [x for p in parts for x in getattr(p, name)]
+    for name in ("running_lora_adapters", "waiting_lora_adapters"):  # the adapters of any engine's requests
+        fields[name] = sorted({x for p in parts for x in getattr(p, name)})
     phases: dict[str, list[float]] = {}
     for p in parts:
         for k, v in p.step_phase_durations.items():
