@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--user-words", type=int, default=120)
     p.add_argument("--max-tokens", type=int, default=4, help="answer length (ignore_eos)")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="each pod's KV pool, in 16-token blocks")
+    p.add_argument("--reverse", action="store_true",
+                   help="run event-fed first and round-robin last (the machine's load drifts during a run)")
     p.add_argument("--out", type=Path, default=RESULTS / "router_events.json")
     return p.parse_args(argv)
 
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
         runs = [(Run(f"{args.replicas} pods, round-robin"), rr), (Run(f"{args.replicas} pods, served-based"),
                                                                    served_router),
                 (Run(f"{args.replicas} pods, event-fed"), events)]
-        for i, (run, router) in enumerate(runs):
+        for i, (run, router) in enumerate(runs[::-1] if args.reverse else runs):
             run.add(pods, router.url, Workload(seed=20 + i, **shape))
         status = get_json(events.url + "/router/kv-events")
         rows = [run.row() for run, _ in runs]
