@@ -152,6 +152,9 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
                "--served-model-name", spec.model.served_name,
                "--tensor-parallel-size", str(tp),
                *(["--data-parallel-size", str(spec.devices_per_pod // tp)] if spec.devices_per_pod else []),
+               # Spare worker interpreters only where ranks have devices of their own: on CPU pods
+               # they would compete with serving for the same cores.
+               *(["--reshape-spare-workers"] if spec.devices_per_pod and spec.gpu.per_shard else []),
                "--block-size", str(rt.block_size),
                "--dtype", rt.dtype,
                "--gpu-memory-utilization", str(rt.gpu_memory_utilization),

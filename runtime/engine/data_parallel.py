@@ -75,6 +75,8 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
     fields["request_success_total"] = success
     for name in _OBSERVATIONS:
         fields[name] = [x for p in parts for x in getattr(p, name)]
+    for name in ("running_lora_adapters", "waiting_lora_adapters"):  # the adapters of any engine's requests
+        fields[name] = sorted({x for p in parts for x in getattr(p, name)})
     phases: dict[str, list[float]] = {}
     for p in parts:
         for k, v in p.step_phase_durations.items():
@@ -107,7 +109,7 @@ class DataParallelEngine:
     """`data_parallel_size` engines of `config.tensor_parallel_size` ranks; implements EngineClient."""
 
     def __init__(self, config, data_parallel_size: int = 1,
-                 engine_factory: Callable[[Any], Any] | None = None) -> None:
+                 engine_factory: Callable[[Any], Any] | None = None, *, spare_workers: bool = False) -> None:
         if engine_factory is None:
             from kvserve.runtime.engine.llm_engine import LLMEngine
 
@@ -119,7 +121,12 @@ class DataParallelEngine:
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
+        self._started_one = False
+        # Keep G - 1 worker interpreters started while no engine uses them, so a reshape to
+        # tensor parallelism skips their start-up (multiproc.prestart_workers).
+        self.spare_workers = spare_workers
         self.engines: list[Any] = self._build(self.layout)
+        self._keep_spares()
         first = self.engines[0]
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
@@ -138,11 +145,35 @@ class DataParallelEngine:
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
         devices = engine_devices(layout, str(self.config.device))
+        configs = [dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
+                   for device in devices]
+        events = getattr(self.config, "kv_events_config", None)
+        share_events = len(configs) > 1 and events is not None and events.active
+        if share_events:
+            # One endpoint per server: engine 0 binds it, the others publish through its publisher.
+            configs = configs[:1] + [dataclasses.replace(c, kv_events_config=None) for c in configs[1:]]
         engines: list[Any] = []
+        # The engines start side by side: most of a start is torch work that leaves the GIL
+        # (filling the KV pools, packing weights), so G engines take little more than one. The
+        # process's first engine starts alone: lazy imports (transformers' among them) are not
+        # safe to race from several threads.
+        futures: list[concurrent.futures.Future] = []
+        if not self._started_one:
+            first: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                first.set_result(self._factory(configs[0]))
+            except BaseException as exc:
+                first.set_exception(exc)
+            futures.append(first)
+            configs = configs[1:] if first.exception() is None else []
+            self._started_one = first.exception() is None
+        if configs:
+            with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="kvserve-dp-start") as pool:
+                futures += [pool.submit(self._factory, cfg) for cfg in configs]
+                concurrent.futures.wait(futures)
         try:
-            for device in devices:
-                cfg = dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
-                engine = self._factory(cfg)
+            for fut in futures:
+                engine = fut.result()
                 own = engine.structured_outputs
                 if self._grammars is None:
                     self._grammars = own
@@ -152,11 +183,40 @@ class DataParallelEngine:
                     engine.structured_outputs = self._grammars
                     engine.input_processor.structured_outputs = self._grammars
                 engines.append(engine)
+            if share_events:
+                self._share_kv_events(engines)
         except BaseException:
-            for engine in engines:
-                self._close_engine(engine)
+            for fut in futures:  # every engine that did start, not only those already taken
+                if fut.exception() is None:
+                    self._close_engine(fut.result())
+                    if fut.result().structured_outputs is not self._grammars:
+                        fut.result().structured_outputs.close()
             raise
         return engines
+
+    @staticmethod
+    def _share_kv_events(engines: list[Any]) -> None:
+        """The KV events of engines 1..n go out through engine 0's publisher (thread-safe: it
+        queues), so subscribers see the pod's whole cache on the pod's one endpoint."""
+        from kvserve.runtime.kv_events.events import KVEventSink
+
+        publisher = engines[0].kv_event_publisher
+        for engine in engines[1:]:
+            bm = engine.block_manager
+            pool = bm.managers[0] if hasattr(bm, "managers") else bm
+            sink = KVEventSink(pool.block_size)
+            pool.events = sink
+            if getattr(engine, "offload", None) is not None:
+                engine.offload.events = sink
+            engine.kv_event_sink, engine.kv_event_publisher = sink, publisher
+            engine.kv_events_shared = True  # engine 0 closes the publisher
+
+    def _keep_spares(self) -> None:
+        if not self.spare_workers or self.num_devices < 2:
+            return
+        from kvserve.runtime.executor.multiproc import prestart_workers
+
+        prestart_workers(self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0)
 
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
@@ -166,7 +226,8 @@ class DataParallelEngine:
         engine.executor.shutdown()
         engine.core.shutdown()
         publisher = getattr(engine, "kv_event_publisher", None)
-        if publisher is not None:  # its endpoint is free again for the next layout's engine
+        if publisher is not None and not getattr(engine, "kv_events_shared", False):
+            # its endpoint is free again for the next layout's engine
             publisher.close()
 
     # -- EngineClient ------------------------------------------------------------------------------
@@ -272,6 +333,10 @@ class DataParallelEngine:
     def close(self) -> None:
         for e in self.engines:
             self._close_engine(e)
+        if self.spare_workers:
+            from kvserve.runtime.executor.multiproc import prestart_workers
+
+            prestart_workers(0)
         if self._grammars is not None:
             self._grammars.close()
         if self._pool is not None:
@@ -334,6 +399,7 @@ class DataParallelEngine:
                 engine.add_lora(lora)
         # 4. Resume every request on the engines now running.
         self._resume(heads)
+        self._keep_spares()
         seconds = time.perf_counter() - t0
         record = self._record(old, target, seconds, len(heads), changed=failure is None,
                               error=None if failure is None else f"{type(failure).__name__}: {failure}")

@@ -373,6 +373,17 @@ class LLMEngine:
         return [self.output_processor.make_output(head, finished=True) for head in failed]
 
     # -- statistics ------------------------------------------------------------------------------
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+
+        def names(seqs) -> list[str]:
+            ids = sorted({s.lora_int_id for s in seqs if s.lora_int_id})
+            return [r.lora_name for r in map(self.lora.get, ids) if r is not None]
+
+        return dict(running_lora_adapters=names(self.scheduler.running),
+                    waiting_lora_adapters=names(self.scheduler.waiting), max_lora=self.config.max_loras)
+
     def _offload_stats(self) -> dict[str, Any]:
         offload, offloader = self.offload, self.executor.offloader
         if offload is None or offloader is None:
@@ -427,5 +438,6 @@ class LLMEngine:
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
             **self._offload_stats(),
             timestamp=now,
+            **self._lora_stats(),
             **s.drain(),
         )
