@@ -384,7 +384,10 @@ def _alibi(config: dict[str, Any]) -> dict[str, Any]:
                          "supported: 4")
     if config.get("logit_scale") is not None:
         raise ValueError("model config: logit_scale is not supported for MptForCausalLM; supported: null")
-    out: dict[str, Any] = {"alibi_bias_max": float(attn.get("alibi_bias_max") or 8)}
+    bias_max = attn.get("alibi_bias_max", 8)
+    if bias_max != 8:  # every released MPT uses 8, and transformers' MPT applies 8 whatever the config says
+        raise ValueError(f"model config: attn_config.alibi_bias_max {bias_max!r} is not supported; supported: 8")
+    out: dict[str, Any] = {"alibi_bias_max": 8.0}
     for key, field_name in (("softmax_scale", "softmax_scale"), ("clip_qkv", "clip_qkv")):
         if attn.get(key) is not None:
             out[field_name] = _positive_or_none(attn, key)

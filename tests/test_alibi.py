@@ -114,7 +114,8 @@ def test_unsupported_mpt_options_are_named(tiny_model_factory):
     for change, field in ((dict(attn_config={"alibi": False}), "attn_config.alibi"),
                           (dict(attn_config={"qk_ln": True}), "attn_config.qk_ln"),
                           (dict(no_bias=False), "no_bias"), (dict(expansion_ratio=2), "expansion_ratio"),
-                          (dict(logit_scale=2.0), "logit_scale")):
+                          (dict(logit_scale=2.0), "logit_scale"),
+                          (dict(attn_config={"alibi_bias_max": 4}), "alibi_bias_max")):
         with pytest.raises(ValueError, match=field):
             ModelConfig.from_dict({**base, **change})
     bloom = ModelConfig.from_pretrained(tiny_model_factory("bloom", **MPT)).hf_config
@@ -127,3 +128,17 @@ def test_unsupported_mpt_options_are_named(tiny_model_factory):
                           (dict(activation="relu"), "activation 'relu'")):
         with pytest.raises(ValueError, match=field):
             ModelConfig.from_dict({**falcon, **change})
+
+
+def test_tensor_parallel_slices_slopes_and_fused_biases(tiny_model_factory):
+    """At tensor_parallel_size 2 each rank keeps its heads' slopes and its slice of BLOOM's
+    head-interleaved q|k|v (weights and biases): greedy output equals one rank's."""
+    path = tiny_model_factory("bloom", **MPT)
+    prompts = [{"prompt_token_ids": [1, 40, 41, 42, 300, 17, 5, 9, 250]}, {"prompt_token_ids": [1, 7, 8]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = dict(num_kv_blocks=64, block_size=8, dtype="float32", device="cpu")
+    with LLM(str(path), **kw) as one:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(path), tensor_parallel_size=2, **kw) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+    assert got == want

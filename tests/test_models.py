@@ -44,6 +44,7 @@ CONFIGS = [
     pytest.param("phi3", dict(sliding_window=6), id="phi3-fused-window6"),
     # MPT: ALiBi (6 heads: slopes of a non-power-of-two head count), LayerNorms, plain GELU MLP.
     pytest.param("mpt", dict(num_attention_heads=6, hidden_size=96), id="mpt-alibi-6heads"),
+    pytest.param("mpt", dict(attn_config={"clip_qkv": 0.3, "softmax_scale": 0.2}), id="mpt-clipqkv-softmaxscale"),
     # BLOOM: ALiBi, head-interleaved fused q|k|v, biases everywhere, a LayerNorm on the embeddings.
     pytest.param("bloom", dict(num_attention_heads=6, hidden_size=96), id="bloom-alibi-6heads"),
     # Falcon's ALiBi variant (Falcon-RW): BLOOM's layout, exact GELU, the biases scaled with the scores.
