@@ -1,4 +1,4 @@
-"""ALiBi models (MPT, BLOOM): slopes, the torch backend's ALiBi against dense attention with the bias,
+"""ALiBi models (MPT, BLOOM, Falcon-RW): slopes, the torch backend's ALiBi against dense attention with the bias,
 greedy decoding through the engine (paged decode, a prefix served from the prefix cache)
 against transformers, and what is refused. The Triton kernels' ALiBi is
 tests/kernels/test_kernels_alibi.py's. Layer-by-layer logits against transformers over
@@ -86,7 +86,7 @@ def test_torch_backend_alibi_equals_dense_attention(query_lens):
         torch.testing.assert_close(got[starts[i]:starts[i + 1]].double(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["mpt", "bloom"])
+@pytest.mark.parametrize("family", ["mpt", "bloom", "falcon"])
 def test_engine_greedy_with_a_cached_prefix_matches_transformers(tiny_model_factory, family):
     from transformers import AutoModelForCausalLM
 
@@ -120,3 +120,10 @@ def test_unsupported_mpt_options_are_named(tiny_model_factory):
     bloom = ModelConfig.from_pretrained(tiny_model_factory("bloom", **MPT)).hf_config
     with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm"):
         ModelConfig.from_dict({**bloom, "apply_residual_connection_post_layernorm": True})
+    falcon = ModelConfig.from_pretrained(tiny_model_factory("falcon", **MPT)).hf_config
+    for change, field in ((dict(alibi=False), "alibi false"), (dict(multi_query=True), "multi_query true"),
+                          (dict(parallel_attn=True), "parallel_attn true"),
+                          (dict(new_decoder_architecture=True), "new_decoder_architecture true"),
+                          (dict(activation="relu"), "activation 'relu'")):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_dict({**falcon, **change})

@@ -3,8 +3,10 @@
 
 It is the server's one EngineClient (runtime/engine/client.py) and runs on the server's engine
 thread. Each data-parallel engine is a whole LLMEngine (scheduler, block manager, executor); a
-request group goes to the engine with the fewest unfinished requests, and each step steps every
-busy engine (in parallel threads: the forward passes release the GIL).
+request group goes to the engine that ran its prompt's longest prefix (its prefix cache holds it)
+unless that engine has clearly more unfinished requests than the least loaded one, which then
+takes it; each step steps every busy engine (in parallel threads: the forward passes release the
+GIL).
 
 Reshape (``reshape(data_parallel, tensor_parallel)``, POST /admin/parallelism) on the engine
 thread, between steps, so requests arriving meanwhile queue in the server's command queue and
@@ -25,6 +27,7 @@ The pure decisions (valid layouts, devices, placement) are in runtime/engine/lay
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -32,7 +35,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvserve.runtime.engine.layout import Layout, assign, check_layout, engine_devices, pick_engine
+from kvserve.runtime.engine.layout import (
+    Layout,
+    assign,
+    check_layout,
+    choose_engine,
+    engine_devices,
+    prefix_keys,
+)
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.stats import EngineStats
 
@@ -53,6 +63,10 @@ _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "m
            "kv_swap_capacity_bytes", "kv_swap_used_bytes", "num_swapped")
 _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", "e2e_latencies",
                  "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
+
+
+# Prefix keys remembered for placement (a few MB at most): about 250 prompts of 4k tokens.
+MAX_PREFIX_KEYS = 65536
 
 
 class ReshapeError(RuntimeError):
@@ -96,6 +110,15 @@ def _retire_into(retired: dict[str, Any], stats: EngineStats) -> None:
         success[k] = success.get(k, 0) + v
 
 
+def _check_kv_events(config, data_parallel: int) -> None:
+    events = getattr(config, "kv_events_config", None)
+    if data_parallel > 1 and events is not None and events.active:
+        # Every engine would bind the same publisher ports (vLLM offsets them per rank; the router
+        # follows one stream per pod).
+        raise ValueError(f"kv_events_config: KV events need one engine per server, not data_parallel_size "
+                         f"{data_parallel}")
+
+
 class DataParallelEngine:
     """`data_parallel_size` engines of `config.tensor_parallel_size` ranks; implements EngineClient."""
 
@@ -108,6 +131,7 @@ class DataParallelEngine:
         self.config = config
         self._factory = engine_factory
         self.layout = Layout(data_parallel_size, config.tensor_parallel_size)
+        _check_kv_events(config, data_parallel_size)
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
@@ -131,6 +155,7 @@ class DataParallelEngine:
         self.reshapes: list[dict[str, Any]] = []  # the history, newest last (bounded)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._loras: dict[int, Any] = {}  # adapters added through add_lora, loaded again after a reshape
+        self._prefixes: collections.OrderedDict[int, int] = collections.OrderedDict()  # prefix key -> engine
 
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
@@ -246,10 +271,20 @@ class DataParallelEngine:
             if rid in self._owner:
                 raise ValueError(f"request_id: {rid!r} is already in use")
         # A group (n prompts of one HTTP request) stays on one engine: it is added all or nothing.
-        engine = self.engines[pick_engine(self._loads())]
+        # It goes where its first prompt's longest prefix ran (that engine's prefix cache holds
+        # it: a conversation's next turn) unless that engine is clearly busier than the others.
+        keys = prefix_keys(requests[0][1]) if len(self.engines) > 1 else []
+        preferred = next((self._prefixes[k] for k in reversed(keys) if k in self._prefixes), None)
+        index = choose_engine(self._loads(), preferred)
+        engine = self.engines[index]
         engine.add_requests(requests, arrival_time, **kwargs)
         for rid, _, _ in requests:
             self._owner[rid] = engine
+        for k in keys:
+            self._prefixes[k] = index
+            self._prefixes.move_to_end(k)
+        while len(self._prefixes) > MAX_PREFIX_KEYS:  # bounded: the oldest keys go first
+            self._prefixes.popitem(last=False)
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
         # As LLMEngine.add_request: a grammar still compiling is waited for (all or nothing).
@@ -356,6 +391,7 @@ class DataParallelEngine:
         if getattr(self.config, "pipeline_parallel_size", 1) != 1:
             raise ValueError("tensor_parallel: a live layout change is not supported with pipeline parallelism")
         check_layout(target, self.num_devices, self._tp_error)
+        _check_kv_events(self.config, data_parallel)
         old = self.layout
         if target == old:
             return self._record(old, target, 0.0, 0, changed=False)
@@ -386,7 +422,9 @@ class DataParallelEngine:
         for lora in self._loras.values():  # the adapters the old engines had (from local files)
             for engine in self.engines:
                 engine.add_lora(lora)
-        # 4. Resume every request on the engines now running.
+        # 4. Resume every request on the engines now running (their caches start empty: the
+        # placement memory goes too).
+        self._prefixes.clear()
         self._resume(heads)
         self._keep_spares()
         seconds = time.perf_counter() - t0
