@@ -241,14 +241,5 @@ def test_engine_events_name_the_prefix_cache_blocks(tiny_llama):
         LLMEngine.from_args(model=str(tiny_llama), enable_prefix_caching=False, kv_events_config=config)
 
 
-def test_events_refuse_data_parallel_engines_that_would_share_ports():
-    from kvserve.runtime.config import EngineConfig
-    from kvserve.runtime.engine.data_parallel import _check_kv_events
-
-    config = EngineConfig.__new__(EngineConfig)  # the check reads only kv_events_config
-    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
-    with pytest.raises(ValueError, match="kv_events_config"):
-        _check_kv_events(config, 2)
-    _check_kv_events(config, 1)
-    config.kv_events_config = None
-    _check_kv_events(config, 4)
+# Data-parallel engines share one publisher (engine 0 binds the pod's one endpoint, the others
+# publish through it): tests/test_reshape.py test_data_parallel_engines_share_one_kv_events_endpoint.

@@ -110,15 +110,6 @@ def _retire_into(retired: dict[str, Any], stats: EngineStats) -> None:
         success[k] = success.get(k, 0) + v
 
 
-def _check_kv_events(config, data_parallel: int) -> None:
-    events = getattr(config, "kv_events_config", None)
-    if data_parallel > 1 and events is not None and events.active:
-        # Every engine would bind the same publisher ports (vLLM offsets them per rank; the router
-        # follows one stream per pod).
-        raise ValueError(f"kv_events_config: KV events need one engine per server, not data_parallel_size "
-                         f"{data_parallel}")
-
-
 class DataParallelEngine:
     """`data_parallel_size` engines of `config.tensor_parallel_size` ranks; implements EngineClient."""
 
@@ -131,7 +122,6 @@ class DataParallelEngine:
         self.config = config
         self._factory = engine_factory
         self.layout = Layout(data_parallel_size, config.tensor_parallel_size)
-        _check_kv_events(config, data_parallel_size)
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
@@ -391,7 +381,6 @@ class DataParallelEngine:
         if getattr(self.config, "pipeline_parallel_size", 1) != 1:
             raise ValueError("tensor_parallel: a live layout change is not supported with pipeline parallelism")
         check_layout(target, self.num_devices, self._tp_error)
-        _check_kv_events(self.config, data_parallel)
         old = self.layout
         if target == old:
             return self._record(old, target, 0.0, 0, changed=False)
