@@ -273,7 +273,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
                     # Reported in /v1/signals: the operator learns the model's shape from it.
                     "--model-dir", model_dir(name)] + L.agent_args(spec),
         # The agent calls only the runtime's /metrics, /ready and (admin) /drain: no user key.
-        "env": _cache_env() + admin_env(spec),
+        "env": L.agent_env(spec, _cache_env() + admin_env(spec)),
         "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
         # 512Mi: reading a GGUF file's metadata runs the GGUF reader (and torch) in a short child.
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
