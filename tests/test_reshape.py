@@ -288,3 +288,38 @@ def test_a_conversation_turn_goes_to_the_engine_holding_its_prefix(tiny_llama):
         assert engine._owner["turn-2"] is first  # its prefix ran there
         while engine.has_unfinished_requests():
             engine.step()
+
+
+def test_parallel_samples_seeds_stop_strings_and_logprobs_survive_reshapes(tiny_llama):
+    """n > 1 with a seed, a seeded sample, a stop string and logprobs: the same outputs with two
+    reshapes mid-generation as without (the requests carry their samplers' state across)."""
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=256,
+                                    max_model_len=256)
+
+    def run(reshapes: dict) -> dict:
+        out = {}
+        with DataParallelEngine(config, 2) as engine:
+            engine.add_request("n2", {"prompt_token_ids": list(range(5, 30))},
+                               SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True))
+            engine.add_request("seeded", {"prompt_token_ids": list(range(40, 60))},
+                               SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True))
+            engine.add_request("stop", "hello world", SamplingParams(temperature=0, max_tokens=20, stop=["zz"]))
+            engine.add_request("logprobs", {"prompt_token_ids": list(range(70, 80))},
+                               SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True))
+            steps = 0
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        out[o.request_id] = [(c.token_ids, c.text, c.finish_reason,
+                                              [sorted(lp) for lp in c.logprobs or []]) for c in o.outputs]
+                steps += 1
+                if steps in reshapes:
+                    engine.reshape(*reshapes[steps])
+            assert engine.get_stats().kv_blocks_used == 0
+        return out
+
+    assert run({3: (1, 2), 7: (2, 1)}) == run({})
