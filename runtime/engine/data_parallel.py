@@ -56,7 +56,7 @@ _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_
              "kv_offload_queries_tokens_total", "kv_offload_hit_tokens_total",
              "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
              "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
-             "kv_swap_ins_total")
+             "kv_swap_ins_total", "kv_events_published_total", "kv_events_dropped_total")
 # Gauges that add up over engines.
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
            "generation_tokens_per_second", "kv_offload_capacity_bytes", "kv_offload_used_bytes",

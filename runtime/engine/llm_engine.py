@@ -437,6 +437,8 @@ class LLMEngine:
             kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
             **self._offload_stats(),
+            kv_events_published_total=self.kv_event_publisher.published,
+            kv_events_dropped_total=self.kv_event_publisher.dropped,
             timestamp=now,
             **self._lora_stats(),
             **s.drain(),

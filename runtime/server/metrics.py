@@ -47,6 +47,7 @@ EXPORTED_NAMES = (
     "kvserve:kv_offload_stored_blocks_total", "kvserve:kv_offload_stored_bytes_total",
     "kvserve:kv_offload_loaded_bytes_total", "kvserve:kv_offload_failed_loads_total",
     "kvserve:kv_swap_outs_total", "kvserve:kv_swap_ins_total",
+    "kvserve:kv_events_published_total", "kvserve:kv_events_dropped_total",
     "kvserve:kv_offload_store_seconds", "kvserve:kv_offload_load_seconds",
     "kvserve:model_weight_bytes", "kvserve:model_info", "kvserve:cuda_graph_capture_failures_total",
     "kvserve:generation_tokens_per_second",
@@ -149,6 +150,11 @@ class _StatsCollector:
         yield counter("kvserve:kv_swap_outs", "Preempted requests swapped out instead of recomputed.",
                       getattr(s, "kv_swap_outs_total", 0))
         yield counter("kvserve:kv_swap_ins", "Swapped-out requests swapped back in.", getattr(s, "kv_swap_ins_total", 0))
+        yield counter("kvserve:kv_events_published", "KV event batches published (--kv-events-config).",
+                      getattr(s, "kv_events_published_total", 0))
+        yield counter("kvserve:kv_events_dropped", "KV event batches dropped from the publisher's full queue "
+                      "(subscribers replay them while the replay buffer has them).",
+                      getattr(s, "kv_events_dropped_total", 0))
         yield gauge("kvserve:data_parallel_size", "Data-parallel engines of this replica (each of "
                     "kvserve:tensor_parallel_size ranks).", getattr(s, "data_parallel_size", 1))
         yield gauge("kvserve:model_weight_bytes", "Bytes of model weights on each tensor-parallel rank, "
