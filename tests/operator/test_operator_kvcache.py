@@ -137,8 +137,6 @@ def test_router_prefix_policy_wires_kv_events_end_to_end():
     {"router": {"enabled": True, "policy": "round-robin"}},
     {"router": {"enabled": True}, "runtime": {"enablePrefixCaching": False}},
     {"router": {"enabled": False}},
-    {"router": {"enabled": True}, "parallelism": {"devicesPerPod": 2},
-     "runtime": {"adminApiKeySecret": {"name": "admin"}}},
 ])
 def test_no_events_without_a_router_that_uses_them(change):
     obj = copy.deepcopy(owner(**change))
