@@ -56,7 +56,9 @@ _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_
              "kv_offload_queries_tokens_total", "kv_offload_hit_tokens_total",
              "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
              "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
-             "kv_swap_ins_total", "kv_events_published_total", "kv_events_dropped_total")
+             "kv_swap_ins_total")
+# Counters of the KV events publisher, which engine 0 owns and the others share: counted once.
+_PUBLISHER_COUNTERS = ("kv_events_published_total", "kv_events_dropped_total")
 # Gauges that add up over engines.
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
            "generation_tokens_per_second", "kv_offload_capacity_bytes", "kv_offload_used_bytes",
@@ -82,6 +84,8 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
         fields[name] = sum(getattr(p, name) for p in parts)
     for name in _COUNTERS:
         fields[name] = sum(getattr(p, name) for p in parts) + retired.get(name, 0)
+    for name in _PUBLISHER_COUNTERS:
+        fields[name] = getattr(first, name, 0) + retired.get(name, 0)
     success: dict[str, int] = dict(retired.get("request_success_total", {}))
     for p in parts:
         for k, v in p.request_success_total.items():
@@ -102,9 +106,9 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
     return EngineStats(**fields)
 
 
-def _retire_into(retired: dict[str, Any], stats: EngineStats) -> None:
-    for name in _COUNTERS:
-        retired[name] = retired.get(name, 0) + getattr(stats, name)
+def _retire_into(retired: dict[str, Any], stats: EngineStats, first: bool) -> None:
+    for name in _COUNTERS + (_PUBLISHER_COUNTERS if first else ()):
+        retired[name] = retired.get(name, 0) + getattr(stats, name, 0)
     success = retired.setdefault("request_success_total", {})
     for k, v in stats.request_success_total.items():
         success[k] = success.get(k, 0) + v
@@ -393,9 +397,9 @@ class DataParallelEngine:
             heads += detached
         heads.sort(key=lambda h: h.metrics.arrival_time)
         # 2. Free the devices; the old engines' counters stay in the totals.
-        for engine in self.engines:
+        for i, engine in enumerate(self.engines):
             stats = engine.get_stats()
-            _retire_into(self._retired, stats)
+            _retire_into(self._retired, stats, first=i == 0)
             self._retired_obs.append(stats)
             self._close_engine(engine)
         self.engines = []
