@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=12)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-lora-baseline", action="store_true",
+                   help="also run the base-only workload on a server started without --enable-lora (what "
+                        "enabling LoRA costs requests that use no adapter)")
     p.add_argument("--out", type=Path, default=RESULTS / "lora_serve.json")
     return p.parse_args(argv)
 
@@ -107,6 +110,22 @@ def post(url: str, path: str, body: dict) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
+def wait_ready(url: str, timeout: float = 600) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("server not ready")
+        time.sleep(0.2)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from kvserve.runtime.server.main import ServerThread
@@ -122,19 +141,7 @@ def main(argv=None) -> int:
                            "--max-num-seqs", str(max(args.concurrency, 16)), "--admin-api-key", ADMIN,
                            "--log-level", "warning"]).start()
     try:
-        import urllib.request
-
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with urllib.request.urlopen(server.url + "/ready", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready")
-            time.sleep(0.2)
+        wait_ready(server.url)
         names = [f"lora-{i}" for i in range(args.adapters)]
         asyncio.run(run_workload(server.url, ["base"], argparse.Namespace(**{**vars(args), "requests": 4})))  # warm
         rss_before = rss_bytes()
@@ -150,6 +157,17 @@ def main(argv=None) -> int:
         mixed = asyncio.run(run_workload(server.url, names + ["base"], args))
     finally:
         server.stop()
+    plain = None
+    if args.no_lora_baseline:
+        plain_server = ServerThread([str(model), "--port", "0", "--served-model-name", "base", "--device",
+                                     args.device, "--dtype", args.dtype, "--max-num-seqs",
+                                     str(max(args.concurrency, 16)), "--log-level", "warning"]).start()
+        try:
+            wait_ready(plain_server.url)
+            asyncio.run(run_workload(plain_server.url, ["base"], argparse.Namespace(**{**vars(args), "requests": 4})))
+            plain = asyncio.run(run_workload(plain_server.url, ["base"], args))
+        finally:
+            plain_server.stop()
     result = {
         "bench": "lora_serve", "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "machine": {"cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -161,6 +179,7 @@ def main(argv=None) -> int:
         "adapter_file_bytes": adapter_bytes,
         "rss_growth_per_adapter_bytes": (rss_after - rss_before) / args.adapters,
         "base": base, "mixed": mixed, "mixed_over_base": mixed["tokens_per_second"] / base["tokens_per_second"],
+        "base_without_lora": plain,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -168,8 +187,10 @@ def main(argv=None) -> int:
           f"max {result['load_seconds_max']:.3f} s; file {statistics.mean(adapter_bytes) / 2**20:.1f} MiB, "
           f"host RSS +{result['rss_growth_per_adapter_bytes'] / 2**20:.1f} MiB per adapter")
     print(f"{'workload':<28}{'tokens':>8}{'seconds':>10}{'tok/s':>10}")
-    for label, r in ((f"base only ({args.requests} req)", base),
-                     (f"{args.adapters} adapters + base", mixed)):
+    rows = [(f"base only ({args.requests} req)", base), (f"{args.adapters} adapters + base", mixed)]
+    if plain is not None:
+        rows.append(("base, server without LoRA", plain))
+    for label, r in rows:
         print(f"{label:<28}{r['tokens']:>8}{r['seconds']:>10.2f}{r['tokens_per_second']:>10.1f}")
     print(f"mixed / base throughput: {result['mixed_over_base']:.2f}x   ({result['machine']['cpu_flags']}, "
           f"load {result['machine']['load_avg'][0]:.1f})")

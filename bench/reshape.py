@@ -21,6 +21,7 @@ G cores. Prints tables, writes bench/results/reshape.json.
     python bench/reshape.py                      # both parts
     python bench/reshape.py --part restart       # part 1 only
     python bench/reshape.py --quick              # smaller ramp
+    python bench/reshape.py --device cuda --model DIR --devices 2   # a GPU host: G GPUs, NCCL
 """
 
 from __future__ import annotations
@@ -61,14 +62,19 @@ def cpu_flags() -> str:
     return f"{model}; {os.cpu_count()} cpus; {' '.join(keep)}"
 
 
+DEVICE = "cpu"  # --device: a GPU host runs the same comparison over NCCL (engine i on cuda:i*TP..)
+
+
 class Server:
     def __init__(self, model: Path, dp: int, tp: int, extra: list[str]):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "KVSERVE_ADMIN_API_KEY": ADMIN}
+        env = {**os.environ, "KVSERVE_ADMIN_API_KEY": ADMIN}
+        if DEVICE == "cpu":
+            env["OMP_NUM_THREADS"] = "1"
         kvserve = str(Path(sys.executable).parent / "kvserve")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen([kvserve, "serve", str(model), "--port", str(self.port), "--device", "cpu",
+        self.proc = subprocess.Popen([kvserve, "serve", str(model), "--port", str(self.port), "--device", DEVICE,
                                       "--served-model-name", "m", "--data-parallel-size", str(dp),
                                       "--tensor-parallel-size", str(tp), "--log-level", "warning", *extra],
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -277,9 +283,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=Path, default=None, help="HF model directory (default: the real SmolLM2)")
     p.add_argument("--part", choices=["all", "restart", "ramp"], default="all")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a host with G GPUs")
     p.add_argument("--devices", type=int, default=None,
                    help="G: layouts G x TP1 and 1 x TP G (default: the smallest TP > 1 the model's heads allow)")
     args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     model = args.model
     if model is None:
         from kvserve.testing.realmodel import ensure_smollm2

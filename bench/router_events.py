@@ -1,6 +1,7 @@
 """Routing benchmark with KV events: event-fed vs served-based vs round-robin `kvserve router`.
 
     python bench/router_events.py                 # SmolLM2-135M, 3 pods, 6 conversations x 6 turns per policy
+    python bench/router_events.py --rounds 2 --conversations 3      # alternating orders, same total work
     python bench/router_events.py --num-kv-blocks 64 --user-words 150    # a tighter pool: evictions
 
 What runs: `--replicas` real `kvserve serve` processes (one torch thread each), each on its own
@@ -53,6 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--user-words", type=int, default=120)
     p.add_argument("--max-tokens", type=int, default=4, help="answer length (ignore_eos)")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="each pod's KV pool, in 16-token blocks")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of the three policies, each round in the opposite order of the one before, so "
+                        "that every policy sees the machine's drifting background load alike")
+    p.add_argument("--reverse", action="store_true", help="start with event-fed (and round-robin last)")
     p.add_argument("--out", type=Path, default=RESULTS / "router_events.json")
     return p.parse_args(argv)
 
@@ -94,8 +99,11 @@ def main(argv=None) -> int:
         runs = [(Run(f"{args.replicas} pods, round-robin"), rr), (Run(f"{args.replicas} pods, served-based"),
                                                                    served_router),
                 (Run(f"{args.replicas} pods, event-fed"), events)]
-        for i, (run, router) in enumerate(runs):
-            run.add(pods, router.url, Workload(seed=20 + i, **shape))
+        seed = 20
+        for r in range(args.rounds):
+            for run, router in (runs[::-1] if (r % 2 == 1) != args.reverse else runs):
+                run.add(pods, router.url, Workload(seed=seed, **shape))
+                seed += 1
         status = get_json(events.url + "/router/kv-events")
         rows = [run.row() for run, _ in runs]
     finally:

@@ -82,7 +82,8 @@ def with_offload_memory(resources: Mapping[str, Any], spec: ServiceSpec, tp: int
 # -- KV events -----------------------------------------------------------------------------------
 def events_on(spec: ServiceSpec) -> bool:
     """The router ranks pods by their KV events: it runs the prefix policy with spec.router.kvEvents,
-    and the pods have a prefix cache (events name its blocks)."""
+    and the pods have a prefix cache (events name its blocks). A pod's data-parallel engines
+    (parallelism.devicesPerPod) publish through one endpoint."""
     return spec.router.follows_kv_events and spec.runtime.enable_prefix_caching
 
 

@@ -24,9 +24,10 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "MptForCausalLM",
     "BloomForCausalLM",
+    "FalconForCausalLM",
 )
-# Position information from ALiBi biases instead of rotary embeddings.
-ALIBI_ARCHITECTURES = ("MptForCausalLM", "BloomForCausalLM")
+# Position information from ALiBi biases instead of rotary embeddings (Falcon: its ALiBi variant).
+ALIBI_ARCHITECTURES = ("MptForCausalLM", "BloomForCausalLM", "FalconForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -38,7 +39,7 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                   "deepseek_v3": "DeepseekV3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                  "mpt": "MptForCausalLM", "bloom": "BloomForCausalLM"}
+                  "mpt": "MptForCausalLM", "bloom": "BloomForCausalLM", "falcon": "FalconForCausalLM"}
 
 # Checkpoint tensors that hold several projections stacked by rows (Phi-3's qkv_proj and
 # gate_up_proj): suffix -> the parts, in row order. The loader splits them (part sizes from
@@ -51,6 +52,7 @@ _FUSED = {"Phi3ForCausalLM": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.we
           # BLOOM's rows are per head [q_h; k_h; v_h] (fused_rows_per_head).
           "BloomForCausalLM": {f"self_attn.qkv_proj.{t}": tuple(f"self_attn.{p}_proj.{t}" for p in "qkv")
                                for t in ("weight", "bias")}}
+_FUSED["FalconForCausalLM"] = _FUSED["BloomForCausalLM"]  # Falcon without multi-query: the same layout
 _BLOOM_NAMES = (("transformer.word_embeddings_layernorm.", "model.embed_layernorm."),
                 ("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
                 ("transformer.h.", "model.layers."), (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
@@ -85,6 +87,8 @@ def attention_biases(arch: str, config: Mapping[str, Any]) -> tuple[bool, bool]:
         return True, False
     if arch == "BloomForCausalLM":
         return True, True
+    if arch == "FalconForCausalLM":
+        return bool(config.get("bias", False)), bool(config.get("bias", False))
     if arch == "Qwen2MoeForCausalLM":
         return bool(config.get("qkv_bias", True)), False
     if arch in _MISTRAL_BIAS_RULE:
@@ -110,7 +114,8 @@ def fused_part_rows(name: str, rows: int, num_heads: int, num_kv_heads: int, hea
 
 def checkpoint_name(arch: str, name: str) -> str:
     """A checkpoint tensor's name in the layout every family shares (model.layers.N.self_attn...)."""
-    for old, new in {"MptForCausalLM": _MPT_NAMES, "BloomForCausalLM": _BLOOM_NAMES}.get(arch, ()):
+    for old, new in {"MptForCausalLM": _MPT_NAMES, "BloomForCausalLM": _BLOOM_NAMES,
+                     "FalconForCausalLM": _BLOOM_NAMES}.get(arch, ()):
         name = name.replace(old, new)
     return name
 
@@ -118,7 +123,7 @@ def checkpoint_name(arch: str, name: str) -> str:
 def fused_rows_per_head(arch: str) -> bool:
     """Whether a fused q|k|v tensor holds its parts head by head ([q_h; k_h; v_h] per head, BLOOM)
     rather than one after the other."""
-    return arch == "BloomForCausalLM"
+    return arch in ("BloomForCausalLM", "FalconForCausalLM")
 
 
 def standard_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,5 +150,13 @@ def standard_config(config: Mapping[str, Any]) -> dict[str, Any]:
         for key, value in aliases.items():
             if config.get(key) is None and value is not None:
                 config[key] = value
+        config["num_key_value_heads"] = config.get("num_attention_heads")
+    elif architecture_of(config) == "FalconForCausalLM":
+        d = config.get("hidden_size")
+        if config.get("intermediate_size") is None and d is not None:
+            config["intermediate_size"] = config.get("ffn_hidden_size") or 4 * int(d)
+        config.setdefault("rms_norm_eps", config.get("layer_norm_epsilon", 1e-5))
+        config.setdefault("tie_word_embeddings", True)
+        # Multi-query Falcons are refused by ModelConfig; the others have a KV head per head.
         config["num_key_value_heads"] = config.get("num_attention_heads")
     return config

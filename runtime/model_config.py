@@ -124,6 +124,8 @@ class ModelConfig:
     # BLOOM: its LayerNorms have biases, and the embeddings are LayerNorm-ed before the first layer.
     norm_bias: bool = False
     embed_norm: bool = False
+    # Falcon scales its ALiBi biases with the scores (head_dim ** -0.5); MPT and BLOOM add them after.
+    alibi_scale: float = 1.0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | pathlib.Path) -> ModelConfig:
@@ -170,7 +172,7 @@ class ModelConfig:
         act_field = "hidden_activation" if is_gemma and config.get("hidden_activation") else "hidden_act"
         act = config.get(act_field) or ("gelu_pytorch_tanh" if is_gemma else "silu")
         alibi = (_alibi(config) if arch == "MptForCausalLM" else _bloom(config) if arch == "BloomForCausalLM"
-                 else {})
+                 else _falcon(config, shape.head_dim) if arch == "FalconForCausalLM" else {})
         if alibi:  # MPT's MLP is fixed: exact GELU, ungated (models/mpt.py); config.json names none
             act = "silu"
         if act not in _ACTIVATIONS:
@@ -223,7 +225,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             o_proj_bias=attention_biases(arch, config)[1],
-            mlp_bias=(arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False))) or arch == "BloomForCausalLM",
+            mlp_bias=((arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False))) or arch == "BloomForCausalLM"
+                      or (arch == "FalconForCausalLM" and bool(config.get("bias", False)))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             local_rope=local_rope,
             hidden_act=("gelu_tanh" if arch == "BloomForCausalLM" else "gelu") if alibi else _ACTIVATIONS[act],
@@ -381,7 +384,10 @@ def _alibi(config: dict[str, Any]) -> dict[str, Any]:
                          "supported: 4")
     if config.get("logit_scale") is not None:
         raise ValueError("model config: logit_scale is not supported for MptForCausalLM; supported: null")
-    out: dict[str, Any] = {"alibi_bias_max": float(attn.get("alibi_bias_max") or 8)}
+    bias_max = attn.get("alibi_bias_max", 8)
+    if bias_max != 8:  # every released MPT uses 8, and transformers' MPT applies 8 whatever the config says
+        raise ValueError(f"model config: attn_config.alibi_bias_max {bias_max!r} is not supported; supported: 8")
+    out: dict[str, Any] = {"alibi_bias_max": 8.0}
     for key, field_name in (("softmax_scale", "softmax_scale"), ("clip_qkv", "clip_qkv")):
         if attn.get(key) is not None:
             out[field_name] = _positive_or_none(attn, key)
@@ -395,6 +401,19 @@ def _bloom(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("model config: apply_residual_connection_post_layernorm true is not supported; "
                          "supported: false")
     return {"alibi_bias_max": 8.0, "norm_bias": True, "embed_norm": True}
+
+
+def _falcon(config: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Falcon's ALiBi variant (Falcon-RW): one KV head per head, attention then MLP; the RoPE,
+    multi-query and parallel-attention Falcons are refused by field."""
+    for key, want in (("alibi", True), ("multi_query", False), ("parallel_attn", False),
+                      ("new_decoder_architecture", False)):
+        if bool(config.get(key, not want)) != want:
+            raise ValueError(f"model config: {key} {str(not want).lower()} is not supported for FalconForCausalLM "
+                             f"(its ALiBi variant, Falcon-RW, is); supported: {str(want).lower()}")
+    if (config.get("activation") or "gelu") != "gelu":
+        raise ValueError(f"model config: activation {config.get('activation')!r} is not supported; supported: 'gelu'")
+    return {"alibi_bias_max": 8.0, "norm_bias": True, "alibi_scale": head_dim ** -0.5}
 
 
 def _positive_or_none(config: dict[str, Any], name: str) -> float | None:

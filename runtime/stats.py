@@ -63,6 +63,9 @@ class EngineStats:
     kv_swap_outs_total: int = 0
     kv_swap_ins_total: int = 0
     num_swapped: int = 0
+    # KV events (runtime/kv_events/): batches published, and dropped from a full hand-off queue.
+    kv_events_published_total: int = 0
+    kv_events_dropped_total: int = 0
     kv_offload_store_seconds: list[float] = field(default_factory=list)
     kv_offload_load_seconds: list[float] = field(default_factory=list)
     # Observations since the previous get_stats() (seconds).

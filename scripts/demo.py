@@ -59,7 +59,9 @@ DEMO_SPEC = {
                     "scaleToZeroAfterSeconds": 15,
                     "layout": {"stabilizationSeconds": 1, "reshapeCostMultiple": 2, "highLoadRequests": 3,
                                "lowLoadRequests": 1}},
-    "router": {"enabled": True, "holdTimeoutSeconds": 180},
+    # kvEvents off: here every pod shares this machine's network, and the KV events port binds on
+    # every interface, so only one pod could publish (in a cluster each pod has its own).
+    "router": {"enabled": True, "holdTimeoutSeconds": 180, "kvEvents": False},
 }
 # The admin key the demo stores in the Secret spec.runtime.adminApiKeySecret names: the operator
 # reads it to change the pods' layout, the pods get it as KVSERVE_ADMIN_API_KEY (secretKeyRef).

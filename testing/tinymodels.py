@@ -12,7 +12,7 @@ import pathlib
 from typing import Any
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v2", "deepseek_v3", "phi3", "mpt", "bloom")
+         "deepseek_v2", "deepseek_v3", "phi3", "mpt", "bloom", "falcon")
 
 INIT_STD = 0.1
 
@@ -110,6 +110,11 @@ def _config(arch: str, overrides: dict[str, Any]):
                       n_layer=kwargs["num_hidden_layers"], vocab_size=kwargs["vocab_size"],
                       layer_norm_epsilon=kwargs.get("layer_norm_epsilon", 1e-5), initializer_range=INIT_STD,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "falcon":  # the ALiBi variant (Falcon-RW): a KV head per head, sequential attention and MLP
+        kwargs = dict(hidden_size=kwargs["hidden_size"], num_attention_heads=kwargs["num_attention_heads"],
+                      num_hidden_layers=kwargs["num_hidden_layers"], vocab_size=kwargs["vocab_size"], alibi=True,
+                      multi_query=False, parallel_attn=False, new_decoder_architecture=False, bias=True,
+                      initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
@@ -125,6 +130,7 @@ def _config(arch: str, overrides: dict[str, Any]):
         "phi3": transformers.Phi3Config,
         "mpt": transformers.MptConfig,
         "bloom": transformers.BloomConfig,
+        "falcon": transformers.FalconConfig,
     }[arch]
     return cls(**kwargs)
 
@@ -147,6 +153,7 @@ def _model_class(arch: str):
         "phi3": transformers.Phi3ForCausalLM,
         "mpt": transformers.MptForCausalLM,
         "bloom": transformers.BloomForCausalLM,
+        "falcon": transformers.FalconForCausalLM,
     }[arch]
 
 

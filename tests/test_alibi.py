@@ -1,4 +1,4 @@
-"""ALiBi models (MPT, BLOOM): slopes, the torch backend's ALiBi against dense attention with the bias,
+"""ALiBi models (MPT, BLOOM, Falcon-RW): slopes, the torch backend's ALiBi against dense attention with the bias,
 greedy decoding through the engine (paged decode, a prefix served from the prefix cache)
 against transformers, and what is refused. The Triton kernels' ALiBi is
 tests/kernels/test_kernels_alibi.py's. Layer-by-layer logits against transformers over
@@ -86,7 +86,7 @@ def test_torch_backend_alibi_equals_dense_attention(query_lens):
         torch.testing.assert_close(got[starts[i]:starts[i + 1]].double(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["mpt", "bloom"])
+@pytest.mark.parametrize("family", ["mpt", "bloom", "falcon"])
 def test_engine_greedy_with_a_cached_prefix_matches_transformers(tiny_model_factory, family):
     from transformers import AutoModelForCausalLM
 
@@ -114,9 +114,31 @@ def test_unsupported_mpt_options_are_named(tiny_model_factory):
     for change, field in ((dict(attn_config={"alibi": False}), "attn_config.alibi"),
                           (dict(attn_config={"qk_ln": True}), "attn_config.qk_ln"),
                           (dict(no_bias=False), "no_bias"), (dict(expansion_ratio=2), "expansion_ratio"),
-                          (dict(logit_scale=2.0), "logit_scale")):
+                          (dict(logit_scale=2.0), "logit_scale"),
+                          (dict(attn_config={"alibi_bias_max": 4}), "alibi_bias_max")):
         with pytest.raises(ValueError, match=field):
             ModelConfig.from_dict({**base, **change})
     bloom = ModelConfig.from_pretrained(tiny_model_factory("bloom", **MPT)).hf_config
     with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm"):
         ModelConfig.from_dict({**bloom, "apply_residual_connection_post_layernorm": True})
+    falcon = ModelConfig.from_pretrained(tiny_model_factory("falcon", **MPT)).hf_config
+    for change, field in ((dict(alibi=False), "alibi false"), (dict(multi_query=True), "multi_query true"),
+                          (dict(parallel_attn=True), "parallel_attn true"),
+                          (dict(new_decoder_architecture=True), "new_decoder_architecture true"),
+                          (dict(activation="relu"), "activation 'relu'")):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_dict({**falcon, **change})
+
+
+def test_tensor_parallel_slices_slopes_and_fused_biases(tiny_model_factory):
+    """At tensor_parallel_size 2 each rank keeps its heads' slopes and its slice of BLOOM's
+    head-interleaved q|k|v (weights and biases): greedy output equals one rank's."""
+    path = tiny_model_factory("bloom", **MPT)
+    prompts = [{"prompt_token_ids": [1, 40, 41, 42, 300, 17, 5, 9, 250]}, {"prompt_token_ids": [1, 7, 8]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = dict(num_kv_blocks=64, block_size=8, dtype="float32", device="cpu")
+    with LLM(str(path), **kw) as one:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(path), tensor_parallel_size=2, **kw) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+    assert got == want

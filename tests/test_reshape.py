@@ -255,3 +255,71 @@ def test_data_parallel_engines_share_one_kv_events_endpoint(tiny_llama, tmp_path
         engine.close()
         sub.close(0)
         context.term()
+
+
+def test_prefix_keys_and_engine_choice():
+    from kvserve.runtime.engine.layout import choose_engine, prefix_keys
+
+    a = list(range(40))
+    assert len(prefix_keys(a)) == 2  # two full blocks of 16
+    assert prefix_keys(a + [99] * 30)[:2] == prefix_keys(a) and prefix_keys([1] + a)[0] != prefix_keys(a)[0]
+    assert prefix_keys({"prompt_token_ids": a}) == prefix_keys(a) and prefix_keys("x" * 64) != []
+    assert prefix_keys(None) == [] and prefix_keys(a[:15]) == []
+    assert choose_engine([3, 1], preferred=0) == 0  # within the slack of 2: its cache wins
+    assert choose_engine([4, 1], preferred=0) == 1  # clearly busier: the least loaded
+    assert choose_engine([2, 1], preferred=None) == 1
+
+
+def test_a_conversation_turn_goes_to_the_engine_holding_its_prefix(tiny_llama):
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=128,
+                                    max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    history = list(range(5, 45))
+    with DataParallelEngine(config, 2) as engine:
+        engine.add_request("turn-1", {"prompt_token_ids": history}, params)
+        engine.add_request("other", {"prompt_token_ids": list(range(100, 140))}, params)
+        first = engine._owner["turn-1"]
+        assert engine._owner["other"] is not first  # least outstanding
+        engine.add_request("turn-2", {"prompt_token_ids": history + [7, 8, 9] * 6}, params)
+        assert engine._owner["turn-2"] is first  # its prefix ran there
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def test_parallel_samples_seeds_stop_strings_and_logprobs_survive_reshapes(tiny_llama):
+    """n > 1 with a seed, a seeded sample, a stop string and logprobs: the same outputs with two
+    reshapes mid-generation as without (the requests carry their samplers' state across)."""
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=256,
+                                    max_model_len=256)
+
+    def run(reshapes: dict) -> dict:
+        out = {}
+        with DataParallelEngine(config, 2) as engine:
+            engine.add_request("n2", {"prompt_token_ids": list(range(5, 30))},
+                               SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True))
+            engine.add_request("seeded", {"prompt_token_ids": list(range(40, 60))},
+                               SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True))
+            engine.add_request("stop", "hello world", SamplingParams(temperature=0, max_tokens=20, stop=["zz"]))
+            engine.add_request("logprobs", {"prompt_token_ids": list(range(70, 80))},
+                               SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True))
+            steps = 0
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        out[o.request_id] = [(c.token_ids, c.text, c.finish_reason,
+                                              [sorted(lp) for lp in c.logprobs or []]) for c in o.outputs]
+                steps += 1
+                if steps in reshapes:
+                    engine.reshape(*reshapes[steps])
+            assert engine.get_stats().kv_blocks_used == 0
+        return out
+
+    assert run({3: (1, 2), 7: (2, 1)}) == run({})

@@ -98,6 +98,9 @@ def test_event_fed_router_ranks_pods_by_the_blocks_they_hold(env):
         m = scrape(router.url)
         hits = sum(v for k, v in m.items() if k.startswith("kvserve_router_requests_total") and "prefix-hit" in k)
         assert hits >= 4 * 2 and rate > 0.5, (hits, rate)
+        assert sum(v for k, v in m.items() if k.startswith("kvserve_router_kv_events_live{")) == 3
+        assert m["kvserve_router_kv_events_ranked_requests_total"] >= 4 * 2
+        assert all(v > 0 for k, v in m.items() if k.startswith("kvserve_router_kv_events_blocks{"))
     finally:
         router.stop()
 

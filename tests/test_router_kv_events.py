@@ -317,3 +317,27 @@ def test_router_prompt_hashes_equal_the_runtimes(tiny_llama):
     long = {"model": "tiny", "prompt": "word " * 200}
     ids_cut, cut = keys.token_ids("completion", long)
     assert cut and len(ids_cut) < len(tok("word " * 200)["input_ids"])
+
+
+@pytest.mark.parametrize("route, body, want", [
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}, False)),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
+              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
+       "tools": [{"type": "function", "function": {"name": "f"}}]}, False)),
+    # Options /tokenize does not take: the pods' hashes cannot be known, served-based then.
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": 1}}, None),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, None),
+    ("chat", {"model": "m", "messages": []}, None),
+    ("completion", {"model": "m", "prompt": "abc"}, ({"model": "m", "prompt": "abc", "add_special_tokens": True}, False)),
+    ("completion", {"model": "m", "prompt": ["abc", "d"], "add_special_tokens": False},
+     ({"model": "m", "prompt": "abc", "add_special_tokens": False}, False)),
+    ("completion", {"model": "m", "prompt": "x" * (64 * 1024 + 1)},
+     ({"model": "m", "prompt": "x" * (64 * 1024), "add_special_tokens": True}, True)),
+    ("completion", {"model": "m", "prompt": ""}, None),
+])
+def test_remote_tokenize_request_table(route, body, want):
+    from kvserve.runtime.router.prompt_keys import tokenize_request
+
+    assert tokenize_request(route, body) == want

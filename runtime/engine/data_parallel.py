@@ -3,8 +3,10 @@
 
 It is the server's one EngineClient (runtime/engine/client.py) and runs on the server's engine
 thread. Each data-parallel engine is a whole LLMEngine (scheduler, block manager, executor); a
-request group goes to the engine with the fewest unfinished requests, and each step steps every
-busy engine (in parallel threads: the forward passes release the GIL).
+request group goes to the engine that ran its prompt's longest prefix (its prefix cache holds it)
+unless that engine has clearly more unfinished requests than the least loaded one, which then
+takes it; each step steps every busy engine (in parallel threads: the forward passes release the
+GIL).
 
 Reshape (``reshape(data_parallel, tensor_parallel)``, POST /admin/parallelism) on the engine
 thread, between steps, so requests arriving meanwhile queue in the server's command queue and
@@ -25,6 +27,7 @@ The pure decisions (valid layouts, devices, placement) are in runtime/engine/lay
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -32,7 +35,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvserve.runtime.engine.layout import Layout, assign, check_layout, engine_devices, pick_engine
+from kvserve.runtime.engine.layout import (
+    Layout,
+    assign,
+    check_layout,
+    choose_engine,
+    engine_devices,
+    prefix_keys,
+)
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.stats import EngineStats
 
@@ -47,12 +57,18 @@ _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_
              "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
              "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
              "kv_swap_ins_total")
+# Counters of the KV events publisher, which engine 0 owns and the others share: counted once.
+_PUBLISHER_COUNTERS = ("kv_events_published_total", "kv_events_dropped_total")
 # Gauges that add up over engines.
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
            "generation_tokens_per_second", "kv_offload_capacity_bytes", "kv_offload_used_bytes",
            "kv_swap_capacity_bytes", "kv_swap_used_bytes", "num_swapped")
 _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", "e2e_latencies",
                  "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
+
+
+# Prefix keys remembered for placement (a few MB at most): about 250 prompts of 4k tokens.
+MAX_PREFIX_KEYS = 65536
 
 
 class ReshapeError(RuntimeError):
@@ -68,6 +84,8 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
         fields[name] = sum(getattr(p, name) for p in parts)
     for name in _COUNTERS:
         fields[name] = sum(getattr(p, name) for p in parts) + retired.get(name, 0)
+    for name in _PUBLISHER_COUNTERS:
+        fields[name] = getattr(first, name, 0) + retired.get(name, 0)
     success: dict[str, int] = dict(retired.get("request_success_total", {}))
     for p in parts:
         for k, v in p.request_success_total.items():
@@ -75,6 +93,8 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
     fields["request_success_total"] = success
     for name in _OBSERVATIONS:
         fields[name] = [x for p in parts for x in getattr(p, name)]
+    for name in ("running_lora_adapters", "waiting_lora_adapters"):  # the adapters of any engine's requests
+        fields[name] = sorted({x for p in parts for x in getattr(p, name)})
     phases: dict[str, list[float]] = {}
     for p in parts:
         for k, v in p.step_phase_durations.items():
@@ -86,9 +106,9 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
     return EngineStats(**fields)
 
 
-def _retire_into(retired: dict[str, Any], stats: EngineStats) -> None:
-    for name in _COUNTERS:
-        retired[name] = retired.get(name, 0) + getattr(stats, name)
+def _retire_into(retired: dict[str, Any], stats: EngineStats, first: bool) -> None:
+    for name in _COUNTERS + (_PUBLISHER_COUNTERS if first else ()):
+        retired[name] = retired.get(name, 0) + getattr(stats, name, 0)
     success = retired.setdefault("request_success_total", {})
     for k, v in stats.request_success_total.items():
         success[k] = success.get(k, 0) + v
@@ -129,6 +149,7 @@ class DataParallelEngine:
         self.reshapes: list[dict[str, Any]] = []  # the history, newest last (bounded)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._loras: dict[int, Any] = {}  # adapters added through add_lora, loaded again after a reshape
+        self._prefixes: collections.OrderedDict[int, int] = collections.OrderedDict()  # prefix key -> engine
 
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
@@ -244,10 +265,20 @@ class DataParallelEngine:
             if rid in self._owner:
                 raise ValueError(f"request_id: {rid!r} is already in use")
         # A group (n prompts of one HTTP request) stays on one engine: it is added all or nothing.
-        engine = self.engines[pick_engine(self._loads())]
+        # It goes where its first prompt's longest prefix ran (that engine's prefix cache holds
+        # it: a conversation's next turn) unless that engine is clearly busier than the others.
+        keys = prefix_keys(requests[0][1]) if len(self.engines) > 1 else []
+        preferred = next((self._prefixes[k] for k in reversed(keys) if k in self._prefixes), None)
+        index = choose_engine(self._loads(), preferred)
+        engine = self.engines[index]
         engine.add_requests(requests, arrival_time, **kwargs)
         for rid, _, _ in requests:
             self._owner[rid] = engine
+        for k in keys:
+            self._prefixes[k] = index
+            self._prefixes.move_to_end(k)
+        while len(self._prefixes) > MAX_PREFIX_KEYS:  # bounded: the oldest keys go first
+            self._prefixes.popitem(last=False)
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
         # As LLMEngine.add_request: a grammar still compiling is waited for (all or nothing).
@@ -366,9 +397,9 @@ class DataParallelEngine:
             heads += detached
         heads.sort(key=lambda h: h.metrics.arrival_time)
         # 2. Free the devices; the old engines' counters stay in the totals.
-        for engine in self.engines:
+        for i, engine in enumerate(self.engines):
             stats = engine.get_stats()
-            _retire_into(self._retired, stats)
+            _retire_into(self._retired, stats, first=i == 0)
             self._retired_obs.append(stats)
             self._close_engine(engine)
         self.engines = []
@@ -384,7 +415,9 @@ class DataParallelEngine:
         for lora in self._loras.values():  # the adapters the old engines had (from local files)
             for engine in self.engines:
                 engine.add_lora(lora)
-        # 4. Resume every request on the engines now running.
+        # 4. Resume every request on the engines now running (their caches start empty: the
+        # placement memory goes too).
+        self._prefixes.clear()
         self._resume(heads)
         self._keep_spares()
         seconds = time.perf_counter() - t0

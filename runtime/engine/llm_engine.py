@@ -404,6 +404,12 @@ class LLMEngine:
             num_swapped=sum(1 for s in self.scheduler.waiting if s.swapped is not None),
             kv_offload_store_seconds=store_s, kv_offload_load_seconds=load_s)
 
+    def _kv_events_stats(self) -> dict[str, int]:
+        if getattr(self, "kv_events_shared", False):  # engine 0's publisher, counted there only
+            return {}
+        publisher = self.kv_event_publisher
+        return {"kv_events_published_total": publisher.published, "kv_events_dropped_total": publisher.dropped}
+
     def get_stats(self) -> EngineStats:
         """Gauges and counters now, plus latency observations made since the previous call."""
         now = StatsCollector.now()
@@ -437,6 +443,7 @@ class LLMEngine:
             kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
             **self._offload_stats(),
+            **self._kv_events_stats(),
             timestamp=now,
             **self._lora_stats(),
             **s.drain(),

@@ -76,7 +76,7 @@ class LayerNorm(nn.Module):
 class AlibiAttention(Attention):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, tp_rank: int, tp_size: int, **kw):
         super().__init__(cfg, backend, tp_rank=tp_rank, tp_size=tp_size, **kw)
-        slopes = alibi_slopes(cfg.shape.num_attention_heads, cfg.alibi_bias_max)
+        slopes = alibi_slopes(cfg.shape.num_attention_heads, cfg.alibi_bias_max) * cfg.alibi_scale
         self.register_buffer("alibi_slopes", slopes[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads]
                              .to(kw["device"]), persistent=False)
         self.scale = cfg.attention_scale()

@@ -124,6 +124,7 @@ class Router:
         self.prompt_keys: PromptKeys | None = None
         if config.kv_index is not None and config.policy.policy == "prefix":
             self.kv_events = KVEventSubscriptions(config.kv_index, topic=config.kv_events_topic, clock=clock)
+            self.metrics.kv_events.source = lambda: (self.kv_events.status(), self.ranked_by_events)
             if config.tokenizer:
                 self.prompt_keys = PromptKeys(load_tokenizer(config.tokenizer))
 
