@@ -32,21 +32,28 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
 RESULTS = ROOT / "bench" / "results"
 STEPS = ("create", "ready", "spec change", "scale up", "scale down", "delete")
 
 
 def run_one(rate: float, mode: str, step_timeout: float, seed: int) -> dict:
     import kopf
-    from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all
-    from fault_proxy import FaultProxy
-    from kube_emulator import EmulatorThread
-    from test_operator_e2e import TINY, defaulted
 
     from kvserve.operator import handlers, kube
     from kvserve.operator.handlers import OperatorConfig
     from kvserve.operator.retry import RetryPolicy
+    from kvserve.testing.e2e_harness import (
+        TINY,
+        Api,
+        Kubelet,
+        Load,
+        OperatorThread,
+        condition,
+        defaulted,
+        free_port_on_all,
+    )
+    from kvserve.testing.fault_proxy import FaultProxy
+    from kvserve.testing.kube_emulator import EmulatorThread
 
     saved = (handlers.HANDLER_BACKOFF, handlers.KOPF_ERROR_BACKOFFS, kube.KubeClient.__init__.__kwdefaults__,
              handlers.handler_delay)

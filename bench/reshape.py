@@ -2,22 +2,26 @@
 restart with the new TP, and a low -> high -> low load ramp served with live layouts against the
 two fixed ones.
 
-1. Restart vs reshape: the time from starting `kvserve serve -tp 2` to /ready (what a rolling
-   restart to TP 2 pays per pod, before any image pull or model download), against
-   POST /admin/parallelism 2xTP1 -> 1xTP2 on a running `-dp 2` server, idle and with streams in
-   flight (the reshape's own `seconds` and the HTTP call's wall time).
+G is the smallest TP > 1 the model's heads allow (SmolLM2-135M: 9 heads, 3 KV heads, so G = 3:
+3 x TP1 <-> 1 x TP3).
+
+1. Restart vs reshape: the time from starting `kvserve serve -tp G` to /ready (what a rolling
+   restart to TP G pays per pod, before any image pull or model download), against
+   POST /admin/parallelism G x TP1 -> 1 x TP G on a running `-dp G` server, idle and with streams
+   in flight (the reshape's own `seconds` and the HTTP call's wall time).
 2. Ramp: phases of concurrency 1 (low), N (high), 1 (low), each a fixed number of streaming
    requests of random token-id prompts (ignore_eos: every request generates exactly its output
-   length). Served by a fixed 2xTP1 server, a fixed 1xTP2 server, and a live one that reshapes to
-   1xTP2 before each low phase and to 2xTP1 before the high one (what the operator's policy does;
+   length). Served by a fixed G x TP1 server, a fixed 1 x TP G server, and a live one that reshapes
+   to 1 x TP G before each low phase and to G x TP1 before the high one (what the operator's policy does;
    the reshape counts in the phase's time). Per phase: TTFT, TPOT, output tokens per second.
 
 Every server process and worker gets one torch thread (OMP_NUM_THREADS=1), so each layout uses
-two cores. Prints tables, writes bench/results/reshape.json.
+G cores. Prints tables, writes bench/results/reshape.json.
 
     python bench/reshape.py                      # both parts
     python bench/reshape.py --part restart       # part 1 only
     python bench/reshape.py --quick              # smaller ramp
+    python bench/reshape.py --device cuda --model DIR --devices 2   # a GPU host: G GPUs, NCCL
 """
 
 from __future__ import annotations
@@ -58,14 +62,19 @@ def cpu_flags() -> str:
     return f"{model}; {os.cpu_count()} cpus; {' '.join(keep)}"
 
 
+DEVICE = "cpu"  # --device: a GPU host runs the same comparison over NCCL (engine i on cuda:i*TP..)
+
+
 class Server:
     def __init__(self, model: Path, dp: int, tp: int, extra: list[str]):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "KVSERVE_ADMIN_API_KEY": ADMIN}
+        env = {**os.environ, "KVSERVE_ADMIN_API_KEY": ADMIN}
+        if DEVICE == "cpu":
+            env["OMP_NUM_THREADS"] = "1"
         kvserve = str(Path(sys.executable).parent / "kvserve")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen([kvserve, "serve", str(model), "--port", str(self.port), "--device", "cpu",
+        self.proc = subprocess.Popen([kvserve, "serve", str(model), "--port", str(self.port), "--device", DEVICE,
                                       "--served-model-name", "m", "--data-parallel-size", str(dp),
                                       "--tensor-parallel-size", str(tp), "--log-level", "warning", *extra],
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -150,44 +159,74 @@ def make_prompts(n: int, in_len: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(in_len)] for _ in range(n)]
 
 
-async def part_restart(model: Path, in_flight: int, out_len: int) -> dict:
-    out: dict = {}
+def smallest_tp(model: Path) -> int:
+    """The smallest TP > 1 the model's heads allow (SmolLM2's 9 heads / 3 KV heads: 3)."""
+    from kvserve.runtime.executor.multiproc import check_tensor_parallel
+    from kvserve.runtime.model_config import ModelConfig
+
+    config = ModelConfig.from_pretrained(str(model))
+    for tp in range(2, 9):
+        try:
+            check_tensor_parallel(config, tp)
+            return tp
+        except ValueError:
+            continue
+    raise SystemExit("the model cannot be split by any TP in 2..8")
+
+
+async def part_restart(model: Path, g: int, in_flight: int, out_len: int) -> dict:
+    out: dict = {"devices": g}
     # A restart with the new TP: process start, imports, weights (page cache warm), pools, ready.
-    srv = Server(model, 1, 2, [])
+    srv = Server(model, 1, g, [])
     try:
-        out["restart_tp2_s"] = await srv.ready()
+        out["restart_tp_s"] = await srv.ready()
     finally:
         srv.stop()
-    srv = Server(model, 2, 1, [])
+    # Without spare workers: the new layout's ranks start as fresh interpreters.
+    srv = Server(model, g, 1, [])
     try:
-        out["start_2xtp1_s"] = await srv.ready()
+        await srv.ready()
+        await srv.reshape(1, g)  # once, so the page cache and the allocator are as warm as below
+        await srv.reshape(g, 1)
+        wall, body = await srv.reshape(1, g)
+        out["reshape_idle_to_tp_no_spares"] = {"wall_s": wall, "seconds": body["seconds"]}
+    finally:
+        srv.stop()
+    srv = Server(model, g, 1, ["--reshape-spare-workers"])
+    try:
+        out["start_dp_s"] = await srv.ready()
         await run_phase(srv.url, 1, make_prompts(1, 16, 0), 4)  # warm
-        wall, body = await srv.reshape(1, 2)
-        out["reshape_idle_to_tp2"] = {"wall_s": wall, "seconds": body["seconds"]}
-        wall, body = await srv.reshape(2, 1)
-        out["reshape_idle_to_2xtp1"] = {"wall_s": wall, "seconds": body["seconds"]}
+        await srv.reshape(1, g)
+        await srv.reshape(g, 1)
+        await asyncio.sleep(3.0)  # the spares started after that reshape import torch
+        wall, body = await srv.reshape(1, g)
+        out["reshape_idle_to_tp"] = {"wall_s": wall, "seconds": body["seconds"]}
+        wall, body = await srv.reshape(g, 1)
+        out["reshape_idle_to_dp"] = {"wall_s": wall, "seconds": body["seconds"]}
+        await asyncio.sleep(3.0)
         # With streams in flight: they pause, the layout changes, they resume by recompute.
         prompts = make_prompts(in_flight, 64, 1)
         load = asyncio.create_task(run_phase(srv.url, in_flight, prompts, out_len))
         await asyncio.sleep(2.0)
-        wall, body = await srv.reshape(1, 2)
-        out["reshape_loaded_to_tp2"] = {"wall_s": wall, "seconds": body["seconds"],
-                                        "resumed_requests": body["resumed_requests"]}
+        wall, body = await srv.reshape(1, g)
+        out["reshape_loaded_to_tp"] = {"wall_s": wall, "seconds": body["seconds"],
+                                       "resumed_requests": body["resumed_requests"]}
         phase = await load
         out["loaded_requests_completed"] = phase["requests"]
     finally:
         srv.stop()
-    out["restart_over_reshape"] = out["restart_tp2_s"] / out["reshape_idle_to_tp2"]["seconds"]
+    out["restart_over_reshape"] = out["restart_tp_s"] / out["reshape_idle_to_tp"]["seconds"]
+    out["restart_over_reshape_loaded"] = out["restart_tp_s"] / out["reshape_loaded_to_tp"]["seconds"]
     return out
 
 
-async def part_ramp(model: Path, high: int, n_low: int, n_high: int, in_len: int, out_len: int) -> dict:
+async def part_ramp(model: Path, g: int, high: int, n_low: int, n_high: int, in_len: int, out_len: int) -> dict:
     phases = [("low", 1, make_prompts(n_low, in_len, 10)), ("high", high, make_prompts(n_high, in_len, 11)),
               ("low again", 1, make_prompts(n_low, in_len, 12))]
     out: dict = {}
-    for name, (dp, tp, live) in {"fixed 2xTP1": (2, 1, False), "fixed 1xTP2": (1, 2, False),
-                                 "live": (2, 1, True)}.items():
-        srv = Server(model, dp, tp, [])
+    for name, (dp, tp, live) in {f"fixed {g}xTP1": (g, 1, False), f"fixed 1xTP{g}": (1, g, False),
+                                 "live": (g, 1, True)}.items():
+        srv = Server(model, dp, tp, ["--reshape-spare-workers"] if live else [])
         try:
             await srv.ready()
             await run_phase(srv.url, 2, make_prompts(2, 16, 99), 4)  # warm
@@ -197,7 +236,7 @@ async def part_ramp(model: Path, high: int, n_low: int, n_high: int, in_len: int
                 t0 = time.perf_counter()
                 reshape_s = 0.0
                 if live:
-                    want = (2, 1) if conc > 1 else (1, 2)
+                    want = (g, 1) if conc > 1 else (1, g)
                     _, body = await srv.reshape(*want)
                     reshape_s = body["seconds"]
                 row = await run_phase(srv.url, conc, prompts, out_len)
@@ -214,16 +253,19 @@ async def part_ramp(model: Path, high: int, n_low: int, n_high: int, in_len: int
 
 
 def print_restart(r: dict) -> None:
-    print("\n== restart with TP 2 vs live reshape (SmolLM2-135M, CPU) ==")
-    print(f"{'what':44s} {'seconds':>9s}")
-    print(f"{'restart: kvserve serve -tp 2 until /ready':44s} {r['restart_tp2_s']:9.2f}")
-    for key, label in (("reshape_idle_to_tp2", "reshape 2xTP1 -> 1xTP2, idle"),
-                       ("reshape_idle_to_2xtp1", "reshape 1xTP2 -> 2xTP1, idle"),
-                       ("reshape_loaded_to_tp2", "reshape 2xTP1 -> 1xTP2, streams in flight")):
-        print(f"{label:44s} {r[key]['seconds']:9.2f}  (HTTP wall {r[key]['wall_s']:.2f})")
-    print(f"restart / reshape (idle, to TP 2): {r['restart_over_reshape']:.1f}x; "
-          f"{r['reshape_loaded_to_tp2'].get('resumed_requests')} requests resumed, "
-          f"{r['loaded_requests_completed']} completed")
+    g = r["devices"]
+    print(f"\n== restart with TP {g} vs live reshape (G = {g}, CPU) ==")
+    print(f"{'what':48s} {'seconds':>9s}")
+    print(f"{f'restart: kvserve serve -tp {g} until /ready':48s} {r['restart_tp_s']:9.2f}")
+    for key, label in (("reshape_idle_to_tp_no_spares", f"reshape {g}xTP1 -> 1xTP{g}, idle, no spares"),
+                       ("reshape_idle_to_tp", f"reshape {g}xTP1 -> 1xTP{g}, idle"),
+                       ("reshape_idle_to_dp", f"reshape 1xTP{g} -> {g}xTP1, idle"),
+                       ("reshape_loaded_to_tp", f"reshape {g}xTP1 -> 1xTP{g}, streams in flight")):
+        print(f"{label:48s} {r[key]['seconds']:9.2f}  (HTTP wall {r[key]['wall_s']:.2f})")
+    print("(reshapes with --reshape-spare-workers unless said otherwise)")
+    print(f"restart / reshape to TP {g}: {r['restart_over_reshape']:.1f}x idle, "
+          f"{r['restart_over_reshape_loaded']:.1f}x with {r['reshape_loaded_to_tp'].get('resumed_requests')} "
+          f"requests resumed ({r['loaded_requests_completed']} completed)")
 
 
 def print_ramp(r: dict) -> None:
@@ -241,7 +283,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=Path, default=None, help="HF model directory (default: the real SmolLM2)")
     p.add_argument("--part", choices=["all", "restart", "ramp"], default="all")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a host with G GPUs")
+    p.add_argument("--devices", type=int, default=None,
+                   help="G: layouts G x TP1 and 1 x TP G (default: the smallest TP > 1 the model's heads allow)")
     args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     model = args.model
     if model is None:
         from kvserve.testing.realmodel import ensure_smollm2
@@ -249,12 +296,14 @@ def main(argv=None) -> int:
         model = ensure_smollm2().hf_dir
     result = {"machine": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "model": str(model), "command": "python bench/reshape.py " + " ".join(argv or sys.argv[1:])}
+    g = args.devices or smallest_tp(model)
+    result["devices"] = g
     if args.part in ("all", "restart"):
-        result["restart"] = asyncio.run(part_restart(model, in_flight=8, out_len=64))
+        result["restart"] = asyncio.run(part_restart(model, g, in_flight=8, out_len=64))
         print_restart(result["restart"])
     if args.part in ("all", "ramp"):
         n_low, n_high, high = (3, 16, 8) if args.quick else (6, 48, 16)
-        result["ramp"] = asyncio.run(part_ramp(model, high, n_low, n_high, in_len=64, out_len=32))
+        result["ramp"] = asyncio.run(part_ramp(model, g, high, n_low, n_high, in_len=64, out_len=32))
         print_ramp(result["ramp"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "reshape.json").write_text(json.dumps(result, indent=1))

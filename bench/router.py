@@ -40,9 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
-
-from router_harness import Cluster, RouterProcess, RuntimePods, Workload, percentile, wait_for  # noqa: E402
+from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, Workload, percentile, wait_for  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -30,6 +30,8 @@ Sliding window (``sliding_window`` w): a query at position p sees keys p - w < j
 kernels start their key loop at the first position the program's rows can see, so a slot behind
 the window is never read (its block may be freed) and the work is bounded by the window. Soft-capping
 (``logits_soft_cap`` c, Gemma 2) replaces each scaled score s by c * tanh(s / c) before the softmax.
+ALiBi (``alibi_slopes``, float32 [num_heads], MPT) adds slope_h * (j - i) to the score of a query
+at position i and a key at j, after soft-capping; the slopes enter in log2 units like the scale.
 
 float8 K/V pools (kv_cache_dtype fp8): tiles are loaded as float8 (half the bytes of bf16) and
 upcast to the query dtype in registers; the per-layer k_scale multiplies the score scale and
@@ -51,7 +53,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(
-    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, MID_O, MID_LSE, K_SCALE, V_SCALE,
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, MID_O, MID_LSE, K_SCALE, V_SCALE, ALIBI,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -63,7 +65,7 @@ def _decode_kernel(
     GROUP, HEAD_DIM, num_splits, min_split, align, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -87,6 +89,8 @@ def _decode_kernel(
     heads = kvh * GROUP + g
     q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + heads, mask=row_ok, other=0.0)  # log2 units
 
     # The query sits at seq_len - 1; with a window it sees seq_len - window .. seq_len - 1, and the
     # splits cover only that span.
@@ -120,6 +124,8 @@ def _decode_kernel(
             x = tl.minimum(tl.maximum(s / soft_cap_log2, -20.0), 20.0)  # tanh(20) is 1 in float32
             e2x = tl.exp2(x * (2.0 * 1.4426950408889634))
             s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
+        if HAS_ALIBI:  # the query sits at seq_len - 1
+            s = s + slope[:, None] * (n[None, :] - (seq_len - 1)).to(tl.float32)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -192,7 +198,7 @@ def _merge_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, K_SCALE, V_SCALE,
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, K_SCALE, V_SCALE, ALIBI,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -202,7 +208,7 @@ def _prefill_kernel(
     GROUP, HEAD_DIM, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     # Query tiles on grid axis 0 (up to 2^31 - 1 programs): a long prompt of a wide GQA group has
     # more tiles than axis z allows (65,535); sequences, at most max_num_seqs, sit on z.
@@ -226,6 +232,8 @@ def _prefill_kernel(
     q_ptr = Q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     pos = ctx_len + tok  # absolute position of each row's token
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + heads, mask=r_ok, other=0.0)  # log2 units
 
     # Keys past the tile's last valid token are causally invisible to every row of the tile.
     has_rows = tile * BLOCK_M < q_len * GROUP
@@ -260,6 +268,8 @@ def _prefill_kernel(
             x = tl.minimum(tl.maximum(s / soft_cap_log2, -20.0), 20.0)  # tanh(20) is 1 in float32
             e2x = tl.exp2(x * (2.0 * 1.4426950408889634))
             s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
+        if HAS_ALIBI:
+            s = s + slope[:, None] * (n[None, :] - pos[:, None]).to(tl.float32)
         visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (n[None, :] > pos[:, None] - window)
@@ -340,6 +350,15 @@ def _kv_scales(query: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor
     return True, as_arg(k_scale), as_arg(v_scale)
 
 
+def _alibi_arg(query: torch.Tensor, slopes: torch.Tensor | None) -> torch.Tensor:
+    """The slopes in log2 units as the kernels read them (a placeholder pointer without ALiBi)."""
+    if slopes is None:
+        return query  # never read: HAS_ALIBI is off
+    if slopes.shape != (query.shape[1],):
+        raise ValueError(f"alibi_slopes must be [num_heads] = [{query.shape[1]}], got {tuple(slopes.shape)}")
+    return (slopes.to(device=query.device, dtype=torch.float32) * _LOG2E).contiguous()
+
+
 def _dot_f32(query: torch.Tensor) -> bool:
     # Triton's interpreter computes bfloat16 dots wrongly (3.9); there the operands are widened
     # after the same bfloat16 rounding the GPU applies, so the numerics stay those of the GPU path.
@@ -409,10 +428,12 @@ def paged_decode_attention(
     logits_soft_cap: float | None = None,
     k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
     v_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (None: no ALiBi)
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
     kv_fp8, k_scale, v_scale = _kv_scales(query, k_cache, k_scale, v_scale)
+    alibi = _alibi_arg(query, alibi_slopes)
     tokens, heads, dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -441,7 +462,7 @@ def paged_decode_attention(
         mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     kernel_for(_decode_kernel, query.device)[(num_seqs, kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, mid_o, mid_lse,
-        k_scale, v_scale, scale * _LOG2E,
+        k_scale, v_scale, alibi, scale * _LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -452,7 +473,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
-        num_warps=4 if dim <= 128 else 8, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=4 if dim <= 128 else 8, num_stages=2,
     )
     if not direct:
         kernel_for(_merge_kernel, query.device)[(num_seqs, heads)](
@@ -480,10 +501,12 @@ def paged_prefill_attention(
     logits_soft_cap: float | None = None,
     k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
     v_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (None: no ALiBi)
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
     kv_fp8, k_scale, v_scale = _kv_scales(query, k_cache, k_scale, v_scale)
+    alibi = _alibi_arg(query, alibi_slopes)
     tokens, heads, dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -503,7 +526,7 @@ def paged_prefill_attention(
         block_m, block_n, warps = 32, 32, 4
     tiles = triton.cdiv(max_query_len * group, block_m)
     kernel_for(_prefill_kernel, query.device)[(tiles, kv_heads, num_seqs)](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale,
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale, alibi,
         scale * _LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -514,6 +537,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
-        num_warps=warps, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=warps, num_stages=2,
     )
     return out

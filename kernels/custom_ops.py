@@ -26,10 +26,11 @@ from kvserve.kernels.mla import mla_decode_attention
 def _decode_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_seq_len: int,
                sliding_window: int | None, logits_soft_cap: float | None, k_scale: torch.Tensor | None,
-               v_scale: torch.Tensor | None) -> torch.Tensor:
+               v_scale: torch.Tensor | None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     return paged_decode_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                   max_seq_len=max_seq_len, sliding_window=sliding_window,
-                                  logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+                                  logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                                  alibi_slopes=alibi_slopes)
 
 
 @_decode_op.register_fake
@@ -41,10 +42,11 @@ def _(query, *args):
 def _prefill_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_query_len: int,
                 sliding_window: int | None, logits_soft_cap: float | None, k_scale: torch.Tensor | None,
-                v_scale: torch.Tensor | None) -> torch.Tensor:
+                v_scale: torch.Tensor | None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     return paged_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                    max_query_len=max_query_len, sliding_window=sliding_window,
-                                   logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+                                   logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                                   alibi_slopes=alibi_slopes)
 
 
 @_prefill_op.register_fake
@@ -89,25 +91,29 @@ def _(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, kv_lora_r
 
 
 def decode_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, *, max_seq_len,
-                     sliding_window=None, logits_soft_cap=None, k_scale=None, v_scale=None) -> torch.Tensor:
+                     sliding_window=None, logits_soft_cap=None, k_scale=None, v_scale=None,
+                     alibi_slopes=None) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.kvserve.paged_decode_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
                                                         block_tables, scale, max_seq_len, sliding_window,
-                                                        logits_soft_cap, k_scale, v_scale)
+                                                        logits_soft_cap, k_scale, v_scale, alibi_slopes)
     return paged_decode_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                   max_seq_len=max_seq_len, sliding_window=sliding_window,
-                                  logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+                                  logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                                  alibi_slopes=alibi_slopes)
 
 
 def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, *, max_query_len,
-                      sliding_window=None, logits_soft_cap=None, k_scale=None, v_scale=None) -> torch.Tensor:
+                      sliding_window=None, logits_soft_cap=None, k_scale=None, v_scale=None,
+                      alibi_slopes=None) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.kvserve.paged_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
                                                          block_tables, scale, max_query_len, sliding_window,
-                                                         logits_soft_cap, k_scale, v_scale)
+                                                         logits_soft_cap, k_scale, v_scale, alibi_slopes)
     return paged_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                    max_query_len=max_query_len, sliding_window=sliding_window,
-                                   logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+                                   logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                                   alibi_slopes=alibi_slopes)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:

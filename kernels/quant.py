@@ -9,7 +9,9 @@ program writes float32 partial sums that are added afterwards: at batch sizes of
 too few output tiles to fill a GPU, and splitting K gives it more programs (memory-bound decode).
 
 FP8: float8_e4m3fn activations (quantized per token) times float8_e4m3fn weights, float32
-accumulation, then the per-token and per-output-channel scales.
+accumulation, then the per-token and per-output-channel scales. The activations' quantization is
+one kernel too (`quantize_fp8`: a row's absmax, its scale and its float8 bytes in one program per
+row) instead of the twin's five torch ops (abs, amax, divide, clamp, cast), bit for bit the twin's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.cache import _to_fp8_bits
 from kvserve.kernels.triton_utils import dot_precision, kernel_for, next_pow2
 
 
@@ -180,3 +183,51 @@ def fp8_scaled_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.T
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64,
     )
     return out
+
+
+@triton.jit
+def _fp8_quant_kernel(
+    X, Q, SCALE, stride_x, stride_q, K, min_amax, fp8_max, sub_scale,
+    STATIC: tl.constexpr, BLOCK_K: tl.constexpr, MAN_BITS: tl.constexpr, EXP_BIAS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    if STATIC:
+        scale = tl.load(SCALE)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0), min_amax) / fp8_max
+        tl.store(SCALE + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        # _to_fp8_bits saturates at +-fp8_max before rounding: the twin's clamp, then its cast.
+        tl.store(Q + row * stride_q + k, _to_fp8_bits(x / scale, MAN_BITS, EXP_BIAS, sub_scale, fp8_max),
+                 mask=k < K)
+
+
+def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn activations and their float32 scales: per token ([M]) from each row's absmax,
+    or the checkpoint's static per-tensor scale ([1]). quant_reference's quantize_fp8_per_token /
+    quantize_fp8_static are the twins, bit for bit."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, features], got {tuple(x.shape)}")
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    if static_scale is None:
+        scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    else:
+        scale = static_scale.reshape(1).to(device=x.device, dtype=torch.float32)
+    if m:
+        fp8 = torch.float8_e4m3fn
+        kernel_for(_fp8_quant_kernel, x.device)[(m,)](
+            x, q, scale, x.stride(0), q.stride(0), k, 1e-12, torch.finfo(fp8).max, 2.0 ** (7 - 1 + 3),
+            STATIC=static_scale is not None, BLOCK_K=min(1024, max(16, next_pow2(k))), MAN_BITS=3, EXP_BIAS=7,
+            num_warps=4,
+        )
+    return q.view(torch.float8_e4m3fn), scale

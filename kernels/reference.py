@@ -152,13 +152,15 @@ def paged_attention_ref(
     logits_soft_cap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context (float32 math).
     float8 pools are dequantized with `k_scale` / `v_scale` (None: 1) before anything else.
 
     Covers decode (one new token), prefill, chunked prefill and cached prefixes alike: query token
     j of sequence i sits at position seq_lens[i] - query_len_i + j. With `sliding_window` w it
-    sees positions p - w < j <= p only; with `logits_soft_cap` c each score s becomes c tanh(s / c).
+    sees positions p - w < j <= p only; with `logits_soft_cap` c each score s becomes c tanh(s / c);
+    with `alibi_slopes` (ALiBi) slope_h * (j - p) is then added to each score.
     Blocks wholly behind every window are never read (they may have been freed).
     """
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -187,6 +189,8 @@ def paged_attention_ref(
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         positions = torch.arange(seq_len - (q_hi - q_lo), seq_len, device=query.device)
         keys = torch.arange(lo, seq_len, device=query.device)[None, :]
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float().view(-1, 1, 1) * (keys - positions[:, None]).float()
         visible = keys <= positions[:, None]
         if sliding_window is not None:
             visible &= keys > positions[:, None] - sliding_window
@@ -261,14 +265,25 @@ def mla_decode_ref(
 
 def lora_sgmv_ref(x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
                   segments: list[tuple[int, int, int]], perm: torch.Tensor | None,
-                  cols: list[int] | None = None) -> torch.Tensor:
+                  cols: list[int] | None = None, padded: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
     """Adds each adapter segment's LoRA product to `out` in place: out[t] += x[t] @ a_t[s] @ b_t[s]
     for the tokens t of segment (s, start, end). a_t [L, in, C] / b_t [L, C, out] are the slots'
     stacked matrices (B already scaled); `cols[s]` the columns slot s uses (the rest are zeros).
 
     Segments index x itself when `perm` is None (each adapter's tokens contiguous: two matmuls
     per segment, no copy), else the rows gathered in `perm` order (Punica's segmented gather:
-    one gather, two matmuls per adapter, one scatter-add)."""
+    one gather, two matmuls per adapter, one scatter-add).
+
+    `padded` (gather [L, M], scatter [L * M]): every slot's tokens in a row of M (padding gathers
+    the zero row x[T] and scatters its zero product onto row 0), so all adapters take two batched
+    matmuls over the whole slot stack: five ops per layer whatever the adapter count, for steps
+    of many short segments (decode)."""
+    if padded is not None:
+        gather, scatter = padded
+        xs = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, gather.view(-1))
+        delta = torch.bmm(torch.bmm(xs.view(*gather.shape, -1), a_t), b_t)
+        return out.index_add_(0, scatter, delta.view(-1, out.shape[1]))
     if perm is None:
         for slot, start, end in segments:
             c = a_t.shape[2] if cols is None else cols[slot]

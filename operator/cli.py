@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from . import kvcache as K
 from . import netpol as N
 from .autoscaler import AutoscalerState, Observation, decide, valid_degrees
 from .spec import API_VERSION, KIND, SpecError, check_servable, parse_spec, shape_unknown_message
@@ -159,6 +160,7 @@ def plan(args: argparse.Namespace) -> int:
         "signals": decision.signals.as_status(),
         "validTensorParallelDegrees": valid_degrees(spec, shape) if shape else None,
         **({} if shape else {"tensorParallelNote": shape_unknown_message(spec)}),
+        **({"kvOffload": K.offload_plan(spec, shape, decision.tp)} if spec.runtime.kv_offload else {}),
         "pods": [{"name": p.name, "ready": p.ready, "stale": p.stale,
                   "kvCacheUtilization": p.kv_cache_utilization, "queueDepth": p.queue_depth,
                   "requestsRunning": p.requests_running, "tensorParallelSize": p.tensor_parallel_size}

@@ -82,7 +82,8 @@ def with_offload_memory(resources: Mapping[str, Any], spec: ServiceSpec, tp: int
 # -- KV events -----------------------------------------------------------------------------------
 def events_on(spec: ServiceSpec) -> bool:
     """The router ranks pods by their KV events: it runs the prefix policy with spec.router.kvEvents,
-    and the pods have a prefix cache (events name its blocks)."""
+    and the pods have a prefix cache (events name its blocks). A pod's data-parallel engines
+    (parallelism.devicesPerPod) publish through one endpoint."""
     return spec.router.follows_kv_events and spec.runtime.enable_prefix_caching
 
 
@@ -105,3 +106,28 @@ def pod_annotations(spec: ServiceSpec) -> dict[str, str]:
 
 def router_args(spec: ServiceSpec) -> list[str]:
     return ["--kv-events-port", str(EVENTS_PORT)] if events_on(spec) else []
+
+
+# -- the capacity model --------------------------------------------------------------------------
+def offload_plan(spec: ServiceSpec, shape, tp: int) -> dict[str, Any] | None:
+    """What the tier holds at degree `tp` (the plan command prints it): blocks and tokens per rank
+    from the model's KV bytes per token and rank, next to the pool's. None without a tier or shape."""
+    k = spec.runtime.kv_offload
+    if k is None or shape is None:
+        return None
+    from kvserve.runtime.capacity import dtype_bytes, plan_capacity
+
+    from .spec import dtype_for_capacity, kv_dtype_size_for_capacity, weight_format_for_capacity
+
+    dsize = dtype_bytes(dtype_for_capacity(spec))
+    plan = plan_capacity(shape, dtype_size=dsize, block_size=spec.runtime.block_size, tp=tp,
+                         gpu_memory_bytes=spec.gpu.memory_bytes,
+                         gpu_memory_utilization=spec.runtime.gpu_memory_utilization,
+                         weight_format=weight_format_for_capacity(spec, dsize),
+                         kv_dtype_size=kv_dtype_size_for_capacity(spec))
+    block_bytes = plan.kv_bytes_per_token_per_gpu * spec.runtime.block_size
+    blocks = k.size_bytes // block_bytes if block_bytes else 0
+    return {"medium": k.medium, "bytesPerRank": k.size_bytes, "bytesPerPod": offload_pod_bytes(spec, tp),
+            "blocksPerRank": blocks, "tokensPerRank": blocks * spec.runtime.block_size,
+            "poolTokensPerRank": plan.kv_tokens,
+            "podMemoryRequestAdded": offload_pod_bytes(spec, tp) if k.medium == "memory" else 0}

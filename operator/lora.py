@@ -61,6 +61,20 @@ def runtime_env(spec: ServiceSpec) -> list[dict[str, str]]:
     return []
 
 
+def agent_env(spec: ServiceSpec, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The agent fetches adapters: its Hugging Face cache must be writable (the models volume is
+    read-only there), and a private hub repo needs the token, which then reaches this one serving
+    container too (only with adapters)."""
+    if not spec.lora.enabled:
+        return env
+    out = [{"name": "HF_HOME", "value": f"{ADAPTERS_DIR}/.hf-home"} if e.get("name") == "HF_HOME" else e
+           for e in env]
+    if spec.model.hf_token_secret and not any(e.get("name") == "HF_TOKEN" for e in out):
+        name, key = spec.model.hf_token_secret
+        out.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    return out
+
+
 def agent_args(spec: ServiceSpec) -> list[str]:
     if not spec.lora.enabled:
         return []

@@ -153,6 +153,9 @@ def runtime_command(name: str, spec: ServiceSpec, tp: int) -> list[str]:
                "--tensor-parallel-size", str(tp),
                *(["--pipeline-parallel-size", str(spec.pipeline)] if spec.pipeline > 1 else []),
                *(["--data-parallel-size", str(spec.devices_per_pod // tp)] if spec.devices_per_pod else []),
+               # Spare worker interpreters only where ranks have devices of their own: on CPU pods
+               # they would compete with serving for the same cores.
+               *(["--reshape-spare-workers"] if spec.devices_per_pod and spec.gpu.per_shard else []),
                "--block-size", str(rt.block_size),
                "--dtype", rt.dtype,
                "--gpu-memory-utilization", str(rt.gpu_memory_utilization),
@@ -271,7 +274,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
                     # Reported in /v1/signals: the operator learns the model's shape from it.
                     "--model-dir", model_dir(name)] + L.agent_args(spec),
         # The agent calls only the runtime's /metrics, /ready and (admin) /drain: no user key.
-        "env": _cache_env() + admin_env(spec),
+        "env": L.agent_env(spec, _cache_env() + admin_env(spec)),
         "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
         # 512Mi: reading a GGUF file's metadata runs the GGUF reader (and torch) in a short child.
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},

@@ -94,7 +94,7 @@ async def converge_layouts(reconciler, body, current, spec, shape, pods, signals
 
     from .autoscaler import aggregate
     from .layout import LayoutState, decide_layout
-    from .sources import pod_ip, pod_name
+    from .sources import pod_ip, pod_name, pod_terminating
     from .status import append_decision, iso
 
     meta = current["metadata"]
@@ -123,7 +123,8 @@ async def converge_layouts(reconciler, body, current, spec, shape, pods, signals
         await reconciler._record_size(current, fields)
 
     reports = pod_reports(signals, spec)
-    behind = [p for p in pods if pod_name(p) in reports and reports[pod_name(p)] != layout and pod_ip(p)]
+    behind = [p for p in pods if pod_name(p) in reports and reports[pod_name(p)] != layout and pod_ip(p)
+              and not pod_terminating(p)]  # a pod on its way out keeps its layout
     if not behind:
         return
     secret_name, key_name = spec.runtime.admin_api_key_secret

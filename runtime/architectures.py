@@ -22,25 +22,48 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Phi3ForCausalLM",
+    "MptForCausalLM",
+    "BloomForCausalLM",
+    "FalconForCausalLM",
 )
+# Position information from ALiBi biases instead of rotary embeddings (Falcon: its ALiBi variant).
+ALIBI_ARCHITECTURES = ("MptForCausalLM", "BloomForCausalLM", "FalconForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-_MISTRAL_BIAS_RULE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+_MISTRAL_BIAS_RULE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "MptForCausalLM")
 
 # A config written by hand (an operator spec's model.config) may give only model_type.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                  "deepseek_v3": "DeepseekV3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "mpt": "MptForCausalLM", "bloom": "BloomForCausalLM", "falcon": "FalconForCausalLM"}
 
 # Checkpoint tensors that hold several projections stacked by rows (Phi-3's qkv_proj and
 # gate_up_proj): suffix -> the parts, in row order. The loader splits them (part sizes from
 # fused_part_rows), so the model keeps one layout for every family.
 _FUSED = {"Phi3ForCausalLM": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                              "self_attn.v_proj.weight"),
-                              "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}}
+                              "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
+          "MptForCausalLM": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                            "self_attn.v_proj.weight")},
+          # BLOOM's rows are per head [q_h; k_h; v_h] (fused_rows_per_head).
+          "BloomForCausalLM": {f"self_attn.qkv_proj.{t}": tuple(f"self_attn.{p}_proj.{t}" for p in "qkv")
+                               for t in ("weight", "bias")}}
+_FUSED["FalconForCausalLM"] = _FUSED["BloomForCausalLM"]  # Falcon without multi-query: the same layout
+_BLOOM_NAMES = (("transformer.word_embeddings_layernorm.", "model.embed_layernorm."),
+                ("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+                ("transformer.h.", "model.layers."), (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
+                (".self_attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+                (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+# MPT's checkpoint names (transformer.blocks.N...) -> the names every other family uses.
+_MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.", "model.norm."),
+              ("transformer.blocks.", "model.layers."), (".norm_1.", ".input_layernorm."),
+              (".norm_2.", ".post_attention_layernorm."), (".attn.Wqkv.", ".self_attn.qkv_proj."),
+              (".attn.out_proj.", ".self_attn.o_proj."), (".ffn.up_proj.", ".mlp.up_proj."),
+              (".ffn.down_proj.", ".mlp.down_proj."))
 
 
 def architecture_of(config: Mapping[str, Any]) -> str:
@@ -62,6 +85,10 @@ def attention_biases(arch: str, config: Mapping[str, Any]) -> tuple[bool, bool]:
     attention_bias = bool(config.get("attention_bias", False))
     if arch == "Qwen2ForCausalLM":
         return True, False
+    if arch == "BloomForCausalLM":
+        return True, True
+    if arch == "FalconForCausalLM":
+        return bool(config.get("bias", False)), bool(config.get("bias", False))
     if arch == "Qwen2MoeForCausalLM":
         return bool(config.get("qkv_bias", True)), False
     if arch in _MISTRAL_BIAS_RULE:
@@ -80,6 +107,56 @@ def fused_parts(arch: str, name: str) -> tuple[str, ...] | None:
 
 def fused_part_rows(name: str, rows: int, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """Rows of each part of a fused tensor of `rows` rows: q | k | v by heads, gate | up halves."""
-    if name.endswith("qkv_proj.weight"):
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
         return num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim
     return rows // 2, rows - rows // 2
+
+
+def checkpoint_name(arch: str, name: str) -> str:
+    """A checkpoint tensor's name in the layout every family shares (model.layers.N.self_attn...)."""
+    for old, new in {"MptForCausalLM": _MPT_NAMES, "BloomForCausalLM": _BLOOM_NAMES,
+                     "FalconForCausalLM": _BLOOM_NAMES}.get(arch, ()):
+        name = name.replace(old, new)
+    return name
+
+
+def fused_rows_per_head(arch: str) -> bool:
+    """Whether a fused q|k|v tensor holds its parts head by head ([q_h; k_h; v_h] per head, BLOOM)
+    rather than one after the other."""
+    return arch in ("BloomForCausalLM", "FalconForCausalLM")
+
+
+def standard_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json with the standard names filled in where a family uses its own (MPT's d_model,
+    n_heads, n_layers, expansion_ratio, max_seq_len, layer_norm_epsilon); others unchanged."""
+    config = dict(config)
+    if architecture_of(config) == "MptForCausalLM":
+        d = config.get("d_model")
+        aliases = {"hidden_size": d, "num_attention_heads": config.get("n_heads"),
+                   "num_hidden_layers": config.get("n_layers"),
+                   "intermediate_size": None if d is None else int(config.get("expansion_ratio") or 4) * int(d),
+                   "max_position_embeddings": config.get("max_seq_len"),
+                   "rms_norm_eps": config.get("layer_norm_epsilon", 1e-5), "tie_word_embeddings": True}
+        for key, value in aliases.items():
+            if config.get(key) is None and value is not None:
+                config[key] = value
+        config["num_key_value_heads"] = config.get("num_attention_heads")  # MPT is multi-head
+    elif architecture_of(config) == "BloomForCausalLM":
+        d = config.get("hidden_size") or config.get("n_embed")
+        aliases = {"hidden_size": d, "num_attention_heads": config.get("n_head"),
+                   "num_hidden_layers": config.get("n_layer"), "intermediate_size": None if d is None else 4 * int(d),
+                   "max_position_embeddings": config.get("seq_length") or 2048,
+                   "rms_norm_eps": config.get("layer_norm_epsilon", 1e-5), "tie_word_embeddings": True}
+        for key, value in aliases.items():
+            if config.get(key) is None and value is not None:
+                config[key] = value
+        config["num_key_value_heads"] = config.get("num_attention_heads")
+    elif architecture_of(config) == "FalconForCausalLM":
+        d = config.get("hidden_size")
+        if config.get("intermediate_size") is None and d is not None:
+            config["intermediate_size"] = config.get("ffn_hidden_size") or 4 * int(d)
+        config.setdefault("rms_norm_eps", config.get("layer_norm_epsilon", 1e-5))
+        config.setdefault("tie_word_embeddings", True)
+        # Multi-query Falcons are refused by ModelConfig; the others have a KV head per head.
+        config["num_key_value_heads"] = config.get("num_attention_heads")
+    return config

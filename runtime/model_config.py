@@ -21,6 +21,7 @@ from kvserve.runtime.architectures import (
     MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     attention_biases,
+    standard_config,
 )
 from kvserve.runtime.capacity.shape import ModelShape
 from kvserve.runtime.layer_types import FULL_ATTENTION, GEMMA_ARCHITECTURES, LAYER_TYPES, SLIDING_ATTENTION
@@ -95,7 +96,7 @@ class ModelConfig:
     # RoPE of the sliding-window layers when it differs from the global one (Gemma 3's local
     # base frequency): (theta, scaling), else None.
     local_rope: tuple[float, dict[str, Any] | None] | None = None
-    # "silu" or "gelu_tanh" (the gated MLP's activation).
+    # "silu" or "gelu_tanh" (the gated MLP's activation); "gelu" for MPT's ungated MLP.
     hidden_act: str = "silu"
     # Gemma: RMSNorm scales by (1 + weight), embeddings are multiplied by sqrt(hidden_size), each
     # layer also norms the attention and MLP outputs (post-attention, pre/post feed-forward norms).
@@ -114,6 +115,17 @@ class ModelConfig:
     # Per-frequency RoPE divisors stored by a GGUF file (llama.cpp's rope_freqs tensor, how it
     # encodes Llama 3's rope scaling), applied on top of rope_scaling; None for none.
     rope_freq_factors: tuple[float, ...] | None = None
+    # ALiBi (MPT): the largest slope exponent (slopes 2^-(i * max / H')), None for RoPE models.
+    # Such models also norm with LayerNorm (weight only), run a plain (ungated) MLP, and may fix
+    # the softmax scale and clamp q/k/v (clip_qkv).
+    alibi_bias_max: float | None = None
+    softmax_scale: float | None = None
+    clip_qkv: float | None = None
+    # BLOOM: its LayerNorms have biases, and the embeddings are LayerNorm-ed before the first layer.
+    norm_bias: bool = False
+    embed_norm: bool = False
+    # Falcon scales its ALiBi biases with the scores (head_dim ** -0.5); MPT and BLOOM add them after.
+    alibi_scale: float = 1.0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | pathlib.Path) -> ModelConfig:
@@ -140,6 +152,7 @@ class ModelConfig:
     def from_dict(cls, config: dict[str, Any], generation: dict[str, Any] | None = None, *,
                   model_dir: str | pathlib.Path = ".") -> ModelConfig:
         generation = generation or {}
+        config = standard_config(config)
         architectures = config.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -158,6 +171,10 @@ class ModelConfig:
         # Gemma configs name the activation hidden_activation (hidden_act is a legacy alias).
         act_field = "hidden_activation" if is_gemma and config.get("hidden_activation") else "hidden_act"
         act = config.get(act_field) or ("gelu_pytorch_tanh" if is_gemma else "silu")
+        alibi = (_alibi(config) if arch == "MptForCausalLM" else _bloom(config) if arch == "BloomForCausalLM"
+                 else _falcon(config, shape.head_dim) if arch == "FalconForCausalLM" else {})
+        if alibi:  # MPT's MLP is fixed: exact GELU, ungated (models/mpt.py); config.json names none
+            act = "silu"
         if act not in _ACTIVATIONS:
             raise ValueError(f"model config: {act_field} {act!r} is not supported; "
                              f"supported: {', '.join(repr(a) for a in _ACTIVATIONS)}")
@@ -208,12 +225,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             o_proj_bias=attention_biases(arch, config)[1],
-            mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
+            mlp_bias=((arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False))) or arch == "BloomForCausalLM"
+                      or (arch == "FalconForCausalLM" and bool(config.get("bias", False)))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             local_rope=local_rope,
-            hidden_act=_ACTIVATIONS[act],
+            hidden_act=("gelu_tanh" if arch == "BloomForCausalLM" else "gelu") if alibi else _ACTIVATIONS[act],
             **gemma,
             routing=routing,
+            **alibi,
             rope_interleave=(arch == "DeepseekV2ForCausalLM"
                              or (arch == "DeepseekV3ForCausalLM" and bool(config.get("rope_interleave", True)))),
             hf_config=config,
@@ -266,6 +285,8 @@ class ModelConfig:
         """The softmax scale: head_dim ** -0.5; for MLA (nope + rope dims) ** -0.5 times yarn's
         mscale(factor, mscale_all_dim) squared, as DeepSeek (and transformers) apply it."""
         mla = self.shape.mla
+        if self.softmax_scale is not None:
+            return self.softmax_scale
         if mla is None:
             return self.head_dim**-0.5
         scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
@@ -345,6 +366,54 @@ def _rope(config: dict[str, Any], head_dim: int) -> tuple[float, dict[str, Any] 
         params.setdefault("original_max_position_embeddings",
                           config.get("original_max_position_embeddings") or config.get("max_position_embeddings"))
     return theta, {"rope_type": rope_type, **params}
+
+
+def _alibi(config: dict[str, Any]) -> dict[str, Any]:
+    """MPT's attn_config, checked: ALiBi on, no q/k LayerNorm, no biases (what transformers runs)."""
+    attn = config.get("attn_config") or {}
+    if not isinstance(attn, dict):
+        raise ValueError(f"model config: attn_config must be an object, got {attn!r}")
+    if not attn.get("alibi", True):
+        raise ValueError("model config: attn_config.alibi false (learned positions) is not supported; supported: true")
+    if attn.get("qk_ln"):
+        raise ValueError("model config: attn_config.qk_ln true is not supported; supported: false")
+    if not config.get("no_bias", True):
+        raise ValueError("model config: no_bias false is not supported for MptForCausalLM; supported: true")
+    if int(config.get("expansion_ratio") or 4) != 4:  # transformers' MPT builds 4 x d_model whatever it says
+        raise ValueError(f"model config: expansion_ratio {config.get('expansion_ratio')!r} is not supported; "
+                         "supported: 4")
+    if config.get("logit_scale") is not None:
+        raise ValueError("model config: logit_scale is not supported for MptForCausalLM; supported: null")
+    bias_max = attn.get("alibi_bias_max", 8)
+    if bias_max != 8:  # every released MPT uses 8, and transformers' MPT applies 8 whatever the config says
+        raise ValueError(f"model config: attn_config.alibi_bias_max {bias_max!r} is not supported; supported: 8")
+    out: dict[str, Any] = {"alibi_bias_max": 8.0}
+    for key, field_name in (("softmax_scale", "softmax_scale"), ("clip_qkv", "clip_qkv")):
+        if attn.get(key) is not None:
+            out[field_name] = _positive_or_none(attn, key)
+    return out
+
+
+def _bloom(config: dict[str, Any]) -> dict[str, Any]:
+    """BLOOM: ALiBi with the slopes of MPT's formula at bias max 8 (the two agree for every head
+    count), biased LayerNorms, a LayerNorm on the embeddings."""
+    if config.get("apply_residual_connection_post_layernorm"):
+        raise ValueError("model config: apply_residual_connection_post_layernorm true is not supported; "
+                         "supported: false")
+    return {"alibi_bias_max": 8.0, "norm_bias": True, "embed_norm": True}
+
+
+def _falcon(config: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Falcon's ALiBi variant (Falcon-RW): one KV head per head, attention then MLP; the RoPE,
+    multi-query and parallel-attention Falcons are refused by field."""
+    for key, want in (("alibi", True), ("multi_query", False), ("parallel_attn", False),
+                      ("new_decoder_architecture", False)):
+        if bool(config.get(key, not want)) != want:
+            raise ValueError(f"model config: {key} {str(not want).lower()} is not supported for FalconForCausalLM "
+                             f"(its ALiBi variant, Falcon-RW, is); supported: {str(want).lower()}")
+    if (config.get("activation") or "gelu") != "gelu":
+        raise ValueError(f"model config: activation {config.get('activation')!r} is not supported; supported: 'gelu'")
+    return {"alibi_bias_max": 8.0, "norm_bias": True, "alibi_scale": head_dim ** -0.5}
 
 
 def _positive_or_none(config: dict[str, Any], name: str) -> float | None:

@@ -63,6 +63,9 @@ class EngineStats:
     kv_swap_outs_total: int = 0
     kv_swap_ins_total: int = 0
     num_swapped: int = 0
+    # KV events (runtime/kv_events/): batches published, and dropped from a full hand-off queue.
+    kv_events_published_total: int = 0
+    kv_events_dropped_total: int = 0
     kv_offload_store_seconds: list[float] = field(default_factory=list)
     kv_offload_load_seconds: list[float] = field(default_factory=list)
     # Observations since the previous get_stats() (seconds).
@@ -75,6 +78,11 @@ class EngineStats:
     # steps since the previous get_stats() (seconds), for kvserve:step_duration_seconds.
     step_phase_durations: dict[str, list[float]] = field(default_factory=dict)
     timestamp: float = 0.0
+    # LoRA (vllm:lora_requests_info): names of the adapters of running / waiting requests, and
+    # max_loras (0: LoRA off).
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0
     # Data-parallel engines of this server (runtime/engine/data_parallel.py), and the durations of
     # live layout changes since the previous get_stats() (kvserve:reshape_seconds).
     data_parallel_size: int = 1

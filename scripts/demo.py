@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import copy
 import json
@@ -36,8 +37,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))  # sibling scripts (rbac_audit)
 
 BIN = Path(sys.executable).parent
 WORK = ROOT / "build" / "demo"
@@ -50,13 +50,22 @@ RUNTIME_PORT, AGENT_PORT = 8000, 8081
 # in front with scale to zero after 15 idle seconds.
 DEMO_SPEC = {
     "runtime": {"maxModelLen": 1024, "maxNumSeqs": 4, "args": ["--num-kv-blocks", "96"],
-                "resources": None},
+                "resources": None, "adminApiKeySecret": {"name": "tiny-cpu-admin", "key": "key"}},
+    # Two devices per pod (two CPU ranks here), as 2 x TP1 or 1 x TP2, changed in place (docs/reshape.md).
+    "parallelism": {"devicesPerPod": 2, "tensor": {"min": 1, "max": 2, "initial": 1}},
     "autoscaling": {"minReplicas": 0, "maxReplicas": 3, "targetKVCacheUtilization": 0.6,
                     "targetQueueDepth": 2, "scaleUpStabilizationSeconds": 2,
                     "scaleDownStabilizationSeconds": 20, "panicWindowSeconds": 10,
-                    "scaleToZeroAfterSeconds": 15},
-    "router": {"enabled": True, "holdTimeoutSeconds": 180},
+                    "scaleToZeroAfterSeconds": 15,
+                    "layout": {"stabilizationSeconds": 1, "reshapeCostMultiple": 2, "highLoadRequests": 3,
+                               "lowLoadRequests": 1}},
+    # kvEvents off: here every pod shares this machine's network, and the KV events port binds on
+    # every interface, so only one pod could publish (in a cluster each pod has its own).
+    "router": {"enabled": True, "holdTimeoutSeconds": 180, "kvEvents": False},
 }
+# The admin key the demo stores in the Secret spec.runtime.adminApiKeySecret names: the operator
+# reads it to change the pods' layout, the pods get it as KVSERVE_ADMIN_API_KEY (secretKeyRef).
+DEMO_SECRETS = {("tiny-cpu-admin", "key"): "demo-admin-" + os.urandom(8).hex()}
 MODEL_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2)
 
@@ -160,6 +169,9 @@ def pod_env(container: dict, base: dict[str, str], run_dir: Path) -> dict[str, s
     for var in container.get("env") or []:
         if var["name"].startswith("KVSERVE_") and "value" in var:
             env[var["name"]] = _local_path(var["value"], run_dir)
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef") or {}
+        if var["name"].startswith("KVSERVE_ADMIN") and (ref.get("name"), ref.get("key")) in DEMO_SECRETS:
+            env[var["name"]] = DEMO_SECRETS[(ref["name"], ref["key"])]  # the demo's own Secret
     return env
 
 
@@ -726,6 +738,14 @@ def pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
+def describe(d: dict) -> str:
+    """A decision's move: replicas and TP, or a pod layout changed in place (devicesPerPod)."""
+    if "toLayout" in d:
+        return f"layout {d['fromLayout']} -> {d['toLayout']} (in place)"
+    return (f"replicas {d['fromReplicas']} -> {d['toReplicas']}, TP "
+            f"{d['fromTensorParallelSize']} -> {d['toTensorParallelSize']}")
+
+
 class Watcher:
     """Prints each new autoscaling decision from the resource's status as it appears."""
 
@@ -751,16 +771,17 @@ class Watcher:
                 if key not in self.seen:
                     self.seen.add(key)
                     self.decisions.append(d)
-                    tqdm.write(f"    \033[33mdecision\033[0m {d['time']}: replicas "
-                               f"{d['fromReplicas']} -> {d['toReplicas']}, TP "
-                               f"{d['fromTensorParallelSize']} -> {d['toTensorParallelSize']}: "
+                    tqdm.write(f"    \033[33mdecision\033[0m {d['time']}: {describe(d)}: "
                                f"{d['reason']} ({d.get('message', '')[:90]})", file=sys.stdout)
             self.stop.wait(0.5)
 
     def line(self) -> str:
         st = self.obj.get("status") or {}
+        layout = st.get("layout") or {}
+        shape = (f"{layout['dataParallel']}xTP{layout['tensorParallel']}" if layout
+                 else f"TP {st.get('tensorParallelSize', '?')}")
         return (f"ready {st.get('readyReplicas', 0)}/{st.get('desiredReplicas', '?')} "
-                f"TP {st.get('tensorParallelSize', '?')} KV {st.get('kvCacheUtilizationPercent', '-')}% "
+                f"{shape} KV {st.get('kvCacheUtilizationPercent', '-')}% "
                 f"queue {st.get('queueDepth', '-')}")
 
 
@@ -822,6 +843,7 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
         ("TTFT p50 / p99", f"{1000 * pct(ttft, 0.5):.0f} ms / {1000 * pct(ttft, 0.99):.0f} ms"),
         ("TPOT p50 / p99", f"{1000 * pct(tpot, 0.5):.1f} ms / {1000 * pct(tpot, 0.99):.1f} ms"),
         ("most ready replicas", str(watcher.max_replicas)),
+        ("layout changes", reshape_line(events)),
         ("Events posted", f"{len(events)}: " + ", ".join(
             f"{reason} {n}" for reason, n in sorted(collections.Counter(e.get("reason", "") for e in events).items()))),
     ]
@@ -833,8 +855,7 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
     say("    autoscaling decisions (status.decisions, newest last):")
     for d in watcher.decisions:
         sig = d.get("signals") or {}
-        say(f"      {d['time']}  replicas {d['fromReplicas']}->{d['toReplicas']}  "
-            f"TP {d['fromTensorParallelSize']}->{d['toTensorParallelSize']}  {d['reason']}: "
+        say(f"      {d['time']}  {describe(d)}  {d['reason']}: "
             f"{d.get('message', '')}  [pods {sig.get('pods')}, KV {sig.get('kvCacheUtilization')}, "
             f"queue {sig.get('queueDepth')}]")
     if not watcher.decisions:
@@ -846,6 +867,17 @@ def summary(results: list[Result], duration: float, watcher: Watcher, events: li
     say("    Events (kubectl get events):")
     for e in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")[-12:]:
         say(f"      {e.get('type', ''):<8} {e.get('reason', ''):<16} {(e.get('message') or '')[:100]}")
+
+
+def reshape_line(events: list[dict]) -> str:
+    """The in-place layout changes (ReshapedInPlace Events) with their durations."""
+    import re
+
+    done = [e.get("message") or "" for e in events if e.get("reason") == "ReshapedInPlace"]
+    if not done:
+        return "none"
+    moves = [m.group(1) for e in done if (m := re.search(r": (\S+ -> \S+ in [\d.]+s)", e))]
+    return f"{len(done)} in place, no pod restarted: " + ", ".join(moves[:6]) + (" ..." if len(moves) > 6 else "")
 
 
 def rbac_report(emulator) -> set:
@@ -893,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     model = demo_model()
 
     header("2/8", "Kubernetes API: EMULATED (kmock KubernetesEmulator, in this process)")
-    from kube_emulator import EmulatorThread
+    from kvserve.testing.kube_emulator import EmulatorThread
 
     emulator = EmulatorThread().start()
     api = Api(emulator.url)
@@ -925,6 +957,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"    spec.model.uri: {model} (instead of {yaml.safe_load(EXAMPLE.read_text())['spec']['model']['uri']})")
         say(f"    overrides: {json.dumps(DEMO_SPEC, separators=(',', ':'))}")
         path = f"/apis/kvserve.dev/v1alpha1/namespaces/{ns}/inferenceservices"
+        for (secret, key), value in DEMO_SECRETS.items():
+            api.call("POST", f"/api/v1/namespaces/{ns}/secrets",
+                     {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": ns},
+                      "data": {key: base64.b64encode(value.encode()).decode()}})
+        say(f"    Secret {', '.join(n for n, _ in DEMO_SECRETS)}: the admin key for in-place layout changes")
         api.call("POST", path, isvc)
         watcher = Watcher(api, f"{path}/{name}")
         watcher.thread.start()
@@ -937,6 +974,17 @@ def main(argv: list[str] | None = None) -> int:
         wait(lambda: (watcher.obj.get("status") or {}).get("readyReplicas"), 120, "a ready pod")
         wait(kubelet.router_ips, 60, "a ready router pod")
         say(f"    runtime pod and router pod ready after {time.monotonic() - t0:.1f}s: {watcher.line()}")
+        # devicesPerPod 2: quiet, the operator gives the pod the latency layout, in place; the
+        # burst below takes it back to the throughput layout while requests stream.
+        t0 = time.monotonic()
+        try:
+            wait(lambda: ((watcher.obj.get("status") or {}).get("layout") or {}).get("tensorParallel") == 2
+                 and any(e.get("reason") == "ReshapedInPlace" for e in api.items(f"/api/v1/namespaces/{ns}/events")),
+                 60, "the quiet pod's layout change")
+            say(f"    quiet: the pod went to the latency layout in place after {time.monotonic() - t0:.1f}s: "
+                f"{watcher.line()}")
+        except RuntimeError as e:
+            say(f"    {e} ({watcher.line()})")
 
         header("5/8", f"Burst: {args.conversations} chats x {args.turns} turns, {args.concurrency} at a time, "
                       f"through the router (each turn resends the history)")

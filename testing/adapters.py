@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from kvserve.testing.realmodel import REPO_ROOT
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Random A and B of SmolLM2 adapters: enough to change greedy answers, not enough for noise.
+STD = 0.05
 
 
 def build_lora_adapter(base_dir, out_dir, *, r: int = 8, lora_alpha: float = 16,
@@ -23,23 +25,37 @@ def build_lora_adapter(base_dir, out_dir, *, r: int = 8, lora_alpha: float = 16,
                        use_rslora: bool = False, layers_to_transform: Sequence[int] | None = None,
                        rank_pattern: dict | None = None, alpha_pattern: dict | None = None) -> pathlib.Path:
     """Writes a PEFT adapter directory for the model at `base_dir` (A and B random at `std`)."""
+    options = dict(r=r, lora_alpha=lora_alpha, target_modules=target_modules, seed=seed, std=std,
+                   use_rslora=use_rslora, layers_to_transform=layers_to_transform, rank_pattern=rank_pattern,
+                   alpha_pattern=alpha_pattern)
+    return build_lora_adapters(base_dir, {out_dir: options})[0]
+
+
+def build_lora_adapters(base_dir, adapters: dict) -> list[pathlib.Path]:
+    """Several adapters on one load of the base model: {out_dir: build_lora_adapter's options}."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    out = pathlib.Path(out_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM", use_rslora=use_rslora,
-                        layers_to_transform=list(layers_to_transform) if layers_to_transform else None,
-                        rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {})
-    peft_model = get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-    peft_model.save_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    out = []
+    for out_dir, o in adapters.items():
+        config = LoraConfig(r=o.get("r", 8), lora_alpha=o.get("lora_alpha", 16),
+                            target_modules=list(o.get("target_modules") or ALL_MODULES), lora_dropout=0.0,
+                            bias="none", task_type="CAUSAL_LM", use_rslora=o.get("use_rslora", False),
+                            layers_to_transform=list(o["layers_to_transform"]) if o.get("layers_to_transform")
+                            else None,
+                            rank_pattern=o.get("rank_pattern") or {}, alpha_pattern=o.get("alpha_pattern") or {})
+        pm = get_peft_model(model, config)
+        gen = torch.Generator().manual_seed(o.get("seed", 0))
+        std = o.get("std", 0.05)
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_A" in name or "lora_B" in name:
+                    p.copy_(std * torch.randn(p.shape, generator=gen))
+        pm.save_pretrained(str(out_dir))
+        model = pm.unload()  # the base model again, for the next adapter
+        out.append(pathlib.Path(out_dir))
     return out
 
 
@@ -62,14 +78,13 @@ def ensure_smollm2_adapters(base_dir, count: int = 8, *, r: int = 16, root=None)
     """`count` rank-`r` adapters on every q/k/v/o/gate/up/down of SmolLM2, cached under build/."""
     root = pathlib.Path(root or REPO_ROOT / "build" / "smollm2-loras")
     root.mkdir(parents=True, exist_ok=True)
-    out = []
+    dirs = [root / f"r{r}-s{int(STD * 1000)}-{i}" for i in range(count)]
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for i in range(count):
-            d = root / f"r{r}-{i}"
-            marker = d / "adapter_config.json"
-            if not marker.exists() or json.loads(marker.read_text()).get("r") != r:
-                # std 0.02 over 30 layers moves greedy text without turning it into noise.
-                build_lora_adapter(base_dir, d, r=r, lora_alpha=2 * r, seed=1000 + i, std=0.02)
-            out.append(d)
-    return out
+        missing = {d: dict(r=r, lora_alpha=2 * r, seed=1000 + i, std=STD) for i, d in enumerate(dirs)
+                   if not (d / "adapter_config.json").exists()
+                   or json.loads((d / "adapter_config.json").read_text()).get("r") != r}
+        if missing:
+            # STD over 30 layers changes greedy text without turning it into noise.
+            build_lora_adapters(base_dir, missing)
+    return dirs

@@ -12,7 +12,7 @@ import pathlib
 from typing import Any
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v2", "deepseek_v3", "phi3")
+         "deepseek_v2", "deepseek_v3", "phi3", "mpt", "bloom", "falcon")
 
 INIT_STD = 0.1
 
@@ -99,6 +99,22 @@ def _config(arch: str, overrides: dict[str, Any]):
                       hidden_activation="gelu_pytorch_tanh")
     kwargs.update(_FAMILY_DEFAULTS.get(arch, {}))
     kwargs.update(overrides)
+    if arch == "mpt":  # MPT's own names; multi-head, tied, no biases, ALiBi, an MLP of 4 x d_model
+        kwargs = dict(d_model=kwargs["hidden_size"], n_heads=kwargs["num_attention_heads"],
+                      n_layers=kwargs["num_hidden_layers"], expansion_ratio=4,
+                      max_seq_len=kwargs["max_position_embeddings"], vocab_size=kwargs["vocab_size"],
+                      layer_norm_epsilon=kwargs.get("layer_norm_epsilon", 1e-5), initializer_range=INIT_STD,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_config=kwargs.get("attn_config"))
+    if arch == "bloom":  # BLOOM's names; multi-head, tied, biases everywhere, ALiBi, an MLP of 4 x hidden
+        kwargs = dict(hidden_size=kwargs["hidden_size"], n_head=kwargs["num_attention_heads"],
+                      n_layer=kwargs["num_hidden_layers"], vocab_size=kwargs["vocab_size"],
+                      layer_norm_epsilon=kwargs.get("layer_norm_epsilon", 1e-5), initializer_range=INIT_STD,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "falcon":  # the ALiBi variant (Falcon-RW): a KV head per head, sequential attention and MLP
+        kwargs = dict(hidden_size=kwargs["hidden_size"], num_attention_heads=kwargs["num_attention_heads"],
+                      num_hidden_layers=kwargs["num_hidden_layers"], vocab_size=kwargs["vocab_size"], alibi=True,
+                      multi_query=False, parallel_attn=False, new_decoder_architecture=False, bias=True,
+                      initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
@@ -112,6 +128,9 @@ def _config(arch: str, overrides: dict[str, Any]):
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "phi3": transformers.Phi3Config,
+        "mpt": transformers.MptConfig,
+        "bloom": transformers.BloomConfig,
+        "falcon": transformers.FalconConfig,
     }[arch]
     return cls(**kwargs)
 
@@ -132,6 +151,9 @@ def _model_class(arch: str):
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
+        "mpt": transformers.MptForCausalLM,
+        "bloom": transformers.BloomForCausalLM,
+        "falcon": transformers.FalconForCausalLM,
     }[arch]
 
 
@@ -189,7 +211,8 @@ def build_tiny_model(path, arch: str = "llama", *, seed: int = 0, **config_overr
         gen = torch.Generator().manual_seed(seed)
         gemma = arch.startswith("gemma")
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if (name.endswith("norm.weight") or (arch == "mpt" and "norm_" in name)  # MPT: norm_1/2, norm_f
+                    or name.endswith("ln_f.weight")):  # BLOOM's final norm
                 # Norm gains around 1 with some spread, so q/k norms and final norm are not no-ops
                 # (Gemma's norms scale by 1 + weight).
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))

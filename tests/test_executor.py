@@ -148,8 +148,10 @@ def test_the_platform_is_asked_which_kernels_serve_an_operation():
     assert CPU.native_write_kv(f32, f32, pool) == loaded and not CPU.native_write_kv(bf16, bf16, pool.bfloat16())
     assert CPU.native_token_bitmask(logits) == loaded
     assert not CPU.native_token_bitmask(logits.t()) and not CPU.native_token_bitmask(logits.double())
+    assert CPU.native_int_weights() == loaded and CPU.torch_packed_int_weights()
     for question in (CUDA.native_ops(f32), CUDA.native_write_kv(f32, f32, pool),
-                     CUDA.native_decode_attention(f32, pool), CUDA.native_token_bitmask(logits), CUDA.native_kernels()):
+                     CUDA.native_decode_attention(f32, pool), CUDA.native_token_bitmask(logits), CUDA.native_kernels(),
+                     CUDA.native_int_weights(), CUDA.torch_packed_int_weights()):
         assert question is False
 
 

@@ -239,3 +239,7 @@ def test_engine_events_name_the_prefix_cache_blocks(tiny_llama):
         engine.close()
     with pytest.raises(ValueError, match="kv_events_config"):
         LLMEngine.from_args(model=str(tiny_llama), enable_prefix_caching=False, kv_events_config=config)
+
+
+# Data-parallel engines share one publisher (engine 0 binds the pod's one endpoint, the others
+# publish through it): tests/test_reshape.py test_data_parallel_engines_share_one_kv_events_endpoint.

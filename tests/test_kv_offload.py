@@ -120,13 +120,15 @@ def test_returning_prompts_load_from_the_tier_bit_exact(tiny_llama, reference, t
     engine.close()
 
 
-def test_swap_preemption_equals_recompute_preemption(tiny_llama, reference):
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache-and-tier"])
+def test_swap_preemption_equals_recompute_preemption(tiny_llama, caching):
     prompts = conversations()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
+    tier = dict(kv_offload_bytes=1 << 24) if caching else {}
     for swap in (0, 0.01):
         # 24 blocks of 4 tokens for six 40-token prompts growing by 24: running sequences are preempted.
-        engine = make_engine(tiny_llama, swap_space=swap, enable_prefix_caching=False)
+        engine = make_engine(tiny_llama, swap_space=swap, enable_prefix_caching=caching, **(tier if swap else {}))
         outs[swap] = run(engine, prompts, params)
         stats = engine.get_stats()
         assert stats.num_preemptions_total > 0
@@ -136,6 +138,36 @@ def test_swap_preemption_equals_recompute_preemption(tiny_llama, reference):
         assert_no_leak(engine)
         engine.close()
     assert outs[0.01] == outs[0]
+
+
+def test_an_aborted_swapped_request_gives_its_swap_space_back(tiny_llama):
+    engine = make_engine(tiny_llama, swap_space=0.01, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(conversations()):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(500):
+        engine.step()
+        swapped = [s for s in engine.scheduler.waiting if s.swapped is not None]
+        if swapped:
+            break
+    assert swapped, "nothing was swapped out"
+    assert engine.get_stats().kv_swap_used_bytes > 0
+    for i in range(6):
+        engine.abort_request(f"r{i}")
+    engine.step()
+    stats = engine.get_stats()
+    assert stats.kv_swap_used_bytes == 0 and stats.num_swapped == 0
+    assert not engine.has_unfinished_requests()
+    assert_no_leak(engine)
+    assert len(engine.executor.offloader.stores[1]) == 0  # the host copies are gone too
+    engine.close()
+
+
+def test_without_a_tier_nothing_is_hooked(tiny_llama):
+    with make_engine(tiny_llama) as engine:
+        assert engine.offload is None and engine.executor.offloader is None
+        assert engine.scheduler.offload is None
+        assert engine.block_manager.tier_lookup is None and engine.block_manager.on_evict is None
 
 
 # -- warm restarts and namespaces ----------------------------------------------------------------
@@ -200,6 +232,7 @@ import textwrap  # noqa: E402
 
 import torch  # noqa: E402
 
+from kvserve.runtime.engine.sequence import SequenceStatus  # noqa: E402
 from kvserve.runtime.kv_offload.namespace import Namespace  # noqa: E402
 from kvserve.runtime.kv_offload.store import FileStore  # noqa: E402
 
@@ -348,16 +381,22 @@ def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_l
 
     from kvserve.runtime.server.main import ServerThread
 
-    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "4",
-                        "--num-kv-blocks", "24", "--max-model-len", "128", "--kv-offload-bytes", str(1 << 24),
-                        "--kv-offload-dir", str(tmp_path), "--swap-space", "0.001"])
-    srv.start()
-    try:
+    def start():
+        srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "4",
+                            "--num-kv-blocks", "24", "--max-model-len", "128", "--kv-offload-bytes", str(1 << 24),
+                            "--kv-offload-dir", str(tmp_path), "--swap-space", "0.001"])
+        srv.start()
         wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        prompts = conversations()
-        texts = [[client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0).choices[0].text
-                  for p in prompts] for _ in range(2)]
+        return srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+    def complete(client, prompts):
+        return [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0).choices[0].text
+                for p in prompts]
+
+    prompts = conversations()
+    srv, client = start()
+    try:
+        texts = [complete(client, prompts) for _ in range(2)]
         assert texts[0] == texts[1]
         snap = metrics(srv.url)
         assert m(snap, "vllm:external_prefix_cache_hits_total") > 0
@@ -367,6 +406,14 @@ def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_l
         assert 0 < m(snap, "kvserve:kv_offload_used_bytes") <= 1 << 24
         assert m(snap, "kvserve:kv_offload_load_seconds_count") > 0
         assert m(snap, "vllm:num_requests_swapped") == 0 and m(snap, "vllm:cpu_cache_usage_perc") == 0
+        fresh = conversations(seed=9, n=1)
+        answer = complete(client, fresh)  # its blocks are only in the pool when the server stops
+    finally:
+        assert srv.stop() == 0  # SIGTERM's path: the pool's cached blocks are written to the tier
+    srv, client = start()
+    try:
+        assert complete(client, fresh) == answer
+        assert m(metrics(srv.url), "vllm:external_prefix_cache_hits_total") == 39
     finally:
         assert srv.stop() == 0
 
@@ -416,3 +463,96 @@ def test_tensor_parallel_ranks_store_and_reload_their_own_shards(tiny_llama, ref
     with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as tp1:
         run(tp1, prompts[:1])
         assert tp1.get_stats().kv_offload_loaded_bytes_total == 0
+
+
+# -- the block manager with the tier: a property test of the bookkeeping ---------------------------
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SEQ_OPS = st.lists(st.one_of(st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 6)),
+                             st.tuples(st.just("request"), st.integers(0, 2), st.integers(4, 6)),
+                             st.tuples(st.just("request"), st.integers(0, 2), st.integers(4, 6)),
+                             st.tuples(st.just("free"), st.integers(0, 20), st.just(0)),
+                             st.tuples(st.just("corrupt"), st.integers(0, 50), st.just(0))),
+                   min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=SEQ_OPS, tier_blocks=st.integers(0, 12))
+@example(ops=[("request", 0, 6), ("request", 1, 6), ("request", 0, 6)], tier_blocks=12)  # a tier hit
+@example(ops=[("request", 0, 6), ("request", 1, 6), ("corrupt", 3, 0), ("request", 0, 6), ("request", 2, 6),
+              ("request", 1, 4)], tier_blocks=6)  # an unreadable block, and the tier's own evictions
+def test_pool_and_tier_never_lose_or_mix_up_a_block(ops, tier_blocks):
+    """Blocks hold "content" (the hash they were computed for). Whatever the admissions, frees,
+    evictions and unreadable tier entries, every block a sequence holds has the right content,
+    every block saved to the tier is saved before it is overwritten, and nothing leaks."""
+    from kvserve.runtime.engine.block_manager import BlockManager
+    from kvserve.runtime.engine.prefix_cache import block_hashes
+    from kvserve.runtime.kv_offload.manager import OffloadManager
+
+    bm = BlockManager(10, 2, enable_caching=True)
+    content: dict[int, bytes | None] = {}
+    stored: dict[bytes, bytes] = {}
+    unreadable: set[bytes] = set()
+
+    def apply(batch):
+        failed = []
+        for op in batch:
+            if op[0] == "save":
+                _, _, _, block, key = op
+                assert content.get(block) == key[1:], "a block was overwritten before it was saved"
+                stored[key] = content[block]
+            elif op[0] == "load":
+                _, _, _, block, key = op
+                if key in unreadable or key not in stored:
+                    failed.append(key)
+                else:
+                    content[block] = stored[key]
+            else:
+                stored.pop(op[2], None)
+        return failed
+
+    offload = OffloadManager(apply=apply, block_bytes=[1], block_size=2, tier_bytes=tier_blocks, swap_bytes=0)
+    from kvserve.runtime.engine.scheduler import Scheduler, SchedulerConfig
+    from kvserve.runtime.engine.sequence import Sequence
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), bm)
+    bm.tier_lookup, bm.on_evict, sched.offload = offload.tier_lookup(0), offload.on_evict(0), offload
+    families = [[f * 100 + i for i in range(12)] for f in range(4)]  # shared prefixes within a family
+    live: list[Sequence] = []
+    for kind, a, b in ops:
+        if kind in ("admit", "request"):  # a request finishes at once; an admitted sequence stays
+            seq = Sequence(f"s{len(live)}", families[a][: 2 * b + 1], max_tokens=1)
+            sched.add(seq)
+            out = sched.schedule()
+            for item in out.scheduled:  # the forward pass: computed positions get their content
+                s = item.seq
+                if any(s is x for x in live):
+                    continue  # already computed (it stays running until freed here)
+                table = bm.get_block_table(s.seq_id)
+                hashes = block_hashes(s.token_ids, 2)
+                for i in range(item.start // 2, (item.start + item.num_new_tokens) // 2):
+                    content[table[i]] = hashes[i]
+                s.num_computed_tokens += item.num_new_tokens
+                s.block_hashes = hashes
+                bm.register(s.seq_id, hashes)
+                live.append(s)
+            while sched.waiting:  # not admitted (no room): it leaves
+                sched.finish(sched.waiting[0], SequenceStatus.FINISHED_ABORTED)
+            if kind == "request" and live and live[-1] is seq:
+                sched.finish(live.pop(), SequenceStatus.FINISHED_STOPPED)
+        elif kind == "free" and live:
+            s = live.pop(a % len(live))
+            sched.finish(s, SequenceStatus.FINISHED_STOPPED)
+        elif kind == "corrupt" and offload.tier is not None and len(offload.tier):
+            unreadable.add(offload.tier.keys()[a % len(offload.tier)])
+        bm.check_invariants()
+        for s in live:  # every full block a live sequence holds has its content
+            table = bm.get_block_table(s.seq_id)
+            for i, h in enumerate(block_hashes(s.token_ids, 2)[: s.num_computed_tokens // 2]):
+                assert content.get(table[i]) == h
+        assert offload.tier is None or offload.tier.used_bytes <= tier_blocks
+    for s in live:
+        sched.finish(s, SequenceStatus.FINISHED_STOPPED)
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0

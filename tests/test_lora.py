@@ -93,6 +93,20 @@ def test_other_families_match_peft(tiny_model_factory, tmp_path, arch):
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
 
 
+def test_moe_model_adapts_attention_and_refuses_experts(tiny_model_factory, tmp_path):
+    """MoE families: the attention projections (dense) take adapters; expert MLPs are refused."""
+    base = tiny_model_factory("qwen2_moe")
+    attn = build_lora_adapter(base, tmp_path / "attn", r=4, seed=21, std=0.15,
+                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    pm = peft_model(base, {"attn": str(attn)})
+    with LLM(str(base), enable_lora=True, max_lora_rank=8, num_kv_blocks=64, block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=LoRARequest("attn", 1, str(attn)))
+        assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, "attn", p) for p in PROMPTS[:2]]
+        experts = build_lora_adapter(base, tmp_path / "experts", r=4, seed=22, target_modules=["gate_proj"])
+        with pytest.raises(ValueError, match="shared_expert.gate_proj': not supported .* MoE experts"):
+            llm.engine.add_lora(LoRARequest("experts", 2, str(experts)))
+
+
 # -- the engine's adapter API and its errors -------------------------------------------------------
 def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_factory, tmp_path):
     base, adapters, _, llm, requests = llama_setup
@@ -144,6 +158,10 @@ def test_remove_refuses_an_adapter_in_use(llama_setup):
     _, _, _, llm, requests = llama_setup
     engine = llm.engine
     engine.add_request("busy", PROMPTS[0], GREEDY, lora_request=requests["qv4"])
+    stats = engine.get_stats()
+    assert (stats.waiting_lora_adapters, stats.running_lora_adapters, stats.max_lora) == (["qv4"], [], 4)
+    engine.step()
+    assert engine.get_stats().running_lora_adapters == ["qv4"]
     with pytest.raises(ValueError, match="in use by 1 unfinished request"):
         engine.remove_lora(requests["qv4"].lora_int_id)
     while engine.has_unfinished_requests():
@@ -195,3 +213,56 @@ def test_ngram_speculative_decoding_with_an_adapter(llama_setup):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[requests["all8"], requests["qv4"]])
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, "all8", prompts[0]),
                                                       _reference(pm, "qv4", prompts[1])]
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen3", dict(num_key_value_heads=1))])
+def test_tensor_parallel_2_matches_peft(tiny_model_factory, tmp_path, arch, overrides):
+    """TP=2 (gloo): A and B sharded with their base layer (column-parallel q|k|v and gate|up take
+    their rows of B; row-parallel o and down their columns of A, summed in the one all-reduce);
+    with one KV head both ranks keep a copy of k/v and of their B rows."""
+    base = tiny_model_factory(arch, **overrides)
+    adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=31, std=0.1),
+                "b": build_lora_adapter(base, tmp_path / "b", r=4, seed=32, std=0.15,
+                                        target_modules=["k_proj", "v_proj", "o_proj", "down_proj"])}
+    pm = peft_model(base, {k: str(v) for k, v in adapters.items()})
+    names = ["a", None, "b", "a"]
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=4,
+             tensor_parallel_size=2, device="cpu") as llm:
+        outs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else LoRARequest(n, 1 + (n == "b"), str(adapters[n]))
+                                          for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+
+
+def test_int8_base_weights_with_adapters_match_peft_on_the_dequantized_model(tiny_model_factory, llama_setup):
+    """Quantized base (load-time int8, every linear and the vocabulary): the adapters run in full
+    precision beside it. Oracle: peft on transformers with the same dequantized int8 weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.runtime.models.quantization.packed import quantize_int8
+
+    base, adapters, _, _, requests = llama_setup
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                q, s = quantize_int8(p.data, p.shape[1])
+                p.copy_(q.float() * s)
+    pm = PeftModel.from_pretrained(hf, str(adapters["all8"]), adapter_name="all8")
+    pm.load_adapter(str(adapters["rs"]), adapter_name="rs")
+    pm.eval()
+    names = ["all8", None, "rs"]
+    with LLM(str(base), quantization="int8", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64,
+             block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+
+
+def test_structured_output_with_an_adapter(llama_setup):
+    _, _, _, llm, requests = llama_setup
+    choices = ["yes", "no", "maybe later"]
+    params = SamplingParams(max_tokens=16, temperature=0, structured_outputs={"choice": choices})
+    outs = llm.generate(["Is it?", "Or not?"], params, use_tqdm=False, lora_request=[requests["all8"], None])
+    assert all(o.outputs[0].text in choices for o in outs)

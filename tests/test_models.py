@@ -42,6 +42,14 @@ CONFIGS = [
     pytest.param("mistral", dict(sliding_window=6), id="mistral-window6"),
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, a window on every layer.
     pytest.param("phi3", dict(sliding_window=6), id="phi3-fused-window6"),
+    # MPT: ALiBi (6 heads: slopes of a non-power-of-two head count), LayerNorms, plain GELU MLP.
+    pytest.param("mpt", dict(num_attention_heads=6, hidden_size=96), id="mpt-alibi-6heads"),
+    pytest.param("mpt", dict(attn_config={"clip_qkv": 0.3, "softmax_scale": 0.2}), id="mpt-clipqkv-softmaxscale"),
+    # BLOOM: ALiBi, head-interleaved fused q|k|v, biases everywhere, a LayerNorm on the embeddings.
+    pytest.param("bloom", dict(num_attention_heads=6, hidden_size=96), id="bloom-alibi-6heads"),
+    # Falcon's ALiBi variant (Falcon-RW): BLOOM's layout, exact GELU, the biases scaled with the scores.
+    # (transformers rounds its ALiBi table to bfloat16: exact at these short positions.)
+    pytest.param("falcon", dict(num_attention_heads=6, hidden_size=96), id="falcon-alibi-6heads"),
     pytest.param("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
                  id="qwen2-window5-from-layer1"),
     pytest.param("gemma2", {}, id="gemma2-caps50-30-window8"),

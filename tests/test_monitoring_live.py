@@ -37,11 +37,14 @@ import pytest
 import test_monitoring as tmon
 import yaml
 
+from kvserve.testing.adapters import build_lora_adapter
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 NS, ISVC, POD = "ml", "chat", "chat-7d9f-abcde"
+ADAPTER = "chat-lora"
 FUNCTIONS = {"sum", "avg", "max", "min", "count", "rate", "deriv", "changes", "absent",
              "histogram_quantile", "by", "on", "and", "or", "unless", "without", "ignoring"}
 
@@ -103,10 +106,12 @@ class FakeKubeStateMetrics:
 
 
 def stream_traffic(url: str, stop: threading.Event, prefix: str):
-    """Concurrent streaming completions with a shared prefix, until stopped."""
+    """Concurrent streaming completions with a shared prefix, until stopped; the last stream asks
+    for the LoRA adapter, so the dashboard's per-adapter panel has a series."""
     def one(i: int):
+        model = ADAPTER if i == 2 else "tiny"
         while not stop.is_set():
-            body = json.dumps({"model": "tiny", "prompt": f"{prefix} {i}", "max_tokens": 12,
+            body = json.dumps({"model": model, "prompt": f"{prefix} {i}", "max_tokens": 12,
                                "stream": True}).encode()
             req = urllib.request.Request(f"{url}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
@@ -134,11 +139,13 @@ def live(tiny_llama, tmp_path_factory):
     ksm = operator = None
     stop = threading.Event()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    adapter = build_lora_adapter(tiny_llama, work / "adapter", r=4)
     try:
         procs.append(subprocess.Popen(
             [BIN / "kvserve", "serve", str(tiny_llama), "--host", "127.0.0.1",
              "--port", str(rt_port), "--served-model-name", "tiny", "--num-kv-blocks", "64",
-             "--enable-prefix-caching"],
+             "--enable-prefix-caching", "--enable-lora", "--max-lora-rank", "8",
+             "--lora-modules", f"{ADAPTER}={adapter}"],
             stdout=open(work / "runtime.log", "w"), stderr=subprocess.STDOUT, env=env))
         procs.append(subprocess.Popen(
             [BIN / "kvserve", "agent", "serve", "--engine-url", f"http://127.0.0.1:{rt_port}",

@@ -185,3 +185,141 @@ def test_parallelism_needs_the_admin_key(server):
     assert http(server, "GET", "/admin/parallelism")[0] == 401
     snap = metrics(server)
     assert m(snap, "kvserve:data_parallel_size") == 2
+
+
+def test_spare_workers_make_the_reshape_skip_worker_start_up(tiny_llama):
+    """With spare workers the layout's tensor-parallel rank is a spare started while 2 x TP1 ran;
+    the text is the same, and nothing outlives the engine."""
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.executor.multiproc import spare_worker_pids
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=256,
+                                    max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = DataParallelEngine(config, 2, spare_workers=True)
+    try:
+        spares = spare_worker_pids()
+        assert len(spares) == 1 and set(spares) <= tp_worker_pids()
+        engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+        before = [o for o in engine.step() if o.request_id == "a"]
+        engine.reshape(1, 2)
+        assert engine.engines[0].executor.worker_pids == spares and not spare_worker_pids()
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.reshape(2, 1)
+        assert len(spare_worker_pids()) == 1  # ready for the next reshape
+        engine.add_request("b", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert before and done["a"].outputs[0].token_ids == done["b"].outputs[0].token_ids
+    finally:
+        engine.close()
+    assert not spare_worker_pids() and not tp_worker_pids()
+
+
+def test_data_parallel_engines_share_one_kv_events_endpoint(tiny_llama, tmp_path):
+    """With KV events on, engine 0 binds the server's one endpoint and the others publish through
+    it (a second bind would fail the start); a reshape binds it again for the new layout."""
+    import zmq
+
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64,
+                                    max_model_len=128, enable_prefix_caching=True,
+                                    kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint})
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    engine = DataParallelEngine(config, 2)
+    try:
+        sub.connect(endpoint)
+        time.sleep(0.3)  # the subscription reaches the publisher
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        engine.add_request("a", {"prompt_token_ids": list(range(5, 21))}, params)
+        engine.add_request("b", {"prompt_token_ids": list(range(30, 46))}, params)  # the other engine
+        assert sorted(e.get_num_unfinished_requests() for e in engine.engines) == [1, 1]
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.reshape(1, 2)
+        engine.add_request("c", {"prompt_token_ids": list(range(50, 66))}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert sub.poll(5000)  # events flow on the one endpoint, from both layouts
+    finally:
+        engine.close()
+        sub.close(0)
+        context.term()
+
+
+def test_prefix_keys_and_engine_choice():
+    from kvserve.runtime.engine.layout import choose_engine, prefix_keys
+
+    a = list(range(40))
+    assert len(prefix_keys(a)) == 2  # two full blocks of 16
+    assert prefix_keys(a + [99] * 30)[:2] == prefix_keys(a) and prefix_keys([1] + a)[0] != prefix_keys(a)[0]
+    assert prefix_keys({"prompt_token_ids": a}) == prefix_keys(a) and prefix_keys("x" * 64) != []
+    assert prefix_keys(None) == [] and prefix_keys(a[:15]) == []
+    assert choose_engine([3, 1], preferred=0) == 0  # within the slack of 2: its cache wins
+    assert choose_engine([4, 1], preferred=0) == 1  # clearly busier: the least loaded
+    assert choose_engine([2, 1], preferred=None) == 1
+
+
+def test_a_conversation_turn_goes_to_the_engine_holding_its_prefix(tiny_llama):
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=128,
+                                    max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    history = list(range(5, 45))
+    with DataParallelEngine(config, 2) as engine:
+        engine.add_request("turn-1", {"prompt_token_ids": history}, params)
+        engine.add_request("other", {"prompt_token_ids": list(range(100, 140))}, params)
+        first = engine._owner["turn-1"]
+        assert engine._owner["other"] is not first  # least outstanding
+        engine.add_request("turn-2", {"prompt_token_ids": history + [7, 8, 9] * 6}, params)
+        assert engine._owner["turn-2"] is first  # its prefix ran there
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def test_parallel_samples_seeds_stop_strings_and_logprobs_survive_reshapes(tiny_llama):
+    """n > 1 with a seed, a seeded sample, a stop string and logprobs: the same outputs with two
+    reshapes mid-generation as without (the requests carry their samplers' state across)."""
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=256,
+                                    max_model_len=256)
+
+    def run(reshapes: dict) -> dict:
+        out = {}
+        with DataParallelEngine(config, 2) as engine:
+            engine.add_request("n2", {"prompt_token_ids": list(range(5, 30))},
+                               SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True))
+            engine.add_request("seeded", {"prompt_token_ids": list(range(40, 60))},
+                               SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True))
+            engine.add_request("stop", "hello world", SamplingParams(temperature=0, max_tokens=20, stop=["zz"]))
+            engine.add_request("logprobs", {"prompt_token_ids": list(range(70, 80))},
+                               SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True))
+            steps = 0
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        out[o.request_id] = [(c.token_ids, c.text, c.finish_reason,
+                                              [sorted(lp) for lp in c.logprobs or []]) for c in o.outputs]
+                steps += 1
+                if steps in reshapes:
+                    engine.reshape(*reshapes[steps])
+            assert engine.get_stats().kv_blocks_used == 0
+        return out
+
+    assert run({3: (1, 2), 7: (2, 1)}) == run({})

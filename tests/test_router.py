@@ -13,7 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json, scrape, wait_for
+
+from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json, scrape, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,8 +32,10 @@ def env(tiny_llama, tmp_path_factory):
     routers: list[RouterProcess] = []
     try:
         port = ("--runtime-port", str(pods.port))
+        # Served-based: the pods' KV events (their annotation) are test_event_fed_router's.
         prefix = RouterProcess("--inferenceservice", "tiny", *port, "--agent-port", "0", "--hold-timeout", "60",
-                               "--served-model-name", "tiny", cluster=cluster, log=work / "router-prefix.log")
+                               "--served-model-name", "tiny", "--no-kv-events", cluster=cluster,
+                               log=work / "router-prefix.log")
         routers.append(prefix)
         rr = RouterProcess("--inferenceservice", "tiny", *port, "--agent-port", "0", "--policy", "round-robin",
                            cluster=cluster, log=work / "router-rr.log")
@@ -76,10 +79,12 @@ def test_prefix_routing_finds_the_cache_round_robin_misses(env):
     assert sum(v for k, v in m.items() if k.startswith("kvserve_router_upstream_ttft_seconds_count")) >= 3
 
 
-def test_event_fed_router_ranks_pods_by_the_blocks_they_hold(env, tiny_llama):
+def test_event_fed_router_ranks_pods_by_the_blocks_they_hold(env):
     pods, work = env["pods"], env["work"]
+    # No --tokenizer, as the operator runs it: the router asks a pod's /tokenize for the token ids
+    # (its own tokenizer is tested against the runtime's hashes in test_router_kv_events.py).
     router = RouterProcess("--inferenceservice", "tiny", "--runtime-port", str(pods.port), "--agent-port", "0",
-                           "--tokenizer", str(tiny_llama), cluster=env["cluster"], log=work / "router-events.log")
+                           cluster=env["cluster"], log=work / "router-events.log")
     try:
         router.wait_ready(3, timeout=60)
         # Every pod's stream followed (the annotation gives each its own port), replayed from 0.
@@ -93,6 +98,9 @@ def test_event_fed_router_ranks_pods_by_the_blocks_they_hold(env, tiny_llama):
         m = scrape(router.url)
         hits = sum(v for k, v in m.items() if k.startswith("kvserve_router_requests_total") and "prefix-hit" in k)
         assert hits >= 4 * 2 and rate > 0.5, (hits, rate)
+        assert sum(v for k, v in m.items() if k.startswith("kvserve_router_kv_events_live{")) == 3
+        assert m["kvserve_router_kv_events_ranked_requests_total"] >= 4 * 2
+        assert all(v > 0 for k, v in m.items() if k.startswith("kvserve_router_kv_events_blocks{"))
     finally:
         router.stop()
 

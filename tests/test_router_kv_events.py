@@ -123,8 +123,11 @@ def policy_after_serving(pod: str, hashes: list[int]) -> PolicyState:
     # a's events say the prefix was evicted there, c's that c holds it (a tier counts too).
     ("events know better", PreciseMatch(10, {"a": 0, "b": 0, "c": 9}), "c", PREFIX_HIT),
     ("tier copy", PreciseMatch(10, {"a": 0, "b": 0, "c": 10 * 0.8}), "c", PREFIX_HIT),
-    # Nobody holds it any more: a new prompt's placement, not a stale affinity.
-    ("evicted everywhere", PreciseMatch(10, {"a": 0, "b": 0, "c": 0}), None, PREFIX_NEW),
+    # Not even its first block anywhere: evicted everywhere, or hashed unlike the pods (a guard
+    # against a router/runtime mismatch): what was served decides.
+    ("held nowhere", PreciseMatch(10, {"a": 0, "b": 0, "c": 0}), "a", PREFIX_HIT),
+    # Held by none of the pods that served it, by c only in part: c's part is the longest.
+    ("evicted on a", PreciseMatch(10, {"a": 0, "b": 0, "c": 2}), None, PREFIX_NEW),
     # a's events are missing (not in held): its served record stands; b's events show less.
     ("a without events", PreciseMatch(10, {"b": 6, "c": 0}), "a", PREFIX_HIT),
     # A partial index is a floor under what was served.
@@ -314,3 +317,27 @@ def test_router_prompt_hashes_equal_the_runtimes(tiny_llama):
     long = {"model": "tiny", "prompt": "word " * 200}
     ids_cut, cut = keys.token_ids("completion", long)
     assert cut and len(ids_cut) < len(tok("word " * 200)["input_ids"])
+
+
+@pytest.mark.parametrize("route, body, want", [
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}, False)),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
+              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
+       "tools": [{"type": "function", "function": {"name": "f"}}]}, False)),
+    # Options /tokenize does not take: the pods' hashes cannot be known, served-based then.
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": 1}}, None),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, None),
+    ("chat", {"model": "m", "messages": []}, None),
+    ("completion", {"model": "m", "prompt": "abc"}, ({"model": "m", "prompt": "abc", "add_special_tokens": True}, False)),
+    ("completion", {"model": "m", "prompt": ["abc", "d"], "add_special_tokens": False},
+     ({"model": "m", "prompt": "abc", "add_special_tokens": False}, False)),
+    ("completion", {"model": "m", "prompt": "x" * (64 * 1024 + 1)},
+     ({"model": "m", "prompt": "x" * (64 * 1024), "add_special_tokens": True}, True)),
+    ("completion", {"model": "m", "prompt": ""}, None),
+])
+def test_remote_tokenize_request_table(route, body, want):
+    from kvserve.runtime.router.prompt_keys import tokenize_request
+
+    assert tokenize_request(route, body) == want

@@ -141,3 +141,12 @@ def test_poller_reports_adapters_per_pod():
     poller = LoadPoller()
     poller.samples = {"pod-a": Sample(0, 0, 0, True, 0.0, frozenset({"sql"})), "pod-b": Sample(0, 0, 0, True, 0.0)}
     assert poller.adapters() == {"pod-a": {"sql"}}
+
+
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_the_router_never_forwards_the_adapter_admin_routes(path):
+    # Admin routes of the pods: a router's client (holding a user key at most) never reaches them.
+    from kvserve.runtime.router.access import RouteRefused, resolve_route
+
+    with pytest.raises(RouteRefused):
+        resolve_route("POST", path)

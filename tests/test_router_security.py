@@ -380,7 +380,7 @@ def peak_rss_mb(pid: int) -> tuple[float, float]:
 def test_forty_8mb_bodies_with_a_wrong_key_do_not_grow_the_router(tmp_path, monkeypatch):
     """40 clients send 8 MB bodies with a wrong key while no pod is ready: before, the router read
     and held every body (83 MB -> 828 MB); now each gets a 401 from its headers."""
-    from router_harness import Cluster, RouterProcess
+    from kvserve.testing.router_harness import Cluster, RouterProcess
 
     # The key comes from the environment, as on Kubernetes (a secretKeyRef).
     monkeypatch.setenv("KVSERVE_API_KEY", KEY)
@@ -431,7 +431,7 @@ def test_open_connections_are_capped(tmp_path):
     past --max-connections a new one is closed at once; a slot that frees up serves again."""
     import socket
 
-    from router_harness import RouterProcess, get_json
+    from kvserve.testing.router_harness import RouterProcess, get_json
 
     router = RouterProcess("--endpoints", "http://127.0.0.1:9", "--agent-port", "-1", "--max-connections", "20",
                            log=tmp_path / "router.log").wait_ready()

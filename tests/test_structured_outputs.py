@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from concurrent.futures import Future
 
 import jsonschema
@@ -196,7 +198,8 @@ def test_waiting_for_a_compile_does_not_hold_other_requests(llm):
     slow = so(json={"type": "object", "properties": {"slow": {"type": "boolean"}}, "required": ["slow"]},
               disable_any_whitespace=True)
     engine.structured_outputs._futures[slow.key()] = pending  # a compilation that has not finished
-    engine.add_request("slow", "Hello", sp(slow, temperature=0, max_tokens=20))
+    # add_requests without waiting (the server's path) admits it to wait in the core.
+    engine.add_requests([("slow", "Hello", sp(slow, temperature=0, max_tokens=20))])
     engine.add_request("free", "Hello", sp(temperature=0, max_tokens=5, ignore_eos=True))
     finished = {}
     for _ in range(10):
@@ -212,11 +215,40 @@ def test_waiting_for_a_compile_does_not_hold_other_requests(llm):
     assert json.loads(finished["slow"].outputs[0].text) in ({"slow": True}, {"slow": False})
 
     engine.structured_outputs._futures[slow.key()] = Future()
-    engine.add_request("aborted", "Hello", sp(slow))
+    engine.add_requests([("aborted", "Hello", sp(slow))])
     engine.abort_request("aborted")
     assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
     assert not engine.has_unfinished_requests()
     del engine.structured_outputs._futures[slow.key()]
+
+
+def test_a_direct_add_request_waits_for_its_grammar_all_or_nothing(llm):
+    """LLMEngine.add_request settles a grammar still compiling before queueing: one that fails
+    raises ValueError naming the field, and nothing is queued or held."""
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    key_params = so(json={"type": "object", "properties": {"late": {"type": "integer"}}})
+    for outcome in ("fails", "compiles"):
+        pending: Future = Future()
+        engine.structured_outputs._futures[key_params.key()] = pending
+
+        def settle(pending=pending, outcome=outcome):
+            time.sleep(0.2)
+            if outcome == "fails":
+                pending.set_exception(ValueError("structured_outputs.json: failed while compiling (injected)"))
+            else:
+                pending.set_result(engine.structured_outputs._compile(key_params))
+
+        threading.Thread(target=settle, daemon=True).start()
+        if outcome == "fails":
+            with pytest.raises(ValueError, match=r"structured_outputs\.json: failed while compiling"):
+                engine.add_request("late", "Hello", sp(key_params, max_tokens=8))
+            assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == free
+        else:
+            engine.add_request("late", "Hello", sp(key_params, temperature=0, max_tokens=8))
+            while engine.has_unfinished_requests():
+                engine.step()
+        del engine.structured_outputs._futures[key_params.key()]
 
 
 def test_stats_count_requests_and_compile_times(llm):

@@ -348,8 +348,10 @@ class RuntimeAdmin:
                 if r.status == 200:
                     return
                 message = await _error_message(r)
-                # 409: an unload while requests still use the adapter; tried again later.
-                if 400 <= r.status < 500 and r.status not in (401, 403, 408, 409, 429):
+                # 409: an unload while requests still use the adapter; tried again later. A 401/403
+                # (e.g. vLLM with an API key, which knows no admin key) is final and reported: the
+                # pod must not wait for a credential that will never change.
+                if 400 <= r.status < 500 and r.status not in (408, 409, 429):
                     raise LoadRefused(f"HTTP {r.status}: {message}")
                 raise Unreachable(f"HTTP {r.status}: {message}")
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:

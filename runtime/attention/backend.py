@@ -16,6 +16,8 @@ read them from the cache or from ``key``/``value``, whichever is faster for it.
 Per layer, ``sliding_window`` (None: full attention) restricts a query at position i to keys at
 positions i - sliding_window < j <= i (transformers' convention), and ``logits_soft_cap`` (None:
 off) replaces each scaled score s by cap * tanh(s / cap) before the mask and softmax (Gemma 2).
+``alibi_slopes`` (float32 [num_heads], None: off; MPT) adds slope_h * (j - i) to the score of a
+query at position i and a key at j (ALiBi), after soft-capping.
 A backend never reads a cache slot outside a query's window: the blocks wholly behind every
 layer's window may already be freed and reused (their block-table entries are then padding).
 """

@@ -12,6 +12,9 @@ plan is built once per step (per AttentionMetadata and window) and reused by eve
 A sliding-window layer gathers only the positions inside its queries' windows (never a slot
 behind them: those blocks may be freed), so its cost is bounded by the window, not the context.
 Soft-capped scores (Gemma 2) cannot go through SDPA; they take an explicit float32 softmax.
+ALiBi (``alibi_slopes``, MPT) goes through SDPA with an additive float mask: slope_h * (j - i)
+for a query at position i and a key at j <= i, -inf elsewhere (the native decode kernel has no
+ALiBi term, so ALiBi layers never take it).
 
 Decode rows of float32 steps on the CPU go to the native paged decode kernel instead (kernels/cpu,
 when it builds and the kernel mode allows it): it reads K/V straight out of the cache blocks
@@ -57,6 +60,9 @@ class _Group:
     # Q > 1: indices into the S * Q padded rows that are real, and their packed rows.
     keep: torch.Tensor | None = None
     out_rows: torch.Tensor | None = None
+    # Absolute positions (ALiBi's distances): of each gathered key [S, T], of each query slot [S, Q].
+    key_pos: torch.Tensor | None = None
+    row_pos: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,9 +120,11 @@ class TorchAttentionBackend:
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                sliding_window: int | None = None, logits_soft_cap: float | None = None,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         window = sliding_window
-        native_decode = platform_for(query.device).native_decode_attention(query, k_cache)
+        native_decode = (alibi_slopes is None
+                         and platform_for(query.device).native_decode_attention(query, k_cache))
         if meta.is_decode_only and native_decode:
             from kvserve.kernels.cpu import native
 
@@ -138,7 +146,8 @@ class TorchAttentionBackend:
                 query[plan.decode_rows], k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale,
                 window=window or 0, softcap=logits_soft_cap or 0.0)
         for group in plan.groups:
-            o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale, logits_soft_cap, ks, vs)
+            o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale, logits_soft_cap, ks, vs,
+                                   alibi_slopes)
             if group.keep is None:
                 out[group.rows] = o
             else:
@@ -160,7 +169,8 @@ class TorchAttentionBackend:
                 v = as_storage(v_cache)[blocks].view(v_cache.dtype).flatten(0, 1)
                 k = k[lo - first * block_size: seq_len - first * block_size]
                 v = v[lo - first * block_size: seq_len - first * block_size]
-            out[q0:q1] = self._prefill(query[q0:q1], k, v, context, lo, scale, window, logits_soft_cap, ks, vs)
+            out[q0:q1] = self._prefill(query[q0:q1], k, v, context, lo, scale, window, logits_soft_cap, ks, vs,
+                                       alibi_slopes)
         return out
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int, heads_per_kv: int, window: int | None,
@@ -232,7 +242,8 @@ class TorchAttentionBackend:
         if q_max == 1:
             # One query row at len - 1: it sees lo .. len - 1, exactly the positions gathered.
             return _Group(torch.tensor(q_starts, dtype=torch.long, device=device), slots,
-                          (pos + lo_t < lens_t)[:, None, None, :], s, 1, max_len)
+                          (pos + lo_t < lens_t)[:, None, None, :], s, 1, max_len,
+                          key_pos=pos + lo_t, row_pos=lens_t - 1)
         # Query slot j of a sequence with q new tokens is its row min(j, q - 1) (padding repeats the
         # last row) at absolute position len - q + min(j, q - 1); it sees positions up to there
         # (and, with a window, after there - window).
@@ -248,7 +259,7 @@ class TorchAttentionBackend:
         real = (torch.arange(q_max, device=device)[None, :] < q_lens_t).flatten()
         keep = real.nonzero().flatten()
         return _Group(rows, slots, visible.reshape(s, 1, heads_per_kv * q_max, max_len), s, q_max, max_len,
-                      keep, rows[keep])
+                      keep, rows[keep], key_pos=key_pos[:, 0], row_pos=row_pos[:, :, 0])
 
     def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
         """K and V rows for `slots`, copied into workspaces reused across layers and steps: fresh
@@ -272,7 +283,7 @@ class TorchAttentionBackend:
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, lo: int, scale: float,
                  window: int | None, soft_cap: float | None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """q [Q, H, D] at positions context..context+Q-1 over k/v [context+Q-lo, Hkv, D], the
         positions lo..context+Q-1 (float8 k/v with their scales, or in the model dtype)."""
         dtype = q.dtype
@@ -288,7 +299,7 @@ class TorchAttentionBackend:
         vh = v.transpose(0, 1).to(compute)[None]
         gqa = qh.shape[1] != kh.shape[1]
         windowed = window is not None and context + q_len > window
-        if context == 0 and not windowed and soft_cap is None:
+        if context == 0 and not windowed and soft_cap is None and alibi_slopes is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + context
@@ -296,6 +307,9 @@ class TorchAttentionBackend:
             mask = keys <= rows
             if windowed:
                 mask &= keys > rows - window
+            if alibi_slopes is not None:
+                bias = _alibi_bias(alibi_slopes.view(-1, 1, 1), (keys - rows)[None], mask[None], compute)
+                mask = bias[None]  # [1, H, Q, K], additive
             if soft_cap is None:
                 o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
             else:
@@ -306,7 +320,7 @@ class TorchAttentionBackend:
 
     def _attend_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
                       scale: float, soft_cap: float | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """q [S * Q, H, D], Q query rows per sequence, over each sequence's cached context."""
         dtype = q.dtype
         compute = torch.float32 if q.device.type == "cpu" else dtype
@@ -323,14 +337,28 @@ class TorchAttentionBackend:
         q = q.to(compute).view(s, nq, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, groups * nq, d)
         if k_scale is not None:
             q = q * k_scale
+        mask = group.visible
+        if alibi_slopes is not None:
+            # Rows are (query head within its KV group, query slot): head kv * G + g at slot j.
+            distance = group.key_pos[:, None, None, None, :] - group.row_pos[:, None, None, :, None]  # [S,1,1,Q,T]
+            slopes = alibi_slopes.view(1, kv_heads, groups, 1, 1)
+            visible = mask.view(s, 1, -1, nq if mask.shape[2] != 1 else 1, t)
+            mask = _alibi_bias(slopes, distance, visible, compute).reshape(s, kv_heads, groups * nq, t)
         if soft_cap is None:
-            out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible,
+            out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                                  scale=scale)
         else:
-            out = _soft_capped_attention(q, k.transpose(1, 2), v.transpose(1, 2), group.visible, scale, soft_cap)
+            out = _soft_capped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale, soft_cap)
         if v_scale is not None:
             out = out * v_scale
         return out.view(s, kv_heads, groups, nq, d).permute(0, 3, 1, 2, 4).reshape(s * nq, h, d).to(dtype)
+
+
+def _alibi_bias(slopes: torch.Tensor, distance: torch.Tensor, visible: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """slope * (key position - query position) where visible, -inf elsewhere (broadcast together)."""
+    bias = slopes.to(dtype) * distance.to(dtype)
+    return bias.masked_fill(~visible, float("-inf"))
 
 
 def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
@@ -342,6 +370,9 @@ def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vi
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if visible.dtype == torch.bool:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    else:  # an additive mask (ALiBi's biases, -inf where not visible)
+        scores = scores + visible
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v)

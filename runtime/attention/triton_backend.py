@@ -49,15 +49,16 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only or meta.max_query_len <= 1:
             return decode_attention(
                 query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
             )
         return prefill_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale, max_query_len=meta.max_query_len, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+            logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
         )

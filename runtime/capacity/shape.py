@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.runtime.architectures import architecture_of, attention_biases
+from kvserve.runtime.architectures import architecture_of, attention_biases, standard_config
 from kvserve.runtime.capacity import tp as _tp
 from kvserve.runtime.layer_types import SLIDING_ATTENTION, attention_layer_types
 
@@ -135,6 +135,7 @@ class ModelShape:
         """Reads a Hugging Face `config.json` mapping (Llama, Mistral, Qwen2, Qwen3, Gemma style;
         the expert fields of Mixtral, Qwen2/3-MoE and DeepSeek; DeepSeek's MLA fields)."""
         arch = architecture_of(config)
+        config = standard_config(config)
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])

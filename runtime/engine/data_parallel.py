@@ -3,8 +3,10 @@
 
 It is the server's one EngineClient (runtime/engine/client.py) and runs on the server's engine
 thread. Each data-parallel engine is a whole LLMEngine (scheduler, block manager, executor); a
-request group goes to the engine with the fewest unfinished requests, and each step steps every
-busy engine (in parallel threads: the forward passes release the GIL).
+request group goes to the engine that ran its prompt's longest prefix (its prefix cache holds it)
+unless that engine has clearly more unfinished requests than the least loaded one, which then
+takes it; each step steps every busy engine (in parallel threads: the forward passes release the
+GIL).
 
 Reshape (``reshape(data_parallel, tensor_parallel)``, POST /admin/parallelism) on the engine
 thread, between steps, so requests arriving meanwhile queue in the server's command queue and
@@ -25,6 +27,7 @@ The pure decisions (valid layouts, devices, placement) are in runtime/engine/lay
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -32,7 +35,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvserve.runtime.engine.layout import Layout, assign, check_layout, engine_devices, pick_engine
+from kvserve.runtime.engine.layout import (
+    Layout,
+    assign,
+    check_layout,
+    choose_engine,
+    engine_devices,
+    prefix_keys,
+)
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.stats import EngineStats
 
@@ -47,12 +57,18 @@ _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_
              "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
              "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
              "kv_swap_ins_total")
+# Counters of the KV events publisher, which engine 0 owns and the others share: counted once.
+_PUBLISHER_COUNTERS = ("kv_events_published_total", "kv_events_dropped_total")
 # Gauges that add up over engines.
 _SUMMED = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs",
            "generation_tokens_per_second", "kv_offload_capacity_bytes", "kv_offload_used_bytes",
            "kv_swap_capacity_bytes", "kv_swap_used_bytes", "num_swapped")
 _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", "e2e_latencies",
                  "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
+
+
+# Prefix keys remembered for placement (a few MB at most): about 250 prompts of 4k tokens.
+MAX_PREFIX_KEYS = 65536
 
 
 class ReshapeError(RuntimeError):
@@ -68,6 +84,8 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
         fields[name] = sum(getattr(p, name) for p in parts)
     for name in _COUNTERS:
         fields[name] = sum(getattr(p, name) for p in parts) + retired.get(name, 0)
+    for name in _PUBLISHER_COUNTERS:
+        fields[name] = getattr(first, name, 0) + retired.get(name, 0)
     success: dict[str, int] = dict(retired.get("request_success_total", {}))
     for p in parts:
         for k, v in p.request_success_total.items():
@@ -75,6 +93,8 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
     fields["request_success_total"] = success
     for name in _OBSERVATIONS:
         fields[name] = [x for p in parts for x in getattr(p, name)]
+    for name in ("running_lora_adapters", "waiting_lora_adapters"):  # the adapters of any engine's requests
+        fields[name] = sorted({x for p in parts for x in getattr(p, name)})
     phases: dict[str, list[float]] = {}
     for p in parts:
         for k, v in p.step_phase_durations.items():
@@ -86,9 +106,9 @@ def merge_stats(parts: list[EngineStats], retired: dict[str, Any], layout: Layou
     return EngineStats(**fields)
 
 
-def _retire_into(retired: dict[str, Any], stats: EngineStats) -> None:
-    for name in _COUNTERS:
-        retired[name] = retired.get(name, 0) + getattr(stats, name)
+def _retire_into(retired: dict[str, Any], stats: EngineStats, first: bool) -> None:
+    for name in _COUNTERS + (_PUBLISHER_COUNTERS if first else ()):
+        retired[name] = retired.get(name, 0) + getattr(stats, name, 0)
     success = retired.setdefault("request_success_total", {})
     for k, v in stats.request_success_total.items():
         success[k] = success.get(k, 0) + v
@@ -98,7 +118,7 @@ class DataParallelEngine:
     """`data_parallel_size` engines of `config.tensor_parallel_size` ranks; implements EngineClient."""
 
     def __init__(self, config, data_parallel_size: int = 1,
-                 engine_factory: Callable[[Any], Any] | None = None) -> None:
+                 engine_factory: Callable[[Any], Any] | None = None, *, spare_workers: bool = False) -> None:
         if engine_factory is None:
             from kvserve.runtime.engine.llm_engine import LLMEngine
 
@@ -109,7 +129,12 @@ class DataParallelEngine:
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
+        self._started_one = False
+        # Keep G - 1 worker interpreters started while no engine uses them, so a reshape to
+        # tensor parallelism skips their start-up (multiproc.prestart_workers).
+        self.spare_workers = spare_workers
         self.engines: list[Any] = self._build(self.layout)
+        self._keep_spares()
         first = self.engines[0]
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
@@ -124,15 +149,40 @@ class DataParallelEngine:
         self.reshapes: list[dict[str, Any]] = []  # the history, newest last (bounded)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._loras: dict[int, Any] = {}  # adapters added through add_lora, loaded again after a reshape
+        self._prefixes: collections.OrderedDict[int, int] = collections.OrderedDict()  # prefix key -> engine
 
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
         devices = engine_devices(layout, str(self.config.device))
+        configs = [dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
+                   for device in devices]
+        events = getattr(self.config, "kv_events_config", None)
+        share_events = len(configs) > 1 and events is not None and events.active
+        if share_events:
+            # One endpoint per server: engine 0 binds it, the others publish through its publisher.
+            configs = configs[:1] + [dataclasses.replace(c, kv_events_config=None) for c in configs[1:]]
         engines: list[Any] = []
+        # The engines start side by side: most of a start is torch work that leaves the GIL
+        # (filling the KV pools, packing weights), so G engines take little more than one. The
+        # process's first engine starts alone: lazy imports (transformers' among them) are not
+        # safe to race from several threads.
+        futures: list[concurrent.futures.Future] = []
+        if not self._started_one:
+            first: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                first.set_result(self._factory(configs[0]))
+            except BaseException as exc:
+                first.set_exception(exc)
+            futures.append(first)
+            configs = configs[1:] if first.exception() is None else []
+            self._started_one = first.exception() is None
+        if configs:
+            with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="kvserve-dp-start") as pool:
+                futures += [pool.submit(self._factory, cfg) for cfg in configs]
+                concurrent.futures.wait(futures)
         try:
-            for device in devices:
-                cfg = dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
-                engine = self._factory(cfg)
+            for fut in futures:
+                engine = fut.result()
                 own = engine.structured_outputs
                 if self._grammars is None:
                     self._grammars = own
@@ -142,18 +192,51 @@ class DataParallelEngine:
                     engine.structured_outputs = self._grammars
                     engine.input_processor.structured_outputs = self._grammars
                 engines.append(engine)
+            if share_events:
+                self._share_kv_events(engines)
         except BaseException:
-            for engine in engines:
-                self._close_engine(engine)
+            for fut in futures:  # every engine that did start, not only those already taken
+                if fut.exception() is None:
+                    self._close_engine(fut.result())
+                    if fut.result().structured_outputs is not self._grammars:
+                        fut.result().structured_outputs.close()
             raise
         return engines
 
+    @staticmethod
+    def _share_kv_events(engines: list[Any]) -> None:
+        """The KV events of engines 1..n go out through engine 0's publisher (thread-safe: it
+        queues), so subscribers see the pod's whole cache on the pod's one endpoint."""
+        from kvserve.runtime.kv_events.events import KVEventSink
+
+        publisher = engines[0].kv_event_publisher
+        for engine in engines[1:]:
+            bm = engine.block_manager
+            pool = bm.managers[0] if hasattr(bm, "managers") else bm
+            sink = KVEventSink(pool.block_size)
+            pool.events = sink
+            if getattr(engine, "offload", None) is not None:
+                engine.offload.events = sink
+            engine.kv_event_sink, engine.kv_event_publisher = sink, publisher
+            engine.kv_events_shared = True  # engine 0 closes the publisher
+
+    def _keep_spares(self) -> None:
+        if not self.spare_workers or self.num_devices < 2:
+            return
+        from kvserve.runtime.executor.multiproc import prestart_workers
+
+        prestart_workers(self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0)
+
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
+        persist = getattr(engine, "persist_kv_offload", None)
+        if persist is not None:  # a persistent offload tier keeps the pool's cached blocks
+            persist()
         engine.executor.shutdown()
         engine.core.shutdown()
         publisher = getattr(engine, "kv_event_publisher", None)
-        if publisher is not None:  # its endpoint is free again for the next layout's engine
+        if publisher is not None and not getattr(engine, "kv_events_shared", False):
+            # its endpoint is free again for the next layout's engine
             publisher.close()
 
     # -- EngineClient ------------------------------------------------------------------------------
@@ -182,13 +265,24 @@ class DataParallelEngine:
             if rid in self._owner:
                 raise ValueError(f"request_id: {rid!r} is already in use")
         # A group (n prompts of one HTTP request) stays on one engine: it is added all or nothing.
-        engine = self.engines[pick_engine(self._loads())]
+        # It goes where its first prompt's longest prefix ran (that engine's prefix cache holds
+        # it: a conversation's next turn) unless that engine is clearly busier than the others.
+        keys = prefix_keys(requests[0][1]) if len(self.engines) > 1 else []
+        preferred = next((self._prefixes[k] for k in reversed(keys) if k in self._prefixes), None)
+        index = choose_engine(self._loads(), preferred)
+        engine = self.engines[index]
         engine.add_requests(requests, arrival_time, **kwargs)
         for rid, _, _ in requests:
             self._owner[rid] = engine
+        for k in keys:
+            self._prefixes[k] = index
+            self._prefixes.move_to_end(k)
+        while len(self._prefixes) > MAX_PREFIX_KEYS:  # bounded: the oldest keys go first
+            self._prefixes.popitem(last=False)
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, arrival_time: float | None = None) -> None:
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time)
+        # As LLMEngine.add_request: a grammar still compiling is waited for (all or nothing).
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, wait_for_grammars=True)
 
     def abort_request(self, request_id: str) -> None:
         engine = self._owner.pop(request_id, None)
@@ -258,6 +352,10 @@ class DataParallelEngine:
     def close(self) -> None:
         for e in self.engines:
             self._close_engine(e)
+        if self.spare_workers:
+            from kvserve.runtime.executor.multiproc import prestart_workers
+
+            prestart_workers(0)
         if self._grammars is not None:
             self._grammars.close()
         if self._pool is not None:
@@ -299,9 +397,9 @@ class DataParallelEngine:
             heads += detached
         heads.sort(key=lambda h: h.metrics.arrival_time)
         # 2. Free the devices; the old engines' counters stay in the totals.
-        for engine in self.engines:
+        for i, engine in enumerate(self.engines):
             stats = engine.get_stats()
-            _retire_into(self._retired, stats)
+            _retire_into(self._retired, stats, first=i == 0)
             self._retired_obs.append(stats)
             self._close_engine(engine)
         self.engines = []
@@ -317,8 +415,11 @@ class DataParallelEngine:
         for lora in self._loras.values():  # the adapters the old engines had (from local files)
             for engine in self.engines:
                 engine.add_lora(lora)
-        # 4. Resume every request on the engines now running.
+        # 4. Resume every request on the engines now running (their caches start empty: the
+        # placement memory goes too).
+        self._prefixes.clear()
         self._resume(heads)
+        self._keep_spares()
         seconds = time.perf_counter() - t0
         record = self._record(old, target, seconds, len(heads), changed=failure is None,
                               error=None if failure is None else f"{type(failure).__name__}: {failure}")

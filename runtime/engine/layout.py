@@ -73,3 +73,36 @@ def assign(loads: Sequence[int], costs: Sequence[int]) -> list[int]:
         out.append(i)
         loads[i] += cost
     return out
+
+
+# -- prefix affinity: a request goes where its prompt's prefix ran, unless that engine is busier --
+PREFIX_BLOCK_TOKENS = 16  # tokens (or 4x as many characters of a text prompt) per key
+PREFIX_SLACK = 2  # unfinished requests an engine may have beyond the least loaded and still win
+
+
+def prefix_keys(prompt, block: int = PREFIX_BLOCK_TOKENS, max_blocks: int = 256) -> list[int]:
+    """Chained keys of the prompt's leading full blocks (key i covers blocks 0..i), so two prompts
+    share exactly the keys of the blocks they share. Token ids when the prompt has them, else the
+    text in blocks of 4 x `block` characters; [] for anything else."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if isinstance(prompt, str):
+        items, size = prompt, 4 * block
+    elif isinstance(prompt, (list, tuple)):
+        items, size = prompt, block
+    else:
+        return []
+    keys, key = [], 0
+    for start in range(0, min(len(items) // size, max_blocks) * size, size):
+        key = hash((key, tuple(items[start:start + size]) if not isinstance(items, str) else items[start:start + size]))
+        keys.append(key)
+    return keys
+
+
+def choose_engine(loads: Sequence[int], preferred: int | None, slack: int = PREFIX_SLACK) -> int:
+    """The engine that served the prompt's longest known prefix (its cache holds it) unless it has
+    more than `slack` unfinished requests beyond the least loaded; else the least loaded."""
+    least = pick_engine(loads)
+    if preferred is not None and 0 <= preferred < len(loads) and loads[preferred] <= loads[least] + slack:
+        return preferred
+    return least

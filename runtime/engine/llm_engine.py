@@ -199,8 +199,12 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | dict | None = None,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
-        """Queues a request; raises ValueError naming the bad field (and queues nothing)."""
-        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, lora_request=lora_request)
+        """Queues a request; raises ValueError naming the bad field (and queues nothing). A grammar
+        still compiling is waited for, so a compile that fails raises here instead of ending a
+        queued request with "abort" (all or nothing); callers that compile first and must not
+        block (the server) use add_requests."""
+        self.add_requests([(request_id, prompt, params)], arrival_time=arrival_time, lora_request=lora_request,
+                          wait_for_grammars=True)
 
     def add_requests(self, requests: Iterable[tuple[str, Prompt, SamplingParams | dict | None]],
                      arrival_time: float | None = None, *, wait_for_grammars: bool = False,
@@ -304,17 +308,23 @@ class LLMEngine:
         """Stops and reaps the tensor-parallel workers, if any, and frees the weights and KV
         pools. Idempotent; no step() after it. A persistent offload tier first gets every cached
         block of the pool, so a restarted engine finds them."""
-        if self.offload is not None and self.executor.offloader is not None:
-            tier = self.executor.offloader.stores.get(0)
-            if getattr(tier, "persistent", False):
-                try:
-                    self.core.save_cached_blocks()
-                except Exception:  # shutting down anyway: the tier keeps what it has
-                    log.exception("kv offload: saving the pool's cached blocks at shutdown failed")
+        self.persist_kv_offload()
         self.executor.shutdown()
         self.core.shutdown()
         self.kv_event_publisher.close()
         self.structured_outputs.close()
+
+    def persist_kv_offload(self) -> None:
+        """With a persistent offload tier: writes every cached pool block it lacks (before the
+        pools go away: shutdown, or a reshape retiring this engine)."""
+        offloader = self.executor.offloader
+        if self.offload is None or offloader is None or not getattr(offloader.stores.get(0), "persistent", False):
+            return
+        try:
+            n = self.core.save_cached_blocks()
+            log.info("kv offload: %d cached pool blocks written to the persistent tier", n)
+        except Exception:  # shutting down anyway: the tier keeps what it has
+            log.exception("kv offload: saving the pool's cached blocks failed")
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -363,6 +373,17 @@ class LLMEngine:
         return [self.output_processor.make_output(head, finished=True) for head in failed]
 
     # -- statistics ------------------------------------------------------------------------------
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+
+        def names(seqs) -> list[str]:
+            ids = sorted({s.lora_int_id for s in seqs if s.lora_int_id})
+            return [r.lora_name for r in map(self.lora.get, ids) if r is not None]
+
+        return dict(running_lora_adapters=names(self.scheduler.running),
+                    waiting_lora_adapters=names(self.scheduler.waiting), max_lora=self.config.max_loras)
+
     def _offload_stats(self) -> dict[str, Any]:
         offload, offloader = self.offload, self.executor.offloader
         if offload is None or offloader is None:
@@ -382,6 +403,12 @@ class LLMEngine:
             kv_swap_outs_total=st.swap_outs, kv_swap_ins_total=st.swap_ins,
             num_swapped=sum(1 for s in self.scheduler.waiting if s.swapped is not None),
             kv_offload_store_seconds=store_s, kv_offload_load_seconds=load_s)
+
+    def _kv_events_stats(self) -> dict[str, int]:
+        if getattr(self, "kv_events_shared", False):  # engine 0's publisher, counted there only
+            return {}
+        publisher = self.kv_event_publisher
+        return {"kv_events_published_total": publisher.published, "kv_events_dropped_total": publisher.dropped}
 
     def get_stats(self) -> EngineStats:
         """Gauges and counters now, plus latency observations made since the previous call."""
@@ -416,6 +443,8 @@ class LLMEngine:
             kv_cache_dtype=str(getattr(self.config, "kv_cache_dtype", "auto")),
             grammar_compile_times=self.structured_outputs.drain_compile_times(),
             **self._offload_stats(),
+            **self._kv_events_stats(),
             timestamp=now,
+            **self._lora_stats(),
             **s.drain(),
         )

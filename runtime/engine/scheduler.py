@@ -243,6 +243,8 @@ class Scheduler:
                 del self.waiting[idx]
                 if active is not None and seq.lora_int_id:
                     active.add(seq.lora_int_id)
+                if not prefix and self.offload is not None and bm.enable_caching:
+                    self.offload.count_query(seq.num_tokens, 0)  # looked up in the tier too, found nothing
                 if bm.enable_caching:
                     self.prefix_cache_queries += seq.num_tokens
                     self.prefix_cache_hits += num_cached

@@ -196,6 +196,9 @@ class Executor:
         """Applies offload operations on rank 0 now and on the other ranks before their next
         forward pass; returns the keys whose loads failed on rank 0."""
         failed = self.driver_worker.offloader.apply(ops)
+        if failed:  # the engine forgets those: the other ranks must not load them either
+            lost = set(failed)
+            ops = [op for op in ops if not (op[0] == "load" and op[4] in lost)]
         self._share_kv_ops(ops)
         return failed
 

@@ -107,20 +107,77 @@ def _timeout_s() -> float:
     return value
 
 
+def _spawn() -> tuple[subprocess.Popen, int, int]:
+    """A worker interpreter and the engine's ends of its pipes (control write, report read)."""
+    ctrl_r, ctrl_w = os.pipe()
+    report_r, report_w = os.pipe()
+    env = dict(os.environ, KVSERVE_TP_SYS_PATH=json.dumps([p for p in sys.path if p]))
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank runs on this host
+    try:
+        popen = subprocess.Popen([sys.executable, "-c", _BOOT, str(ctrl_r), str(report_w)],
+                                 pass_fds=(ctrl_r, report_w), env=env)
+    finally:
+        os.close(ctrl_r)
+        os.close(report_w)
+    return popen, ctrl_w, report_r
+
+
+# Worker interpreters started ahead of need (prestart_workers): a live reshape to tensor
+# parallelism (runtime/engine/data_parallel.py) then does not wait for Python and torch to start.
+# Each has imported what a rank needs and waits for its rank on the control pipe.
+_spares: list[tuple[subprocess.Popen, int, int]] = []
+_spares_lock = threading.Lock()
+
+
+def _close_spare(spare: tuple[subprocess.Popen, int, int]) -> None:
+    popen, ctrl_w, report_r = spare
+    for fd in (ctrl_w, report_r):
+        try:
+            os.close(fd)  # the spare reads EOF and exits
+        except OSError:
+            pass
+    try:
+        popen.wait(2.0)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+
+
+def prestart_workers(n: int) -> None:
+    """Keeps `n` spare worker interpreters ready (0: stops them)."""
+    with _spares_lock:
+        dead = [s for s in _spares if s[0].poll() is not None]
+        live = [s for s in _spares if s[0].poll() is None]
+        extra, live = live[n:], live[:n]
+        while len(live) < n:
+            live.append(_spawn())
+        _spares[:] = live
+    for spare in dead + extra:
+        _close_spare(spare)
+
+
+def spare_worker_pids() -> list[int]:
+    with _spares_lock:
+        return [s[0].pid for s in _spares]
+
+
+def _take_spare() -> tuple[subprocess.Popen, int, int] | None:
+    with _spares_lock:
+        while _spares:
+            spare = _spares.pop(0)
+            if spare[0].poll() is None:
+                return spare
+            _close_spare(spare)
+    return None
+
+
 class _WorkerProcess:
     """One worker process and its two pipes (control: engine -> worker; report: worker -> engine)."""
 
     def __init__(self, args: WorkerArgs, config, kv_groups, max_model_len: int) -> None:
         self.rank = args.rank
-        ctrl_r, ctrl_w = os.pipe()
-        report_r, report_w = os.pipe()
-        env = dict(os.environ, KVSERVE_TP_SYS_PATH=json.dumps([p for p in sys.path if p]))
-        try:
-            self.popen = subprocess.Popen([sys.executable, "-c", _BOOT, str(ctrl_r), str(report_w)],
-                                          pass_fds=(ctrl_r, report_w), env=env)
-        finally:
-            os.close(ctrl_r)
-            os.close(report_w)
+        self.popen, ctrl_w, report_r = _take_spare() or _spawn()
         self.pid = self.popen.pid
         self.ctrl = Connection(ctrl_w, readable=False)
         self.report = Connection(report_r, writable=False)
@@ -498,3 +555,4 @@ class MultiProcExecutor(Executor):
 def _shutdown_all() -> None:
     for executor in list(_live):
         executor._stop_ranks(timeout_s=2.0)
+    prestart_workers(0)

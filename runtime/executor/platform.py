@@ -9,9 +9,11 @@ kernels (kvserve.kernels.cpu) serve an operation is asked here too, one named qu
 operation (``native_ops``, ``native_write_kv``, ``native_decode_attention``,
 ``native_token_bitmask``): the attention backend, the model and the sampler ask the platform of
 their tensors' device instead of deciding for themselves. The quantized linear methods ask it
-which kernel multiplies activations by an int4/int8 weight (``int_matmul_kernel``) and by an FP8
-one (``fp8_matmul_kernel``). (Which form a CPU weight is packed in at load, native panels or
-torch's packed layout, is still decided in runtime/models/quantization/packed.py.)
+which form an int4/int8 weight takes at load (``native_int_weights``: kvserve's native panels;
+``torch_packed_int_weights``: torch's packed CPU layouts) and which kernel multiplies activations
+by an int4/int8 weight (``int_matmul_kernel``) or an FP8 one (``fp8_matmul_kernel``); the
+switches tests and benchmarks flip (``set_cpu_packed``, ``set_cpu_native``) stay in
+runtime/models/quantization/packed.py and narrow what the platform offers.
 """
 
 from __future__ import annotations
@@ -110,6 +112,15 @@ class Platform:
 
     dequant_gemm_min_rows: int | None = None  # see DEQUANT_GEMM_MIN_ROWS; None: never
 
+    def native_int_weights(self) -> bool:
+        """Whether int4/int8 weights here are repacked at load for kvserve's native kernels."""
+        return False
+
+    def torch_packed_int_weights(self) -> bool:
+        """Whether int4/int8 weights here may take torch's packed CPU layouts
+        (aten._weight_int4pack_mm_for_cpu, aten._weight_int8pack_mm)."""
+        return False
+
     def int_matmul_kernel(self, x: torch.Tensor, group_size: int) -> str:
         """Which kernel multiplies activations `x` [.., K] by an int4/int8 weight with groups of
         `group_size` (int_matmul_choice's answers). Triton under the kernel mode (kernels/ops.py:
@@ -165,6 +176,12 @@ class CpuPlatform(Platform):
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
             return False
         return self.native_kernels()
+
+    def native_int_weights(self) -> bool:
+        return self.native_kernels()
+
+    def torch_packed_int_weights(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)

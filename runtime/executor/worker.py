@@ -296,7 +296,12 @@ class Worker:
         """Applies the step's block copies, runs the forward pass and returns the float32 logits
         of `step.logits_rows` (None when the step only fills the cache)."""
         if step.kv_ops and self.rank != 0:  # rank 0 applied them while scheduling
-            self.offloader.apply(step.kv_ops)
+            failed = self.offloader.apply(step.kv_ops)
+            if failed:
+                # Rank 0 read these blocks, this rank cannot (its own file is damaged or gone):
+                # computing on with a stale shard would give wrong tokens, so the step fails.
+                raise RuntimeError(f"kv offload: rank {self.rank} could not load {len(failed)} block(s) rank 0 "
+                                   "loaded; the step's requests are aborted")
         if self.kv_groups is None:
             copy_blocks(self.kv_caches, step.block_copies)
         else:

@@ -61,6 +61,11 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctrl = Connection(int(sys.argv[1]), writable=False)
     report = Connection(int(sys.argv[2]), readable=False)
+    # What every rank needs, before waiting for the rank: a spare started ahead of a reshape
+    # (multiproc.prestart_workers) has it loaded by the time its rank comes.
+    import torch  # noqa: F401
+
+    from kvserve.runtime.executor import worker  # noqa: F401
     try:
         args, config, kv_groups, max_model_len = pickle.loads(ctrl.recv_bytes())
     except EOFError:

@@ -85,21 +85,12 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise ValueError(f"kv_events_config: cannot open {config.endpoint!r} / "
                              f"{config.replay_endpoint!r}: {exc}") from None
+        # Read here, before the thread owns the sockets (a ZMQ socket is not thread-safe).
+        self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.replay_endpoint = (None if self._replay is None
+                                else self._replay.getsockopt(zmq.LAST_ENDPOINT).decode())
         self._thread = threading.Thread(target=self._run, name="kvserve-kv-events", daemon=True)
         self._thread.start()
-
-    @property
-    def endpoint(self) -> str:
-        """Where the PUB socket is bound (the real port when the config asked for port 0... or *)."""
-        import zmq
-
-        return self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-
-    @property
-    def replay_endpoint(self) -> str | None:
-        import zmq
-
-        return None if self._replay is None else self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
 
     def publish(self, events: Sequence[Event]) -> None:
         """One step's events; returns at once (the thread encodes and sends them)."""

@@ -39,6 +39,8 @@ class LoRABatch:
     seg_start: torch.Tensor
     seg_len: torch.Tensor
     max_seg_len: int
+    # (gather [max_loras, M], scatter [max_loras * M]): the batched form (reference.lora_sgmv_ref)
+    padded: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class LoRAState:
@@ -85,12 +87,13 @@ class LoRALinear(nn.Module):
         return self.full_in, self.out_slices[part][0]
 
     @torch.inference_mode()
-    def set_slot(self, slot: int, rank: int, weights: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Copies one adapter's (A [r, in], scaled B [out, r]) per part (None: the part is not
-        adapted) into `slot`, this rank's slice of them, padded to `rank` per part."""
-        a_t, b_t = self.a_t[slot], self.b_t[slot]
-        a_t.zero_()
-        b_t.zero_()
+    def slot_image(self, rank: int, weights: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's slot contents on the host, built once when it is loaded: its (A [r, in],
+        scaled B [out, r]) per part (None: the part is not adapted), this rank's slice of them,
+        padded to `rank` per part. Filling a slot is then two copies."""
+        a_t = torch.zeros(self.a_t.shape[1:], dtype=self.a_t.dtype)
+        b_t = torch.zeros(self.b_t.shape[1:], dtype=self.b_t.dtype)
         offset = 0
         for p, ab in enumerate(weights):
             _, start, size = self.out_slices[p]
@@ -101,6 +104,12 @@ class LoRALinear(nn.Module):
                 a_t[:, cols] = a[:, self.in_start:self.in_start + self.in_local].t().to(a_t.dtype)
                 b_t[cols, offset:offset + size] = b[start:start + size].t().to(b_t.dtype)
             offset += size
+        return a_t, b_t
+
+    @torch.inference_mode()
+    def set_slot(self, slot: int, image: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.a_t[slot].copy_(image[0], non_blocking=True)
+        self.b_t[slot].copy_(image[1], non_blocking=True)
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,9 @@ class LoRAManager:
                     raise ValueError(f"lora_name: {request.lora_name!r} is already loaded with id {other.lora_int_id}")
             self.worker.load(request)  # raises ValueError: nothing registered
             self.registry[request.lora_int_id] = request
-            self._cache_keys[request.lora_int_id] = f"lora:{request.lora_int_id}:{next(self._generation)}".encode()
+            # Name and path too: a persistent KV offload tier outlives this process's counter.
+            self._cache_keys[request.lora_int_id] = (f"lora:{request.lora_int_id}:{next(self._generation)}:"
+                                                     f"{request.lora_name}:{request.lora_path}").encode()
             return True
 
     def remove(self, lora_int_id: int) -> bool:
@@ -86,5 +88,5 @@ class LoRAManager:
             return None
         with self._lock:
             slot_of, loads = self.slots.assign(seq_ids)
-            layout = step_layout([slot_of[i] if i else -1 for i in seq_ids], seq_tokens)
+            layout = step_layout([slot_of[i] if i else -1 for i in seq_ids], seq_tokens, self.max_loras)
             return LoRAStepInput(layout, [(slot, self.registry[i]) for slot, i in loads])

@@ -48,9 +48,13 @@ class LoRAWeights:
     rank: int  # the largest rank of any of its modules (its slot rows)
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    # Set by the rank that loads it: its slot contents per wrapped layer (runtime/lora/worker.py).
+    images: list | None = None
+
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.modules.values())
+        pairs = self.images if self.images is not None else self.modules.values()
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in pairs)
 
 
 def read_config(path: str) -> dict:
@@ -168,8 +172,9 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
         m = _LAYER_MODULE.match(module)
         name = module.rsplit(".", 1)[-1]
         if m is None or name not in SUPPORTED_MODULES:
-            raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts "
-                             f"{', '.join(SUPPORTED_MODULES)} of the decoder layers)")
+            raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts the decoder "
+                             f"layers' self_attn q/k/v/o_proj and dense mlp gate/up/down_proj; MoE experts, shared "
+                             f"experts, embeddings and the LM head are not)")
         layer = int(m["layer"])
         if layer >= num_layers:
             raise ValueError(f"target module {module!r}: the model has {num_layers} layers (base model mismatch?)")

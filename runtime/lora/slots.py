@@ -107,10 +107,19 @@ class StepLayout:
     token_slots: list[int]
     segments: list[tuple[int, int, int]]
     perm: list[int] | None
+    # Many short segments (decode): every slot's tokens in one row of M, as flat (gather,
+    # scatter) lists of num_slots * M (padding gathers token T, a zero row, and scatters to 0),
+    # so the layer runs two batched matmuls over all slots instead of two per adapter.
+    padded: tuple[list[int], list[int]] | None = None
 
 
-def step_layout(seq_slots: Sequence[int], seq_tokens: Sequence[int]) -> StepLayout:
-    """From each scheduled sequence's slot (-1: none) and token count, in packing order."""
+# The batched form pays for its padding rows; it is taken when they at most double the work.
+MIN_SEGMENTS_FOR_PADDED = 3
+
+
+def step_layout(seq_slots: Sequence[int], seq_tokens: Sequence[int], num_slots: int | None = None) -> StepLayout:
+    """From each scheduled sequence's slot (-1: none) and token count, in packing order;
+    `num_slots` (max_loras) allows the padded batched form."""
     token_slots: list[int] = []
     runs: list[tuple[int, int, int]] = []  # (slot, start, end), contiguous runs of adapter tokens
     pos = 0
@@ -122,11 +131,28 @@ def step_layout(seq_slots: Sequence[int], seq_tokens: Sequence[int]) -> StepLayo
             else:
                 runs.append((slot, pos, pos + n))
         pos += n
-    if len({r[0] for r in runs}) == len(runs):
-        return StepLayout(token_slots, runs, None)
     by_slot: dict[int, list[int]] = {}
     for slot, start, end in runs:
         by_slot.setdefault(slot, []).extend(range(start, end))
+    if num_slots and len(by_slot) >= MIN_SEGMENTS_FOR_PADDED:
+        width = max(len(t) for t in by_slot.values())
+        used = sum(len(t) for t in by_slot.values())
+        if num_slots * width <= 2 * used + 16:
+            total = len(token_slots)
+            gather, scatter = [], []
+            for slot in range(num_slots):
+                rows = by_slot.get(slot, [])
+                gather += rows + [total] * (width - len(rows))
+                scatter += rows + [0] * (width - len(rows))
+            layout = _segmented(token_slots, runs, by_slot)
+            layout.padded = (gather, scatter)
+            return layout
+    return _segmented(token_slots, runs, by_slot)
+
+
+def _segmented(token_slots, runs, by_slot) -> StepLayout:
+    if len({r[0] for r in runs}) == len(runs):
+        return StepLayout(token_slots, runs, None)
     perm: list[int] = []
     segments = []
     for slot in sorted(by_slot):

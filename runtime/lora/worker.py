@@ -73,6 +73,11 @@ class WorkerLoRA:
             weights = load_adapter(request, targets=self.target_shapes, max_lora_rank=self.max_lora_rank,
                                    num_layers=len(self.model.layers), model_dir=self.model_dir,
                                    hf_config=self.hf_config)
+            # The host cache keeps this rank's slot images (sliced, padded, in the model dtype)
+            # rather than the PEFT matrices: a slot is then filled with two copies per layer.
+            weights.images = [w.slot_image(weights.rank, [weights.modules.get((i, name)) for name in w.parts])
+                              for i, w in self.wrappers]
+            weights.modules = {}
             for evicted in self.cache.put(request, weights, protect=protect):
                 log.info("LoRA adapter %s left the host cache (max_cpu_loras %d)", evicted.lora_name,
                          self.cache.capacity)
@@ -86,8 +91,8 @@ class WorkerLoRA:
 
     # -- every step ------------------------------------------------------------------------------
     def _fill_slot(self, slot: int, weights: LoRAWeights) -> None:
-        for i, w in self.wrappers:
-            w.set_slot(slot, weights.rank, [weights.modules.get((i, name)) for name in w.parts])
+        for (_, w), image in zip(self.wrappers, weights.images):
+            w.set_slot(slot, image)
         self.state.slot_ranks[slot] = weights.rank
 
     def begin_step(self, step: LoRAStepInput, device: torch.device) -> None:
@@ -112,6 +117,8 @@ class WorkerLoRA:
             seg_start=ints(_starts(layout.segments)),
             seg_len=ints([e - s for _, s, e in layout.segments]),
             max_seg_len=max(e - s for _, s, e in layout.segments),
+            padded=None if layout.padded is None else (ints(layout.padded[0], torch.long).view(self.max_loras, -1),
+                                                       ints(layout.padded[1], torch.long)),
         )
         self.model.lora_active = True
 

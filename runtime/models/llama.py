@@ -250,6 +250,10 @@ class CausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **qkw)
                              if first or (last and cfg.tie_word_embeddings) else None)
         layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
+        if cfg.alibi_bias_max is not None:  # MPT: ALiBi, LayerNorms, plain MLP (models/mpt.py)
+            from kvserve.runtime.models import mpt
+
+            layer_cls = mpt.AlibiDecoderLayer
         self.layers = nn.ModuleList(layer_cls(cfg, backend, layer=i, **qkw)
                                     for i in range(self.layer_start, self.layer_end))
         self.norm = ReplicatedWeight(cfg.hidden_size, dtype=dtype, device=self.device) if last else None
@@ -264,6 +268,23 @@ class CausalLM(nn.Module):
         self._local_rope_layers = frozenset(i for i in range(cfg.num_layers) if cfg.layer_window(i) is not None)
         self.final_norm = ops.gemma_fused_add_rms_norm if cfg.gemma_norms else ops.fused_add_rms_norm
         self.first_norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
+        self.embed_layernorm = None
+        if cfg.alibi_bias_max is not None:  # LayerNorms; BLOOM's have biases and one norms the embeddings
+            dd = dict(dtype=dtype, device=self.device)
+            self.final_layernorm = mpt.LayerNorm(cfg.hidden_size, bias=cfg.norm_bias, **dd) if last else None
+            if cfg.embed_norm and first:
+                self.embed_layernorm = mpt.LayerNorm(cfg.hidden_size, bias=cfg.norm_bias, **dd)
+            if last:
+                self.norm = self.final_layernorm.norm_weight
+            final = self.final_layernorm
+
+            def final_norm(hidden, residual, weight, eps):
+                return mpt.add_layer_norm(hidden, residual, weight, eps, final.bias)
+
+            def first_norm(hidden, weight, eps):
+                return mpt.layer_norm(hidden, weight, eps, final.bias)
+
+            self.final_norm, self.first_norm = final_norm, first_norm
         # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to the model dtype as HF does.
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5).to(dtype).to(self.device)
                             if cfg.gemma_norms else None)
@@ -297,6 +318,10 @@ class CausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        if self.embed_layernorm is not None:  # BLOOM
+            ln = self.embed_layernorm
+            hidden = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), ln.weight, ln.bias,
+                                                    self.config.rms_norm_eps)
         residual = None
         local = self.local_cos_sin_cache
         groups = meta.kv_groups
@@ -338,6 +363,10 @@ class CausalLM(nn.Module):
         out: dict[str, tuple[torch.Tensor, str | None]] = {}
         if self.norm is not None:
             out["model.norm.weight"] = (self.norm.weight, None)
+        if getattr(self, "final_layernorm", None) is not None:
+            out.update(self.final_layernorm.checkpoint_params("model.norm"))
+        if self.embed_layernorm is not None:
+            out.update(self.embed_layernorm.checkpoint_params("model.embed_layernorm"))
         if self.embed_tokens is not None:
             out.update(self.embed_tokens.checkpoint_params())
         if self.lm_head is not None:
@@ -348,4 +377,6 @@ class CausalLM(nn.Module):
             out.update(layer.mlp.checkpoint_params(pre + layer.mlp_prefix))
             for name in layer.norm_names:
                 out[f"{pre}{name}.weight"] = (getattr(layer, name).weight, None)
+            if hasattr(layer, "checkpoint_extras"):
+                out.update(layer.checkpoint_extras(pre))
         return out

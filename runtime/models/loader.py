@@ -10,7 +10,7 @@ import re
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvserve.runtime.architectures import fused_part_rows, fused_parts
+from kvserve.runtime.architectures import checkpoint_name, fused_part_rows, fused_parts, fused_rows_per_head
 from kvserve.runtime.attention.backend import AttentionBackend
 from kvserve.runtime.gguf.reader import is_gguf_path
 from kvserve.runtime.model_config import ModelConfig
@@ -121,14 +121,15 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
             for path in checkpoint_files(model_dir):
                 try:
                     with safe_open(str(path), framework="pt", device="cpu") as f:
-                        for name in f.keys():
+                        for stored in f.keys():
+                            name = checkpoint_name(cfg.architecture, stored)
                             if (name not in targets and name not in optional
                                     and fused_parts(cfg.architecture, name) is None):
                                 tied_head = name == "lm_head.weight" and cfg.tie_word_embeddings
                                 if not _IGNORED.search(name) and not other_stage(name) and not tied_head:
                                     log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
                                 continue
-                            consume(name, f.get_tensor(name))
+                            consume(name, f.get_tensor(stored))
                 except (SafetensorError, OSError) as exc:  # truncated or corrupt download: name the file
                     raise ValueError(f"model: {path} is not a readable safetensors file ({exc})") from None
     missing = sorted(name for name in set(targets) - loaded if not getattr(targets[name][0], "optional", False))
@@ -152,6 +153,11 @@ def _split_rows(cfg: ModelConfig, name: str, parts: tuple[str, ...], tensor):
     if sum(rows) != codes.shape[0]:
         raise ValueError(f"weight {name}: checkpoint has {codes.shape[0]} rows, the config implies "
                          f"{' + '.join(map(str, rows))}")
+    if fused_rows_per_head(cfg.architecture):  # [q_h; k_h; v_h] per head -> [q; k; v]
+        per_head = codes.shape[0] // shape.num_attention_heads
+        order = torch.arange(codes.shape[0]).view(shape.num_attention_heads, len(parts), per_head // len(parts))
+        order = order.transpose(0, 1).reshape(-1)
+        tensor = tensor.permute_rows(order) if hasattr(tensor, "permute_rows") else tensor.index_select(0, order)
     start = 0
     for part, n in zip(parts, rows):
         if hasattr(tensor, "permute_rows"):

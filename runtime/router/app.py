@@ -41,7 +41,7 @@ from .limits import BodyLimits, ByteBudget
 from .load import LoadPoller
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .policy import PREFIX_HIT, Choice, PolicyConfig, PolicyState, adapter_of, choose, chunk_hashes, routing_key
-from .prompt_keys import MAX_BLOCKS, PromptKeys, load_tokenizer
+from .prompt_keys import MAX_BLOCKS, PromptKeys, load_tokenizer, tokenize_request
 
 log = logging.getLogger("kvserve.router")
 
@@ -73,6 +73,7 @@ class RouterConfig:
     kv_index: KVIndexConfig | None = None
     kv_events_topic: str = ""
     tokenizer: str | None = None  # the model's tokenizer: prompts hash to the pods' block hashes
+    tokenize_timeout_s: float = 2.0  # without a tokenizer: a pod's /tokenize, at most this long
 
 
 _KIND_CODE = object()  # error_response's default: the code that goes with the status
@@ -123,6 +124,7 @@ class Router:
         self.prompt_keys: PromptKeys | None = None
         if config.kv_index is not None and config.policy.policy == "prefix":
             self.kv_events = KVEventSubscriptions(config.kv_index, topic=config.kv_events_topic, clock=clock)
+            self.metrics.kv_events.source = lambda: (self.kv_events.status(), self.ranked_by_events)
             if config.tokenizer:
                 self.prompt_keys = PromptKeys(load_tokenizer(config.tokenizer))
 
@@ -209,7 +211,29 @@ class Router:
         return choose(self.policy, hashes, names, loads, self.clock(), exclude=tried, precise=precise,
                       adapter=adapter, adapters=self.loads.adapters() if adapter is not None else None)
 
-    async def _precise(self, route: Route, obj: Any, adapter: str | None) -> PreciseMatch | None:
+    async def _remote_tokens(self, kind: str, obj: dict, headers: dict[str, str]) -> tuple[list[int], bool] | None:
+        """The request's token ids from a pod's /tokenize (the least loaded): no tokenizer here."""
+        request = tokenize_request(kind, obj)
+        if request is None or not self.endpoints or self.session is None:
+            return None
+        payload, cut = request
+        pod = min(self.endpoints, key=lambda n: self.loads.load(n, self.in_flight[n]).score())
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        try:
+            async with self.session.post(self.endpoints[pod].url + "/tokenize", json=payload, headers=auth,
+                                         timeout=aiohttp.ClientTimeout(total=self.config.tokenize_timeout_s)) as r:
+                if r.status != 200:
+                    return None
+                tokens = (json.loads(await read_capped(r.content, self.config.max_request_body_bytes))
+                          .get("tokens"))
+        except (TimeoutError, aiohttp.ClientError, OSError, TooLong, ValueError, AttributeError):
+            return None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            return None
+        return tokens, cut
+
+    async def _precise(self, route: Route, obj: Any, adapter: str | None,
+                       headers: dict[str, str]) -> PreciseMatch | None:
         """What the pods' KV events say they hold of this request (None: no pod's events to go by,
         or a request the router cannot hash as the runtime does: one for a LoRA adapter, whose
         blocks the pod keys by its own adapter id)."""
@@ -218,12 +242,13 @@ class Router:
                 or adapter is not None:
             return None
         kind = route.kind
-        if self.prompt_keys is not None:
+        prompt = obj.get("prompt") if kind == "completion" else None
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            got = (prompt, False)  # token ids: hashed as they are
+        elif self.prompt_keys is not None:
             got = await asyncio.to_thread(self.prompt_keys.token_ids, kind, obj)  # tokenizing costs ~ms
-        else:  # no tokenizer: only token-id prompts hash as the pods do
-            prompt = obj.get("prompt") if kind == "completion" else None
-            ok = isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
-            got = (prompt, False) if ok else None
+        else:
+            got = await self._remote_tokens(kind, obj, headers)
         if got is None:
             return None
         ids, cut = got
@@ -299,7 +324,7 @@ class Router:
                                           headers={"Retry-After": str(self.config.retry_after_s)})
                 finally:
                     admitted = None
-            precise = await self._precise(route, obj, adapter)  # after any hold: the pods are known now
+            precise = await self._precise(route, obj, adapter, headers)  # after any hold: pods are known now
             choice = self._choose(hashes, tried, adapter, precise)
             if choice is None:
                 if ticket is not None:

@@ -56,6 +56,8 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
                          "PORT+1; a pod's kvserve.dev/kv-events-port annotation overrides it. The prefix policy "
                          "then ranks a pod by the blocks it holds, falling back to what it served while its "
                          "events are missing or lagging. 0 (default): only pods with the annotation")
+    ev.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                    help="follow no pod's KV events, annotation or not: rank by what each pod served only")
     ev.add_argument("--kv-events-topic", default="", help="the publishers' topic (their kv_events_config.topic)")
     ev.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="the model's tokenizer (a Hugging Face directory), so text and chat prompts hash to the "
@@ -163,7 +165,7 @@ def medium_weights(text: str) -> dict[str, float]:
 def kv_index_config(args: argparse.Namespace) -> KVIndexConfig | None:
     """The event index's settings; None when the policy cannot use one (the flags then do nothing).
     Pods are followed when --kv-events-port is set or they carry the annotation."""
-    if args.policy != "prefix":
+    if args.policy != "prefix" or not args.kv_events:
         return None
     try:
         return KVIndexConfig(max_blocks_per_pod=args.kv_events_max_blocks, lag_seconds=args.kv_events_lag,

@@ -15,6 +15,46 @@ RETIRED_KEPT = 32  # gone pods whose series are still shown
 HOLD_BUCKETS = [0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]
 
 
+class KVEventsCollector:
+    """The pods' KV event streams as this replica follows them, read at scrape time from
+    `source()` -> (per-pod status as kv_events.KVEventSubscriptions.status() gives it, requests
+    ranked by events). Only followed pods have series: a pod gone takes its series along."""
+
+    def __init__(self):
+        self.source = None
+
+    def describe(self):
+        return []  # unchecked: the series exist only while pods are followed
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        if self.source is None:
+            return
+        pods, ranked = self.source()
+        live = GaugeMetricFamily("kvserve_router_kv_events_live",
+                                 "1 while a pod's KV event stream is followed in sequence (it is ranked by the "
+                                 "blocks it holds), else 0 (syncing, partial or down: ranked by what it served).",
+                                 labels=["upstream"])
+        blocks = GaugeMetricFamily("kvserve_router_kv_events_blocks",
+                                   "Block hashes a pod's KV events say it holds (pool and offload tier).",
+                                   labels=["upstream"])
+        gaps = CounterMetricFamily("kvserve_router_kv_events_gaps",
+                                   "Sequence gaps in a pod's KV events (missed batches), each answered by a replay.",
+                                   labels=["upstream"])
+        restarts = CounterMetricFamily("kvserve_router_kv_events_restarts",
+                                       "Times a pod's KV event numbering started over (a restart): index cleared.",
+                                       labels=["upstream"])
+        for pod, st in pods.items():
+            live.add_metric([pod], 1.0 if st["state"] == "live" else 0.0)
+            blocks.add_metric([pod], st["blocks"])
+            gaps.add_metric([pod], st["gaps"])
+            restarts.add_metric([pod], st["restarts"])
+        yield from (live, blocks, gaps, restarts)
+        yield CounterMetricFamily("kvserve_router_kv_events_ranked_requests",
+                                  "Requests placed with some pod ranked by its KV events.", value=ranked)
+
+
 class RouterMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -65,6 +105,8 @@ class RouterMetrics:
         for code in REFUSAL_CODES:
             self.refusals.labels(code)
         self.body_rejections.labels("buffered")
+        self.kv_events = KVEventsCollector()
+        r.register(self.kv_events)
         self._retired: dict[str, None] = {}  # gone pods, oldest first
 
     def retire_upstream(self, upstream: str) -> None:

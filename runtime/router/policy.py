@@ -334,6 +334,11 @@ def prefix_fractions(served: Mapping[str, int], total_chunks: int, precise: Prec
     out = {p: n / total_chunks for p, n in served.items()} if total_chunks else {}
     if precise is None or not precise.total_blocks:
         return out
+    if not any(v > 0 for v in (*precise.held.values(), *precise.partial.values())):
+        # Not even the first block anywhere: a new prompt, one evicted everywhere, or one the router
+        # hashed differently from the pods (another chat template, an option it does not know).
+        # The served-based index is right about the first and no worse about the others.
+        return out
     for p in pods:
         if p in precise.held:
             held = precise.held[p] / precise.total_blocks

@@ -63,3 +63,27 @@ class PromptKeys:
             return None
         cut = len(text) > self.max_chars
         return _tokenize(tok, text[: self.max_chars], special), cut
+
+
+def tokenize_request(route: str, body: Mapping[str, Any]) -> tuple[dict[str, Any], bool] | None:
+    """The pod's POST /tokenize body that yields the token ids this request is served with, when
+    the router has no tokenizer of its own (an operator-run router: the model lives in the pods),
+    and whether its text was cut. None when /tokenize cannot say (options it does not take)."""
+    model = body.get("model")
+    if route == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or body.get("chat_template_kwargs") \
+                or body.get("continue_final_message") or body.get("add_special_tokens"):
+            return None
+        out = {"model": model, "messages": messages,
+               "add_generation_prompt": body.get("add_generation_prompt", True)}
+        if body.get("tools"):
+            out["tools"] = body["tools"]
+        return out, False
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        return None
+    return ({"model": model, "prompt": prompt[:MAX_CHARS], "add_special_tokens": body.get("add_special_tokens", True)},
+            len(prompt) > MAX_CHARS)

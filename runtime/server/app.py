@@ -676,7 +676,7 @@ def build_app(config: ServerConfig, metrics_: ServerMetrics | None = None) -> we
     if config.max_lora_adapters is not None:
         state = app[STATE]
         state.lora = LoRARegistry(config.served_model_names, config.max_lora_adapters, config.max_loras)
-        state.metrics.lora = lambda: (state.lora, getattr(state.engine, "lora_info", None))
+        state.metrics.lora = lambda: state.lora
     app[STATE].preprocess = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="kvserve-preprocess")
 
     async def stop_preprocess(app: web.Application) -> None:

@@ -65,6 +65,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engines in this server, each of --tensor-parallel-size ranks; the server owns "
                         "DP x TP devices and POST /admin/parallelism changes the split live")
+    p.add_argument("--reshape-spare-workers", action="store_true",
+                   help="keep DP x TP - 1 tensor-parallel worker interpreters started while a data-parallel "
+                        "layout runs, so a live reshape to tensor parallelism skips their start-up")
     p.add_argument("--quantization", "-q", default=None, type=lambda v: v.lower().replace("_", "-"),
                    choices=WEIGHT_FORMATS,
                    help="weight format (default: the checkpoint's quantization_config, else full precision); "

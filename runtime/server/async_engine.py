@@ -70,7 +70,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
         self.last_stats: Any = None
-        self.lora_info: Any = None  # adapters of running and waiting requests (server/lora.py)
         self.steps = 0
         self._dirty = False
 
@@ -237,10 +236,7 @@ class AsyncEngine:
         return bool(commands)
 
     def _refresh_stats(self) -> None:
-        from .lora import lora_info
-
         self.last_stats = self.engine.get_stats()
-        self.lora_info = lora_info(self.engine)
         self._stats_at = time.monotonic()
         if self.on_stats is not None:
             self.on_stats(self.last_stats)

@@ -139,12 +139,6 @@ def not_found(model: str, served: list[str]) -> APIError:
     return APIError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}.", param="model")
 
 
-def _engines(engine: Any) -> list[Any]:
-    """The LLMEngines behind the server's one engine (a data-parallel engine has several)."""
-    engines = getattr(engine, "engines", None)
-    return list(engines) if engines else [engine]
-
-
 def load_static(engine: Any, registry: LoRARegistry, modules: list[LoRAModule]) -> None:
     """--lora-modules at start, on the loading thread (before the engine thread runs): a bad one
     fails the start, as it does in vLLM (the operator loads through the admin route instead, so
@@ -159,30 +153,3 @@ def load_static(engine: Any, registry: LoRARegistry, modules: list[LoRAModule]) 
         except ValueError as exc:
             raise ValueError(f"--lora-modules {module.name}: {exc}") from None
         registry.register(request)
-
-
-@dataclass(frozen=True)
-class LoRAInfo:
-    """What vllm:lora_requests_info says: adapters of running and waiting requests."""
-
-    running: tuple[str, ...] = ()
-    waiting: tuple[str, ...] = ()
-
-
-def lora_info(engine: Any) -> LoRAInfo | None:
-    """Read on the engine thread between steps; None for an engine without LoRA (or whose
-    scheduler this cannot see, e.g. data-parallel)."""
-    running: set[str] = set()
-    waiting: set[str] = set()
-    seen = False
-    for e in _engines(engine):
-        manager, scheduler = getattr(e, "lora", None), getattr(e, "scheduler", None)
-        if manager is None or scheduler is None:
-            continue
-        seen = True
-        for seqs, out in ((scheduler.running, running), (scheduler.waiting, waiting)):
-            for i in {getattr(s, "lora_int_id", 0) for s in list(seqs)}:
-                request = manager.get(i) if i else None
-                if request is not None:
-                    out.add(request.lora_name)
-    return LoRAInfo(tuple(sorted(running)), tuple(sorted(waiting))) if seen else None

@@ -217,13 +217,14 @@ class Server:
         kwargs = engine_kwargs(self.args)
 
         dp = getattr(self.args, "data_parallel_size", 1) or 1
+        spares = bool(getattr(self.args, "reshape_spare_workers", False))
 
         def build():
             from kvserve.runtime.config import EngineConfig
             from kvserve.runtime.engine.data_parallel import DataParallelEngine
 
             # Always the data-parallel engine, even of one: the layout may change live later.
-            return DataParallelEngine(EngineConfig.from_args(**kwargs), dp)
+            return DataParallelEngine(EngineConfig.from_args(**kwargs), dp, spare_workers=spares)
 
         return build
 

@@ -47,6 +47,7 @@ EXPORTED_NAMES = (
     "kvserve:kv_offload_stored_blocks_total", "kvserve:kv_offload_stored_bytes_total",
     "kvserve:kv_offload_loaded_bytes_total", "kvserve:kv_offload_failed_loads_total",
     "kvserve:kv_swap_outs_total", "kvserve:kv_swap_ins_total",
+    "kvserve:kv_events_published_total", "kvserve:kv_events_dropped_total",
     "kvserve:kv_offload_store_seconds", "kvserve:kv_offload_load_seconds",
     "kvserve:model_weight_bytes", "kvserve:model_info", "kvserve:cuda_graph_capture_failures_total",
     "kvserve:generation_tokens_per_second",
@@ -149,6 +150,11 @@ class _StatsCollector:
         yield counter("kvserve:kv_swap_outs", "Preempted requests swapped out instead of recomputed.",
                       getattr(s, "kv_swap_outs_total", 0))
         yield counter("kvserve:kv_swap_ins", "Swapped-out requests swapped back in.", getattr(s, "kv_swap_ins_total", 0))
+        yield counter("kvserve:kv_events_published", "KV event batches published (--kv-events-config).",
+                      getattr(s, "kv_events_published_total", 0))
+        yield counter("kvserve:kv_events_dropped", "KV event batches dropped from the publisher's full queue "
+                      "(subscribers replay them while the replay buffer has them).",
+                      getattr(s, "kv_events_dropped_total", 0))
         yield gauge("kvserve:data_parallel_size", "Data-parallel engines of this replica (each of "
                     "kvserve:tensor_parallel_size ranks).", getattr(s, "data_parallel_size", 1))
         yield gauge("kvserve:model_weight_bytes", "Bytes of model weights on each tensor-parallel rank, "
@@ -166,22 +172,24 @@ class _StatsCollector:
         yield counter("kvserve:structured_output_requests",
                       "Requests with structured outputs (response_format, structured_outputs, forced tool calls).",
                       getattr(s, "structured_output_requests_total", 0))
-        yield from self._lora(name)
+        yield from self._lora(name, s)
 
-    def _lora(self, name: str):
+    def _lora(self, name: str, s):
         """With --enable-lora: vLLM's lora_requests_info, and per adapter (at most --max-cpu-loras
         label values, each gone once its adapter is unloaded) loaded and request counts."""
         lora = self.m.lora
         if lora is None:
             return
-        registry, info = lora()
+        registry = lora()
         if registry is None:
             return
-        running, waiting = (info.running, info.waiting) if info is not None else ((), ())
+        running = getattr(s, "running_lora_adapters", None) or []
+        waiting = getattr(s, "waiting_lora_adapters", None) or []
+        max_lora = getattr(s, "max_lora", 0) or registry.max_loras
         g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         # vLLM's value: when the snapshot was taken; the labels carry the information.
-        g.add_metric([",".join(running), ",".join(waiting), str(registry.max_loras)], time.time())
+        g.add_metric([",".join(sorted(running)), ",".join(sorted(waiting)), str(max_lora)], time.time())
         yield g
         loaded = GaugeMetricFamily("kvserve:lora_adapter_loaded", "1 for each LoRA adapter loaded on this replica.",
                                    labels=["model_name", "lora_name"])
@@ -200,7 +208,7 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats = None
-        # With --enable-lora: () -> (LoRARegistry, LoRAInfo | None), read at scrape time.
+        # With --enable-lora: () -> the server's LoRARegistry, read at scrape time.
         self.lora = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(self))

@@ -24,8 +24,8 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 ids = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
-def _scales(k: float, v: float):
-    return torch.tensor(k, dtype=torch.float32), torch.tensor(v, dtype=torch.float32)
+def _scales(k: float, v: float, device="cpu"):
+    return (torch.tensor(k, dtype=torch.float32, device=device), torch.tensor(v, dtype=torch.float32, device=device))
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=ids.get)
@@ -54,9 +54,10 @@ def test_write_is_bit_identical_to_the_twin_and_saturates(fp8, src):
     torch.testing.assert_close(back, value[slots >= 0].float(), rtol=rel, atol=v_scale.item() * 2 ** -6)
 
 
-def _fp8_batch(specs, fp8, *, dim=64, bs=16, heads=4, kv_heads=2, seed=0, scales=(0.5, 2.0)):
-    b = Batch(specs, dtype=torch.float32, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=seed)
-    k_scale, v_scale = _scales(*scales)
+def _fp8_batch(specs, fp8, *, dim=64, bs=16, heads=4, kv_heads=2, seed=0, scales=(0.5, 2.0), device="cpu"):
+    b = Batch(specs, dtype=torch.float32, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=seed,
+              device=device)
+    k_scale, v_scale = _scales(*scales, device=device)
     full = (b.k_cache.clone(), b.v_cache.clone())
     b.k_cache = reference.quantize_kv_ref(b.k_cache, k_scale, fp8)
     b.v_cache = reference.quantize_kv_ref(b.v_cache, v_scale, fp8)
@@ -65,11 +66,11 @@ def _fp8_batch(specs, fp8, *, dim=64, bs=16, heads=4, kv_heads=2, seed=0, scales
 
 @pytest.mark.parametrize("fp8", FP8, ids=ids.get)
 @pytest.mark.parametrize("min_split_tokens", [None, 16])
-def test_decode_on_fp8_pools_matches_the_twin(fp8, min_split_tokens):
+def test_decode_on_fp8_pools_matches_the_twin(fp8, min_split_tokens, device):
     lens = [1, 16, 17, 50, 95]
     specs = [(n - 1, 1) for n in lens] + [(20, 0)]
     random.Random(5).shuffle(specs)
-    b, ks, vs, full = _fp8_batch(specs, fp8, seed=5)
+    b, ks, vs, full = _fp8_batch(specs, fp8, seed=5, device=device)
     expected = reference.paged_attention_ref(*b.args(), k_scale=ks, v_scale=vs)
     out = paged_decode_attention(*b.args(), num_splits=None if min_split_tokens is None else 32,
                                  min_split_tokens=min_split_tokens, out=b.poisoned_out(),
@@ -84,9 +85,9 @@ def test_decode_on_fp8_pools_matches_the_twin(fp8, min_split_tokens):
 
 @pytest.mark.parametrize("fp8", FP8, ids=ids.get)
 @pytest.mark.parametrize("window", [None, 7])
-def test_prefill_on_fp8_pools_matches_the_twin(fp8, window):
+def test_prefill_on_fp8_pools_matches_the_twin(fp8, window, device):
     specs = [(0, 1), (0, 17), (15, 3), (32, 0), (5, 40)]
-    b, ks, vs, _ = _fp8_batch(specs, fp8, seed=9)
+    b, ks, vs, _ = _fp8_batch(specs, fp8, seed=9, device=device)
     expected = reference.paged_attention_ref(*b.args(), sliding_window=window, k_scale=ks, v_scale=vs)
     out = paged_prefill_attention(*b.args(), out=b.poisoned_out(), sliding_window=window, k_scale=ks, v_scale=vs)
     assert not out.isnan().any()

@@ -39,11 +39,11 @@ def _cos_sin_cache(max_pos, rotary_dim, base=10000.0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 80, 96])
-def test_rms_norm_and_fused_add(dtype, hidden):
+def test_rms_norm_and_fused_add(dtype, hidden, device):
     g = _gen(hidden)
-    x = (torch.randn(2, 3, hidden, generator=g) * 3).to(dtype)
-    residual = torch.randn(2, 3, hidden, generator=g).to(dtype)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    x = (torch.randn(2, 3, hidden, generator=g) * 3).to(dtype).to(device)
+    residual = torch.randn(2, 3, hidden, generator=g).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
     x_before, residual_before = x.clone(), residual.clone()
     _close(layers.rms_norm(x, weight, 1e-6), reference.rms_norm_ref(x, weight, 1e-6), dtype)
     normed, summed = layers.fused_add_rms_norm(x, residual, weight, 1e-5)
@@ -66,15 +66,15 @@ def test_rms_norm_float32_weight_on_half_input_promotes_like_torch():
     [(torch.float32, 64, 64), (torch.float16, 80, 80), (torch.bfloat16, 96, 96),
      (torch.float16, 128, 64), (torch.float32, 256, 256)],
 )
-def test_rotary_on_strided_qkv_views(dtype, head_dim, rotary_dim):
+def test_rotary_on_strided_qkv_views(dtype, head_dim, rotary_dim, device):
     g = _gen(head_dim + rotary_dim)
     tokens, heads, kv_heads = 5, 4, 2
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    positions = torch.tensor([0, 1, 17, 63, 5])
+    positions = torch.tensor([0, 1, 17, 63, 5], device=device)
     # a llama3-style scaled table is just another float32 table: use an unusual base
-    cache = _cos_sin_cache(64, rotary_dim, base=500000.0 if head_dim == 128 else 10000.0)
+    cache = _cos_sin_cache(64, rotary_dim, base=500000.0 if head_dim == 128 else 10000.0).to(device)
     q_before, k_before = q.clone(), k.clone()
     q_out, k_out = layers.rotary_embedding(positions, q, k, cache)
     q_ref, k_ref = reference.rotary_embedding_ref(positions, q, k, cache)
@@ -86,9 +86,9 @@ def test_rotary_on_strided_qkv_views(dtype, head_dim, rotary_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
+def test_silu_and_mul(dtype, device):
     g = _gen(7)
-    x = (torch.randn(3, 2, 2 * 88, generator=g) * 4).to(dtype)  # non-power-of-2 width
+    x = (torch.randn(3, 2, 2 * 88, generator=g) * 4).to(dtype).to(device)  # non-power-of-2 width
     _close(layers.silu_and_mul(x), reference.silu_and_mul_ref(x), dtype)
 
 

@@ -63,13 +63,18 @@ def test_sgmv_matches_the_twin(device, dtype, seq_slots, seq_tokens):
 def test_twin_equals_per_token_loop():
     """The twin itself against the definition, token by token, both layouts."""
     g = torch.Generator().manual_seed(3)
-    a_t, b_t = _slots(2, 16, 8, 12, [8, 4], torch.float32, g)
-    for seq_slots in ([0, 0, 1, -1], [0, 1, 0, -1]):
-        layout = step_layout(seq_slots, [2, 1, 2, 1])
-        x = torch.randn(6, 16, generator=g)
-        out = torch.zeros(6, 12)
+    a_t, b_t = _slots(4, 16, 8, 12, [8, 4, 8, 2], torch.float32, g)
+    for seq_slots, num_slots in (([0, 0, 1, -1], None), ([0, 1, 0, -1], None), ([0, 1, 2, 3, 2, -1], 4),
+                                 ([3, 1, 0, -1, 1, 3], 4)):
+        layout = step_layout(seq_slots, [2, 1, 2, 1, 1, 1][:len(seq_slots)], num_slots)
+        assert (layout.padded is not None) == (num_slots is not None)
+        t = len(layout.token_slots)
+        x = torch.randn(t, 16, generator=g)
+        out = torch.zeros(t, 12)
+        padded = None if layout.padded is None else (torch.tensor(layout.padded[0]).view(4, -1),
+                                                     torch.tensor(layout.padded[1]))
         reference.lora_sgmv_ref(x, out, a_t, b_t, layout.segments,
-                                None if layout.perm is None else torch.tensor(layout.perm), [8, 4])
+                                None if layout.perm is None else torch.tensor(layout.perm), [8, 4, 8, 2], padded)
         want = torch.stack([x[i] @ a_t[s] @ b_t[s] if s >= 0 else torch.zeros(12)
                             for i, s in enumerate(layout.token_slots)])
         torch.testing.assert_close(out, want)

@@ -87,3 +87,35 @@ def test_split_k_choice_is_bounded():
     assert quant.default_split_k(64, 4096, 64, 64) == 1
     assert quant.default_split_k(1, 64, 2, 64) == 1
     assert quant.block_k_for(24) is None and quant.block_k_for(96) == 32
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("m, k, dtype", [(1, 96, torch.float32), (7, 1500, torch.bfloat16), (3, 40, torch.float16)])
+def test_fp8_activation_quantization_is_bit_identical_to_the_twin(static, m, k, dtype, device):
+    gen = _gen(m * k)
+    x = (torch.randn(m, k, generator=gen) * 4).to(dtype)
+    x[0, :3] = torch.tensor([1e4, -1e4, 0.0]).to(dtype)  # saturates under a static scale
+    if m > 1:
+        x[1] = 0  # an all-zero row: the absmax floor, no division by zero
+    x = x.to(device)
+    scale = torch.tensor([0.02], device=device) if static else None
+    q, s = quant.quantize_fp8(x, scale)
+    want_q, want_s = (ref.quantize_fp8_static(x, scale), scale.reshape(1)) if static else ref.quantize_fp8_per_token(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(s, want_s.float(), atol=0, rtol=0)
+
+
+def test_w8a8_linear_through_the_kernels_matches_the_twin(device):
+    """fp8_matmul with the Triton kernels (activation quantization and GEMM) against the twin."""
+    from kvserve.runtime.models.quantization.fp8 import fp8_matmul, quantize_fp8_per_channel
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        pytest.skip("FP8 matmuls need compute capability 8.9")
+    gen = _gen(11)
+    x = torch.randn(6, 64, generator=gen).to(device)
+    w, ws = (t.to(device) for t in quantize_fp8_per_channel(torch.randn(32, 64, generator=gen)))
+    for static in (None, torch.tensor([0.01], device=device)):
+        got = fp8_matmul(x, w, ws, static, kernel="triton")
+        want = fp8_matmul(x, w, ws, static, kernel="twin")
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -69,9 +69,9 @@ class WindowBatch:
         self.scale = head_dim ** -0.5
         self.heads, self.kv_heads = heads, kv_heads
 
-    def args(self):
-        return (self.query, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
-                self.scale)
+    def args(self, device="cpu"):
+        tensors = (self.query, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables)
+        return (*(t.to(device) for t in tensors), self.scale)
 
     def meta(self) -> AttentionMetadata:
         q_lens = [q for _, q in self.specs]
@@ -110,7 +110,7 @@ class WindowBatch:
 
 def _close(actual, expected, dtype):
     assert not actual.isnan().any(), "NaN: a slot behind the window (or an unwritten row) was read"
-    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+    torch.testing.assert_close(actual.float().cpu(), expected.float(), **TOL[dtype])
 
 
 # (cached, new) per sequence: windows smaller and larger than the context, chunks longer than the
@@ -121,11 +121,11 @@ DECODE_SPECS = [(0, 1), (6, 1), (22, 1), (40, 1), (7, 1)]
 
 @pytest.mark.parametrize("window", [1, 13, None])
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
-def test_prefill_kernel_twin_and_torch_backend_match_the_definition(window, soft_cap):
+def test_prefill_kernel_twin_and_torch_backend_match_the_definition(window, soft_cap, device):
     b = WindowBatch(PREFILL_SPECS, window, seed=window or 0)
     expected = b.dense(soft_cap)
     opts = dict(sliding_window=window, logits_soft_cap=soft_cap)
-    _close(paged_prefill_attention(*b.args(), **opts), expected, b.dtype)
+    _close(paged_prefill_attention(*b.args(device), **opts), expected, b.dtype)
     _close(reference.paged_attention_ref(*b.args(), **opts), expected, b.dtype)
     key, value = b.new_kv()
     _close(TorchAttentionBackend().attend(b.query, key, value, b.k_cache, b.v_cache, b.meta(), b.scale, **opts),
@@ -134,12 +134,12 @@ def test_prefill_kernel_twin_and_torch_backend_match_the_definition(window, soft
 
 @pytest.mark.parametrize("window", [5, None])
 @pytest.mark.parametrize("soft_cap", [None, 1.5])
-def test_decode_kernel_matches_the_definition_across_splits(window, soft_cap):
+def test_decode_kernel_matches_the_definition_across_splits(window, soft_cap, device):
     b = WindowBatch(DECODE_SPECS, window, head_dim=64, block_size=8, heads=6, kv_heads=2, seed=3)
     expected = b.dense(soft_cap)
     opts = dict(sliding_window=window, logits_soft_cap=soft_cap)
     for splits in ({}, dict(num_splits=32, min_split_tokens=4)):
-        _close(paged_decode_attention(*b.args(), **splits, **opts), expected, b.dtype)
+        _close(paged_decode_attention(*b.args(device), **splits, **opts), expected, b.dtype)
     key, value = b.new_kv()
     _close(TorchAttentionBackend().attend(b.query, key, value, b.k_cache, b.v_cache, b.meta(), b.scale, **opts),
            expected, b.dtype)
@@ -175,13 +175,14 @@ def test_many_short_queries_take_the_grouped_torch_path_with_windows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_windows(dtype):
+def test_half_precision_windows(dtype, device):
     b = WindowBatch([(20, 9), (3, 1), (35, 1)], 7, dtype=dtype, head_dim=80, block_size=16, heads=4, kv_heads=1,
                     seed=5)
-    _close(paged_prefill_attention(*b.args(), sliding_window=7), b.dense(), dtype)
+    _close(paged_prefill_attention(*b.args(device), sliding_window=7), b.dense(), dtype)
     d = WindowBatch([(20, 1), (3, 1), (35, 1)], 7, dtype=dtype, head_dim=80, block_size=16, heads=4, kv_heads=1,
                     seed=6)
-    _close(paged_decode_attention(*d.args(), sliding_window=7, num_splits=2, min_split_tokens=4), d.dense(), dtype)
+    _close(paged_decode_attention(*d.args(device), sliding_window=7, num_splits=2, min_split_tokens=4), d.dense(),
+           dtype)
 
 
 def test_triton_backend_passes_the_layer_options():

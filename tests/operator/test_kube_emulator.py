@@ -15,8 +15,9 @@ import json
 
 import aiohttp
 import pytest
-import server_side_apply as ssa
-from kube_emulator import EmulatorThread
+
+from kvserve.testing import server_side_apply as ssa
+from kvserve.testing.kube_emulator import EmulatorThread
 
 PATH = "/apis/kvserve.dev/v1alpha1/namespaces/default/inferenceservices"
 
@@ -88,7 +89,7 @@ def test_a_resumed_watch_gets_every_change_after_its_version_once_and_in_order(e
 
 
 def test_a_version_older_than_the_history_is_gone(emulator, monkeypatch):
-    import kube_emulator
+    from kvserve.testing import kube_emulator
 
     monkeypatch.setattr(kube_emulator, "HISTORY", 3)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e_harness import Load, StubPod, free_port_on_all
+
+from kvserve.testing.e2e_harness import Load, StubPod, free_port_on_all
 
 OPERATOR = str(Path(sys.executable).parent / "kvserve-operator")
 SPEC = {
@@ -98,8 +99,8 @@ def test_run_subcommand_reconciles_with_kubeconfig_and_serves_liveness(tmp_path)
     import subprocess
     import urllib.request
 
-    from e2e_harness import Api, wait_for
-    from kube_emulator import EmulatorThread
+    from kvserve.testing.e2e_harness import Api, wait_for
+    from kvserve.testing.kube_emulator import EmulatorThread
 
     emulator = EmulatorThread().start()
     kubeconfig = tmp_path / "kubeconfig"

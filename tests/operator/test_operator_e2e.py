@@ -10,41 +10,27 @@ import copy
 import time
 
 import pytest
-from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
-from kube_emulator import EmulatorThread
 
 from kvserve.operator import crd
 from kvserve.operator import manifests as M
 from kvserve.operator.handlers import OperatorConfig
+from kvserve.testing.e2e_harness import (  # noqa: F401  (TINY_CONFIG, DOWN_WINDOW: other tests import them from here)
+    DOWN_WINDOW,
+    TINY,
+    TINY_CONFIG,
+    TP_DOWN_WINDOW,
+    Api,
+    Kubelet,
+    Load,
+    OperatorThread,
+    condition,
+    defaulted,
+    free_port_on_all,
+    wait_for,
+)
+from kvserve.testing.kube_emulator import EmulatorThread
 
 pytestmark = pytest.mark.timeout(180)
-
-TINY_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
-DOWN_WINDOW = 4.0
-TP_DOWN_WINDOW = 8.0
-
-TINY = {
-    "apiVersion": "kvserve.dev/v1alpha1",
-    "kind": "InferenceService",
-    "metadata": {"name": "tiny", "namespace": "default"},
-    "spec": {
-        "model": {"uri": "hf://kvserve/tiny", "servedName": "tiny", "config": TINY_CONFIG},
-        "gpu": {"perShard": 0},
-        "parallelism": {"tensor": {"min": 1, "max": 2, "initial": 1}},
-        "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetKVCacheUtilization": 0.5,
-                        "targetQueueDepth": 2, "scaleUpStabilizationSeconds": 1,
-                        "scaleDownStabilizationSeconds": DOWN_WINDOW, "panicWindowSeconds": 1,
-                        "tensorParallel": {"enabled": True, "scaleDownStabilizationSeconds": TP_DOWN_WINDOW}},
-    },
-}
-
-
-def defaulted(obj: dict) -> dict:
-    """What the API server would store: the CRD's defaults applied, and it must validate."""
-    assert crd.validate(obj) == []
-    return crd.apply_defaults(obj, crd.openapi_schema())
-
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -14,12 +14,12 @@ import time
 
 import kopf
 import pytest
-from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
-from fault_proxy import FaultProxy, rbac_triple
-from kube_emulator import EmulatorThread
 from test_operator_e2e import DOCUMENTED_RBAC, TINY, defaulted, deployment_tp
 
 from kvserve.operator.handlers import OperatorConfig
+from kvserve.testing.e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
+from kvserve.testing.fault_proxy import FaultProxy, rbac_triple
+from kvserve.testing.kube_emulator import EmulatorThread
 
 pytestmark = pytest.mark.timeout(240)
 

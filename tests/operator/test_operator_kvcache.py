@@ -145,3 +145,17 @@ def test_no_events_without_a_router_that_uses_them(change):
     assert "--kv-events-config" not in runtime["command"] and "--kv-events-port" not in router["command"]
     assert K.EVENTS_PORT_ANNOTATION not in template["metadata"]["annotations"]
     assert all(rule["ports"][0]["port"] not in (5557, 5558) for p in policies for rule in p["spec"]["ingress"])
+
+
+def test_plan_counts_the_tier_in_blocks_next_to_the_pool():
+    from kvserve.operator.spec import model_shape
+
+    obj = owner("llama-8b-gpu", runtime={"kvOffload": {"size": "16Gi", "medium": "memory"}})
+    spec = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+    shape = model_shape(spec)
+    got = K.offload_plan(spec, shape, tp=2)
+    # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes = 128 KiB per token, half per rank at TP 2.
+    per_token = 32 * 8 * 128 * 2 * 2 // 2
+    assert got["blocksPerRank"] == 16 * 1024**3 // (per_token * 16) and got["tokensPerRank"] == got["blocksPerRank"] * 16
+    assert got["bytesPerPod"] == got["podMemoryRequestAdded"] == 2 * 16 * 1024**3 and got["poolTokensPerRank"] > 0
+    assert K.offload_plan(parse_spec(owner()["spec"]), shape, 1) is None

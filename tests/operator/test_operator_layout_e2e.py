@@ -11,12 +11,12 @@ import base64
 import copy
 
 import pytest
-from e2e_harness import ADMIN_KEY, Api, Kubelet, Load, OperatorThread, free_port_on_all, wait_for
-from kube_emulator import EmulatorThread
 
 from kvserve.operator import crd
 from kvserve.operator import manifests as M
 from kvserve.operator.handlers import OperatorConfig
+from kvserve.testing.e2e_harness import ADMIN_KEY, Api, Kubelet, Load, OperatorThread, free_port_on_all, wait_for
+from kvserve.testing.kube_emulator import EmulatorThread
 
 pytestmark = pytest.mark.timeout(180)
 

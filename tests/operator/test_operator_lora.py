@@ -11,8 +11,6 @@ import json
 
 import pytest
 import torch
-from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
-from kube_emulator import EmulatorThread
 from safetensors.torch import save_file
 
 from kvserve.operator import crd
@@ -21,6 +19,8 @@ from kvserve.operator import lora as L
 from kvserve.operator import manifests as M
 from kvserve.operator.handlers import OperatorConfig
 from kvserve.operator.spec import SpecError, parse_spec
+from kvserve.testing.e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
+from kvserve.testing.kube_emulator import EmulatorThread
 
 OWNER = {"apiVersion": "kvserve.dev/v1alpha1", "kind": "InferenceService",
          "metadata": {"name": "svc", "namespace": "default", "uid": "u1"}}
@@ -93,10 +93,23 @@ def test_adding_or_removing_an_adapter_does_not_change_the_pod_template():
     assert "--lora-modules" not in cmd  # the agent loads them: a bad one is a condition, not a crash loop
     assert {"name": "adapters", "mountPath": L.ADAPTERS_DIR, "readOnly": True} in runtime["volumeMounts"]
     assert agent["command"][-4:] == ["--adapters-file", L.LIST_FILE, "--adapters-dir", L.ADAPTERS_DIR]
+    # The agent downloads adapters: a writable hub cache (its models mount is read-only).
+    assert {"name": "HF_HOME", "value": f"{L.ADAPTERS_DIR}/.hf-home"} in agent["env"]
+    assert len({e["name"] for e in agent["env"]}) == len(agent["env"])  # server-side apply: no duplicates
     assert {"name": "adapter-list", "configMap": {"name": "svc-adapters"}} in pod["volumes"]
     # Changing a limit is a runtime flag: that one does roll the pods.
     ranked = spec(adapters=[{"name": "sql", "uri": "/a"}], lora={"maxLoraRank": 64})
     assert M.template_hash(M.build_deployment(OWNER, ranked, replicas=1, tp=1)) != M.template_hash(deployments[0])
+
+
+def test_a_private_hub_token_reaches_the_agent_only_with_adapters():
+    token = {"hfTokenSecret": {"name": "hf", "key": "HF_TOKEN"}}
+    with_adapters = parse_spec({"model": {**MODEL, **token}, "adapters": [{"name": "sql", "uri": "hf://o/sql"}]})
+    plain = parse_spec({"model": {**MODEL, **token}})
+    agent_env = [M.build_deployment(OWNER, s, replicas=1, tp=1)["spec"]["template"]["spec"]["containers"][1]["env"]
+                 for s in (with_adapters, plain)]
+    assert any(e["name"] == "HF_TOKEN" for e in agent_env[0])
+    assert not any(e["name"] == "HF_TOKEN" for e in agent_env[1])
 
 
 def test_vllm_engine_gets_runtime_lora_updating():

@@ -13,8 +13,6 @@ import pathlib
 
 import pytest
 import yaml
-from e2e_harness import Api, OperatorThread, condition, wait_for
-from kube_emulator import EmulatorThread, PatchedEmulator
 from test_operator_e2e import assert_operator_calls_are_documented
 
 from kvserve.operator import crd
@@ -24,6 +22,8 @@ from kvserve.operator import multinode as MN
 from kvserve.operator import netpol as N
 from kvserve.operator.handlers import OperatorConfig
 from kvserve.operator.spec import SpecError, check_servable, parse_spec
+from kvserve.testing.e2e_harness import Api, OperatorThread, condition, wait_for
+from kvserve.testing.kube_emulator import EmulatorThread, PatchedEmulator
 
 LWS_CRD = pathlib.Path(__file__).parent.parent / "fixtures" / "lws" / "leaderworkersets.v0.10.0.crd.yaml.gz"
 CONFIG = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 8,

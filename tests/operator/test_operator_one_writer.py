@@ -14,9 +14,7 @@ import logging
 import kopf
 import pytest
 from aiohttp import web
-from e2e_harness import NAMESPACE, Api
 from kopf._core.engines.posting import settings_var
-from kube_emulator import EmulatorThread
 from test_operator_e2e import TINY, defaulted
 
 from kvserve.operator import desired as D
@@ -25,6 +23,8 @@ from kvserve.operator import router as R
 from kvserve.operator.handlers import OperatorConfig, Reconciler
 from kvserve.operator.kube import KubeClient
 from kvserve.operator.spec import model_shape, parse_spec
+from kvserve.testing.e2e_harness import NAMESPACE, Api
+from kvserve.testing.kube_emulator import EmulatorThread
 
 pytestmark = pytest.mark.timeout(60)
 

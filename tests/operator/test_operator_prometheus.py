@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e_harness import Load, StubPod, free_port_on_all
 
 from kvserve.operator.sources import PrometheusSource
+from kvserve.testing.e2e_harness import Load, StubPod, free_port_on_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-import server_side_apply as ssa
 from hypothesis import given
 from hypothesis import strategies as st
 from test_operator_manifests import K8S_VERSION, owner
@@ -24,6 +23,7 @@ from kvserve.operator.scaletozero import (
     zero_decision,
 )
 from kvserve.operator.spec import parse_spec
+from kvserve.testing import server_side_apply as ssa
 
 
 def routed(min_replicas: int = 0, **router) -> tuple[dict, object]:

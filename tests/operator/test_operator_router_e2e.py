@@ -15,14 +15,14 @@ import urllib.request
 import kopf
 import pytest
 import yaml
-from e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
-from kube_emulator import EmulatorThread
 from test_operator_e2e import TINY, VERBS, assert_operator_calls_are_documented
 
 from kvserve.operator import crd
 from kvserve.operator import manifests as M
 from kvserve.operator import router as R
 from kvserve.operator.handlers import OperatorConfig
+from kvserve.testing.e2e_harness import Api, Kubelet, Load, OperatorThread, condition, free_port_on_all, wait_for
+from kvserve.testing.kube_emulator import EmulatorThread
 
 pytestmark = pytest.mark.timeout(300)
 

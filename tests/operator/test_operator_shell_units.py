@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 
-import server_side_apply as ssa
-
 from kvserve.operator.autoscaler import AutoscalerState, Decision, PodSignals, Signals
 from kvserve.operator.kube import FIELD_MANAGER, owned_by
 from kvserve.operator.sources import PrometheusSource, signals_from_prometheus
@@ -16,6 +14,7 @@ from kvserve.operator.status import (
     rollout_conditions,
     scaling_conditions,
 )
+from kvserve.testing import server_side_apply as ssa
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, tzinfo=dt.UTC)
 
@@ -113,9 +112,9 @@ async def test_agent_source_timeouts_errors_and_bounded_concurrency():
     import asyncio
 
     from aiohttp import web
-    from e2e_harness import free_port_on_all
 
     from kvserve.operator.sources import AgentSource
+    from kvserve.testing.e2e_harness import free_port_on_all
 
     in_flight, peak = 0, 0
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels import quant_reference as ref
+from kvserve.kernels.triton_utils import triton_available
 from kvserve.runtime.executor.platform import platform_for
 from kvserve.runtime.models.quantization.base import (
     LinearMethod,
@@ -46,7 +47,11 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     """W8A8: x quantized per token (or with a static per-tensor scale) times the FP8 weight.
     `kernel` (tests): "scaled_mm", "triton" or "twin" instead of the platform's choice."""
     kernel = kernel or platform_for(x.device).fp8_matmul_kernel(x, w)
-    if input_scale is None:
+    if kernel == "triton" or (kernel == "scaled_mm" and x.is_cuda and triton_available()):
+        from kvserve.kernels import quant
+
+        xq, xs = quant.quantize_fp8(x, input_scale)  # one kernel, the twin's bytes
+    elif input_scale is None:
         xq, xs = ref.quantize_fp8_per_token(x)
     else:
         xq, xs = ref.quantize_fp8_static(x, input_scale), input_scale.float().reshape(1)

@@ -79,11 +79,9 @@ def native_enabled(device: torch.device) -> bool:
     """Whether weights on `device` go to kvserve's native AVX2 integer kernels: the CPU, the
     library loaded (see `kvserve.kernels.cpu.native.status()`; ``KVSERVE_CPU_KERNELS=0`` turns it
     off) and the packed CPU path not switched off."""
-    if device.type != "cpu" or not cpu_packed_enabled() or _native_override is False:
+    if not cpu_packed_enabled() or _native_override is False:
         return False
-    from kvserve.kernels.cpu import native
-
-    return native.available()
+    return platform_for(device).native_int_weights()
 
 
 def _native_matmul(panels, x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +190,8 @@ class Int4Weight:
             from kvserve.kernels.cpu import native
 
             self.native = native.Int4Panels(q, scale, offset, group_size)
-        self.cpu_group = _cpu_int4_group(group_size, k) if q.device.type == "cpu" and self.native is None else None
+        torch_packed = platform_for(q.device).torch_packed_int_weights()
+        self.cpu_group = _cpu_int4_group(group_size, k) if torch_packed and self.native is None else None
         self.cpu_packed = None
         if self.cpu_group is not None and n % 16 == 0 and cpu_packed_enabled():
             rep = group_size // self.cpu_group
@@ -271,7 +270,8 @@ class Int8Weight:
             return
         self.q = q.to(torch.int8).contiguous()
         self.scale = scale.to(dtype).contiguous()
-        self.use_cpu_packed = self.per_channel and q.device.type == "cpu" and cpu_packed_enabled()
+        self.use_cpu_packed = (self.per_channel and platform_for(q.device).torch_packed_int_weights()
+                               and cpu_packed_enabled())
         self.scale_bf16 = self.scale[:, 0].to(torch.bfloat16).contiguous() if self.use_cpu_packed else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
