@@ -38,7 +38,7 @@ def _gen(seed):
     ("gptq", {"quantization_config": {"quant_method": "awq"}}, "'gptq' was requested but the checkpoint is "
                                                               "quantized as 'awq'"),
     ("int8", {"quantization_config": {"quant_method": "awq"}}, "checkpoint is quantized as 'awq'"),
-    (None, {"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes' is not supported"),
+    (None, {"quantization_config": {"quant_method": "hqq"}}, "quant_method 'hqq' is not supported"),
     # A .gguf file has no config.json: its tensor types are its format, so the messages say so.
     ("int8", {"quantization_config": {"quant_method": "gguf"}}, "quantization: 'int8' was requested but the model "
                                                               "is a GGUF file (its tensor types are its format); "

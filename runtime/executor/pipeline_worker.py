@@ -76,6 +76,8 @@ class PipelineWorker(Worker):
             # new_group is collective over the world: every rank creates every stage's group, in order.
             groups = [dist.new_group(list(range(s * self.tp, (s + 1) * self.tp))) for s in range(self.pp)]
             layers.set_tp_group(groups[self.stage])
+        else:
+            layers.set_tp_group(None)
         self.attention_backend = get_attention_backend(self.config.attention_backend, self.device)
         self.model = load_model(self.config.model, dtype=self.dtype, device=self.device,
                                 attention_backend=self.attention_backend, config=self.model_config,
@@ -85,6 +87,14 @@ class PipelineWorker(Worker):
                                 layer_range=(self.layer_start, self.layer_end))
         log.info("pipeline stage %d/%d (rank %d): layers %d..%d", self.stage, self.pp, self.global_rank,
                  self.layer_start, self.layer_end - 1)
+
+    def close(self) -> None:
+        from kvserve.runtime.models import layers
+
+        super().close()
+        # The stage group dies with the process group; a later engine in this process must not
+        # reduce over it.
+        layers.set_tp_group(None)
 
     def determine_kv_blocks(self, kv_groups, *, max_model_len: int, max_step_tokens: int) -> list[int]:
         """Blocks this stage's budget holds for its own layers (so a stage of fewer layers holds

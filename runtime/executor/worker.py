@@ -59,8 +59,11 @@ class Worker:
     # -- startup, in this order on every rank ----------------------------------------------------
     def load_model(self) -> None:
         from kvserve.runtime.attention.selector import get_attention_backend
-        from kvserve.runtime.models import load_model
+        from kvserve.runtime.models import layers, load_model
 
+        # The TP group is process-wide state: a pipeline engine earlier in this process (rank 0
+        # lives in the engine's process) may have left its destroyed stage group there.
+        layers.set_tp_group(None)
         self.attention_backend = get_attention_backend(self.config.attention_backend, self.device)
         self.model = load_model(self.config.model, dtype=self.dtype, device=self.device,
                                 attention_backend=self.attention_backend, config=self.model_config,
