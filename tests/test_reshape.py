@@ -83,7 +83,10 @@ def _load(url: str, prompts: list[str], started: threading.Event, first: int) ->
         counter = [0]
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
             tasks = [asyncio.create_task(_stream(client, p, started, counter)) for p in prompts[:first]]
-            while not started.is_set():
+            # Streams that all failed never set `started`: stop waiting then (a dead server must
+            # fail the test, not hang the run at exit).
+            deadline = time.monotonic() + 120
+            while not started.is_set() and not all(t.done() for t in tasks) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
             tasks += [asyncio.create_task(_stream(client, p, started, counter)) for p in prompts[first:]]
@@ -95,7 +98,8 @@ def _load(url: str, prompts: list[str], started: threading.Event, first: int) ->
 def test_reshape_under_streaming_load_keeps_every_stream_and_its_text(server, greedy):
     started = threading.Event()
     results: list = []
-    loader = threading.Thread(target=lambda: results.extend(_load(server, PROMPTS, started, N_STREAMS // 2)))
+    loader = threading.Thread(target=lambda: results.extend(_load(server, PROMPTS, started, N_STREAMS // 2)),
+                              daemon=True)
     loader.start()
     assert started.wait(60)
     status, _, body = reshape(server, 1, 2)  # the second half of the streams arrives meanwhile
@@ -139,7 +143,7 @@ def test_worker_killed_mid_reshape_rolls_back_and_keeps_serving(server, greedy):
 
     started = threading.Event()
     results: list = []
-    loader = threading.Thread(target=lambda: results.extend(_load(server, PROMPTS[:8], started, 8)))
+    loader = threading.Thread(target=lambda: results.extend(_load(server, PROMPTS[:8], started, 8)), daemon=True)
     loader.start()
     assert started.wait(60)
     killer = threading.Thread(target=kill_new_worker)
