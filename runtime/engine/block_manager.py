@@ -32,7 +32,7 @@ later features slot in without a rewrite:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.runtime.engine.prefix_cache import BlockHash
@@ -203,8 +203,27 @@ class BlockManager:
                    token_ids: Sequence[int] | None = None) -> None:
         """Keys blocks just loaded from the offload tier (`loads` from ``take_prefix``);
         `token_ids` (the sequence's) only feed the KV events' BlockStored."""
+        self._key_blocks(loads, hashes, token_ids)
+
+    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
+        """Keys the sequence's leading full, computed blocks; `hashes[i]` is block i's key.
+        A block whose content is already cached elsewhere stays unkeyed (one block per key).
+        `token_ids` (the sequence's) only feed the KV events' BlockStored."""
+        if not self.enable_caching:
+            return
+        table = self.block_tables.get(seq_id, [])
+        start = self._num_registered.get(seq_id, 0)
+        end = min(len(hashes), len(table))
+        self._key_blocks(((i, table[i]) for i in range(start, end) if table[i] != FREED), hashes, token_ids)
+        if end > start:
+            self._num_registered[seq_id] = end
+
+    def _key_blocks(self, blocks: Iterable[tuple[int, int]], hashes: Sequence[BlockHash],
+                    token_ids: Sequence[int] | None) -> None:
+        """Keys each (index, block) whose content is not cached yet (one block per key); with KV
+        events, each run of consecutive newly keyed indices is one BlockStored."""
         run: list[int] = []
-        for i, block in loads:
+        for i, block in blocks:
             h = hashes[i]
             if self.block_hashes[block] is None and h not in self.cached:
                 self.block_hashes[block] = h
@@ -216,33 +235,6 @@ class BlockManager:
                     run.append(i)
         if run:
             self._report_stored(run, hashes, token_ids)
-
-    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
-        """Keys the sequence's leading full, computed blocks; `hashes[i]` is block i's key.
-        A block whose content is already cached elsewhere stays unkeyed (one block per key).
-        `token_ids` (the sequence's) only feed the KV events' BlockStored."""
-        if not self.enable_caching:
-            return
-        table = self.block_tables.get(seq_id, [])
-        start = self._num_registered.get(seq_id, 0)
-        end = min(len(hashes), len(table))
-        run: list[int] = []  # consecutive newly keyed blocks: one BlockStored each run
-        for i in range(start, end):
-            block, h = table[i], hashes[i]
-            if block == FREED:
-                continue
-            if self.block_hashes[block] is None and h not in self.cached:
-                self.block_hashes[block] = h
-                self.cached[h] = block
-                if self.events is not None:
-                    if run and run[-1] != i - 1:
-                        self._report_stored(run, hashes, token_ids)
-                        run = []
-                    run.append(i)
-        if run:
-            self._report_stored(run, hashes, token_ids)
-        if end > start:
-            self._num_registered[seq_id] = end
 
     def _report_stored(self, run: list[int], hashes: Sequence[BlockHash], token_ids: Sequence[int] | None) -> None:
         first, last, size = run[0], run[-1], self.block_size
