@@ -44,7 +44,7 @@ class EngineConfig:
     # (runtime/executor/pipeline_worker.py); ranks = pipeline x tensor parallel.
     pipeline_parallel_size: int = 1
     enable_prefix_caching: bool = True
-    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": DIR,
+    # {"method": "ngram" | "draft_model" | "medusa", "num_speculative_tokens": k, "model": DIR,
     #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
     speculative_config: Any = None
     # "auto" (the model dtype) or "fp8" / "fp8_e4m3" / "fp8_e5m2": K/V stored as float8 with
@@ -139,6 +139,11 @@ class EngineConfig:
             from kvserve.runtime.spec_decode.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if (self.speculative_config.method == "medusa" and isinstance(self.pipeline_parallel_size, int)
+                    and self.pipeline_parallel_size > 1):
+                # The heads read the final hidden state, which lives on the last stage, not rank 0.
+                fail("speculative_config", "Medusa heads do not run with pipeline parallelism yet "
+                     "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):
             fail("enforce_eager", "must be a boolean")
         if not isinstance(self.async_scheduling, bool):
