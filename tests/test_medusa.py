@@ -140,3 +140,23 @@ def test_hidden_state_hook_keeps_the_rows_behind_the_logits(tiny_llama):
                                                                       for k, v in plain.items()}
     finally:
         model.aux_hidden_layers = ()
+
+
+def test_truncated_vocabulary_maps_back_to_target_ids(tmp_path, tiny_llama):
+    """vLLM's truncated_vocab_size + token_map: projections over a few tokens, guesses in target ids;
+    heads sharing one projection project together and give the same guesses."""
+    token_map = torch.tensor([3, 17, 40, 99, 250, 511])
+    heads = MedusaHeads(2, 1, 64, 6, token_map=token_map)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.5)
+        heads.heads[1].weight.copy_(heads.heads[0].weight)
+    x = torch.randn(4, 64)
+    want = token_map[heads(x).argmax(-1)].tolist()
+    path = save_medusa_heads(heads, tmp_path / "truncated")
+    loaded = load_medusa_heads(path, hidden_size=64, vocab_size=512, dtype=torch.float32, device="cpu")
+    assert loaded.shared and loaded.propose(x, 2) == want
+    with pytest.raises(ValueError, match="token_map must hold 6 token ids below the target's vocabulary size 100"):
+        load_medusa_heads(path, hidden_size=64, vocab_size=100, dtype=torch.float32, device="cpu")
+    engine = make_engine(tiny_llama, {"method": "medusa", "model": str(path), "num_speculative_tokens": 2})
+    run_checked(engine, grounded_prompts(n=3), GREEDY)

@@ -30,8 +30,12 @@ _VLLM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
 
 
 class MedusaHeads(nn.Module):
+    """`vocab_size` is the projections' row count: the target's vocabulary, or a truncated one
+    whose row r stands for target token `token_map[r]` (vLLM's `truncated_vocab_size`)."""
+
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 token_map: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.num_heads, self.num_layers = num_heads, num_layers
@@ -39,23 +43,43 @@ class MedusaHeads(nn.Module):
         self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(hidden_size, hidden_size, **kw)
                                                   for _ in range(num_layers)) for _ in range(num_heads))
         self.heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False, **kw) for _ in range(num_heads))
+        if token_map is not None and token_map.shape != (vocab_size,):
+            raise ValueError(f"token_map: expected {vocab_size} entries, got {tuple(token_map.shape)}")
+        self.register_buffer("token_map", None if token_map is None else token_map.to(device, torch.long))
+        # Heads that share one projection (often the target's own lm_head) project together: on a
+        # CPU the projection's weights are the step's largest read, so one read serves every head.
+        self.shared = False
 
-    @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """Logits [rows, heads, vocab] (float32) of the first `num_heads` heads."""
+    def share_projection_if_equal(self) -> bool:
+        first = self.heads[0].weight
+        self.shared = all(torch.equal(first, h.weight) for h in self.heads[1:])
+        return self.shared
+
+    def features(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """[rows, heads, hidden]: each head's residual blocks applied to the hidden state."""
         hidden = hidden.to(self.heads[0].weight.dtype)
         out = []
-        for blocks, head in list(zip(self.blocks, self.heads))[:num_heads or self.num_heads]:
+        for blocks in self.blocks[:num_heads or self.num_heads]:
             x = hidden
             for block in blocks:
                 x = x + torch.nn.functional.silu(block(x))
-            out.append(head(x).float())
+            out.append(x)
         return torch.stack(out, dim=1)
+
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits [rows, heads, vocab_size] (float32) of the first `num_heads` heads."""
+        x = self.features(hidden, num_heads)
+        if self.shared:
+            return self.heads[0](x).float()
+        return torch.stack([head(x[:, i]) for i, head in enumerate(self.heads[:x.shape[1]])], dim=1).float()
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, num_heads: int) -> list[list[int]]:
-        """Each row's top-1 guesses, head by head."""
-        return self(hidden, num_heads).argmax(dim=-1).tolist()
+        """Each row's top-1 guesses (target token ids), head by head."""
+        best = self(hidden, num_heads).argmax(dim=-1)
+        if self.token_map is not None:
+            best = self.token_map[best]
+        return best.tolist()
 
     def state_in_medusa_layout(self) -> dict[str, torch.Tensor]:
         """The tensors under Medusa's own names (what ``save_medusa_heads`` writes)."""
@@ -65,6 +89,8 @@ class MedusaHeads(nn.Module):
                 out[f"{i}.{j}.linear.weight"] = block.weight
                 out[f"{i}.{j}.linear.bias"] = block.bias
             out[f"{i}.{self.num_layers}.weight"] = head.weight
+        if self.token_map is not None:
+            out["token_map"] = self.token_map
         return out
 
 
@@ -78,6 +104,8 @@ def save_medusa_heads(heads: MedusaHeads, path: str | Path, *, base_model: str |
     save_file(tensors, str(path / "medusa_lm_head.safetensors"))
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
               "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size}
+    if heads.token_map is not None:
+        config["truncated_vocab_size"] = heads.vocab_size
     if base_model is not None:
         config["base_model_name_or_path"] = base_model
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -121,7 +149,9 @@ def load_medusa_heads(path: str | Path, *, hidden_size: int, vocab_size: int, dt
             config = json.loads((path / "config.json").read_text())
         except ValueError as exc:
             raise ValueError(f"speculative_config.model: config.json is not valid JSON ({exc})") from None
-    blocks, projections = _arrange(_read_tensors(path))
+    tensors = _read_tensors(path)
+    token_map = tensors.pop("token_map", None)
+    blocks, projections = _arrange(tensors)
     if not projections:
         raise ValueError("speculative_config.model: no Medusa head weights found (expected "
                          "'{i}.{j}.linear.weight' / '{i}.{L}.weight' or 'lm_heads.{i}.weight')")
@@ -135,10 +165,15 @@ def load_medusa_heads(path: str | Path, *, hidden_size: int, vocab_size: int, dt
     if head_hidden != hidden_size:
         raise ValueError(f"speculative_config.model: heads read hidden size {head_hidden}, the target's is "
                          f"{hidden_size}")
-    if head_vocab != vocab_size:
+    if token_map is not None:
+        if token_map.shape != (head_vocab,) or int(token_map.min()) < 0 or int(token_map.max()) >= vocab_size:
+            raise ValueError(f"speculative_config.model: token_map must hold {head_vocab} token ids below the "
+                             f"target's vocabulary size {vocab_size}")
+    elif head_vocab != vocab_size:
         raise ValueError(f"speculative_config.model: heads project to {head_vocab} tokens, the target's "
-                         f"vocabulary has {vocab_size}")
-    heads = MedusaHeads(num_heads, num_layers, hidden_size, vocab_size, dtype=dtype, device=device)
+                         f"vocabulary has {vocab_size} (and there is no token_map)")
+    heads = MedusaHeads(num_heads, num_layers, hidden_size, head_vocab, token_map=token_map, dtype=dtype,
+                        device=device)
     with torch.no_grad():
         for i in range(num_heads):
             heads.heads[i].weight.copy_(projections[i])
@@ -151,4 +186,5 @@ def load_medusa_heads(path: str | Path, *, hidden_size: int, vocab_size: int, dt
                     heads.blocks[i][j].bias.copy_(part["bias"])
                 else:
                     heads.blocks[i][j].bias.zero_()
-    return heads.eval()
+    heads.share_projection_if_equal()
+    return heads.eval().requires_grad_(False)
