@@ -465,6 +465,22 @@ def test_tensor_parallel_ranks_store_and_reload_their_own_shards(tiny_llama, ref
         assert tp1.get_stats().kv_offload_loaded_bytes_total == 0
 
 
+def test_tensor_parallel_shutdown_saves_every_ranks_shard_of_the_pool(tiny_llama, reference, tmp_path):
+    """A pool large enough that nothing is evicted: every block reaches the tier only through the
+    shutdown save, which must reach rank 1 too (its ops ride the shutdown message)."""
+    prompts = conversations()
+    with make_engine(tiny_llama, tensor_parallel_size=2, num_kv_blocks=400, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path)) as engine:
+        assert run(engine, prompts) == reference["first"]
+        assert engine.get_stats().kv_offload_stored_bytes_total == 0  # nothing evicted yet
+    names = [{p.name for p in d.glob("*.kvb")} for d in sorted(p for p in tmp_path.iterdir() if p.is_dir())]
+    assert len(names) == 2 and names[0] and names[0] == names[1]
+    with make_engine(tiny_llama, tensor_parallel_size=2, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path)) as warm:
+        assert run(warm, prompts) == reference["again"]
+        assert warm.get_stats().kv_offload_hit_tokens_total == len(prompts) * 39
+
+
 # -- the block manager with the tier: a property test of the bookkeeping ---------------------------
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
