@@ -16,7 +16,7 @@ from kvserve.runtime.kv_events.publisher import ZmqEventPublisher
 from kvserve.runtime.router.endpoints import Endpoint, endpoints_from_pods, events_endpoints
 from kvserve.runtime.router.kv_events import KVEventSubscriptions
 from kvserve.runtime.router.kv_index import LIVE, PARTIAL, SYNCING, KVIndexConfig, PodKVIndex, PreciseMatch
-from kvserve.runtime.router.policy import PREFIX_HIT, PREFIX_NEW, EndpointLoad, PolicyConfig, PolicyState, choose
+from kvserve.runtime.router.policy import PREFIX_HIT, EndpointLoad, PolicyConfig, PolicyState, choose
 
 H = [bytes([i]) * 4 for i in range(10)]
 
