@@ -400,6 +400,18 @@ def test_tier_stores_and_removals_are_kv_events_with_their_medium(tiny_llama, tm
     pool_stored = {h for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
     assert tier_stored and tier_removed
     assert set(tier_stored) <= pool_stored  # the tier only ever holds what the pool computed
+    # A tier BlockStored carries the block's parent hash and token ids exactly as the pool's did
+    # (an indexer that rehashes tokens, like llm-d's, needs both).
+    pool_meta = {}
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium == "GPU":
+            for j, h in enumerate(e.block_hashes):
+                pool_meta[h] = (e.parent_block_hash if j == 0 else e.block_hashes[j - 1],
+                                e.token_ids[j * e.block_size:(j + 1) * e.block_size])
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium == medium:
+            assert len(e.block_hashes) == 1 and len(e.token_ids) == e.block_size == 4
+            assert (e.parent_block_hash, e.token_ids) == pool_meta[e.block_hashes[0]]
     # What the tier holds now is exactly what its events say it holds.
     held: set[bytes] = set()  # replayed in order, as a subscriber's index does
     for e in events:
