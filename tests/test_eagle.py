@@ -251,3 +251,30 @@ def test_eagle_through_the_server_with_the_openai_client(tiny_llama, tmp_path):
         assert m(metrics(srv.url), "vllm:spec_decode_num_drafts_total") > 0
     finally:
         assert srv.stop() == 0
+
+
+def test_real_smollm2_greedy_with_random_heads_equals_plain(smollm2, tmp_path):
+    """The real SmolLM2 (tied embeddings, 9 heads / 3 KV heads): greedy text with a random EAGLE-1
+    head and a random EAGLE-3 head (layers 2, 15, 27 by vLLM's default) equals plain greedy."""
+    from kvserve.runtime import LLM
+
+    dims = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=128, rms_norm_eps=1e-5)
+    cfg = {"num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "intermediate_size": 128}
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    small = dict(dtype="float32", max_model_len=128, block_size=16, num_kv_blocks=24)
+    with LLM(str(smollm2.hf_dir), **small) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for method in ("eagle", "eagle3"):
+        torch.manual_seed(0)
+        head = EagleHead(eagle3=method == "eagle3", draft_vocab_size=4096 if method == "eagle3" else None, **dims)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.normal_(0, 0.02)
+        if method == "eagle3":
+            head.d2t = torch.arange(4096) * 11
+        path = save_eagle_head(head, tmp_path / method, base_config=cfg)
+        with LLM(str(smollm2.hf_dir), **small, speculative_config={"method": method, "model": str(path), "num_speculative_tokens": 3}) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.engine.get_stats().spec_decode_num_drafts_total > 0
+        assert got == want, method
