@@ -274,7 +274,8 @@ def test_real_smollm2_greedy_with_random_heads_equals_plain(smollm2, tmp_path):
         if method == "eagle3":
             head.d2t = torch.arange(4096) * 11
         path = save_eagle_head(head, tmp_path / method, base_config=cfg)
-        with LLM(str(smollm2.hf_dir), **small, speculative_config={"method": method, "model": str(path), "num_speculative_tokens": 3}) as llm:
+        spec = {"method": method, "model": str(path), "num_speculative_tokens": 3}
+        with LLM(str(smollm2.hf_dir), **small, speculative_config=spec) as llm:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             assert llm.engine.get_stats().spec_decode_num_drafts_total > 0
         assert got == want, method
