@@ -33,8 +33,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from kvserve.testing.e2e_harness import Api
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # sibling scripts (rbac_audit)
@@ -99,26 +103,14 @@ def demo_model() -> Path:
 
 # --- the emulated cluster --------------------------------------------------------------------
 
-class Api:
-    """What kubectl would do, against the emulator."""
+def emulator_api(url: str):
+    """What kubectl would do, against the emulator; an unexpected status is the demo's RuntimeError."""
+    from kvserve.testing.e2e_harness import Api
 
-    def __init__(self, url: str):
-        self.url = url
+    class DemoApi(Api):
+        error = RuntimeError
 
-    def call(self, method: str, path: str, body=None, content_type="application/json"):
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": content_type})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return None
-            raise RuntimeError(f"{method} {path}: {e.code} {e.read()[:300]!r}") from None
-
-    def items(self, path: str) -> list[dict]:
-        return (self.call("GET", path) or {}).get("items", [])
+    return DemoApi(url)
 
 
 @dataclass
@@ -730,12 +722,9 @@ def router_view(kubelet: Kubelet) -> dict[str, float]:
 # --- status and summary ----------------------------------------------------------------------
 
 def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    if not values:
-        return float("nan")
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+    from kvserve.testing.router_harness import percentile
+
+    return percentile(values, q)
 
 
 def describe(d: dict) -> str:
@@ -928,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.testing.kube_emulator import EmulatorThread
 
     emulator = EmulatorThread().start()
-    api = Api(emulator.url)
+    api = emulator_api(emulator.url)
     say(f"    API server at {emulator.url}; pods will be local processes on 127.77.x.N")
 
     operator = kubelet = watcher = None

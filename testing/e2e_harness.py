@@ -57,6 +57,9 @@ def free_port_on_all(hosts: list[str]) -> int:
 class Api:
     """A tiny synchronous client for the test thread (what kubectl would do)."""
 
+    # What an unexpected HTTP status raises: a test's failure here; the demo script raises its own.
+    error: type[Exception] = AssertionError
+
     def __init__(self, url: str):
         self.url = url
 
@@ -70,7 +73,10 @@ class Api:
         except urllib.error.HTTPError as error:
             if error.code == 404:
                 return None
-            raise AssertionError(f"{method} {path}: {error.code} {error.read()[:300]!r}") from None
+            raise self.error(f"{method} {path}: {error.code} {error.read()[:300]!r}") from None
+
+    def items(self, path: str) -> list[dict]:
+        return (self.call("GET", path) or {}).get("items", [])
 
     def isvc_path(self, name: str = "") -> str:
         base = f"/apis/kvserve.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceservices"
@@ -102,7 +108,8 @@ class Api:
         return (self.call("GET", f"/api/v1/namespaces/{NAMESPACE}/events") or {}).get("items", [])
 
 
-def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition", interval: float = 0.1):
+    """The predicate's first truthy value; AssertionError naming `what` (and the last value) on timeout."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -110,7 +117,7 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str 
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 def condition(obj: dict | None, type_: str) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvserve.testing.e2e_harness import free_port_on_all
+from kvserve.testing.e2e_harness import free_port_on_all, wait_for  # noqa: F401  (tests and benches import wait_for from here)
 from kvserve.testing.kube_emulator import EmulatorThread
 
 KVSERVE = str(Path(sys.executable).parent / "kvserve")
@@ -33,17 +33,6 @@ def get_json(url: str, timeout: float = 5.0) -> Any:
             return json.loads(r.read())
     except (OSError, ValueError):
         return None
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -99,6 +99,7 @@ class Case:
     ran: Callable[[LLM], None] | None = None  # checks, at tp=2, that the feature was really used
     warm: bool = False  # run the workload once first (prefix caching: the second run hits)
     draft: dict[str, Any] | None = None  # a draft model: tiny_model_factory(**draft)
+    medusa: bool = False  # Medusa heads built on the model (its own lm_head per head) as the spec model
     exact: bool = True  # False: the same tokens up to the first near-tie, the same logprobs
 
 
@@ -113,6 +114,9 @@ CASES = {
     "draft-spec-decode": Case(engine=dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}),
                               draft=dict(arch="llama", num_hidden_layers=1, seed=1), workload=_grounded,
                               ran=_spec_ran),
+    # The heads run on rank 0 from the hidden states behind its logits rows.
+    "medusa-spec-decode": Case(engine=dict(speculative_config={"method": "medusa", "num_speculative_tokens": 3}),
+                               medusa=True, workload=_grounded, ran=_spec_ran),
     "structured-outputs": Case(model=dict(vocab_size=640), workload=_structured),
     # Gemma 2 alternates local (window 8) and global layers: two KV cache groups, two block tables.
     "hybrid-kv-groups": Case(arch="gemma2", model=dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5),
@@ -175,6 +179,12 @@ def test_tp2_matches_tp1(tiny_model_factory, name):
     if case.draft is not None:
         draft = dict(case.draft)
         draft_dir = tiny_model_factory(draft.pop("arch"), **draft)
+    if case.medusa:
+        from test_medusa import target_copy_heads
+
+        from kvserve.runtime.spec_decode.medusa import save_medusa_heads
+
+        draft_dir = save_medusa_heads(target_copy_heads(model_dir), model_dir.parent / f"{model_dir.name}-medusa")
     want = _run(model_dir, case, draft_dir, 1)
     got = _run(model_dir, case, draft_dir, 2)
     if case.exact:

@@ -55,6 +55,9 @@ class Sequence:
     num_cached_tokens: int | None = None
     # Speculative decoding: draft tokens to verify in the next step (not yet in token_ids).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Speculative heads (Medusa): (the token count they are for, their guesses), made at the end
+    # of a step; used only while the sequence still has exactly that many tokens.
+    head_drafts: tuple[int, list[int]] | None = None
     # Swap preemption: where its blocks went (kvserve.runtime.kv_offload.manager.SwapState) while
     # it waits to resume; None when it holds its blocks or will recompute them.
     swapped: Any = None

@@ -84,6 +84,7 @@ class Executor:
         self.driver_worker = worker_class(config)(config, model_config, device=device, dtype=dtype, rank=0,
                                                   world_size=self.world_size, quant_config=quant_config)
         draft = self._load_draft()
+        heads = self._load_heads()
         self.kv_groups = hybrid_kv_groups(config, model_config)
         self.kv_release_window = None if self.kv_groups is not None else kv_release_window(model_config, draft)
         max_step = (config.resolved_max_num_batched_tokens(max_model_len) if config.enable_chunked_prefill
@@ -116,15 +117,26 @@ class Executor:
 
             self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
         self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
-                                  lora=self.lora_manager)
+                                  lora=self.lora_manager, verify_as_decode_rows=device.type == "cpu")
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
 
+            worker.keep_hidden = heads is not None
             self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=blocks[0],
                                             block_size=config.block_size, device=device,
                                             kv_cache_dtype=worker.kv_cache_dtype,
-                                            max_model_len=max_model_len, draft_model=draft)
+                                            max_model_len=max_model_len, draft_model=draft, heads=heads,
+                                            hidden_source=lambda: worker.last_hidden)
+
+    def _load_heads(self):
+        """Medusa heads on rank 0, loaded (like a draft) before the KV pools are sized."""
+        if self.config.speculative_config is None:
+            return None
+        from kvserve.runtime.spec_decode.worker import load_heads
+
+        return load_heads(self.config.speculative_config, hidden_size=self.model_config.hidden_size,
+                          vocab_size=self.model_config.vocab_size, device=self.device, dtype=self.dtype)
 
     def _load_draft(self):
         if self.config.speculative_config is None:

@@ -27,7 +27,7 @@ Forward = Callable[[ForwardInput], "torch.Tensor | None"]
 
 class ModelRunner:
     def __init__(self, forward: Forward, block_size: int, sampler: Sampler,
-                 kv_groups: Sequence | None = None, lora=None) -> None:
+                 kv_groups: Sequence | None = None, lora=None, verify_as_decode_rows: bool = False) -> None:
         # Runs one ForwardInput on every rank; returns the logits of its logits_rows (None if none).
         self.forward = forward
         # With KV cache groups, each sequence's block table is a tuple of one table per group.
@@ -36,6 +36,10 @@ class ModelRunner:
         self.sampler = sampler
         # LoRA (runtime/lora/manager.py): each step's adapter slots and token layout; None: off.
         self.lora = lora
+        # Speculative verification steps as decode rows (see _prepare): on a CPU the decode path
+        # costs far less than prefill's for a few tokens per sequence. On a GPU the prefill
+        # kernel reads each sequence's context once for all its drafts, so this stays off there.
+        self.verify_as_decode_rows = verify_as_decode_rows
         # Seconds spent in (prepare, forward, sample) by the latest execute(); on a GPU, forward is
         # the time to launch the kernels and sample includes waiting for them (the one sync).
         self.last_timings: tuple[float, float, float] | None = None
@@ -62,28 +66,37 @@ class ModelRunner:
     def _prepare(self, scheduled,
                  block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
-        num_seqs = len(scheduled)
         decode_only = all(item.num_new_tokens == 1 for item in scheduled)
+        # A verification step (each sequence's pending token and its drafts, nothing else) runs
+        # as decode rows, one per token with its own context length: every layer writes all rows'
+        # K/V before any row attends, so row j sees the drafts before it, as causal attention
+        # would, and the step takes the decode path (the native CPU stack) instead of prefill's.
+        draft_rows = (not decode_only and self.verify_as_decode_rows
+                      and all(item.num_new_tokens == 1 + item.num_spec for item in scheduled))
+        num_seqs = sum(item.num_new_tokens for item in scheduled) if draft_rows else len(scheduled)
         query_start_loc = [0] * (num_seqs + 1)
         seq_lens = [0] * num_seqs
         max_blocks = max(len(t) for t in block_tables)
         tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
         logits_rows: list[int] = []
 
-        if decode_only:
+        if decode_only or draft_rows:
             input_ids = [0] * num_seqs
             positions = [0] * num_seqs
             slots = [0] * num_seqs
-            for i, (item, table) in enumerate(zip(scheduled, block_tables)):
-                pos = item.start
-                input_ids[i] = item.seq.token_ids[pos]
-                positions[i] = pos
-                slots[i] = table[pos // bs] * bs + pos % bs
-                query_start_loc[i + 1] = i + 1
-                seq_lens[i] = pos + 1
-                tables[i, : len(table)] = table
+            i = 0
+            for item, table in zip(scheduled, block_tables):
+                for pos in range(item.start, item.start + item.num_new_tokens):
+                    input_ids[i] = item.seq.token_ids[pos]
+                    positions[i] = pos
+                    slots[i] = table[pos // bs] * bs + pos % bs
+                    query_start_loc[i + 1] = i + 1
+                    seq_lens[i] = pos + 1
+                    tables[i, : len(table)] = table
+                    i += 1
                 if item.samples:
-                    logits_rows.append(i)
+                    logits_rows.append(i - 1)
+            decode_only = True
             input_t = torch.tensor(input_ids, dtype=torch.long)
             pos_t = torch.tensor(positions, dtype=torch.long)
             slot_t = torch.tensor(slots, dtype=torch.long)

@@ -55,6 +55,11 @@ class Worker:
         self.graph_capture_failures = 0
         self._graphs_refused = False  # the measuring capture failed: the real one is not tried
         self.lora = None  # WorkerLoRA with enable_lora (runtime/lora/worker.py)
+        # Speculative heads (Medusa, EAGLE) on rank 0 read the hidden states behind the latest
+        # step's logits rows: the final-norm output, and the model's aux_hidden_layers outputs.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+        self.last_aux_hidden: list[torch.Tensor] = []
 
     # -- startup, in this order on every rank ----------------------------------------------------
     def load_model(self) -> None:
@@ -318,15 +323,24 @@ class Worker:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
             finally:
                 self.lora.end_step()
-        elif graphs is not None and step.meta.is_decode_only and graphs.bucket(step.input_ids.shape[0]) is not None:
+        elif (graphs is not None and step.meta.is_decode_only and not self.model.aux_hidden_layers
+              and graphs.bucket(step.input_ids.shape[0]) is not None):
             hidden = graphs.run(step.input_ids, step.positions, step.meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         rows = step.logits_rows
         if not rows:
+            self.last_hidden, self.last_aux_hidden = None, []
             return None
         if len(rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            index = torch.tensor(rows, device=hidden.device)
+            hidden = hidden[index]
+        else:
+            index = None
+        if self.keep_hidden:
+            self.last_hidden = hidden
+            aux = self.model.aux_hidden if self.model.aux_hidden_layers else []
+            self.last_aux_hidden = [a if index is None else a[index] for a in aux]
         return self.model.compute_logits(hidden)
 
     def close(self) -> None:

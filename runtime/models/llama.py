@@ -228,6 +228,11 @@ class CausalLM(nn.Module):
     # True while a step with LoRA adapters runs (runtime/lora/worker.py): the native decode stack
     # multiplies by the base weights only, so such a step takes the per-op path.
     lora_active = False
+    # Speculative heads that read intermediate layers (EAGLE-3: a low, a middle and a high layer;
+    # EAGLE-1: the last layer before the final norm) name them here; forward() then leaves each
+    # one's residual stream (hidden + residual, in the model's layer numbering) in `aux_hidden`.
+    # Empty: nothing is kept, and the native decode stack stays on.
+    aux_hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, *, dtype: torch.dtype,
                  device: torch.device, tp_rank: int = 0, tp_size: int = 1,
@@ -292,6 +297,7 @@ class CausalLM(nn.Module):
         # float32 on the CPU: decode steps through one native call (models/native_decode.py),
         # built at the first decode step (after loading has packed the weights); None: not eligible.
         self._native_stack = _UNBUILT
+        self.aux_hidden: list[torch.Tensor] = []
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (or V) pool on this rank (of its latent pool, for MLA)."""
@@ -302,7 +308,8 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
-        if meta.is_decode_only and self.device.type == "cpu" and not self.lora_active:
+        aux = self.aux_hidden_layers
+        if meta.is_decode_only and self.device.type == "cpu" and not self.lora_active and not aux:
             stack = self._native_stack
             if stack is _UNBUILT:
                 from kvserve.runtime.models import native_decode
@@ -317,12 +324,17 @@ class CausalLM(nn.Module):
                 return hidden
         hidden = self._embed(input_ids)
         residual = None
+        captured: list[torch.Tensor] = []
         local = self.local_cos_sin_cache
         groups = meta.kv_groups
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             cos_sin = local if local is not None and i in self._local_rope_layers else self.cos_sin_cache
             layer_meta = meta if groups is None else groups[self._layer_windows[i]]
             hidden, residual = layer(positions, hidden, residual, kv_cache, layer_meta, cos_sin)
+            if aux and self.layer_start + i in aux:
+                captured.append(hidden if residual is None else hidden + residual)
+        if aux:
+            self.aux_hidden = captured
         if residual is None:
             return self.first_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
         hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)

@@ -1,4 +1,10 @@
-"""``speculative_config`` (vLLM's keys): method, model, num_speculative_tokens, prompt_lookup_*."""
+"""``speculative_config`` (vLLM's keys): method, model, num_speculative_tokens, prompt_lookup_*.
+
+Methods: ``ngram`` (prompt lookup), ``draft_model`` (a small model of the same vocabulary),
+``medusa`` (heads on the target's final hidden state). vLLM's ``eagle``, ``eagle3`` and ``mtp``
+are known names that are refused until they are built, so a config written for vLLM fails with
+a message that says so rather than "unknown method".
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "medusa")
+NOT_YET = ("eagle", "eagle3", "mtp")
+# Methods whose `model` is a directory of their own (a draft model or heads).
+WITH_MODEL = ("draft_model", "medusa")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
 
 
@@ -37,6 +46,9 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None:
             method = "draft_model" if value.get("model") else None
+        if method in NOT_YET:
+            raise ValueError(f"speculative_config.method: {method!r} is not supported yet; "
+                             f"supported: {list(METHODS)}")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method: must be one of {list(METHODS)}, got {method!r}")
 
@@ -52,11 +64,12 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max ({hi}), got {lo}")
         model = value.get("model")
-        if method == "draft_model":
+        if method in WITH_MODEL:
             if not isinstance(model, (str, os.PathLike)) or not str(model):
-                raise ValueError("speculative_config.model: a draft model directory is required for draft_model")
+                what = "draft model" if method == "draft_model" else "Medusa heads"
+                raise ValueError(f"speculative_config.model: a {what} directory is required for {method}")
             model = str(model)
         elif model is not None:
-            raise ValueError("speculative_config.model: only used with method 'draft_model'")
+            raise ValueError(f"speculative_config.model: only used with methods {list(WITH_MODEL)}")
         return cls(method=method, num_speculative_tokens=k, model=model, prompt_lookup_max=hi,
                    prompt_lookup_min=lo)

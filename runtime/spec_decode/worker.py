@@ -34,6 +34,21 @@ from kvserve.runtime.spec_decode.rejection import greedy_verify, rejection_sampl
 from kvserve.runtime.structured_outputs.manager import apply_grammar_to_drafts
 
 
+def load_heads(config: SpeculativeConfig, *, hidden_size: int, vocab_size: int, device: torch.device,
+               dtype: torch.dtype):
+    """Medusa heads on rank 0 (None for the other methods), checked against the target."""
+    if config.method != "medusa":
+        return None
+    from kvserve.runtime.spec_decode.medusa import load_medusa_heads
+
+    heads = load_medusa_heads(config.model, hidden_size=hidden_size, vocab_size=vocab_size, dtype=dtype,
+                              device=device)
+    if config.num_speculative_tokens > heads.num_heads:
+        raise ValueError(f"speculative_config.num_speculative_tokens: the Medusa directory has {heads.num_heads} "
+                         f"heads, fewer than {config.num_speculative_tokens}")
+    return heads
+
+
 def load_draft(config: SpeculativeConfig, *, device: torch.device, dtype: torch.dtype, attention_backend,
                vocab_size: int, max_model_len: int):
     """The draft model (None for n-gram), checked against the target. Loaded before the KV pools
@@ -75,10 +90,16 @@ def eligible(params: SamplingParams, seq) -> bool:
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, *, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, max_model_len: int,
-                 draft_model=None) -> None:
+                 draft_model=None, heads=None, hidden_source=None) -> None:
         """`draft_model` comes from ``load_draft`` (required for method draft_model); its KV pools
-        take `kv_cache_dtype`, the target's (float8 with kv_cache_dtype fp8)."""
+        take `kv_cache_dtype`, the target's (float8 with kv_cache_dtype fp8). `heads` (Medusa,
+        from ``load_heads``) read the hidden states behind each step's logits rows, which
+        `hidden_source()` returns (rank 0's worker keeps them)."""
         self.config = config
+        self.heads = heads
+        self.hidden_source = hidden_source
+        if config.method == "medusa" and (heads is None or hidden_source is None):
+            raise ValueError("speculative_config.model: the Medusa heads were not loaded")
         self.runner = runner
         self.block_size = block_size
         self.device = device
@@ -113,6 +134,10 @@ class SpecDecoder:
                 continue
             if cfg.method == "ngram":
                 seq.spec_token_ids = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            elif cfg.method == "medusa":
+                # The heads' guesses from the previous step, if nothing changed the sequence since.
+                made = seq.head_drafts
+                seq.spec_token_ids = list(made[1][:k]) if made is not None and made[0] == seq.num_tokens else []
             else:
                 seq.spec_token_ids = [0] * k  # slots; the draft model fills them after scheduling
 
@@ -123,7 +148,10 @@ class SpecDecoder:
         runner = self.runner
         spec = [i for i, item in enumerate(scheduled) if item.num_spec]
         if not spec and self.draft_model is None:
-            return runner.execute(scheduled, block_tables, rows, repeats)
+            out = runner.execute(scheduled, block_tables, rows, repeats)
+            if self.heads is not None:
+                self._plain_head_drafts(scheduled, repeats)
+            return out
         if repeats is None:
             repeats = [1] * sum(1 for item in scheduled if item.samples)
         if self.draft_kv is not None:  # the target's copies travel with its forward pass
@@ -213,9 +241,47 @@ class SpecDecoder:
                                           torch.stack(q) if q else None, generator)
             token_ids.append(tokens)
             logprobs.append(None)
+        if self.heads is not None:
+            # The row behind each sequence's newest token: its last plain row, or the verified
+            # row whose logits gave the bonus token.
+            sources = []
+            t = 0
+            for i, item in enumerate(scheduled):
+                if not item.samples:
+                    continue
+                emitted = token_ids[t]
+                t += len(item_rows[i])
+                if len(item_rows[i]) == 1:
+                    n = len(emitted) if isinstance(emitted, list) else 1
+                    sources.append((item.seq, spans[i] + n - 1, n))
+            self._head_drafts(sources)
         for i in spec:
             scheduled[i].seq.spec_token_ids = []
         return SamplerOutput(token_ids, logprobs)
+
+    # -- Medusa --------------------------------------------------------------------------------------
+    def _plain_head_drafts(self, scheduled: list, repeats: list[int] | None) -> None:
+        """After a step without drafts: one hidden row per sampling sequence, one new token each."""
+        sources = []
+        s = 0
+        for item in scheduled:
+            if not item.samples:
+                continue
+            if repeats is None or repeats[s] == 1:
+                sources.append((item.seq, s, 1))
+            s += 1
+        self._head_drafts(sources)
+
+    def _head_drafts(self, sources: list[tuple]) -> None:
+        """Runs the heads on the given hidden rows (seq, row, tokens this step adds to it) and
+        leaves each sequence its guesses for the step after the engine appends those tokens."""
+        hidden = self.hidden_source()
+        if not sources or hidden is None:
+            return
+        index = torch.tensor([row for _, row, _ in sources], device=hidden.device)
+        guesses = self.heads.propose(hidden[index], self.config.num_speculative_tokens)
+        for (seq, _, added), drafts in zip(sources, guesses):
+            seq.head_drafts = (seq.num_tokens + added, drafts)
 
     def _propose(self, scheduled: list, block_tables: list[list[int]],
                  item_rows: list[list[SamplingRow]], spec: list[int]) -> dict[int, list[torch.Tensor | None]]:
