@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 9; }
+int kv_abi_version(void) { return 10; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -703,6 +703,66 @@ typedef struct {
   float eps;
 } kv_dims;
 
+/* LoRA adapters on a decode step (runtime/lora/layers.py's slots, read in place): one adapted
+   linear layer's slot stacks, A^T [slots, in, C] and scaled B [slots, C, out] with C = parts x
+   max_rank. With an adapter of rank r in the slot, part p of a fused layer (q|k|v, gate|up) owns
+   A's columns p*r .. (p+1)*r and only the outputs part_off[p] .. part_off[p+1]: the columns past
+   parts x r and B's off-diagonal blocks are zero and never read. */
+typedef struct {
+  const float* a; /* NULL: the layer has no adapter slots */
+  const float* b;
+  int64_t parts;
+  int64_t part_off[4];
+} kv_lora_linear;
+
+typedef struct {
+  const kv_lora_linear* linears; /* [num_layers * 4]: qkv, o, gate_up, down */
+  const int32_t* slot_rank;      /* [slots]: the rank of the adapter in each slot */
+  const int32_t* group_rows;     /* the adapter rows of the step, grouped by slot */
+  const int32_t* group_start;    /* [num_groups + 1] into group_rows */
+  const int32_t* group_slot;     /* [num_groups] */
+  int64_t num_groups, max_rank;
+  float* work;                   /* [m * 3 * max_rank] shrink results */
+} kv_lora;
+
+/* y[t] += (x[t] @ A_s) @ B_s for every adapter row t (slot s). One adapter's rows are done together
+   so its A and B are read once per layer, whatever its number of rows; groups run in parallel.
+   A separate add after the base matmul, as the per-op path's wrapper does. */
+static void lora_add(const float* x, int64_t k, int64_t ldx, const kv_lora* lo, const kv_lora_linear* L,
+                     int64_t n, float* y, int64_t ldy, int nthreads) {
+  if (!lo || !L->a) return;
+  const int64_t R = lo->max_rank, C = L->parts * R;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+  for (int64_t g = 0; g < lo->num_groups; g++) {
+    const int32_t slot = lo->group_slot[g], r = lo->slot_rank[slot];
+    const int32_t first = lo->group_start[g], rows = lo->group_start[g + 1] - first;
+    const float* a = L->a + (int64_t)slot * k * C;
+    const float* b = L->b + (int64_t)slot * C * n;
+    float* sh = lo->work + (int64_t)first * C;
+    memset(sh, 0, (size_t)(rows * C) * sizeof(float));
+    for (int64_t kk = 0; kk < k; kk++) {
+      const float* arow = a + kk * C;
+      for (int32_t i = 0; i < rows; i++) {
+        const float xv = x[(int64_t)lo->group_rows[first + i] * ldx + kk];
+        float* s = sh + i * C;
+        for (int64_t p = 0; p < L->parts; p++)
+          for (int32_t j = 0; j < r; j++) s[p * r + j] += xv * arow[p * r + j];
+      }
+    }
+    for (int64_t p = 0; p < L->parts; p++) {
+      const int64_t lo_n = L->part_off[p], hi_n = L->part_off[p + 1];
+      for (int32_t j = 0; j < r; j++) {
+        const float* brow = b + (p * r + j) * n;
+        for (int32_t i = 0; i < rows; i++) {
+          const float sv = sh[i * C + p * r + j];
+          float* yr = y + (int64_t)lo->group_rows[first + i] * ldy;
+          for (int64_t o = lo_n; o < hi_n; o++) yr[o] += sv * brow[o];
+        }
+      }
+    }
+  }
+}
+
 /* Floats of workspace kv_decoder_stack_f32 needs for m tokens. */
 int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
   int64_t q = d->heads * d->head_dim, kv = d->kv_heads * d->head_dim;
@@ -719,7 +779,7 @@ int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
 void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_dims* d, int64_t m,
                           const int64_t* positions, const int64_t* slots, const int32_t* block_tables,
                           int64_t max_blocks, const int32_t* seq_lens, float* hidden, float* residual, float* work,
-                          int nthreads) {
+                          const kv_lora* lora, int nthreads) {
   const int64_t h = d->hidden, hd = d->head_dim, hq = d->heads, hk = d->kv_heads, inter = d->inter;
   const int64_t q = hq * hd, kv = hk * hd, w = q + 2 * kv;
   float* normed = work;
@@ -739,7 +799,9 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     } else {
       kv_rms_norm_f32(hidden, h, residual, h, residual, L->input_norm, normed, m, h, d->eps, nthreads);
     }
+    const kv_lora_linear* LL = lora ? lora->linears + 4 * l : NULL;
     linear_any(normed, m, h, h, &L->qkv, w, L->qkv_bias, qkv, w, nthreads);
+    if (LL) lora_add(normed, h, h, lora, &LL[0], w, qkv, w, nthreads);
     const float* qsrc = qkv;
     const float* ksrc = qkv + q;
     int64_t ld_qk = w;
@@ -759,10 +821,13 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     kv_paged_decode_f32(q_rot, m, hq, hk, hd, L->k_cache, L->v_cache, d->block_size, block_tables, max_blocks,
                         seq_lens, L->scale, L->window, L->softcap, attn, nthreads);
     linear_any(attn, m, q, q, &L->o, h, L->o_bias, o_out, h, nthreads);
+    if (LL) lora_add(attn, q, q, lora, &LL[1], h, o_out, h, nthreads);
     kv_rms_norm_f32(o_out, h, residual, h, residual, L->post_norm, normed, m, h, d->eps, nthreads);
     linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
+    if (LL) lora_add(normed, h, h, lora, &LL[2], 2 * inter, gate_up, 2 * inter, nthreads);
     kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
     linear_any(act, m, inter, inter, &L->down, h, L->down_bias, hidden, h, nthreads);
+    if (LL) lora_add(act, inter, inter, lora, &LL[3], h, hidden, h, nthreads);
   }
 }
 
