@@ -722,43 +722,89 @@ typedef struct {
   const int32_t* group_start;    /* [num_groups + 1] into group_rows */
   const int32_t* group_slot;     /* [num_groups] */
   int64_t num_groups, max_rank;
-  float* work;                   /* [m * 3 * max_rank] shrink results */
 } kv_lora;
 
-/* y[t] += (x[t] @ A_s) @ B_s for every adapter row t (slot s). One adapter's rows are done together
-   so its A and B are read once per layer, whatever its number of rows; groups run in parallel.
-   A separate add after the base matmul, as the per-op path's wrapper does. */
+/* Up to four rows of one adapter (row pointers; a short tail repeats its last row, computed but
+   not stored): sh = x @ A over the parts x r columns in use, then y += sh @ B per part over that
+   part's outputs only. Four rows share every load of A and B. */
+static void lora_rows4(const float* const xr[4], float* const yr[4], int mr, int64_t k, const float* a,
+                       const float* b, int64_t C, const kv_lora_linear* L, int32_t r, int64_t n, float* sh) {
+  const int64_t used = L->parts * r;
+  int64_t c0 = 0;
+  for (; c0 + 8 <= used; c0 += 8) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t kk = 0; kk < k; kk++) {
+      const __m256 av = _mm256_loadu_ps(a + kk * C + c0);
+      s0 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[0] + kk), av, s0);
+      s1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[1] + kk), av, s1);
+      s2 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[2] + kk), av, s2);
+      s3 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[3] + kk), av, s3);
+    }
+    _mm256_storeu_ps(sh + c0, s0);
+    _mm256_storeu_ps(sh + C + c0, s1);
+    _mm256_storeu_ps(sh + 2 * C + c0, s2);
+    _mm256_storeu_ps(sh + 3 * C + c0, s3);
+  }
+  for (; c0 < used; c0++)
+    for (int ii = 0; ii < 4; ii++) {
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < k; kk++) acc += xr[ii][kk] * a[kk * C + c0];
+      sh[ii * C + c0] = acc;
+    }
+  for (int64_t p = 0; p < L->parts; p++) {
+    const int64_t hi = L->part_off[p + 1];
+    const float* sp = sh + p * r;
+    const float* bp = b + p * r * n;
+    int64_t o = L->part_off[p];
+    for (; o + 8 <= hi; o += 8) {
+      __m256 y0 = _mm256_loadu_ps(yr[0] + o), y1 = _mm256_loadu_ps(yr[1] + o);
+      __m256 y2 = _mm256_loadu_ps(yr[2] + o), y3 = _mm256_loadu_ps(yr[3] + o);
+      for (int32_t j = 0; j < r; j++) {
+        const __m256 bv = _mm256_loadu_ps(bp + j * n + o);
+        y0 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + j), bv, y0);
+        y1 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + C + j), bv, y1);
+        y2 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + 2 * C + j), bv, y2);
+        y3 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + 3 * C + j), bv, y3);
+      }
+      /* a tail's repeated rows point at the last real row: only real rows are stored */
+      _mm256_storeu_ps(yr[0] + o, y0);
+      if (mr > 1) _mm256_storeu_ps(yr[1] + o, y1);
+      if (mr > 2) _mm256_storeu_ps(yr[2] + o, y2);
+      if (mr > 3) _mm256_storeu_ps(yr[3] + o, y3);
+    }
+    for (; o < hi; o++)
+      for (int ii = 0; ii < mr; ii++) {
+        float acc = yr[ii][o];
+        for (int32_t j = 0; j < r; j++) acc += sp[ii * C + j] * bp[j * n + o];
+        yr[ii][o] = acc;
+      }
+  }
+}
+
+/* y[t] += (x[t] @ A_s) @ B_s for every adapter row t (slot s), after the base matmul wrote y (as
+   the per-op path's wrapper adds after its base layer). One adapter's rows are done together, so
+   its A and B are read once per four rows; adapters run in parallel. */
 static void lora_add(const float* x, int64_t k, int64_t ldx, const kv_lora* lo, const kv_lora_linear* L,
                      int64_t n, float* y, int64_t ldy, int nthreads) {
   if (!lo || !L->a) return;
-  const int64_t R = lo->max_rank, C = L->parts * R;
+  const int64_t C = L->parts * lo->max_rank;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
   for (int64_t g = 0; g < lo->num_groups; g++) {
     const int32_t slot = lo->group_slot[g], r = lo->slot_rank[slot];
     const int32_t first = lo->group_start[g], rows = lo->group_start[g + 1] - first;
     const float* a = L->a + (int64_t)slot * k * C;
     const float* b = L->b + (int64_t)slot * C * n;
-    float* sh = lo->work + (int64_t)first * C;
-    memset(sh, 0, (size_t)(rows * C) * sizeof(float));
-    for (int64_t kk = 0; kk < k; kk++) {
-      const float* arow = a + kk * C;
-      for (int32_t i = 0; i < rows; i++) {
-        const float xv = x[(int64_t)lo->group_rows[first + i] * ldx + kk];
-        float* s = sh + i * C;
-        for (int64_t p = 0; p < L->parts; p++)
-          for (int32_t j = 0; j < r; j++) s[p * r + j] += xv * arow[p * r + j];
+    float sh[4 * C];
+    for (int32_t i0 = 0; i0 < rows && r > 0; i0 += 4) {
+      const int mr = rows - i0 < 4 ? rows - i0 : 4;
+      const float* xr[4];
+      float* yr[4];
+      for (int ii = 0; ii < 4; ii++) {
+        const int64_t row = lo->group_rows[first + i0 + (ii < mr ? ii : mr - 1)];
+        xr[ii] = x + row * ldx;
+        yr[ii] = y + row * ldy;
       }
-    }
-    for (int64_t p = 0; p < L->parts; p++) {
-      const int64_t lo_n = L->part_off[p], hi_n = L->part_off[p + 1];
-      for (int32_t j = 0; j < r; j++) {
-        const float* brow = b + (p * r + j) * n;
-        for (int32_t i = 0; i < rows; i++) {
-          const float sv = sh[i * C + p * r + j];
-          float* yr = y + (int64_t)lo->group_rows[first + i] * ldy;
-          for (int64_t o = lo_n; o < hi_n; o++) yr[o] += sv * brow[o];
-        }
-      }
+      lora_rows4(xr, yr, mr, k, a, b, C, L, r, n, sh);
     }
   }
 }

@@ -559,7 +559,7 @@ class _LoRALinear(ctypes.Structure):
 
 class _LoRA(ctypes.Structure):
     _fields_ = [("linears", _P), ("slot_rank", _P), ("group_rows", _P), ("group_start", _P), ("group_slot", _P),
-                ("num_groups", _I), ("max_rank", _I), ("work", _P)]
+                ("num_groups", _I), ("max_rank", _I)]
 
 
 class LoRASlots:
@@ -604,10 +604,9 @@ def lora_step(slots: LoRASlots, row_slots: list[int], slot_ranks: list[int]) -> 
     for s in order:
         starts.append(starts[-1] + len(groups[s]))
     ints = [torch.tensor(v, dtype=torch.int32) for v in (slot_ranks, rows or [0], starts, order or [0])]
-    work = torch.empty(max(1, len(row_slots) * 3 * slots.max_rank), dtype=torch.float32)
     lora = _LoRA(ctypes.addressof(slots.array), ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(),
-                 ints[3].data_ptr(), len(order), slots.max_rank, work.data_ptr())
-    return lora, (ints, work, slots)  # the tensors must outlive the call
+                 ints[3].data_ptr(), len(order), slots.max_rank)
+    return lora, (ints, slots)  # the tensors must outlive the call
 
 
 class DecoderStack:
