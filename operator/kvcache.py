@@ -32,6 +32,22 @@ def offload_pod_bytes(spec: ServiceSpec, tp: int) -> int:
     return 0 if k is None else k.size_bytes * _ranks(spec, tp)
 
 
+# Disk the file tier takes beyond its budget, per rank: the writer's one file in flight (a block,
+# under this for any model a pod serves) and the per-file header and filesystem block rounding
+# (about 4 KiB a file, a few percent for the smallest blocks).
+OFFLOAD_FILE_HEADROOM_PER_RANK = 64 * 1024**2
+OFFLOAD_FILE_HEADROOM_FRACTION = 16  # 1/16 of the tier
+
+
+def offload_volume_bytes(spec: ServiceSpec, tp: int) -> int:
+    """The emptyDir sizeLimit of a file tier: the kubelet evicts a pod past it, so the tier's
+    budget plus what files cost beyond their payload (0: no tier)."""
+    tier = offload_pod_bytes(spec, tp)
+    if tier == 0:
+        return 0
+    return tier + tier // OFFLOAD_FILE_HEADROOM_FRACTION + _ranks(spec, tp) * OFFLOAD_FILE_HEADROOM_PER_RANK
+
+
 # -- the offload tier ----------------------------------------------------------------------------
 def runtime_args(spec: ServiceSpec) -> list[str]:
     out: list[str] = []
@@ -51,8 +67,7 @@ def volumes(spec: ServiceSpec, tp: int) -> list[dict[str, Any]]:
         return []
     if k.medium == "pvc":
         return [{"name": OFFLOAD_VOLUME, "persistentVolumeClaim": {"claimName": k.claim_name}}]
-    # The kubelet evicts a pod whose emptyDir passes its sizeLimit: room for the tier and no more.
-    return [{"name": OFFLOAD_VOLUME, "emptyDir": {"sizeLimit": str(offload_pod_bytes(spec, tp))}}]
+    return [{"name": OFFLOAD_VOLUME, "emptyDir": {"sizeLimit": str(offload_volume_bytes(spec, tp))}}]
 
 
 def runtime_mounts(spec: ServiceSpec) -> list[dict[str, Any]]:

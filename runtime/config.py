@@ -84,6 +84,9 @@ class EngineConfig:
     # vLLM's name: GiB of CPU swap space per rank for the KV blocks of preempted requests, swapped
     # back in instead of recomputed when that is cheaper. 0: preemption always recomputes.
     swap_space: float = 0
+    # vLLM's --kv-transfer-config for its OffloadingConnector (a dict or its JSON string), another
+    # way to say kv_offload_bytes / kv_offload_dir (runtime/kv_offload/transfer_config.py).
+    kv_transfer_config: Any = None
 
     DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -139,10 +142,12 @@ class EngineConfig:
             from kvserve.runtime.spec_decode.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            if (self.speculative_config.method == "medusa" and isinstance(self.pipeline_parallel_size, int)
+            method = self.speculative_config.method
+            if (method in ("medusa", "eagle", "eagle3") and isinstance(self.pipeline_parallel_size, int)
                     and self.pipeline_parallel_size > 1):
                 # The heads read the final hidden state, which lives on the last stage, not rank 0.
-                fail("speculative_config", "Medusa heads do not run with pipeline parallelism yet "
+                what = "Medusa heads" if method == "medusa" else "EAGLE heads"
+                fail("speculative_config", f"{what} do not run with pipeline parallelism yet "
                      "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):
             fail("enforce_eager", "must be a boolean")
@@ -166,6 +171,13 @@ class EngineConfig:
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if self.kv_events_config is not None and self.kv_events_config.active and not self.enable_prefix_caching:
             fail("kv_events_config", "needs enable_prefix_caching (events name prefix-cache blocks)")
+        if self.kv_transfer_config is not None:
+            if self.kv_offload_bytes or self.kv_offload_dir is not None:
+                fail("kv_transfer_config", "give either kv_transfer_config or kv_offload_bytes / kv_offload_dir")
+            from kvserve.runtime.kv_offload.transfer_config import parse_kv_transfer_config
+
+            tier = parse_kv_transfer_config(self.kv_transfer_config, block_size=self.block_size)
+            self.kv_offload_bytes, self.kv_offload_dir = tier["kv_offload_bytes"], tier["kv_offload_dir"]
         if isinstance(self.kv_offload_bytes, bool) or not isinstance(self.kv_offload_bytes, int) \
                 or self.kv_offload_bytes < 0:
             fail("kv_offload_bytes", "must be an integer >= 0 (0: no offload tier)")

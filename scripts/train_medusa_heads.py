@@ -19,8 +19,8 @@ def main() -> None:
     ap.add_argument("out", nargs="?", help="where the heads go (default: build/spec-heads/...)")
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=8192, help="truncated vocabulary of the heads")
-    ap.add_argument("--questions", type=int, default=240)
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--questions", type=int, default=960)
+    ap.add_argument("--epochs", type=int, default=8)
     args = ap.parse_args()
     if args.model is None:
         from kvserve.testing.realmodel import ensure_smollm2

@@ -30,7 +30,11 @@ TOPICS = (
     "mountains", "recycling", "music", "clouds", "airplanes", "friendship", "bread", "dinosaurs",
     "the solar system", "libraries", "trees", "sleep", "earthquakes", "football", "robots", "rivers",
     "cats", "dogs", "the desert", "winter", "trains", "the brain", "vaccines", "bicycles", "money",
-    "painting",
+    "painting", "the weather", "cooking pasta", "birds", "the pyramids", "swimming", "stars", "forests",
+    "butterflies", "the telephone", "camping", "apples", "soap", "bees and flowers", "castles", "kites",
+    "maps", "snow", "whales", "the wheel", "volunteering", "city parks", "horses", "the alphabet",
+    "pizza", "the heart of a computer", "rain", "islands", "spiders", "elephants", "gold", "sailing",
+    "chocolate", "the seasons", "fire", "museums", "bamboo", "hiking", "clocks", "water", "sharks",
 )
 TASKS = (
     "Explain {t} to a child in a few sentences.",
@@ -39,6 +43,12 @@ TASKS = (
     "What are the benefits of {t}?",
     "Describe {t} in one paragraph.",
     "Give me some tips about {t}.",
+    "Why is {t} important?",
+    "Write a short poem about {t}.",
+    "What is the history of {t}?",
+    "Compare {t} with something similar.",
+    "Write a friendly letter to a friend about {t}.",
+    "What questions do people often ask about {t}?",
 )
 
 
@@ -73,8 +83,29 @@ def hidden_states(model_dir, sequences: list[list[int]], starts: list[int]) -> t
     return torch.cat(rows), tokens
 
 
-def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, questions: int = 240,
-          max_tokens: int = 160, epochs: int = 4, seed: int = 0, log=print) -> dict:
+def dataset(model_dir, questions: list[str], max_tokens: int) -> tuple[torch.Tensor, list]:
+    """(hidden states, tokens) of the model's answers, cached beside the heads: generating and
+    re-reading them is most of the training time."""
+    key = hashlib.sha256(json.dumps([str(model_dir), _weights_digest(model_dir), questions, max_tokens])
+                         .encode()).hexdigest()[:16]
+    cache = REPO_ROOT / "build" / "spec-heads" / f"data-{key}.pt"
+    if cache.is_file():
+        data = torch.load(cache, weights_only=True)
+        return data["hidden"], data["tokens"]
+    seqs, starts = generate(model_dir, questions, max_tokens)
+    hidden, tokens = hidden_states(model_dir, seqs, starts)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"hidden": hidden, "tokens": tokens}, cache.with_suffix(".part"))
+    cache.with_suffix(".part").rename(cache)
+    return hidden, tokens
+
+
+def _weights_digest(model_dir) -> str:
+    return hashlib.sha256((pathlib.Path(model_dir) / "model.safetensors").read_bytes()[:1 << 20]).hexdigest()[:10]
+
+
+def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, questions: int = 960,
+          max_tokens: int = 160, epochs: int = 8, seed: int = 0, log=print) -> dict:
     """Trains and saves heads; returns what was measured (sizes, losses, held-out top-1 accuracy)."""
     from safetensors.torch import load_file
 
@@ -83,9 +114,7 @@ def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, question
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     qs = prompts(questions)
-    seqs, starts = generate(model_dir, qs, max_tokens)
-    t1 = time.perf_counter()
-    hidden, tokens = hidden_states(model_dir, seqs, starts)
+    hidden, tokens = dataset(model_dir, qs, max_tokens)
     t2 = time.perf_counter()
 
     # Row r of `hidden` sits at some position p of a sequence; head i's label is the token at
@@ -137,7 +166,7 @@ def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, question
             loss.backward()
             opt.step()
             sched.step()
-            total += float(loss)
+            total += loss.item()
         losses.append(total / steps_per_epoch)
         log(f"epoch {epoch + 1}/{epochs}: loss {losses[-1]:.3f}")
     with torch.no_grad():
@@ -149,7 +178,7 @@ def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, question
     report = {"questions": len(qs), "answer_tokens": int(n), "truncated_vocab": vocab,
               "vocab_coverage": float(counts[token_map].sum() / counts.sum()), "epochs": epochs,
               "loss_per_epoch": losses, "held_out_top1_accuracy_per_head": accuracy,
-              "generate_s": t1 - t0, "hidden_states_s": t2 - t1, "train_s": time.perf_counter() - t2}
+              "data_s": t2 - t0, "train_s": time.perf_counter() - t2}
     (pathlib.Path(out_dir) / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -157,7 +186,7 @@ def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, question
 def ensure_medusa_heads(model_dir, *, num_heads: int = 3, vocab: int = 8192, root=None, log=print) -> pathlib.Path:
     """The cached heads directory for `model_dir`, trained on first use."""
     model_dir = pathlib.Path(model_dir)
-    digest = hashlib.sha256((model_dir / "model.safetensors").read_bytes()[:1 << 20]).hexdigest()[:10]
+    digest = _weights_digest(model_dir)
     root = pathlib.Path(root) if root else REPO_ROOT / "build" / "spec-heads"
     out = root / f"{model_dir.name}-{digest}-medusa-{num_heads}x1-v{vocab}"
     if (out / "training.json").is_file():

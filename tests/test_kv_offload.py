@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -43,6 +44,39 @@ def test_flags_reach_the_engine_config(tmp_path):
 def test_bad_offload_options_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="m", **kw)
+
+
+def test_vllm_kv_transfer_config_maps_onto_the_tier(tmp_path):
+    from kvserve.runtime.server.main import engine_kwargs
+
+    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "block_size": 16}}
+    cfg = EngineConfig(**engine_kwargs(_serve_args("m", "--kv-transfer-config", json.dumps(config))))
+    assert (cfg.kv_offload_bytes, cfg.kv_offload_dir) == (1 << 20, None)
+    config["kv_connector_extra_config"]["kv_offload_dir"] = str(tmp_path)
+    cfg = EngineConfig(model="m", kv_transfer_config=config)
+    assert (cfg.kv_offload_bytes, cfg.kv_offload_dir) == (1 << 20, str(tmp_path))
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "kv_transfer_config.kv_connector"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_producer",
+      "kv_connector_extra_config": {"cpu_bytes_to_use": 10}}, "kv_transfer_config.kv_role"),
+    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 10}},
+     r"kv_connector_extra_config.num_cpu_blocks: not supported \(give cpu_bytes_to_use instead\)"),
+    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}, "cpu_bytes_to_use"),
+    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 10,
+                                                                           "block_size": 64}}, "block_size 16"),
+    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "cpu_bytes_to_use": 10, "spec_name": "TieringOffloadingSpec"}}, "spec_name"),
+    ({"kv_connector": "OffloadingConnector", "bogus": 1}, "kv_transfer_config.bogus"),
+    ("{nope", "kv_transfer_config: not valid JSON"),
+])
+def test_bad_kv_transfer_config_names_the_key(config, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="m", kv_transfer_config=config)
+    with pytest.raises(ValueError, match="give either kv_transfer_config or kv_offload_bytes"):
+        EngineConfig(model="m", kv_offload_bytes=10, kv_transfer_config={"kv_connector": "OffloadingConnector"})
 
 
 def test_bad_flags_are_usage_errors():
@@ -366,6 +400,18 @@ def test_tier_stores_and_removals_are_kv_events_with_their_medium(tiny_llama, tm
     pool_stored = {h for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
     assert tier_stored and tier_removed
     assert set(tier_stored) <= pool_stored  # the tier only ever holds what the pool computed
+    # A tier BlockStored carries the block's parent hash and token ids exactly as the pool's did
+    # (an indexer that rehashes tokens, like llm-d's, needs both).
+    pool_meta = {}
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium == "GPU":
+            for j, h in enumerate(e.block_hashes):
+                pool_meta[h] = (e.parent_block_hash if j == 0 else e.block_hashes[j - 1],
+                                e.token_ids[j * e.block_size:(j + 1) * e.block_size])
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium == medium:
+            assert len(e.block_hashes) == 1 and len(e.token_ids) == e.block_size == 4
+            assert (e.parent_block_hash, e.token_ids) == pool_meta[e.block_hashes[0]]
     # What the tier holds now is exactly what its events say it holds.
     held: set[bytes] = set()  # replayed in order, as a subscriber's index does
     for e in events:
@@ -463,6 +509,22 @@ def test_tensor_parallel_ranks_store_and_reload_their_own_shards(tiny_llama, ref
     with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as tp1:
         run(tp1, prompts[:1])
         assert tp1.get_stats().kv_offload_loaded_bytes_total == 0
+
+
+def test_tensor_parallel_shutdown_saves_every_ranks_shard_of_the_pool(tiny_llama, reference, tmp_path):
+    """A pool large enough that nothing is evicted: every block reaches the tier only through the
+    shutdown save, which must reach rank 1 too (its ops ride the shutdown message)."""
+    prompts = conversations()
+    with make_engine(tiny_llama, tensor_parallel_size=2, num_kv_blocks=400, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path)) as engine:
+        assert run(engine, prompts) == reference["first"]
+        assert engine.get_stats().kv_offload_stored_bytes_total == 0  # nothing evicted yet
+    names = [{p.name for p in d.glob("*.kvb")} for d in sorted(p for p in tmp_path.iterdir() if p.is_dir())]
+    assert len(names) == 2 and names[0] and names[0] == names[1]
+    with make_engine(tiny_llama, tensor_parallel_size=2, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path)) as warm:
+        assert run(warm, prompts) == reference["again"]
+        assert warm.get_stats().kv_offload_hit_tokens_total == len(prompts) * 39
 
 
 # -- the block manager with the tier: a property test of the bookkeeping ---------------------------

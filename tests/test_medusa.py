@@ -48,7 +48,7 @@ def test_config_methods():
     assert (cfg.method, cfg.model) == ("medusa", "/heads")
     with pytest.raises(ValueError, match="speculative_config.model: a Medusa heads directory is required"):
         SpeculativeConfig.parse({"method": "medusa", "num_speculative_tokens": 3})
-    for method in ("eagle", "eagle3", "mtp"):
+    for method in ("mtp",):
         with pytest.raises(ValueError, match=f"speculative_config.method: '{method}' is not supported yet"):
             SpeculativeConfig.parse({"method": method, "model": "/x", "num_speculative_tokens": 3})
 
@@ -160,3 +160,36 @@ def test_truncated_vocabulary_maps_back_to_target_ids(tmp_path, tiny_llama):
         load_medusa_heads(path, hidden_size=64, vocab_size=100, dtype=torch.float32, device="cpu")
     engine = make_engine(tiny_llama, {"method": "medusa", "model": str(path), "num_speculative_tokens": 2})
     run_checked(engine, grounded_prompts(n=3), GREEDY)
+
+
+def test_medusa_through_the_server_with_the_openai_client(tiny_llama, tmp_path):
+    """`kvserve serve --speculative-config '{"method": "medusa", ...}'`: streamed and plain
+    completions equal the offline engine's greedy text without speculation, drafts counted."""
+    import openai
+    from server_helpers import http, m, metrics, wait_until
+
+    from kvserve.runtime import LLM
+    from kvserve.runtime.server.main import ServerThread
+
+    heads = save_medusa_heads(target_copy_heads(tiny_llama), tmp_path / "heads")
+    prompts = [p for p in grounded_prompts(n=4)]
+    with LLM(str(tiny_llama), block_size=16, num_kv_blocks=64, max_model_len=256) as llm:
+        want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                                        use_tqdm=False)]
+    spec = json.dumps({"method": "medusa", "model": str(heads), "num_speculative_tokens": 3})
+    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "16",
+                        "--num-kv-blocks", "64", "--max-model-len", "256", "--speculative-config", spec])
+    srv.start()
+    try:
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        extra = {"ignore_eos": True}
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
+                                         extra_body=extra).choices[0].text for p in prompts]
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompts[0], max_tokens=16, temperature=0, stream=True, extra_body=extra))
+        assert got == want and streamed == want[0]
+        assert m(metrics(srv.url), "vllm:spec_decode_num_drafts_total") > 0
+    finally:
+        assert srv.stop() == 0

@@ -75,6 +75,9 @@ class BlockManager:
         self.on_evict: Callable[[int, BlockHash], None] | None = None
         # KV events (runtime/kv_events): told of every key this pool gains, evicts or forgets.
         self.events: KVEventSink | None = None
+        # With events on, each keyed block's (parent hash, token ids) until it is evicted: the
+        # offload tier's BlockStored for an evicted block carries them like the pool's did.
+        self.stored_meta: dict[int, tuple[BlockHash | None, tuple[int, ...]]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -229,6 +232,9 @@ class BlockManager:
                 self.block_hashes[block] = h
                 self.cached[h] = block
                 if self.events is not None:
+                    size = self.block_size
+                    self.stored_meta[block] = (hashes[i - 1] if i else None,
+                                               tuple(token_ids[i * size:(i + 1) * size]) if token_ids else ())
                     if run and run[-1] != i - 1:
                         self._report_stored(run, hashes, token_ids)
                         run = []
@@ -273,6 +279,7 @@ class BlockManager:
         self.block_hashes = [None] * self.num_blocks
         self.cached.clear()
         self._num_registered.clear()
+        self.stored_meta.clear()
         if self.events is not None:
             self.events.cleared()
 
@@ -343,6 +350,7 @@ class BlockManager:
                 self.on_evict(block, h)
             self.block_hashes[block] = None
             del self.cached[h]
+            self.stored_meta.pop(block, None)
             if self.events is not None:
                 self.events.removed([h])
         self.ref_counts[block] = 1

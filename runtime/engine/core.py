@@ -145,7 +145,7 @@ class EngineCore:
         bm = self.block_manager
         for group, manager in enumerate(bm.managers if isinstance(bm, KVCacheCoordinator) else [bm]):
             manager.tier_lookup = offload.tier_lookup(group)
-            manager.on_evict = offload.on_evict(group)
+            manager.on_evict = offload.on_evict(group, manager.stored_meta.get)
         self.scheduler.offload = offload
 
     def save_cached_blocks(self) -> int:
@@ -154,7 +154,7 @@ class EngineCore:
             return 0
         bm = self.block_manager
         managers = bm.managers if isinstance(bm, KVCacheCoordinator) else [bm]
-        return self.offload.save_cached([m.cached for m in managers])
+        return self.offload.save_cached([m.cached for m in managers], [m.stored_meta.get for m in managers])
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, heads: list[Request]) -> None:

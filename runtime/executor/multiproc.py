@@ -502,7 +502,11 @@ class MultiProcExecutor(Executor):
             pass
         # Before they report READY workers may be mid-load or mid-rendezvous, deaf to a shutdown message.
         if graceful and self.failure is None and getattr(self, "_monitor", None) is not None:
-            data = protocol.encode(protocol.SHUTDOWN)
+            # Offload operations still waiting for a step (the pool's cached blocks that a
+            # persistent tier saves at shutdown) ride the shutdown message: each rank saves its
+            # own shard of them before it closes, or a restart would find rank 0's half only.
+            ops, self._kv_ops = self._kv_ops, []
+            data = protocol.encode(protocol.SHUTDOWN, ops)
             for w in self._workers:
                 try:
                     w.ctrl.send_bytes(data)

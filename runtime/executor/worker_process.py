@@ -144,6 +144,8 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
         while True:
             kind, payload = protocol.decode(ctrl.recv_bytes())
             if kind == protocol.SHUTDOWN:
+                if payload and payload[0] and worker.offloader is not None:
+                    worker.offloader.apply(payload[0])  # written before close() returns
                 return
             if kind != protocol.STEP:
                 raise RuntimeError(f"unexpected message {kind!r}")

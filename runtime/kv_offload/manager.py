@@ -101,7 +101,10 @@ class OffloadManager:
         tier = self.tier
         return lambda h: tier_key(group, h) in tier
 
-    def on_evict(self, group: int) -> Callable[[int, bytes], None] | None:
+    def on_evict(self, group: int, meta: Callable[[int], tuple | None] | None = None
+                 ) -> Callable[[int, bytes], None] | None:
+        """The hook for group `group`'s pool; `meta(block)` gives a block's (parent hash, token
+        ids) for the tier's BlockStored events (the pool keeps them while KV events are on)."""
         if self.tier is None:
             return None
 
@@ -116,8 +119,9 @@ class OffloadManager:
             self._ops.append(("save", TIER_STORE, group, block, key))
             self.stats.stored_blocks += 1
             if self.events is not None and group == 0:
-                # The tier keeps no token ids; the pool's own BlockStored carried them.
-                self.events.stored([block_hash], None, [], medium=self.medium)
+                # Like the pool's own BlockStored, so an indexer that rehashes tokens sees it.
+                parent, tokens = (meta(block) if meta is not None else None) or (None, ())
+                self.events.stored([block_hash], parent, tokens, medium=self.medium)
         return evict
 
     def _drop_tier(self, keys: list[bytes]) -> None:
@@ -210,14 +214,15 @@ class OffloadManager:
         if nbytes > 0 and seconds > 0:
             self.transfer_bytes_per_s = 0.8 * self.transfer_bytes_per_s + 0.2 * nbytes / seconds
 
-    def save_cached(self, cached_per_group: Sequence[dict[bytes, int]]) -> int:
+    def save_cached(self, cached_per_group: Sequence[dict[bytes, int]],
+                    meta_per_group: Sequence[Callable[[int], tuple | None]] | None = None) -> int:
         """Saves every cached pool block the tier lacks (a persistent tier before shutdown, so a
         restart finds what was in the pool too); returns how many."""
         if self.tier is None:
             return 0
         n = 0
         for group, cached in enumerate(cached_per_group):
-            evict = self.on_evict(group)
+            evict = self.on_evict(group, meta_per_group[group] if meta_per_group else None)
             for block_hash, block in list(cached.items()):
                 if tier_key(group, block_hash) not in self.tier:
                     evict(block, block_hash)

@@ -98,6 +98,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-offload-dir", default=None, metavar="PATH",
                    help="keep the offload tier in files under PATH (local disk, a PVC): a restarted server "
                         "finds its prefixes again; without it the tier is host memory (pinned on CUDA)")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='vLLM\'s offloading connector form of the two flags above, e.g. \'{"kv_connector": '
+                        '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+                        '{"cpu_bytes_to_use": 1000000000}}\' (docs/kv-offload.md)')
     p.add_argument("--swap-space", type=_bounded(float, 0.0), default=None, metavar="GiB",
                    help="CPU swap space (GiB per rank) for the KV blocks of preempted requests: swapped out "
                         "and back in instead of recomputed when that is cheaper (default 0: recompute)")

@@ -37,7 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["pipeline_parallel_size"] = args.pipeline_parallel_size
     for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                  "kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_dtype",
-                 "kv_offload_bytes", "kv_offload_dir", "swap_space"):
+                 "kv_offload_bytes", "kv_offload_dir", "kv_transfer_config", "swap_space"):
         value = getattr(args, name, None)
         if value is not None:
             kw[name] = value

@@ -65,7 +65,8 @@ def test_kv_offload_is_kvserves_only():
 
 
 @pytest.mark.parametrize("medium, volume, args_dir", [
-    ("emptyDir", {"emptyDir": {"sizeLimit": str(2 * 8 * 1024**3)}}, K.OFFLOAD_DIR),
+    # 2 ranks x 8Gi, plus 1/16 of it and 64Mi per rank for headers, block rounding and the file in flight
+    ("emptyDir", {"emptyDir": {"sizeLimit": str(2 * 8 * 1024**3 + 1024**3 + 2 * 64 * 1024**2)}}, K.OFFLOAD_DIR),
     ("pvc", {"persistentVolumeClaim": {"claimName": "kv-cache"}}, K.OFFLOAD_DIR),
     ("memory", None, None),
 ])
