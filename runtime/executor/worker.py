@@ -213,6 +213,11 @@ class Worker:
             self.offloader = self._make_offloader()
         return kv_cache_bytes(self.kv_caches)
 
+    @property
+    def offload_ranks(self) -> int:
+        """How many ranks each hold a part of every offloaded block (each in its own namespace)."""
+        return self.world_size
+
     def offload_namespace(self, rank: int | None = None):
         """The namespace this rank's offloaded blocks live in (runtime/kv_offload/namespace.py)."""
         from kvserve.runtime.kv_offload.namespace import namespace_for
@@ -249,7 +254,7 @@ class Worker:
         if self.offloader is None or not getattr(self.offloader.stores.get(TIER), "persistent", False):
             return []
         found = self.offloader.stores[TIER].scan()
-        for rank in range(1, self.world_size):
+        for rank in range(1, self.offload_ranks):
             other = {k for k, _ in FileStore(self.config.kv_offload_dir, self.offload_namespace(rank)).scan()}
             found = [(k, n) for k, n in found if k in other]
         return found
