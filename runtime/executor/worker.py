@@ -227,8 +227,15 @@ class Worker:
         pin = self.platform.name == "cuda"  # pinned host memory copies at full speed
         stores = {}
         if self.config.kv_offload_bytes:
-            stores[TIER] = (FileStore(self.config.kv_offload_dir, self.offload_namespace())
-                            if self.config.kv_offload_dir else HostStore(pin_memory=pin))
+            if self.config.kv_offload_dir:
+                ns = self.offload_namespace()
+                # The root holds this pod's ranks' budgets; other namespaces go first when it is
+                # over, never this layout's other ranks (they may not have started yet).
+                stores[TIER] = FileStore(self.config.kv_offload_dir, ns,
+                                         root_budget_bytes=self.config.kv_offload_bytes * self.world_size,
+                                         keep=frozenset(ns.for_rank(r).dirname for r in range(self.world_size)))
+            else:
+                stores[TIER] = HostStore(pin_memory=pin)
         if self.config.swap_space:
             stores[SWAP] = HostStore(pin_memory=pin)
         groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None

@@ -188,6 +188,9 @@ class KVOffloader:
             self._queue.put(None)
             self._writer.join(timeout=10)
         self._writer = None
+        for store in self.stores.values():
+            if hasattr(store, "close"):
+                store.close()
 
     def drain_timings(self) -> tuple[list[float], list[float]]:
         """(store, load) seconds observed since the previous call."""
