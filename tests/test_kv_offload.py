@@ -360,6 +360,31 @@ def test_a_start_over_budget_deletes_other_namespaces_oldest_first_never_a_live_
     assert not stale["w-live"].dir.exists()
 
 
+def test_a_prefetched_block_is_loaded_from_memory_and_a_missing_one_is_still_reported(tmp_path):
+    import time
+
+    from kvserve.runtime.kv_offload.offloader import TIER, KVOffloader
+
+    pools = [(torch.zeros(4, 8), torch.zeros(4, 8)), (torch.zeros(4, 8), torch.zeros(4, 8))]
+    for layer in pools:
+        for pool in layer:
+            pool[1] = torch.randn(8)
+    off = KVOffloader(pools, [[0, 1]], {TIER: FileStore(tmp_path, NS)})
+    try:
+        off.apply([("save", TIER, 0, 1, b"k")])
+        assert off.flush(timeout=30)
+        off.apply([("prefetch", TIER, [b"k", b"absent"])])
+        deadline = time.monotonic() + 30
+        while (TIER, b"k") not in off._staged and time.monotonic() < deadline:
+            time.sleep(0.01)
+        off.stores[TIER].path(b"k").unlink()  # from here on only the read-ahead bytes have it
+        assert off.apply([("load", TIER, 0, 2, b"k"), ("load", TIER, 0, 3, b"absent")]) == [b"absent"]
+        assert off.prefetched_loads == 1 and not off._staged
+        assert all(torch.equal(pool[2], pool[1]) and not pool[3].any() for layer in pools for pool in layer)
+    finally:
+        off.close()
+
+
 def test_a_corrupted_tier_file_is_recomputed_not_read(tiny_llama, reference, tmp_path):
     prompts = conversations()
     with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as first:
