@@ -16,7 +16,7 @@ from kvserve.runtime.kv_events.publisher import ZmqEventPublisher
 from kvserve.runtime.router.endpoints import Endpoint, endpoints_from_pods, events_endpoints
 from kvserve.runtime.router.kv_events import KVEventSubscriptions
 from kvserve.runtime.router.kv_index import LIVE, PARTIAL, SYNCING, KVIndexConfig, PodKVIndex, PreciseMatch
-from kvserve.runtime.router.policy import PREFIX_HIT, PREFIX_NEW, EndpointLoad, PolicyConfig, PolicyState, choose
+from kvserve.runtime.router.policy import PREFIX_HIT, EndpointLoad, PolicyConfig, PolicyState, choose
 
 H = [bytes([i]) * 4 for i in range(10)]
 
@@ -126,8 +126,9 @@ def policy_after_serving(pod: str, hashes: list[int]) -> PolicyState:
     # Not even its first block anywhere: evicted everywhere, or hashed unlike the pods (a guard
     # against a router/runtime mismatch): what was served decides.
     ("held nowhere", PreciseMatch(10, {"a": 0, "b": 0, "c": 0}), "a", PREFIX_HIT),
-    # Held by none of the pods that served it, by c only in part: c's part is the longest.
-    ("evicted on a", PreciseMatch(10, {"a": 0, "b": 0, "c": 2}), None, PREFIX_NEW),
+    # Held by none of the pods that served it, by c only in part: with every pod idle, c's 2
+    # blocks beat the new-prompt pod's none by more than the margin.
+    ("evicted on a", PreciseMatch(10, {"a": 0, "b": 0, "c": 2}), "c", PREFIX_HIT),
     # a's events are missing (not in held): its served record stands; b's events show less.
     ("a without events", PreciseMatch(10, {"b": 6, "c": 0}), "a", PREFIX_HIT),
     # A partial index is a floor under what was served.

@@ -389,6 +389,7 @@ class DataParallelEngine:
         if target == old:
             return self._record(old, target, 0.0, 0, changed=False)
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         # 1. Stop: finish what is in flight, take every unfinished request out.
         heads = []
         for engine in self.engines:
@@ -396,13 +397,19 @@ class DataParallelEngine:
             self._pending += outputs
             heads += detached
         heads.sort(key=lambda h: h.metrics.arrival_time)
-        # 2. Free the devices; the old engines' counters stay in the totals.
-        for i, engine in enumerate(self.engines):
-            stats = engine.get_stats()
-            _retire_into(self._retired, stats, first=i == 0)
-            self._retired_obs.append(stats)
-            self._close_engine(engine)
-        self.engines = []
+        phases["stop"] = time.perf_counter() - t0
+        # 2. Free the devices; the old engines' counters stay in the totals. One collection for
+        # all of them (each rank's own would cost most of a second).
+        from kvserve.runtime.executor.platform import held_release, platform_for
+
+        with held_release(platform_for(self.engines[0].device)):
+            for i, engine in enumerate(self.engines):
+                stats = engine.get_stats()
+                _retire_into(self._retired, stats, first=i == 0)
+                self._retired_obs.append(stats)
+                self._close_engine(engine)
+            self.engines = []
+        phases["free"] = time.perf_counter() - t0 - sum(phases.values())
         # 3. Start the new layout, or the old one again.
         failure: BaseException | None = None
         try:
@@ -412,6 +419,7 @@ class DataParallelEngine:
             failure = exc
             log.error("reshape %s -> %s failed (%s: %s); restoring %s", old, target, type(exc).__name__, exc, old)
             self.engines = self._build(old)  # if even this fails, the engine loop ends and /health says why
+        phases["start"] = time.perf_counter() - t0 - sum(phases.values())
         for lora in self._loras.values():  # the adapters the old engines had (from local files)
             for engine in self.engines:
                 engine.add_lora(lora)
@@ -421,8 +429,12 @@ class DataParallelEngine:
         self._resume(heads)
         self._keep_spares()
         seconds = time.perf_counter() - t0
+        phases["resume"] = seconds - sum(phases.values())
         record = self._record(old, target, seconds, len(heads), changed=failure is None,
                               error=None if failure is None else f"{type(failure).__name__}: {failure}")
+        record["phases"] = {k: round(v, 4) for k, v in phases.items()}
+        log.debug("reshape %s -> %s phases: %s", old, target,
+                  ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
         if failure is not None:
             raise ReshapeError(f"reshape {old} -> {target} failed and was rolled back to {old} "
                                f"({type(failure).__name__}: {failure})") from failure
