@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.runtime.executor.forward_input import ForwardInput
-from kvserve.runtime.executor.platform import platform_for
+from kvserve.runtime.executor.platform import platform_for, release_is_held
 from kvserve.runtime.kv_cache import (
     allocate_kv_cache,
     copy_blocks,
@@ -361,4 +361,5 @@ class Worker:
             self.offloader = None
         self.kv_caches = []
         self.model = None
-        self.platform.release_memory()
+        if not release_is_held():  # else the caller closing several engines releases once
+            self.platform.release_memory()
