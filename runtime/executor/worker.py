@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.runtime.executor.forward_input import ForwardInput
-from kvserve.runtime.executor.platform import platform_for
+from kvserve.runtime.executor.platform import platform_for, release_is_held
 from kvserve.runtime.kv_cache import (
     allocate_kv_cache,
     copy_blocks,
@@ -237,8 +237,15 @@ class Worker:
         pin = self.platform.name == "cuda"  # pinned host memory copies at full speed
         stores = {}
         if self.config.kv_offload_bytes:
-            stores[TIER] = (FileStore(self.config.kv_offload_dir, self.offload_namespace())
-                            if self.config.kv_offload_dir else HostStore(pin_memory=pin))
+            if self.config.kv_offload_dir:
+                ns = self.offload_namespace()
+                # The root holds this pod's ranks' budgets; other namespaces go first when it is
+                # over, never this layout's other ranks (they may not have started yet).
+                stores[TIER] = FileStore(self.config.kv_offload_dir, ns,
+                                         root_budget_bytes=self.config.kv_offload_bytes * self.world_size,
+                                         keep=frozenset(ns.for_rank(r).dirname for r in range(self.world_size)))
+            else:
+                stores[TIER] = HostStore(pin_memory=pin)
         if self.config.swap_space:
             stores[SWAP] = HostStore(pin_memory=pin)
         groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None
@@ -366,4 +373,5 @@ class Worker:
             self.offloader = None
         self.kv_caches = []
         self.model = None
-        self.platform.release_memory()
+        if not release_is_held():  # else the caller closing several engines releases once
+            self.platform.release_memory()
