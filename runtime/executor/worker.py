@@ -241,9 +241,10 @@ class Worker:
                 ns = self.offload_namespace()
                 # The root holds this pod's ranks' budgets; other namespaces go first when it is
                 # over, never this layout's other ranks (they may not have started yet).
+                ranks = self.offload_ranks  # every TP (and pipeline) rank of the pod
                 stores[TIER] = FileStore(self.config.kv_offload_dir, ns,
-                                         root_budget_bytes=self.config.kv_offload_bytes * self.world_size,
-                                         keep=frozenset(ns.for_rank(r).dirname for r in range(self.world_size)))
+                                         root_budget_bytes=self.config.kv_offload_bytes * ranks,
+                                         keep=frozenset(self.offload_namespace(r).dirname for r in range(ranks)))
             else:
                 stores[TIER] = HostStore(pin_memory=pin)
         if self.config.swap_space:
