@@ -122,6 +122,7 @@ class Executor:
             self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
         self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
                                   lora=self.lora_manager, verify_as_decode_rows=device.type == "cpu")
+        self.runner.greedy_on_last_stage = config.pipeline_parallel_size > 1
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
