@@ -142,10 +142,12 @@ class EngineConfig:
             from kvserve.runtime.spec_decode.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            if (self.speculative_config.method == "medusa" and isinstance(self.pipeline_parallel_size, int)
+            method = self.speculative_config.method
+            if (method in ("medusa", "eagle", "eagle3") and isinstance(self.pipeline_parallel_size, int)
                     and self.pipeline_parallel_size > 1):
                 # The heads read the final hidden state, which lives on the last stage, not rank 0.
-                fail("speculative_config", "Medusa heads do not run with pipeline parallelism yet "
+                what = "Medusa heads" if method == "medusa" else "EAGLE heads"
+                fail("speculative_config", f"{what} do not run with pipeline parallelism yet "
                      "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):
             fail("enforce_eager", "must be a boolean")

@@ -52,13 +52,21 @@ FAMILIES = {
 def test_pp2_matches_pp1(tiny_model_factory, family):
     arch, overrides = FAMILIES[family]
     model_dir = tiny_model_factory(arch, **overrides)
+    # Greedy rows, plus seeded random rows (one asking for logprobs) that finish first: steps
+    # with a random row ship logits to rank 0, whose Sampler draws from each request's own
+    # generator as at PP=1; the all-greedy steps after them are sampled on the last stage.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 7, 9, 15)]
+    params += [SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=5, ignore_eos=True),
+               SamplingParams(temperature=1.0, seed=12, max_tokens=4, ignore_eos=True, logprobs=2)]
     with LLM(str(model_dir), **KW) as llm1:
         prompts = _prompts(llm1.engine.model_config.vocab_size)
-        want = _generate(llm1, prompts)
+        prompts += prompts[:2]
+        want = _generate(llm1, prompts, params)
         full_weights = llm1.engine.executor.model_weight_bytes
     with LLM(str(model_dir), pipeline_parallel_size=2, **KW) as llm2:
-        got = _generate(llm2, prompts)
+        got = _generate(llm2, prompts, params)
         executor = llm2.engine.executor
+        assert executor.driver_worker.steps_sampled_on_last_stage > 0
         stats = llm2.engine.get_stats()
         reports = executor.rank_reports
         assert len(tp_worker_pids()) == 1

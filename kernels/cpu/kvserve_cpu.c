@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 9; }
+int kv_abi_version(void) { return 10; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -703,6 +703,112 @@ typedef struct {
   float eps;
 } kv_dims;
 
+/* LoRA adapters on a decode step (runtime/lora/layers.py's slots, read in place): one adapted
+   linear layer's slot stacks, A^T [slots, in, C] and scaled B [slots, C, out] with C = parts x
+   max_rank. With an adapter of rank r in the slot, part p of a fused layer (q|k|v, gate|up) owns
+   A's columns p*r .. (p+1)*r and only the outputs part_off[p] .. part_off[p+1]: the columns past
+   parts x r and B's off-diagonal blocks are zero and never read. */
+typedef struct {
+  const float* a; /* NULL: the layer has no adapter slots */
+  const float* b;
+  int64_t parts;
+  int64_t part_off[4];
+} kv_lora_linear;
+
+typedef struct {
+  const kv_lora_linear* linears; /* [num_layers * 4]: qkv, o, gate_up, down */
+  const int32_t* slot_rank;      /* [slots]: the rank of the adapter in each slot */
+  const int32_t* group_rows;     /* the adapter rows of the step, grouped by slot */
+  const int32_t* group_start;    /* [num_groups + 1] into group_rows */
+  const int32_t* group_slot;     /* [num_groups] */
+  int64_t num_groups, max_rank;
+} kv_lora;
+
+/* Up to four rows of one adapter (row pointers; a short tail repeats its last row, computed but
+   not stored): sh = x @ A over the parts x r columns in use, then y += sh @ B per part over that
+   part's outputs only. Four rows share every load of A and B. */
+static void lora_rows4(const float* const xr[4], float* const yr[4], int mr, int64_t k, const float* a,
+                       const float* b, int64_t C, const kv_lora_linear* L, int32_t r, int64_t n, float* sh) {
+  const int64_t used = L->parts * r;
+  int64_t c0 = 0;
+  for (; c0 + 8 <= used; c0 += 8) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t kk = 0; kk < k; kk++) {
+      const __m256 av = _mm256_loadu_ps(a + kk * C + c0);
+      s0 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[0] + kk), av, s0);
+      s1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[1] + kk), av, s1);
+      s2 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[2] + kk), av, s2);
+      s3 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[3] + kk), av, s3);
+    }
+    _mm256_storeu_ps(sh + c0, s0);
+    _mm256_storeu_ps(sh + C + c0, s1);
+    _mm256_storeu_ps(sh + 2 * C + c0, s2);
+    _mm256_storeu_ps(sh + 3 * C + c0, s3);
+  }
+  for (; c0 < used; c0++)
+    for (int ii = 0; ii < 4; ii++) {
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < k; kk++) acc += xr[ii][kk] * a[kk * C + c0];
+      sh[ii * C + c0] = acc;
+    }
+  for (int64_t p = 0; p < L->parts; p++) {
+    const int64_t hi = L->part_off[p + 1];
+    const float* sp = sh + p * r;
+    const float* bp = b + p * r * n;
+    int64_t o = L->part_off[p];
+    for (; o + 8 <= hi; o += 8) {
+      __m256 y0 = _mm256_loadu_ps(yr[0] + o), y1 = _mm256_loadu_ps(yr[1] + o);
+      __m256 y2 = _mm256_loadu_ps(yr[2] + o), y3 = _mm256_loadu_ps(yr[3] + o);
+      for (int32_t j = 0; j < r; j++) {
+        const __m256 bv = _mm256_loadu_ps(bp + j * n + o);
+        y0 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + j), bv, y0);
+        y1 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + C + j), bv, y1);
+        y2 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + 2 * C + j), bv, y2);
+        y3 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + 3 * C + j), bv, y3);
+      }
+      /* a tail's repeated rows point at the last real row: only real rows are stored */
+      _mm256_storeu_ps(yr[0] + o, y0);
+      if (mr > 1) _mm256_storeu_ps(yr[1] + o, y1);
+      if (mr > 2) _mm256_storeu_ps(yr[2] + o, y2);
+      if (mr > 3) _mm256_storeu_ps(yr[3] + o, y3);
+    }
+    for (; o < hi; o++)
+      for (int ii = 0; ii < mr; ii++) {
+        float acc = yr[ii][o];
+        for (int32_t j = 0; j < r; j++) acc += sp[ii * C + j] * bp[j * n + o];
+        yr[ii][o] = acc;
+      }
+  }
+}
+
+/* y[t] += (x[t] @ A_s) @ B_s for every adapter row t (slot s), after the base matmul wrote y (as
+   the per-op path's wrapper adds after its base layer). One adapter's rows are done together, so
+   its A and B are read once per four rows; adapters run in parallel. */
+static void lora_add(const float* x, int64_t k, int64_t ldx, const kv_lora* lo, const kv_lora_linear* L,
+                     int64_t n, float* y, int64_t ldy, int nthreads) {
+  if (!lo || !L->a) return;
+  const int64_t C = L->parts * lo->max_rank;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+  for (int64_t g = 0; g < lo->num_groups; g++) {
+    const int32_t slot = lo->group_slot[g], r = lo->slot_rank[slot];
+    const int32_t first = lo->group_start[g], rows = lo->group_start[g + 1] - first;
+    const float* a = L->a + (int64_t)slot * k * C;
+    const float* b = L->b + (int64_t)slot * C * n;
+    float sh[4 * C];
+    for (int32_t i0 = 0; i0 < rows && r > 0; i0 += 4) {
+      const int mr = rows - i0 < 4 ? rows - i0 : 4;
+      const float* xr[4];
+      float* yr[4];
+      for (int ii = 0; ii < 4; ii++) {
+        const int64_t row = lo->group_rows[first + i0 + (ii < mr ? ii : mr - 1)];
+        xr[ii] = x + row * ldx;
+        yr[ii] = y + row * ldy;
+      }
+      lora_rows4(xr, yr, mr, k, a, b, C, L, r, n, sh);
+    }
+  }
+}
+
 /* Floats of workspace kv_decoder_stack_f32 needs for m tokens. */
 int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
   int64_t q = d->heads * d->head_dim, kv = d->kv_heads * d->head_dim;
@@ -719,7 +825,7 @@ int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
 void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_dims* d, int64_t m,
                           const int64_t* positions, const int64_t* slots, const int32_t* block_tables,
                           int64_t max_blocks, const int32_t* seq_lens, float* hidden, float* residual, float* work,
-                          int nthreads) {
+                          const kv_lora* lora, int nthreads) {
   const int64_t h = d->hidden, hd = d->head_dim, hq = d->heads, hk = d->kv_heads, inter = d->inter;
   const int64_t q = hq * hd, kv = hk * hd, w = q + 2 * kv;
   float* normed = work;
@@ -739,7 +845,9 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     } else {
       kv_rms_norm_f32(hidden, h, residual, h, residual, L->input_norm, normed, m, h, d->eps, nthreads);
     }
+    const kv_lora_linear* LL = lora ? lora->linears + 4 * l : NULL;
     linear_any(normed, m, h, h, &L->qkv, w, L->qkv_bias, qkv, w, nthreads);
+    if (LL) lora_add(normed, h, h, lora, &LL[0], w, qkv, w, nthreads);
     const float* qsrc = qkv;
     const float* ksrc = qkv + q;
     int64_t ld_qk = w;
@@ -759,10 +867,13 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     kv_paged_decode_f32(q_rot, m, hq, hk, hd, L->k_cache, L->v_cache, d->block_size, block_tables, max_blocks,
                         seq_lens, L->scale, L->window, L->softcap, attn, nthreads);
     linear_any(attn, m, q, q, &L->o, h, L->o_bias, o_out, h, nthreads);
+    if (LL) lora_add(attn, q, q, lora, &LL[1], h, o_out, h, nthreads);
     kv_rms_norm_f32(o_out, h, residual, h, residual, L->post_norm, normed, m, h, d->eps, nthreads);
     linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
+    if (LL) lora_add(normed, h, h, lora, &LL[2], 2 * inter, gate_up, 2 * inter, nthreads);
     kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
     linear_any(act, m, inter, inter, &L->down, h, L->down_bias, hidden, h, nthreads);
+    if (LL) lora_add(act, inter, inter, lora, &LL[3], h, hidden, h, nthreads);
   }
 }
 

@@ -37,7 +37,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 9
+ABI_VERSION = 10
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -61,7 +61,7 @@ _SIGNATURES = {
     "kv_rotary_f32": ([_P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _T], None),
     "kv_write_kv_f32": ([_P, _I, _P, _I, _I, _I, _P, _P, _P], None),
     "kv_decoder_stack_workspace": ([_P, _I], ctypes.c_int64),
-    "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _T], None),
+    "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _T], None),
     "kv_apply_bitmask_f32": ([_P, _I, _P, _I, _P, _I, _I, _T], None),
     "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _T], None),
 }
@@ -553,6 +553,62 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+class _LoRALinear(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("parts", _I), ("part_off", _I * 4)]
+
+
+class _LoRA(ctypes.Structure):
+    _fields_ = [("linears", _P), ("slot_rank", _P), ("group_rows", _P), ("group_start", _P), ("group_slot", _P),
+                ("num_groups", _I), ("max_rank", _I)]
+
+
+class LoRASlots:
+    """The adapter slots of every layer's qkv, o, gate_up and down (runtime/lora/layers.py: A^T
+    [slots, in, parts x max_rank], scaled B [slots, parts x max_rank, out], filled in place), for
+    DecoderStack.run: each step's adapter rows are added after their base matmul, B read only in
+    its parts' diagonal blocks. `layers[i]` is four (a_t, b_t, part output sizes) or None."""
+
+    def __init__(self, layers: list, max_rank: int):
+        self._keep = layers
+        self.max_rank = max_rank
+        self.array = (_LoRALinear * (4 * len(layers)))()
+        for i, linears in enumerate(layers):
+            for j, entry in enumerate(linears or ()):
+                if entry is None:
+                    continue
+                a_t, b_t, sizes = entry
+                for name, t in (("A", a_t), ("B", b_t)):
+                    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                        raise ValueError(f"LoRASlots: layer {i} {_WEIGHTS[j]} {name} must be contiguous float32")
+                if len(sizes) > 3 or a_t.shape[2] != len(sizes) * max_rank or sum(sizes) != b_t.shape[2]:
+                    raise ValueError(f"LoRASlots: layer {i} {_WEIGHTS[j]}: shapes do not fit {len(sizes)} parts")
+                c = self.array[4 * i + j]
+                c.a, c.b, c.parts = a_t.data_ptr(), b_t.data_ptr(), len(sizes)
+                offsets = [0]
+                for size in sizes:
+                    offsets.append(offsets[-1] + size)
+                for k, off in enumerate(offsets):
+                    c.part_off[k] = off
+
+
+def lora_step(slots: LoRASlots, row_slots: list[int], slot_ranks: list[int]) -> tuple:
+    """One decode step's adapter rows for DecoderStack.run: each row's slot (-1: base model)
+    grouped by slot, and each slot's rank. Built once per step, read by every layer."""
+    groups: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            groups.setdefault(slot, []).append(row)
+    order = sorted(groups)
+    rows = [r for s in order for r in groups[s]]
+    starts = [0]
+    for s in order:
+        starts.append(starts[-1] + len(groups[s]))
+    ints = [torch.tensor(v, dtype=torch.int32) for v in (slot_ranks, rows or [0], starts, order or [0])]
+    lora = _LoRA(ctypes.addressof(slots.array), ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(),
+                 ints[3].data_ptr(), len(order), slots.max_rank)
+    return lora, (ints, slots)  # the tensors must outlive the call
+
+
 class DecoderStack:
     """Every layer of a Llama-family decoder run by one native call per decode step (no Python
     between the ops). Built from per-layer dicts of tensors: qkv/o/gate_up/down weights (float32
@@ -581,6 +637,7 @@ class DecoderStack:
             entry.scale = spec["scale"]
         self._caches: tuple[int, ...] | None = None
         self._work: torch.Tensor | None = None
+        self.lora_slots: LoRASlots | None = None  # set by the model's builder when it has adapter slots
 
     def accepts(self, kv_caches: list) -> bool:
         """Whether these caches can be read natively (float32, contiguous; not float8 pools)."""
@@ -600,8 +657,10 @@ class DecoderStack:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's MLP output, residual stream) for embeddings hidden [m, h] of a decode step."""
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: tuple | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's MLP output, residual stream) for embeddings hidden [m, h] of a decode step;
+        `lora`: lora_step(...) for a step with adapters."""
         lib = _lib()
         self._bind_caches(kv_caches)
         hidden = hidden.contiguous().clone()
@@ -616,7 +675,8 @@ class DecoderStack:
         lens = seq_lens.to(torch.int32).contiguous()
         lib.kv_decoder_stack_f32(self.array, self.num_layers, ctypes.byref(self.dims), m, pos.data_ptr(),
                                  slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-                                 hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr(), _threads())
+                                 hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr(),
+                                 None if lora is None else ctypes.byref(lora[0]), _threads())
         return hidden, residual
 
 

@@ -401,13 +401,17 @@ class DataParallelEngine:
             heads += detached
         heads.sort(key=lambda h: h.metrics.arrival_time)
         phases["stop"] = time.perf_counter() - t0
-        # 2. Free the devices; the old engines' counters stay in the totals.
-        for i, engine in enumerate(self.engines):
-            stats = engine.get_stats()
-            _retire_into(self._retired, stats, first=i == 0)
-            self._retired_obs.append(stats)
-            self._close_engine(engine)
-        self.engines = []
+        # 2. Free the devices; the old engines' counters stay in the totals. One collection for
+        # all of them (each rank's own would cost most of a second).
+        from kvserve.runtime.executor.platform import held_release, platform_for
+
+        with held_release(platform_for(self.engines[0].device)):
+            for i, engine in enumerate(self.engines):
+                stats = engine.get_stats()
+                _retire_into(self._retired, stats, first=i == 0)
+                self._retired_obs.append(stats)
+                self._close_engine(engine)
+            self.engines = []
         phases["free"] = time.perf_counter() - t0 - sum(phases.values())
         # 3. Start the new layout, or the old one again.
         failure: BaseException | None = None

@@ -9,7 +9,9 @@ rank t of stage s + 1 (after a row-parallel layer every TP rank holds the whole 
 each pair carries a full copy and no stage needs a gather). The last stage's first shard sends the
 float32 logits of the step's sampling rows to rank 0, which samples exactly as a single-process
 engine does: structured outputs, speculative decoding (verification is a forward pass like any
-other), penalties and n > 1 need nothing stage-specific.
+other), penalties and n > 1 need nothing stage-specific. A step whose rows are all plain greedy
+(ForwardInput.greedy_ids) is sampled on the last stage instead: its argmax is the token rank 0
+would pick from the same logits, and only the int64 ids cross back (8 bytes a row, not 4 x vocab).
 
 Every rank receives the same ForwardInput from rank 0 (the executor broadcasts it as it does at
 TP), so a stage knows each step's token count and rows before anything arrives: the receive
@@ -33,6 +35,7 @@ from kvserve.runtime.capacity.pipeline import layer_shape, split_layers
 from kvserve.runtime.executor.forward_input import ForwardInput
 from kvserve.runtime.executor.worker import Worker
 from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks, determine_num_blocks, kv_cache_bytes
+from kvserve.runtime.sampler import argmax_last
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class PipelineWorker(Worker):
         # The rank that sends the sampled rows' logits to rank 0: the last stage's first shard.
         self.logits_rank = (pp - 1) * tp
         self.last_bubble: float | None = None
+        # Steps whose tokens the last stage picked (ForwardInput.greedy_ids), counted on rank 0.
+        self.steps_sampled_on_last_stage = 0
 
     def load_model(self) -> None:
         import torch.distributed as dist
@@ -175,12 +180,17 @@ class PipelineWorker(Worker):
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, device=hidden.device)]
             logits = self.model.compute_logits(hidden).contiguous()
+            if step.greedy_ids:
+                logits = argmax_last(logits)  # int64 ids: rank 0's Sampler would pick the same
             if self.global_rank == self.logits_rank and self.global_rank != 0:
                 dist.send(logits, 0)
         if self.global_rank == 0:
+            self.steps_sampled_on_last_stage += bool(rows and step.greedy_ids)
             busy = time.perf_counter() - t0
             if rows and not self.last:
-                logits = torch.empty(len(rows), self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+                logits = (torch.empty(len(rows), dtype=torch.long, device=self.device) if step.greedy_ids else
+                          torch.empty(len(rows), self.model_config.vocab_size, dtype=torch.float32,
+                                      device=self.device))
                 dist.recv(logits, self.logits_rank)
             # Stage 0's idle share of the step: with one step in flight, about (pp - 1) / pp
             # when the stages are balanced and the transfers are cheap.

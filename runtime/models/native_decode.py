@@ -29,7 +29,7 @@ def _bias(linear) -> torch.Tensor | None:
 def _native_weight(linear):
     """What the native stack multiplies by for this linear layer, or None: its float32 panels, or
     the native panels of its int8/int4 weight when its method's apply is exactly matmul + bias.
-    A LoRA wrapper stands for its base layer: the stack runs the steps without adapters."""
+    A LoRA wrapper stands for its base layer (its adapters are added beside it: _lora_slots)."""
     linear = getattr(linear, "base_layer", linear)
     if getattr(linear, "packed_out_features", None) is not None:
         return linear.weight.detach()
@@ -86,6 +86,33 @@ def build(model) -> object | None:
         if layer.eps != cfg.rms_norm_eps or attn.eps != cfg.rms_norm_eps:
             return None
     first = model.layers[0]
-    return native.DecoderStack(specs, hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
+    stack = native.DecoderStack(specs, hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
                                kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
                                inter=_gate_up_features(first.mlp.gate_up_proj) // 2, eps=cfg.rms_norm_eps)
+    stack.lora_slots = _lora_slots(model, native)
+    return stack
+
+
+def _lora_slots(model, native):
+    """The LoRA wrappers' slots (runtime/lora/layers.py) for the stack, or None without LoRA:
+    steps with adapters then run in the stack too, each adapted layer adding its rows' products
+    right after its base matmul, as the wrapper does on the per-op path."""
+    from kvserve.runtime.lora.layers import LoRALinear
+
+    layers, max_rank = [], None
+    for layer in model.layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        entries = []
+        for w in linears:
+            if not isinstance(w, LoRALinear):
+                entries.append(None)
+                continue
+            rank = w.a_t.shape[2] // len(w.parts)
+            if max_rank not in (None, rank):
+                return None
+            max_rank = rank
+            entries.append((w.a_t, w.b_t, [size for _, _, size in w.out_slices]))
+        layers.append(entries)
+    if max_rank is None:
+        return None
+    return native.LoRASlots(layers, max_rank)
