@@ -433,11 +433,20 @@ def test_preemption_choice(tokens, swap_bytes, free, prefill, transfer, expected
                              prefill_tokens_per_s=prefill, transfer_bytes_per_s=transfer) == expected
 
 
-def test_pipeline_parallelism_is_refused_with_a_tier():
-    with pytest.raises(ValueError, match="kv_offload_bytes"):
-        EngineConfig(model="m", kv_offload_bytes=1 << 20, pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="swap_space"):
-        EngineConfig(model="m", swap_space=1, pipeline_parallel_size=2)
+def test_pipeline_stages_store_and_reload_their_own_layers(tiny_llama, reference, tmp_path):
+    """PP=2 with the file tier and swap: greedy output equals the big pool's, prefix hits come
+    back from the tier, and each stage wrote its own layers' part of every block (one namespace
+    per stage, the same keys), stage 1's included."""
+    prompts = conversations()
+    with make_engine(tiny_llama, pipeline_parallel_size=2, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path), swap_space=0.001) as engine:
+        assert run(engine, prompts) == reference["first"]
+        assert run(engine, prompts) == reference["again"]
+        stats = engine.get_stats()
+        assert stats.kv_offload_hit_tokens_total > 0 and stats.kv_offload_failed_loads_total == 0
+        assert_no_leak(engine)
+    names = [{p.name for p in d.glob("*.kvb")} for d in sorted(p for p in tmp_path.iterdir() if p.is_dir())]
+    assert len(names) == 2 and names[0] and names[0] == names[1]
 
 
 @pytest.mark.parametrize("tier, medium", [("memory", "CPU"), ("file", "DISK")])
