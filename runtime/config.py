@@ -199,9 +199,6 @@ class EngineConfig:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
         positive_int("pipeline_parallel_size")  # checked against the model's layers by the engine
-        if (self.kv_offload_bytes or self.swap_space) and self.pipeline_parallel_size > 1:
-            fail("kv_offload_bytes" if self.kv_offload_bytes else "swap_space",
-                 "the offload tier and swap space do not work with pipeline_parallel_size > 1 yet")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:

@@ -7,6 +7,8 @@ must equal greedy output without one, inside continuous batching with preemption
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked  # noqa: E402  (tests/ is on sys.path via conftest)
@@ -219,3 +221,61 @@ def test_sampling_and_structured_outputs_with_head(tiny_llama, tmp_path):
     for o in sampled + spec[:1]:
         assert re.fullmatch(grammar, o.outputs[0].text), o.outputs[0]
     assert stats.spec_decode_num_drafts_total > 0
+
+
+def test_eagle_through_the_server_with_the_openai_client(tiny_llama, tmp_path):
+    """`kvserve serve --speculative-config '{"method": "eagle", ...}'`: completions equal the
+    offline engine's greedy text without speculation, drafts counted on /metrics."""
+    import openai
+    from server_helpers import http, m, metrics, wait_until
+
+    from kvserve.runtime import LLM
+    from kvserve.runtime.server.main import ServerThread
+
+    path = save_eagle_head(target_copy_head(), tmp_path / "h", base_config=base_config())
+    prompts = grounded_prompts(n=3)
+    with LLM(str(tiny_llama), block_size=16, num_kv_blocks=64, max_model_len=256) as llm:
+        want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                                        use_tqdm=False)]
+    spec = json.dumps({"method": "eagle", "model": str(path), "num_speculative_tokens": 3})
+    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "16",
+                        "--num-kv-blocks", "64", "--max-model-len", "256", "--speculative-config", spec])
+    srv.start()
+    try:
+        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+        assert got == want
+        assert m(metrics(srv.url), "vllm:spec_decode_num_drafts_total") > 0
+    finally:
+        assert srv.stop() == 0
+
+
+def test_real_smollm2_greedy_with_random_heads_equals_plain(smollm2, tmp_path):
+    """The real SmolLM2 (tied embeddings, 9 heads / 3 KV heads): greedy text with a random EAGLE-1
+    head and a random EAGLE-3 head (layers 2, 15, 27 by vLLM's default) equals plain greedy."""
+    from kvserve.runtime import LLM
+
+    dims = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=128, rms_norm_eps=1e-5)
+    cfg = {"num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "intermediate_size": 128}
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    small = dict(dtype="float32", max_model_len=128, block_size=16, num_kv_blocks=24)
+    with LLM(str(smollm2.hf_dir), **small) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for method in ("eagle", "eagle3"):
+        torch.manual_seed(0)
+        head = EagleHead(eagle3=method == "eagle3", draft_vocab_size=4096 if method == "eagle3" else None, **dims)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.normal_(0, 0.02)
+        if method == "eagle3":
+            head.d2t = torch.arange(4096) * 11
+        path = save_eagle_head(head, tmp_path / method, base_config=cfg)
+        spec = {"method": method, "model": str(path), "num_speculative_tokens": 3}
+        with LLM(str(smollm2.hf_dir), **small, speculative_config=spec) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.engine.get_stats().spec_decode_num_drafts_total > 0
+        assert got == want, method

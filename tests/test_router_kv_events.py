@@ -94,6 +94,19 @@ def test_index_sequence_table(name, steps, want_replay, want_state, want_blocks)
     assert {i for i in range(10) if H[i] in index.blocks} == want_blocks
 
 
+def test_data_parallel_engines_are_indexed_apart():
+    """One pod, two DP engines on one stream: a block one engine evicts (or a clear of its pool)
+    leaves the other's copy held; the pod's match is its best engine's, not the union."""
+    index = live_index()
+    index.live(0, EventBatch(1.0, [stored(H[0], H[1])], 0), now=1.0)
+    index.live(1, EventBatch(1.0, [stored(H[0]), stored(H[2])], 1), now=1.0)
+    index.live(2, EventBatch(1.0, [BlockRemoved([H[0]])], 1), now=1.0)
+    assert index.match([H[0], H[1]]) == 2  # engine 0 still holds H0
+    assert index.match([H[0], H[2]]) == 1  # no engine holds H0 and H2 together
+    index.live(3, EventBatch(1.0, [AllBlocksCleared()], 0), now=1.0)
+    assert index.match([H[0]]) == 0 and H[2] in index.blocks and len(index) == 1
+
+
 def test_trusted_only_live_and_caught_up():
     index = live_index(lag_seconds=5)
     index.live(0, batch(stored(H[0])), now=10.0)

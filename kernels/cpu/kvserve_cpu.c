@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 10; }
+int kv_abi_version(void) { return 11; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -514,7 +514,8 @@ void kv_write_kv_f32(const float* key, int64_t ldk, const float* value, int64_t 
 /* One new token per sequence over its paged context: q [s, hq, d] (contiguous), caches
    [blocks, block_size, hkv, d], block tables int32 [s, max_blocks], seq_lens int32 [s] (context
    including the new token, already written). `window` > 0 keeps only the last `window` positions;
-   `softcap` > 0 applies softcap * tanh(score / softcap). out [s, hq, d]. */
+   `softcap` > 0 applies softcap * tanh(score / softcap); `alibi` (float32 [hq] slopes, NULL: none)
+   then adds slope_h * (j - i) for key position j and query position i (ALiBi). out [s, hq, d]. */
 /* Lane p = the sum of a[p]'s eight lanes: eight dot products finished in seven hadd/permutes
    instead of eight horizontal sums. */
 static inline __m256 sum8_lanes(const __m256 a[8]) {
@@ -571,7 +572,7 @@ static inline __attribute__((always_inline)) void pv_chunk(const float* p, int64
 void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int64_t d, const float* k_cache,
                          const float* v_cache, int64_t block_size, const int32_t* block_tables,
                          int64_t max_blocks, const int32_t* seq_lens, float scale, int64_t window, float softcap,
-                         float* out, int nthreads) {
+                         const float* alibi, float* out, int nthreads) {
   int64_t group = hq / hkv;
   int64_t row = hkv * d;
   /* A task per sequence when there are enough of them: its KV heads then read each cached row
@@ -611,6 +612,10 @@ void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int
           _mm256_storeu_ps(tmp, sc);
           for (int64_t p = 0; p < live; p++)
             scores[j * n + t + p] = softcap > 0.0f ? softcap * tanhf(tmp[p] / softcap) : tmp[p];
+          if (alibi) { /* slope * (key position - query position), after soft-capping, as the torch backend */
+            float slope = alibi[g * group + j];
+            for (int64_t p = 0; p < live; p++) scores[j * n + t + p] += slope * (float)(first + t + p - (len - 1));
+          }
         }
       }
       for (int64_t j = 0; j < group; j++) {
@@ -696,7 +701,67 @@ typedef struct {
   int64_t window; /* 0: full attention */
   float softcap;  /* 0: none */
   float scale;
+  /* ALiBi families (MPT, BLOOM, Falcon-RW): slopes per query head (NULL: none; rotary_dim is then
+     0), LayerNorms with optional biases instead of RMSNorms, an ungated GELU MLP, q/k/v clipping. */
+  const float* alibi;
+  const float *input_norm_bias, *post_norm_bias; /* KV_NORM_LAYER only; may be NULL */
+  int64_t norm_kind;                             /* KV_NORM_RMS or KV_NORM_LAYER */
+  int64_t mlp_kind;                              /* KV_MLP_SILU_GATED, KV_MLP_GELU or KV_MLP_GELU_TANH */
+  float clip_qkv;                                /* > 0: qkv clamped to [-clip, clip] */
 } kv_layer;
+
+enum { KV_NORM_RMS = 0, KV_NORM_LAYER = 1 };
+enum { KV_MLP_SILU_GATED = 0, KV_MLP_GELU = 1, KV_MLP_GELU_TANH = 2 };
+
+/* LayerNorm over rows of width h (biased variance, torch's definition); with `residual` the rows
+   are x + residual first, and that sum goes to `sum_out` (kv_rms_norm_f32's contract). */
+static void layer_norm_rows(const float* x, int64_t ldx, const float* residual, int64_t ldr, float* sum_out,
+                            const float* weight, const float* bias, float* out, int64_t m, int64_t h, float eps,
+                            int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * h >= 65536)
+  for (int64_t r = 0; r < m; r++) {
+    const float* src = x + r * ldx;
+    if (residual) {
+      const float* rr = residual + r * ldr;
+      float* s = sum_out + r * h;
+      for (int64_t i = 0; i < h; i++) s[i] = src[i] + rr[i];
+      src = s;
+    }
+    /* double accumulation: the two-pass statistics stay within float rounding of torch's */
+    double mean = 0.0, var = 0.0;
+    for (int64_t i = 0; i < h; i++) mean += src[i];
+    mean /= (double)h;
+    for (int64_t i = 0; i < h; i++) {
+      double c = src[i] - mean;
+      var += c * c;
+    }
+    float inv = (float)(1.0 / sqrt(var / (double)h + (double)eps));
+    float mu = (float)mean;
+    float* o = out + r * h;
+    for (int64_t i = 0; i < h; i++) o[i] = (src[i] - mu) * inv * weight[i] + (bias ? bias[i] : 0.0f);
+  }
+}
+
+static void norm_any(const kv_layer* L, int post, float eps, const float* x, int64_t ldx, const float* residual,
+                     int64_t ldr, float* sum_out, float* out, int64_t m, int64_t h, int nthreads) {
+  const float* w = post ? L->post_norm : L->input_norm;
+  if (L->norm_kind == KV_NORM_LAYER)
+    layer_norm_rows(x, ldx, residual, ldr, sum_out, w, post ? L->post_norm_bias : L->input_norm_bias, out, m, h,
+                    eps, nthreads);
+  else
+    kv_rms_norm_f32(x, ldx, residual, ldr, sum_out, w, out, m, h, eps, nthreads);
+}
+
+/* out = gelu(x) for rows of width n: exact (erf) or the tanh approximation. */
+static void gelu_rows(const float* x, int64_t m, int64_t n, float* out, int tanh_approx, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * n >= 65536)
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t i = 0; i < n; i++) {
+      float v = x[r * n + i];
+      out[r * n + i] = tanh_approx ? 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)))
+                                   : 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+    }
+}
 
 typedef struct {
   int64_t hidden, heads, kv_heads, head_dim, inter, block_size;
@@ -817,7 +882,7 @@ int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
               + d->inter /* act */);
 }
 
-/* Every layer of a Llama/Mistral/Qwen2/Qwen3 decoder for a decode-only step of m sequences, in one
+/* Every layer of a Llama/Mistral/Qwen2/Qwen3 (or MPT/BLOOM/Falcon-RW: ALiBi) decoder for a decode-only step of m sequences, in one
    call (no Python between the ops): the same kernels, in the same order, as the per-op path
    (kernels/ops.py + the torch backend's native decode), so the results are bit-identical to it.
    hidden [m, h] holds the embeddings on entry and the last layer's MLP output on return;
@@ -841,13 +906,15 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     const kv_layer* L = &layers[l];
     if (l == 0) {
       memcpy(residual, hidden, (size_t)(m * h) * sizeof(float));
-      kv_rms_norm_f32(hidden, h, NULL, 0, NULL, L->input_norm, normed, m, h, d->eps, nthreads);
+      norm_any(L, 0, d->eps, hidden, h, NULL, 0, NULL, normed, m, h, nthreads);
     } else {
-      kv_rms_norm_f32(hidden, h, residual, h, residual, L->input_norm, normed, m, h, d->eps, nthreads);
+      norm_any(L, 0, d->eps, hidden, h, residual, h, residual, normed, m, h, nthreads);
     }
     const kv_lora_linear* LL = lora ? lora->linears + 4 * l : NULL;
     linear_any(normed, m, h, h, &L->qkv, w, L->qkv_bias, qkv, w, nthreads);
     if (LL) lora_add(normed, h, h, lora, &LL[0], w, qkv, w, nthreads);
+    if (L->clip_qkv > 0.0f)
+      for (int64_t i = 0; i < m * w; i++) qkv[i] = fminf(fmaxf(qkv[i], -L->clip_qkv), L->clip_qkv);
     const float* qsrc = qkv;
     const float* ksrc = qkv + q;
     int64_t ld_qk = w;
@@ -865,13 +932,19 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
                   nthreads);
     kv_write_kv_f32(k_rot, kv, qkv + q + kv, w, m, kv, slots, L->k_cache, L->v_cache);
     kv_paged_decode_f32(q_rot, m, hq, hk, hd, L->k_cache, L->v_cache, d->block_size, block_tables, max_blocks,
-                        seq_lens, L->scale, L->window, L->softcap, attn, nthreads);
+                        seq_lens, L->scale, L->window, L->softcap, L->alibi, attn, nthreads);
     linear_any(attn, m, q, q, &L->o, h, L->o_bias, o_out, h, nthreads);
     if (LL) lora_add(attn, q, q, lora, &LL[1], h, o_out, h, nthreads);
-    kv_rms_norm_f32(o_out, h, residual, h, residual, L->post_norm, normed, m, h, d->eps, nthreads);
-    linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
-    if (LL) lora_add(normed, h, h, lora, &LL[2], 2 * inter, gate_up, 2 * inter, nthreads);
-    kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
+    norm_any(L, 1, d->eps, o_out, h, residual, h, residual, normed, m, h, nthreads);
+    if (L->mlp_kind == KV_MLP_SILU_GATED) {
+      linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
+      if (LL) lora_add(normed, h, h, lora, &LL[2], 2 * inter, gate_up, 2 * inter, nthreads);
+      kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
+    } else { /* gate_up holds the up projection alone: inter outputs */
+      linear_any(normed, m, h, h, &L->gate_up, inter, L->gate_up_bias, gate_up, inter, nthreads);
+      if (LL) lora_add(normed, h, h, lora, &LL[2], inter, gate_up, inter, nthreads);
+      gelu_rows(gate_up, m, inter, act, L->mlp_kind == KV_MLP_GELU_TANH, nthreads);
+    }
     linear_any(act, m, inter, inter, &L->down, h, L->down_bias, hidden, h, nthreads);
     if (LL) lora_add(act, inter, inter, lora, &LL[3], h, hidden, h, nthreads);
   }

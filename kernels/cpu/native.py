@@ -37,7 +37,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 10
+ABI_VERSION = 11
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -63,7 +63,7 @@ _SIGNATURES = {
     "kv_decoder_stack_workspace": ([_P, _I], ctypes.c_int64),
     "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _T], None),
     "kv_apply_bitmask_f32": ([_P, _I, _P, _I, _P, _I, _I, _T], None),
-    "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _T], None),
+    "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _P, _T], None),
 }
 
 
@@ -502,16 +502,23 @@ def decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """One query token per sequence (query [S, Hq, D]) over its paged K/V; float32 math."""
+                           window: int = 0, softcap: float = 0.0,
+                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence (query [S, Hq, D]) over its paged K/V; float32 math.
+    `alibi_slopes` (float32 [Hq]) adds slope_h * (j - i) to each score after soft-capping."""
     q = query.contiguous()
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(torch.float32).contiguous()
+        if slopes.shape != (q.shape[1],):
+            raise ValueError(f"alibi_slopes: expected shape ({q.shape[1]},), got {tuple(slopes.shape)}")
     s, hq, d = q.shape
     bt = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     _lib().kv_paged_decode_f32(q.data_ptr(), s, hq, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
                                k_cache.shape[1], bt.data_ptr(), bt.shape[1], lens.data_ptr(), scale, window,
-                               softcap, out.data_ptr(), _threads())
+                               softcap, _ptr(slopes), out.data_ptr(), _threads())
     return out
 
 
@@ -530,7 +537,12 @@ class _Layer(ctypes.Structure):
                 + [(name, _Weight) for name in _WEIGHTS]
                 + [(name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "cos_sin")]
                 + [("rotary_dim", _I), ("k_cache", _P), ("v_cache", _P), ("window", _I), ("softcap", _F),
-                   ("scale", _F)])
+                   ("scale", _F), ("alibi", _P), ("input_norm_bias", _P), ("post_norm_bias", _P),
+                   ("norm_kind", _I), ("mlp_kind", _I), ("clip_qkv", _F)])
+
+# kv_layer's norm_kind and mlp_kind (kvserve_cpu.c)
+NORMS = {"rms": 0, "layer": 1}
+MLPS = {"silu_gated": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 def _weight(name: str, w) -> _Weight:
@@ -613,8 +625,10 @@ class DecoderStack:
     """Every layer of a Llama-family decoder run by one native call per decode step (no Python
     between the ops). Built from per-layer dicts of tensors: qkv/o/gate_up/down weights (float32
     panels from pack_weight, or Int8Panels / Int4Panels), optional biases, norm weights, q/k norms
-    (or None), the cos/sin table, window, soft-cap and scale. The tensors must stay alive and
-    unchanged (the object keeps references)."""
+    (or None), the cos/sin table, window, soft-cap and scale; for the ALiBi families also `alibi`
+    slopes (then no rotary), `norm` "layer" with `input_norm_bias`/`post_norm_bias`, `mlp` "gelu" or
+    "gelu_tanh" (gate_up then holds the up projection alone) and `clip_qkv`. The tensors must stay
+    alive and unchanged (the object keeps references)."""
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
                  eps: float):
@@ -626,12 +640,16 @@ class DecoderStack:
             for name in _WEIGHTS:
                 setattr(entry, name, _weight(name, spec[name]))
             for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv_bias", "o_bias", "gate_up_bias",
-                         "down_bias", "cos_sin"):
+                         "down_bias", "cos_sin", "alibi", "input_norm_bias", "post_norm_bias"):
                 t = spec.get(name)
                 if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
                     raise ValueError(f"DecoderStack: {name} must be a contiguous float32 tensor")
                 setattr(entry, name, _ptr(t))
-            entry.rotary_dim = spec["cos_sin"].shape[1]
+            # ALiBi layers rotate nothing (a zero rotary width copies q and k through).
+            entry.rotary_dim = 0 if spec.get("alibi") is not None else spec["cos_sin"].shape[1]
+            entry.norm_kind = NORMS[spec.get("norm", "rms")]
+            entry.mlp_kind = MLPS[spec.get("mlp", "silu_gated")]
+            entry.clip_qkv = spec.get("clip_qkv") or 0.0
             entry.window = spec.get("window") or 0
             entry.softcap = spec.get("softcap") or 0.0
             entry.scale = spec["scale"]

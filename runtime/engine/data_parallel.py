@@ -206,18 +206,21 @@ class DataParallelEngine:
     @staticmethod
     def _share_kv_events(engines: list[Any]) -> None:
         """The KV events of engines 1..n go out through engine 0's publisher (thread-safe: it
-        queues), so subscribers see the pod's whole cache on the pod's one endpoint."""
+        queues), so subscribers see the pod's whole cache on the pod's one endpoint; every batch
+        names its engine's data_parallel_rank, since each engine has a pool of its own."""
         from kvserve.runtime.kv_events.events import KVEventSink
+        from kvserve.runtime.kv_events.publisher import RankedPublisher
 
         publisher = engines[0].kv_event_publisher
-        for engine in engines[1:]:
+        publisher.data_parallel_rank = 0
+        for rank, engine in enumerate(engines[1:], start=1):
             bm = engine.block_manager
             pool = bm.managers[0] if hasattr(bm, "managers") else bm
             sink = KVEventSink(pool.block_size)
             pool.events = sink
             if getattr(engine, "offload", None) is not None:
                 engine.offload.events = sink
-            engine.kv_event_sink, engine.kv_event_publisher = sink, publisher
+            engine.kv_event_sink, engine.kv_event_publisher = sink, RankedPublisher(publisher, rank)
             engine.kv_events_shared = True  # engine 0 closes the publisher
 
     def _keep_spares(self) -> None:

@@ -142,7 +142,29 @@ class PipelineWorker(Worker):
         self.kv_groups = None
         self.kv_caches = allocate_kv_cache(self.stage_shape, group_blocks[0], self.config.block_size,
                                            self.kv_cache_dtype, self.device, self.world_size)
+        if self.config.kv_offload_bytes or self.config.swap_space:
+            # Each rank offloads its own stage's layers (and TP shard) of every block, in its own
+            # namespace: rank 0's block manager decides for all, as at tensor parallelism.
+            self.offloader = self._make_offloader()
         return kv_cache_bytes(self.kv_caches)
+
+    @property
+    def offload_ranks(self) -> int:
+        return self.tp * self.pp
+
+    def offload_namespace(self, rank: int | None = None):
+        """Global rank `rank`'s namespace: its stage's layer range and pool shape are part of it, so
+        a stage never reads another's blocks and a new split (another P) starts cold."""
+        from kvserve.runtime.kv_offload.namespace import namespace_for
+
+        rank = self.global_rank if rank is None else rank
+        start, end = self.ranges[rank // self.tp]
+        shape = layer_shape(self.model_config.shape, start, end)
+        layout = {"groups": [], "pools": list(shape.kv_cache_layout(self.world_size)), "layers": [start, end],
+                  "pipeline": self.pp}
+        return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
+                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), tp_rank=rank,
+                             layout=repr(layout))
 
     def graph_sizes(self) -> tuple[list[int], str | None]:
         return [], "pipeline parallelism"  # see compile_and_capture
@@ -162,6 +184,11 @@ class PipelineWorker(Worker):
         from kvserve.runtime.models.pipeline_stage import stage_forward
 
         t0 = time.perf_counter()
+        if step.kv_ops and self.global_rank != 0:  # rank 0 applied them while scheduling
+            failed = self.offloader.apply(step.kv_ops)
+            if failed:  # a stage computing on without these blocks would give wrong tokens
+                raise RuntimeError(f"kv offload: rank {self.global_rank} could not load {len(failed)} block(s) "
+                                   "rank 0 loaded; the step's requests are aborted")
         copy_blocks(self.kv_caches, step.block_copies)
         step = step.to(self.device)
         num_tokens = step.input_ids.shape[0]

@@ -213,6 +213,11 @@ class Worker:
             self.offloader = self._make_offloader()
         return kv_cache_bytes(self.kv_caches)
 
+    @property
+    def offload_ranks(self) -> int:
+        """How many ranks each hold a part of every offloaded block (each in its own namespace)."""
+        return self.world_size
+
     def offload_namespace(self, rank: int | None = None):
         """The namespace this rank's offloaded blocks live in (runtime/kv_offload/namespace.py)."""
         from kvserve.runtime.kv_offload.namespace import namespace_for
@@ -232,8 +237,16 @@ class Worker:
         pin = self.platform.name == "cuda"  # pinned host memory copies at full speed
         stores = {}
         if self.config.kv_offload_bytes:
-            stores[TIER] = (FileStore(self.config.kv_offload_dir, self.offload_namespace())
-                            if self.config.kv_offload_dir else HostStore(pin_memory=pin))
+            if self.config.kv_offload_dir:
+                ns = self.offload_namespace()
+                # The root holds this pod's ranks' budgets; other namespaces go first when it is
+                # over, never this layout's other ranks (they may not have started yet).
+                ranks = self.offload_ranks  # every TP (and pipeline) rank of the pod
+                stores[TIER] = FileStore(self.config.kv_offload_dir, ns,
+                                         root_budget_bytes=self.config.kv_offload_bytes * ranks,
+                                         keep=frozenset(self.offload_namespace(r).dirname for r in range(ranks)))
+            else:
+                stores[TIER] = HostStore(pin_memory=pin)
         if self.config.swap_space:
             stores[SWAP] = HostStore(pin_memory=pin)
         groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None
@@ -249,7 +262,7 @@ class Worker:
         if self.offloader is None or not getattr(self.offloader.stores.get(TIER), "persistent", False):
             return []
         found = self.offloader.stores[TIER].scan()
-        for rank in range(1, self.world_size):
+        for rank in range(1, self.offload_ranks):
             other = {k for k, _ in FileStore(self.config.kv_offload_dir, self.offload_namespace(rank)).scan()}
             found = [(k, n) for k, n in found if k in other]
         return found

@@ -331,17 +331,11 @@ class CausalLM(nn.Module):
             # One block table for every layer: a model with KV cache groups keeps the per-op path.
             if (stack is not None and (lora is not None or not self.lora_active) and meta.kv_groups is None
                     and self._platform.native_ops(self.cos_sin_cache) and stack.accepts(kv_caches)):
-                hidden, residual = stack.run(self.embed_tokens(input_ids), positions, meta.slot_mapping,
+                hidden, residual = stack.run(self._embed(input_ids), positions, meta.slot_mapping,
                                              meta.block_tables, meta.seq_lens, kv_caches, lora)
                 hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
                 return hidden
-        hidden = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale
-        if self.embed_layernorm is not None:  # BLOOM
-            ln = self.embed_layernorm
-            hidden = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), ln.weight, ln.bias,
-                                                    self.config.rms_norm_eps)
+        hidden = self._embed(input_ids)
         residual = None
         captured: list[torch.Tensor] = []
         local = self.local_cos_sin_cache
@@ -357,6 +351,16 @@ class CausalLM(nn.Module):
         if residual is None:
             return self.first_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
         hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
+        return hidden
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        if self.embed_layernorm is not None:  # BLOOM
+            ln = self.embed_layernorm
+            hidden = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), ln.weight, ln.bias,
+                                                    self.config.rms_norm_eps)
         return hidden
 
     @torch.inference_mode()

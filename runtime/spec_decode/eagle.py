@@ -18,7 +18,8 @@ Two published layouts load:
   its own ``lm_head`` over ``draft_vocab_size`` tokens and ``d2t`` (draft id + d2t[id] = target
   id). Target layers follow vLLM's ``eagle_aux_hidden_state_layer_ids`` (the residual stream
   entering those layers), by default (2, L // 2, L - 3).
-A ``model.`` prefix on the names (vLLM-converted checkpoints) is accepted.
+A ``model.`` prefix on the names (vLLM-converted checkpoints) is accepted, and an EAGLE-1 file may
+carry its own ``lm_head`` over a truncated vocabulary with ``d2t`` (kvserve's trained heads do).
 """
 
 from __future__ import annotations
@@ -290,7 +291,9 @@ def load_eagle_head(path, *, method: str, hidden_size: int, vocab_size: int, dty
     head_dim = int(config.get("head_dim") or H // num_heads)
     num_kv = t[f"{prefix}self_attn.k_proj.weight"].shape[0] // head_dim
     features = t["fc.weight"].shape[1] // H
-    draft_vocab = t["lm_head.weight"].shape[0] if eagle3 and "lm_head.weight" in t else None
+    # EAGLE-3's own head over a truncated vocabulary; an EAGLE-1 file may carry one too (with
+    # d2t; our trained heads do, to keep each draft's projection small on a CPU).
+    draft_vocab = t["lm_head.weight"].shape[0] if "lm_head.weight" in t else None
     head = EagleHead(eagle3=eagle3, hidden_size=H, num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
                      intermediate_size=t[f"{prefix}mlp.gate_proj.weight"].shape[0],
                      rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), fc_bias="fc.bias" in t,

@@ -101,6 +101,19 @@ def test_rendered_leaderworkerset_validates_against_the_real_crd_and_keeps_the_p
     assert "LeaderWorkerSet" in kinds and "Deployment" not in kinds
 
 
+def test_only_a_leaderworkerset_leaves_its_size_to_the_scale_subresource():
+    lws_spec = parsed(big_spec())
+    lws = MN.build_workload(OWNER, lws_spec, replicas=3, tp=8)
+    body = MN.applied_body(lws)
+    assert MN.scaled_through_subresource(lws) and "replicas" not in body["spec"]
+    assert lws["spec"]["replicas"] == 3  # the rendering keeps it: the digest and _runs compare it
+    assert {k: v for k, v in lws["spec"].items() if k != "replicas"} == body["spec"]
+    dep = MN.build_workload(OWNER, parsed(big_spec(gpu={"perShard": 1, "gpusPerNode": 8},
+                                                   parallelism={"tensor": {"min": 4, "max": 4, "initial": 4}})),
+                            replicas=3, tp=4)
+    assert not MN.scaled_through_subresource(dep) and MN.applied_body(dep) == dep
+
+
 def test_a_replica_that_fits_a_node_stays_a_deployment_with_its_stages():
     spec = parsed(big_spec(gpu={"perShard": 1, "gpusPerNode": 8},
                            parallelism={"pipeline": 2, "tensor": {"min": 4, "max": 4, "initial": 4}}))
