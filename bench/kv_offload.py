@@ -57,6 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--tier-first", action="store_true",
                    help="run the file tier before the pool alone (load on a shared machine drifts: swap the order "
                         "to see how much of a ratio is drift)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="multi-turn rounds with both servers up, the order alternating each round and each round "
+                        "new conversations (seed + round): the two configurations see the same load drift")
+    p.add_argument("--no-restart", action="store_true", help="skip the warm-restart part")
     p.add_argument("--out", type=Path, default=RESULTS / "kv_offload.json")
     return p.parse_args(argv)
 
@@ -75,6 +79,9 @@ def scrape(url: str) -> dict[str, float]:
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+            if 'phase="' in name:  # the step histogram per phase (its plain sum adds the phases)
+                key = name.split("{")[0] + ":" + name.split('phase="')[1].split('"')[0]
+                out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -101,30 +108,84 @@ def ttft_row(name: str, ttfts: list[float], later: list[float], tokens: int, dur
             "duration_s": duration, "prompt_tokens": delta("vllm:prefix_cache_queries_total"),
             "pool_hit_tokens": delta("vllm:prefix_cache_hits_total") - delta("vllm:external_prefix_cache_hits_total"),
             "tier_hit_tokens": delta("vllm:external_prefix_cache_hits_total"),
-            "preemptions": delta("vllm:num_preemptions_total")}
+            "preemptions": delta("vllm:num_preemptions_total"),
+            # Where the time goes, summed over the run's requests / steps (server side).
+            "queue_s_per_request": delta("vllm:request_queue_time_seconds_sum") / max(1, len(ttfts)),
+            "step_s_total": delta("kvserve:step_duration_seconds_sum"),  # every phase
+            "forward_s_total": delta("kvserve:step_duration_seconds_sum:forward"),
+            "steps": delta("kvserve:step_duration_seconds_count:forward"),
+            "tier_load_s_total": delta("kvserve:kv_offload_load_seconds_sum"),
+            "tier_loads": delta("kvserve:kv_offload_load_seconds_count"),
+            "tier_store_s_total": delta("kvserve:kv_offload_store_seconds_sum")}
+
+
+def run_workload(args, server: Server, name: str, seed: int) -> tuple[list, float, dict, dict, Workload]:
+    before = scrape(server.url)
+    workload = Workload(conversations=args.conversations, turns=args.turns, concurrency=args.conversations,
+                        user_words=args.user_words, system_words=args.system_words, max_tokens=args.max_tokens,
+                        seed=seed, model="m")
+    started = time.perf_counter()
+    asyncio.run(workload.run(server.url, timeout=1200))
+    duration = time.perf_counter() - started
+    after = scrape(server.url)
+    ok = [r for r in workload.results if r.ok]
+    if len(ok) != len(workload.results):
+        raise SystemExit(f"{name}: {len(workload.results) - len(ok)} requests failed: "
+                         f"{[r.error for r in workload.results if not r.ok][:3]}")
+    return ok, duration, before, after, workload
+
+
+def row_of(name: str, ok: list, duration: float, before: dict, after: dict) -> dict:
+    return ttft_row(name, [r.ttft for r in ok], [r.ttft for r in ok if r.turn > 0], sum(r.tokens for r in ok),
+                    duration, before, after)
 
 
 def multi_turn(args, model: Path, work: Path, name: str, extra: list[str]) -> tuple[dict, Workload]:
     server = Server(args, model, work, name, extra)
     try:
-        before = scrape(server.url)
-        workload = Workload(conversations=args.conversations, turns=args.turns, concurrency=args.conversations,
-                            user_words=args.user_words, system_words=args.system_words, max_tokens=args.max_tokens,
-                            seed=args.seed, model="m")
-        started = time.perf_counter()
-        asyncio.run(workload.run(server.url, timeout=1200))
-        duration = time.perf_counter() - started
-        after = scrape(server.url)
+        ok, duration, before, after, workload = run_workload(args, server, name, args.seed)
     finally:
         server.stop()
-    ok = [r for r in workload.results if r.ok]
-    if len(ok) != len(workload.results):
-        raise SystemExit(f"{name}: {len(workload.results) - len(ok)} requests failed: "
-                         f"{[r.error for r in workload.results if not r.ok][:3]}")
-    row = ttft_row(name, [r.ttft for r in ok], [r.ttft for r in ok if r.turn > 0], sum(r.tokens for r in ok),
-                   duration, before, after)
+    row = row_of(name, ok, duration, before, after)
     print_row(row)
     return row, workload
+
+
+def interleaved(args, model: Path, work: Path, tier_flags: list[str]) -> tuple[dict, dict, list[dict]]:
+    """Both servers up; each round runs new conversations on one then the other (the order
+    alternating), so a load change on a shared machine hits both alike. Returns the pooled rows
+    (every round's requests together) and each round's ratios."""
+    servers = {"pool-only": Server(args, model, work, "pool-only", []),
+               "file-tier": Server(args, model, work, "file-tier", tier_flags)}
+    pooled: dict[str, list] = {name: [[], 0.0, None, None] for name in servers}
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            order = ["pool-only", "file-tier"]
+            if (r % 2 == 1) != args.tier_first:
+                order.reverse()
+            rows = {}
+            for name in order:
+                ok, duration, before, after, _ = run_workload(args, servers[name], name, args.seed + r)
+                rows[name] = row_of(f"{name} (round {r + 1})", ok, duration, before, after)
+                print_row(rows[name])
+                acc = pooled[name]
+                acc[0] += ok
+                acc[1] += duration
+                acc[2] = acc[2] or before
+                acc[3] = after
+            rounds.append({"round": r + 1, "order": order,
+                           "ttft_p50_returning_ratio": rows["pool-only"]["ttft_p50_returning_s"]
+                           / rows["file-tier"]["ttft_p50_returning_s"]})
+            print(f"  round {r + 1}: returning TTFT p50 {rounds[-1]['ttft_p50_returning_ratio']:.2f}x lower "
+                  f"with the file tier", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    base, tier = (row_of(f"{name} (all rounds)", *pooled[name]) for name in ("pool-only", "file-tier"))
+    for row in (base, tier):
+        print_row(row)
+    return base, tier, rounds
 
 
 def returning_requests(args, workload: Workload) -> list[list[dict]]:
@@ -199,6 +260,10 @@ def print_row(row: dict) -> None:
           f"pool hits {row['pool_hit_tokens']:.0f} / tier hits {row['tier_hit_tokens']:.0f} of "
           f"{row['prompt_tokens']:.0f} prompt tokens  ({row['duration_s']:.0f} s, load {os.getloadavg()[0]:.1f})",
           flush=True)
+    print(f"  {'':<26} queued {row['queue_s_per_request']:.2f} s/request; steps {row['step_s_total']:.1f} s in "
+          f"{row['steps']:.0f} (forward {row['forward_s_total']:.1f} s); "
+          f"tier loads {row['tier_load_s_total']:.2f} s in {row['tier_loads']:.0f}, "
+          f"stores {row['tier_store_s_total']:.2f} s", flush=True)
 
 
 def cpu_flags() -> str:
@@ -222,40 +287,49 @@ def main(argv=None) -> int:
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     load_before = os.getloadavg()
     tier_flags = ["--kv-offload-bytes", str(args.kv_offload_bytes), "--kv-offload-dir", str(tier_root / "multi")]
-    if args.tier_first:
+    rounds = []
+    if args.rounds > 1:
+        base, tier, rounds = interleaved(args, model, work, tier_flags)
+    elif args.tier_first:
         tier, _ = multi_turn(args, model, work, "file-tier", tier_flags)
         base, _ = multi_turn(args, model, work, "pool-only", [])
     else:
         base, _ = multi_turn(args, model, work, "pool-only", [])
         tier, _ = multi_turn(args, model, work, "file-tier", tier_flags)
-    # The warm restart's first server: the same conversations, its tier persisted at shutdown.
-    warm_dir = tier_root / "restart"
-    _, served = multi_turn(args, model, work, "before-restart", ["--kv-offload-bytes", str(args.kv_offload_bytes),
-                                                                 "--kv-offload-dir", str(warm_dir)])
-    restart = warm_restart(args, model, work, warm_dir, served)
+    restart = []
+    if not args.no_restart:
+        # The warm restart's first server: the same conversations, its tier persisted at shutdown.
+        warm_dir = tier_root / "restart"
+        _, served = multi_turn(args, model, work, "before-restart",
+                               ["--kv-offload-bytes", str(args.kv_offload_bytes), "--kv-offload-dir", str(warm_dir)])
+        restart = warm_restart(args, model, work, warm_dir, served)
     load_after = os.getloadavg()
     pool_tokens = args.num_kv_blocks * 16
-    longest = max(r["longest_prompt_tokens"] for r in restart)
+    # A conversation's final history: its last turn's prompt (the restart's requests add a little).
+    longest = max([r["longest_prompt_tokens"] for r in restart] or [0])
     result = {
         "command": "python bench/kv_offload.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "flags": cpu_flags(), "load_before": load_before, "load_after": load_after},
         "model": str(model), "pool_tokens": pool_tokens,
-        "working_set_tokens_approx": longest * args.conversations,
-        "working_set_over_pool": longest * args.conversations / pool_tokens,
+        "working_set_tokens_approx": longest * args.conversations if longest else None,
+        "working_set_over_pool": longest * args.conversations / pool_tokens if longest else None,
         "multi_turn": [base, tier],
+        "rounds": rounds,
         "ttft_p50_returning_ratio": base["ttft_p50_returning_s"] / tier["ttft_p50_returning_s"],
         "ttft_p99_returning_ratio": base["ttft_p99_returning_s"] / tier["ttft_p99_returning_s"],
         "throughput_ratio": tier["output_tokens_per_s"] / base["output_tokens_per_s"],
         "warm_restart": restart,
-        "warm_restart_ttft_p50_ratio": restart[0]["ttft_p50_s"] / restart[1]["ttft_p50_s"],
+        "warm_restart_ttft_p50_ratio": restart[0]["ttft_p50_s"] / restart[1]["ttft_p50_s"] if restart else None,
     }
-    print(f"working set ~{result['working_set_tokens_approx']} tokens = "
-          f"{result['working_set_over_pool']:.1f}x the {pool_tokens}-token pool")
+    if longest:
+        print(f"working set ~{result['working_set_tokens_approx']} tokens = "
+              f"{result['working_set_over_pool']:.1f}x the {pool_tokens}-token pool")
     print(f"returning turns: TTFT p50 {result['ttft_p50_returning_ratio']:.2f}x lower with the file tier, "
           f"p99 {result['ttft_p99_returning_ratio']:.2f}x; throughput {result['throughput_ratio']:.2f}x")
-    print(f"warm restart: TTFT p50 {result['warm_restart_ttft_p50_ratio']:.2f}x lower with the persistent tier")
+    if restart:
+        print(f"warm restart: TTFT p50 {result['warm_restart_ttft_p50_ratio']:.2f}x lower with the persistent tier")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

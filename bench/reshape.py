@@ -189,7 +189,8 @@ async def part_restart(model: Path, g: int, in_flight: int, out_len: int) -> dic
         await srv.reshape(1, g)  # once, so the page cache and the allocator are as warm as below
         await srv.reshape(g, 1)
         wall, body = await srv.reshape(1, g)
-        out["reshape_idle_to_tp_no_spares"] = {"wall_s": wall, "seconds": body["seconds"]}
+        out["reshape_idle_to_tp_no_spares"] = {"wall_s": wall, "seconds": body["seconds"],
+                                               "phases": body.get("phases", {})}
     finally:
         srv.stop()
     srv = Server(model, g, 1, ["--reshape-spare-workers"])
@@ -200,9 +201,9 @@ async def part_restart(model: Path, g: int, in_flight: int, out_len: int) -> dic
         await srv.reshape(g, 1)
         await asyncio.sleep(3.0)  # the spares started after that reshape import torch
         wall, body = await srv.reshape(1, g)
-        out["reshape_idle_to_tp"] = {"wall_s": wall, "seconds": body["seconds"]}
+        out["reshape_idle_to_tp"] = {"wall_s": wall, "seconds": body["seconds"], "phases": body.get("phases", {})}
         wall, body = await srv.reshape(g, 1)
-        out["reshape_idle_to_dp"] = {"wall_s": wall, "seconds": body["seconds"]}
+        out["reshape_idle_to_dp"] = {"wall_s": wall, "seconds": body["seconds"], "phases": body.get("phases", {})}
         await asyncio.sleep(3.0)
         # With streams in flight: they pause, the layout changes, they resume by recompute.
         prompts = make_prompts(in_flight, 64, 1)
@@ -210,7 +211,7 @@ async def part_restart(model: Path, g: int, in_flight: int, out_len: int) -> dic
         await asyncio.sleep(2.0)
         wall, body = await srv.reshape(1, g)
         out["reshape_loaded_to_tp"] = {"wall_s": wall, "seconds": body["seconds"],
-                                       "resumed_requests": body["resumed_requests"]}
+                                       "resumed_requests": body["resumed_requests"], "phases": body.get("phases", {})}
         phase = await load
         out["loaded_requests_completed"] = phase["requests"]
     finally:
@@ -224,6 +225,7 @@ async def part_ramp(model: Path, g: int, high: int, n_low: int, n_high: int, in_
     phases = [("low", 1, make_prompts(n_low, in_len, 10)), ("high", high, make_prompts(n_high, in_len, 11)),
               ("low again", 1, make_prompts(n_low, in_len, 12))]
     out: dict = {}
+    reshape_phases: list[tuple[str, dict]] = []
     for name, (dp, tp, live) in {f"fixed {g}xTP1": (g, 1, False), f"fixed 1xTP{g}": (1, g, False),
                                  "live": (g, 1, True)}.items():
         srv = Server(model, dp, tp, ["--reshape-spare-workers"] if live else [])
@@ -239,6 +241,8 @@ async def part_ramp(model: Path, g: int, high: int, n_low: int, n_high: int, in_
                     want = (g, 1) if conc > 1 else (1, g)
                     _, body = await srv.reshape(*want)
                     reshape_s = body["seconds"]
+                    if body.get("changed"):
+                        reshape_phases.append((f"ramp {phase}: to {want[0]}xTP{want[1]}", body))
                 row = await run_phase(srv.url, conc, prompts, out_len)
                 row["wall_s"] = time.perf_counter() - t0  # with the reshape
                 row["tok_per_s"] = row["tokens"] / row["wall_s"]
@@ -249,6 +253,7 @@ async def part_ramp(model: Path, g: int, high: int, n_low: int, n_high: int, in_
             out[name] = {"phases": rows, "tok_per_s": total_tokens / total_wall, "wall_s": total_wall}
         finally:
             srv.stop()
+    out["live"]["reshapes"] = [{"label": label, **rec} for label, rec in reshape_phases]
     return out
 
 
@@ -263,19 +268,37 @@ def print_restart(r: dict) -> None:
                        ("reshape_loaded_to_tp", f"reshape {g}xTP1 -> 1xTP{g}, streams in flight")):
         print(f"{label:48s} {r[key]['seconds']:9.2f}  (HTTP wall {r[key]['wall_s']:.2f})")
     print("(reshapes with --reshape-spare-workers unless said otherwise)")
+    print_phases([(label, r[key]) for key, label in (
+        ("reshape_idle_to_tp_no_spares", f"{g}xTP1 -> 1xTP{g}, no spares"), ("reshape_idle_to_tp", f"{g}xTP1 -> 1xTP{g}"),
+        ("reshape_idle_to_dp", f"1xTP{g} -> {g}xTP1"), ("reshape_loaded_to_tp", f"{g}xTP1 -> 1xTP{g}, loaded"))])
     print(f"restart / reshape to TP {g}: {r['restart_over_reshape']:.1f}x idle, "
           f"{r['restart_over_reshape_loaded']:.1f}x with {r['reshape_loaded_to_tp'].get('resumed_requests')} "
           f"requests resumed ({r['loaded_requests_completed']} completed)")
+
+
+def print_phases(rows: list[tuple[str, dict]]) -> None:
+    """Where each reshape's seconds went (runtime/engine/data_parallel.py's phases): stop (the
+    step in flight finishes, requests detach), free (old engines closed), start (the new layout's
+    engines: processes, weights, KV pools), resume (requests re-admitted)."""
+    names = ("stop", "free", "start", "resume")
+    print(f"\n{'reshape phases, seconds':32s} " + " ".join(f"{n:>7s}" for n in names))
+    for label, rec in rows:
+        ph = rec.get("phases", {})
+        print(f"{label:32s} " + " ".join(f"{ph.get(n, float('nan')):7.2f}" for n in names))
 
 
 def print_ramp(r: dict) -> None:
     print("\n== load ramp: low -> high -> low ==")
     print(f"{'layout':12s} {'phase':10s} {'conc':>4s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'tok/s':>8s} {'reshape s':>9s}")
     for name, res in r.items():
+        if "phases" not in res:
+            continue
         for row in res["phases"]:
             print(f"{name:12s} {row['phase']:10s} {row['concurrency']:4d} {row['ttft_ms']:9.1f} {row['tpot_ms']:9.1f} "
                   f"{row['tok_per_s']:8.1f} {row['reshape_s']:9.2f}")
         print(f"{name:12s} {'whole ramp':10s} {'':4s} {'':9s} {'':9s} {res['tok_per_s']:8.1f}")
+    if r.get("live", {}).get("reshapes"):
+        print_phases([(rec["label"], rec) for rec in r["live"]["reshapes"]])
 
 
 def main(argv=None) -> int:

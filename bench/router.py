@@ -38,9 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, Workload, percentile, wait_for  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from router_common import RESULTS, Run, default_model, paired_rounds, print_table, ttft_ratio  # noqa: E402
+
+from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, Workload, wait_for  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -65,52 +67,6 @@ def parse_args(argv=None):
     if args.quick:
         args.rounds, args.turns, args.user_words, args.max_tokens = 1, 3, 60, 16
     return args
-
-
-def default_model() -> Path:
-    from kvserve.testing.realmodel import ensure_smollm2
-
-    return Path(ensure_smollm2().hf_dir)
-
-
-def summarize(name: str, workload: Workload, hits: float, queries: float, duration: float) -> dict:
-    ok = [r for r in workload.results if r.ok]
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    later = [r.ttft for r in ok if r.ttft is not None and r.turn > 0]  # turns that have a history
-    return {"run": name, "requests": len(workload.results), "failed": len(workload.results) - len(ok),
-            "ttft_p50_later_turns_s": percentile(later, 0.5),
-            "hit_rate": hits / queries if queries else 0.0, "prompt_tokens_cached": int(hits),
-            "prompt_tokens": int(queries),
-            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"),
-            "output_tokens_per_s": sum(r.tokens for r in ok) / duration, "requests_per_s": len(ok) / duration,
-            "duration_s": duration}
-
-
-class Run:
-    """One policy's rounds, accumulated."""
-
-    def __init__(self, name: str):
-        self.name, self.workload = name, Workload()
-        self.hits = self.queries = self.duration = 0.0
-
-    def add(self, pods: RuntimePods, url: str, workload: Workload) -> None:
-        hits0, queries0 = pods.prefix_counters()
-        started = time.perf_counter()
-        asyncio.run(workload.run(url, timeout=600))
-        duration = time.perf_counter() - started
-        hits1, queries1 = pods.prefix_counters()
-        self.hits += hits1 - hits0
-        self.queries += queries1 - queries0
-        self.duration += duration
-        self.workload.results += workload.results
-        row = summarize(self.name, workload, hits1 - hits0, queries1 - queries0, duration)
-        print(f"  {self.name:<22} hit rate {row['hit_rate']:.2f}  TTFT p50 {row['ttft_p50_s'] * 1000:.0f} ms  "
-              f"p99 {row['ttft_p99_s'] * 1000:.0f} ms  {row['output_tokens_per_s']:.1f} tok/s  "
-              f"({row['duration_s']:.0f} s, {row['failed']} failed, load {os.getloadavg()[0]:.1f})", flush=True)
-
-    def row(self) -> dict:
-        return summarize(self.name, self.workload, self.hits, self.queries, self.duration)
 
 
 def scale_from_zero(args, model: Path, cluster: Cluster, router: RouterProcess, work: Path, served: str,
@@ -193,10 +149,7 @@ def main(argv=None) -> int:
         prefix.wait_ready(args.replicas)
         by_rr = Run(f"{args.replicas} pods, round-robin")
         by_prefix = Run(f"{args.replicas} pods, prefix")
-        for r in range(args.rounds):
-            order = [(by_rr, rr), (by_prefix, prefix)]
-            for run, router in (order if r % 2 == 0 else order[::-1]):
-                run.add(pods, router.url, Workload(seed=10 + 2 * r + (run is by_prefix), **shape))
+        paired_rounds(pods, [(by_rr, rr.url), (by_prefix, prefix.url)], args.rounds, shape, seed=10)
         rows = [ceiling.row(), by_rr.row(), by_prefix.row()]
         pods.stop()
         zero = scale_from_zero(args, model, cluster, prefix, work, served, pods.port)
@@ -214,14 +167,11 @@ def main(argv=None) -> int:
         "runs": rows, "scale_from_zero": zero,
         "hit_rate_vs_ceiling": prefix_row["hit_rate"] / ceiling["hit_rate"] if ceiling["hit_rate"] else None,
         "ttft_p50_round_robin_over_prefix": rr_row["ttft_p50_s"] / prefix_row["ttft_p50_s"],
+        "ttft_p50_round_robin_over_prefix_per_round": ttft_ratio(by_rr, by_prefix)["per_round"],
         "throughput_prefix_over_round_robin": prefix_row["output_tokens_per_s"] / rr_row["output_tokens_per_s"],
     }
     print()
-    print("| run | hit rate | TTFT p50 | TTFT p99 | TTFT p50, turns 2+ | output tok/s | failed |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['run']} | {r['hit_rate']:.2f} | {r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p99_s'] * 1000:.0f} ms "
-              f"| {r['ttft_p50_later_turns_s'] * 1000:.0f} ms | {r['output_tokens_per_s']:.1f} | {r['failed']} |")
+    print_table(rows)
     print(f"\nprefix hit rate / ceiling: {result['hit_rate_vs_ceiling']:.2f} (target >= 0.90); "
           f"TTFT p50 round-robin / prefix: {result['ttft_p50_round_robin_over_prefix']:.2f}x (target >= 2); "
           f"throughput prefix / round-robin: {result['throughput_prefix_over_round_robin']:.2f}x; "

@@ -1,7 +1,7 @@
 """Routing benchmark with KV events: event-fed vs served-based vs round-robin `kvserve router`.
 
-    python bench/router_events.py                 # SmolLM2-135M, 3 pods, 6 conversations x 6 turns per policy
-    python bench/router_events.py --rounds 2 --conversations 3      # alternating orders, same total work
+    python bench/router_events.py                 # SmolLM2-135M, 3 pods, 4 rounds x 3 conversations x 6 turns per policy
+    python bench/router_events.py --rounds 6 --conversations 3      # more rounds: a steadier per-round median
     python bench/router_events.py --num-kv-blocks 64 --user-words 150    # a tighter pool: evictions
 
 What runs: `--replicas` real `kvserve serve` processes (one torch thread each), each on its own
@@ -15,15 +15,16 @@ policy gets its own conversations, so nothing one run cached helps another. Shor
 one conversation per pod at a time keep TTFT about prefill, not about decode steps that compete
 for the same cores.
 
-Writes bench/results/router_events.json (or --out) and prints a table, TTFT also for the turns
-with a history (turn 2 on). Numbers from a busy 2-core machine are noisy: compare the runs of one
-invocation, and note the load average.
+The policies run in alternating rounds (bench/router_common.py: A B C, C B A, ...) after a
+warm-up through every router. Writes bench/results/router_events.json (or --out) and prints a
+table (TTFT p50/p90/p99, also p50 for the turns with a history, turn 2 on) and the TTFT p50
+ratios over all requests and per round (median): numbers from a busy 2-core machine are noisy,
+so compare the runs of one invocation, and note the load average.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -33,13 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router import Run, default_model  # noqa: E402
+from router_common import RESULTS, Run, default_model, paired_rounds, print_table, ttft_ratio, warm_up  # noqa: E402
 
-from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, Workload, get_json  # noqa: E402
+from kvserve.testing.router_harness import Cluster, RouterProcess, RuntimePods, get_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,14 +46,14 @@ def parse_args(argv=None):
     p.add_argument("--model", type=Path, default=None,
                    help="HF model directory (default: SmolLM2-135M-Instruct from build/smollm2)")
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--conversations", type=int, default=6, help="per policy")
+    p.add_argument("--conversations", type=int, default=3, help="per round and policy")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--concurrency", type=int, default=3, help="conversations in flight at once")
     p.add_argument("--system-words", type=int, default=20)
     p.add_argument("--user-words", type=int, default=120)
     p.add_argument("--max-tokens", type=int, default=4, help="answer length (ignore_eos)")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="each pod's KV pool, in 16-token blocks")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=int, default=4,
                    help="rounds of the three policies, each round in the opposite order of the one before, so "
                         "that every policy sees the machine's drifting background load alike")
     p.add_argument("--reverse", action="store_true", help="start with event-fed (and round-robin last)")
@@ -90,22 +89,17 @@ def main(argv=None) -> int:
         cluster.set_pods(list(pods.pods.values()))
         for r in routers:
             r.wait_ready(args.replicas, timeout=120)
-        # Warm-up: every pod runs one request first (first-call costs are not routing costs).
-        asyncio.run(Workload(seed=1000, conversations=args.replicas, turns=1, concurrency=args.replicas,
-                             model=served, max_tokens=4).run(rr.url, timeout=600))
+        warm_up([r.url for r in routers], args.replicas, served)
         shape = dict(conversations=args.conversations, turns=args.turns, concurrency=args.concurrency,
                      system_words=args.system_words, user_words=args.user_words, max_tokens=args.max_tokens,
                      model=served)
-        runs = [(Run(f"{args.replicas} pods, round-robin"), rr), (Run(f"{args.replicas} pods, served-based"),
-                                                                   served_router),
-                (Run(f"{args.replicas} pods, event-fed"), events)]
-        seed = 20
-        for r in range(args.rounds):
-            for run, router in (runs[::-1] if (r % 2 == 1) != args.reverse else runs):
-                run.add(pods, router.url, Workload(seed=seed, **shape))
-                seed += 1
+        runs = [Run(f"{args.replicas} pods, round-robin"), Run(f"{args.replicas} pods, served-based"),
+                Run(f"{args.replicas} pods, event-fed")]
+        paired_rounds(pods, list(zip(runs, [r.url for r in routers])), args.rounds, shape, reverse=args.reverse)
         status = get_json(events.url + "/router/kv-events")
-        rows = [run.row() for run, _ in runs]
+        rows = [run.row() for run in runs]
+        ratios = {"round_robin_over_events": ttft_ratio(runs[0], runs[2]),
+                  "served_over_events": ttft_ratio(runs[1], runs[2])}
     finally:
         for r in routers:
             r.stop()
@@ -120,15 +114,16 @@ def main(argv=None) -> int:
         "args": {k: str(v) for k, v in vars(args).items()}, "runs": rows, "event_router": status,
         "ttft_p50_round_robin_over_events": rr_row["ttft_p50_s"] / events_row["ttft_p50_s"],
         "ttft_p50_served_over_events": served_row["ttft_p50_s"] / events_row["ttft_p50_s"],
+        "ttft_p50_ratios": ratios,
+        "rounds": {run.name: run.rounds for run in runs},
     }
     print()
-    print("| run | hit rate | TTFT p50 | TTFT p99 | TTFT p50, turns 2+ | output tok/s | failed |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['run']} | {r['hit_rate']:.2f} | {r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p99_s'] * 1000:.0f} ms "
-              f"| {r['ttft_p50_later_turns_s'] * 1000:.0f} ms | {r['output_tokens_per_s']:.1f} | {r['failed']} |")
-    print(f"\nTTFT p50 round-robin / event-fed: {result['ttft_p50_round_robin_over_events']:.2f}x (target >= 2); "
-          f"served-based / event-fed: {result['ttft_p50_served_over_events']:.2f}x; requests ranked by events: "
+    print_table(rows)
+    rr_ev, sv_ev = ratios["round_robin_over_events"], ratios["served_over_events"]
+    print(f"\nTTFT p50 round-robin / event-fed: {rr_ev['pooled']:.2f}x over all requests, per round median "
+          f"{rr_ev['per_round_median']:.2f}x ({', '.join(f'{x:.2f}' for x in rr_ev['per_round'])}) (target >= 2); "
+          f"served-based / event-fed: {sv_ev['pooled']:.2f}x, per round median {sv_ev['per_round_median']:.2f}x "
+          f"({', '.join(f'{x:.2f}' for x in sv_ev['per_round'])}); requests ranked by events: "
           f"{status.get('ranked_by_events')}; load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -3,6 +3,7 @@ and n-gram lookup, with the mean acceptance length.
 
     python bench/spec_heads.py                    # trains the Medusa heads on first use (minutes)
     python bench/spec_heads.py --methods none,ngram,medusa --batches 1,8 --rounds 2
+    python bench/spec_heads.py --methods none,ngram,eagle   # EAGLE head trained on first use
 
 Chat questions the heads were not trained on, greedy, `--max-tokens` each. Batch 1 runs them one
 at a time; batch 8 runs them eight at once. Methods run in interleaved rounds and keep their best
@@ -33,6 +34,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="HF directory (default: the real SmolLM2)")
     p.add_argument("--medusa", type=Path, default=None, help="Medusa heads directory (default: trained and cached)")
+    p.add_argument("--eagle", type=Path, default=None, help="EAGLE head directory (default: trained and cached)")
     p.add_argument("--methods", default="none,ngram,medusa")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--requests", type=int, default=8)
@@ -43,13 +45,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def spec_config(method: str, k: int, medusa: Path | None) -> dict | None:
+def spec_config(method: str, k: int, medusa: Path | None, eagle: Path | None = None) -> dict | None:
     if method == "none":
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
     if method == "medusa":
         return {"method": "medusa", "model": str(medusa), "num_speculative_tokens": k}
+    if method == "eagle":
+        return {"method": "eagle", "model": str(eagle), "num_speculative_tokens": k}
     raise SystemExit(f"unknown method {method!r}")
 
 
@@ -89,10 +93,15 @@ def main(argv=None) -> None:
         from kvserve.testing.spec_heads import ensure_medusa_heads
 
         medusa = ensure_medusa_heads(model)
+    eagle = args.eagle
+    if "eagle" in methods and eagle is None:
+        from kvserve.testing.eagle_heads import ensure_eagle_head
+
+        eagle = ensure_eagle_head(model)
     questions = [q.format(t=t) for t in HELD_OUT_TOPICS for q in QUESTIONS][:args.requests]
     batches = [int(b) for b in args.batches.split(",")]
     engines = {m: LLM(str(model), dtype="float32", max_model_len=1024, max_num_seqs=max(batches),
-                      speculative_config=spec_config(m, args.num_speculative_tokens, medusa)) for m in methods}
+                      speculative_config=spec_config(m, args.num_speculative_tokens, medusa, eagle)) for m in methods}
     best: dict[tuple[str, int], dict] = {}
     for r in range(args.rounds):
         for batch in batches:
@@ -126,7 +135,10 @@ def main(argv=None) -> None:
     training = json.loads((medusa / "training.json").read_text()) if medusa and (medusa / "training.json").is_file() else None
     args.out.write_text(json.dumps({
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "model": str(model),
-        "medusa": str(medusa) if medusa else None, "medusa_training": training, "requests": len(questions),
+        "medusa": str(medusa) if medusa else None, "medusa_training": training,
+        "eagle": str(eagle) if eagle else None,
+        "eagle_training": json.loads((eagle / "training.json").read_text())
+        if eagle and (eagle / "training.json").is_file() else None, "requests": len(questions),
         "max_tokens": args.max_tokens, "k": args.num_speculative_tokens, "rounds": args.rounds, "rows": rows,
     }, indent=2) + "\n")
     if not all(row["same_text_as_plain"] for row in rows):

@@ -194,7 +194,11 @@ class Reconciler:
             key, digest = (uid, *D.key(obj)), D.digest(obj)
             if not full and self.applied.get(key) == digest:
                 continue
-            results[self._label(obj["kind"], obj["metadata"]["name"], name)] = await apply(self.client, obj, uid)
+            label = self._label(obj["kind"], obj["metadata"]["name"], name)
+            results[label] = await apply(self.client, MN.applied_body(obj), uid)
+            if MN.scaled_through_subresource(obj):
+                scaled = await self._scale(obj, namespace)
+                results[label] = "created" if results[label] == "created" else scaled or results[label]
             self.applied[key] = digest
         if full:
             keep = {D.key(obj) for obj in wanted}
@@ -204,6 +208,15 @@ class Reconciler:
                 results[self._label(kind, obj_name, name)] = "deleted"
             self.converged[uid] = meta.get("generation")
         return replicas, tp, {k: v for k, v in results.items() if v != "unchanged"}
+
+    async def _scale(self, obj: Mapping[str, Any], namespace: str) -> str | None:
+        """Sets the workload's replicas through its scale subresource; "patched" when it changed."""
+        kind, obj_name, replicas = obj["kind"], obj["metadata"]["name"], obj["spec"]["replicas"]
+        scale = await self.client.get_scale(kind, namespace, obj_name)
+        if scale is not None and (scale.get("spec") or {}).get("replicas") == replicas:
+            return None
+        await self.client.scale(kind, namespace, obj_name, replicas)
+        return "patched"
 
     async def _owned_leftovers(self, meta, keep: set[tuple[str, str]]) -> list[tuple[str, str]]:
         """What the resource owns beyond `keep`, in deletion order (reverse apply order). The

@@ -260,6 +260,22 @@ class KubeClient:
         return await self._call("PATCH", path, self._method("patch_status" if status else "patch", kind, namespace, name),
                                 dict(patch), _content_type="application/merge-patch+json")
 
+    async def get_scale(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object's scale subresource (autoscaling/v1 Scale); None when the object is gone."""
+        try:
+            return await self._call("GET", self.path(kind, namespace, name) + "/scale",
+                                    self._method("read_scale", kind, namespace, name))
+        except APIError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Sets spec.replicas through the scale subresource (a merge patch of the Scale)."""
+        return await self._call("PATCH", self.path(kind, namespace, name) + "/scale",
+                                self._method("patch_scale", kind, namespace, name),
+                                {"spec": {"replicas": int(replicas)}}, _content_type="application/merge-patch+json")
+
     async def server_side_apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Applies `obj` (created when absent) under the operator's field manager, taking over
         fields another manager set: the operator is the one writer of what it renders."""

@@ -24,6 +24,8 @@ LIST_FILE = f"{LIST_DIR}/{LIST_KEY}"
 # at a whole model must fill this volume, not the node's disk.
 ADAPTERS_SIZE_LIMIT = "16Gi"
 CONDITION = "AdaptersReady"
+# The key the agent shows the engine's LoRA routes when they are not behind the admin key (vLLM).
+ENGINE_API_KEY_ENV = "KVSERVE_ENGINE_API_KEY"
 
 
 def configmap_name(name: str) -> str:
@@ -64,7 +66,7 @@ def runtime_env(spec: ServiceSpec) -> list[dict[str, str]]:
 def agent_env(spec: ServiceSpec, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The agent fetches adapters: its Hugging Face cache must be writable (the models volume is
     read-only there), and a private hub repo needs the token, which then reaches this one serving
-    container too (only with adapters)."""
+    container too (only with adapters). It loads them: on vLLM with an API key, with that key."""
     if not spec.lora.enabled:
         return env
     out = [{"name": "HF_HOME", "value": f"{ADAPTERS_DIR}/.hf-home"} if e.get("name") == "HF_HOME" else e
@@ -72,6 +74,11 @@ def agent_env(spec: ServiceSpec, env: list[dict[str, Any]]) -> list[dict[str, An
     if spec.model.hf_token_secret and not any(e.get("name") == "HF_TOKEN" for e in out):
         name, key = spec.model.hf_token_secret
         out.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    # vLLM has no admin key: with an API key its load/unload routes want the user key, so the agent
+    # gets it from the same Secret (never as a plain value in the pod template).
+    if spec.runtime.engine == "vllm" and spec.runtime.api_key_secret:
+        name, key = spec.runtime.api_key_secret
+        out.append({"name": ENGINE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     return out
 
 

@@ -11,8 +11,10 @@ running group. The ranks authenticate with a shared key from spec.parallelism.re
 
 Pods of both roles carry the service's selector labels (the PDB, the NetworkPolicy and the pod
 list see them) plus ``kvserve.dev/role``; the Service and the autoscaler's scrape take leaders
-only. Replicas (groups) are the LeaderWorkerSet's spec.replicas, which its scale subresource
-reads and writes; the operator, its one writer, applies it with the rest of the object.
+only. Replicas (groups) are the LeaderWorkerSet's spec.replicas, which the operator sets through
+its scale subresource (PATCH .../scale) and never applies: the applied body leaves it out
+(``applied_body``), so the size has one writer path, the one an HPA or ``kubectl scale`` uses too,
+and a template change never carries a stale size with it.
 """
 
 from __future__ import annotations
@@ -173,6 +175,19 @@ def build_workload(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int
     if is_multinode(spec, tp):
         return build_leaderworkerset(owner, spec, replicas=replicas, tp=tp)
     return M.build_deployment(owner, spec, replicas=replicas, tp=tp)
+
+
+def scaled_through_subresource(obj: Mapping[str, Any]) -> bool:
+    """Whether the operator sizes `obj` through its scale subresource rather than its applied body."""
+    return obj.get("kind") == LWS_KIND
+
+
+def applied_body(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator server-side applies for `obj`: a LeaderWorkerSet without spec.replicas
+    (set through /scale; a server-side apply that owned it would reset it on every template change)."""
+    if not scaled_through_subresource(obj):
+        return dict(obj)
+    return {**obj, "spec": {k: v for k, v in obj["spec"].items() if k != "replicas"}}
 
 
 def serving_pod(pod: Mapping[str, Any]) -> bool:

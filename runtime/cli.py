@@ -117,6 +117,7 @@ def _agent(args) -> int:
                 model_dir=args.model_dir,
                 adapters_file=args.adapters_file,
                 adapters_dir=args.adapters_dir,
+                engine_api_key=os.environ.get("KVSERVE_ENGINE_API_KEY") or None,
             )
         )
     if args.agent_cmd == "model-info":

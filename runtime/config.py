@@ -142,10 +142,12 @@ class EngineConfig:
             from kvserve.runtime.spec_decode.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            if (self.speculative_config.method == "medusa" and isinstance(self.pipeline_parallel_size, int)
+            method = self.speculative_config.method
+            if (method in ("medusa", "eagle", "eagle3") and isinstance(self.pipeline_parallel_size, int)
                     and self.pipeline_parallel_size > 1):
                 # The heads read the final hidden state, which lives on the last stage, not rank 0.
-                fail("speculative_config", "Medusa heads do not run with pipeline parallelism yet "
+                what = "Medusa heads" if method == "medusa" else "EAGLE heads"
+                fail("speculative_config", f"{what} do not run with pipeline parallelism yet "
                      "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):
             fail("enforce_eager", "must be a boolean")
@@ -197,9 +199,6 @@ class EngineConfig:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
         positive_int("pipeline_parallel_size")  # checked against the model's layers by the engine
-        if (self.kv_offload_bytes or self.swap_space) and self.pipeline_parallel_size > 1:
-            fail("kv_offload_bytes" if self.kv_offload_bytes else "swap_space",
-                 "the offload tier and swap space do not work with pipeline_parallel_size > 1 yet")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:

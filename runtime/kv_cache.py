@@ -19,6 +19,8 @@ tokens in the same budget. The attention backends scale on write and read (per-l
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -121,8 +123,27 @@ def allocate_kv_cache(shape: ModelShape, num_blocks: int, block_size: int, dtype
     pools, heads, size = shape.kv_cache_layout(tp)
     if layer_blocks is None:
         layer_blocks = [num_blocks] * shape.num_layers
-    return [tuple(torch.zeros((n, block_size, heads, size), dtype=dtype, device=device) for _ in range(pools))
+    return [tuple(zeroed((n, block_size, heads, size), dtype, device) for _ in range(pools))
             for n in layer_blocks]
+
+
+# Below this a pool is filled as usual: the mapping's own cost would not pay.
+LAZY_ZERO_BYTES = 1 << 20
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of zeros. On the CPU a large one is an anonymous memory map the kernel zero-fills
+    page by page on first write, so a pool costs nothing until its blocks are used: torch.zeros
+    writes every byte up front (seconds for the CPU default of 1 GiB on a busy host), which made
+    the pool fill the largest part of an engine start and of a live reshape (docs/reshape.md)."""
+    device = torch.device(device)
+    nbytes = element_size(dtype) * math.prod(shape)
+    if device.type != "cpu" or nbytes < LAZY_ZERO_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes)  # the tensor holds a reference: unmapped when the tensor goes
+    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults as blocks fill, where THP allows it
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def layer_group_blocks(groups: Sequence[KVCacheGroup], group_blocks: Sequence[int]) -> list[int]:

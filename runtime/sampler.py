@@ -48,7 +48,7 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
+def plain_greedy(p: SamplingParams) -> bool:
     return p.greedy and not p.needs_penalties and p.min_tokens == 0 and p.logprobs is None
 
 
@@ -60,7 +60,7 @@ class Sampler:
         assert logits.shape[0] == len(rows)
         if any(r.grammar is not None for r in rows):
             apply_grammar_bitmask(logits, [r.grammar for r in rows])
-        if all(_plain_greedy(r.params) for r in rows):
+        if all(plain_greedy(r.params) for r in rows):
             return SamplerOutput(argmax_last(logits).tolist(), [None] * len(rows))
 
         logits = logits.float()

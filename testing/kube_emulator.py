@@ -14,6 +14,10 @@ Patched here, in a test-side subclass pinned to kmock 0.8:
   * labelSelector (equality terms) is applied to lists;
   * the status subresource only changes status; where a resource has one, the main resource
     never changes status.
+  * the scale subresource (`GET`/`PATCH .../scale`, where a resource declares one) answers an
+    autoscaling/v1 Scale (spec.replicas from the object's spec, status.replicas and the selector
+    from its status, as LeaderWorkerSet's CRD maps them) and a patch of it changes the object's
+    spec.replicas alone; kmock itself would patch the Scale's fields into the object;
   * server-side apply (`PATCH` with `application/apply-patch+yaml`): creates or merges, records
     each manager's fields in metadata.managedFields and removes the fields a manager stops
     applying (server_side_apply.py says what that emulation leaves out).
@@ -93,6 +97,9 @@ class PatchedEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request):
         if request.resource is not None and (request.resource.group or "") in self.UNSERVED_GROUPS:
             return _status(404, "NotFound", "the server could not find the requested resource")
+        if (request.resource is not None and request.subresource == "scale" and request.name is not None
+                and request.action in (enums.action.FETCH, enums.action.UPDATE)):
+            return await self._scale(request)
         if (request.resource is not None and request.action == enums.action.UPDATE and request.name is not None
                 and (request.headers or {}).get("Content-Type", "").startswith("application/apply-patch")):
             return await self._server_side_apply(request)
@@ -179,6 +186,37 @@ class PatchedEmulator(kmock.KubernetesEmulator):
             raw = self._objects[key].raw
             await self._buses[request.resource].put({"type": event, "object": raw})
         return aiohttp.web.json_response(raw, status=201 if live is None else 200)
+
+    async def _scale(self, request):
+        info = self._resources.get(request.resource)
+        if info is None or "scale" not in info.subresources:
+            return _status(404, "NotFound", "the server could not find the requested resource")
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            if key not in self._objects or self._objects[key].deleted:
+                return _status(404, "NotFound", f"{request.resource.plural} {request.name!r} not found")
+            live = self._objects[key].raw
+            if request.action == enums.action.UPDATE:
+                patch = request.data if isinstance(request.data, dict) else {}
+                replicas = (patch.get("spec") or {}).get("replicas")
+                if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                    return _status(422, "Invalid", "spec.replicas: a Scale's replicas must be an integer >= 0")
+                if (live.get("spec") or {}).get("replicas") != replicas:
+                    generation = int(live["metadata"].get("generation", 1)) + 1
+                    self._objects[key].patch({"spec": {"replicas": replicas},
+                                              "metadata": {"resourceVersion": self._next_rv(),
+                                                           "generation": generation}})
+                    live = self._objects[key].raw
+                    await self._buses[request.resource].put({"type": "MODIFIED", "object": live})
+            meta, status = live["metadata"], live.get("status") or {}
+            scale = {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                     "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
+                     "spec": {"replicas": (live.get("spec") or {}).get("replicas", 0)},
+                     "status": {"replicas": status.get("replicas", 0)}}
+            selector = status.get("hpaPodSelector") or status.get("selector")
+            if selector:
+                scale["status"]["selector"] = selector
+        return aiohttp.web.json_response(scale)
 
     async def _check_json_patch(self, request) -> None:
         """A JSON patch whose `test` op fails is a 422 (kopf then re-reads), not kmock's 500."""

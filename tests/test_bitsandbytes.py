@@ -141,15 +141,30 @@ def test_logits_close_to_transformers_with_bitsandbytes(checkpoints, kind, bound
     assert (our_logits(path) - want).abs().max() < bound * want.abs().max()
 
 
-def test_held_forms_and_float64_layer_parity(checkpoints):
-    """4-bit layers hold the dequantized weight (the unquantized path), 8-bit ones an Int8Weight;
-    an 8-bit layer's output equals x @ W.T in float64 with W = code * SCB / 127."""
+def test_held_forms_and_float64_layer_parity(checkpoints, monkeypatch):
+    """4-bit layers hold their codes packed with a float32 absmax per block (a fused layer's parts
+    stacked), whose dequantization is bitsandbytes' bit for bit and whose matmul equals
+    dequantize-then-matmul in float64, at 0.5 + 4 / 64 bytes per weight; with keep_packed off
+    they hold the dequantized weight. 8-bit ones hold an Int8Weight; an 8-bit layer's output
+    equals x @ W.T in float64 with W = code * SCB / 127."""
     from kvserve.runtime.models.quantization.bitsandbytes import BnB4bitMethod, BnB8bitMethod
+    from kvserve.runtime.models.quantization.bnb4 import Packed4bitWeight
     from kvserve.runtime.models.quantization.packed import Int8Weight
 
-    four = load_model(checkpoints("nf4-dq"), dtype=torch.float32, device="cpu",
-                      attention_backend=TorchAttentionBackend())
-    assert type(four.layers[0].self_attn.qkv_proj.quant_method) is BnB4bitMethod
+    kw = dict(dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend())
+    for kind in ("nf4-dq", "fp4"):
+        four = load_model(checkpoints(kind), **kw)
+        state = dequantized_state(checkpoints(kind))
+        qkv = four.layers[0].self_attn.qkv_proj
+        assert type(qkv.quant_method) is BnB4bitMethod and isinstance(qkv.bnb4, Packed4bitWeight)
+        want = torch.cat([state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(qkv.bnb4.dequantize(), want)
+        assert qkv.bnb4.nbytes == want.numel() * (0.5 + 4 / 64) + 16 * 4
+        x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+        ref = x.double() @ want.double().T
+        assert (qkv(x).double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    monkeypatch.setattr(BnB4bitMethod, "keep_packed", False)
+    four = load_model(checkpoints("nf4-dq"), **kw)
     assert not any(p.dtype == torch.uint8 for p in four.parameters())
     eight = load_model(checkpoints("int8"), dtype=torch.float32, device="cpu",
                        attention_backend=TorchAttentionBackend())
@@ -163,7 +178,8 @@ def test_held_forms_and_float64_layer_parity(checkpoints):
 
 def test_engine_and_tensor_parallelism(checkpoints):
     """Greedy output through the engine equals transformers on the dequantized weights; at
-    tensor_parallel_size 2 (each rank decodes the whole tensor, keeps its slice) it is the same."""
+    tensor_parallel_size 2 (each rank keeps its slice of the packed codes: rows of the
+    column-parallel layers, whole blocks of the row-parallel ones' columns) it is the same."""
     from transformers import AutoModelForCausalLM
 
     path = checkpoints("nf4-dq")

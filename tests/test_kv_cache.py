@@ -40,3 +40,35 @@ def test_pools_shape_and_copy_on_write_copies():
     caches[1][0][2] = 3.0
     copy_blocks(caches, [(2, 4)])
     assert torch.equal(caches[1][0][4], caches[1][0][2]) and not caches[1][0][3].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_large_cpu_pools_are_lazily_zeroed_maps_that_read_and_write_like_zeros(dtype):
+    from kvserve.runtime.kv_cache import LAZY_ZERO_BYTES, zeroed
+
+    shape = (LAZY_ZERO_BYTES // 64 + 1, 16, 2, 2)  # just above the threshold, any dtype
+    pool = zeroed(shape, dtype, "cpu")
+    assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
+    assert pool.data_ptr() % 4096 == 0  # page-aligned (the native kernels' vector loads)
+    assert not pool.float().any()
+    pool[3, 1] = 2
+    assert pool.float().sum() == 2 * 4 and not pool[4].float().any()
+    small = zeroed((2, 16, 2, 2), dtype, "cpu")  # below it: an ordinary tensor
+    assert not small.float().any()
+
+
+def test_held_release_closes_many_workers_with_one_collection():
+    from kvserve.runtime.executor.platform import held_release, release_is_held
+
+    class Counting:  # the one method held_release calls
+        calls = 0
+
+        def release_memory(self):
+            Counting.calls += 1
+
+    platform = Counting()
+    with held_release(platform):
+        with held_release(platform):
+            assert release_is_held()
+        assert Counting.calls == 0
+    assert Counting.calls == 1 and not release_is_held()

@@ -323,6 +323,68 @@ def test_a_damaged_file_is_never_read_and_is_deleted(tmp_path, damage):
         assert store.scan() == [] and not path2.exists()
 
 
+def _ns(**changes) -> Namespace:
+    return Namespace(*{**NS.__dict__, **changes}.values())
+
+
+def test_a_start_over_budget_deletes_other_namespaces_oldest_first_never_a_live_or_kept_one(tmp_path):
+    import os
+
+    block = torch.arange(250, dtype=torch.uint8).repeat(40)  # 10,000 bytes a file
+    stale = {}
+    for age, name in enumerate(["w-oldest", "w-old", "w-live", "w-rank1"]):
+        s = FileStore(tmp_path, _ns(weights=name, tp_rank=1) if name == "w-rank1" else _ns(weights=name))
+        for i in range(3):
+            s.put(bytes([i]), block)
+        stale[name] = s
+        when = 1_000_000 + age * 1000  # written long ago, "w-oldest" first
+        for f in [*s.dir.iterdir(), s.dir]:
+            os.utime(f, (when, when))
+        if name != "w-live":
+            s.close()  # those servers are gone; "w-live" still runs (it keeps its lock)
+    unrelated = tmp_path / "notes"  # not a namespace: never counted or touched
+    unrelated.mkdir()
+    (unrelated / "big").write_bytes(b"x" * 100_000)
+    # Four namespaces of ~30 KB, a budget of ~2.5: only the oldest must go to fit.
+    ours = FileStore(tmp_path, NS, root_budget_bytes=100_000, keep=frozenset({_ns(weights="w-rank1", tp_rank=1).dirname}))
+    assert not stale["w-oldest"].dir.exists()
+    assert all(stale[n].dir.exists() for n in ("w-old", "w-live", "w-rank1")) and (unrelated / "big").exists()
+    ours.close()
+    # A budget of nothing: every namespace that is neither live, kept nor ours goes.
+    ours = FileStore(tmp_path, NS, root_budget_bytes=0, keep=frozenset({_ns(weights="w-rank1", tp_rank=1).dirname}))
+    assert not stale["w-old"].dir.exists()
+    assert stale["w-live"].dir.exists() and stale["w-rank1"].dir.exists() and ours.dir.exists()
+    assert len(stale["w-live"].scan()) == 3 and (unrelated / "big").exists()
+    stale["w-live"].close()  # its server stopped: the next start over budget may delete it
+    FileStore(tmp_path, NS, root_budget_bytes=0).close()
+    assert not stale["w-live"].dir.exists()
+
+
+def test_a_prefetched_block_is_loaded_from_memory_and_a_missing_one_is_still_reported(tmp_path):
+    import time
+
+    from kvserve.runtime.kv_offload.offloader import TIER, KVOffloader
+
+    pools = [(torch.zeros(4, 8), torch.zeros(4, 8)), (torch.zeros(4, 8), torch.zeros(4, 8))]
+    for layer in pools:
+        for pool in layer:
+            pool[1] = torch.randn(8)
+    off = KVOffloader(pools, [[0, 1]], {TIER: FileStore(tmp_path, NS)})
+    try:
+        off.apply([("save", TIER, 0, 1, b"k")])
+        assert off.flush(timeout=30)
+        off.apply([("prefetch", TIER, [b"k", b"absent"])])
+        deadline = time.monotonic() + 30
+        while (TIER, b"k") not in off._staged and time.monotonic() < deadline:
+            time.sleep(0.01)
+        off.stores[TIER].path(b"k").unlink()  # from here on only the read-ahead bytes have it
+        assert off.apply([("load", TIER, 0, 2, b"k"), ("load", TIER, 0, 3, b"absent")]) == [b"absent"]
+        assert off.prefetched_loads == 1 and not off._staged
+        assert all(torch.equal(pool[2], pool[1]) and not pool[3].any() for layer in pools for pool in layer)
+    finally:
+        off.close()
+
+
 def test_a_corrupted_tier_file_is_recomputed_not_read(tiny_llama, reference, tmp_path):
     prompts = conversations()
     with make_engine(tiny_llama, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path)) as first:
@@ -371,11 +433,20 @@ def test_preemption_choice(tokens, swap_bytes, free, prefill, transfer, expected
                              prefill_tokens_per_s=prefill, transfer_bytes_per_s=transfer) == expected
 
 
-def test_pipeline_parallelism_is_refused_with_a_tier():
-    with pytest.raises(ValueError, match="kv_offload_bytes"):
-        EngineConfig(model="m", kv_offload_bytes=1 << 20, pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="swap_space"):
-        EngineConfig(model="m", swap_space=1, pipeline_parallel_size=2)
+def test_pipeline_stages_store_and_reload_their_own_layers(tiny_llama, reference, tmp_path):
+    """PP=2 with the file tier and swap: greedy output equals the big pool's, prefix hits come
+    back from the tier, and each stage wrote its own layers' part of every block (one namespace
+    per stage, the same keys), stage 1's included."""
+    prompts = conversations()
+    with make_engine(tiny_llama, pipeline_parallel_size=2, kv_offload_bytes=1 << 24,
+                     kv_offload_dir=str(tmp_path), swap_space=0.001) as engine:
+        assert run(engine, prompts) == reference["first"]
+        assert run(engine, prompts) == reference["again"]
+        stats = engine.get_stats()
+        assert stats.kv_offload_hit_tokens_total > 0 and stats.kv_offload_failed_loads_total == 0
+        assert_no_leak(engine)
+    names = [{p.name for p in d.glob("*.kvb")} for d in sorted(p for p in tmp_path.iterdir() if p.is_dir())]
+    assert len(names) == 2 and names[0] and names[0] == names[1]
 
 
 @pytest.mark.parametrize("tier, medium", [("memory", "CPU"), ("file", "DISK")])

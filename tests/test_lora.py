@@ -71,6 +71,48 @@ def test_mixed_batch_of_four_adapters_and_the_base_matches_peft(llama_setup):
     assert outs[0].lora_request == requests["all8"] and outs[2].lora_request is None
 
 
+def test_native_decode_stack_adds_adapters_like_the_per_op_path(llama_setup):
+    """Decode steps with adapters run in the CPU's native decode stack (adapters added after each
+    base matmul in C); the per-op path (the torch wrappers) is its oracle: same tokens, logprobs
+    equal up to float32 summation order."""
+    from kvserve.kernels.cpu import native
+
+    if not native.available():
+        pytest.skip(f"native CPU kernels: {native.status()}")
+    _, _, _, llm, requests = llama_setup
+    names = ["all8", "qv4", None, "rs", "pattern", "all8"]
+    prompts = PROMPTS + [[3, 4, 5]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    lora = [None if n is None else requests[n] for n in names]
+    model = llm.engine.model
+    stack = model._native_stack
+    assert stack is not None and stack.lora_slots is not None
+    calls = []
+    real_run = stack.run
+
+    def counting_run(*args, **kw):
+        calls.append(args[-1] if len(args) > 6 else kw.get("lora"))
+        return real_run(*args, **kw)
+
+    stack.run = counting_run
+    try:
+        native_outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+    finally:
+        del stack.run
+    assert any(c is not None for c in calls)  # steps with adapters took the stack
+    model._native_stack = None
+    try:
+        per_op = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+    finally:
+        model._native_stack = stack
+    for a, b in zip(native_outs, per_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert da.keys() == db.keys()
+            for t in da:
+                assert da[t].logprob == pytest.approx(db[t].logprob, abs=1e-4)
+
+
 @pytest.mark.parametrize("name", ["all8", "pattern"])
 def test_one_adapter_alone_matches_peft(llama_setup, name):
     _, _, pm, llm, requests = llama_setup

@@ -46,6 +46,12 @@ def test_step_layout_contiguous_and_gathered():
     assert gathered.perm == [1, 4, 0, 3]  # slot 0's tokens, then slot 1's, each in order
     assert gathered.segments == [(0, 0, 2), (1, 2, 4)]
     assert step_layout([-1, -1], [2, 1]).segments == []
+    # Prefill-sized runs of one adapter stay apart: no gather and scatter.
+    long_runs = step_layout([0, 1, 0], [20, 16, 30], num_slots=4)
+    assert long_runs.perm is None and long_runs.padded is None
+    assert step_layout([0, 1, 2, 0], [20, 16, 30, 1], num_slots=4).perm is not None  # a decode token among them
+    assert step_layout([0, 1, 2, 0], [1, 1, 1, 1], num_slots=4).padded is not None
+    assert long_runs.segments == [(0, 0, 20), (1, 20, 36), (0, 36, 66)]
 
 
 def test_prefix_keys_differ_per_adapter_and_salt():

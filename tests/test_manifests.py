@@ -183,6 +183,7 @@ NAMESPACED_NEEDS = {
     ("kvserve.dev", "inferenceservices/status"): {"patch"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): {"get", "patch"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},  # spec.adapters
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},

@@ -37,36 +37,66 @@ def _generate(llm: LLM, prompts, params=None) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+# llama-untied last: its case uses the shared PP=2 engine (pp2_llama), whose worker must not be
+# alive while the other cases count worker processes; the killed-stage case right after ends it.
 FAMILIES = {
-    "llama-untied": ("llama", dict(num_hidden_layers=3)),
     # Tied head on the last stage (its own copy of the embedding) and a vocabulary 2 does not divide.
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, vocab_size=509)),
     # Sandwich norms, embedding scale on stage 0, local/global layers (one block table at PP).
     "gemma2": ("gemma2", dict(final_logit_softcapping=1.5)),
     # A dense first layer then MoE, latent attention.
     "deepseek_v3": ("deepseek_v3", {}),
+    "llama-untied": ("llama", dict(num_hidden_layers=3)),
 }
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_pp2_matches_pp1(tiny_model_factory, family):
+def _family_dir(factory, family: str):
     arch, overrides = FAMILIES[family]
-    model_dir = tiny_model_factory(arch, **overrides)
+    return factory(arch, **overrides)
+
+
+@pytest.fixture(scope="module")
+def pp2_llama(tiny_model_factory):
+    """One PP=2 engine on the tiny Llama, shared: its family case checks outputs, then the
+    killed-stage case kills its worker (a worker process start is most of a PP test's cost)."""
+    llm = LLM(str(_family_dir(tiny_model_factory, "llama-untied")), pipeline_parallel_size=2, **KW)
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pp2_matches_pp1(tiny_model_factory, request, family):
+    model_dir = _family_dir(tiny_model_factory, family)
+    # Greedy rows, plus seeded random rows (one asking for logprobs) that finish first: steps
+    # with a random row ship logits to rank 0, whose Sampler draws from each request's own
+    # generator as at PP=1; the all-greedy steps after them are sampled on the last stage.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 7, 9, 15)]
+    params += [SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=5, ignore_eos=True),
+               SamplingParams(temperature=1.0, seed=12, max_tokens=4, ignore_eos=True, logprobs=2)]
     with LLM(str(model_dir), **KW) as llm1:
         prompts = _prompts(llm1.engine.model_config.vocab_size)
-        want = _generate(llm1, prompts)
+        prompts += prompts[:2]
+        want = _generate(llm1, prompts, params)
         full_weights = llm1.engine.executor.model_weight_bytes
-    with LLM(str(model_dir), pipeline_parallel_size=2, **KW) as llm2:
-        got = _generate(llm2, prompts)
+    shared = family == "llama-untied"
+    llm2 = (request.getfixturevalue("pp2_llama") if shared
+            else LLM(str(model_dir), pipeline_parallel_size=2, **KW))
+    try:
+        got = _generate(llm2, prompts, params)
         executor = llm2.engine.executor
+        assert executor.driver_worker.steps_sampled_on_last_stage > 0
         stats = llm2.engine.get_stats()
         reports = executor.rank_reports
         assert len(tp_worker_pids()) == 1
         # Stage 0 holds only its layers (and the embedding): less than the whole model.
         assert executor.model_weight_bytes < full_weights
         assert len(executor.kv_caches) == executor.driver_worker.layer_end
+    finally:
+        if not shared:
+            llm2.close()
     assert got == want
-    assert not tp_worker_pids(), "close() must reap every worker"
+    if not shared:
+        assert not tp_worker_pids(), "close() must reap every worker"
     assert stats.pipeline_parallel_size == 2 and 0.0 < stats.pipeline_bubble_fraction < 1.0
     # Each stage sized KV pools for its own layers from the same budget; the replica holds the
     # smallest count, as the capacity model says.
@@ -75,6 +105,31 @@ def test_pp2_matches_pp1(tiny_model_factory, family):
           for r in split_layers(shape, 2)]
     assert stats.kv_blocks_total == min(kv)
     assert [r["rank"] for r in reports] == [0, 1]
+
+
+def test_killed_stage_mid_generate_raises_naming_the_rank(pp2_llama):
+    """Kills the shared engine's stage 1 (this case is its last user)."""
+    llm = pp2_llama
+    (pid,) = llm.engine.executor.worker_pids
+    steps = 0
+    step = llm.engine.step
+
+    def killing_step():
+        nonlocal steps
+        steps += 1
+        if steps == 5:
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        return step()
+
+    llm.engine.step = killing_step
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) killed by signal SIGKILL"):
+        llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=500, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - started < 15.0
+    assert llm.engine.block_manager.num_used_blocks == 0
+    llm.close()
+    assert not tp_worker_pids()
 
 
 def test_pp2_features_match_pp1(tiny_model_factory):
@@ -156,30 +211,6 @@ def test_killed_stage_fails_engine_and_server_health(tiny_model_factory):
         assert b"rank 1" in body and b"SIGKILL" in body, body
     finally:
         srv.stop()
-    assert not tp_worker_pids()
-
-
-def test_killed_stage_mid_generate_raises_naming_the_rank(tiny_model_factory):
-    llm = LLM(str(tiny_model_factory("llama")), pipeline_parallel_size=2, **KW)
-    (pid,) = llm.engine.executor.worker_pids
-    steps = 0
-    step = llm.engine.step
-
-    def killing_step():
-        nonlocal steps
-        steps += 1
-        if steps == 5:
-            os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
-        return step()
-
-    llm.engine.step = killing_step
-    started = time.monotonic()
-    with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) killed by signal SIGKILL"):
-        llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=500, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - started < 15.0
-    assert llm.engine.block_manager.num_used_blocks == 0
-    llm.close()
     assert not tp_worker_pids()
 
 

@@ -255,6 +255,16 @@ def test_data_parallel_engines_share_one_kv_events_endpoint(tiny_llama, tmp_path
         while engine.has_unfinished_requests():
             engine.step()
         assert sub.poll(5000)  # events flow on the one endpoint, from both layouts
+        # Each engine has a pool of its own: its batches say which (vLLM's data_parallel_rank).
+        from kvserve.runtime.kv_events.events import BlockStored, decode_batch
+
+        stored: dict[int | None, set[int]] = {}
+        while sub.poll(1000):
+            batch = decode_batch(sub.recv_multipart()[2])
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    stored.setdefault(batch.data_parallel_rank, set()).update(event.token_ids)
+        assert min(stored[0]) in (5, 30) and min(stored[1]) in (5, 30) and min(stored[0]) != min(stored[1])
     finally:
         engine.close()
         sub.close(0)

@@ -16,7 +16,7 @@ from kvserve.runtime.kv_events.publisher import ZmqEventPublisher
 from kvserve.runtime.router.endpoints import Endpoint, endpoints_from_pods, events_endpoints
 from kvserve.runtime.router.kv_events import KVEventSubscriptions
 from kvserve.runtime.router.kv_index import LIVE, PARTIAL, SYNCING, KVIndexConfig, PodKVIndex, PreciseMatch
-from kvserve.runtime.router.policy import PREFIX_HIT, PREFIX_NEW, EndpointLoad, PolicyConfig, PolicyState, choose
+from kvserve.runtime.router.policy import PREFIX_HIT, EndpointLoad, PolicyConfig, PolicyState, choose
 
 H = [bytes([i]) * 4 for i in range(10)]
 
@@ -94,6 +94,19 @@ def test_index_sequence_table(name, steps, want_replay, want_state, want_blocks)
     assert {i for i in range(10) if H[i] in index.blocks} == want_blocks
 
 
+def test_data_parallel_engines_are_indexed_apart():
+    """One pod, two DP engines on one stream: a block one engine evicts (or a clear of its pool)
+    leaves the other's copy held; the pod's match is its best engine's, not the union."""
+    index = live_index()
+    index.live(0, EventBatch(1.0, [stored(H[0], H[1])], 0), now=1.0)
+    index.live(1, EventBatch(1.0, [stored(H[0]), stored(H[2])], 1), now=1.0)
+    index.live(2, EventBatch(1.0, [BlockRemoved([H[0]])], 1), now=1.0)
+    assert index.match([H[0], H[1]]) == 2  # engine 0 still holds H0
+    assert index.match([H[0], H[2]]) == 1  # no engine holds H0 and H2 together
+    index.live(3, EventBatch(1.0, [AllBlocksCleared()], 0), now=1.0)
+    assert index.match([H[0]]) == 0 and H[2] in index.blocks and len(index) == 1
+
+
 def test_trusted_only_live_and_caught_up():
     index = live_index(lag_seconds=5)
     index.live(0, batch(stored(H[0])), now=10.0)
@@ -126,8 +139,9 @@ def policy_after_serving(pod: str, hashes: list[int]) -> PolicyState:
     # Not even its first block anywhere: evicted everywhere, or hashed unlike the pods (a guard
     # against a router/runtime mismatch): what was served decides.
     ("held nowhere", PreciseMatch(10, {"a": 0, "b": 0, "c": 0}), "a", PREFIX_HIT),
-    # Held by none of the pods that served it, by c only in part: c's part is the longest.
-    ("evicted on a", PreciseMatch(10, {"a": 0, "b": 0, "c": 2}), None, PREFIX_NEW),
+    # Held by none of the pods that served it, by c only in part: with every pod idle, c's 2
+    # blocks beat the new-prompt pod's none by more than the margin.
+    ("evicted on a", PreciseMatch(10, {"a": 0, "b": 0, "c": 2}), "c", PREFIX_HIT),
     # a's events are missing (not in held): its served record stands; b's events show less.
     ("a without events", PreciseMatch(10, {"b": 6, "c": 0}), "a", PREFIX_HIT),
     # A partial index is a floor under what was served.

@@ -20,6 +20,8 @@ from kvserve.runtime.router.policy import (
     PolicyConfig,
     PolicyState,
     PrefixIndex,
+    affinity_pick,
+    affinity_scores,
     bounded_capacity,
     chat_text,
     choose,
@@ -212,9 +214,13 @@ def test_a_short_shared_match_does_not_pile_onto_one_pod():
 
 
 def test_multi_turn_conversations_stay_on_their_pod_and_spread():
+    """12 conversations' turns sent as a burst (none finishes within a turn): a returning turn
+    stays with its history unless its pod carries so much more than the ring's pick that the
+    load outweighs the prefix (load_weight per request against the fraction held)."""
     s = state()
     in_flight = {p: 0 for p in PODS}
-    homes: dict[int, set[str]] = {}
+    homes: dict[int, list[str]] = {}
+    moved = 0
     histories = {c: [{"role": "system", "content": "You are a helpful assistant. " * 4}] for c in range(12)}
     for turn in range(4):
         for c, history in histories.items():
@@ -223,15 +229,68 @@ def test_multi_turn_conversations_stay_on_their_pod_and_spread():
             loads = {p: EndpointLoad(in_flight=in_flight[p]) for p in PODS}
             choice = choose(s, hashes, PODS, loads, now=turn)
             s.record(hashes, choice.pod, now=turn)
-            homes.setdefault(c, set()).add(choice.pod)
-            in_flight[choice.pod] += 1
-            if turn:
+            if turn and choice.pod != homes[c][-1]:
+                moved += 1
+                # Only away from a pod at least 3 requests busier than the one it went to.
+                assert in_flight[homes[c][-1]] - in_flight[choice.pod] >= 3
+            elif turn:
                 assert choice.decision == PREFIX_HIT
+            homes.setdefault(c, []).append(choice.pod)
+            in_flight[choice.pod] += 1
             history.append({"role": "assistant", "content": "an answer " * 10})
         in_flight = {p: 0 for p in PODS}
-    assert all(len(h) == 1 for h in homes.values())
-    per_pod = [sum(1 for h in homes.values() if p in h) for p in PODS]
+    assert moved <= 3  # of 36 returning turns
+    per_pod = [sum(1 for h in homes.values() if h[0] == p) for p in PODS]
     assert max(per_pod) <= 5 and min(per_pod) >= 3  # 12 conversations, balance factor 1.25
+
+
+# (fractions held, in-flight counts, the new-prompt pod, expected affinity pick or None)
+AFFINITY_TABLE = [
+    ({"a": 0.9}, {}, "b", "a"),  # a conversation's history: worth more than balance
+    ({"a": 0.9, "b": 0.9}, {"a": 2}, "c", "b"),  # two holders: the less loaded one
+    ({"a": 0.25, "b": 0.2, "c": 0.2}, {}, "b", None),  # a system prompt everyone holds, plus a bit
+    ({"a": 0.35, "b": 0.2}, {}, "b", "a"),  # ... plus the margin: it counts
+    ({"a": 0.9, "b": 0.1}, {}, "b", "a"),
+    ({"a": 0.9}, {"a": 7}, "b", "a"),  # 0.9 - 0.7 still beats an idle pod by the margin
+    ({"a": 0.9}, {"a": 9}, "b", None),  # ... 0.9 - 0.9 does not: too busy for its cache
+    ({"a": 0.9}, {"a": 9, "b": 3, "c": 3}, "b", "a"),  # only the difference in load counts
+    ({}, {}, "b", None),  # nothing held anywhere
+    ({"b": 0.9}, {}, "b", None),  # the new-prompt pod holds it already: nothing to move
+]
+
+
+@pytest.mark.parametrize("fractions, busy, base, expected", AFFINITY_TABLE)
+def test_affinity_pick_table(fractions, busy, base, expected):
+    loads = {p: EndpointLoad(in_flight=n) for p, n in busy.items()}
+    assert affinity_pick(fractions, ["a", "b", "c"], base, loads, PolicyConfig(prefix_margin=0.1, load_weight=0.1)) \
+        == expected
+
+
+fractions_strategy = st.dictionaries(st.sampled_from(PODS), st.floats(0, 1))
+busy_strategy = st.dictionaries(st.sampled_from(PODS), st.integers(0, 12))
+
+
+@given(fractions_strategy, busy_strategy, st.sampled_from(PODS), st.floats(0.01, 1), st.floats(0, 0.5),
+       st.sampled_from(PODS), st.floats(0, 0.5), st.integers(0, 5))
+def test_affinity_pick_is_monotone_in_held_blocks_and_load(fractions, busy, base, margin, weight, pod, more, extra):
+    config = PolicyConfig(prefix_margin=margin, load_weight=weight)
+    loads = {p: EndpointLoad(in_flight=n) for p, n in busy.items()}
+    pick = affinity_pick(fractions, PODS, base, loads, config)
+    if pick is not None:
+        # What it gains beats the new-prompt pod by the margin, held and with its load.
+        scores = affinity_scores(fractions, PODS, loads, weight)
+        assert fractions.get(pick, 0) - fractions.get(base, 0) >= margin - 1e-9
+        assert scores[pick] - scores[base] >= margin - 1e-9
+        assert scores[pick] == max(scores.values())
+        # Holding more of the prompt never costs the pick its request ...
+        more_held = {**fractions, pick: min(1.0, fractions.get(pick, 0) + more)}
+        assert affinity_pick(more_held, PODS, base, loads, config) == pick
+    if pod != pick and pod != base:
+        # ... and a pod that did not win does not win by carrying more.
+        heavier = {**loads, pod: EndpointLoad(in_flight=busy.get(pod, 0) + extra)}
+        assert affinity_pick(fractions, PODS, base, heavier, config) != pod
+    if all(fractions.get(p, 0) <= fractions.get(base, 0) for p in PODS):
+        assert pick is None  # nothing held beyond what the new-prompt pod holds: balance decides
 
 
 def test_concurrent_new_conversations_with_one_system_prompt_spread_evenly():
@@ -268,7 +327,8 @@ def test_no_pod_left_is_none():
                                        ({"balance_factor": 0.5}, "balance_factor"),
                                        ({"max_kv_utilization": 0}, "max_kv_utilization"),
                                        ({"prefix_ttl_seconds": 0}, "prefix_ttl_seconds"),
-                                       ({"sticky_fraction": 2}, "sticky_fraction")])
+                                       ({"prefix_margin": 0}, "prefix_margin"),
+                                       ({"load_weight": -1}, "load_weight")])
 def test_bad_config_names_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         PolicyConfig(**kw)

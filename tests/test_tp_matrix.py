@@ -100,6 +100,7 @@ class Case:
     warm: bool = False  # run the workload once first (prefix caching: the second run hits)
     draft: dict[str, Any] | None = None  # a draft model: tiny_model_factory(**draft)
     medusa: bool = False  # Medusa heads built on the model (its own lm_head per head) as the spec model
+    eagle3: bool = False  # a random EAGLE-3 head (reads two of the model's layers) as the spec model
     exact: bool = True  # False: the same tokens up to the first near-tie, the same logprobs
 
 
@@ -117,6 +118,9 @@ CASES = {
     # The heads run on rank 0 from the hidden states behind its logits rows.
     "medusa-spec-decode": Case(engine=dict(speculative_config={"method": "medusa", "num_speculative_tokens": 3}),
                                medusa=True, workload=_grounded, ran=_spec_ran),
+    # EAGLE-3 on rank 0 reads layers' residual streams there (the other ranks keep the fast path).
+    "eagle3-spec-decode": Case(engine=dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 3}),
+                               eagle3=True, workload=_grounded, ran=_spec_ran),
     "structured-outputs": Case(model=dict(vocab_size=640), workload=_structured),
     # Gemma 2 alternates local (window 8) and global layers: two KV cache groups, two block tables.
     "hybrid-kv-groups": Case(arch="gemma2", model=dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5),
@@ -185,6 +189,13 @@ def test_tp2_matches_tp1(tiny_model_factory, name):
         from kvserve.runtime.spec_decode.medusa import save_medusa_heads
 
         draft_dir = save_medusa_heads(target_copy_heads(model_dir), model_dir.parent / f"{model_dir.name}-medusa")
+    if case.eagle3:
+        from test_eagle import base_config, random_head
+
+        from kvserve.runtime.spec_decode.eagle import save_eagle_head
+
+        draft_dir = save_eagle_head(random_head(True, draft_vocab=200), model_dir.parent / f"{model_dir.name}-eagle3",
+                                    base_config=base_config(), aux_layers=(1, 2, 2))
     want = _run(model_dir, case, draft_dir, 1)
     got = _run(model_dir, case, draft_dir, 2)
     if case.exact:

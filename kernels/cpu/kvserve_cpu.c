@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 9; }
+int kv_abi_version(void) { return 11; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -514,7 +514,8 @@ void kv_write_kv_f32(const float* key, int64_t ldk, const float* value, int64_t 
 /* One new token per sequence over its paged context: q [s, hq, d] (contiguous), caches
    [blocks, block_size, hkv, d], block tables int32 [s, max_blocks], seq_lens int32 [s] (context
    including the new token, already written). `window` > 0 keeps only the last `window` positions;
-   `softcap` > 0 applies softcap * tanh(score / softcap). out [s, hq, d]. */
+   `softcap` > 0 applies softcap * tanh(score / softcap); `alibi` (float32 [hq] slopes, NULL: none)
+   then adds slope_h * (j - i) for key position j and query position i (ALiBi). out [s, hq, d]. */
 /* Lane p = the sum of a[p]'s eight lanes: eight dot products finished in seven hadd/permutes
    instead of eight horizontal sums. */
 static inline __m256 sum8_lanes(const __m256 a[8]) {
@@ -571,7 +572,7 @@ static inline __attribute__((always_inline)) void pv_chunk(const float* p, int64
 void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int64_t d, const float* k_cache,
                          const float* v_cache, int64_t block_size, const int32_t* block_tables,
                          int64_t max_blocks, const int32_t* seq_lens, float scale, int64_t window, float softcap,
-                         float* out, int nthreads) {
+                         const float* alibi, float* out, int nthreads) {
   int64_t group = hq / hkv;
   int64_t row = hkv * d;
   /* A task per sequence when there are enough of them: its KV heads then read each cached row
@@ -611,6 +612,10 @@ void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int
           _mm256_storeu_ps(tmp, sc);
           for (int64_t p = 0; p < live; p++)
             scores[j * n + t + p] = softcap > 0.0f ? softcap * tanhf(tmp[p] / softcap) : tmp[p];
+          if (alibi) { /* slope * (key position - query position), after soft-capping, as the torch backend */
+            float slope = alibi[g * group + j];
+            for (int64_t p = 0; p < live; p++) scores[j * n + t + p] += slope * (float)(first + t + p - (len - 1));
+          }
         }
       }
       for (int64_t j = 0; j < group; j++) {
@@ -696,12 +701,178 @@ typedef struct {
   int64_t window; /* 0: full attention */
   float softcap;  /* 0: none */
   float scale;
+  /* ALiBi families (MPT, BLOOM, Falcon-RW): slopes per query head (NULL: none; rotary_dim is then
+     0), LayerNorms with optional biases instead of RMSNorms, an ungated GELU MLP, q/k/v clipping. */
+  const float* alibi;
+  const float *input_norm_bias, *post_norm_bias; /* KV_NORM_LAYER only; may be NULL */
+  int64_t norm_kind;                             /* KV_NORM_RMS or KV_NORM_LAYER */
+  int64_t mlp_kind;                              /* KV_MLP_SILU_GATED, KV_MLP_GELU or KV_MLP_GELU_TANH */
+  float clip_qkv;                                /* > 0: qkv clamped to [-clip, clip] */
 } kv_layer;
+
+enum { KV_NORM_RMS = 0, KV_NORM_LAYER = 1 };
+enum { KV_MLP_SILU_GATED = 0, KV_MLP_GELU = 1, KV_MLP_GELU_TANH = 2 };
+
+/* LayerNorm over rows of width h (biased variance, torch's definition); with `residual` the rows
+   are x + residual first, and that sum goes to `sum_out` (kv_rms_norm_f32's contract). */
+static void layer_norm_rows(const float* x, int64_t ldx, const float* residual, int64_t ldr, float* sum_out,
+                            const float* weight, const float* bias, float* out, int64_t m, int64_t h, float eps,
+                            int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * h >= 65536)
+  for (int64_t r = 0; r < m; r++) {
+    const float* src = x + r * ldx;
+    if (residual) {
+      const float* rr = residual + r * ldr;
+      float* s = sum_out + r * h;
+      for (int64_t i = 0; i < h; i++) s[i] = src[i] + rr[i];
+      src = s;
+    }
+    /* double accumulation: the two-pass statistics stay within float rounding of torch's */
+    double mean = 0.0, var = 0.0;
+    for (int64_t i = 0; i < h; i++) mean += src[i];
+    mean /= (double)h;
+    for (int64_t i = 0; i < h; i++) {
+      double c = src[i] - mean;
+      var += c * c;
+    }
+    float inv = (float)(1.0 / sqrt(var / (double)h + (double)eps));
+    float mu = (float)mean;
+    float* o = out + r * h;
+    for (int64_t i = 0; i < h; i++) o[i] = (src[i] - mu) * inv * weight[i] + (bias ? bias[i] : 0.0f);
+  }
+}
+
+static void norm_any(const kv_layer* L, int post, float eps, const float* x, int64_t ldx, const float* residual,
+                     int64_t ldr, float* sum_out, float* out, int64_t m, int64_t h, int nthreads) {
+  const float* w = post ? L->post_norm : L->input_norm;
+  if (L->norm_kind == KV_NORM_LAYER)
+    layer_norm_rows(x, ldx, residual, ldr, sum_out, w, post ? L->post_norm_bias : L->input_norm_bias, out, m, h,
+                    eps, nthreads);
+  else
+    kv_rms_norm_f32(x, ldx, residual, ldr, sum_out, w, out, m, h, eps, nthreads);
+}
+
+/* out = gelu(x) for rows of width n: exact (erf) or the tanh approximation. */
+static void gelu_rows(const float* x, int64_t m, int64_t n, float* out, int tanh_approx, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * n >= 65536)
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t i = 0; i < n; i++) {
+      float v = x[r * n + i];
+      out[r * n + i] = tanh_approx ? 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)))
+                                   : 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+    }
+}
 
 typedef struct {
   int64_t hidden, heads, kv_heads, head_dim, inter, block_size;
   float eps;
 } kv_dims;
+
+/* LoRA adapters on a decode step (runtime/lora/layers.py's slots, read in place): one adapted
+   linear layer's slot stacks, A^T [slots, in, C] and scaled B [slots, C, out] with C = parts x
+   max_rank. With an adapter of rank r in the slot, part p of a fused layer (q|k|v, gate|up) owns
+   A's columns p*r .. (p+1)*r and only the outputs part_off[p] .. part_off[p+1]: the columns past
+   parts x r and B's off-diagonal blocks are zero and never read. */
+typedef struct {
+  const float* a; /* NULL: the layer has no adapter slots */
+  const float* b;
+  int64_t parts;
+  int64_t part_off[4];
+} kv_lora_linear;
+
+typedef struct {
+  const kv_lora_linear* linears; /* [num_layers * 4]: qkv, o, gate_up, down */
+  const int32_t* slot_rank;      /* [slots]: the rank of the adapter in each slot */
+  const int32_t* group_rows;     /* the adapter rows of the step, grouped by slot */
+  const int32_t* group_start;    /* [num_groups + 1] into group_rows */
+  const int32_t* group_slot;     /* [num_groups] */
+  int64_t num_groups, max_rank;
+} kv_lora;
+
+/* Up to four rows of one adapter (row pointers; a short tail repeats its last row, computed but
+   not stored): sh = x @ A over the parts x r columns in use, then y += sh @ B per part over that
+   part's outputs only. Four rows share every load of A and B. */
+static void lora_rows4(const float* const xr[4], float* const yr[4], int mr, int64_t k, const float* a,
+                       const float* b, int64_t C, const kv_lora_linear* L, int32_t r, int64_t n, float* sh) {
+  const int64_t used = L->parts * r;
+  int64_t c0 = 0;
+  for (; c0 + 8 <= used; c0 += 8) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t kk = 0; kk < k; kk++) {
+      const __m256 av = _mm256_loadu_ps(a + kk * C + c0);
+      s0 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[0] + kk), av, s0);
+      s1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[1] + kk), av, s1);
+      s2 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[2] + kk), av, s2);
+      s3 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[3] + kk), av, s3);
+    }
+    _mm256_storeu_ps(sh + c0, s0);
+    _mm256_storeu_ps(sh + C + c0, s1);
+    _mm256_storeu_ps(sh + 2 * C + c0, s2);
+    _mm256_storeu_ps(sh + 3 * C + c0, s3);
+  }
+  for (; c0 < used; c0++)
+    for (int ii = 0; ii < 4; ii++) {
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < k; kk++) acc += xr[ii][kk] * a[kk * C + c0];
+      sh[ii * C + c0] = acc;
+    }
+  for (int64_t p = 0; p < L->parts; p++) {
+    const int64_t hi = L->part_off[p + 1];
+    const float* sp = sh + p * r;
+    const float* bp = b + p * r * n;
+    int64_t o = L->part_off[p];
+    for (; o + 8 <= hi; o += 8) {
+      __m256 y0 = _mm256_loadu_ps(yr[0] + o), y1 = _mm256_loadu_ps(yr[1] + o);
+      __m256 y2 = _mm256_loadu_ps(yr[2] + o), y3 = _mm256_loadu_ps(yr[3] + o);
+      for (int32_t j = 0; j < r; j++) {
+        const __m256 bv = _mm256_loadu_ps(bp + j * n + o);
+        y0 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + j), bv, y0);
+        y1 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + C + j), bv, y1);
+        y2 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + 2 * C + j), bv, y2);
+        y3 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + 3 * C + j), bv, y3);
+      }
+      /* a tail's repeated rows point at the last real row: only real rows are stored */
+      _mm256_storeu_ps(yr[0] + o, y0);
+      if (mr > 1) _mm256_storeu_ps(yr[1] + o, y1);
+      if (mr > 2) _mm256_storeu_ps(yr[2] + o, y2);
+      if (mr > 3) _mm256_storeu_ps(yr[3] + o, y3);
+    }
+    for (; o < hi; o++)
+      for (int ii = 0; ii < mr; ii++) {
+        float acc = yr[ii][o];
+        for (int32_t j = 0; j < r; j++) acc += sp[ii * C + j] * bp[j * n + o];
+        yr[ii][o] = acc;
+      }
+  }
+}
+
+/* y[t] += (x[t] @ A_s) @ B_s for every adapter row t (slot s), after the base matmul wrote y (as
+   the per-op path's wrapper adds after its base layer). One adapter's rows are done together, so
+   its A and B are read once per four rows; adapters run in parallel. */
+static void lora_add(const float* x, int64_t k, int64_t ldx, const kv_lora* lo, const kv_lora_linear* L,
+                     int64_t n, float* y, int64_t ldy, int nthreads) {
+  if (!lo || !L->a) return;
+  const int64_t C = L->parts * lo->max_rank;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+  for (int64_t g = 0; g < lo->num_groups; g++) {
+    const int32_t slot = lo->group_slot[g], r = lo->slot_rank[slot];
+    const int32_t first = lo->group_start[g], rows = lo->group_start[g + 1] - first;
+    const float* a = L->a + (int64_t)slot * k * C;
+    const float* b = L->b + (int64_t)slot * C * n;
+    float sh[4 * C];
+    for (int32_t i0 = 0; i0 < rows && r > 0; i0 += 4) {
+      const int mr = rows - i0 < 4 ? rows - i0 : 4;
+      const float* xr[4];
+      float* yr[4];
+      for (int ii = 0; ii < 4; ii++) {
+        const int64_t row = lo->group_rows[first + i0 + (ii < mr ? ii : mr - 1)];
+        xr[ii] = x + row * ldx;
+        yr[ii] = y + row * ldy;
+      }
+      lora_rows4(xr, yr, mr, k, a, b, C, L, r, n, sh);
+    }
+  }
+}
 
 /* Floats of workspace kv_decoder_stack_f32 needs for m tokens. */
 int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
@@ -711,7 +882,7 @@ int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
               + d->inter /* act */);
 }
 
-/* Every layer of a Llama/Mistral/Qwen2/Qwen3 decoder for a decode-only step of m sequences, in one
+/* Every layer of a Llama/Mistral/Qwen2/Qwen3 (or MPT/BLOOM/Falcon-RW: ALiBi) decoder for a decode-only step of m sequences, in one
    call (no Python between the ops): the same kernels, in the same order, as the per-op path
    (kernels/ops.py + the torch backend's native decode), so the results are bit-identical to it.
    hidden [m, h] holds the embeddings on entry and the last layer's MLP output on return;
@@ -719,7 +890,7 @@ int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
 void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_dims* d, int64_t m,
                           const int64_t* positions, const int64_t* slots, const int32_t* block_tables,
                           int64_t max_blocks, const int32_t* seq_lens, float* hidden, float* residual, float* work,
-                          int nthreads) {
+                          const kv_lora* lora, int nthreads) {
   const int64_t h = d->hidden, hd = d->head_dim, hq = d->heads, hk = d->kv_heads, inter = d->inter;
   const int64_t q = hq * hd, kv = hk * hd, w = q + 2 * kv;
   float* normed = work;
@@ -735,11 +906,15 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     const kv_layer* L = &layers[l];
     if (l == 0) {
       memcpy(residual, hidden, (size_t)(m * h) * sizeof(float));
-      kv_rms_norm_f32(hidden, h, NULL, 0, NULL, L->input_norm, normed, m, h, d->eps, nthreads);
+      norm_any(L, 0, d->eps, hidden, h, NULL, 0, NULL, normed, m, h, nthreads);
     } else {
-      kv_rms_norm_f32(hidden, h, residual, h, residual, L->input_norm, normed, m, h, d->eps, nthreads);
+      norm_any(L, 0, d->eps, hidden, h, residual, h, residual, normed, m, h, nthreads);
     }
+    const kv_lora_linear* LL = lora ? lora->linears + 4 * l : NULL;
     linear_any(normed, m, h, h, &L->qkv, w, L->qkv_bias, qkv, w, nthreads);
+    if (LL) lora_add(normed, h, h, lora, &LL[0], w, qkv, w, nthreads);
+    if (L->clip_qkv > 0.0f)
+      for (int64_t i = 0; i < m * w; i++) qkv[i] = fminf(fmaxf(qkv[i], -L->clip_qkv), L->clip_qkv);
     const float* qsrc = qkv;
     const float* ksrc = qkv + q;
     int64_t ld_qk = w;
@@ -757,12 +932,21 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
                   nthreads);
     kv_write_kv_f32(k_rot, kv, qkv + q + kv, w, m, kv, slots, L->k_cache, L->v_cache);
     kv_paged_decode_f32(q_rot, m, hq, hk, hd, L->k_cache, L->v_cache, d->block_size, block_tables, max_blocks,
-                        seq_lens, L->scale, L->window, L->softcap, attn, nthreads);
+                        seq_lens, L->scale, L->window, L->softcap, L->alibi, attn, nthreads);
     linear_any(attn, m, q, q, &L->o, h, L->o_bias, o_out, h, nthreads);
-    kv_rms_norm_f32(o_out, h, residual, h, residual, L->post_norm, normed, m, h, d->eps, nthreads);
-    linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
-    kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
+    if (LL) lora_add(attn, q, q, lora, &LL[1], h, o_out, h, nthreads);
+    norm_any(L, 1, d->eps, o_out, h, residual, h, residual, normed, m, h, nthreads);
+    if (L->mlp_kind == KV_MLP_SILU_GATED) {
+      linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
+      if (LL) lora_add(normed, h, h, lora, &LL[2], 2 * inter, gate_up, 2 * inter, nthreads);
+      kv_silu_and_mul_f32(gate_up, m, inter, 2 * inter, act, inter, nthreads);
+    } else { /* gate_up holds the up projection alone: inter outputs */
+      linear_any(normed, m, h, h, &L->gate_up, inter, L->gate_up_bias, gate_up, inter, nthreads);
+      if (LL) lora_add(normed, h, h, lora, &LL[2], inter, gate_up, inter, nthreads);
+      gelu_rows(gate_up, m, inter, act, L->mlp_kind == KV_MLP_GELU_TANH, nthreads);
+    }
     linear_any(act, m, inter, inter, &L->down, h, L->down_bias, hidden, h, nthreads);
+    if (LL) lora_add(act, inter, inter, lora, &LL[3], h, hidden, h, nthreads);
   }
 }
 

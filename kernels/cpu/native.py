@@ -37,7 +37,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 9
+ABI_VERSION = 11
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -61,9 +61,9 @@ _SIGNATURES = {
     "kv_rotary_f32": ([_P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _T], None),
     "kv_write_kv_f32": ([_P, _I, _P, _I, _I, _I, _P, _P, _P], None),
     "kv_decoder_stack_workspace": ([_P, _I], ctypes.c_int64),
-    "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _T], None),
+    "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _T], None),
     "kv_apply_bitmask_f32": ([_P, _I, _P, _I, _P, _I, _I, _T], None),
-    "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _T], None),
+    "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _P, _T], None),
 }
 
 
@@ -502,16 +502,23 @@ def decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """One query token per sequence (query [S, Hq, D]) over its paged K/V; float32 math."""
+                           window: int = 0, softcap: float = 0.0,
+                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence (query [S, Hq, D]) over its paged K/V; float32 math.
+    `alibi_slopes` (float32 [Hq]) adds slope_h * (j - i) to each score after soft-capping."""
     q = query.contiguous()
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(torch.float32).contiguous()
+        if slopes.shape != (q.shape[1],):
+            raise ValueError(f"alibi_slopes: expected shape ({q.shape[1]},), got {tuple(slopes.shape)}")
     s, hq, d = q.shape
     bt = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     _lib().kv_paged_decode_f32(q.data_ptr(), s, hq, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
                                k_cache.shape[1], bt.data_ptr(), bt.shape[1], lens.data_ptr(), scale, window,
-                               softcap, out.data_ptr(), _threads())
+                               softcap, _ptr(slopes), out.data_ptr(), _threads())
     return out
 
 
@@ -530,7 +537,12 @@ class _Layer(ctypes.Structure):
                 + [(name, _Weight) for name in _WEIGHTS]
                 + [(name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "cos_sin")]
                 + [("rotary_dim", _I), ("k_cache", _P), ("v_cache", _P), ("window", _I), ("softcap", _F),
-                   ("scale", _F)])
+                   ("scale", _F), ("alibi", _P), ("input_norm_bias", _P), ("post_norm_bias", _P),
+                   ("norm_kind", _I), ("mlp_kind", _I), ("clip_qkv", _F)])
+
+# kv_layer's norm_kind and mlp_kind (kvserve_cpu.c)
+NORMS = {"rms": 0, "layer": 1}
+MLPS = {"silu_gated": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 def _weight(name: str, w) -> _Weight:
@@ -553,12 +565,70 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+class _LoRALinear(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("parts", _I), ("part_off", _I * 4)]
+
+
+class _LoRA(ctypes.Structure):
+    _fields_ = [("linears", _P), ("slot_rank", _P), ("group_rows", _P), ("group_start", _P), ("group_slot", _P),
+                ("num_groups", _I), ("max_rank", _I)]
+
+
+class LoRASlots:
+    """The adapter slots of every layer's qkv, o, gate_up and down (runtime/lora/layers.py: A^T
+    [slots, in, parts x max_rank], scaled B [slots, parts x max_rank, out], filled in place), for
+    DecoderStack.run: each step's adapter rows are added after their base matmul, B read only in
+    its parts' diagonal blocks. `layers[i]` is four (a_t, b_t, part output sizes) or None."""
+
+    def __init__(self, layers: list, max_rank: int):
+        self._keep = layers
+        self.max_rank = max_rank
+        self.array = (_LoRALinear * (4 * len(layers)))()
+        for i, linears in enumerate(layers):
+            for j, entry in enumerate(linears or ()):
+                if entry is None:
+                    continue
+                a_t, b_t, sizes = entry
+                for name, t in (("A", a_t), ("B", b_t)):
+                    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                        raise ValueError(f"LoRASlots: layer {i} {_WEIGHTS[j]} {name} must be contiguous float32")
+                if len(sizes) > 3 or a_t.shape[2] != len(sizes) * max_rank or sum(sizes) != b_t.shape[2]:
+                    raise ValueError(f"LoRASlots: layer {i} {_WEIGHTS[j]}: shapes do not fit {len(sizes)} parts")
+                c = self.array[4 * i + j]
+                c.a, c.b, c.parts = a_t.data_ptr(), b_t.data_ptr(), len(sizes)
+                offsets = [0]
+                for size in sizes:
+                    offsets.append(offsets[-1] + size)
+                for k, off in enumerate(offsets):
+                    c.part_off[k] = off
+
+
+def lora_step(slots: LoRASlots, row_slots: list[int], slot_ranks: list[int]) -> tuple:
+    """One decode step's adapter rows for DecoderStack.run: each row's slot (-1: base model)
+    grouped by slot, and each slot's rank. Built once per step, read by every layer."""
+    groups: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            groups.setdefault(slot, []).append(row)
+    order = sorted(groups)
+    rows = [r for s in order for r in groups[s]]
+    starts = [0]
+    for s in order:
+        starts.append(starts[-1] + len(groups[s]))
+    ints = [torch.tensor(v, dtype=torch.int32) for v in (slot_ranks, rows or [0], starts, order or [0])]
+    lora = _LoRA(ctypes.addressof(slots.array), ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(),
+                 ints[3].data_ptr(), len(order), slots.max_rank)
+    return lora, (ints, slots)  # the tensors must outlive the call
+
+
 class DecoderStack:
     """Every layer of a Llama-family decoder run by one native call per decode step (no Python
     between the ops). Built from per-layer dicts of tensors: qkv/o/gate_up/down weights (float32
     panels from pack_weight, or Int8Panels / Int4Panels), optional biases, norm weights, q/k norms
-    (or None), the cos/sin table, window, soft-cap and scale. The tensors must stay alive and
-    unchanged (the object keeps references)."""
+    (or None), the cos/sin table, window, soft-cap and scale; for the ALiBi families also `alibi`
+    slopes (then no rotary), `norm` "layer" with `input_norm_bias`/`post_norm_bias`, `mlp` "gelu" or
+    "gelu_tanh" (gate_up then holds the up projection alone) and `clip_qkv`. The tensors must stay
+    alive and unchanged (the object keeps references)."""
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
                  eps: float):
@@ -570,17 +640,22 @@ class DecoderStack:
             for name in _WEIGHTS:
                 setattr(entry, name, _weight(name, spec[name]))
             for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv_bias", "o_bias", "gate_up_bias",
-                         "down_bias", "cos_sin"):
+                         "down_bias", "cos_sin", "alibi", "input_norm_bias", "post_norm_bias"):
                 t = spec.get(name)
                 if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
                     raise ValueError(f"DecoderStack: {name} must be a contiguous float32 tensor")
                 setattr(entry, name, _ptr(t))
-            entry.rotary_dim = spec["cos_sin"].shape[1]
+            # ALiBi layers rotate nothing (a zero rotary width copies q and k through).
+            entry.rotary_dim = 0 if spec.get("alibi") is not None else spec["cos_sin"].shape[1]
+            entry.norm_kind = NORMS[spec.get("norm", "rms")]
+            entry.mlp_kind = MLPS[spec.get("mlp", "silu_gated")]
+            entry.clip_qkv = spec.get("clip_qkv") or 0.0
             entry.window = spec.get("window") or 0
             entry.softcap = spec.get("softcap") or 0.0
             entry.scale = spec["scale"]
         self._caches: tuple[int, ...] | None = None
         self._work: torch.Tensor | None = None
+        self.lora_slots: LoRASlots | None = None  # set by the model's builder when it has adapter slots
 
     def accepts(self, kv_caches: list) -> bool:
         """Whether these caches can be read natively (float32, contiguous; not float8 pools)."""
@@ -600,8 +675,10 @@ class DecoderStack:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's MLP output, residual stream) for embeddings hidden [m, h] of a decode step."""
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: tuple | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's MLP output, residual stream) for embeddings hidden [m, h] of a decode step;
+        `lora`: lora_step(...) for a step with adapters."""
         lib = _lib()
         self._bind_caches(kv_caches)
         hidden = hidden.contiguous().clone()
@@ -616,7 +693,8 @@ class DecoderStack:
         lens = seq_lens.to(torch.int32).contiguous()
         lib.kv_decoder_stack_f32(self.array, self.num_layers, ctypes.byref(self.dims), m, pos.data_ptr(),
                                  slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-                                 hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr(), _threads())
+                                 hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr(),
+                                 None if lora is None else ctypes.byref(lora[0]), _threads())
         return hidden, residual
 
 

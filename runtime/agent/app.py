@@ -48,6 +48,9 @@ class AgentConfig:
     # them (a path the runtime sees at the same place). None: the agent manages no adapters.
     adapters_file: str | None = None
     adapters_dir: str = "/adapters"
+    # The key sent to the engine's LoRA routes instead of the admin key: vLLM knows no admin key
+    # and guards them with its user API key. None: the admin key.
+    engine_api_key: str | None = None
 
 
 @dataclass
@@ -331,7 +334,8 @@ class Agent:
 
 
 class RuntimeAdmin:
-    """The runtime's LoRA admin routes (vLLM's names), called with the pod's admin key."""
+    """The runtime's LoRA admin routes (vLLM's names), called with the pod's admin key (or, for
+    vLLM, the engine's API key: config.engine_api_key)."""
 
     def __init__(self, agent: Agent):
         self.agent = agent
@@ -339,7 +343,7 @@ class RuntimeAdmin:
     async def _post(self, path: str, body: dict) -> None:
         from .adapters import LoadRefused, Unreachable
 
-        key = self.agent.config.admin_api_key
+        key = self.agent.config.engine_api_key or self.agent.config.admin_api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             # Loading reads the adapter's weights: seconds for a large one.

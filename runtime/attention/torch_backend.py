@@ -13,8 +13,8 @@ A sliding-window layer gathers only the positions inside its queries' windows (n
 behind them: those blocks may be freed), so its cost is bounded by the window, not the context.
 Soft-capped scores (Gemma 2) cannot go through SDPA; they take an explicit float32 softmax.
 ALiBi (``alibi_slopes``, MPT) goes through SDPA with an additive float mask: slope_h * (j - i)
-for a query at position i and a key at j <= i, -inf elsewhere (the native decode kernel has no
-ALiBi term, so ALiBi layers never take it).
+for a query at position i and a key at j <= i, -inf elsewhere; the native decode kernel adds the
+same term to its scores.
 
 Decode rows of float32 steps on the CPU go to the native paged decode kernel instead (kernels/cpu,
 when it builds and the kernel mode allows it): it reads K/V straight out of the cache blocks
@@ -123,13 +123,13 @@ class TorchAttentionBackend:
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         window = sliding_window
-        native_decode = (alibi_slopes is None
-                         and platform_for(query.device).native_decode_attention(query, k_cache))
+        native_decode = platform_for(query.device).native_decode_attention(query, k_cache)
         if meta.is_decode_only and native_decode:
             from kvserve.kernels.cpu import native
 
             return native.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                                 window=window or 0, softcap=logits_soft_cap or 0.0)
+                                                 window=window or 0, softcap=logits_soft_cap or 0.0,
+                                                 alibi_slopes=alibi_slopes)
         # float8 pools: K/V are read as stored and upcast; k_scale is folded into the queries and
         # v_scale into the output (q . (k8 * ks) == (q * ks) . k8), so no dequantized copy is made.
         fp8 = is_fp8(k_cache)
@@ -144,7 +144,7 @@ class TorchAttentionBackend:
 
             out[plan.decode_rows] = native.paged_decode_attention(
                 query[plan.decode_rows], k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale,
-                window=window or 0, softcap=logits_soft_cap or 0.0)
+                window=window or 0, softcap=logits_soft_cap or 0.0, alibi_slopes=alibi_slopes)
         for group in plan.groups:
             o = self._attend_group(query[group.rows], k_cache, v_cache, group, scale, logits_soft_cap, ks, vs,
                                    alibi_slopes)

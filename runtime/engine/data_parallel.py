@@ -206,18 +206,21 @@ class DataParallelEngine:
     @staticmethod
     def _share_kv_events(engines: list[Any]) -> None:
         """The KV events of engines 1..n go out through engine 0's publisher (thread-safe: it
-        queues), so subscribers see the pod's whole cache on the pod's one endpoint."""
+        queues), so subscribers see the pod's whole cache on the pod's one endpoint; every batch
+        names its engine's data_parallel_rank, since each engine has a pool of its own."""
         from kvserve.runtime.kv_events.events import KVEventSink
+        from kvserve.runtime.kv_events.publisher import RankedPublisher
 
         publisher = engines[0].kv_event_publisher
-        for engine in engines[1:]:
+        publisher.data_parallel_rank = 0
+        for rank, engine in enumerate(engines[1:], start=1):
             bm = engine.block_manager
             pool = bm.managers[0] if hasattr(bm, "managers") else bm
             sink = KVEventSink(pool.block_size)
             pool.events = sink
             if getattr(engine, "offload", None) is not None:
                 engine.offload.events = sink
-            engine.kv_event_sink, engine.kv_event_publisher = sink, publisher
+            engine.kv_event_sink, engine.kv_event_publisher = sink, RankedPublisher(publisher, rank)
             engine.kv_events_shared = True  # engine 0 closes the publisher
 
     def _keep_spares(self) -> None:
@@ -389,6 +392,7 @@ class DataParallelEngine:
         if target == old:
             return self._record(old, target, 0.0, 0, changed=False)
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         # 1. Stop: finish what is in flight, take every unfinished request out.
         heads = []
         for engine in self.engines:
@@ -396,13 +400,19 @@ class DataParallelEngine:
             self._pending += outputs
             heads += detached
         heads.sort(key=lambda h: h.metrics.arrival_time)
-        # 2. Free the devices; the old engines' counters stay in the totals.
-        for i, engine in enumerate(self.engines):
-            stats = engine.get_stats()
-            _retire_into(self._retired, stats, first=i == 0)
-            self._retired_obs.append(stats)
-            self._close_engine(engine)
-        self.engines = []
+        phases["stop"] = time.perf_counter() - t0
+        # 2. Free the devices; the old engines' counters stay in the totals. One collection for
+        # all of them (each rank's own would cost most of a second).
+        from kvserve.runtime.executor.platform import held_release, platform_for
+
+        with held_release(platform_for(self.engines[0].device)):
+            for i, engine in enumerate(self.engines):
+                stats = engine.get_stats()
+                _retire_into(self._retired, stats, first=i == 0)
+                self._retired_obs.append(stats)
+                self._close_engine(engine)
+            self.engines = []
+        phases["free"] = time.perf_counter() - t0 - sum(phases.values())
         # 3. Start the new layout, or the old one again.
         failure: BaseException | None = None
         try:
@@ -412,6 +422,7 @@ class DataParallelEngine:
             failure = exc
             log.error("reshape %s -> %s failed (%s: %s); restoring %s", old, target, type(exc).__name__, exc, old)
             self.engines = self._build(old)  # if even this fails, the engine loop ends and /health says why
+        phases["start"] = time.perf_counter() - t0 - sum(phases.values())
         for lora in self._loras.values():  # the adapters the old engines had (from local files)
             for engine in self.engines:
                 engine.add_lora(lora)
@@ -421,8 +432,12 @@ class DataParallelEngine:
         self._resume(heads)
         self._keep_spares()
         seconds = time.perf_counter() - t0
+        phases["resume"] = seconds - sum(phases.values())
         record = self._record(old, target, seconds, len(heads), changed=failure is None,
                               error=None if failure is None else f"{type(failure).__name__}: {failure}")
+        record["phases"] = {k: round(v, 4) for k, v in phases.items()}
+        log.debug("reshape %s -> %s phases: %s", old, target,
+                  ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
         if failure is not None:
             raise ReshapeError(f"reshape {old} -> {target} failed and was rolled back to {old} "
                                f"({type(failure).__name__}: {failure})") from failure

@@ -29,6 +29,7 @@ blocks once its prompt is computed, so the engine's step loop does none of that 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
     from kvserve.runtime.engine.request import Request
     from kvserve.runtime.outputs import Logprob
     from kvserve.runtime.sampler import SamplerOutput
+
+# Waiting requests whose offload-tier blocks are read ahead at each schedule (the next admitted).
+PREFETCH_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -257,6 +261,8 @@ class Scheduler:
                 budget -= num_new
 
         if self.offload is not None:
+            # The next few waiting requests' tier blocks are read ahead while they wait.
+            self.offload.prefetch(itertools.islice(self.waiting, PREFETCH_AHEAD), bm)
             self.offload.flush()  # blocks saved in this schedule leave before the forward pass writes
         return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget)
 

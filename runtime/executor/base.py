@@ -94,6 +94,10 @@ class Executor:
             worker = self.driver_worker
             worker.load_model()
             blocks = worker.determine_kv_blocks(self.kv_groups, max_model_len=max_model_len, max_step_tokens=max_step)
+            if isinstance(heads, tuple) and config.num_kv_blocks is None:
+                # An EAGLE head's one-layer pools take their share of the budget (about one layer's).
+                n = model_config.num_layers
+                blocks = [max(1, blocks[0] * n // (n + 1))]
             if draft is not None and config.num_kv_blocks is None:
                 from kvserve.runtime.spec_decode.worker import split_blocks_with_draft
 
@@ -118,16 +122,36 @@ class Executor:
             self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
         self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
                                   lora=self.lora_manager, verify_as_decode_rows=device.type == "cpu")
+        self.runner.greedy_on_last_stage = config.pipeline_parallel_size > 1
         self.spec_decoder = None
         if config.speculative_config is not None:
             from kvserve.runtime.spec_decode.worker import SpecDecoder
 
             worker.keep_hidden = heads is not None
+            if isinstance(heads, tuple):  # EAGLE: every computed row, and EAGLE-3's target layers
+                worker.keep_hidden = "all"
+                heads = self._eagle_aux(worker.model, heads)
             self.spec_decoder = SpecDecoder(config.speculative_config, self.runner, num_blocks=blocks[0],
                                             block_size=config.block_size, device=device,
                                             kv_cache_dtype=worker.kv_cache_dtype,
                                             max_model_len=max_model_len, draft_model=draft, heads=heads,
-                                            hidden_source=lambda: worker.last_hidden)
+                                            hidden_source=lambda: worker.last_hidden,
+                                            aux_source=lambda: worker.last_aux_hidden, target=worker.model,
+                                            model_dir=config.model)
+
+    @staticmethod
+    def _eagle_aux(model, heads):
+        """Points rank 0's aux_hidden_layers hook at the layers an EAGLE-3 head reads: vLLM's
+        id i (the stream entering layer i) is the hook's output of layer i - 1. Returns (head,
+        each id's index into the hook's list)."""
+        from kvserve.runtime.spec_decode.eagle import aux_hook_layers
+
+        head, ids = heads
+        if not ids:
+            return head, ()
+        hook = aux_hook_layers(ids)
+        model.aux_hidden_layers = hook  # each rank's Worker.load_model set the same already
+        return head, tuple(hook.index(i - 1) for i in ids)
 
     def _load_heads(self):
         """Medusa heads on rank 0, loaded (like a draft) before the KV pools are sized."""
@@ -136,7 +160,8 @@ class Executor:
         from kvserve.runtime.spec_decode.worker import load_heads
 
         return load_heads(self.config.speculative_config, hidden_size=self.model_config.hidden_size,
-                          vocab_size=self.model_config.vocab_size, device=self.device, dtype=self.dtype)
+                          vocab_size=self.model_config.vocab_size, device=self.device, dtype=self.dtype,
+                          num_layers=self.model_config.num_layers)
 
     def _load_draft(self):
         if self.config.speculative_config is None:

@@ -32,6 +32,10 @@ class ForwardInput:
     # LoRA (runtime/lora/slots.py's LoRAStepInput): adapters to load into slots and the token
     # layout; None when no token of the step uses an adapter.
     lora: Any = None
+    # Pipeline parallelism: every sampling row is plain greedy, so the last stage returns each
+    # logits row's argmax (int64 token ids) instead of the rows x vocabulary float32 logits: the
+    # same tokens rank 0's Sampler would pick from the same logits, at 8 bytes a row on the wire.
+    greedy_ids: bool = False
 
     def to(self, device: torch.device) -> ForwardInput:
         if device.type == "cpu":

@@ -20,7 +20,7 @@ import torch
 
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.executor.forward_input import ForwardInput
-from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow
+from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow, plain_greedy
 
 Forward = Callable[[ForwardInput], "torch.Tensor | None"]
 
@@ -43,6 +43,9 @@ class ModelRunner:
         # Seconds spent in (prepare, forward, sample) by the latest execute(); on a GPU, forward is
         # the time to launch the kernels and sample includes waiting for them (the one sync).
         self.last_timings: tuple[float, float, float] | None = None
+        # Pipeline parallelism: a step whose rows are all plain greedy is sampled on the last
+        # stage (ForwardInput.greedy_ids), so only token ids travel back to rank 0.
+        self.greedy_on_last_stage = False
 
     def prepare(self, scheduled, block_tables: list) -> ForwardInput:
         """The packed step on the CPU, with every scheduled sequence's copy-on-write copies. With
@@ -145,11 +148,16 @@ class ModelRunner:
         if not rows:
             step.logits_rows = []
         assert not rows or len(step.logits_rows) == (len(rows) if repeats is None else len(repeats))
+        step.greedy_ids = bool(self.greedy_on_last_stage and rows and (repeats is None or set(repeats) == {1})
+                               and all(plain_greedy(r.params) and r.grammar is None for r in rows))
         t1 = time.perf_counter()
         logits = self.forward(step)
         if logits is None:
             self.last_timings = (t1 - t0, time.perf_counter() - t1, 0.0)
             return SamplerOutput([], [])
+        if step.greedy_ids:
+            self.last_timings = (t1 - t0, time.perf_counter() - t1, 0.0)
+            return SamplerOutput(logits.tolist(), [None] * len(rows))
         if repeats is not None and any(r != 1 for r in repeats):
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         t2 = time.perf_counter()

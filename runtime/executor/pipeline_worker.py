@@ -9,7 +9,9 @@ rank t of stage s + 1 (after a row-parallel layer every TP rank holds the whole 
 each pair carries a full copy and no stage needs a gather). The last stage's first shard sends the
 float32 logits of the step's sampling rows to rank 0, which samples exactly as a single-process
 engine does: structured outputs, speculative decoding (verification is a forward pass like any
-other), penalties and n > 1 need nothing stage-specific.
+other), penalties and n > 1 need nothing stage-specific. A step whose rows are all plain greedy
+(ForwardInput.greedy_ids) is sampled on the last stage instead: its argmax is the token rank 0
+would pick from the same logits, and only the int64 ids cross back (8 bytes a row, not 4 x vocab).
 
 Every rank receives the same ForwardInput from rank 0 (the executor broadcasts it as it does at
 TP), so a stage knows each step's token count and rows before anything arrives: the receive
@@ -33,6 +35,7 @@ from kvserve.runtime.capacity.pipeline import layer_shape, split_layers
 from kvserve.runtime.executor.forward_input import ForwardInput
 from kvserve.runtime.executor.worker import Worker
 from kvserve.runtime.kv_cache import allocate_kv_cache, copy_blocks, determine_num_blocks, kv_cache_bytes
+from kvserve.runtime.sampler import argmax_last
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class PipelineWorker(Worker):
         # The rank that sends the sampled rows' logits to rank 0: the last stage's first shard.
         self.logits_rank = (pp - 1) * tp
         self.last_bubble: float | None = None
+        # Steps whose tokens the last stage picked (ForwardInput.greedy_ids), counted on rank 0.
+        self.steps_sampled_on_last_stage = 0
 
     def load_model(self) -> None:
         import torch.distributed as dist
@@ -137,7 +142,29 @@ class PipelineWorker(Worker):
         self.kv_groups = None
         self.kv_caches = allocate_kv_cache(self.stage_shape, group_blocks[0], self.config.block_size,
                                            self.kv_cache_dtype, self.device, self.world_size)
+        if self.config.kv_offload_bytes or self.config.swap_space:
+            # Each rank offloads its own stage's layers (and TP shard) of every block, in its own
+            # namespace: rank 0's block manager decides for all, as at tensor parallelism.
+            self.offloader = self._make_offloader()
         return kv_cache_bytes(self.kv_caches)
+
+    @property
+    def offload_ranks(self) -> int:
+        return self.tp * self.pp
+
+    def offload_namespace(self, rank: int | None = None):
+        """Global rank `rank`'s namespace: its stage's layer range and pool shape are part of it, so
+        a stage never reads another's blocks and a new split (another P) starts cold."""
+        from kvserve.runtime.kv_offload.namespace import namespace_for
+
+        rank = self.global_rank if rank is None else rank
+        start, end = self.ranges[rank // self.tp]
+        shape = layer_shape(self.model_config.shape, start, end)
+        layout = {"groups": [], "pools": list(shape.kv_cache_layout(self.world_size)), "layers": [start, end],
+                  "pipeline": self.pp}
+        return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
+                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), tp_rank=rank,
+                             layout=repr(layout))
 
     def graph_sizes(self) -> tuple[list[int], str | None]:
         return [], "pipeline parallelism"  # see compile_and_capture
@@ -157,6 +184,11 @@ class PipelineWorker(Worker):
         from kvserve.runtime.models.pipeline_stage import stage_forward
 
         t0 = time.perf_counter()
+        if step.kv_ops and self.global_rank != 0:  # rank 0 applied them while scheduling
+            failed = self.offloader.apply(step.kv_ops)
+            if failed:  # a stage computing on without these blocks would give wrong tokens
+                raise RuntimeError(f"kv offload: rank {self.global_rank} could not load {len(failed)} block(s) "
+                                   "rank 0 loaded; the step's requests are aborted")
         copy_blocks(self.kv_caches, step.block_copies)
         step = step.to(self.device)
         num_tokens = step.input_ids.shape[0]
@@ -175,12 +207,17 @@ class PipelineWorker(Worker):
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, device=hidden.device)]
             logits = self.model.compute_logits(hidden).contiguous()
+            if step.greedy_ids:
+                logits = argmax_last(logits)  # int64 ids: rank 0's Sampler would pick the same
             if self.global_rank == self.logits_rank and self.global_rank != 0:
                 dist.send(logits, 0)
         if self.global_rank == 0:
+            self.steps_sampled_on_last_stage += bool(rows and step.greedy_ids)
             busy = time.perf_counter() - t0
             if rows and not self.last:
-                logits = torch.empty(len(rows), self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+                logits = (torch.empty(len(rows), dtype=torch.long, device=self.device) if step.greedy_ids else
+                          torch.empty(len(rows), self.model_config.vocab_size, dtype=torch.float32,
+                                      device=self.device))
                 dist.recv(logits, self.logits_rank)
             # Stage 0's idle share of the step: with one step in flight, about (pp - 1) / pp
             # when the stages are balanced and the transfers are cheap.

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.runtime.executor.forward_input import ForwardInput
-from kvserve.runtime.executor.platform import platform_for
+from kvserve.runtime.executor.platform import platform_for, release_is_held
 from kvserve.runtime.kv_cache import (
     allocate_kv_cache,
     copy_blocks,
@@ -57,7 +57,8 @@ class Worker:
         self.lora = None  # WorkerLoRA with enable_lora (runtime/lora/worker.py)
         # Speculative heads (Medusa, EAGLE) on rank 0 read the hidden states behind the latest
         # step's logits rows: the final-norm output, and the model's aux_hidden_layers outputs.
-        self.keep_hidden = False
+        # "all": every row of the step, not only the logits rows (EAGLE's draft KV needs them).
+        self.keep_hidden: bool | str = False
         self.last_hidden: torch.Tensor | None = None
         self.last_aux_hidden: list[torch.Tensor] = []
 
@@ -75,6 +76,10 @@ class Worker:
                                 tp_rank=self.rank, tp_size=self.world_size,
                                 quantization=self.quant_config if self.quant_config is not None
                                 else self.config.quantization)
+        if getattr(self.config, "speculative_config", None) is not None:
+            from kvserve.runtime.spec_decode.eagle import eagle3_target_layers
+
+            self.model.aux_hidden_layers = eagle3_target_layers(self.config, self.model_config.num_layers)
         if getattr(self.config, "enable_lora", False):
             from kvserve.runtime.lora.worker import WorkerLoRA
 
@@ -208,6 +213,11 @@ class Worker:
             self.offloader = self._make_offloader()
         return kv_cache_bytes(self.kv_caches)
 
+    @property
+    def offload_ranks(self) -> int:
+        """How many ranks each hold a part of every offloaded block (each in its own namespace)."""
+        return self.world_size
+
     def offload_namespace(self, rank: int | None = None):
         """The namespace this rank's offloaded blocks live in (runtime/kv_offload/namespace.py)."""
         from kvserve.runtime.kv_offload.namespace import namespace_for
@@ -227,8 +237,16 @@ class Worker:
         pin = self.platform.name == "cuda"  # pinned host memory copies at full speed
         stores = {}
         if self.config.kv_offload_bytes:
-            stores[TIER] = (FileStore(self.config.kv_offload_dir, self.offload_namespace())
-                            if self.config.kv_offload_dir else HostStore(pin_memory=pin))
+            if self.config.kv_offload_dir:
+                ns = self.offload_namespace()
+                # The root holds this pod's ranks' budgets; other namespaces go first when it is
+                # over, never this layout's other ranks (they may not have started yet).
+                ranks = self.offload_ranks  # every TP (and pipeline) rank of the pod
+                stores[TIER] = FileStore(self.config.kv_offload_dir, ns,
+                                         root_budget_bytes=self.config.kv_offload_bytes * ranks,
+                                         keep=frozenset(self.offload_namespace(r).dirname for r in range(ranks)))
+            else:
+                stores[TIER] = HostStore(pin_memory=pin)
         if self.config.swap_space:
             stores[SWAP] = HostStore(pin_memory=pin)
         groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None
@@ -244,7 +262,7 @@ class Worker:
         if self.offloader is None or not getattr(self.offloader.stores.get(TIER), "persistent", False):
             return []
         found = self.offloader.stores[TIER].scan()
-        for rank in range(1, self.world_size):
+        for rank in range(1, self.offload_ranks):
             other = {k for k, _ in FileStore(self.config.kv_offload_dir, self.offload_namespace(rank)).scan()}
             found = [(k, n) for k, n in found if k in other]
         return found
@@ -329,15 +347,19 @@ class Worker:
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         rows = step.logits_rows
+        if self.keep_hidden == "all":  # EAGLE writes a draft slot for every computed position
+            self.last_hidden = hidden
+            self.last_aux_hidden = list(self.model.aux_hidden) if self.model.aux_hidden_layers else []
         if not rows:
-            self.last_hidden, self.last_aux_hidden = None, []
+            if self.keep_hidden != "all":
+                self.last_hidden, self.last_aux_hidden = None, []
             return None
         if len(rows) != hidden.shape[0]:
             index = torch.tensor(rows, device=hidden.device)
             hidden = hidden[index]
         else:
             index = None
-        if self.keep_hidden:
+        if self.keep_hidden is True:
             self.last_hidden = hidden
             aux = self.model.aux_hidden if self.model.aux_hidden_layers else []
             self.last_aux_hidden = [a if index is None else a[index] for a in aux]
@@ -352,4 +374,5 @@ class Worker:
             self.offloader = None
         self.kv_caches = []
         self.model = None
-        self.platform.release_memory()
+        if not release_is_held():  # else the caller closing several engines releases once
+            self.platform.release_memory()

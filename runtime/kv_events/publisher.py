@@ -60,7 +60,7 @@ class ZmqEventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self._clock = clock
         self._topic = config.topic.encode("utf-8")
-        self._queue: deque[tuple[float, list[Event]]] = deque()
+        self._queue: deque[tuple[float, list[Event], int | None]] = deque()
         self._lock = threading.Condition()
         self._replay_buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
@@ -92,8 +92,9 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvserve-kv-events", daemon=True)
         self._thread.start()
 
-    def publish(self, events: Sequence[Event]) -> None:
-        """One step's events; returns at once (the thread encodes and sends them)."""
+    def publish(self, events: Sequence[Event], data_parallel_rank: int | None = None) -> None:
+        """One step's events; returns at once (the thread encodes and sends them). A DP engine
+        that shares this publisher names its rank, so its batches say whose pool they describe."""
         if not events:
             return
         with self._lock:
@@ -105,18 +106,19 @@ class ZmqEventPublisher:
                 if self.dropped == 1 or self.dropped % 1000 == 0:
                     log.warning("KV event queue full: %d batches dropped so far (subscribers will replay)",
                                 self.dropped)
-            self._queue.append((self._clock(), list(events)))
+            rank = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
+            self._queue.append((self._clock(), list(events), rank))
             self._lock.notify()
 
-    def _take(self) -> tuple[float, list[Event]] | None:
+    def _take(self) -> tuple[float, list[Event], int | None] | None:
         with self._lock:
             return self._queue.popleft() if self._queue else None
 
-    def _send(self, item: tuple[float, list[Event]]) -> None:
+    def _send(self, item: tuple[float, list[Event], int | None]) -> None:
         import zmq
 
-        ts, events = item
-        payload = encode_batch(EventBatch(ts, events, self.data_parallel_rank))
+        ts, events, rank = item
+        payload = encode_batch(EventBatch(ts, events, rank))
         seq = self._next_seq
         self._next_seq += 1
         self._replay_buffer.append((seq, payload))
@@ -192,6 +194,28 @@ class ZmqEventPublisher:
             self._lock.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+
+class RankedPublisher:
+    """A DP engine's view of the publisher it shares with engine 0: its batches carry its rank;
+    engine 0 closes the publisher, and counts its batches."""
+
+    def __init__(self, publisher: ZmqEventPublisher, rank: int) -> None:
+        self.publisher, self.rank = publisher, rank
+
+    @property
+    def published(self) -> int:
+        return self.publisher.published
+
+    @property
+    def dropped(self) -> int:
+        return self.publisher.dropped
+
+    def publish(self, events: Sequence[Event]) -> None:
+        self.publisher.publish(events, self.rank)
+
+    def close(self) -> None:
+        pass
 
 
 def make_publisher(config: KVEventsConfig | None, **kwargs) -> NullPublisher | ZmqEventPublisher:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvserve.runtime.engine.prefix_cache import extend_block_hashes
 from kvserve.runtime.kv_offload.index import SWAP, TierIndex, preemption_choice
 from kvserve.runtime.kv_offload.offloader import SWAP as SWAP_STORE
 from kvserve.runtime.kv_offload.offloader import TIER as TIER_STORE
@@ -78,6 +80,7 @@ class OffloadManager:
         self.events = None
         self._ops: list[tuple] = []
         self._pinned: set[bytes] = set()
+        self._prefetched: OrderedDict[int, None] = OrderedDict()  # seq ids read ahead already
         self.prefill_tokens_per_s = DEFAULT_PREFILL_TOKENS_PER_S
         self.transfer_bytes_per_s = DEFAULT_TRANSFER_BYTES_PER_S
         if self.tier is not None:
@@ -150,6 +153,30 @@ class OffloadManager:
             self.tier.touch(key)
         self.stats.hit_blocks += len(loads)
         return True
+
+    def prefetch(self, waiting: Iterable, bm) -> None:
+        """Asks the ranks to read ahead the file-tier blocks the next waiting requests' prefixes
+        will load (once per request), so admission copies bytes already in memory."""
+        if self.tier is None or self.medium != "DISK" or not getattr(bm, "enable_caching", False) \
+                or not hasattr(bm, "cached"):  # one pool, no KV cache groups
+            return
+        for seq in waiting:
+            if seq.seq_id in self._prefetched or seq.swapped is not None or seq.num_computed_tokens:
+                continue
+            self._prefetched[seq.seq_id] = None
+            if len(self._prefetched) > 1024:
+                self._prefetched.popitem(last=False)
+            extend_block_hashes(seq.block_hashes, seq.token_ids, seq.num_tokens, bm.block_size, seq.cache_extra)
+            keys = []
+            for h in seq.block_hashes:  # the prefix lookup's walk: pool or tier, up to a miss
+                if h in bm.cached:
+                    continue
+                key = tier_key(0, h)
+                if key not in self.tier:
+                    break
+                keys.append(key)
+            if keys:
+                self._ops.append(("prefetch", TIER_STORE, keys))
 
     def count_query(self, num_tokens: int, hit_tokens: int) -> None:
         self.stats.queries_tokens += num_tokens

@@ -10,6 +10,10 @@ and stores, in order:
   batch go in with one scatter per layer pool). A key that cannot be read (a missing, truncated or
   corrupt file) is reported back and its block left untouched.
 - ``("drop", store, key)``: forget the key (a file is deleted after any write still queued).
+- ``("prefetch", store, keys)``: a file store's blocks that waiting requests will load: a reader
+  thread reads and checks them now, so the load at admission copies bytes already in memory
+  instead of opening, reading and checksumming files while the step waits. Only a hint: a key not
+  staged in time is read at the load as before, and staged bytes are capped (oldest go first).
 
 ``store`` is 0 for the tier and 1 for the swap space. ``group`` is the KV cache group whose layers
 the block belongs to (0 without groups).
@@ -28,6 +32,8 @@ import torch
 log = logging.getLogger(__name__)
 
 TIER, SWAP = 0, 1
+# Bytes read ahead for waiting requests and not loaded yet (a few returning conversations' prefixes).
+STAGED_MAX_BYTES = 256 * 2**20
 
 
 def _u8(pool: torch.Tensor) -> torch.Tensor:
@@ -49,6 +55,12 @@ class KVOffloader:
         self._lock = threading.Lock()
         self._queue: queue.Queue | None = None
         self._writer: threading.Thread | None = None
+        # Read ahead by the reader thread per (store, key), oldest first; a load takes them.
+        self._staged: dict[tuple[int, bytes], torch.Tensor] = {}
+        self._staged_bytes = 0
+        self._reads: queue.Queue | None = None
+        self._reader: threading.Thread | None = None
+        self.prefetched_loads = 0  # blocks a load found read ahead
         self.write_errors = 0
         # Totals for the engine's statistics (bytes and seconds; the writer adds its own).
         self.stored_bytes = 0
@@ -59,6 +71,9 @@ class KVOffloader:
             self._queue = queue.Queue()
             self._writer = threading.Thread(target=self._write_loop, name="kvserve-kv-writer", daemon=True)
             self._writer.start()
+            self._reads = queue.Queue()
+            self._reader = threading.Thread(target=self._read_loop, name="kvserve-kv-reader", daemon=True)
+            self._reader.start()
 
     # -- the operations --------------------------------------------------------------------------
     def apply(self, ops: Sequence[tuple]) -> list[bytes]:
@@ -79,6 +94,10 @@ class KVOffloader:
             elif kind == "drop":
                 for _, store, key in batch:
                     self._drop(store, key)
+            elif kind == "prefetch":
+                for _, store, keys in batch:
+                    if self._reads is not None and getattr(self.stores[store], "persistent", False):
+                        self._reads.put((store, keys))
             else:
                 raise ValueError(f"unknown kv offload operation {kind!r}")
             i = j
@@ -113,6 +132,12 @@ class KVOffloader:
         for block, key in zip(blocks, keys):
             with self._lock:
                 data = self._pending.get((store_id, key))
+                staged = self._staged.pop((store_id, key), None)
+                if staged is not None:
+                    self._staged_bytes -= staged.numel()
+            if data is None and staged is not None:
+                data = staged
+                self.prefetched_loads += 1
             if data is None:
                 data = store.get(key)
             if data is None or data.numel() != nbytes:
@@ -137,6 +162,9 @@ class KVOffloader:
         if getattr(store, "persistent", False):
             with self._lock:
                 self._pending.pop((store_id, key), None)
+                staged = self._staged.pop((store_id, key), None)
+                if staged is not None:
+                    self._staged_bytes -= staged.numel()
             self._queue.put(("delete", store_id, key, None))
         else:
             store.delete(key)
@@ -174,6 +202,34 @@ class KVOffloader:
             finally:
                 self._queue.task_done()
 
+    # -- the background reader (prefetch) -------------------------------------------------------
+    def _read_loop(self) -> None:
+        while True:
+            item = self._reads.get()
+            if item is None:
+                return
+            store_id, keys = item
+            store = self.stores[store_id]
+            for key in keys:
+                with self._lock:
+                    if (store_id, key) in self._staged or (store_id, key) in self._pending:
+                        continue
+                try:
+                    data = store.get(key)  # checked (header, length, checksum) here, off the step
+                except Exception as exc:  # a hint only: the load reads it again and reports
+                    log.debug("kv offload: prefetch of a block failed: %s", exc)
+                    data = None
+                if data is None:
+                    continue
+                with self._lock:
+                    # A key's bytes never change (the key hashes the whole prefix), so bytes read
+                    # while a drop raced by are still right for a later load of that key.
+                    self._staged[(store_id, key)] = data
+                    self._staged_bytes += data.numel()
+                    while self._staged_bytes > STAGED_MAX_BYTES and self._staged:
+                        oldest = next(iter(self._staged))
+                        self._staged_bytes -= self._staged.pop(oldest).numel()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every queued write is on disk (or `timeout` passes)."""
         if self._queue is None:
@@ -188,6 +244,13 @@ class KVOffloader:
             self._queue.put(None)
             self._writer.join(timeout=10)
         self._writer = None
+        if self._reader is not None and self._reader.is_alive():
+            self._reads.put(None)
+            self._reader.join(timeout=10)
+        self._reader = None
+        for store in self.stores.values():
+            if hasattr(store, "close"):
+                store.close()
 
     def drain_timings(self) -> tuple[list[float], list[float]]:
         """(store, load) seconds observed since the previous call."""

@@ -8,14 +8,25 @@ the payload length, a CRC-32 of the payload, then the payload. A file is written
 name, flushed (fsynced unless turned off) and renamed into place, so a crash mid-write leaves only
 a temporary file, which the next start deletes; a file whose header, length or checksum is wrong
 (truncated, another namespace, bit rot) is never returned and is deleted when found.
+
+Disk hygiene: a tier's root outlives its namespaces (a new model revision, dtype or TP layout
+starts a new directory and nothing reads the old one). A store holds a shared ``flock`` on its
+directory's lock file while it is open; at start, a store whose budget is given deletes other
+namespaces' directories, least recently written first, until the root fits the budget, skipping
+any directory a live store holds (the other ranks of a TP group, data-parallel engines, a second
+server on a shared volume) and the ones named in ``keep`` (this layout's other ranks, which may
+not have started yet).
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import os
 import pathlib
+import re
+import shutil
 import struct
 import zlib
 from collections.abc import Callable
@@ -31,6 +42,8 @@ _HEAD = struct.Struct("<8s32sH")  # magic, namespace digest, key length; then ke
 _TAIL = struct.Struct("<QI")  # payload length, crc32
 SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
+LOCK = ".lock"
+_NAMESPACE_DIR = re.compile(r"[0-9a-f]{32}")
 
 
 class HostStore:
@@ -67,13 +80,17 @@ class FileStore:
     medium = "DISK"
     persistent = True
 
-    def __init__(self, root: str | os.PathLike, namespace: Namespace, *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike, namespace: Namespace, *, fsync: bool = True,
+                 root_budget_bytes: int | None = None, keep: frozenset[str] = frozenset()) -> None:
         self.namespace = namespace
         self.digest = namespace.digest
         self.dir = pathlib.Path(root) / namespace.dirname
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._tmp_ids = itertools.count()
+        self._lock_fd = hold_lock(self.dir)
+        if root_budget_bytes is not None:
+            trim_root(self.dir.parent, root_budget_bytes, keep | {self.dir.name})
         # What the directory holds, for whoever looks at a PVC (never read back).
         about = self.dir / "namespace.json"
         if not about.exists():
@@ -83,6 +100,14 @@ class FileStore:
 
     def path(self, key: bytes) -> pathlib.Path:
         return self.dir / (key.hex() + SUFFIX)
+
+    def close(self) -> None:
+        """Lets the directory go (another start may then trim it)."""
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    __del__ = close
 
     def put(self, key: bytes, data: torch.Tensor, _before_rename: Callable[[], None] | None = None) -> None:
         payload = memoryview(data.reshape(-1).numpy())
@@ -162,3 +187,74 @@ class FileStore:
             found.append((st.st_mtime_ns, header[0], header[1]))
         found.sort()
         return [(key, n) for _, key, n in found]
+
+
+def hold_lock(directory: pathlib.Path) -> int:
+    """A shared lock on `directory`'s lock file, held until the descriptor is closed: a trim never
+    deletes a directory a live store holds. Retries when a trim deleted the file meanwhile (the
+    lock would be on an unlinked inode that no later trim sees)."""
+    while True:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(directory / LOCK).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _dir_usage(directory: pathlib.Path) -> tuple[int, int]:
+    """(bytes of its files, when it was last written: the newest file's or its own mtime)."""
+    total, newest = 0, 0
+    try:
+        newest = directory.stat().st_mtime_ns
+        for entry in os.scandir(directory):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += st.st_size
+            newest = max(newest, st.st_mtime_ns)
+    except OSError:
+        pass
+    return total, newest
+
+
+def trim_root(root: pathlib.Path, budget_bytes: int, keep: frozenset[str] | set[str]) -> list[str]:
+    """Deletes namespace directories under `root` (other than `keep`, and none a live store holds),
+    least recently written first, until the namespaces' files fit `budget_bytes`; returns the
+    deleted directories' names. Only directories that look like a namespace (a 32-hex name with a
+    namespace.json) are counted or touched: nothing else on a shared volume is the tier's."""
+    dirs = []
+    for entry in os.scandir(root):
+        if entry.is_dir(follow_symlinks=False) and _NAMESPACE_DIR.fullmatch(entry.name) \
+                and os.path.exists(os.path.join(entry.path, "namespace.json")):
+            size, written = _dir_usage(pathlib.Path(entry.path))
+            dirs.append((written, entry.name, size))
+    total = sum(size for _, _, size in dirs)
+    deleted = []
+    for _, name, size in sorted(dirs):
+        if total <= budget_bytes:
+            break
+        if name in keep:
+            continue
+        path = root / name
+        try:
+            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live store uses it
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
+        total -= size
+        deleted.append(name)
+        log.info("kv offload: deleted namespace %s (%.1f MiB, not used since the tier's last start) to fit "
+                 "the tier's budget", name, size / 2**20)
+    return deleted

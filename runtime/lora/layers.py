@@ -41,6 +41,7 @@ class LoRABatch:
     max_seg_len: int
     # (gather [max_loras, M], scatter [max_loras * M]): the batched form (reference.lora_sgmv_ref)
     padded: tuple[torch.Tensor, torch.Tensor] | None = None
+    token_slots: list[int] = ()  # per token: its slot, -1 for the base model (the native decode stack)
 
 
 class LoRAState:

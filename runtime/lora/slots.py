@@ -102,7 +102,8 @@ class StepLayout:
     `token_slots[t]`: token t's slot, -1 for the base model. `segments`: (slot, start, end) ranges
     of one adapter each, over the tokens themselves when every adapter's tokens are already
     contiguous (`perm` None), else over the adapter tokens gathered in `perm` order (sorted by
-    slot, stable): the segmented-gather shape of Punica's SGMV and S-LoRA."""
+    slot, stable): the segmented-gather shape of Punica's SGMV and S-LoRA. Long runs (prefill)
+    stay segments of their own, even several of one adapter."""
 
     token_slots: list[int]
     segments: list[tuple[int, int, int]]
@@ -115,6 +116,10 @@ class StepLayout:
 
 # The batched form pays for its padding rows; it is taken when they at most double the work.
 MIN_SEGMENTS_FOR_PADDED = 3
+# Runs of at least this many tokens (prefill chunks) are segments themselves even when an adapter
+# has several: a run's two matmuls on a slice of x cost little more than one adapter-wide pair,
+# while gathering and scatter-adding the rows (index_add_ on the CPU) costs a copy of the step.
+MIN_RUN_FOR_DIRECT = 16
 
 
 def step_layout(seq_slots: Sequence[int], seq_tokens: Sequence[int], num_slots: int | None = None) -> StepLayout:
@@ -134,7 +139,7 @@ def step_layout(seq_slots: Sequence[int], seq_tokens: Sequence[int], num_slots: 
     by_slot: dict[int, list[int]] = {}
     for slot, start, end in runs:
         by_slot.setdefault(slot, []).extend(range(start, end))
-    if num_slots and len(by_slot) >= MIN_SEGMENTS_FOR_PADDED:
+    if num_slots and len(by_slot) >= MIN_SEGMENTS_FOR_PADDED and min(e - s for _, s, e in runs) < MIN_RUN_FOR_DIRECT:
         width = max(len(t) for t in by_slot.values())
         used = sum(len(t) for t in by_slot.values())
         if num_slots * width <= 2 * used + 16:
@@ -151,7 +156,7 @@ def step_layout(seq_slots: Sequence[int], seq_tokens: Sequence[int], num_slots: 
 
 
 def _segmented(token_slots, runs, by_slot) -> StepLayout:
-    if len({r[0] for r in runs}) == len(runs):
+    if len({r[0] for r in runs}) == len(runs) or min(e - s for _, s, e in runs) >= MIN_RUN_FOR_DIRECT:
         return StepLayout(token_slots, runs, None)
     perm: list[int] = []
     segments = []

@@ -32,6 +32,7 @@ class WorkerLoRA:
         self.targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
         self.wrappers: list[tuple[int, LoRALinear]] = []
         self._wrap()
+        model.lora_state = self.state
 
     def _wrap(self) -> None:
         from kvserve.runtime.models.llama import MLP, Attention
@@ -119,6 +120,7 @@ class WorkerLoRA:
             max_seg_len=max(e - s for _, s, e in layout.segments),
             padded=None if layout.padded is None else (ints(layout.padded[0], torch.long).view(self.max_loras, -1),
                                                        ints(layout.padded[1], torch.long)),
+            token_slots=layout.token_slots,
         )
         self.model.lora_active = True
 

@@ -225,9 +225,12 @@ _UNBUILT = object()
 class CausalLM(nn.Module):
     """A packed-token decoder: forward() gives final hidden states, compute_logits() the logits."""
 
-    # True while a step with LoRA adapters runs (runtime/lora/worker.py): the native decode stack
-    # multiplies by the base weights only, so such a step takes the per-op path.
+    # True while a step with LoRA adapters runs (runtime/lora/worker.py); `lora_state` is the
+    # wrappers' shared LoRAState (its batch names each token's slot). The native decode stack
+    # adds the adapters itself when it was built with the wrappers' slots, else such a step takes
+    # the per-op path.
     lora_active = False
+    lora_state = None
     # Speculative heads that read intermediate layers (EAGLE-3: a low, a middle and a high layer;
     # EAGLE-1: the last layer before the final norm) name them here; forward() then leaves each
     # one's residual stream (hidden + residual, in the model's layer numbering) in `aux_hidden`.
@@ -303,32 +306,36 @@ class CausalLM(nn.Module):
         """Shape of one layer's K (or V) pool on this rank (of its latent pool, for MLA)."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
+    def _native_lora(self, stack, num_tokens: int):
+        """This step's adapter rows for the native stack, or None when it cannot add them."""
+        batch = None if self.lora_state is None else self.lora_state.batch
+        if stack.lora_slots is None or batch is None or len(batch.token_slots) != num_tokens:
+            return None
+        from kvserve.kernels.cpu import native
+
+        return native.lora_step(stack.lora_slots, batch.token_slots, self.lora_state.slot_ranks)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
         aux = self.aux_hidden_layers
-        if meta.is_decode_only and self.device.type == "cpu" and not self.lora_active and not aux:
+        if meta.is_decode_only and self.device.type == "cpu" and not aux:
             stack = self._native_stack
             if stack is _UNBUILT:
                 from kvserve.runtime.models import native_decode
 
                 stack = self._native_stack = native_decode.build(self)
+            lora = self._native_lora(stack, input_ids.shape[0]) if self.lora_active and stack is not None else None
             # One block table for every layer: a model with KV cache groups keeps the per-op path.
-            if (stack is not None and meta.kv_groups is None and self._platform.native_ops(self.cos_sin_cache)
-                    and stack.accepts(kv_caches)):
-                hidden, residual = stack.run(self.embed_tokens(input_ids), positions, meta.slot_mapping,
-                                             meta.block_tables, meta.seq_lens, kv_caches)
+            if (stack is not None and (lora is not None or not self.lora_active) and meta.kv_groups is None
+                    and self._platform.native_ops(self.cos_sin_cache) and stack.accepts(kv_caches)):
+                hidden, residual = stack.run(self._embed(input_ids), positions, meta.slot_mapping,
+                                             meta.block_tables, meta.seq_lens, kv_caches, lora)
                 hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
                 return hidden
-        hidden = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale
-        if self.embed_layernorm is not None:  # BLOOM
-            ln = self.embed_layernorm
-            hidden = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), ln.weight, ln.bias,
-                                                    self.config.rms_norm_eps)
+        hidden = self._embed(input_ids)
         residual = None
         captured: list[torch.Tensor] = []
         local = self.local_cos_sin_cache
@@ -344,6 +351,16 @@ class CausalLM(nn.Module):
         if residual is None:
             return self.first_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
         hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
+        return hidden
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        if self.embed_layernorm is not None:  # BLOOM
+            ln = self.embed_layernorm
+            hidden = torch.nn.functional.layer_norm(hidden, (hidden.shape[-1],), ln.weight, ln.bias,
+                                                    self.config.rms_norm_eps)
         return hidden
 
     @torch.inference_mode()

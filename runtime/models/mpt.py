@@ -8,8 +8,8 @@ Phi-3's qkv_proj (BLOOM's head by head), so only the layer differs. BLOOM's slop
 formula at bias max 8: for every head count the two constructions give the same values.
 
 ALiBi adds slope_h * (j - i) to the score of query position i and key position j; the attention
-backend applies it (the torch backend and the Triton kernels; the native CPU decode kernel has no
-ALiBi term, so these layers never take it).
+backend applies it (the torch backend, the Triton kernels and the native CPU decode kernel); float32
+CPU decode steps run the whole stack natively (models/native_decode.py).
 """
 
 from __future__ import annotations

@@ -7,11 +7,15 @@ step in C with the same kernels in the same order, so its results are bit-identi
 per-op path's (tests/test_fastpath.py compares them) and the model's forward is one call.
 
 Only what the per-op native path would run qualifies: every layer a plain DecoderLayer
-(Llama, Mistral, Qwen2, Qwen3: not Gemma's sandwich norms, not MoE or MLA) with SiLU, weights
+(Llama, Mistral, Qwen2, Qwen3: not Gemma's sandwich norms, not MoE or MLA) with SiLU, or an ALiBi
+layer (MPT, BLOOM, Falcon-RW: models/mpt.py), weights
 packed for a native matmul (float32 panels, or the int8/int4 panels of
 `quantization.packed` that int8, int4, AWQ, GPTQ, compressed-tensors and GGUF weights end in;
 not a GPTQ/compressed-tensors act-order layer, which permutes its input), tp_size 1, the torch
 attention backend, float32 caches. Anything else keeps the per-op path.
+
+ALiBi layers' LayerNorms and GELU run in C where the per-op path calls torch's, so their results
+agree with it to float rounding, not bit for bit (tests/test_alibi_native.py bounds the gap).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def _bias(linear) -> torch.Tensor | None:
 def _native_weight(linear):
     """What the native stack multiplies by for this linear layer, or None: its float32 panels, or
     the native panels of its int8/int4 weight when its method's apply is exactly matmul + bias.
-    A LoRA wrapper stands for its base layer: the stack runs the steps without adapters."""
+    A LoRA wrapper stands for its base layer (its adapters are added beside it: _lora_slots)."""
     linear = getattr(linear, "base_layer", linear)
     if getattr(linear, "packed_out_features", None) is not None:
         return linear.weight.detach()
@@ -51,6 +55,7 @@ def build(model) -> object | None:
     """A DecoderStack for `model` (a CausalLM), or None when it does not qualify."""
     from kvserve.kernels.cpu import native
     from kvserve.runtime.attention.torch_backend import TorchAttentionBackend
+    from kvserve.runtime.models import mpt
     from kvserve.runtime.models.llama import MLP, Attention, DecoderLayer
 
     cfg = model.config
@@ -60,10 +65,17 @@ def build(model) -> object | None:
     specs = []
     for i, layer in enumerate(model.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        # exactly the torch backend: a subclass may change what attention computes
+        if type(getattr(attn, "backend", None)) is not TorchAttentionBackend:
+            return None
+        if type(layer) is mpt.AlibiDecoderLayer:
+            spec = _alibi_spec(layer, attn, mlp, mpt)
+            if spec is None:
+                return None
+            specs.append(spec)
+            continue
         if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
-                or mlp.act_and_mul is not ops.silu_and_mul
-                # exactly the torch backend: a subclass may change what attention computes
-                or type(attn.backend) is not TorchAttentionBackend):
+                or mlp.act_and_mul is not ops.silu_and_mul):
             return None
         weights = [_native_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(w is None for w in weights):
@@ -86,6 +98,66 @@ def build(model) -> object | None:
         if layer.eps != cfg.rms_norm_eps or attn.eps != cfg.rms_norm_eps:
             return None
     first = model.layers[0]
-    return native.DecoderStack(specs, hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
-                               kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
-                               inter=_gate_up_features(first.mlp.gate_up_proj) // 2, eps=cfg.rms_norm_eps)
+    inter = (_gate_up_features(first.mlp.up_proj) if type(first) is mpt.AlibiDecoderLayer
+             else _gate_up_features(first.mlp.gate_up_proj) // 2)
+    stack = native.DecoderStack(specs, hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
+                                kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
+                                inter=inter, eps=cfg.rms_norm_eps)
+    stack.lora_slots = _lora_slots(model, native)
+    return stack
+
+
+def _alibi_spec(layer, attn, mlp, mpt) -> dict | None:
+    """An ALiBi layer (MPT, BLOOM, Falcon-RW) as the stack runs it: LayerNorms, no rotary, the
+    slopes, an ungated GELU MLP (its up projection in the gate_up slot)."""
+    if type(attn) is not mpt.AlibiAttention or type(mlp) is not mpt.PlainMLP or attn.sliding_window is not None:
+        return None
+    weights = [_native_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.up_proj, mlp.down_proj)]
+    if any(w is None for w in weights) or attn.num_heads // attn.num_kv_heads > _max_group():
+        return None
+    if layer.eps != attn.eps:
+        return None
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    return dict(
+        input_norm=ln1.weight.detach(), post_norm=ln2.weight.detach(),
+        input_norm_bias=None if ln1.bias is None else ln1.bias.detach(),
+        post_norm_bias=None if ln2.bias is None else ln2.bias.detach(), norm="layer",
+        q_norm=None, k_norm=None,
+        qkv=weights[0], qkv_bias=_bias(attn.qkv_proj), o=weights[1], o_bias=_bias(attn.o_proj),
+        gate_up=weights[2], gate_up_bias=_bias(mlp.up_proj), down=weights[3], down_bias=_bias(mlp.down_proj),
+        mlp="gelu_tanh" if mlp.approximate == "tanh" else "gelu",
+        cos_sin=None, alibi=attn.alibi_slopes.detach().to(torch.float32).contiguous(),
+        window=None, softcap=None, scale=attn.scale, clip_qkv=attn.clip_qkv)
+
+
+def _max_group() -> int:
+    from kvserve.kernels.cpu import native
+
+    return native.MAX_GQA_GROUP
+
+
+def _lora_slots(model, native):
+    """The LoRA wrappers' slots (runtime/lora/layers.py) for the stack, or None without LoRA:
+    steps with adapters then run in the stack too, each adapted layer adding its rows' products
+    right after its base matmul, as the wrapper does on the per-op path."""
+    from kvserve.runtime.lora.layers import LoRALinear
+
+    layers, max_rank = [], None
+    for layer in model.layers:
+        mlp = layer.mlp
+        up = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.up_proj  # ALiBi layers: ungated
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, up, mlp.down_proj)
+        entries = []
+        for w in linears:
+            if not isinstance(w, LoRALinear):
+                entries.append(None)
+                continue
+            rank = w.a_t.shape[2] // len(w.parts)
+            if max_rank not in (None, rank):
+                return None
+            max_rank = rank
+            entries.append((w.a_t, w.b_t, [size for _, _, size in w.out_slices]))
+        layers.append(entries)
+    if max_rank is None:
+        return None
+    return native.LoRASlots(layers, max_rank)

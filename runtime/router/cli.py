@@ -47,6 +47,11 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
                      help="a pod with more waiting requests than this loses its prefix affinity")
     pol.add_argument("--max-kv-utilization", type=_bounded(float, 0.01, 1.0), default=d.max_kv_utilization,
                      help="... or with more KV-cache use than this (0..1)")
+    pol.add_argument("--prefix-margin", type=_bounded(float, 0.01, 1.0), default=d.prefix_margin,
+                     help="a pod wins a request by what it holds only with this fraction of the prompt more than "
+                          "the pod a new prompt would get (and as much more once load counts)")
+    pol.add_argument("--load-weight", type=_bounded(float, 0.0, 1.0), default=d.load_weight,
+                     help="what each request a pod carries costs it, in fractions of the prompt's prefill")
     pol.add_argument("--prefix-ttl", type=_bounded(float, 1.0), default=d.prefix_ttl_seconds,
                      help="seconds a pod counts as holding a prefix it served")
 
@@ -190,6 +195,7 @@ def config_from_args(args: argparse.Namespace, memory_limit: int | None = None):
     policy = PolicyConfig(policy=args.policy, block_tokens=args.block_size, chunk_chars=args.chunk_chars,
                           balance_factor=args.balance_factor, max_queue_depth=args.max_queue_depth,
                           max_kv_utilization=args.max_kv_utilization, prefix_ttl_seconds=args.prefix_ttl,
+                          prefix_margin=args.prefix_margin, load_weight=args.load_weight,
                           index_capacity=prefix_index_capacity(memory_limit))
     def pick(flag: str | None, default: int) -> int:
         return default if flag is None else flag

@@ -16,6 +16,11 @@ and follows the event stream's sequence numbers:
 The router computes a prompt's block hashes exactly as the runtime does
 (runtime/engine/prefix_cache.py) and `match` counts the leading ones a pod holds, weighted by
 medium: a block in the pool saves its whole prefill, one in a tier most of it (a load instead).
+
+A pod with several data-parallel engines has a pool per engine: each batch names its engine in
+`data_parallel_rank` (vLLM's field), and the index keeps one block map per engine, so a block one
+engine evicts stays held by another that has it. A request is served by one engine (the pod
+places it by prefix), so a pod's match is its best engine's, not the union.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ class PodKVIndex:
     def __init__(self, config: KVIndexConfig | None = None):
         self.config = config or KVIndexConfig()
         self._weights = self.config.bit_weights()
-        self.blocks: OrderedDict[bytes | int, int] = OrderedDict()  # hash -> medium bits
+        # data_parallel_rank (None: a pod with one engine) -> hash -> medium bits
+        self.engines: dict[int | None, OrderedDict[bytes | int, int]] = {}
         self.last_seq = -1
         self.state = DOWN
         self.block_size: int | None = None  # from the pod's BlockStored events
@@ -79,12 +85,21 @@ class PodKVIndex:
         self.stats = {"batches": 0, "gaps": 0, "restarts": 0, "partial": 0, "evicted": 0, "bad": 0}
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return sum(len(b) for b in self.engines.values())
+
+    @property
+    def blocks(self) -> dict[bytes | int, int]:
+        """Every engine's blocks together (hash -> medium bits): for status and tests."""
+        out: dict[bytes | int, int] = {}
+        for blocks in self.engines.values():
+            for h, bits in blocks.items():
+                out[h] = out.get(h, 0) | bits
+        return out
 
     # -- the stream ------------------------------------------------------------------------------
     def reset(self) -> None:
         """The pod restarted (or we reconnected and cannot tell): nothing it held is known."""
-        self.blocks.clear()
+        self.engines.clear()
         self.last_seq = -1
         self.pending.clear()
         self.state = DOWN
@@ -164,34 +179,38 @@ class PodKVIndex:
         self.last_event_at = now
         self.stats["batches"] += 1
         cap = self.config.max_blocks_per_pod
+        blocks = self.engines.setdefault(batch.data_parallel_rank, OrderedDict())
         for event in batch.events:
             if isinstance(event, BlockStored):
                 bit = medium_bit(event.medium)
                 self.block_size = event.block_size
                 for h in event.block_hashes:
-                    self.blocks[h] = self.blocks.pop(h, 0) | bit
-                while len(self.blocks) > cap:  # forget the oldest stored: a miss, never a false hit
-                    self.blocks.popitem(last=False)
+                    blocks[h] = blocks.pop(h, 0) | bit
+                while len(self) > cap and blocks:  # forget the oldest stored: a miss, never a false hit
+                    blocks.popitem(last=False)
                     self.stats["evicted"] += 1
             elif isinstance(event, BlockRemoved):
                 bit = medium_bit(event.medium)
                 for h in event.block_hashes:
-                    bits = self.blocks.get(h)
+                    bits = blocks.get(h)
                     if bits is not None:
                         bits &= ~bit
                         if bits:
-                            self.blocks[h] = bits
+                            blocks[h] = bits
                         else:
-                            del self.blocks[h]
+                            del blocks[h]
             elif isinstance(event, AllBlocksCleared):
-                self.blocks.clear()
+                blocks.clear()
 
     # -- queries ---------------------------------------------------------------------------------
     def match(self, hashes: Sequence[bytes | int]) -> float:
-        """Leading blocks of `hashes` this pod holds, each weighted by its best medium."""
+        """Leading blocks of `hashes` the pod's best engine holds, each weighted by its best medium."""
+        return max((self._match(blocks, hashes) for blocks in self.engines.values()), default=0.0)
+
+    def _match(self, blocks: Mapping[bytes | int, int], hashes: Sequence[bytes | int]) -> float:
         total = 0.0
         for h in hashes:
-            bits = self.blocks.get(h)
+            bits = blocks.get(h)
             if not bits:
                 break
             total += next((w for b, w in self._weights if bits & b), 0.5)  # a medium we have no weight for

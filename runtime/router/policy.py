@@ -7,14 +7,18 @@ blocks of the same kind (a block's hash covers its prefix), so a pod that served
 chunks h0..h5 very likely still holds the KV of that prefix.
 
 Policies:
-  * `prefix` (default): when some pods served most of the prompt recently (at least
-    `sticky_fraction` of its chunks: a conversation's history, a long shared document), the one
-    with the longest match wins (ties: least loaded), unless its agent reports a queue or KV use
-    over the thresholds, in which case the least-loaded pod does. Any other prompt (new, or
-    sharing only a short prefix such as a system prompt that every pod soon holds) goes where
-    consistent hashing with bounded load puts it (Mirrokni et al.): the ring position of the
-    whole prompt, skipping pods that already carry more than `balance_factor` x the mean load,
-    so identical prompts land together while no pod takes more than its share.
+  * `prefix` (default): each pod is scored by what going there saves against what it costs
+    (`affinity_scores`): the fraction of the prompt's prefix it holds (by its KV events, pool
+    and tier blocks weighted; else by what it served recently) minus `load_weight` x the
+    requests it carries. The best-scoring pod wins the request by affinity only when it beats
+    the pod a new prompt would get by at least `prefix_margin` of the prompt, both in held
+    prefix and in score (`affinity_pick`): a conversation's history, a long shared document.
+    Anything else (a new prompt, or one sharing only a short prefix such as a system prompt
+    that every pod soon holds) goes where consistent hashing with bounded load puts it
+    (Mirrokni et al.): the ring position of the whole prompt, skipping pods that already carry
+    more than `balance_factor` x the mean load, so identical prompts land together while no pod
+    takes more than its share. A pod whose agent reports a queue or KV use over the thresholds
+    takes nothing by affinity (unless every pod is over them).
   * `least-load`: the pod with the fewest requests in flight (the router's own count, or the
     agent's running + waiting when that is higher), then the lowest KV use.
   * `round-robin`: each ready pod in turn (what a plain Service does, for comparison).
@@ -62,7 +66,10 @@ class PolicyConfig:
     balance_factor: float = 1.25  # bounded load: no pod above this x the mean in-flight count
     max_queue_depth: float = 8.0  # the best-match pod is overloaded above this many waiting
     max_kv_utilization: float = 0.95  # ... or above this KV use (0..1)
-    sticky_fraction: float = 0.5  # a pod must hold this much of the prompt to win it by affinity
+    # Affinity (see affinity_pick): a pod must beat the new-prompt placement by this fraction of
+    # the prompt, and each request it carries costs it `load_weight` of a whole prompt's prefill.
+    prefix_margin: float = 0.1
+    load_weight: float = 0.1
     prefix_ttl_seconds: float = 600.0  # how long "served recently" lasts
     index_capacity: int = 200_000  # prefix chunks remembered (LRU), over all pods
 
@@ -78,8 +85,10 @@ class PolicyConfig:
             raise ValueError(f"max_queue_depth: must be >= 0, got {self.max_queue_depth!r}")
         if not 0 < self.max_kv_utilization <= 1:
             raise ValueError(f"max_kv_utilization: must be in (0, 1], got {self.max_kv_utilization!r}")
-        if not 0 <= self.sticky_fraction <= 1:
-            raise ValueError(f"sticky_fraction: must be in [0, 1], got {self.sticky_fraction!r}")
+        if not 0 < self.prefix_margin <= 1:
+            raise ValueError(f"prefix_margin: must be in (0, 1], got {self.prefix_margin!r}")
+        if not 0 <= self.load_weight <= 1:
+            raise ValueError(f"load_weight: must be in [0, 1], got {self.load_weight!r}")
         if not self.prefix_ttl_seconds > 0:
             raise ValueError(f"prefix_ttl_seconds: must be > 0, got {self.prefix_ttl_seconds!r}")
 
@@ -351,6 +360,33 @@ def prefix_fractions(served: Mapping[str, int], total_chunks: int, precise: Prec
     return out
 
 
+def affinity_scores(fractions: Mapping[str, float], pods: Iterable[str], loads: Mapping[str, EndpointLoad],
+                    load_weight: float) -> dict[str, float]:
+    """pod -> the fraction of the prompt's prefill it saves minus `load_weight` per request it
+    carries: a weighted sum in units of this prompt's prefill (a request ahead costs a pod about
+    a prompt's worth of work on its cores, whatever the prompt's length)."""
+    return {p: fractions.get(p, 0.0) - load_weight * loads.get(p, EndpointLoad()).busy() for p in pods}
+
+
+def affinity_pick(fractions: Mapping[str, float], pods: Sequence[str], base: str, loads: Mapping[str, EndpointLoad],
+                  config: PolicyConfig, turn: int = 0) -> str | None:
+    """The pod worth sending the request to for what it holds, or None (`base`, where a new
+    prompt would go, stands). The best-scoring pod must hold at least `prefix_margin` of the
+    prompt more than `base` (a held prefix that every pod has, such as a system prompt, moves
+    nothing) and still score `prefix_margin` above it once load counts (a pod far busier than
+    `base` is not worth its cache). Ties go to the least loaded, then in turn."""
+    if not pods:
+        return None
+    scores = affinity_scores(fractions, set(pods) | {base}, loads, config.load_weight)
+    n = len(pods)
+    rotated = [pods[(turn + i) % n] for i in range(n)]
+    best = max(rotated, key=lambda p: (scores[p], -loads.get(p, EndpointLoad()).busy()))
+    margin = config.prefix_margin - 1e-9
+    if fractions.get(best, 0.0) - fractions.get(base, 0.0) >= margin and scores[best] - scores[base] >= margin:
+        return best
+    return None
+
+
 def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads: Mapping[str, EndpointLoad],
            now: float, exclude: Iterable[str] = (), precise: PreciseMatch | None = None, *,
            adapter: str | None = None, adapters: Mapping[str, frozenset[str]] | None = None) -> Choice | None:
@@ -378,27 +414,24 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
 
     usable = [p for p in candidates if not overloaded(load(p), config)]
     fractions = prefix_fractions(state.index.match(hashes, candidates, now), total, precise, candidates)
-    longest = max(fractions.values(), default=0.0)
 
     def chunks(p: str) -> int:
         return round(fractions.get(p, 0.0) * total)
 
-    if longest and longest >= config.sticky_fraction:
-        # Most of the prompt is cached on these pods (a conversation's history, a long shared
-        # document): worth more than balance, until the pod itself says it is overloaded.
-        holders = sorted(p for p, f in fractions.items() if f >= longest - 1e-9)
-        best = _least_loaded(holders, loads, state.turn)
-        if best in usable or not usable:  # every pod over its thresholds: the cache still helps
-            return Choice(best, PREFIX_HIT, chunks(best), total)
-        pick = _least_loaded(usable or candidates, loads, state.turn)
-        return Choice(pick, OVERLOADED, chunks(pick), total)
-    # A new prompt, or one that shares only a short prefix (a system prompt every pod soon holds):
-    # the ring position of the whole prompt, skipping pods at the load bound, so identical
-    # prompts land together and new conversations spread.
+    # Where a new prompt goes: the ring position of the whole prompt, skipping pods at the load
+    # bound, so identical prompts land together and new conversations spread.
     cap = bounded_capacity(loads, candidates, config.balance_factor)
     ring = state.ring if set(candidates) <= set(state.ring.names) else HashRing(candidates)
-    for pod in ring.walk(hashes[-1]):
-        if pod in usable and load(pod).busy() + 1 <= cap:
-            return Choice(pod, PREFIX_NEW, chunks(pod), total)
-    pick = _least_loaded(usable or candidates, loads, state.turn)
-    return Choice(pick, OVERLOADED, chunks(pick), total)
+    base = next((p for p in ring.walk(hashes[-1]) if p in usable and load(p).busy() + 1 <= cap), None)
+    fallback = base or _least_loaded(usable or candidates, loads, state.turn)
+    # Every pod over its thresholds: the cache still helps, so they all compete by affinity.
+    best = affinity_pick(fractions, usable or candidates, fallback, loads, config, state.turn)
+    if best is not None:
+        return Choice(best, PREFIX_HIT, chunks(best), total)
+    top = max(fractions.values(), default=0.0)
+    holders_overloaded = top > 0 and all(p not in usable for p, f in fractions.items() if f >= top - 1e-9)
+    if base is not None and top >= config.prefix_margin and fractions.get(base, 0.0) >= top - 1e-9:
+        decision = PREFIX_HIT  # the ring's pod is the one holding the prompt anyway
+    else:
+        decision = PREFIX_NEW if base is not None and not holders_overloaded else OVERLOADED
+    return Choice(fallback, decision, chunks(fallback), total)

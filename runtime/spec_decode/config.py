@@ -1,9 +1,10 @@
 """``speculative_config`` (vLLM's keys): method, model, num_speculative_tokens, prompt_lookup_*.
 
 Methods: ``ngram`` (prompt lookup), ``draft_model`` (a small model of the same vocabulary),
-``medusa`` (heads on the target's final hidden state). vLLM's ``eagle``, ``eagle3`` and ``mtp``
-are known names that are refused until they are built, so a config written for vLLM fails with
-a message that says so rather than "unknown method".
+``medusa`` (heads on the target's final hidden state), ``eagle`` / ``eagle3`` (a one-layer draft
+fed by the target's features, spec_decode/eagle.py). vLLM's ``mtp`` is a known name that is
+refused until it is built, so a config written for vLLM fails with a message that says so rather
+than "unknown method".
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "medusa")
-NOT_YET = ("eagle", "eagle3", "mtp")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
+NOT_YET = ("mtp",)
 # Methods whose `model` is a directory of their own (a draft model or heads).
-WITH_MODEL = ("draft_model", "medusa")
+WITH_MODEL = ("draft_model", "medusa", "eagle", "eagle3")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
 
 
@@ -66,7 +67,7 @@ class SpeculativeConfig:
         model = value.get("model")
         if method in WITH_MODEL:
             if not isinstance(model, (str, os.PathLike)) or not str(model):
-                what = "draft model" if method == "draft_model" else "Medusa heads"
+                what = {"draft_model": "draft model", "medusa": "Medusa heads"}.get(method, "EAGLE head")
                 raise ValueError(f"speculative_config.model: a {what} directory is required for {method}")
             model = str(model)
         elif model is not None:

@@ -35,8 +35,20 @@ from kvserve.runtime.structured_outputs.manager import apply_grammar_to_drafts
 
 
 def load_heads(config: SpeculativeConfig, *, hidden_size: int, vocab_size: int, device: torch.device,
-               dtype: torch.dtype):
-    """Medusa heads on rank 0 (None for the other methods), checked against the target."""
+               dtype: torch.dtype, num_layers: int | None = None):
+    """Medusa heads, or an EAGLE head with the indices of the target's aux_hidden_layers it
+    reads (EAGLE-3), on rank 0; None for the other methods. Checked against the target."""
+    if config.method in ("eagle", "eagle3"):
+        from kvserve.runtime.spec_decode.eagle import default_aux_layers, load_eagle_head
+
+        head, ids = load_eagle_head(config.model, method=config.method, hidden_size=hidden_size,
+                                    vocab_size=vocab_size, dtype=dtype, device=device)
+        if config.method == "eagle3":
+            ids = ids or default_aux_layers(num_layers)
+            if min(ids) < 1 or max(ids) > num_layers:
+                raise ValueError(f"speculative_config.model: eagle_aux_hidden_state_layer_ids {list(ids)} must lie "
+                                 f"in [1, {num_layers}] (the residual stream entering a layer of the target)")
+        return head, tuple(ids)
     if config.method != "medusa":
         return None
     from kvserve.runtime.spec_decode.medusa import load_medusa_heads
@@ -90,7 +102,8 @@ def eligible(params: SamplingParams, seq) -> bool:
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, *, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, max_model_len: int,
-                 draft_model=None, heads=None, hidden_source=None) -> None:
+                 draft_model=None, heads=None, hidden_source=None, aux_source=None, target=None,
+                 model_dir=None) -> None:
         """`draft_model` comes from ``load_draft`` (required for method draft_model); its KV pools
         take `kv_cache_dtype`, the target's (float8 with kv_cache_dtype fp8). `heads` (Medusa,
         from ``load_heads``) read the hidden states behind each step's logits rows, which
@@ -98,7 +111,19 @@ class SpecDecoder:
         self.config = config
         self.heads = heads
         self.hidden_source = hidden_source
-        if config.method == "medusa" and (heads is None or hidden_source is None):
+        self.aux_source = aux_source
+        self.eagle = None
+        if config.method in ("eagle", "eagle3"):
+            # `heads` is the loaded EagleHead; its proposer owns the one-layer draft KV pools.
+            from kvserve.runtime.spec_decode.eagle import EagleProposer
+
+            if heads is None or hidden_source is None or target is None:
+                raise ValueError("speculative_config.model: the EAGLE head was not loaded")
+            head, aux = heads  # `target` (rank 0's model) lends its embedding, lm_head and RoPE
+            self.eagle = EagleProposer(head, target, num_blocks=num_blocks, block_size=block_size, aux_layers=aux,
+                                       model_dir=model_dir)
+            self.heads = None
+        elif config.method == "medusa" and (heads is None or hidden_source is None):
             raise ValueError("speculative_config.model: the Medusa heads were not loaded")
         self.runner = runner
         self.block_size = block_size
@@ -134,7 +159,7 @@ class SpecDecoder:
                 continue
             if cfg.method == "ngram":
                 seq.spec_token_ids = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            elif cfg.method == "medusa":
+            elif cfg.method in ("medusa", "eagle", "eagle3"):
                 # The heads' guesses from the previous step, if nothing changed the sequence since.
                 made = seq.head_drafts
                 seq.spec_token_ids = list(made[1][:k]) if made is not None and made[0] == seq.num_tokens else []
@@ -147,10 +172,15 @@ class SpecDecoder:
                 rows: list[SamplingRow], repeats: list[int] | None = None) -> SamplerOutput:
         runner = self.runner
         spec = [i for i, item in enumerate(scheduled) if item.num_spec]
+        if self.eagle is not None:
+            for item in scheduled:
+                self.eagle.copy_blocks(item.block_copies)
         if not spec and self.draft_model is None:
             out = runner.execute(scheduled, block_tables, rows, repeats)
             if self.heads is not None:
                 self._plain_head_drafts(scheduled, repeats)
+            if self.eagle is not None:
+                self._eagle_drafts(scheduled, block_tables, rows, repeats, out.token_ids)
             return out
         if repeats is None:
             repeats = [1] * sum(1 for item in scheduled if item.samples)
@@ -257,6 +287,8 @@ class SpecDecoder:
             self._head_drafts(sources)
         for i in spec:
             scheduled[i].seq.spec_token_ids = []
+        if self.eagle is not None:
+            self._eagle_drafts(scheduled, block_tables, rows, repeats, token_ids)
         return SamplerOutput(token_ids, logprobs)
 
     # -- Medusa --------------------------------------------------------------------------------------
@@ -282,6 +314,59 @@ class SpecDecoder:
         guesses = self.heads.propose(hidden[index], self.config.num_speculative_tokens)
         for (seq, _, added), drafts in zip(sources, guesses):
             seq.head_drafts = (seq.num_tokens + added, drafts)
+
+    # -- EAGLE ---------------------------------------------------------------------------------------
+    def _eagle_drafts(self, scheduled: list, block_tables: list[list[int]], rows: list[SamplingRow],
+                      repeats: list[int] | None, token_ids: list) -> None:
+        """Writes the draft slot of every position this step computed and kept (its next token is
+        now known: from the prompt, an accepted draft or the sampled token) and leaves each
+        single-sample sequence its next drafts."""
+        hidden = self.hidden_source()
+        if hidden is None:
+            return
+        eagle = self.eagle
+        if eagle.aux_layers:
+            aux = self.aux_source()
+            hidden = torch.cat([aux[j] for j in eagle.aux_layers], dim=-1)
+        fills, wants, owners = [], [], []
+        row = off = s = r = 0
+        k = self.config.num_speculative_tokens
+        for item, table in zip(scheduled, block_tables):
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            base = seq.token_ids
+            want = 0
+            if not item.samples:
+                ext, m = base, n
+            else:
+                reps = 1 if repeats is None else repeats[s]
+                emitted = token_ids[r]
+                params = rows[row].params
+                row += reps
+                r += reps
+                s += 1
+                if reps == 1:
+                    emitted = emitted if isinstance(emitted, list) else [emitted]
+                    if item.num_spec:
+                        ext, m = base[:start + 1] + emitted, len(emitted)
+                    else:
+                        ext, m = base + emitted, n
+                    if eligible(params, seq):
+                        want = k
+                        owners.append((seq, len(emitted)))
+                else:
+                    ext, m = base, n - 1
+            m = max(0, min(m, len(ext) - 1 - start))
+            if m:
+                positions = list(range(start, start + m))
+                fills.append((table, positions, ext[start + 1:start + 1 + m], hidden[off:off + m]))
+                wants.append(want)
+            elif want:
+                owners.pop()
+            off += n
+        proposals = eagle.step(fills, wants)
+        drafts = [d for d, w in zip(proposals, wants) if w]
+        for (seq, added), d in zip(owners, drafts):
+            seq.head_drafts = (seq.num_tokens + added, d)
 
     def _propose(self, scheduled: list, block_tables: list[list[int]],
                  item_rows: list[list[SamplingRow]], spec: list[int]) -> dict[int, list[torch.Tensor | None]]:

@@ -3,9 +3,9 @@
 - 4-bit (``load_in_4bit``): NF4 or FP4 codes, one absmax per block of 64 (``bnb_4bit_quant_type``),
   the absmax values themselves 8-bit quantized in blocks of 256 with double quantization
   (``bnb_4bit_use_double_quant``). The codes index a 16-value codebook, not an affine grid, so
-  no int4 kernel here takes them: the runtime dequantizes them once at load into the compute
-  dtype (exact: the codebook value times the block's absmax) and holds them as full-precision
-  weights; the checkpoint saves disk and download, not runtime memory.
+  no int4 kernel here takes them: the runtime holds them packed, two per byte, with one float32
+  absmax per block (double quantization resolved at load), and dequantizes a slab of rows per
+  matmul (exact: the codebook value times the block's absmax): 0.5 + 4 / 64 bytes per weight.
 - 8-bit (``load_in_8bit``, LLM.int8 checkpoints): int8 codes with one absmax per output row
   (``SCB``), w = code * SCB / 127: the canonical per-channel int8 weight, kept quantized.
   (LLM.int8's outlier decomposition is a property of its matmul, not of the checkpoint; the
@@ -23,6 +23,8 @@ from typing import Any
 from kvserve.runtime.weight_formats.base import FormatConfig, WeightFormat, int8_bytes
 
 QUANT_TYPES = ("nf4", "fp4")
+# bitsandbytes' 4-bit block size (transformers' BitsAndBytesConfig has no setting for it).
+BLOCKSIZE = 64
 
 
 class BitsAndBytesFormat(FormatConfig):
@@ -67,7 +69,8 @@ class BitsAndBytesFormat(FormatConfig):
     def weight_format(self, dtype_size: int, row_length: int) -> WeightFormat:
         if self.bits == 8:
             return WeightFormat(self.name, int8_bytes(None, dtype_size, row_length), dtype_size)
-        return WeightFormat(self.name, dtype_size, dtype_size)  # 4-bit: held dequantized (see above)
+        # 4-bit: packed codes + a float32 absmax per block of BLOCKSIZE (see above)
+        return WeightFormat(self.name, 0.5 + 4 / BLOCKSIZE, dtype_size)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"quantization": self.name, "bits": self.bits}

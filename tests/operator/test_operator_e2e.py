@@ -63,6 +63,7 @@ DOCUMENTED_RBAC = {
     ("kvserve.dev", "inferenceservices/status"): {"patch"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): {"get", "patch"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},

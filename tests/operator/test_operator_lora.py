@@ -118,6 +118,63 @@ def test_vllm_engine_gets_runtime_lora_updating():
     assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in env
 
 
+@pytest.mark.parametrize("engine, api_key, gets_key", [
+    ("vllm", True, True),     # vLLM's LoRA routes want the user key: the agent gets it
+    ("vllm", False, False),
+    ("kvserve", True, False),  # kvserve's want the admin key, which the agent has
+])
+def test_the_agent_gets_vllms_api_key_from_its_secret(engine, api_key, gets_key):
+    runtime = {"engine": engine, **({"apiKeySecret": {"name": "keys", "key": "user"}} if api_key else {})}
+    s = spec(adapters=[{"name": "sql", "uri": "/a"}], runtime=runtime)
+    containers = M.build_deployment(OWNER, s, replicas=1, tp=1)["spec"]["template"]["spec"]["containers"]
+    env = [e for e in containers[1]["env"] if e["name"] == L.ENGINE_API_KEY_ENV]
+    if gets_key:
+        assert env == [{"name": L.ENGINE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": "keys", "key": "user"}}}]
+    else:
+        assert env == []
+    assert all("value" not in e or e["name"] != L.ENGINE_API_KEY_ENV for c in containers for e in c.get("env", []))
+
+
+def test_the_agent_loads_adapters_with_the_engine_key():
+    """The agent's LoRA calls carry config.engine_api_key when set (vLLM), else the admin key. The
+    engine here is a stand-in answering vLLM's rule (a Bearer user key on /v1 routes): vLLM itself
+    cannot run in the tests."""
+    from aiohttp import web
+
+    from kvserve.runtime.agent.adapters import LoadRefused
+    from kvserve.runtime.agent.app import Agent, AgentConfig, RuntimeAdmin
+
+    seen = []
+
+    async def load(request):
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != "Bearer usr":
+            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        return web.Response(text="Success")
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/load_lora_adapter", load)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            with_key = Agent(AgentConfig(engine_url=url, engine="vllm", admin_api_key="adm", engine_api_key="usr"))
+            await RuntimeAdmin(with_key).load("sql", "/adapters/sql")
+            await with_key.session.close()
+            without = Agent(AgentConfig(engine_url=url, engine="vllm", admin_api_key="adm"))
+            with pytest.raises(LoadRefused, match="401"):
+                await RuntimeAdmin(without).load("sql", "/adapters/sql")
+            await without.session.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert seen == ["Bearer usr", "Bearer adm"]
+
+
 TWO = [{"name": "sql", "uri": "/a"}, {"name": "chat", "uri": "/b"}]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import gzip
+import json
 import pathlib
 
 import pytest
@@ -100,6 +101,19 @@ def test_rendered_leaderworkerset_validates_against_the_real_crd_and_keeps_the_p
     assert "LeaderWorkerSet" in kinds and "Deployment" not in kinds
 
 
+def test_only_a_leaderworkerset_leaves_its_size_to_the_scale_subresource():
+    lws_spec = parsed(big_spec())
+    lws = MN.build_workload(OWNER, lws_spec, replicas=3, tp=8)
+    body = MN.applied_body(lws)
+    assert MN.scaled_through_subresource(lws) and "replicas" not in body["spec"]
+    assert lws["spec"]["replicas"] == 3  # the rendering keeps it: the digest and _runs compare it
+    assert {k: v for k, v in lws["spec"].items() if k != "replicas"} == body["spec"]
+    dep = MN.build_workload(OWNER, parsed(big_spec(gpu={"perShard": 1, "gpusPerNode": 8},
+                                                   parallelism={"tensor": {"min": 4, "max": 4, "initial": 4}})),
+                            replicas=3, tp=4)
+    assert not MN.scaled_through_subresource(dep) and MN.applied_body(dep) == dep
+
+
 def test_a_replica_that_fits_a_node_stays_a_deployment_with_its_stages():
     spec = parsed(big_spec(gpu={"perShard": 1, "gpusPerNode": 8},
                            parallelism={"pipeline": 2, "tensor": {"min": 4, "max": 4, "initial": 4}}))
@@ -153,6 +167,17 @@ def _lws_resource():
                               subresources={"status", "scale"})
 
 
+LWS_PATH = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/default/leaderworkersets/big"
+SCALE = LWS_PATH + "/scale"
+
+
+def scale_patches(emulator) -> int:
+    """PATCHes the operator sent to the LeaderWorkerSet's scale subresource."""
+    return sum(1 for r in list(emulator.emulator)
+               if r.resource is not None and r.resource.plural == "leaderworkersets" and r.subresource == "scale"
+               and r.method == "PATCH" and (r.headers or {}).get("User-Agent", "").startswith("kvserve-operator"))
+
+
 def _leader_pod(lws: dict, group: int) -> dict:
     template = copy.deepcopy(lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"])
     meta = template["metadata"]
@@ -198,10 +223,26 @@ def test_operator_renders_scales_and_reports_a_leaderworkerset_and_names_a_missi
         (ref,) = lws["metadata"]["ownerReferences"]
         assert ref["kind"] == "InferenceService"
 
-        # Scaled: two groups.
+        assert api.call("GET", SCALE)["spec"]["replicas"] == 1
+
+        # Scaled: two groups, set through the scale subresource, never by the applied body (its
+        # field manager owns no spec.replicas, so a template change cannot reset the size).
         api.patch_spec("big", {"replicas": 2})
-        lws = wait_for(lambda: (o := api.get("LeaderWorkerSet", "big")) and o["spec"]["replicas"] == 2 and o,
-                       what="2 groups")
+        wait_for(lambda: api.call("GET", SCALE)["spec"]["replicas"] == 2, what="2 groups through /scale")
+        lws = api.get("LeaderWorkerSet", "big")
+        assert lws["spec"]["replicas"] == 2
+        assert scale_patches(emulator) >= 2  # created at 1, then 2
+        owned = [f for f in lws["metadata"].get("managedFields") or [] if f.get("operation") == "Apply"]
+        assert owned and all("f:replicas" not in json.dumps(f.get("fieldsV1", {})) for f in owned)
+        # The LWS controller's view of the groups reads back through the same Scale.
+        api.call("PATCH", LWS_PATH + "/status", {"status": {"replicas": 2, "hpaPodSelector": "x=y"}},
+                 content_type="application/merge-patch+json")
+        scale = api.call("GET", SCALE)
+        assert scale["kind"] == "Scale" and scale["status"] == {"replicas": 2, "selector": "x=y"}
+        # `kubectl scale` behind the operator's back: it is the one writer, the size comes back.
+        api.call("PATCH", SCALE, {"spec": {"replicas": 5}}, content_type="application/merge-patch+json")
+        wait_for(lambda: api.call("GET", SCALE)["spec"]["replicas"] == 2, timeout=30, what="size put back")
+        lws = api.get("LeaderWorkerSet", "big")
         # Status counts groups by their leaders (what LWS's controller would create).
         for group in range(2):
             api.call("POST", "/api/v1/namespaces/default/pods", _leader_pod(lws, group))

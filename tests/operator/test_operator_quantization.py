@@ -89,10 +89,10 @@ def test_fp8_kv_cache_doubles_the_planned_tokens():
                                                                 "group_size": 64}}}}, 0.5 + 4 / 64),
     ("compressed-tensors", {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
                                                                 "strategy": "channel"}}}}, 1 + 4 / 8192),
-    # bitsandbytes: LLM.int8 kept as per-channel int8; NF4/FP4 held dequantized (no codebook kernel).
+    # bitsandbytes: LLM.int8 kept as per-channel int8; NF4/FP4 kept packed with a float32 absmax per 64.
     ("bitsandbytes", {"load_in_8bit": True}, 1 + 2 / 8192),
-    ("bitsandbytes", {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, 2.0),
-    ("bitsandbytes", None, 2.0),
+    ("bitsandbytes", {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, 0.5 + 4 / 64),
+    ("bitsandbytes", None, 0.5 + 4 / 64),
 ])
 def test_bytes_per_weight_of_every_format(name, qc, linear_bytes):
     fmt = weight_format(name, dtype_bytes("bfloat16"), 8192, qc)

@@ -31,6 +31,10 @@ owns by server-side apply only: patch, and create for an apply that creates the 
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [get, create, patch, delete]
+# Their size (groups) is set through the scale subresource only (operator/multinode.py).
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets/scale]
+  verbs: [get, patch]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch, delete]
