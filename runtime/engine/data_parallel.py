@@ -354,8 +354,12 @@ class DataParallelEngine:
             e.check_health()
 
     def close(self) -> None:
-        for e in self.engines:
-            self._close_engine(e)
+        from kvserve.runtime.executor.platform import held_release, platform_for
+
+        device = self.engines[0].device if self.engines else "cpu"  # none left after a failed rollback
+        with held_release(platform_for(device)):  # one collection for all engines
+            for e in self.engines:
+                self._close_engine(e)
         if self.spare_workers:
             from kvserve.runtime.executor.multiproc import prestart_workers
 
