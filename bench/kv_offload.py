@@ -79,6 +79,9 @@ def scrape(url: str) -> dict[str, float]:
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+            if 'phase="' in name:  # the step histogram per phase (its plain sum adds the phases)
+                key = name.split("{")[0] + ":" + name.split('phase="')[1].split('"')[0]
+                out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -108,11 +111,14 @@ def ttft_row(name: str, ttfts: list[float], later: list[float], tokens: int, dur
             "preemptions": delta("vllm:num_preemptions_total"),
             # Where the time goes, summed over the run's requests / steps (server side).
             "queue_s_per_request": delta("vllm:request_queue_time_seconds_sum") / max(1, len(ttfts)),
-            "step_s_total": delta("kvserve:step_duration_seconds_sum"),
-            "steps": delta("kvserve:step_duration_seconds_count"),
+            "step_s_total": delta("kvserve:step_duration_seconds_sum"),  # every phase
+            "forward_s_total": delta("kvserve:step_duration_seconds_sum:forward"),
+            "steps": delta("kvserve:step_duration_seconds_count:forward"),
             "tier_load_s_total": delta("kvserve:kv_offload_load_seconds_sum"),
             "tier_loads": delta("kvserve:kv_offload_load_seconds_count"),
-            "tier_store_s_total": delta("kvserve:kv_offload_store_seconds_sum")}
+            "tier_store_s_total": delta("kvserve:kv_offload_store_seconds_sum"),
+            "tier_prefetched_blocks": delta("kvserve:kv_offload_prefetched_blocks_total"),
+            "tier_loaded_blocks": delta("kvserve:kv_offload_hits_total")}
 
 
 def run_workload(args, server: Server, name: str, seed: int) -> tuple[list, float, dict, dict, Workload]:
@@ -257,8 +263,10 @@ def print_row(row: dict) -> None:
           f"{row['prompt_tokens']:.0f} prompt tokens  ({row['duration_s']:.0f} s, load {os.getloadavg()[0]:.1f})",
           flush=True)
     print(f"  {'':<26} queued {row['queue_s_per_request']:.2f} s/request; steps {row['step_s_total']:.1f} s in "
-          f"{row['steps']:.0f}; tier loads {row['tier_load_s_total']:.2f} s in {row['tier_loads']:.0f}, "
-          f"stores {row['tier_store_s_total']:.2f} s", flush=True)
+          f"{row['steps']:.0f} (forward {row['forward_s_total']:.1f} s); "
+          f"tier loads {row['tier_load_s_total']:.2f} s in {row['tier_loads']:.0f}, "
+          f"stores {row['tier_store_s_total']:.2f} s; {row['tier_prefetched_blocks']:.0f} of "
+          f"{row['tier_loaded_blocks']:.0f} loaded blocks were read ahead", flush=True)
 
 
 def cpu_flags() -> str:

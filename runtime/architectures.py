@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "MptForCausalLM",
     "BloomForCausalLM",
     "FalconForCausalLM",
+    "BaichuanForCausalLM",
 )
 # Position information from ALiBi biases instead of rotary embeddings (Falcon: its ALiBi variant).
 ALIBI_ARCHITECTURES = ("MptForCausalLM", "BloomForCausalLM", "FalconForCausalLM")
@@ -39,7 +40,8 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                   "deepseek_v3": "DeepseekV3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                  "mpt": "MptForCausalLM", "bloom": "BloomForCausalLM", "falcon": "FalconForCausalLM"}
+                  "mpt": "MptForCausalLM", "bloom": "BloomForCausalLM", "falcon": "FalconForCausalLM",
+                  "baichuan": "BaichuanForCausalLM"}
 
 # Checkpoint tensors that hold several projections stacked by rows (Phi-3's qkv_proj and
 # gate_up_proj): suffix -> the parts, in row order. The loader splits them (part sizes from
@@ -53,6 +55,8 @@ _FUSED = {"Phi3ForCausalLM": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.we
           "BloomForCausalLM": {f"self_attn.qkv_proj.{t}": tuple(f"self_attn.{p}_proj.{t}" for p in "qkv")
                                for t in ("weight", "bias")}}
 _FUSED["FalconForCausalLM"] = _FUSED["BloomForCausalLM"]  # Falcon without multi-query: the same layout
+_FUSED["BaichuanForCausalLM"] = _FUSED["MptForCausalLM"]  # W_pack: q | k | v one after the other
+_BAICHUAN_NAMES = ((".self_attn.W_pack.", ".self_attn.qkv_proj."),)
 _BLOOM_NAMES = (("transformer.word_embeddings_layernorm.", "model.embed_layernorm."),
                 ("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
                 ("transformer.h.", "model.layers."), (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
@@ -115,7 +119,7 @@ def fused_part_rows(name: str, rows: int, num_heads: int, num_kv_heads: int, hea
 def checkpoint_name(arch: str, name: str) -> str:
     """A checkpoint tensor's name in the layout every family shares (model.layers.N.self_attn...)."""
     for old, new in {"MptForCausalLM": _MPT_NAMES, "BloomForCausalLM": _BLOOM_NAMES,
-                     "FalconForCausalLM": _BLOOM_NAMES}.get(arch, ()):
+                     "FalconForCausalLM": _BLOOM_NAMES, "BaichuanForCausalLM": _BAICHUAN_NAMES}.get(arch, ()):
         name = name.replace(old, new)
     return name
 
@@ -159,4 +163,10 @@ def standard_config(config: Mapping[str, Any]) -> dict[str, Any]:
         config.setdefault("tie_word_embeddings", True)
         # Multi-query Falcons are refused by ModelConfig; the others have a KV head per head.
         config["num_key_value_heads"] = config.get("num_attention_heads")
+    elif architecture_of(config) == "BaichuanForCausalLM":
+        # Baichuan (remote code): multi-head; the 13B config names its context model_max_length.
+        config["num_key_value_heads"] = config.get("num_attention_heads")
+        if config.get("max_position_embeddings") is None and config.get("model_max_length") is not None:
+            config["max_position_embeddings"] = config["model_max_length"]
+            config["baichuan_alibi"] = True
     return config

@@ -126,6 +126,8 @@ class ModelConfig:
     embed_norm: bool = False
     # Falcon scales its ALiBi biases with the scores (head_dim ** -0.5); MPT and BLOOM add them after.
     alibi_scale: float = 1.0
+    # Baichuan-13B: ALiBi attention inside the Llama layer (RMSNorms, SiLU-gated MLP), not MPT's.
+    alibi_llama_layers: bool = False
 
     @classmethod
     def from_pretrained(cls, model_dir: str | pathlib.Path) -> ModelConfig:
@@ -173,7 +175,10 @@ class ModelConfig:
         act = config.get(act_field) or ("gelu_pytorch_tanh" if is_gemma else "silu")
         alibi = (_alibi(config) if arch == "MptForCausalLM" else _bloom(config) if arch == "BloomForCausalLM"
                  else _falcon(config, shape.head_dim) if arch == "FalconForCausalLM" else {})
-        if alibi:  # MPT's MLP is fixed: exact GELU, ungated (models/mpt.py); config.json names none
+        if arch == "BaichuanForCausalLM" and config.get("baichuan_alibi"):
+            # Baichuan-13B (its config has no max_position_embeddings; Baichuan-7B's RoPE one does)
+            alibi = {"alibi_bias_max": 8.0, "alibi_llama_layers": True}
+        elif alibi:  # MPT's MLP is fixed: exact GELU, ungated (models/mpt.py); config.json names none
             act = "silu"
         if act not in _ACTIVATIONS:
             raise ValueError(f"model config: {act_field} {act!r} is not supported; "
@@ -229,7 +234,8 @@ class ModelConfig:
                       or (arch == "FalconForCausalLM" and bool(config.get("bias", False)))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             local_rope=local_rope,
-            hidden_act=("gelu_tanh" if arch == "BloomForCausalLM" else "gelu") if alibi else _ACTIVATIONS[act],
+            hidden_act=(("gelu_tanh" if arch == "BloomForCausalLM" else "gelu")
+                        if alibi and not alibi.get("alibi_llama_layers") else _ACTIVATIONS[act]),
             **gemma,
             routing=routing,
             **alibi,

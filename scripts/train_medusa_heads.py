@@ -1,6 +1,6 @@
 """Trains Medusa heads for a model from its own greedy answers, on CPU (testing/spec_heads.py).
 
-    python scripts/train_medusa_heads.py MODEL_DIR OUT_DIR [--heads 3] [--vocab 8192]
+    python scripts/train_medusa_heads.py MODEL_DIR OUT_DIR [--heads 3] [--layers 1] [--vocab 8192]
 
 With no arguments: the real SmolLM2 (build/smollm2), cached under build/spec-heads/.
 """
@@ -18,6 +18,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?", help="HF model directory (default: the real SmolLM2)")
     ap.add_argument("out", nargs="?", help="where the heads go (default: build/spec-heads/...)")
     ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     ap.add_argument("--vocab", type=int, default=8192, help="truncated vocabulary of the heads")
     ap.add_argument("--questions", type=int, default=960)
     ap.add_argument("--epochs", type=int, default=8)
@@ -25,11 +26,12 @@ def main() -> None:
     if args.model is None:
         from kvserve.testing.realmodel import ensure_smollm2
 
-        print(ensure_medusa_heads(ensure_smollm2().hf_dir, num_heads=args.heads, vocab=args.vocab))
+        print(ensure_medusa_heads(ensure_smollm2().hf_dir, num_heads=args.heads, num_layers=args.layers,
+                                  vocab=args.vocab))
         return
     if args.out is None:
         ap.error("OUT_DIR is required with MODEL_DIR")
-    print(json.dumps(train(args.model, args.out, num_heads=args.heads, vocab=args.vocab,
+    print(json.dumps(train(args.model, args.out, num_heads=args.heads, num_layers=args.layers, vocab=args.vocab,
                            questions=args.questions, epochs=args.epochs), indent=2))
 
 

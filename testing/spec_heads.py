@@ -104,7 +104,7 @@ def _weights_digest(model_dir) -> str:
     return hashlib.sha256((pathlib.Path(model_dir) / "model.safetensors").read_bytes()[:1 << 20]).hexdigest()[:10]
 
 
-def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, questions: int = 960,
+def train(model_dir, out_dir, *, num_heads: int = 3, num_layers: int = 1, vocab: int = 8192, questions: int = 960,
           max_tokens: int = 160, epochs: int = 8, seed: int = 0, log=print) -> dict:
     """Trains and saves heads; returns what was measured (sizes, losses, held-out top-1 accuracy)."""
     from safetensors.torch import load_file
@@ -136,11 +136,14 @@ def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, question
 
     weights = load_file(str(pathlib.Path(model_dir) / "model.safetensors"))
     lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
-    heads = MedusaHeads(num_heads, 1, hidden.shape[1], vocab, token_map=token_map)
+    heads = MedusaHeads(num_heads, num_layers, hidden.shape[1], vocab, token_map=token_map)
     with torch.no_grad():
         for blocks, proj in zip(heads.blocks, heads.heads):
-            blocks[0].weight.zero_()  # start as "the next token again", as Medusa does
-            blocks[0].bias.zero_()
+            # Start as "the next token again", as Medusa does: every block at zero is the identity
+            # (silu(0) = 0) and still learns (silu'(0) = 1/2).
+            for block in blocks:
+                block.weight.zero_()
+                block.bias.zero_()
             proj.weight.copy_(lm_head[token_map])
             proj.weight.requires_grad_(False)
     heads.share_projection_if_equal()
@@ -175,7 +178,7 @@ def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, question
         accuracy = [float(((guess[:, i] == t[:, i]) & (t[:, i] >= 0)).sum() / max(1, int((t[:, i] >= 0).sum())))
                     for i in range(num_heads)]
     save_medusa_heads(heads, out_dir, base_model=str(model_dir))
-    report = {"questions": len(qs), "answer_tokens": int(n), "truncated_vocab": vocab,
+    report = {"questions": len(qs), "num_layers": num_layers, "answer_tokens": int(n), "truncated_vocab": vocab,
               "vocab_coverage": float(counts[token_map].sum() / counts.sum()), "epochs": epochs,
               "loss_per_epoch": losses, "held_out_top1_accuracy_per_head": accuracy,
               "data_s": t2 - t0, "train_s": time.perf_counter() - t2}
@@ -183,16 +186,17 @@ def train(model_dir, out_dir, *, num_heads: int = 3, vocab: int = 8192, question
     return report
 
 
-def ensure_medusa_heads(model_dir, *, num_heads: int = 3, vocab: int = 8192, root=None, log=print) -> pathlib.Path:
+def ensure_medusa_heads(model_dir, *, num_heads: int = 3, num_layers: int = 1, vocab: int = 8192, root=None,
+                        log=print) -> pathlib.Path:
     """The cached heads directory for `model_dir`, trained on first use."""
     model_dir = pathlib.Path(model_dir)
     digest = _weights_digest(model_dir)
     root = pathlib.Path(root) if root else REPO_ROOT / "build" / "spec-heads"
-    out = root / f"{model_dir.name}-{digest}-medusa-{num_heads}x1-v{vocab}"
+    out = root / f"{model_dir.name}-{digest}-medusa-{num_heads}x{num_layers}-v{vocab}"
     if (out / "training.json").is_file():
         return out
     tmp = out.with_name(out.name + ".part")
-    report = train(model_dir, tmp, num_heads=num_heads, vocab=vocab, log=log)
+    report = train(model_dir, tmp, num_heads=num_heads, num_layers=num_layers, vocab=vocab, log=log)
     log(json.dumps(report))
     tmp.rename(out)
     return out

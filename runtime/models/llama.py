@@ -157,6 +157,10 @@ class DecoderLayer(nn.Module):
             from kvserve.runtime.models.mla import MLAAttention
 
             self.self_attn = MLAAttention(cfg, backend, layer=layer, quant_config=quant_config, **kw)
+        elif cfg.alibi_llama_layers:  # Baichuan-13B: ALiBi attention in the Llama layer
+            from kvserve.runtime.models.mpt import AlibiAttention
+
+            self.self_attn = AlibiAttention(cfg, backend, layer=layer, quant_config=quant_config, **kw)
         else:
             self.self_attn = Attention(cfg, backend, layer=layer, quant_config=quant_config, **kw)
         # Where the checkpoint keeps this layer's MLP (Mixtral: its expert block).
@@ -258,7 +262,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **qkw)
                              if first or (last and cfg.tie_word_embeddings) else None)
         layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
-        if cfg.alibi_bias_max is not None:  # MPT: ALiBi, LayerNorms, plain MLP (models/mpt.py)
+        if cfg.alibi_bias_max is not None and not cfg.alibi_llama_layers:  # MPT: ALiBi, LayerNorms, plain MLP
             from kvserve.runtime.models import mpt
 
             layer_cls = mpt.AlibiDecoderLayer
@@ -277,7 +281,7 @@ class CausalLM(nn.Module):
         self.final_norm = ops.gemma_fused_add_rms_norm if cfg.gemma_norms else ops.fused_add_rms_norm
         self.first_norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
         self.embed_layernorm = None
-        if cfg.alibi_bias_max is not None:  # LayerNorms; BLOOM's have biases and one norms the embeddings
+        if cfg.alibi_bias_max is not None and not cfg.alibi_llama_layers:  # LayerNorms; BLOOM: biases, embed norm
             dd = dict(dtype=dtype, device=self.device)
             self.final_layernorm = mpt.LayerNorm(cfg.hidden_size, bias=cfg.norm_bias, **dd) if last else None
             if cfg.embed_norm and first:

@@ -198,3 +198,43 @@ def test_min_replicas_zero_without_router_is_refused_and_nothing_is_made(cluster
         wait_for(lambda: api.get_isvc("nodoor") is None, what="resource gone")
     finally:
         op.stop()
+
+
+def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
+    """spec.runtime.kvOffload and the router's KV events, through the real operator into the API:
+    the runtime Deployment's tier flags, volume and events ports, its pods' events annotation, and
+    the router Deployment's subscription flag, which the router's own parser takes."""
+    from kvserve.operator import kvcache as K
+    from kvserve.runtime.cli import build_parser
+    from kvserve.runtime.kv_events import KVEventsConfig
+
+    emulator, api, kubelet, load = cluster
+    obj = copy.deepcopy(TINY)
+    obj["metadata"]["name"] = "cached"
+    obj["spec"]["parallelism"] = {"tensor": {"min": 1, "max": 1}}
+    obj["spec"]["router"] = {"enabled": True}
+    obj["spec"]["runtime"] = {"kvOffload": {"size": "1Gi", "medium": "emptyDir"}}
+    assert crd.validate(obj) == []
+    op = start_operator(emulator, kubelet)
+    try:
+        api.apply_isvc(crd.apply_defaults(obj, crd.openapi_schema()))
+        dep = wait_for(lambda: api.get("Deployment", "cached"), timeout=60, what="runtime Deployment")
+        template = dep["spec"]["template"]
+        runtime = next(c for c in template["spec"]["containers"] if c["name"] == "runtime")
+        command = runtime["command"]
+        assert command[command.index("--kv-offload-bytes") + 1] == str(1024**3)
+        assert command[command.index("--kv-offload-dir") + 1] == K.OFFLOAD_DIR
+        assert KVEventsConfig.parse(command[command.index("--kv-events-config") + 1]).active
+        assert {v["name"] for v in template["spec"]["volumes"]} >= {K.OFFLOAD_VOLUME}
+        assert {p["name"] for p in runtime["ports"]} >= {"kv-events", "kv-replay"}
+        assert template["metadata"]["annotations"][K.EVENTS_PORT_ANNOTATION] == str(K.EVENTS_PORT)
+        router = wait_for(lambda: api.get("Deployment", "cached-router"), timeout=60, what="router Deployment")
+        router_command = router["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert build_parser().parse_args(router_command[1:]).kv_events_port == K.EVENTS_PORT
+        isvc = wait_for(lambda: (o := api.get_isvc("cached")) and o.get("status", {}).get("conditions") and o,
+                        timeout=60, what="status")
+        assert condition(isvc, "Ready")  # the service reports its state with the tier on
+        api.delete_isvc("cached")
+        wait_for(lambda: api.get_isvc("cached") is None, timeout=60, what="resource gone")
+    finally:
+        op.stop()
