@@ -5,7 +5,7 @@
 Writes an NF4 checkpoint with transformers + bitsandbytes (CPU) from random weights, then loads it
 twice in fresh subprocesses: packed (the default: codes + float32 absmax, dequantized per matmul)
 and dequantized at load (BnB4bitMethod.keep_packed = False). Reports the bytes the linear layers
-hold, the process's peak RSS after loading, and batch-1 decode tokens/s (process CPU time, one
+hold, the process's peak RSS and its resident set after loading, and batch-1 decode tokens/s (process CPU time, one
 thread). Writes bench/results/bnb_memory.json.
 """
 
@@ -34,6 +34,8 @@ for name, mod in model.named_modules():
     if hasattr(mod, "quant_method") and type(mod.quant_method).__name__ == "BnB4bitMethod":
         linear += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False) if p is not None)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+import gc; gc.collect()
+now = int(open("/proc/self/statm").read().split()[1]) * 4096  # resident now: what the load left
 prompt = [{"prompt_token_ids": list(range(3, 67))}]
 def run(n):
     t0 = time.process_time()
@@ -41,7 +43,7 @@ def run(n):
     return time.process_time() - t0
 run(4)
 times = sorted(run(33) - run(1) for _ in range(3))
-print(json.dumps({"linear_bytes": linear, "peak_rss": rss, "decode_tok_s": 32 / times[1]}))
+print(json.dumps({"linear_bytes": linear, "peak_rss": rss, "rss_after_load": now, "decode_tok_s": 32 / times[1]}))
 """
 
 
@@ -73,10 +75,11 @@ def main(argv=None) -> int:
                                  capture_output=True, text=True).stdout.strip().splitlines()[-1]
             rows[hold] = json.loads(out)
     params = args.layers * (4 * args.hidden * args.hidden + 3 * 4 * args.hidden * args.hidden)
-    print(f"{'hold':12s} {'linear MiB':>10s} {'B/weight':>9s} {'peak RSS MiB':>12s} {'decode tok/s':>12s}")
+    print(f"{'hold':12s} {'linear MiB':>10s} {'B/weight':>9s} {'peak RSS MiB':>12s} {'RSS after MiB':>13s} "
+          f"{'decode tok/s':>12s}")
     for hold, r in rows.items():
         print(f"{hold:12s} {r['linear_bytes'] / 2**20:10.1f} {r['linear_bytes'] / params:9.3f} "
-              f"{r['peak_rss'] / 2**20:12.1f} {r['decode_tok_s']:12.1f}")
+              f"{r['peak_rss'] / 2**20:12.1f} {r['rss_after_load'] / 2**20:13.1f} {r['decode_tok_s']:12.1f}")
     meta = {"hidden": args.hidden, "layers": args.layers, "linear_params": params, "threads": 1,
             "date": time.strftime("%Y-%m-%d")}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,9 @@ def ttft_row(name: str, ttfts: list[float], later: list[float], tokens: int, dur
             "steps": delta("kvserve:step_duration_seconds_count:forward"),
             "tier_load_s_total": delta("kvserve:kv_offload_load_seconds_sum"),
             "tier_loads": delta("kvserve:kv_offload_load_seconds_count"),
-            "tier_store_s_total": delta("kvserve:kv_offload_store_seconds_sum")}
+            "tier_store_s_total": delta("kvserve:kv_offload_store_seconds_sum"),
+            "tier_prefetched_blocks": delta("kvserve:kv_offload_prefetched_blocks_total"),
+            "tier_loaded_blocks": delta("kvserve:kv_offload_hits_total")}
 
 
 def run_workload(args, server: Server, name: str, seed: int) -> tuple[list, float, dict, dict, Workload]:
@@ -263,7 +265,8 @@ def print_row(row: dict) -> None:
     print(f"  {'':<26} queued {row['queue_s_per_request']:.2f} s/request; steps {row['step_s_total']:.1f} s in "
           f"{row['steps']:.0f} (forward {row['forward_s_total']:.1f} s); "
           f"tier loads {row['tier_load_s_total']:.2f} s in {row['tier_loads']:.0f}, "
-          f"stores {row['tier_store_s_total']:.2f} s", flush=True)
+          f"stores {row['tier_store_s_total']:.2f} s; {row['tier_prefetched_blocks']:.0f} of "
+          f"{row['tier_loaded_blocks']:.0f} loaded blocks were read ahead", flush=True)
 
 
 def cpu_flags() -> str:

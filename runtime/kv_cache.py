@@ -140,7 +140,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     nbytes = element_size(dtype) * math.prod(shape)
     if device.type != "cpu" or nbytes < LAZY_ZERO_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, nbytes)  # the tensor holds a reference: unmapped when the tensor goes
+    # Private: Python's default for an anonymous map is shared memory, which a forked child
+    # would share and which transparent huge pages do not cover. The tensor holds a reference:
+    # unmapped when the tensor goes.
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults as blocks fill, where THP allows it
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)

@@ -58,6 +58,7 @@ class EngineStats:
     kv_offload_stored_bytes_total: int = 0
     kv_offload_loaded_bytes_total: int = 0
     kv_offload_failed_loads_total: int = 0
+    kv_offload_prefetched_blocks_total: int = 0  # tier blocks a load found read ahead
     kv_swap_capacity_bytes: int = 0
     kv_swap_used_bytes: int = 0
     kv_swap_outs_total: int = 0

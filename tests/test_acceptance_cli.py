@@ -90,7 +90,7 @@ def _preflight_only(monkeypatch, argv: list[str], capsys) -> tuple[int, list[str
     (["--compilation-config", "not json"], "compilation_config: not valid JSON"),
     (["-O", "2"], "compilation_config.level: must be 0"),
     (["--compilation-config", '{"cudagraph_capture_sizes": [0]}'], "compilation_config.cudagraph_capture_sizes"),
-    (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "speculative_config.method"),
+    (["--speculative-config", '{"method": "beam", "num_speculative_tokens": 2}'], "speculative_config.method"),
     (["--dtype", "float64"], "dtype: must be one of"),
     (["--device", "tpu"], "device: must be"),
     # Against the model's config: 3 does not divide the tiny Llama's 4 heads (no worker is started).

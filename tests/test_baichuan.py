@@ -100,8 +100,12 @@ def test_config_maps_both_variants(checkpoint):
 def test_prefill_logits_and_greedy_decode_match_the_float64_reference(checkpoint):
     path, w, alibi = checkpoint
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    from kvserve.kernels.cpu import native
+
     with LLM(str(path), num_kv_blocks=32, block_size=8, dtype="float32", device="cpu") as llm:
         out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+        if native.available():  # decode steps ran in the one-call native stack (ALiBi slopes or RoPE)
+            assert isinstance(llm.engine.model._native_stack, native.DecoderStack)
     ids = list(PROMPT)
     for token, lp in zip(out.token_ids, out.logprobs):
         logits = reference_logits(w, ids, alibi)[-1]

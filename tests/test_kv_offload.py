@@ -519,6 +519,7 @@ def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_l
         assert m(snap, "vllm:external_prefix_cache_hits_total") > 0
         assert m(snap, "vllm:external_prefix_cache_queries_total") >= m(snap, "vllm:external_prefix_cache_hits_total")
         assert m(snap, "kvserve:kv_offload_hits_total") > 0 and m(snap, "kvserve:kv_offload_loaded_bytes_total") > 0
+        assert ("kvserve:kv_offload_prefetched_blocks_total", ()) in snap  # exported (its value is timing's)
         assert m(snap, "kvserve:kv_offload_capacity_bytes") == 1 << 24
         assert 0 < m(snap, "kvserve:kv_offload_used_bytes") <= 1 << 24
         assert m(snap, "kvserve:kv_offload_load_seconds_count") > 0

@@ -55,7 +55,8 @@ _COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_
              "structured_output_requests_total", "cuda_graph_capture_failures_total",
              "kv_offload_queries_tokens_total", "kv_offload_hit_tokens_total",
              "kv_offload_hit_blocks_total", "kv_offload_stored_blocks_total", "kv_offload_stored_bytes_total",
-             "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_swap_outs_total",
+             "kv_offload_loaded_bytes_total", "kv_offload_failed_loads_total", "kv_offload_prefetched_blocks_total",
+             "kv_swap_outs_total",
              "kv_swap_ins_total")
 # Counters of the KV events publisher, which engine 0 owns and the others share: counted once.
 _PUBLISHER_COUNTERS = ("kv_events_published_total", "kv_events_dropped_total")
@@ -353,8 +354,12 @@ class DataParallelEngine:
             e.check_health()
 
     def close(self) -> None:
-        for e in self.engines:
-            self._close_engine(e)
+        from kvserve.runtime.executor.platform import held_release, platform_for
+
+        device = self.engines[0].device if self.engines else "cpu"  # none left after a failed rollback
+        with held_release(platform_for(device)):  # one collection for all engines
+            for e in self.engines:
+                self._close_engine(e)
         if self.spare_workers:
             from kvserve.runtime.executor.multiproc import prestart_workers
 

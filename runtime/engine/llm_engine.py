@@ -399,6 +399,7 @@ class LLMEngine:
             kv_offload_stored_bytes_total=offloader.stored_bytes,
             kv_offload_loaded_bytes_total=offloader.loaded_bytes,
             kv_offload_failed_loads_total=st.failed_loads,
+            kv_offload_prefetched_blocks_total=offloader.prefetched_loads,
             kv_swap_capacity_bytes=swap.capacity_bytes if swap else 0, kv_swap_used_bytes=swap.used_bytes if swap else 0,
             kv_swap_outs_total=st.swap_outs, kv_swap_ins_total=st.swap_ins,
             num_swapped=sum(1 for s in self.scheduler.waiting if s.swapped is not None),

@@ -74,8 +74,10 @@ def build(model) -> object | None:
                 return None
             specs.append(spec)
             continue
-        if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
-                or mlp.act_and_mul is not ops.silu_and_mul):
+        # Baichuan-13B: ALiBi attention in the Llama layer (the slopes instead of the rotation)
+        alibi = type(attn) is mpt.AlibiAttention
+        if (type(layer) is not DecoderLayer or type(attn) not in (Attention, mpt.AlibiAttention)
+                or type(mlp) is not MLP or mlp.act_and_mul is not ops.silu_and_mul):
             return None
         weights = [_native_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(w is None for w in weights):
@@ -94,7 +96,8 @@ def build(model) -> object | None:
             gate_up=weights[2], gate_up_bias=_bias(mlp.gate_up_proj), down=weights[3],
             down_bias=_bias(mlp.down_proj),
             cos_sin=cos_sin.contiguous(), window=attn.sliding_window, softcap=attn.logits_soft_cap,
-            scale=attn.scale))
+            scale=attn.scale, alibi=attn.alibi_slopes.detach().to(torch.float32).contiguous() if alibi else None,
+            clip_qkv=attn.clip_qkv if alibi else None))
         if layer.eps != cfg.rms_norm_eps or attn.eps != cfg.rms_norm_eps:
             return None
     first = model.layers[0]

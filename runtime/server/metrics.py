@@ -46,6 +46,7 @@ EXPORTED_NAMES = (
     "kvserve:kv_offload_capacity_bytes", "kvserve:kv_offload_used_bytes", "kvserve:kv_offload_hits_total",
     "kvserve:kv_offload_stored_blocks_total", "kvserve:kv_offload_stored_bytes_total",
     "kvserve:kv_offload_loaded_bytes_total", "kvserve:kv_offload_failed_loads_total",
+    "kvserve:kv_offload_prefetched_blocks_total",
     "kvserve:kv_swap_outs_total", "kvserve:kv_swap_ins_total",
     "kvserve:kv_events_published_total", "kvserve:kv_events_dropped_total",
     "kvserve:kv_offload_store_seconds", "kvserve:kv_offload_load_seconds",
@@ -144,6 +145,9 @@ class _StatsCollector:
                       getattr(s, "kv_offload_stored_bytes_total", 0))
         yield counter("kvserve:kv_offload_loaded_bytes", "Bytes copied into the KV pool (tier and swap, rank 0).",
                       getattr(s, "kv_offload_loaded_bytes_total", 0))
+        yield counter("kvserve:kv_offload_prefetched_blocks", "File-tier blocks a load found already read "
+                      "ahead (while their request waited) instead of reading the file then (rank 0).",
+                      getattr(s, "kv_offload_prefetched_blocks_total", 0))
         yield counter("kvserve:kv_offload_failed_loads", "Offloaded KV blocks that could not be read back "
                       "(missing, truncated or corrupt files): recomputed instead.",
                       getattr(s, "kv_offload_failed_loads_total", 0))

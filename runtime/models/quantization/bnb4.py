@@ -39,6 +39,10 @@ class Packed4bitWeight:
         self.codes = codes.contiguous()
         self.absmax = absmax.to(torch.float32).contiguous()
         self.quant_map = quant_map.to(torch.float32).reshape(16).contiguous()
+        # byte -> its two values (high nibble first): one gather per byte instead of shifts, masks
+        # and a gather per code; the values are the codebook's, so the products are unchanged.
+        byte = torch.arange(256, device=codes.device)
+        self._pairs = torch.stack((self.quant_map[byte >> 4], self.quant_map[byte & 0xF]), dim=1).contiguous()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"bnb4_codes": self.codes, "bnb4_absmax": self.absmax, "bnb4_quant_map": self.quant_map}
@@ -50,9 +54,8 @@ class Packed4bitWeight:
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """float32 rows [start, end) of the weight."""
         end = self.n if end is None else end
-        packed = self.codes[start:end]
-        codes = torch.stack(((packed >> 4) & 0xF, packed & 0xF), dim=-1).reshape(end - start, self.k).long()
-        values = self.quant_map[codes].view(end - start, self.k // self.block, self.block)
+        packed = self.codes[start:end].reshape(-1).to(torch.int32)
+        values = self._pairs.index_select(0, packed).view(end - start, self.k // self.block, self.block)
         return (values * self.absmax[start:end, :, None]).view(end - start, self.k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
