@@ -215,7 +215,11 @@ def test_operator_renders_scales_and_reports_a_leaderworkerset_and_names_a_missi
         # The CRD is installed: the next retry renders it, valid against the real schema.
         emulator.emulator.resources["leaderworkerset.x-k8s.io/v1/leaderworkersets"] = _lws_resource()
         PatchedEmulator.UNSERVED_GROUPS.discard("leaderworkerset.x-k8s.io")
-        lws = wait_for(lambda: api.get("LeaderWorkerSet", "big"), timeout=60, what="LeaderWorkerSet")
+        # Created without spec.replicas (the applied body never owns it), then sized through /scale:
+        # wait for that PATCH too, or a read in between sees no replicas (the emulator applies no
+        # CRD defaults).
+        lws = wait_for(lambda: (o := api.get("LeaderWorkerSet", "big")) and "replicas" in o["spec"] and o,
+                       timeout=60, what="LeaderWorkerSet sized through /scale")
         stored = {k: lws[k] for k in ("apiVersion", "kind", "spec")}
         stored["metadata"] = {"name": "big", "namespace": "default"}
         assert crd.validate(stored, crd=lws_crd(), version="v1", cel=False) == []
