@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from kvserve.runtime.options import json_object
 
 PUBLISHERS = ("null", "zmq")
 
@@ -55,15 +56,4 @@ class KVEventsConfig:
         """None, a dict, a KVEventsConfig, or that as a JSON string (the flag's form)."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"kv_events_config: not valid JSON ({exc})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config: must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config.{unknown[0]}: unknown key; known: {sorted(known)}")
-        return cls(**value)
+        return cls(**json_object(value, "kv_events_config", {f.name for f in dataclasses.fields(cls)}))

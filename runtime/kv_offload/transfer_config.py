@@ -11,8 +11,9 @@ with a message naming the key, so a config written for vLLM never half-applies.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from kvserve.runtime.options import json_object
 
 CONNECTOR = "OffloadingConnector"
 _TOP = {"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id", "kv_connector_module_path"}
@@ -21,16 +22,7 @@ _EXTRA = {"cpu_bytes_to_use", "block_size", "spec_name", "kv_offload_dir"}
 
 def parse_kv_transfer_config(value: Any, *, block_size: int) -> dict[str, Any]:
     """{"kv_offload_bytes": N, "kv_offload_dir": PATH | None} from a dict or its JSON string."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_transfer_config: not valid JSON ({exc.msg})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_transfer_config: expected an object, got {type(value).__name__}")
-    unknown = sorted(set(value) - _TOP)
-    if unknown:
-        raise ValueError(f"kv_transfer_config.{unknown[0]}: unknown key; known: {sorted(_TOP)}")
+    value = json_object(value, "kv_transfer_config", _TOP)
     if value.get("kv_connector") != CONNECTOR:
         raise ValueError(f"kv_transfer_config.kv_connector: only {CONNECTOR!r} (KV offloading) is supported, "
                          f"got {value.get('kv_connector')!r}")

@@ -9,10 +9,11 @@ than "unknown method".
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from kvserve.runtime.options import json_object
 
 METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 NOT_YET = ("mtp",)
@@ -34,16 +35,7 @@ class SpeculativeConfig:
         """From a dict or a JSON object string; bad values raise ValueError naming the key."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config: not valid JSON ({exc.msg})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: expected an object, got {type(value).__name__}")
-        unknown = sorted(set(value) - _KEYS)
-        if unknown:
-            raise ValueError(f"speculative_config.{unknown[0]}: unknown key; known: {sorted(_KEYS)}")
+        value = json_object(value, "speculative_config", _KEYS)
         method = value.get("method")
         if method is None:
             method = "draft_model" if value.get("model") else None
