@@ -85,6 +85,7 @@ def test_native_decode_stack_adds_adapters_like_the_per_op_path(llama_setup):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
     lora = [None if n is None else requests[n] for n in names]
     model = llm.engine.model
+    llm.generate(prompts[:1], params, use_tqdm=False)  # the stack is built at the first decode step
     stack = model._native_stack
     assert stack is not None and stack.lora_slots is not None
     calls = []
