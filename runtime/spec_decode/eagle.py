@@ -263,6 +263,23 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in tensors.items()}
 
 
+def _checkpoint_tensors(head, prefix: str) -> dict:
+    """The head's tensors under their checkpoint names (what loading fills and saving writes)."""
+    out = {"fc.weight": head.fc.weight}
+    if head.fc.bias is not None:
+        out["fc.bias"] = head.fc.bias
+    for name, attr in _LAYER_NAMES.items():
+        out[prefix + name] = getattr(head, attr).weight
+    for norm in _NORMS:
+        if getattr(head, norm) is not None:
+            out[f"{prefix}{norm}.weight"] = getattr(head, norm)
+    if head.norm is not None:
+        out["norm.weight"] = head.norm
+    if head.lm_head is not None:
+        out["lm_head.weight"] = head.lm_head.weight
+    return out
+
+
 def load_eagle_head(path, *, method: str, hidden_size: int, vocab_size: int, dtype: torch.dtype,
                     device: torch.device) -> tuple[EagleHead, tuple[int, ...]]:
     """(head, the target layers EAGLE-3 reads in vLLM's numbering) from a directory, checked
@@ -299,18 +316,7 @@ def load_eagle_head(path, *, method: str, hidden_size: int, vocab_size: int, dty
                      rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), fc_bias="fc.bias" in t,
                      input_norm=f"{prefix}input_layernorm.weight" in t, num_features=features,
                      draft_vocab_size=draft_vocab, dtype=dtype, device=device)
-    want = {"fc.weight": head.fc.weight}
-    if "fc.bias" in t:
-        want["fc.bias"] = head.fc.bias
-    for name, attr in _LAYER_NAMES.items():
-        want[prefix + name] = getattr(head, attr).weight
-    for norm in _NORMS:
-        if getattr(head, norm) is not None:
-            want[f"{prefix}{norm}.weight"] = getattr(head, norm)
-    if head.norm is not None:
-        want["norm.weight"] = head.norm
-    if head.lm_head is not None:
-        want["lm_head.weight"] = head.lm_head.weight
+    want = _checkpoint_tensors(head, prefix)
     with torch.no_grad():
         for name, param in want.items():
             if name not in t:
@@ -383,18 +389,7 @@ def save_eagle_head(head: EagleHead, path, *, base_config: dict, aux_layers: tup
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     prefix = "midlayer." if head.eagle3 else "layers.0."
-    out = {"fc.weight": head.fc.weight}
-    if head.fc.bias is not None:
-        out["fc.bias"] = head.fc.bias
-    for name, attr in _LAYER_NAMES.items():
-        out[prefix + name] = getattr(head, attr).weight
-    for norm in _NORMS:
-        if getattr(head, norm) is not None:
-            out[f"{prefix}{norm}.weight"] = getattr(head, norm)
-    if head.norm is not None:
-        out["norm.weight"] = head.norm
-    if head.lm_head is not None:
-        out["lm_head.weight"] = head.lm_head.weight
+    out = _checkpoint_tensors(head, prefix)
     if head.d2t is not None:
         out["d2t"] = head.d2t
     save_file({k: v.detach().contiguous().cpu() for k, v in out.items()}, str(path / "model.safetensors"))
