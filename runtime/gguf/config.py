@@ -33,7 +33,11 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "mpt": ("MptForCausalLM", "mpt", False),
+    "bloom": ("BloomForCausalLM", "bloom", False),
 }
+# ALiBi families: LayerNorm (attention.layer_norm_epsilon), no RoPE keys.
+ALIBI = ("mpt", "bloom")
 GEMMA = ("gemma2", "gemma3")
 # llama.cpp's ggml_expert_gating_func: 1 softmax, 2 sigmoid.
 _GATING = {1: "softmax", 2: "sigmoid"}
@@ -46,6 +50,14 @@ ROPE_FREQS = "rope_freqs.weight"
 def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
     """(config.json, generation_config.json) equivalents built from the file's metadata."""
     arch = gf.architecture
+    if arch == "falcon":
+        # llama.cpp's falcon graph is Falcon-7B/40B's (RoPE, parallel attention, multi-query or
+        # grouped KV), which kvserve does not serve from safetensors either; kvserve's Falcon is the
+        # ALiBi variant (Falcon-RW), which llama.cpp's converter cannot convert (it regroups q|k|v
+        # as multi-query).
+        raise GGUFError(gf.path, "metadata key 'general.architecture'",
+                        "'falcon' files are the RoPE, parallel-attention Falcon (7B/40B/180B), which kvserve does "
+                        "not serve; kvserve serves Falcon-RW (ALiBi) from safetensors only")
     if arch not in ARCHITECTURES:
         raise ValueError(f"model: GGUF architecture {arch!r} in {gf.path} is not supported; "
                          f"supported: {', '.join(ARCHITECTURES)}")
@@ -89,7 +101,8 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         "num_key_value_heads": kv_heads,
         "vocab_size": vocab,
         "max_position_embeddings": get("context_length", 2048),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6, kind=float),
+        "rms_norm_eps": (get("attention.layer_norm_epsilon", 1e-5, kind=float) if arch in ALIBI
+                         else get("attention.layer_norm_rms_epsilon", 1e-6, kind=float)),
         "rope_theta": get("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0, kind=float),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
@@ -116,6 +129,8 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         config["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     if arch in GEMMA:
         config.update(_gemma(get, arch, config))
+    if arch in ALIBI:
+        config.update(_alibi(get, gf, arch, heads, kv_heads, names))
     if arch == "phi3":
         if any(n.startswith("rope_factors_") for n in names):
             raise GGUFError(gf.path, "tensor 'rope_factors_long.weight'",
@@ -186,6 +201,29 @@ def _gemma(get, arch: str, config: dict[str, Any]) -> dict[str, Any]:
         out["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0, kind=float)
         out["sliding_window_pattern"] = 6
     return out
+
+
+def _alibi(get, gf: GGUFFile, arch: str, heads: int, kv_heads: int, names: set[str]) -> dict[str, Any]:
+    """MPT / BLOOM: the config.json keys their families read (models/mpt.py). The slopes' bias max
+    is MPT's attention.max_alibi_bias (0: learned positions, which kvserve refuses); llama.cpp fixes
+    BLOOM's at 8. What kvserve's MPT does not run (grouped KV heads, biases, q/k LayerNorm, learned
+    positions) comes through as the config keys ModelConfig refuses by name."""
+    if kv_heads != heads:
+        raise GGUFError(gf.path, f"metadata key '{arch}.attention.head_count_kv'",
+                        f"{kv_heads} differs from head_count {heads}; {arch} is served multi-head only")
+    hidden, ffn = get("embedding_length"), get("feed_forward_length")
+    if ffn != 4 * hidden:  # both families' MLP is 4 x hidden whatever their config says
+        raise GGUFError(gf.path, f"metadata key '{arch}.feed_forward_length'",
+                        f"{ffn} is not 4 x embedding_length ({4 * hidden}); {arch}'s MLP is 4 x hidden")
+    if arch == "bloom":
+        return {}
+    bias_max = get("attention.max_alibi_bias", 8.0, kind=_SCALE)
+    attn: dict[str, Any] = {"alibi": bias_max > 0 and "position_embd.weight" not in names,
+                            "alibi_bias_max": bias_max or 8.0, "qk_ln": "blk.0.attn_q_norm.weight" in names}
+    clip = get("attention.clamp_kqv", kind=float)
+    if clip is not None:
+        attn["clip_qkv"] = clip
+    return {"attn_config": attn, "no_bias": "blk.0.attn_qkv.bias" not in names, "expansion_ratio": 4}
 
 
 def _deepseek2(get, gf: GGUFFile, config: dict[str, Any], experts: int) -> dict[str, Any]:
