@@ -275,6 +275,13 @@ def _metadata(w, arch: str, config: dict, head_dim: int) -> None:
     w.add_rope_freq_base(float(theta or 10000.0))
     if arch == "phi3" and config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # conversion/phi.py: no scaling type written
+        import math
+
+        original = rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         w.add_expert_count(experts)
@@ -454,6 +461,10 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, em
            add("token_embd.weight", state["model.embed_tokens.weight"], embed_kind or kind))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     expert_re = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
     for i in range(config["num_hidden_layers"]):
         pre = f"model.layers.{i}."

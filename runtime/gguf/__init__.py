@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from kvserve.runtime.gguf.config import ROPE_FREQS, hf_config
+from kvserve.runtime.gguf.config import CONFIG_TENSORS, ROPE_FREQS, hf_config
 from kvserve.runtime.gguf.names import (
     KV_B_PARTS,
     LAYER_RE,
@@ -95,7 +95,7 @@ def checkpoint_tensors(path: str | pathlib.Path, cfg, *, keep_quantized=lambda h
         for gguf_name, info in gf.tensors.items():
             names = hf_names(gguf_name, arch, len(info.shape), experts)
             if not names:
-                if gguf_name != ROPE_FREQS:
+                if gguf_name not in CONFIG_TENSORS:
                     log.warning("ignoring GGUF tensor %s: not used by %s", gguf_name, cfg.architecture)
                 continue
             if wanted is not None and not any(wanted(n) for n in names):

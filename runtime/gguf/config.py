@@ -43,8 +43,10 @@ GEMMA = ("gemma2", "gemma3")
 _GATING = {1: "softmax", 2: "sigmoid"}
 
 # Tensors that carry no weight of their own here: RoPE frequency factors become part of the
-# config (see rope_freqs).
+# config (see rope_freqs; Phi-3's LongRoPE factors, one tensor per set).
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS.values())
 
 
 def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -132,9 +134,9 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
     if arch in ALIBI:
         config.update(_alibi(get, gf, arch, heads, kv_heads, names))
     if arch == "phi3":
-        if any(n.startswith("rope_factors_") for n in names):
-            raise GGUFError(gf.path, "tensor 'rope_factors_long.weight'",
-                            "Phi-3's longrope scaling is not supported (a 4k-context Phi-3 file has none)")
+        if any(n in names for n in LONGROPE_FACTORS.values()):
+            config["rope_scaling"] = _longrope(get, gf, config["head_dim"])
+            config["original_max_position_embeddings"] = config["rope_scaling"]["original_max_position_embeddings"]
         config["sliding_window"] = get("attention.sliding_window")
     if experts and arch != "deepseek2":
         used = get("expert_used_count", required=True)
@@ -160,7 +162,7 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
                          for hf in hf_names(name, arch, len(info.shape), experts)
                          for part in fused_parts(hf_arch, hf) or (hf,)},
     }
-    scaling = _rope_scaling(get, gf.path, arch)
+    scaling = _rope_scaling(get, gf.path, arch) if "rope_scaling" not in config else None
     if scaling is not None:
         if arch == "deepseek2" and scaling["rope_type"] == "yarn":
             # The converter stores DeepSeek's mscale_all_dim as 0.1 * mscale_all_dim (llama.cpp's
@@ -224,6 +226,26 @@ def _alibi(get, gf: GGUFFile, arch: str, heads: int, kv_heads: int, names: set[s
     if clip is not None:
         attn["clip_qkv"] = clip
     return {"attn_config": attn, "no_bias": "blk.0.attn_qkv.bias" not in names, "expansion_ratio": 4}
+
+
+def _longrope(get, gf: GGUFFile, head_dim: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp's converter stores it: the short and long per-frequency
+    factors as F32 tensors rope_factors_short / rope_factors_long, the pretraining context as
+    rope.scaling.original_context_length and the cos/sin multiplier as rope.scaling.attn_factor
+    (no rope.scaling.type). ModelConfig checks the rest, as for a config.json."""
+    out: dict[str, Any] = {"rope_type": "longrope",
+                           "original_max_position_embeddings": get("rope.scaling.original_context_length",
+                                                                   required=True)}
+    for key, name in LONGROPE_FACTORS.items():
+        info = gf.tensors.get(name)
+        if info is None or info.type_name != "F32" or info.shape != (head_dim // 2,):
+            raise GGUFError(gf.path, f"tensor {name!r}", f"must be F32 of shape ({head_dim // 2},) (head_dim / 2), "
+                                                         f"not {None if info is None else (info.type_name, info.shape)}")
+        out[key] = [float(v) for v in np.asarray(gf.raw(name)).view(np.float32)]
+    attn_factor = get("rope.scaling.attn_factor", kind=float)
+    if attn_factor is not None:
+        out["attention_factor"] = attn_factor
+    return out
 
 
 def _deepseek2(get, gf: GGUFFile, config: dict[str, Any], experts: int) -> dict[str, Any]:
