@@ -235,7 +235,8 @@ def test_namespace_covers_every_field():
     base = Namespace("m", "w", "float32", "float32", 16, (0, 2), "l")
     variants = [replace(base, **{f: v}) for f, v in [("model_id", "n"), ("weights", "x"), ("dtype", "bfloat16"),
                                                     ("kv_cache_dtype", "fp8"), ("block_size", 32),
-                                                    ("heads", (0, 1)), ("heads", (2, 4)), ("layout", "k")]]
+                                                    ("heads", (0, 1)), ("heads", (2, 4)), ("layout", "k"),
+                                                    ("copy", 1)]]
     digests = {v.digest for v in variants} | {base.digest}
     assert len(digests) == len(variants) + 1
     assert base.for_heads((2, 4)) == replace(base, heads=(2, 4))
@@ -423,10 +424,11 @@ def test_a_start_over_budget_deletes_other_namespaces_oldest_first_never_a_live_
 
 # -- another tensor-parallel layout: blocks keyed by KV-head range ---------------------------------
 def test_head_ranges_follow_the_attention_sharding_and_every_layout_covers_every_range():
-    from kvserve.runtime.kv_offload.heads import covers, head_range, layouts
+    from kvserve.runtime.kv_offload.heads import covers, head_copy, head_range, layouts
 
     assert [head_range(4, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
     assert [head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # copies
+    assert [head_copy(2, 4, r) for r in range(4)] == [0, 1, 0, 1] and head_copy(4, 2, 1) == 0
     assert layouts(4, 8) == [((0, 4),), ((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 3), (3, 4))]
     assert layouts(1) == [((0, 1),)]  # MLA: one latent every rank holds whole
     assert covers((0, 4), 4, 8) == [((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 3), (3, 4))]
@@ -485,7 +487,10 @@ def test_a_store_reads_its_heads_from_another_layouts_files_and_never_a_partial_
     upper = FileStore(tmp_path, tp1.for_heads((1, 2)), geometry=geo)
     assert torch.equal(upper.get(b"\0e"), part(b"\0a", (1, 2)))
     assert torch.equal(upper.get(b"\0a"), part(b"\0a", (1, 2)))  # its own file first
-    for s in [*halves, other_model, joined, upper]:
+    # TP 4 on 2 heads: the second copy of head 1 has its own directory and reads the first copy's.
+    second = FileStore(tmp_path, tp1.for_heads((1, 2), copy=1), geometry=geo)
+    assert second.dir != upper.dir and torch.equal(second.get(b"\0a"), part(b"\0a", (1, 2)))
+    for s in [*halves, other_model, joined, upper, second]:
         s.close()
 
 

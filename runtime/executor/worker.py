@@ -221,7 +221,7 @@ class Worker:
     def offload_namespace(self, rank: int | None = None):
         """The namespace this rank's offloaded blocks live in (runtime/kv_offload/namespace.py):
         keyed by the KV heads it holds, not by the TP degree, so another degree can read them."""
-        from kvserve.runtime.kv_offload.heads import head_range, kv_head_count
+        from kvserve.runtime.kv_offload.heads import head_copy, head_range, kv_head_count
         from kvserve.runtime.kv_offload.namespace import namespace_for
 
         shape = self.model_config.shape
@@ -229,10 +229,11 @@ class Worker:
         pools, _, values = shape.kv_cache_layout(self.world_size)
         layout = {"groups": [[g.window, list(g.layers)] for g in groups],
                   "pools": [pools, kv_head_count(shape), values], "layers": self.model_config.num_layers}
-        heads = head_range(kv_head_count(shape), self.world_size, self.rank if rank is None else rank)
+        rank = self.rank if rank is None else rank
+        heads = head_range(kv_head_count(shape), self.world_size, rank)
         return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
-                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
-                             heads=heads, layout=repr(layout))
+                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), heads=heads,
+                             layout=repr(layout), copy=head_copy(kv_head_count(shape), self.world_size, rank))
 
     def offload_geometry(self):
         """How an offloaded block's bytes are laid out (runtime/kv_offload/heads.py)."""
@@ -280,10 +281,7 @@ class Worker:
         found = self.offloader.stores[TIER].scan()
         geometry = self.offload_geometry()
         for rank in range(1, self.offload_ranks):
-            ns = self.offload_namespace(rank)
-            if ns == self.offload_namespace():
-                continue  # a copy of our heads (more ranks than KV heads)
-            store = FileStore(self.config.kv_offload_dir, ns, geometry=geometry)
+            store = FileStore(self.config.kv_offload_dir, self.offload_namespace(rank), geometry=geometry)
             other = store.readable_keys()
             store.close()
             found = [(k, n) for k, n in found if k in other]

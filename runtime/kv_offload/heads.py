@@ -38,6 +38,13 @@ def head_range(num_kv_heads: int, tp: int, rank: int) -> HeadRange:
     return h, h + 1
 
 
+def head_copy(num_kv_heads: int, tp: int, rank: int) -> int:
+    """Which copy of its head a rank holds when there are more ranks than KV heads (0 otherwise).
+    Each copy has its own directory: two ranks' writers and deletes of one block, each in its own
+    step order, never race in one directory (a late delete of one could remove the other's write)."""
+    return 0 if num_kv_heads >= tp else rank % (tp // num_kv_heads)
+
+
 def layouts(num_kv_heads: int, max_tp: int = MAX_TP) -> list[tuple[HeadRange, ...]]:
     """Every distinct split of the heads over a valid TP degree, coarsest first."""
     seen, out = set(), []
@@ -62,8 +69,13 @@ def covers(want: HeadRange, num_kv_heads: int, max_tp: int = MAX_TP) -> list[tup
     return out
 
 
-def all_ranges(num_kv_heads: int, max_tp: int = MAX_TP) -> set[HeadRange]:
-    return {r for ranges in layouts(num_kv_heads, max_tp) for r in ranges}
+def all_ranges(num_kv_heads: int, max_tp: int = MAX_TP) -> set[tuple[HeadRange, int]]:
+    """Every (head range, copy) some TP degree up to `max_tp` writes."""
+    out = set()
+    for tp in range(1, max_tp + 1):
+        if num_kv_heads % tp == 0 or tp % num_kv_heads == 0:
+            out |= {(head_range(num_kv_heads, tp, r), head_copy(num_kv_heads, tp, r)) for r in range(tp)}
+    return out
 
 
 @dataclass(frozen=True)

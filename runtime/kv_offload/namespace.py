@@ -51,7 +51,8 @@ def weights_fingerprint(model: str) -> str:
 class Namespace:
     """Everything a stored block's bytes depend on. ``layout`` is each KV cache group's window and
     layers, plus the per-layer pool shape with all KV heads; ``heads`` the KV heads [h0, h1) a
-    block of this namespace holds (a TP rank's)."""
+    block of this namespace holds (a TP rank's), ``copy`` which copy of them when more ranks than
+    KV heads each hold one (heads.py)."""
 
     model_id: str
     weights: str
@@ -60,6 +61,7 @@ class Namespace:
     block_size: int
     heads: tuple[int, int]
     layout: str
+    copy: int = 0
 
     @property
     def digest(self) -> bytes:
@@ -70,15 +72,15 @@ class Namespace:
         """The namespace's directory under the tier's root (one per head range)."""
         return f"{self.digest.hex()[:32]}"
 
-    def for_heads(self, heads: tuple[int, int]) -> Namespace:
-        return Namespace(**{**asdict(self), "heads": tuple(heads)})
+    def for_heads(self, heads: tuple[int, int], copy: int = 0) -> Namespace:
+        return Namespace(**{**asdict(self), "heads": tuple(heads), "copy": copy})
 
     def describe(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
 
 def namespace_for(config, model_config, *, dtype: str, kv_cache_dtype: str, heads: tuple[int, int],
-                  layout: str) -> Namespace:
+                  layout: str, copy: int = 0) -> Namespace:
     return Namespace(model_id=os.path.basename(os.path.normpath(str(config.model))) or str(config.model),
                      weights=weights_fingerprint(config.model), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                     block_size=config.block_size, heads=tuple(heads), layout=layout)
+                     block_size=config.block_size, heads=tuple(heads), layout=layout, copy=copy)

@@ -113,9 +113,12 @@ class FileStore:
         self.sources: list[list[tuple[tuple[int, int], Namespace, pathlib.Path]]] = []
         if geometry is not None:
             root_dir = pathlib.Path(root)
-            siblings = {namespace.for_heads(r) for r in all_ranges(geometry.num_kv_heads)}
+            siblings = {namespace.for_heads(r, c) for r, c in all_ranges(geometry.num_kv_heads)}
             keep = keep | {ns.dirname for ns in siblings}
-            for pieces in covers(namespace.heads, geometry.num_kv_heads):
+            alternatives = covers(namespace.heads, geometry.num_kv_heads)
+            if namespace.copy:  # the first copy of our heads, written by a layout with fewer ranks
+                alternatives.insert(0, (namespace.heads,))
+            for pieces in alternatives:
                 source = [(r, namespace.for_heads(r), root_dir / namespace.for_heads(r).dirname) for r in pieces]
                 if all(d.is_dir() for _, _, d in source):
                     self.sources.append(source)
