@@ -107,6 +107,61 @@ def test_pp2_matches_pp1(tiny_model_factory, request, family):
     assert [r["rank"] for r in reports] == [0, 1]
 
 
+def _run(engine, prompts, params, abort_at=None):
+    """Steps the engine to the end; aborts request "r0" at step `abort_at`. Token ids by request."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    got, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps == abort_at:
+            engine.abort_request("r0")
+        for out in engine.step():
+            got[out.request_id] = list(out.outputs[0].token_ids)
+    return got
+
+
+def test_micro_batches_overlap_and_survive_an_abort(pp2_llama):
+    """Two micro-batches in flight (one per stage), never sharing a sequence; the same greedy tokens
+    as one step at a time; a request aborted while its step is in flight leaks no block."""
+    engine = pp2_llama.engine
+    core, executor = engine.core, engine.executor
+    assert core.depth == executor.max_concurrent_batches == 2
+    prompts = _prompts(engine.model_config.vocab_size) * 2
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 7, 9, 15) * 2]
+    core.depth = 1
+    try:
+        want = _run(engine, prompts, params)
+    finally:
+        core.depth = 2
+    flights: list[set[int]] = []
+    most = 0
+    launch, land = executor.launch_model, executor.land_model
+
+    def launch_model(model_input):
+        nonlocal most
+        ids = {item.seq.seq_id for item in model_input.scheduled}
+        assert not any(ids & f for f in flights), "a sequence in two micro-batches in flight"
+        flights.append(ids)
+        most = max(most, len(flights))
+        return launch(model_input)
+
+    def land_model(pending):
+        flights.pop(0)
+        return land(pending)
+
+    executor.launch_model, executor.land_model = launch_model, land_model
+    try:
+        assert _run(engine, prompts, params) == want
+        assert most == 2
+        got = _run(engine, prompts, params, abort_at=4)
+    finally:
+        del executor.launch_model, executor.land_model
+    assert got.keys() == want.keys() and all(got[k] == want[k] for k in want if k != "r0")
+    assert len(got["r0"]) < len(want["r0"])
+    assert engine.block_manager.num_used_blocks == 0 and not core._queue
+
+
 def test_killed_stage_mid_generate_raises_naming_the_rank(pp2_llama):
     """Kills the shared engine's stage 1 (this case is its last user)."""
     llm = pp2_llama
