@@ -389,7 +389,8 @@ class SpecDecoder:
                         want = k
                         owners.append((seq, 1))
                     for other in rows[row - reps + 1:row]:
-                        self._fork_slots[id(other)] = (other, start + n - 1, hidden[off + n - 1:off + n], self._steps)
+                        self._fork_slots[id(other)] = (other, start + n - 1, hidden[off + n - 1:off + n].clone(),
+                                                   self._steps)
             m = max(0, min(m, len(ext) - 1 - start))
             if m:
                 positions = list(range(start, start + m))
