@@ -142,3 +142,42 @@ def test_typical_path_takes_the_longest_passing_branch():
     probs[1, 0] = probs[3, 4] = 1.0
     path, out = typical_path(layout, [9, 1, 2, 3], probs, threshold=0.09, alpha=0.3)
     assert path == [0, 2, 3] and out == [2, 3, 4]
+
+
+def test_trees_the_target_cannot_verify_are_refused(tiny_llama, tiny_model_factory, tmp_path):
+    two = save_medusa_heads(random_heads(num_heads=2), tmp_path / "two")
+    with pytest.raises(ValueError, match="num_speculative_tokens: the Medusa directory has 2 heads, fewer than 3"):
+        make_engine(tiny_llama, {"method": "medusa", "model": str(two), "speculative_token_tree": TREE,
+                                 "num_speculative_tokens": 3})
+    mla = tiny_model_factory("deepseek_v2")
+    heads = save_medusa_heads(random_heads(num_heads=2), tmp_path / "mla")
+    with pytest.raises(ValueError, match="speculative_token_tree: multi-head latent attention"):
+        make_engine(mla, {"method": "medusa", "model": str(heads), "speculative_token_tree": [[0], [1], [0, 0]]})
+
+
+def test_real_smollm2_greedy_with_a_tree_equals_plain(smollm2, tmp_path):
+    """The real SmolLM2 with a tree: the heads trained for it (when build/spec-heads has them;
+    scripts/train_medusa_heads.py), else heads that project through its own lm_head."""
+    from kvserve.runtime import LLM
+    from kvserve.testing.spec_heads import REPO_ROOT, _weights_digest
+
+    model = smollm2.hf_dir
+    trained = sorted((REPO_ROOT / "build" / "spec-heads").glob(f"{model.name}-{_weights_digest(model)}-medusa-3x*"))
+    trained = [p for p in trained if (p / "training.json").is_file()]
+    if trained:
+        heads = trained[0]
+    else:
+        heads = save_medusa_heads(target_copy_heads(model), tmp_path / "copy")
+    prompts = ["The capital of France is", "Three facts about the moon:"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    small = dict(dtype="float32", max_model_len=128, block_size=16, num_kv_blocks=32)
+    with LLM(str(model), **small) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "medusa", "model": str(heads), "speculative_token_tree": TREE}
+    with LLM(str(model), **small, speculative_config=spec) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        s = llm.engine.get_stats()
+    assert got == want
+    assert s.spec_decode_num_drafts_total > 0
+    if trained:
+        assert s.spec_decode_num_accepted_tokens_total > 0

@@ -104,7 +104,7 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, *, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, max_model_len: int,
                  draft_model=None, heads=None, hidden_source=None, aux_source=None, target=None,
-                 model_dir=None, kv_source=None) -> None:
+                 model_dir=None, kv_source=None, attention_backend: str | None = None) -> None:
         """`draft_model` comes from ``load_draft`` (required for method draft_model); its KV pools
         take `kv_cache_dtype`, the target's (float8 with kv_cache_dtype fp8). `heads` (Medusa,
         from ``load_heads``) read the hidden states behind each step's logits rows, which
@@ -117,9 +117,11 @@ class SpecDecoder:
             from kvserve.runtime.spec_decode.tree_verify import Tree
 
             self.tree = Tree(config.speculative_token_tree)
-            if heads is not None and self.tree.full.depth > heads.num_heads:
-                raise ValueError(f"speculative_config.speculative_token_tree: {self.tree.full.depth} levels need "
-                                 f"that many heads; the Medusa directory has {heads.num_heads}")
+            from kvserve.runtime.spec_decode.tree_verify import unsupported
+
+            why = unsupported(getattr(target, "config", None), attention_backend, kv_cache_dtype)
+            if why is not None:
+                raise ValueError(f"speculative_config.speculative_token_tree: {why}")
         # Sequences (ids) whose drafts this step are a tree's nodes, not a chain.
         self._tree_seqs: set[int] = set()
         self.heads = heads
