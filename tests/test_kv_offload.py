@@ -260,15 +260,18 @@ def test_weights_fingerprint_tells_revisions_apart(tmp_path):
 
 
 # -- the file store: crashes and corruption never read back ---------------------------------------
+import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 
 from kvserve.runtime.engine.sequence import SequenceStatus  # noqa: E402
 from kvserve.runtime.kv_offload.namespace import Namespace  # noqa: E402
-from kvserve.runtime.kv_offload.store import FileStore  # noqa: E402
+from kvserve.runtime.kv_offload.store import STALE_TMP_SECONDS, FileStore  # noqa: E402
 
 NS = Namespace("m", "w", "float32", "float32", 16, 1, 0, "l")
 
@@ -288,11 +291,69 @@ def test_a_writer_killed_between_write_and_rename_leaves_nothing_readable(tmp_pa
     assert proc.returncode == -9, proc.stderr
     leftovers = list((tmp_path / NS.dirname).glob("*.tmp"))
     assert len(leftovers) == 1  # the torn write exists only under its temporary name
-    store = FileStore(tmp_path, NS)  # a restart
-    assert not list(store.dir.glob("*.tmp"))
+    store = FileStore(tmp_path, NS)  # a restart: the temporary file is young, maybe another server's
+    assert list(store.dir.glob("*.tmp")) == leftovers
     assert [k for k, _ in store.scan()] == [b"k-done"]
     assert store.get(b"k-torn") is None
     assert torch.equal(store.get(b"k-done"), torch.arange(64, dtype=torch.uint8))
+    store.close()
+    old = time.time() - STALE_TMP_SECONDS - 60
+    os.utime(leftovers[0], (old, old))
+    FileStore(tmp_path, NS).close()  # a start once it is stale: a crashed writer's, deleted
+    assert not list(store.dir.glob("*.tmp"))
+
+
+def test_two_servers_sharing_a_directory_never_clash_or_delete_each_others_writes(tmp_path, monkeypatch):
+    """Two stores on one directory (two pods on a ReadWriteMany PVC), in containers where both
+    writers have PID 1: their temporary names differ, one's start leaves the other's write in
+    flight alone, and both writing the same block leaves that block whole."""
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    a, b = FileStore(tmp_path, NS, fsync=False), FileStore(tmp_path, NS, fsync=False)
+    block = torch.arange(256, dtype=torch.uint8).repeat(64)
+    in_flight, go_on = threading.Event(), threading.Event()
+
+    def paused():
+        in_flight.set()
+        assert go_on.wait(30)
+        FileStore(tmp_path, NS).close()  # a third server starts while a's write is in flight
+
+    writer = threading.Thread(target=a.put, args=(b"same", block), kwargs=dict(_before_rename=paused))
+    writer.start()
+    assert in_flight.wait(30)
+    b.put(b"same", block)  # b writes the same block meanwhile
+    go_on.set()
+    writer.join(30)
+    assert not writer.is_alive() and not list(a.dir.glob("*.tmp"))
+    assert torch.equal(a.get(b"same"), block) and torch.equal(b.get(b"same"), block)
+
+    # Racing writers and readers of the same keys: a read is the whole block or nothing.
+    blocks = {bytes([i]): torch.full((4096 + i,), i, dtype=torch.uint8) for i in range(16)}
+    bad, stop = [], threading.Event()
+
+    def write(store):
+        for _ in range(15):
+            for key, data in blocks.items():
+                store.put(key, data)
+
+    def read():
+        while not stop.is_set():
+            for key, data in blocks.items():
+                got = a.get(key)
+                if got is not None and not torch.equal(got, data):
+                    bad.append(key)
+
+    threads = [threading.Thread(target=write, args=(s,)) for s in (a, b)]
+    reader = threading.Thread(target=read)
+    for t in [*threads, reader]:
+        t.start()
+    for t in threads:
+        t.join(60)
+    stop.set()
+    reader.join(60)
+    assert not bad and sorted(k for k, _ in a.scan()) == sorted([*blocks, b"same"])
+    assert not list(a.dir.glob("*.tmp"))
+    a.close()
+    b.close()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "other-namespace", "renamed"])

@@ -121,7 +121,7 @@ def test_one_adapter_alone_matches_peft(llama_setup, name):
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, name, p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3", "mistral"])
 def test_other_families_match_peft(tiny_model_factory, tmp_path, arch):
     base = tiny_model_factory(arch)
     adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=11, std=0.1),
@@ -256,6 +256,42 @@ def test_ngram_speculative_decoding_with_an_adapter(llama_setup):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[requests["all8"], requests["qv4"]])
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, "all8", prompts[0]),
                                                       _reference(pm, "qv4", prompts[1])]
+
+
+def test_draft_model_speculative_decoding_with_an_adapter(llama_setup):
+    """The draft model proposes without the adapter (it is the base model here); verification runs
+    the adapter, so greedy output is the adapter's exactly, only acceptance is lower."""
+    base, _, pm, _, requests = llama_setup
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=4,
+             speculative_config={"method": "draft_model", "model": str(base), "num_speculative_tokens": 3}) as llm:
+        names = ["all8", None, "qv4"]
+        outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+
+
+def test_fp8_base_weights_with_an_adapter_match_peft_on_the_dequantized_model(llama_setup):
+    """Load-time FP8 base (weight-only on the CPU, per-channel scales) with an adapter in full
+    precision beside it. Oracle: peft on transformers whose projections hold the same FP8 values."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.runtime.models.quantization.fp8 import quantize_fp8_per_channel
+
+    base, adapters, _, _, requests = llama_setup
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and name.endswith("proj.weight"):
+                q, scale = quantize_fp8_per_channel(p.data)
+                p.copy_(q.float() * scale[:, None])
+    pm = PeftModel.from_pretrained(hf, str(adapters["all8"]), adapter_name="all8").eval()
+    names = ["all8", None]
+    with LLM(str(base), quantization="fp8", enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64,
+             block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen3", dict(num_key_value_heads=1))])

@@ -6,8 +6,15 @@ knows nothing of policy: the engine's index (index.py) decides what is added and
 File format (one file per block, named by the key in hex): magic, the namespace digest, the key,
 the payload length, a CRC-32 of the payload, then the payload. A file is written under a temporary
 name, flushed (fsynced unless turned off) and renamed into place, so a crash mid-write leaves only
-a temporary file, which the next start deletes; a file whose header, length or checksum is wrong
-(truncated, another namespace, bit rot) is never returned and is deleted when found.
+a temporary file; a file whose header, length or checksum is wrong (truncated, another namespace,
+bit rot) is never returned and is deleted when found.
+
+A directory may be shared (a ReadWriteMany PVC, NFS, CephFS): several servers, on several hosts,
+write and read it at once. A temporary name carries a random tag per store and the writer's PID,
+so two writers never share one (PIDs repeat across containers); a start deletes only temporary
+files older than ``stale_tmp_seconds`` (a crashed writer's), never another server's write in
+flight. Two writers of the same key write the same bytes (the key hashes the whole prefix in one
+namespace), so the last rename wins and a reader sees one writer's whole file or the other's.
 
 Disk hygiene: a tier's root outlives its namespaces (a new model revision, dtype or TP layout
 starts a new directory and nothing reads the old one). A store holds a shared ``flock`` on its
@@ -20,6 +27,7 @@ not have started yet).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
@@ -28,6 +36,8 @@ import pathlib
 import re
 import shutil
 import struct
+import time
+import uuid
 import zlib
 from collections.abc import Callable
 
@@ -43,6 +53,9 @@ _TAIL = struct.Struct("<QI")  # payload length, crc32
 SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
 LOCK = ".lock"
+# A temporary file this old is a crashed writer's: no write of one block takes that long, even on a
+# slow network filesystem (and the margin covers clock skew between the hosts sharing it).
+STALE_TMP_SECONDS = 15 * 60
 _NAMESPACE_DIR = re.compile(r"[0-9a-f]{32}")
 
 
@@ -81,12 +94,15 @@ class FileStore:
     persistent = True
 
     def __init__(self, root: str | os.PathLike, namespace: Namespace, *, fsync: bool = True,
-                 root_budget_bytes: int | None = None, keep: frozenset[str] = frozenset()) -> None:
+                 root_budget_bytes: int | None = None, keep: frozenset[str] = frozenset(),
+                 stale_tmp_seconds: float = STALE_TMP_SECONDS) -> None:
         self.namespace = namespace
         self.digest = namespace.digest
         self.dir = pathlib.Path(root) / namespace.dirname
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
+        # Unique across hosts and containers (where PIDs repeat); the PID tells a forked copy apart.
+        self._tag = uuid.uuid4().hex[:16]
         self._tmp_ids = itertools.count()
         self._lock_fd = hold_lock(self.dir)
         if root_budget_bytes is not None:
@@ -94,9 +110,13 @@ class FileStore:
         # What the directory holds, for whoever looks at a PVC (never read back).
         about = self.dir / "namespace.json"
         if not about.exists():
-            about.write_text(namespace.describe() + "\n")
-        for tmp in self.dir.glob(f"*{TMP_SUFFIX}"):  # a write a crash interrupted
-            tmp.unlink(missing_ok=True)
+            tmp = self._tmp_path(about.name)
+            tmp.write_text(namespace.describe() + "\n")
+            os.replace(tmp, about)  # another server starting beside us may write it too
+        sweep_stale_tmp(self.dir, stale_tmp_seconds)
+
+    def _tmp_path(self, name: str) -> pathlib.Path:
+        return self.dir / f".{name}.{self._tag}.{os.getpid()}.{next(self._tmp_ids)}{TMP_SUFFIX}"
 
     def path(self, key: bytes) -> pathlib.Path:
         return self.dir / (key.hex() + SUFFIX)
@@ -113,7 +133,7 @@ class FileStore:
         payload = memoryview(data.reshape(-1).numpy())
         header = _HEAD.pack(MAGIC, self.digest, len(key)) + key + _TAIL.pack(len(payload), zlib.crc32(payload))
         final = self.path(key)
-        tmp = self.dir / f".{final.name}.{os.getpid()}.{next(self._tmp_ids)}{TMP_SUFFIX}"
+        tmp = self._tmp_path(final.name)
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
@@ -156,13 +176,13 @@ class FileStore:
                     extra = f.read(1)
                     if n == length and not extra and zlib.crc32(payload) == crc:
                         return torch.frombuffer(payload, dtype=torch.uint8)
+                inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("kv offload: cannot read %s: %s", path, exc)
             return None
-        log.warning("kv offload: %s is truncated, corrupt or of another namespace; deleted", path.name)
-        path.unlink(missing_ok=True)
+        _unlink_if_same(path, inode)
         return None
 
     def delete(self, key: bytes) -> None:
@@ -181,22 +201,60 @@ class FileStore:
             except OSError:
                 continue
             if header is None or st.st_size != start + header[1] or path.name != header[0].hex() + SUFFIX:
-                log.warning("kv offload: %s is truncated, corrupt or of another namespace; deleted", path.name)
-                path.unlink(missing_ok=True)
+                _unlink_if_same(path, st.st_ino)
                 continue
             found.append((st.st_mtime_ns, header[0], header[1]))
         found.sort()
         return [(key, n) for _, key, n in found]
 
 
-def hold_lock(directory: pathlib.Path) -> int:
+def _unlink_if_same(path: pathlib.Path, inode: int) -> None:
+    """Deletes a damaged file unless another writer has renamed a good one into its place since."""
+    try:
+        if os.stat(path).st_ino != inode:
+            return
+        path.unlink()
+    except FileNotFoundError:
+        return
+    log.warning("kv offload: %s is truncated, corrupt or of another namespace; deleted", path.name)
+
+
+def sweep_stale_tmp(directory: pathlib.Path, older_than_s: float) -> int:
+    """Deletes temporary files not modified for `older_than_s` seconds (crashed writers'); a
+    younger one may be another server's write in flight. Returns how many went."""
+    cutoff = time.time() - older_than_s
+    n = 0
+    for tmp in directory.glob(f".*{TMP_SUFFIX}"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+                n += 1
+        except FileNotFoundError:  # its writer renamed or removed it meanwhile
+            continue
+    return n
+
+
+# flock errors of a filesystem without locks (some FUSE and network mounts).
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def hold_lock(directory: pathlib.Path) -> int | None:
     """A shared lock on `directory`'s lock file, held until the descriptor is closed: a trim never
     deletes a directory a live store holds. Retries when a trim deleted the file meanwhile (the
-    lock would be on an unlinked inode that no later trim sees)."""
+    lock would be on an unlinked inode that no later trim sees). None on a filesystem without
+    locks (a trim then never deletes anything there: it cannot tell a live directory)."""
     while True:
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_LOCKS:
+                raise
+            log.warning("kv offload: %s has no file locks (%s): other namespaces there are never trimmed",
+                        directory.parent, exc)
+            return None
         try:
             if os.stat(directory / LOCK).st_ino == os.fstat(fd).st_ino:
                 return fd
@@ -248,8 +306,8 @@ def trim_root(root: pathlib.Path, budget_bytes: int, keep: frozenset[str] | set[
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live store uses it
+            except OSError:
+                continue  # a live store uses it (or no locks here: nothing proves it unused)
             shutil.rmtree(path, ignore_errors=True)
         finally:
             os.close(fd)
