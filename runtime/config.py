@@ -143,10 +143,10 @@ class EngineConfig:
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             method = self.speculative_config.method
-            if (method in ("medusa", "eagle", "eagle3") and isinstance(self.pipeline_parallel_size, int)
+            if (method in ("medusa", "eagle", "eagle3", "mtp") and isinstance(self.pipeline_parallel_size, int)
                     and self.pipeline_parallel_size > 1):
                 # The heads read the final hidden state, which lives on the last stage, not rank 0.
-                what = "Medusa heads" if method == "medusa" else "EAGLE heads"
+                what = {"medusa": "Medusa heads", "mtp": "MTP layers"}.get(method, "EAGLE heads")
                 fail("speculative_config", f"{what} do not run with pipeline parallelism yet "
                      "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):

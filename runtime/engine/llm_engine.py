@@ -92,6 +92,7 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         check_kv_cache_dtype_for_model(config.kv_cache_dtype, self.model_config)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
+        self.model_config = self.model_config.for_max_model_len(self.max_model_len)  # LongRoPE's factors
         if config.tokenizer is None and is_gguf_path(config.model):
             self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
         else:

@@ -140,7 +140,7 @@ class Executor:
                                             max_model_len=max_model_len, draft_model=draft, heads=heads,
                                             hidden_source=lambda: worker.last_hidden,
                                             aux_source=lambda: worker.last_aux_hidden, target=worker.model,
-                                            model_dir=config.model)
+                                            model_dir=config.model, max_num_seqs=config.max_num_seqs)
 
     @staticmethod
     def _eagle_aux(model, heads):
@@ -160,11 +160,15 @@ class Executor:
         """Medusa heads on rank 0, loaded (like a draft) before the KV pools are sized."""
         if self.config.speculative_config is None:
             return None
+        from kvserve.runtime.attention.selector import get_attention_backend
         from kvserve.runtime.spec_decode.worker import load_heads
 
         return load_heads(self.config.speculative_config, hidden_size=self.model_config.hidden_size,
                           vocab_size=self.model_config.vocab_size, device=self.device, dtype=self.dtype,
-                          num_layers=self.model_config.num_layers)
+                          num_layers=self.model_config.num_layers, model_config=self.model_config,
+                          model_dir=self.config.model,
+                          quant_config=self.driver_worker.quant_config or self.config.quantization,
+                          attention_backend=get_attention_backend(self.config.attention_backend, self.device))
 
     def _load_draft(self):
         if self.config.speculative_config is None:

@@ -155,17 +155,20 @@ class PipelineWorker(Worker):
 
     def offload_namespace(self, rank: int | None = None):
         """Global rank `rank`'s namespace: its stage's layer range and pool shape are part of it, so
-        a stage never reads another's blocks and a new split (another P) starts cold."""
+        a stage never reads another's blocks and a new split (another P) starts cold; its KV heads
+        (its rank within the stage's TP group) are too, as without pipeline parallelism."""
+        from kvserve.runtime.kv_offload.heads import head_copy, head_range, kv_head_count
         from kvserve.runtime.kv_offload.namespace import namespace_for
 
         rank = self.global_rank if rank is None else rank
         start, end = self.ranges[rank // self.tp]
         shape = layer_shape(self.model_config.shape, start, end)
-        layout = {"groups": [], "pools": list(shape.kv_cache_layout(self.world_size)), "layers": [start, end],
-                  "pipeline": self.pp}
+        pools, _, values = shape.kv_cache_layout(self.world_size)
+        layout = {"groups": [], "pools": [pools, kv_head_count(shape), values], "layers": [start, end]}
+        heads = head_range(kv_head_count(shape), self.tp, rank % self.tp)
         return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
-                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), tp_rank=rank,
-                             layout=repr(layout))
+                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), heads=heads,
+                             layout=repr(layout), copy=head_copy(kv_head_count(shape), self.tp, rank % self.tp))
 
     def graph_sizes(self) -> tuple[list[int], str | None]:
         return [], "pipeline parallelism"  # see compile_and_capture

@@ -2,9 +2,10 @@
 
 Methods: ``ngram`` (prompt lookup), ``draft_model`` (a small model of the same vocabulary),
 ``medusa`` (heads on the target's final hidden state), ``eagle`` / ``eagle3`` (a one-layer draft
-fed by the target's features, spec_decode/eagle.py). vLLM's ``mtp`` is a known name that is
-refused until it is built, so a config written for vLLM fails with a message that says so rather
-than "unknown method".
+fed by the target's features, spec_decode/eagle.py), ``mtp`` (the target checkpoint's own
+multi-token prediction layer, DeepSeek-V3's ``num_nextn_predict_layers``: spec_decode/mtp.py;
+``model`` is optional, by default the target's directory). vLLM's older name ``deepseek_mtp`` is
+accepted as ``mtp``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 
 from kvserve.runtime.options import json_object
 
-METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
-NOT_YET = ("mtp",)
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
+NOT_YET: tuple[str, ...] = ()
+ALIASES = {"deepseek_mtp": "mtp"}
 # Methods whose `model` is a directory of their own (a draft model or heads).
 WITH_MODEL = ("draft_model", "medusa", "eagle", "eagle3")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
@@ -39,6 +41,7 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None:
             method = "draft_model" if value.get("model") else None
+        method = ALIASES.get(method, method)
         if method in NOT_YET:
             raise ValueError(f"speculative_config.method: {method!r} is not supported yet; "
                              f"supported: {list(METHODS)}")
@@ -61,6 +64,10 @@ class SpeculativeConfig:
             if not isinstance(model, (str, os.PathLike)) or not str(model):
                 what = {"draft_model": "draft model", "medusa": "Medusa heads"}.get(method, "EAGLE head")
                 raise ValueError(f"speculative_config.model: a {what} directory is required for {method}")
+            model = str(model)
+        elif method == "mtp" and model is not None:
+            if not isinstance(model, (str, os.PathLike)) or not str(model):
+                raise ValueError("speculative_config.model: must be a directory holding the MTP layer")
             model = str(model)
         elif model is not None:
             raise ValueError(f"speculative_config.model: only used with methods {list(WITH_MODEL)}")

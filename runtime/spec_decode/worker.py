@@ -35,9 +35,17 @@ from kvserve.runtime.structured_outputs.manager import apply_grammar_to_drafts
 
 
 def load_heads(config: SpeculativeConfig, *, hidden_size: int, vocab_size: int, device: torch.device,
-               dtype: torch.dtype, num_layers: int | None = None):
+               dtype: torch.dtype, num_layers: int | None = None, model_config=None, model_dir=None,
+               attention_backend=None, quant_config=None):
     """Medusa heads, or an EAGLE head with the indices of the target's aux_hidden_layers it
-    reads (EAGLE-3), on rank 0; None for the other methods. Checked against the target."""
+    reads (EAGLE-3), or the checkpoint's MTP layer (with no indices), on rank 0; None for the
+    other methods. Checked against the target."""
+    if config.method == "mtp":
+        from kvserve.runtime.spec_decode.mtp import load_mtp_layer
+
+        layer = load_mtp_layer(config.model or model_dir, model_config, attention_backend, dtype=dtype,
+                               device=device, quant_config=quant_config)
+        return layer, ()
     if config.method in ("eagle", "eagle3"):
         from kvserve.runtime.spec_decode.eagle import default_aux_layers, load_eagle_head
 
@@ -103,7 +111,7 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, *, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, max_model_len: int,
                  draft_model=None, heads=None, hidden_source=None, aux_source=None, target=None,
-                 model_dir=None) -> None:
+                 model_dir=None, max_num_seqs: int = 256) -> None:
         """`draft_model` comes from ``load_draft`` (required for method draft_model); its KV pools
         take `kv_cache_dtype`, the target's (float8 with kv_cache_dtype fp8). `heads` (Medusa,
         from ``load_heads``) read the hidden states behind each step's logits rows, which
@@ -113,7 +121,17 @@ class SpecDecoder:
         self.hidden_source = hidden_source
         self.aux_source = aux_source
         self.eagle = None
-        if config.method in ("eagle", "eagle3"):
+        if config.method == "mtp":
+            from kvserve.runtime.spec_decode.mtp import MTPProposer
+
+            if heads is None or hidden_source is None or target is None:
+                raise ValueError("speculative_config: the MTP layer was not loaded")
+            # Same draft-slot bookkeeping as EAGLE (_eagle_drafts), over the MTP's latent pool.
+            self.eagle = MTPProposer(heads[0], target, num_blocks=num_blocks, block_size=block_size,
+                                     max_num_seqs=max_num_seqs, num_speculative_tokens=config.num_speculative_tokens,
+                                     model_dir=model_dir)
+            self.heads = None
+        elif config.method in ("eagle", "eagle3"):
             # `heads` is the loaded EagleHead; its proposer owns the one-layer draft KV pools.
             from kvserve.runtime.spec_decode.eagle import EagleProposer
 
@@ -159,7 +177,7 @@ class SpecDecoder:
                 continue
             if cfg.method == "ngram":
                 seq.spec_token_ids = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            elif cfg.method in ("medusa", "eagle", "eagle3"):
+            elif cfg.method in ("medusa", "eagle", "eagle3", "mtp"):
                 # The heads' guesses from the previous step, if nothing changed the sequence since.
                 made = seq.head_drafts
                 seq.spec_token_ids = list(made[1][:k]) if made is not None and made[0] == seq.num_tokens else []
