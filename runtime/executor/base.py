@@ -140,7 +140,9 @@ class Executor:
                                             max_model_len=max_model_len, draft_model=draft, heads=heads,
                                             hidden_source=lambda: worker.last_hidden,
                                             aux_source=lambda: worker.last_aux_hidden, target=worker.model,
-                                            model_dir=config.model, max_num_seqs=config.max_num_seqs)
+                                            model_dir=config.model, max_num_seqs=config.max_num_seqs,
+                                            kv_source=lambda: worker.kv_caches,
+                                            attention_backend=worker.attention_backend.name)
 
     @staticmethod
     def _eagle_aux(model, heads):

@@ -345,6 +345,10 @@ class Worker:
     def execute_model(self, step: ForwardInput) -> torch.Tensor | None:
         """Applies the step's block copies, runs the forward pass and returns the float32 logits
         of `step.logits_rows` (None when the step only fills the cache)."""
+        if step.kv_slot_moves and self.rank != 0:  # rank 0 made them when it verified the tree
+            from kvserve.runtime.spec_decode.tree_verify import move_slots
+
+            move_slots(self.kv_caches, step.kv_slot_moves)
         if step.kv_ops and self.rank != 0:  # rank 0 applied them while scheduling
             failed = self.offloader.apply(step.kv_ops)
             if failed:
