@@ -119,6 +119,9 @@ class Executor:
         if worker.lora is not None:
             from kvserve.runtime.lora.manager import LoRAManager
 
+            if config.pipeline_parallel_size > 1:  # adapters are checked against every stage's modules
+                worker.lora.all_targets = {**getattr(self, "lora_targets", {}), **worker.lora.target_shapes}
+
             self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
         self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
                                   lora=self.lora_manager, verify_as_decode_rows=device.type == "cpu")
