@@ -167,8 +167,6 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         elif self.max_cpu_loras < self.max_loras:
             fail("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
-        if self.enable_lora and isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size > 1:
-            fail("enable_lora", "LoRA adapters do not run with pipeline parallelism yet (pipeline_parallel_size > 1)")
         from kvserve.runtime.kv_events.config import KVEventsConfig
 
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)

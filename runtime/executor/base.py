@@ -119,6 +119,9 @@ class Executor:
         if worker.lora is not None:
             from kvserve.runtime.lora.manager import LoRAManager
 
+            if config.pipeline_parallel_size > 1:  # adapters are checked against every stage's modules
+                worker.lora.all_targets = {**getattr(self, "lora_targets", {}), **worker.lora.target_shapes}
+
             self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
         self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
                                   lora=self.lora_manager, verify_as_decode_rows=device.type == "cpu")
@@ -137,7 +140,9 @@ class Executor:
                                             max_model_len=max_model_len, draft_model=draft, heads=heads,
                                             hidden_source=lambda: worker.last_hidden,
                                             aux_source=lambda: worker.last_aux_hidden, target=worker.model,
-                                            model_dir=config.model, max_num_seqs=config.max_num_seqs)
+                                            model_dir=config.model, max_num_seqs=config.max_num_seqs,
+                                            kv_source=lambda: worker.kv_caches,
+                                            attention_backend=worker.attention_backend.name)
 
     @staticmethod
     def _eagle_aux(model, heads):

@@ -58,35 +58,43 @@ class ModelRunner:
         # Pipeline parallelism: a step whose rows are all plain greedy is sampled on the last
         # stage (ForwardInput.greedy_ids), so only token ids travel back to rank 0.
         self.greedy_on_last_stage = False
+        # Cache slot moves rank 0 already made (a Medusa tree's accepted path, moved into place)
+        # that the other ranks make before their next step: the next ForwardInput carries them.
+        self.kv_slot_moves: list[tuple[int, int]] = []
 
-    def prepare(self, scheduled, block_tables: list) -> ForwardInput:
+    def prepare(self, scheduled, block_tables: list, trees: dict[int, tuple[list[int], list[int]]] | None = None
+                ) -> ForwardInput:
         """The packed step on the CPU, with every scheduled sequence's copy-on-write copies. With
-        KV cache groups, `block_tables[i]` holds one table per group, and the metadata one per window."""
+        KV cache groups, `block_tables[i]` holds one table per group, and the metadata one per window.
+        `trees` (Medusa tree verification): scheduled index -> (depths, ancestor masks) of its
+        rows, which then sit at positions start + depth (AttentionMetadata.tree_masks)."""
         copies = [pair for item in scheduled for pair in item.block_copies]
         if self.kv_groups is None:
-            input_ids, positions, meta, logits_rows = self._prepare(scheduled, block_tables)
+            input_ids, positions, meta, logits_rows = self._prepare(scheduled, block_tables, trees)
         else:
-            per_group = [self._prepare(scheduled, [tables[g] for tables in block_tables])
+            per_group = [self._prepare(scheduled, [tables[g] for tables in block_tables], trees)
                          for g in range(len(self.kv_groups))]
             input_ids, positions, meta, logits_rows = per_group[0]
             # A new outer object: group 0's own metadata is one of the windows it maps.
             meta = dataclasses.replace(meta, kv_groups={group.window: prepared[2]
                                                         for group, prepared in zip(self.kv_groups, per_group)})
         step = ForwardInput(input_ids, positions, meta, logits_rows, copies)
+        if self.kv_slot_moves:
+            step.kv_slot_moves, self.kv_slot_moves = self.kv_slot_moves, []
         if self.lora is not None:
             step.lora = self.lora.step_input([item.seq.lora_int_id for item in scheduled],
                                              [item.num_new_tokens for item in scheduled])
         return step
 
-    def _prepare(self, scheduled,
-                 block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, scheduled, block_tables: list[list[int]],
+                 trees=None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         decode_only = all(item.num_new_tokens == 1 for item in scheduled)
         # A verification step (each sequence's pending token and its drafts, nothing else) runs
         # as decode rows, one per token with its own context length: every layer writes all rows'
         # K/V before any row attends, so row j sees the drafts before it, as causal attention
         # would, and the step takes the decode path (the native CPU stack) instead of prefill's.
-        draft_rows = (not decode_only and self.verify_as_decode_rows
+        draft_rows = (not decode_only and self.verify_as_decode_rows and not trees
                       and all(item.num_new_tokens == 1 + item.num_spec for item in scheduled))
         num_seqs = sum(item.num_new_tokens for item in scheduled) if draft_rows else len(scheduled)
         query_start_loc = [0] * (num_seqs + 1)
@@ -136,6 +144,13 @@ class ModelRunner:
             pos_t = torch.from_numpy(np.concatenate(pos_parts))
             slot_t = torch.from_numpy(np.concatenate(slot_parts))
             max_query_len = max(item.num_new_tokens for item in scheduled)
+            if trees:
+                tree_masks = np.zeros(total, dtype=np.int64)
+                for i, (depths, masks) in trees.items():
+                    lo = query_start_loc[i]
+                    pos_parts[i][:] = scheduled[i].start + np.asarray(depths, dtype=np.int64)
+                    tree_masks[lo:lo + len(masks)] = masks
+                pos_t = torch.from_numpy(np.concatenate(pos_parts))
 
         # Blocks given back behind a sliding window (FREED, -1) are never read; 0 keeps every id valid.
         np.maximum(tables, 0, out=tables)
@@ -147,6 +162,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
             is_decode_only=decode_only,
+            tree_masks=torch.from_numpy(tree_masks) if trees and not decode_only else None,
         )
         return input_t, pos_t, meta, logits_rows
 

@@ -234,6 +234,7 @@ class MultiProcExecutor(Executor):
         self._errors: dict[int, str] = {}
         self._kv_ops: list[tuple] = []  # offload operations for ranks 1..N-1 (rank 0 applied them)
         self._inbox: dict[int, list[tuple[str, Any]]] = {}
+        self.lora_targets: dict = {}  # with LoRA: every rank's adaptable modules (from LOADED)
         self._workers: list[_WorkerProcess] = []
         self._monitor: threading.Thread | None = None
         self._stop_r, self._stop_w = os.pipe()
@@ -332,6 +333,8 @@ class MultiProcExecutor(Executor):
         agreed = [min(counts) for counts in zip(blocks, *(payload[1] for payload in loaded.values()))]
         for rank, payload in loaded.items():
             self.rank_reports[rank].update(num_kv_blocks_fit=payload[1][0], weight_bytes=payload[2])
+            if len(payload) > 3 and payload[3]:
+                self.lora_targets.update(payload[3])
         self._send_all(protocol.encode(protocol.ALLOCATE, agreed))
         return agreed
 

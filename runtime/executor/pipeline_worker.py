@@ -112,6 +112,7 @@ class PipelineWorker(Worker):
                                 layer_range=(self.layer_start, self.layer_end))
         log.info("pipeline stage %d/%d (rank %d): layers %d..%d", self.stage, self.pp, self.global_rank,
                  self.layer_start, self.layer_end - 1)
+        self._attach_lora()  # this stage's layers, under their global indices
 
     def close(self) -> None:
         from kvserve.runtime.models import layers
@@ -202,10 +203,6 @@ class PipelineWorker(Worker):
     def execute_model(self, step: ForwardInput) -> torch.Tensor | None:
         """Runs this stage's part of the step. Rank 0 returns the sampling rows' logits (from the
         last stage); the last stage's ranks return them too; the others return None."""
-        import torch.distributed as dist
-
-        from kvserve.runtime.models.pipeline_stage import stage_forward
-
         t0 = time.perf_counter()
         if step.kv_ops and self.global_rank != 0:  # rank 0 applied them while scheduling
             failed = self.offloader.apply(step.kv_ops)
@@ -214,6 +211,19 @@ class PipelineWorker(Worker):
                                    "rank 0 loaded; the step's requests are aborted")
         copy_blocks(self.kv_caches, step.block_copies)
         step = step.to(self.device)
+        if step.lora is None:
+            return self._stage_step(step, t0)
+        self.lora.begin_step(step.lora, self.device)  # every stage fills its own layers' slots
+        try:
+            return self._stage_step(step, t0)
+        finally:
+            self.lora.end_step()
+
+    def _stage_step(self, step: ForwardInput, t0: float) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        from kvserve.runtime.models.pipeline_stage import stage_forward
+
         num_tokens = step.input_ids.shape[0]
         hidden = residual = None
         if not self.first:
@@ -229,6 +239,8 @@ class PipelineWorker(Worker):
         elif rows:
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            if step.lora is not None:
+                self.lora.set_logits_rows(rows)
             logits = self.model.compute_logits(hidden).contiguous()
             if step.greedy_ids:
                 logits = argmax_last(logits)  # int64 ids: rank 0's Sampler would pick the same
