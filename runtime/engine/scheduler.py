@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -165,15 +165,23 @@ class Scheduler:
         self.running.append(seq)
 
     # -- one step --------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: Collection[int] = (), max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. Pipelined (several micro-batches in flight), `in_flight` holds the ids
+        of sequences whose previous step has not come back: they are neither scheduled nor
+        preempted (their tokens and blocks are still in use); `max_seqs` caps the sequences of
+        this micro-batch so the running ones spread over the batches in flight."""
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        cap = max_seqs if max_seqs is not None else len(self.running) + cfg.max_num_seqs
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             seq = self.running[i]
+            if seq.seq_id in in_flight:
+                i += 1
+                continue
             # Blocks behind every layer's window go back before this step asks for new ones.
             bm.release_behind_window(seq.seq_id, seq.num_computed_tokens)
             if seq.spec_token_ids:
@@ -186,7 +194,7 @@ class Scheduler:
                     seq.spec_token_ids.clear()
                     num_new = min(seq.num_uncomputed_tokens, budget)
                     continue
-                victim = self.running.pop()
+                victim = self._pop_victim(i, in_flight)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -208,7 +216,8 @@ class Scheduler:
             active = {s.lora_int_id for s in self.running if s.lora_int_id} if cfg.max_loras else None
             blocked = False
             idx = 0
-            while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while (idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs
+                   and len(scheduled) < cap):
                 seq = self.waiting[idx]
                 if active is not None and seq.lora_int_id and (
                         blocked or (seq.lora_int_id not in active and len(active) >= cfg.max_loras)):
@@ -265,6 +274,15 @@ class Scheduler:
             self.offload.prefetch(itertools.islice(self.waiting, PREFETCH_AHEAD), bm)
             self.offload.flush()  # blocks saved in this schedule leave before the forward pass writes
         return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget)
+
+    def _pop_victim(self, i: int, in_flight: Collection[int]) -> Sequence:
+        """The most recently admitted running sequence at index >= i that is not in flight (the
+        one at i, the sequence asking, qualifies last: nothing before it is a candidate, since
+        those are scheduled in this step or in flight)."""
+        for j in range(len(self.running) - 1, i, -1):
+            if self.running[j].seq_id not in in_flight:
+                return self.running.pop(j)
+        return self.running.pop(i)
 
     def _take_prefix_loading(self, seq: Sequence, prefix, num_cached: int) -> bool:
         """Takes a prefix hit whose blocks may partly come from the offload tier, loading those

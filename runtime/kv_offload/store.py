@@ -16,13 +16,18 @@ files older than ``stale_tmp_seconds`` (a crashed writer's), never another serve
 flight. Two writers of the same key write the same bytes (the key hashes the whole prefix in one
 namespace), so the last rename wins and a reader sees one writer's whole file or the other's.
 
-Disk hygiene: a tier's root outlives its namespaces (a new model revision, dtype or TP layout
-starts a new directory and nothing reads the old one). A store holds a shared ``flock`` on its
+Another tensor-parallel layout: a namespace is one KV-head range (heads.py). A store given its
+``HeadGeometry`` also reads the directories of the same model's other layouts: a block missing from
+its own directory is built from the files of a layout whose ranges cover its heads (all present
+and valid, or it is a miss), so a restart at another TP degree finds its prefixes again.
+
+Disk hygiene: a tier's root outlives its namespaces (a new model revision or dtype starts a new
+directory and nothing reads the old one). A store holds a shared ``flock`` on its
 directory's lock file while it is open; at start, a store whose budget is given deletes other
 namespaces' directories, least recently written first, until the root fits the budget, skipping
 any directory a live store holds (the other ranks of a TP group, data-parallel engines, a second
-server on a shared volume) and the ones named in ``keep`` (this layout's other ranks, which may
-not have started yet).
+server on a shared volume), the ones named in ``keep`` (this layout's other ranks, which may
+not have started yet) and the same model's other head ranges (what a TP change reads).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvserve.runtime.kv_offload.heads import HeadGeometry, all_ranges, assemble, covers
 from kvserve.runtime.kv_offload.namespace import Namespace
 
 log = logging.getLogger(__name__)
@@ -95,12 +101,27 @@ class FileStore:
 
     def __init__(self, root: str | os.PathLike, namespace: Namespace, *, fsync: bool = True,
                  root_budget_bytes: int | None = None, keep: frozenset[str] = frozenset(),
-                 stale_tmp_seconds: float = STALE_TMP_SECONDS) -> None:
+                 stale_tmp_seconds: float = STALE_TMP_SECONDS, geometry: HeadGeometry | None = None) -> None:
         self.namespace = namespace
         self.digest = namespace.digest
         self.dir = pathlib.Path(root) / namespace.dirname
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
+        self.geometry = geometry
+        # Other layouts' head ranges that together hold ours, whose directories exist: where a
+        # block missing here is read from (a TP change), first complete one wins.
+        self.sources: list[list[tuple[tuple[int, int], Namespace, pathlib.Path]]] = []
+        if geometry is not None:
+            root_dir = pathlib.Path(root)
+            siblings = {namespace.for_heads(r, c) for r, c in all_ranges(geometry.num_kv_heads)}
+            keep = keep | {ns.dirname for ns in siblings}
+            alternatives = covers(namespace.heads, geometry.num_kv_heads)
+            if namespace.copy:  # the first copy of our heads, written by a layout with fewer ranks
+                alternatives.insert(0, (namespace.heads,))
+            for pieces in alternatives:
+                source = [(r, namespace.for_heads(r), root_dir / namespace.for_heads(r).dirname) for r in pieces]
+                if all(d.is_dir() for _, _, d in source):
+                    self.sources.append(source)
         # Unique across hosts and containers (where PIDs repeat); the PID tells a forked copy apart.
         self._tag = uuid.uuid4().hex[:16]
         self._tmp_ids = itertools.count()
@@ -148,55 +169,43 @@ class FileStore:
             tmp.unlink(missing_ok=True)
             raise
 
-    def _read_header(self, f, key: bytes | None) -> tuple[bytes, int, int] | None:
-        head = f.read(_HEAD.size)
-        if len(head) != _HEAD.size:
-            return None
-        magic, digest, key_len = _HEAD.unpack(head)
-        if magic != MAGIC or digest != self.digest:
-            return None
-        stored_key = f.read(key_len)
-        tail = f.read(_TAIL.size)
-        if len(stored_key) != key_len or len(tail) != _TAIL.size or (key is not None and stored_key != key):
-            return None
-        length, crc = _TAIL.unpack(tail)
-        return stored_key, length, crc
-
     def get(self, key: bytes) -> torch.Tensor | None:
-        """The block's bytes, or None when the file is missing or fails any check (then it is
-        deleted: it can never become valid)."""
-        path = self.path(key)
-        try:
-            with open(path, "rb") as f:
-                header = self._read_header(f, key)
-                if header is not None:
-                    _, length, crc = header
-                    payload = bytearray(length)
-                    n = f.readinto(payload)
-                    extra = f.read(1)
-                    if n == length and not extra and zlib.crc32(payload) == crc:
-                        return torch.frombuffer(payload, dtype=torch.uint8)
-                inode = os.fstat(f.fileno()).st_ino
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            log.warning("kv offload: cannot read %s: %s", path, exc)
-            return None
-        _unlink_if_same(path, inode)
+        """The block's bytes, or None when no file holds them whole (a file failing any check is
+        deleted: it can never become valid). Read from this directory, else built from another
+        layout's files of the same heads."""
+        data = read_block(self.path(key), self.digest, key)
+        if data is not None or not self.sources or not key or key[0] >= len(self.geometry.segments):
+            return data
+        for source in self.sources:
+            pieces = []
+            for heads, ns, directory in source:
+                piece = read_block(directory / (key.hex() + SUFFIX), ns.digest, key)
+                if piece is None:
+                    break
+                pieces.append((heads, piece))
+            else:
+                data = assemble(pieces, self.namespace.heads, self.geometry, key[0])
+                if data is not None:
+                    return data
         return None
+
+    def has_own(self, key: bytes) -> bool:
+        """Whether this directory has the key's file (not only another layout's)."""
+        return self.path(key).exists()
 
     def delete(self, key: bytes) -> None:
         self.path(key).unlink(missing_ok=True)
 
     def scan(self) -> list[tuple[bytes, int]]:
         """(key, payload bytes) of every file whose header and size check out, least recently
-        written first (a warm restart's LRU order). The checksum is checked when a block is read."""
+        written first (a warm restart's LRU order), then those only other layouts hold whole
+        (by name; headers are checked when read). The checksum is checked when a block is read."""
         found = []
         for path in self.dir.glob(f"*{SUFFIX}"):
             try:
                 st = path.stat()
                 with open(path, "rb") as f:
-                    header = self._read_header(f, None)
+                    header = _read_header(f, self.digest, None)
                     start = f.tell()
             except OSError:
                 continue
@@ -204,8 +213,84 @@ class FileStore:
                 _unlink_if_same(path, st.st_ino)
                 continue
             found.append((st.st_mtime_ns, header[0], header[1]))
+        own = {key for _, key, _ in found}
+        for key, written in self._source_keys().items():
+            if key not in own:
+                found.append((written, key, self.geometry.block_bytes(key[0], self.namespace.heads)))
         found.sort()
         return [(key, n) for _, key, n in found]
+
+    def _source_keys(self) -> dict[bytes, int]:
+        """Keys (with the newest piece's mtime) every directory of some source layout lists."""
+        out: dict[bytes, int] = {}
+        for source in self.sources:
+            common = None
+            for _, _, directory in source:
+                listed = _listing(directory)
+                common = listed if common is None else {
+                    k: max(t, listed[k]) for k, t in common.items() if k in listed}
+            for key, written in (common or {}).items():
+                if key and key[0] < len(self.geometry.segments):
+                    out[key] = min(written, out.get(key, written))
+        return out
+
+    def readable_keys(self) -> set[bytes]:
+        """Keys this store can read (by file name: own directory or a source layout's)."""
+        return set(_listing(self.dir)) | set(self._source_keys())
+
+
+def _listing(directory: pathlib.Path) -> dict[bytes, int]:
+    """Block keys a directory's file names give, with their mtimes."""
+    out = {}
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+            try:
+                out[bytes.fromhex(entry.name[:-len(SUFFIX)])] = entry.stat().st_mtime_ns
+            except (ValueError, OSError):
+                continue
+    return out
+
+
+def _read_header(f, digest: bytes, key: bytes | None) -> tuple[bytes, int, int] | None:
+    head = f.read(_HEAD.size)
+    if len(head) != _HEAD.size:
+        return None
+    magic, stored_digest, key_len = _HEAD.unpack(head)
+    if magic != MAGIC or stored_digest != digest:
+        return None
+    stored_key = f.read(key_len)
+    tail = f.read(_TAIL.size)
+    if len(stored_key) != key_len or len(tail) != _TAIL.size or (key is not None and stored_key != key):
+        return None
+    length, crc = _TAIL.unpack(tail)
+    return stored_key, length, crc
+
+
+def read_block(path: pathlib.Path, digest: bytes, key: bytes) -> torch.Tensor | None:
+    """One block file's payload, or None when it is missing or fails any check (then it is
+    deleted: it can never become valid)."""
+    try:
+        with open(path, "rb") as f:
+            header = _read_header(f, digest, key)
+            if header is not None:
+                _, length, crc = header
+                payload = bytearray(length)
+                n = f.readinto(payload)
+                extra = f.read(1)
+                if n == length and not extra and zlib.crc32(payload) == crc:
+                    return torch.frombuffer(payload, dtype=torch.uint8)
+            inode = os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("kv offload: cannot read %s: %s", path, exc)
+        return None
+    _unlink_if_same(path, inode)
+    return None
 
 
 def _unlink_if_same(path: pathlib.Path, inode: int) -> None:
