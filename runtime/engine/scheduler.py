@@ -319,18 +319,19 @@ class Scheduler:
             if not cfg.enable_chunked_prefill:
                 return None
             num_new = budget
-        if not bm.can_allocate(seq.seq_id, 0, tokens + num_new):
+        grouped = isinstance(bm, KVCacheCoordinator)
+        if not bm.resume(seq.seq_id, state.num_freed if grouped else state.num_freed[0], tokens + num_new):
             return None
-        copies = bm.allocate_slots(seq.seq_id, 0, tokens + num_new)
         seq.swapped = None
-        if not self.offload.swap_in(state, bm.get_block_table(seq.seq_id)):
+        tables = bm.group_tables(seq.seq_id) if grouped else (bm.get_block_table(seq.seq_id),)
+        if not self.offload.swap_in(state, tables):
             bm.free(seq.seq_id)
             return False
         del self.waiting[idx]
         seq.num_computed_tokens = tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return ScheduledSequence(seq, num_new, copies)
+        return ScheduledSequence(seq, num_new, [])
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         bm = self.block_manager
@@ -340,10 +341,12 @@ class Scheduler:
         return bm.lookup(seq.block_hashes)
 
     def _preempt(self, seq: Sequence) -> None:
-        if self.offload is not None and isinstance(self.block_manager, BlockManager):
+        if self.offload is not None:
             # Swapped out (its blocks saved before they are freed) when cheaper than recompute.
-            seq.swapped = self.offload.swap_out(seq.seq_id, self.block_manager.get_block_table(seq.seq_id),
-                                                seq.num_computed_tokens)
+            bm = self.block_manager
+            tables = bm.group_tables(seq.seq_id) if isinstance(bm, KVCacheCoordinator) else \
+                (bm.get_block_table(seq.seq_id),)
+            seq.swapped = self.offload.swap_out(seq.seq_id, tables, seq.num_computed_tokens)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.spec_token_ids.clear()
