@@ -369,6 +369,33 @@ class MultiProcExecutor(Executor):
             self.check()
         return logits
 
+    def _launch(self, step: ForwardInput):
+        """Pipelined: sends the step to every worker and starts rank 0's stage of it."""
+        self.check()
+        if self._kv_ops:
+            step.kv_ops, self._kv_ops = self._kv_ops, []
+        message = protocol.encode(protocol.STEP, step)
+        try:
+            self._send_all(message)
+            return self.driver_worker.launch(step)
+        except BaseException as exc:
+            failure = self._step_failed(exc)
+            if isinstance(exc, Exception):
+                raise failure from exc
+            raise
+
+    def _land(self, handle) -> torch.Tensor | None:
+        try:
+            logits = self.driver_worker.land(handle)
+        except BaseException as exc:
+            failure = self._step_failed(exc)
+            if isinstance(exc, Exception):
+                raise failure from exc
+            raise
+        if self.failure is not None:
+            self.check()
+        return logits
+
     def _share_kv_ops(self, ops: list[tuple]) -> None:
         self._kv_ops.extend(ops)  # sent with the next step, applied before its forward pass
 
