@@ -248,5 +248,23 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
         assert api.get("PersistentVolumeClaim", "cached-kv-offload") is not None
         api.delete_isvc("cached")
         wait_for(lambda: api.get_isvc("cached") is None, timeout=60, what="resource gone")
+        # A claim of that name that is someone else's: Degraded (NotOwned) and a Warning, and no pods
+        # that would mount it (the claim is applied before the Deployment).
+        from kvserve.operator.kube import KubeClient
+        from kvserve.testing.e2e_harness import NAMESPACE
+
+        api.call("POST", KubeClient.path("PersistentVolumeClaim", NAMESPACE), {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "squat-kv-offload", "namespace": NAMESPACE},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+        obj["metadata"]["name"] = "squat"
+        api.apply_isvc(crd.apply_defaults(obj, crd.openapi_schema()))
+        isvc = wait_for(lambda: (o := api.get_isvc("squat")) and condition(o, "Degraded").get("reason") == "NotOwned"
+                        and o, timeout=60, what="Degraded NotOwned")
+        assert "PersistentVolumeClaim" in condition(isvc, "Degraded")["message"]
+        assert any(e.get("reason") == "NotOwned" and e.get("type") == "Warning" for e in api.events())
+        assert api.get("Deployment", "squat") is None
+        api.delete_isvc("squat")
+        wait_for(lambda: api.get_isvc("squat") is None, timeout=60, what="resource gone")
     finally:
         op.stop()
