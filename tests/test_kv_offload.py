@@ -425,6 +425,34 @@ def test_two_servers_sharing_a_directory_never_clash_or_delete_each_others_write
     b.close()
 
 
+def test_two_processes_writing_and_reading_one_directory_never_read_a_partial_block(tmp_path):
+    """Another server (a real process) writes the same blocks while this one writes and reads them."""
+    code = textwrap.dedent(f"""
+        import torch
+        from kvserve.runtime.kv_offload.namespace import Namespace
+        from kvserve.runtime.kv_offload.store import FileStore
+        store = FileStore({str(tmp_path)!r}, Namespace(*{tuple(NS.__dict__.values())!r}), fsync=False)
+        for _ in range(20):
+            for i in range(16):
+                store.put(bytes([i]), torch.full((8192 + i,), i, dtype=torch.uint8))
+    """)
+    other = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    ours = FileStore(tmp_path, NS, fsync=False)
+    blocks = {bytes([i]): torch.full((8192 + i,), i, dtype=torch.uint8) for i in range(16)}
+    bad, reads = [], 0
+    while other.poll() is None:
+        for key, data in blocks.items():
+            ours.put(key, data)
+            got = ours.get(key)
+            reads += got is not None
+            if got is None or not torch.equal(got, data):
+                bad.append(key)
+    assert other.wait(60) == 0, other.stderr.read()
+    assert not bad and reads > 0
+    assert sorted(k for k, _ in ours.scan()) == sorted(blocks) and not list(ours.dir.glob("*.tmp"))
+    ours.close()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "other-namespace", "renamed"])
 def test_a_damaged_file_is_never_read_and_is_deleted(tmp_path, damage):
     store = FileStore(tmp_path, NS)
