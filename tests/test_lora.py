@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.runtime import LLM, LoRARequest, SamplingParams
-from kvserve.testing.adapters import build_lora_adapter, peft_model
+from kvserve.testing.adapters import ALL_MODULES, build_lora_adapter, peft_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26], [40, 41, 42], [7, 7, 8, 9, 30, 31]]
 MAX_TOKENS = 10
@@ -154,6 +154,7 @@ def test_moe_model_adapts_attention_and_refuses_experts(tiny_model_factory, tmp_
 def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_factory, tmp_path):
     base, adapters, _, llm, requests = llama_setup
     engine = llm.engine
+    before = engine.list_loras()  # the tests before this one loaded some (or none, run alone)
     extra = LoRARequest("extra", 40, str(adapters["all8"]))
     assert engine.add_lora(extra) is True
     assert engine.add_lora(extra) is False  # the same adapter again
@@ -168,9 +169,12 @@ def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_fac
     big = build_lora_adapter(base, tmp_path / "big", r=16, seed=5)
     with pytest.raises(ValueError, match="rank 16, above max_lora_rank 8"):
         engine.add_lora(LoRARequest("big", 50, str(big)))
-    lm_head = build_lora_adapter(base, tmp_path / "lmhead", r=4, seed=6, target_modules=["q_proj", "lm_head"])
-    with pytest.raises(ValueError, match="target module 'lm_head' is not supported"):
-        engine.add_lora(LoRARequest("lmhead", 51, str(lm_head)))
+    saved = tmp_path / "saved"
+    shutil.copytree(adapters["qv4"], saved)
+    cfg = json.loads((saved / "adapter_config.json").read_text())
+    (saved / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ValueError, match=r"modules_to_save \['lm_head'\] is not supported .* target_modules"):
+        engine.add_lora(LoRARequest("saved", 51, str(saved)))
     other_base = tiny_model_factory("llama", hidden_size=96)
     mismatch = build_lora_adapter(other_base, tmp_path / "mismatch", r=4, seed=7)
     with pytest.raises(ValueError, match="base model mismatch"):
@@ -192,9 +196,43 @@ def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_fac
     with pytest.raises(ValueError, match="above max_lora_rank"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 50, str(big)))
     assert not engine.has_unfinished_requests()
-    assert engine.list_loras() == {r.lora_int_id for r in requests.values()}
+    assert engine.list_loras() == before
     with pytest.raises(ValueError, match="lora_int_id: must be an integer >= 1"):
         LoRARequest("zero", 0, str(big))
+
+
+def test_embedding_and_lm_head_adapters_match_peft(llama_setup, tmp_path):
+    """PEFT target_modules with embed_tokens and lm_head (untied head here; tied at PP=2 in
+    test_lora_pipeline.py), mixed in one batch with a layers-only adapter and the base model;
+    PEFT's saved copy of the base embedding is skipped, one of another vocabulary size refused."""
+    from safetensors.torch import load_file, save_file
+
+    base, adapters, _, llm, _ = llama_setup
+    built = {"ev": build_lora_adapter(base, tmp_path / "ev", r=8, seed=11, std=0.3,
+                                      target_modules=["embed_tokens", "lm_head", "q_proj"]),
+             "e": build_lora_adapter(base, tmp_path / "e", r=4, seed=12, std=0.3, target_modules=["embed_tokens"]),
+             "h": build_lora_adapter(base, tmp_path / "h", r=4, seed=13, std=0.3, target_modules=["lm_head", "v_proj"])}
+    pm = peft_model(base, {**{k: str(v) for k, v in built.items()}, "all8": str(adapters["all8"])})
+    requests = {name: LoRARequest(name, 60 + i, str(path)) for i, (name, path) in enumerate(built.items())}
+    requests["all8"] = LoRARequest("all8", 1, str(adapters["all8"]))
+    names = ["ev", None, "e", "h", "all8"]
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+        assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+        for name in built:  # each changes the answer
+            assert _reference(pm, name, PROMPTS[0]) != _reference(pm, None, PROMPTS[0]), name
+        resized = tmp_path / "resized"
+        shutil.copytree(built["e"], resized)
+        tensors = load_file(resized / "adapter_model.safetensors")
+        key = next(k for k in tensors if k.endswith("embed_tokens.base_layer.weight"))
+        tensors[key] = torch.cat([tensors[key], tensors[key][:8]])
+        save_file(tensors, resized / "adapter_model.safetensors")
+        with pytest.raises(ValueError, match="saves embed_tokens of shape .* resized vocabulary"):
+            llm.engine.add_lora(LoRARequest("resized", 70, str(resized)))
+    finally:
+        for r in list(requests.values())[:3]:
+            llm.engine.remove_lora(r.lora_int_id)
 
 
 def test_remove_refuses_an_adapter_in_use(llama_setup):
@@ -297,10 +335,14 @@ def test_fp8_base_weights_with_an_adapter_match_peft_on_the_dequantized_model(ll
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen3", dict(num_key_value_heads=1))])
 def test_tensor_parallel_2_matches_peft(tiny_model_factory, tmp_path, arch, overrides):
     """TP=2 (gloo): A and B sharded with their base layer (column-parallel q|k|v and gate|up take
-    their rows of B; row-parallel o and down their columns of A, summed in the one all-reduce);
+    their rows of B; row-parallel o and down their columns of A, summed in the one all-reduce;
+    the embedding's and head's adapters whole on every rank);
     with one KV head both ranks keep a copy of k/v and of their B rows."""
     base = tiny_model_factory(arch, **overrides)
-    adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=31, std=0.1),
+    # "a" adapts the embedding and the LM head too: each rank adds their whole products after the
+    # base layer's all-reduce / all-gather.
+    adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=31, std=0.1,
+                                        target_modules=[*ALL_MODULES, "embed_tokens", "lm_head"]),
                 "b": build_lora_adapter(base, tmp_path / "b", r=4, seed=32, std=0.15,
                                         target_modules=["k_proj", "v_proj", "o_proj", "down_proj"])}
     pm = peft_model(base, {k: str(v) for k, v in adapters.items()})

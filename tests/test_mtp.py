@@ -181,3 +181,10 @@ def test_greedy_equals_plain(dsv3_mtp, dsv3_reference, tiny_dsv3, tmp_path, kind
     assert s.spec_decode_num_drafts_total > 0
     if kind == "copy":
         assert s.spec_decode_num_accepted_tokens_total > 0
+        # n > 1: the samples fork after the prompt and each speculates on its own slots.
+        engine.add_request("n", grounded_prompts()[0], GREEDY.clone(n=3))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        assert [c.token_ids for c in outs[0].outputs] == [dsv3_reference["r0"]] * 3
+        assert engine.block_manager.num_used_blocks == 0

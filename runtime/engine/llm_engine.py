@@ -338,10 +338,9 @@ class LLMEngine:
         """Stops this engine's work for a reshape: the outputs still owed (a step in flight, aborts,
         failures) and every unfinished request, ready for another engine's attach_requests."""
         outputs, self._pending = self._pending, []
-        done = self.core.finish_inflight()
-        outputs += self._failed_outputs()
-        if done is not None:
+        while (done := self.core.finish_inflight()) is not None:  # pipelined: several in flight
             outputs += self.output_processor.make_outputs(self.output_processor.process(done.update, done.now))
+        outputs += self._failed_outputs()
         return outputs, self.core.detach_all()
 
     def attach_requests(self, heads: list) -> None:

@@ -25,6 +25,18 @@ from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow, plain_g
 Forward = Callable[[ForwardInput], "torch.Tensor | None"]
 
 
+@dataclasses.dataclass(eq=False)
+class PendingStep:
+    """A step handed to the forward pass whose logits may not have come back yet."""
+
+    step: ForwardInput
+    rows: list[SamplingRow]
+    repeats: list[int] | None
+    t0: float  # packing began
+    t1: float  # launched
+    handle: object  # what the launch returned: the logits, or the executor's handle for them
+
+
 class ModelRunner:
     def __init__(self, forward: Forward, block_size: int, sampler: Sampler,
                  kv_groups: Sequence | None = None, lora=None, verify_as_decode_rows: bool = False) -> None:
@@ -159,6 +171,12 @@ class ModelRunner:
                 repeats: list[int] | None = None) -> SamplerOutput:
         """Runs the step; `rows` describe, in order, the scheduled sequences that sample.
         With `repeats`, sampling sequence i gives repeats[i] rows (n > 1: one logits row, n draws)."""
+        return self.finish(self.start(scheduled, block_tables, rows, repeats, self.forward))
+
+    def start(self, scheduled, block_tables: list, rows: list[SamplingRow], repeats: list[int] | None,
+              launch: Forward) -> PendingStep:
+        """Packs the step and hands it to `launch`, which may return before its logits exist (a
+        handle for `finish`'s `land`): pipeline parallelism keeps several steps in flight."""
         t0 = time.perf_counter()
         step = self.prepare(scheduled, block_tables)
         if not rows:
@@ -167,7 +185,16 @@ class ModelRunner:
         step.greedy_ids = bool(self.greedy_on_last_stage and rows and (repeats is None or set(repeats) == {1})
                                and all(plain_greedy(r.params) and r.grammar is None for r in rows))
         t1 = time.perf_counter()
-        logits = self.forward(step)
+        with torch.inference_mode():
+            handle = launch(step)
+        return PendingStep(step, rows, repeats, t0, t1, handle)
+
+    @torch.inference_mode()
+    def finish(self, pending: PendingStep, land: Callable[[object], torch.Tensor | None] | None = None) -> SamplerOutput:
+        """Waits for a started step's logits (`land(handle)`; without it the handle is them) and
+        samples them."""
+        step, rows, repeats, t0, t1 = pending.step, pending.rows, pending.repeats, pending.t0, pending.t1
+        logits = pending.handle if land is None else land(pending.handle)
         if logits is None:
             self.last_timings = (t1 - t0, time.perf_counter() - t1, 0.0)
             return SamplerOutput([], [])

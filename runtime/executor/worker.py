@@ -80,6 +80,10 @@ class Worker:
             from kvserve.runtime.spec_decode.eagle import eagle3_target_layers
 
             self.model.aux_hidden_layers = eagle3_target_layers(self.config, self.model_config.num_layers)
+        self._attach_lora()
+
+    def _attach_lora(self) -> None:
+        """With enable_lora: the model's layers (this stage's) wrapped with adapter slots."""
         if getattr(self.config, "enable_lora", False):
             from kvserve.runtime.lora.worker import WorkerLoRA
 
@@ -357,14 +361,20 @@ class Worker:
         else:
             copy_group_blocks(self.kv_caches, self.kv_groups, step.block_copies)
         step = step.to(self.device)
+        if step.lora is None:
+            return self._execute(step)
+        # Adapter steps run eagerly (the graphs were captured without adapter work); the LM head's
+        # adapters need the step's layout too, so it stays active until the logits are computed.
+        self.lora.begin_step(step.lora, self.device)
+        try:
+            return self._execute(step)
+        finally:
+            self.lora.end_step()
+
+    def _execute(self, step: ForwardInput) -> torch.Tensor | None:
         graphs = self.graphs
         if step.lora is not None:
-            # Adapter steps run eagerly: the graphs were captured without adapter work.
-            self.lora.begin_step(step.lora, self.device)
-            try:
-                hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-            finally:
-                self.lora.end_step()
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         elif (graphs is not None and step.meta.is_decode_only and not self.model.aux_hidden_layers
               and graphs.bucket(step.input_ids.shape[0]) is not None):
             hidden = graphs.run(step.input_ids, step.positions, step.meta)
@@ -387,6 +397,8 @@ class Worker:
             self.last_hidden = hidden
             aux = self.model.aux_hidden if self.model.aux_hidden_layers else []
             self.last_aux_hidden = [a if index is None else a[index] for a in aux]
+        if step.lora is not None:
+            self.lora.set_logits_rows(rows)
         return self.model.compute_logits(hidden)
 
     def close(self) -> None:

@@ -2,22 +2,16 @@
 
 Methods: ``ngram`` (prompt lookup), ``draft_model`` (a small model of the same vocabulary),
 ``medusa`` (heads on the target's final hidden state), ``eagle`` / ``eagle3`` (a one-layer draft
-<<<<<<< HEAD
-fed by the target's features, spec_decode/eagle.py). vLLM's ``mtp`` is a known name that is
-refused until it is built, so a config written for vLLM fails with a message that says so rather
-than "unknown method".
+fed by the target's features, spec_decode/eagle.py), ``mtp`` (the target checkpoint's own
+multi-token prediction layer, DeepSeek-V3's ``num_nextn_predict_layers``: spec_decode/mtp.py;
+``model`` is optional, by default the target's directory). vLLM's older name ``deepseek_mtp`` is
+accepted as ``mtp``.
 
 Medusa also takes a candidate tree, ``speculative_token_tree`` (vLLM's key: a list of rank paths,
 or its Python literal string such as ``"[(0,), (1,), (0, 0)]"``; runtime/spec_decode/medusa_tree.py),
 and non-greedy requests may use Medusa's typical acceptance instead of rejection sampling
 (``acceptance_method: "typical_acceptance_sampler"`` with ``posterior_threshold`` and
 ``posterior_alpha``, the names of vLLM's typical acceptance sampler; runtime/spec_decode/typical.py).
-=======
-fed by the target's features, spec_decode/eagle.py), ``mtp`` (the target checkpoint's own
-multi-token prediction layer, DeepSeek-V3's ``num_nextn_predict_layers``: spec_decode/mtp.py;
-``model`` is optional, by default the target's directory). vLLM's older name ``deepseek_mtp`` is
-accepted as ``mtp``.
->>>>>>> main
 """
 
 from __future__ import annotations

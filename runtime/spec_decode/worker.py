@@ -101,6 +101,10 @@ def split_blocks_with_draft(num_blocks: int, target_shape, draft_shape) -> int:
     return max(1, num_blocks * t // (t + d))
 
 
+def _first(tokens) -> int:
+    return tokens[0] if isinstance(tokens, list) else tokens
+
+
 def eligible(params: SamplingParams, seq) -> bool:
     """Requests whose next-token distribution the rejection sampler reproduces exactly (with
     structured outputs, the distribution masked by the grammar at every verified position)."""
@@ -135,6 +139,10 @@ class SpecDecoder:
         self.hidden_source = hidden_source
         self.aux_source = aux_source
         self.eagle = None
+        # EAGLE / MTP with n > 1: per forked sample (keyed by its SamplingRow), the prompt's last
+        # position and the target's feature there, until the sample's first decode step.
+        self._fork_slots: dict[int, tuple] = {}
+        self._steps = 0
         if config.method == "mtp":
             from kvserve.runtime.spec_decode.mtp import MTPProposer
 
@@ -438,29 +446,55 @@ class SpecDecoder:
                 row += reps
                 r += reps
                 s += 1
+                fork = None
                 if reps == 1:
                     emitted = emitted if isinstance(emitted, list) else [emitted]
                     if item.num_spec:
                         ext, m = base[:start + 1] + emitted, len(emitted)
                     else:
                         ext, m = base + emitted, n
+                        fork = self._fork_slots.pop(id(rows[row - 1]), None)
                     if eligible(params, seq):
                         want = k
                         owners.append((seq, len(emitted)))
                 else:
-                    ext, m = base, n - 1
+                    # n > 1: this is sample 0, whose first token fills the prompt's last slot; the
+                    # other samples are forked off it after this step (see _fork_slot).
+                    ext, m = base + [_first(emitted)], n
+                    if eligible(params, seq):
+                        want = k
+                        owners.append((seq, 1))
+                    for other in rows[row - reps + 1:row]:
+                        self._fork_slots[id(other)] = (other, start + n - 1, hidden[off + n - 1:off + n].clone(),
+                                                   self._steps)
             m = max(0, min(m, len(ext) - 1 - start))
             if m:
                 positions = list(range(start, start + m))
-                fills.append((table, positions, ext[start + 1:start + 1 + m], hidden[off:off + m]))
+                tokens, features = ext[start + 1:start + 1 + m], hidden[off:off + m]
+                if fork is not None and self._fork_slot(fork, rows[row - 1], start, n, table):
+                    positions = [start - 1] + positions
+                    tokens = [base[start]] + tokens
+                    features = torch.cat((fork[2], features))
+                fills.append((table, positions, tokens, features))
                 wants.append(want)
             elif want:
                 owners.pop()
             off += n
+        self._steps += 1
+        if self._fork_slots:  # a sample that never decoded (finished or preempted at once)
+            self._fork_slots = {key: v for key, v in self._fork_slots.items() if self._steps - v[3] < 64}
         proposals = eagle.step(fills, wants)
         drafts = [d for d, w in zip(proposals, wants) if w]
         for (seq, added), d in zip(owners, drafts):
             seq.head_drafts = (seq.num_tokens + added, d)
+
+    def _fork_slot(self, fork: tuple, row: SamplingRow, start: int, n: int, table: list[int]) -> bool:
+        """Whether a forked sample's first decode step rewrites the prompt's last slot with its
+        own first token (sample 0's is there): only in the sample's own copy of that block, that
+        is when the block is not full (a full one stays shared with the other samples and the
+        prefix cache, and keeps sample 0's slot: an approximate draft, never a wrong output)."""
+        return (fork[0] is row and n == 1 and start == fork[1] + 1 and start % self.block_size != 0
+                and start // self.block_size < len(table))
 
     def _propose(self, scheduled: list, block_tables: list[list[int]],
                  item_rows: list[list[SamplingRow]], spec: list[int]) -> dict[int, list[torch.Tensor | None]]:
