@@ -63,6 +63,7 @@ class _InFlight:
     recv: object  # the irecv's work handle (None: the step samples nothing)
     greedy: bool
     busy: float  # seconds stage 0 spent on the step
+    sampled: bool = False  # `logits` is the size of a StageSample (ForwardInput.stage_rows)
 
 
 class PipelineWorker(Worker):
@@ -87,9 +88,13 @@ class PipelineWorker(Worker):
         # The rank that sends the sampled rows' logits to rank 0: the last stage's first shard.
         self.logits_rank = (pp - 1) * tp
         self.last_bubble: float | None = None
-        # Steps whose tokens the last stage picked (ForwardInput.greedy_ids), counted on rank 0.
+        # Steps whose tokens the last stage picked (ForwardInput.greedy_ids) or sampled
+        # (ForwardInput.stage_rows), counted on rank 0; the second count is the latter alone.
         self.steps_sampled_on_last_stage = 0
+        self.steps_with_stage_rows = 0
         self._send = None  # the activations' latest isend (its work, its tensor kept alive)
+        self._sample_send = None  # last stage: the latest sampled rows' isend to rank 0
+        self._stage_sampler = None  # last stage: samples with its own generator for unseeded rows
 
     def load_model(self) -> None:
         import torch.distributed as dist
@@ -245,13 +250,19 @@ class PipelineWorker(Worker):
             if step.greedy_ids:
                 logits = argmax_last(logits)  # int64 ids: rank 0's Sampler would pick the same
             if self.global_rank == self.logits_rank and self.global_rank != 0:
-                dist.send(logits, 0)
+                if step.stage_rows is not None:
+                    self._send_sample(logits, step)
+                else:
+                    dist.send(logits, 0)
         if self.global_rank == 0:
-            self.steps_sampled_on_last_stage += bool(rows and step.greedy_ids)
+            self.steps_sampled_on_last_stage += bool(rows and (step.greedy_ids or step.stage_rows is not None))
+            self.steps_with_stage_rows += bool(rows and step.stage_rows is not None)
             busy = time.perf_counter() - t0
             if rows and not self.last:
                 logits = self._logits_buffer(step)
                 dist.recv(logits, self.logits_rank)
+                if step.stage_rows is not None:
+                    logits = self._recv_sample(logits)
             # Stage 0's idle share of the step: with one step in flight, about (pp - 1) / pp
             # when the stages are balanced and the transfers are cheap.
             wall = time.perf_counter() - t0
@@ -268,8 +279,39 @@ class PipelineWorker(Worker):
             self._send[0].wait()
         self._send = (dist.isend(activations, self.next_rank), activations)
 
+    def _send_sample(self, logits: torch.Tensor, step: ForwardInput) -> None:
+        """Last stage: samples the step's rows as rank 0 would and sends the result (its size on
+        the logits' channel, then the bytes on tag 1, asynchronously: the size's receive is
+        posted early, the bytes' only when rank 0 lands the step)."""
+        import torch.distributed as dist
+
+        from kvserve.runtime.executor import stage_sampling
+
+        if self._stage_sampler is None:
+            from kvserve.runtime.sampler import Sampler
+
+            self._stage_sampler = Sampler(torch.Generator(device=logits.device).manual_seed(self.config.seed + 1))
+        data = stage_sampling.encode(stage_sampling.sample_on_stage(logits, step.stage_rows, self._stage_sampler))
+        data = data.to(self.device)
+        dist.send(torch.tensor([data.numel()], dtype=torch.long, device=self.device), 0)
+        if self._sample_send is not None:
+            self._sample_send[0].wait()
+        self._sample_send = (dist.isend(data, 0, tag=1), data)
+
+    def _recv_sample(self, size: torch.Tensor):
+        """Rank 0: the last stage's StageSample, once its size has arrived."""
+        import torch.distributed as dist
+
+        from kvserve.runtime.executor import stage_sampling
+
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(data, self.logits_rank, tag=1)
+        return stage_sampling.decode(data)
+
     def _logits_buffer(self, step: ForwardInput) -> torch.Tensor:
         n = len(step.logits_rows)
+        if step.stage_rows is not None:
+            return torch.empty(1, dtype=torch.long, device=self.device)  # the size of the sampled rows' bytes
         if step.greedy_ids:
             return torch.empty(n, dtype=torch.long, device=self.device)
         return torch.empty(n, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
@@ -295,15 +337,18 @@ class PipelineWorker(Worker):
             logits = self._logits_buffer(step)
             recv = dist.irecv(logits, self.logits_rank)
         self._send_on(torch.stack((hidden, residual)))
-        return _InFlight(logits, recv, bool(step.greedy_ids), time.perf_counter() - t0)
+        return _InFlight(logits, recv, bool(step.greedy_ids), time.perf_counter() - t0, step.stage_rows is not None)
 
     def land(self, pending: _InFlight) -> torch.Tensor | None:
         """Waits for a launched step's logits (token ids when the last stage sampled)."""
         t0 = time.perf_counter()
         if pending.recv is not None:
             pending.recv.wait()
+            if pending.sampled:
+                pending.logits = self._recv_sample(pending.logits)
         idle = time.perf_counter() - t0
-        self.steps_sampled_on_last_stage += bool(pending.logits is not None and pending.greedy)
+        self.steps_sampled_on_last_stage += bool(pending.logits is not None and (pending.greedy or pending.sampled))
+        self.steps_with_stage_rows += bool(pending.logits is not None and pending.sampled)
         total = idle + pending.busy
         self.last_bubble = idle / total if total > 0 else 0.0
         return pending.logits
