@@ -6,12 +6,14 @@ stage's TP ranks get their own process group for the layers' all-reduces and the
 all-gather (runtime/models/layers.py ``set_tp_group``); activations cross stages point to point
 on the world group: TP rank t of stage s sends (hidden, residual), stacked into one tensor, to TP
 rank t of stage s + 1 (after a row-parallel layer every TP rank holds the whole activation, so
-each pair carries a full copy and no stage needs a gather). The last stage's first shard sends the
-float32 logits of the step's sampling rows to rank 0, which samples exactly as a single-process
-engine does: structured outputs, speculative decoding (verification is a forward pass like any
-other), penalties and n > 1 need nothing stage-specific. A step whose rows are all plain greedy
-(ForwardInput.greedy_ids) is sampled on the last stage instead: its argmax is the token rank 0
-would pick from the same logits, and only the int64 ids cross back (8 bytes a row, not 4 x vocab).
+each pair carries a full copy and no stage needs a gather). The last stage's first shard samples
+the step's rows and sends only the tokens to rank 0: the argmax ids of an all-greedy step
+(ForwardInput.greedy_ids, 8 bytes a row), or otherwise the result of rank 0's own sampler run on
+the last stage with the rows rank 0 described (ForwardInput.stage_rows, stage_sampling.py:
+seeded generator states, penalties' tokens, the grammar bitmask go out, tokens, logprobs and
+the advanced states come back). Speculative verification steps send the float32 logits and rank
+0 verifies. Scheduling, grammars and stop checks stay on rank 0, so structured outputs,
+speculative decoding, penalties and n > 1 need nothing else stage-specific.
 
 Every rank receives the same ForwardInput from rank 0 (the executor broadcasts it as it does at
 TP), so a stage knows each step's token count and rows before anything arrives: the receive
