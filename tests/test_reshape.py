@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 
 import openai
 import pytest
@@ -221,7 +222,14 @@ def test_spare_workers_and_one_kv_events_endpoint_across_reshapes(tiny_llama, tm
         engine.add_request("other", {"prompt_token_ids": list(range(30, 46))}, params)  # the other engine
         assert sorted(e.get_num_unfinished_requests() for e in engine.engines) == [1, 1]
         before = [o for o in engine.step() if o.request_id == "a"]
+        # On the CPU the engines of a layout share one copy of the weights (host_weights) ...
+        weights = [dict(e.executor.driver_worker.model.named_parameters()) for e in engine.engines]
+        assert all(p is weights[1][name] for name, p in weights[0].items())
+        old_model = weakref.ref(engine.engines[0].executor.driver_worker.model)
+        del weights
         engine.reshape(1, 2)
+        # ... and a reshape frees the old layout's without a garbage collection (it runs later).
+        assert old_model() is None and engine._collect_due is not None
         assert engine.engines[0].executor.worker_pids == spares and not spare_worker_pids()
         done = {}
         while engine.has_unfinished_requests():
