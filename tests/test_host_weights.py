@@ -36,7 +36,7 @@ def test_a_shard_loaded_again_comes_from_host_memory_with_the_same_logits(tiny_l
         assert set(params) == {name for name, _ in again.named_parameters()}
         # the packed panels' attributes came along (the native kernels read them)
         packed = [n for n, m in first.named_modules() if getattr(m, "packed_out_features", None)]
-        assert packed and all(getattr(dict(again.named_modules())[n], "packed_out_features") for n in packed)
+        assert packed and all(dict(again.named_modules())[n].packed_out_features for n in packed)
         prompts = [[5, 9, 11, 3, 7], [17, 4]]
         want = PagedCache(reference, 32, seed=1).step(reference, list(enumerate(prompts)))
         got = PagedCache(again, 32, seed=1).step(again, list(enumerate(prompts)))

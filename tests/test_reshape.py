@@ -231,6 +231,7 @@ def test_spare_workers_and_one_kv_events_endpoint_across_reshapes(tiny_llama, tm
         # ... and a reshape frees the old layout's without a garbage collection (it runs later).
         assert old_model() is None and engine._collect_due is not None
         assert engine.engines[0].executor.worker_pids == spares and not spare_worker_pids()
+        assert engine.engines[0].executor.rank_reports[1]["preloaded"]  # its shard loaded while it waited
         done = {}
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})

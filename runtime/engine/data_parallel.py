@@ -260,7 +260,16 @@ class DataParallelEngine:
             return
         from kvserve.runtime.executor.multiproc import prestart_workers
 
-        prestart_workers(self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0)
+        wanted = self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0
+        preload = None
+        if wanted and self._host_weights:
+            # On the CPU each spare also loads the shard its rank of 1 x TP G will need (host
+            # memory: (G-1)/G of the weights, held while the layout is G x TP1).
+            g = self.num_devices
+            device = engine_devices(Layout(1, g), str(self.config.device))[0]
+            config = dataclasses.replace(self.config, tensor_parallel_size=g, device=device)
+            preload = (config, g, "cpu", str(self.engines[0].dtype).removeprefix("torch."))
+        prestart_workers(wanted, preload)
 
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
