@@ -3,7 +3,9 @@
     python bench/bnb_memory.py                 # a 1024-wide, 8-layer Llama, NF4 + double quantization
 
 Writes an NF4 checkpoint with transformers + bitsandbytes (CPU) from random weights, then loads it
-twice in fresh subprocesses: packed (the default: codes + float32 absmax, dequantized per matmul)
+three times in fresh subprocesses: packed with the native CPU kernel (the default where it builds:
+codes repacked into panels, the codebook lookup inside the matmul), packed with the torch twin
+(native kernels off: codes + float32 absmax, dequantized per matmul, a slab of rows at a time)
 and dequantized at load (BnB4bitMethod.keep_packed = False). Reports the bytes the linear layers
 hold, the process's peak RSS and its resident set after loading, and batch-1 decode tokens/s (process CPU time, one
 thread). Writes bench/results/bnb_memory.json.
@@ -25,7 +27,10 @@ CHILD = r"""
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
 from kvserve.runtime.models.quantization.bitsandbytes import BnB4bitMethod
-BnB4bitMethod.keep_packed = sys.argv[2] == "packed"
+BnB4bitMethod.keep_packed = sys.argv[2] != "dequantized"
+if sys.argv[2] == "packed-torch":
+    from kvserve.runtime.models.quantization.packed import set_cpu_native
+    set_cpu_native(False)
 from kvserve.runtime import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=64, block_size=16)
 model = llm.engine.model
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
         model.save_pretrained(Path(tmp) / "nf4")
         AutoTokenizer.from_pretrained(str(src)).save_pretrained(Path(tmp) / "nf4")
         del model
-        for hold in ("packed", "dequantized"):
+        for hold in ("packed", "packed-torch", "dequantized"):
             out = subprocess.run([sys.executable, "-c", CHILD, str(Path(tmp) / "nf4"), hold], check=True,
                                  capture_output=True, text=True).stdout.strip().splitlines()[-1]
             rows[hold] = json.loads(out)

@@ -195,10 +195,12 @@ class Reconciler:
             if not full and self.applied.get(key) == digest:
                 continue
             label = self._label(obj["kind"], obj["metadata"]["name"], name)
-            results[label] = await apply(self.client, MN.applied_body(obj), uid)
+            results[label] = await apply(self.client, MN.applied_body(obj), uid, create_with=MN.created_body(obj))
             if MN.scaled_through_subresource(obj):
-                scaled = await self._scale(obj, namespace)
-                results[label] = "created" if results[label] == "created" else scaled or results[label]
+                if results[label] == "created":  # at its size already; the size's owner hands over
+                    await self.client.server_side_apply(MN.size_handover(obj), field_manager=MN.SIZE_MANAGER)
+                else:
+                    results[label] = await self._scale(obj, namespace) or results[label]
             self.applied[key] = digest
         if full:
             keep = {D.key(obj) for obj in wanted}

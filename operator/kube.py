@@ -276,13 +276,13 @@ class KubeClient:
                                 self._method("patch_scale", kind, namespace, name),
                                 {"spec": {"replicas": int(replicas)}}, _content_type="application/merge-patch+json")
 
-    async def server_side_apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def server_side_apply(self, obj: Mapping[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         """Applies `obj` (created when absent) under the operator's field manager, taking over
         fields another manager set: the operator is the one writer of what it renders."""
         kind, meta = obj["kind"], obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         return await self._call("PATCH", self.path(kind, namespace, name), self._method("patch", kind, namespace, name),
-                                dict(obj), _content_type=APPLY_PATCH, field_manager=FIELD_MANAGER, force=True)
+                                dict(obj), _content_type=APPLY_PATCH, field_manager=field_manager, force=True)
 
     async def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Deletes by name (dependents in the background); False when it was already gone."""
@@ -321,7 +321,8 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
-async def apply(client: KubeClient, desired: Mapping[str, Any], owner_uid: str) -> str:
+async def apply(client: KubeClient, desired: Mapping[str, Any], owner_uid: str,
+                create_with: Mapping[str, Any] | None = None) -> str:
     """Server-side applies `desired`; returns "created", "patched" or "unchanged".
 
     The API server merges what the operator applies and removes every field the operator applied
@@ -329,13 +330,14 @@ async def apply(client: KubeClient, desired: Mapping[str, Any], owner_uid: str) 
     and is someone else's is left alone (NotOwned): `force` only settles field conflicts on
     objects this resource owns (a person who edited a field the operator renders loses the
     edit, as the one-writer rule wants). Between the read and the apply another writer could
-    still create it: the apply would then take over the fields the operator renders."""
+    still create it: the apply would then take over the fields the operator renders.
+    `create_with`: what to apply instead when the object does not exist yet."""
     meta = desired["metadata"]
     kind, namespace, name = desired["kind"], meta["namespace"], meta["name"]
     live = await client.get(kind, namespace, name)
     if live is not None and not owned_by(live, owner_uid):
         raise NotOwned(f"{kind} {namespace}/{name} exists and is not owned by this InferenceService")
-    result = await client.server_side_apply(desired)
+    result = await client.server_side_apply(desired if live is not None or create_with is None else create_with)
     if live is None:
         return "created"
     version = (result or {}).get("metadata", {}).get("resourceVersion")

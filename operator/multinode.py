@@ -14,7 +14,13 @@ list see them) plus ``kvserve.dev/role``; the Service and the autoscaler's scrap
 only. Replicas (groups) are the LeaderWorkerSet's spec.replicas, which the operator sets through
 its scale subresource (PATCH .../scale) and never applies: the applied body leaves it out
 (``applied_body``), so the size has one writer path, the one an HPA or ``kubectl scale`` uses too,
-and a template change never carries a stale size with it.
+and a template change never carries a stale size with it. Only the object's creation carries the
+size (``created_body``): a LeaderWorkerSet created without spec.replicas would be defaulted to 1
+and start a group of a service meant to have none, or one group too few until the next PATCH.
+Right after that creation a second field manager (``SIZE_MANAGER``) applies spec.replicas
+alone (``size_handover``), the handover Kubernetes documents for giving a field to a
+controller: it co-owns the field, so the next apply without it does not remove it (which would
+default it to 1 again).
 """
 
 from __future__ import annotations
@@ -180,6 +186,26 @@ def build_workload(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int
 def scaled_through_subresource(obj: Mapping[str, Any]) -> bool:
     """Whether the operator sizes `obj` through its scale subresource rather than its applied body."""
     return obj.get("kind") == LWS_KIND
+
+
+SIZE_MANAGER = "kvserve-operator-size"  # owns a new LeaderWorkerSet's spec.replicas (size_handover)
+
+
+def created_body(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator applies to create `obj`: all of it, the size too (a LeaderWorkerSet
+    created without spec.replicas would run the default 1 group until the /scale PATCH)."""
+    return dict(obj)
+
+
+def size_handover(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """For a workload sized through /scale: spec.replicas alone, applied under SIZE_MANAGER right
+    after the creation so the field outlives the operator's next apply, which leaves it out."""
+    if not scaled_through_subresource(obj):
+        return None
+    meta = obj["metadata"]
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "spec": {"replicas": obj["spec"]["replicas"]}}
 
 
 def applied_body(obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,9 @@ class EngineConfig:
     # Layers split into this many stages, one group of tensor_parallel_size ranks each
     # (runtime/executor/pipeline_worker.py); ranks = pipeline x tensor parallel.
     pipeline_parallel_size: int = 1
+    # Micro-batches in flight at pipeline_parallel_size > 1 (None: one per stage, so the stages
+    # overlap; 1: one step at a time, the pipeline bubble stays). Ignored at P = 1.
+    max_concurrent_batches: int | None = None
     enable_prefix_caching: bool = True
     # {"method": "ngram" | "draft_model" | "medusa", "num_speculative_tokens": k, "model": DIR,
     #  "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or that as a JSON string.
@@ -143,10 +146,10 @@ class EngineConfig:
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             method = self.speculative_config.method
-            if (method in ("medusa", "eagle", "eagle3") and isinstance(self.pipeline_parallel_size, int)
+            if (method in ("medusa", "eagle", "eagle3", "mtp") and isinstance(self.pipeline_parallel_size, int)
                     and self.pipeline_parallel_size > 1):
                 # The heads read the final hidden state, which lives on the last stage, not rank 0.
-                what = "Medusa heads" if method == "medusa" else "EAGLE heads"
+                what = {"medusa": "Medusa heads", "mtp": "MTP layers"}.get(method, "EAGLE heads")
                 fail("speculative_config", f"{what} do not run with pipeline parallelism yet "
                      "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):
@@ -164,8 +167,6 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         elif self.max_cpu_loras < self.max_loras:
             fail("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
-        if self.enable_lora and isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size > 1:
-            fail("enable_lora", "LoRA adapters do not run with pipeline parallelism yet (pipeline_parallel_size > 1)")
         from kvserve.runtime.kv_events.config import KVEventsConfig
 
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
@@ -199,6 +200,7 @@ class EngineConfig:
             fail("attention_backend", f"must be one of {list(_BACKENDS)}")
         positive_int("tensor_parallel_size")  # checked against the model's heads by the engine
         positive_int("pipeline_parallel_size")  # checked against the model's layers by the engine
+        positive_int("max_concurrent_batches", optional=True)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
         if self.quantization is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvserve.runtime.architectures import (
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MLA_ARCHITECTURES", "MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RoutingConfig"]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 # Activations of the gated MLP, by config.json name: SiLU (Llama family) or tanh-approximated GELU.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -326,6 +326,15 @@ class ModelConfig:
         not cap it: sliding-window layers attend within the window at any length)."""
         return self.max_position_embeddings
 
+    def for_max_model_len(self, max_model_len: int) -> ModelConfig:
+        """This config for an engine serving contexts up to `max_model_len`: LongRoPE's short or
+        long factors (long when max_model_len exceeds original_max_position_embeddings)."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.get("rope_type") != "longrope":
+            return self
+        long = max_model_len > scaling["original_max_position_embeddings"]
+        return self if long == scaling["long"] else replace(self, rope_scaling={**scaling, "long": long})
+
     def resolve_max_model_len(self, max_model_len: int | None) -> int:
         """`max_model_len` checked against the model (None gives `default_max_model_len()`)."""
         limit = self.default_max_model_len()
@@ -364,14 +373,45 @@ def _rope(config: dict[str, Any], head_dim: int) -> tuple[float, dict[str, Any] 
     if rope_type == "default":
         return theta, None
     required = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor")}[rope_type]
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "longrope": ()}[rope_type]
     for key in required:
         if params.get(key) is None:
             raise ValueError(f"model config: rope scaling {rope_type!r} needs {key!r}")
     if rope_type in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings",
                           config.get("original_max_position_embeddings") or config.get("max_position_embeddings"))
+    if rope_type == "longrope":
+        return theta, _longrope(config, params, head_dim)
     return theta, {"rope_type": rope_type, **params}
+
+
+def _longrope(config: dict[str, Any], params: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE: per-frequency divisors for short contexts and for long ones, and a
+    cos/sin multiplier (`attention_factor`, default sqrt(1 + ln(factor) / ln(original)) with
+    factor = max_position_embeddings / original). Which divisors apply is decided once, from the
+    context the engine serves (`long`: max_model_len > original_max_position_embeddings, as vLLM
+    does), so every cached key is rotated the same way; defaults to the model's full context."""
+    original = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("model config: rope scaling 'longrope' needs 'original_max_position_embeddings'")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(f"model config: original_max_position_embeddings must be a positive integer, not {original!r}")
+    out: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": original}
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if (not isinstance(values, (list, tuple)) or len(values) != head_dim // 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                           for v in values)):
+            raise ValueError(f"model config: rope scaling 'longrope' needs {key!r}: {head_dim // 2} positive numbers "
+                             f"(one per rotary frequency), got {values!r}"[:300])
+        out[key] = tuple(float(v) for v in values)
+    max_pos = int(config.get("max_position_embeddings") or 2048)
+    factor = params.get("factor") or max_pos / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    out.update(factor=float(factor), attention_factor=float(attention_factor), long=max_pos > original)
+    return out
 
 
 def _alibi(config: dict[str, Any]) -> dict[str, Any]:

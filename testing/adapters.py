@@ -51,7 +51,7 @@ def build_lora_adapters(base_dir, adapters: dict) -> list[pathlib.Path]:
         std = o.get("std", 0.05)
         with torch.no_grad():
             for name, p in pm.named_parameters():
-                if "lora_A" in name or "lora_B" in name:
+                if "lora_A" in name or "lora_B" in name or "lora_embedding_" in name:
                     p.copy_(std * torch.randn(p.shape, generator=gen))
         pm.save_pretrained(str(out_dir))
         model = pm.unload()  # the base model again, for the next adapter

@@ -275,6 +275,13 @@ def _metadata(w, arch: str, config: dict, head_dim: int) -> None:
     w.add_rope_freq_base(float(theta or 10000.0))
     if arch == "phi3" and config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # conversion/phi.py: no scaling type written
+        import math
+
+        original = rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         w.add_expert_count(experts)
@@ -285,32 +292,9 @@ def _metadata(w, arch: str, config: dict, head_dim: int) -> None:
             w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
-def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, embed_kind: str | None = None,
-               rope_freqs: np.ndarray | None = None, tensor_kinds: dict[str, str] | None = None,
-               twin: dict | None = None) -> pathlib.Path:
-    """Writes the HF model in `hf_dir` as a GGUF file: every 2-D weight in `kind` (embedding in
-    `embed_kind`, default `kind`; `tensor_kinds` maps a GGUF tensor kind such as "attn_v" to its
-    own type, as llama.cpp's mixed Q4_K_M files do), norms and biases in F32. `twin`, if given,
-    receives the HF state dict the file encodes (see the module docstring)."""
-    import re
-
-    import gguf
-    import torch
-    from safetensors.torch import load_file
+def _add_tokenizer(w, hf_dir: pathlib.Path) -> None:
+    """The HF directory's byte-level BPE tokenizer as llama.cpp's "gpt2" tokenizer metadata."""
     from transformers import AutoTokenizer
-
-    config = json.loads((hf_dir / "config.json").read_text())
-    arch = _ARCH[config["architectures"][0]]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    hidden = config["hidden_size"]
-    head_dim = config.get("head_dim") or hidden // heads
-    state = {}
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        state.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
-
-    w = gguf.GGUFWriter(str(out), arch)
-    _metadata(w, arch, config, head_dim)
-    w.add_vocab_size(config["vocab_size"])
 
     tok = AutoTokenizer.from_pretrained(hf_dir)
     spec = json.loads(tok.backend_tokenizer.to_str())
@@ -331,6 +315,126 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, em
     w.add_add_bos_token(False)
     if tok.chat_template:
         w.add_chat_template(tok.chat_template)
+
+
+def _add_tensor(w, name: str, x: np.ndarray, kind: str) -> str:
+    """Writes x (a norm or bias in F32, a matrix in `kind` or its fallback); returns the type used."""
+    import gguf
+
+    kind = "F32" if x.ndim == 1 else _block_kind(x.shape[-1], kind)
+    if kind == "F32":
+        w.add_tensor(name, np.ascontiguousarray(x, dtype=np.float32))
+    elif kind == "F16":
+        w.add_tensor(name, x.astype(np.float16))
+    else:
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        packed = quantize(flat, kind).reshape(*x.shape[:-1], -1)
+        w.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+    return kind
+
+
+# MPT's and BLOOM's checkpoint names (after transformer.blocks.N. / transformer.h.N.) -> GGUF's.
+_MPT_LAYER = {"norm_1.weight": "attn_norm.weight", "attn.Wqkv.weight": "attn_qkv.weight",
+              "attn.out_proj.weight": "attn_output.weight", "norm_2.weight": "ffn_norm.weight",
+              "ffn.up_proj.weight": "ffn_up.weight", "ffn.down_proj.weight": "ffn_down.weight"}
+_BLOOM_LAYER = {f"{hf}.{t}": f"{gg}.{t}" for hf, gg in (
+    ("input_layernorm", "attn_norm"), ("self_attention.query_key_value", "attn_qkv"),
+    ("self_attention.dense", "attn_output"), ("post_attention_layernorm", "ffn_norm"),
+    ("mlp.dense_h_to_4h", "ffn_up"), ("mlp.dense_4h_to_h", "ffn_down")) for t in ("weight", "bias")}
+
+
+def write_alibi_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *,
+                     twin: dict | None = None) -> pathlib.Path:
+    """An MPT or BLOOM directory as llama.cpp's converter writes it (conversion/mpt.py, bloom.py):
+    metadata under mpt.* / bloom.* (layer_norm_epsilon, MPT's max_alibi_bias and clamp_kqv),
+    BLOOM's head-by-head q|k|v rows regrouped into q | k | v, its embedding LayerNorm as
+    token_embd_norm, no output.weight (both tie their LM head). `twin` gets the checkpoint (under
+    the HF directory's own names) with every weight replaced by what the file encodes."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    bloom = config["architectures"][0] == "BloomForCausalLM"
+    arch = "bloom" if bloom else "mpt"
+    state = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        state.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
+    hidden = config["hidden_size"] if bloom else config["d_model"]
+    heads = config["n_head"] if bloom else config["n_heads"]
+    layers = config["n_layer"] if bloom else config["n_layers"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(config.get("seq_length", hidden) if bloom else config["max_seq_len"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(heads)
+    if bloom:
+        w.add_head_count_kv(heads)
+        w.add_layer_norm_eps(config["layer_norm_epsilon"])
+    else:
+        w.add_layer_norm_eps(1e-5)
+        attn = config.get("attn_config") or {}
+        if attn.get("clip_qkv") is not None:
+            w.add_clamp_kqv(attn["clip_qkv"])
+        w.add_max_alibi_bias(attn.get("alibi_bias_max", 8) if attn.get("alibi", True) else 0.0)
+    w.add_vocab_size(config["vocab_size"])
+    _add_tokenizer(w, hf_dir)
+
+    def put(hf: str, gguf_name: str, stored: np.ndarray, k: str) -> None:
+        used = _add_tensor(w, gguf_name, stored, k)
+        if twin is not None:  # row regrouping commutes with row-wise quantization
+            twin[hf] = torch.from_numpy(encoded(state[hf], used))
+
+    root = "transformer.word_embeddings" if bloom else "transformer.wte"
+    put(f"{root}.weight", "token_embd.weight", state[f"{root}.weight"], kind)
+    if bloom:
+        for t in ("weight", "bias"):
+            put(f"transformer.word_embeddings_layernorm.{t}", f"token_embd_norm.{t}",
+                state[f"transformer.word_embeddings_layernorm.{t}"], "F32")
+    for i in range(layers):
+        pre = f"transformer.h.{i}." if bloom else f"transformer.blocks.{i}."
+        for hf, gg in (_BLOOM_LAYER if bloom else _MPT_LAYER).items():
+            x = state[pre + hf]
+            if bloom and hf.startswith("self_attention.query_key_value"):
+                x = x.reshape(heads, 3, hidden // heads, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+            put(pre + hf, f"blk.{i}.{gg}", x, kind)
+    final = "transformer.ln_f" if bloom else "transformer.norm_f"
+    for t in ("weight", "bias") if bloom else ("weight",):
+        put(f"{final}.{t}", f"output_norm.{t}", state[f"{final}.{t}"], "F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, embed_kind: str | None = None,
+               rope_freqs: np.ndarray | None = None, tensor_kinds: dict[str, str] | None = None,
+               twin: dict | None = None) -> pathlib.Path:
+    """Writes the HF model in `hf_dir` as a GGUF file: every 2-D weight in `kind` (embedding in
+    `embed_kind`, default `kind`; `tensor_kinds` maps a GGUF tensor kind such as "attn_v" to its
+    own type, as llama.cpp's mixed Q4_K_M files do), norms and biases in F32. `twin`, if given,
+    receives the HF state dict the file encodes (see the module docstring)."""
+    import re
+
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = _ARCH[config["architectures"][0]]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    state = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        state.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
+
+    w = gguf.GGUFWriter(str(out), arch)
+    _metadata(w, arch, config, head_dim)
+    w.add_vocab_size(config["vocab_size"])
+
+    _add_tokenizer(w, hf_dir)
 
     def add(name: str, x: np.ndarray, k: str) -> str:
         k = "F32" if x.ndim == 1 else _block_kind(x.shape[-1], k)
@@ -357,6 +461,10 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, em
            add("token_embd.weight", state["model.embed_tokens.weight"], embed_kind or kind))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     expert_re = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
     for i in range(config["num_hidden_layers"]):
         pre = f"model.layers.{i}."

@@ -141,28 +141,40 @@ def test_logits_close_to_transformers_with_bitsandbytes(checkpoints, kind, bound
     assert (our_logits(path) - want).abs().max() < bound * want.abs().max()
 
 
-def test_held_forms_and_float64_layer_parity(checkpoints, monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch-twin"])
+def test_held_forms_and_float64_layer_parity(checkpoints, monkeypatch, native):
     """4-bit layers hold their codes packed with a float32 absmax per block (a fused layer's parts
     stacked), whose dequantization is bitsandbytes' bit for bit and whose matmul equals
     dequantize-then-matmul in float64, at 0.5 + 4 / 64 bytes per weight; with keep_packed off
     they hold the dequantized weight. 8-bit ones hold an Int8Weight; an 8-bit layer's output
     equals x @ W.T in float64 with W = code * SCB / 127."""
+    from kvserve.kernels.cpu import native as native_kernels
     from kvserve.runtime.models.quantization.bitsandbytes import BnB4bitMethod, BnB8bitMethod
     from kvserve.runtime.models.quantization.bnb4 import Packed4bitWeight
-    from kvserve.runtime.models.quantization.packed import Int8Weight
+    from kvserve.runtime.models.quantization.packed import Int8Weight, set_cpu_native
 
+    if native and not native_kernels.available():
+        pytest.skip(f"native CPU kernels: {native_kernels.status()}")
     kw = dict(dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend())
-    for kind in ("nf4-dq", "fp4"):
-        four = load_model(checkpoints(kind), **kw)
+    set_cpu_native(None if native else False)
+    try:
+        fours = {kind: load_model(checkpoints(kind), **kw) for kind in ("nf4-dq", "fp4")}
+    finally:
+        set_cpu_native(None)
+    for kind, four in fours.items():
         state = dequantized_state(checkpoints(kind))
         qkv = four.layers[0].self_attn.qkv_proj
         assert type(qkv.quant_method) is BnB4bitMethod and isinstance(qkv.bnb4, Packed4bitWeight)
+        assert (qkv.bnb4.native is not None) == native
         want = torch.cat([state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
         assert torch.equal(qkv.bnb4.dequantize(), want)
         assert qkv.bnb4.nbytes == want.numel() * (0.5 + 4 / 64) + 16 * 4
         x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
         ref = x.double() @ want.double().T
         assert (qkv(x).double() - ref).abs().max() < 1e-5 * ref.abs().max()
+        assert (qkv(x[:1]).double() - ref[:1]).abs().max() < 1e-5 * ref[:1].abs().max()  # a decode row
+    if not native:
+        return
     monkeypatch.setattr(BnB4bitMethod, "keep_packed", False)
     four = load_model(checkpoints("nf4-dq"), **kw)
     assert not any(p.dtype == torch.uint8 for p in four.parameters())

@@ -223,6 +223,36 @@ def test_sampling_and_structured_outputs_with_head(tiny_llama, tmp_path):
     assert stats.spec_decode_num_drafts_total > 0
 
 
+def test_forked_samples_get_their_own_first_slot(tiny_llama, tmp_path):
+    """n > 1: the samples fork off sample 0 after the prompt; each one's slot at the prompt's
+    last position pairs the prompt's feature with *its own* first token (as a request whose
+    prompt ended with that token has it), and the forks speculate."""
+    path = save_eagle_head(random_head(seed=3), tmp_path / "h", base_config=base_config())
+    spec = {"method": "eagle", "model": str(path), "num_speculative_tokens": 2}
+    prompt = list(range(40, 50))  # P = 10: the last slot's block (4 slots) is not full
+    P = len(prompt)
+
+    def slot(engine, seq):
+        table = engine.block_manager.get_block_table(seq.seq_id)
+        return engine.spec_decoder.eagle.k_pool[table[(P - 1) // 4] * 4 + (P - 1) % 4].clone()
+
+    engine = make_engine(tiny_llama, spec, block_size=4)
+    engine.add_request("n", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))
+    seen = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.num_computed_tokens > P:  # the sample's first decode step has run
+                seen[seq.seq_id] = (seq.token_ids[P], slot(engine, seq))
+    assert len(seen) == 4 and len({t for t, _ in seen.values()}) > 1
+    assert engine.get_stats().spec_decode_num_drafts_total >= 4
+    for first, got in seen.values():
+        ref = make_engine(tiny_llama, spec, block_size=4)
+        ref.add_request("r", prompt + [first], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        ref.step()
+        torch.testing.assert_close(got, slot(ref, ref.scheduler.running[0]), rtol=1e-4, atol=1e-5)
+
+
 def test_eagle_through_the_server_with_the_openai_client(tiny_llama, tmp_path):
     """`kvserve serve --speculative-config '{"method": "eagle", ...}'`: completions equal the
     offline engine's greedy text without speculation, drafts counted on /metrics."""

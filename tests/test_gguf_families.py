@@ -86,8 +86,9 @@ def exact_cpu_matmuls():
     set_cpu_packed(None)
 
 
-def our_logits(path, prompt=PROMPT) -> torch.Tensor:
-    model = load_model(path, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend())
+def our_logits(path, prompt=PROMPT, model=None) -> torch.Tensor:
+    if model is None:
+        model = load_model(path, dtype=torch.float32, device="cpu", attention_backend=TorchAttentionBackend())
     n, block = len(prompt), 16
     blocks = -(-n // block)
     pools = 1 if model.config.shape.mla is not None else 2  # MLA caches one latent pool per layer

@@ -121,7 +121,7 @@ def test_one_adapter_alone_matches_peft(llama_setup, name):
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, name, p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3", "mistral"])
 def test_other_families_match_peft(tiny_model_factory, tmp_path, arch):
     base = tiny_model_factory(arch)
     adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=11, std=0.1),
@@ -154,6 +154,7 @@ def test_moe_model_adapts_attention_and_refuses_experts(tiny_model_factory, tmp_
 def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_factory, tmp_path):
     base, adapters, _, llm, requests = llama_setup
     engine = llm.engine
+    before = engine.list_loras()  # the tests before this one loaded some (or none, run alone)
     extra = LoRARequest("extra", 40, str(adapters["all8"]))
     assert engine.add_lora(extra) is True
     assert engine.add_lora(extra) is False  # the same adapter again
@@ -168,9 +169,12 @@ def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_fac
     big = build_lora_adapter(base, tmp_path / "big", r=16, seed=5)
     with pytest.raises(ValueError, match="rank 16, above max_lora_rank 8"):
         engine.add_lora(LoRARequest("big", 50, str(big)))
-    lm_head = build_lora_adapter(base, tmp_path / "lmhead", r=4, seed=6, target_modules=["q_proj", "lm_head"])
-    with pytest.raises(ValueError, match="target module 'lm_head' is not supported"):
-        engine.add_lora(LoRARequest("lmhead", 51, str(lm_head)))
+    saved = tmp_path / "saved"
+    shutil.copytree(adapters["qv4"], saved)
+    cfg = json.loads((saved / "adapter_config.json").read_text())
+    (saved / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ValueError, match=r"modules_to_save \['lm_head'\] is not supported .* target_modules"):
+        engine.add_lora(LoRARequest("saved", 51, str(saved)))
     other_base = tiny_model_factory("llama", hidden_size=96)
     mismatch = build_lora_adapter(other_base, tmp_path / "mismatch", r=4, seed=7)
     with pytest.raises(ValueError, match="base model mismatch"):
@@ -192,9 +196,43 @@ def test_add_list_remove_and_errors_name_the_problem(llama_setup, tiny_model_fac
     with pytest.raises(ValueError, match="above max_lora_rank"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 50, str(big)))
     assert not engine.has_unfinished_requests()
-    assert engine.list_loras() == {r.lora_int_id for r in requests.values()}
+    assert engine.list_loras() == before
     with pytest.raises(ValueError, match="lora_int_id: must be an integer >= 1"):
         LoRARequest("zero", 0, str(big))
+
+
+def test_embedding_and_lm_head_adapters_match_peft(llama_setup, tmp_path):
+    """PEFT target_modules with embed_tokens and lm_head (untied head here; tied at PP=2 in
+    test_lora_pipeline.py), mixed in one batch with a layers-only adapter and the base model;
+    PEFT's saved copy of the base embedding is skipped, one of another vocabulary size refused."""
+    from safetensors.torch import load_file, save_file
+
+    base, adapters, _, llm, _ = llama_setup
+    built = {"ev": build_lora_adapter(base, tmp_path / "ev", r=8, seed=11, std=0.3,
+                                      target_modules=["embed_tokens", "lm_head", "q_proj"]),
+             "e": build_lora_adapter(base, tmp_path / "e", r=4, seed=12, std=0.3, target_modules=["embed_tokens"]),
+             "h": build_lora_adapter(base, tmp_path / "h", r=4, seed=13, std=0.3, target_modules=["lm_head", "v_proj"])}
+    pm = peft_model(base, {**{k: str(v) for k, v in built.items()}, "all8": str(adapters["all8"])})
+    requests = {name: LoRARequest(name, 60 + i, str(path)) for i, (name, path) in enumerate(built.items())}
+    requests["all8"] = LoRARequest("all8", 1, str(adapters["all8"]))
+    names = ["ev", None, "e", "h", "all8"]
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+        assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+        for name in built:  # each changes the answer
+            assert _reference(pm, name, PROMPTS[0]) != _reference(pm, None, PROMPTS[0]), name
+        resized = tmp_path / "resized"
+        shutil.copytree(built["e"], resized)
+        tensors = load_file(resized / "adapter_model.safetensors")
+        key = next(k for k in tensors if k.endswith("embed_tokens.base_layer.weight"))
+        tensors[key] = torch.cat([tensors[key], tensors[key][:8]])
+        save_file(tensors, resized / "adapter_model.safetensors")
+        with pytest.raises(ValueError, match="saves embed_tokens of shape .* resized vocabulary"):
+            llm.engine.add_lora(LoRARequest("resized", 70, str(resized)))
+    finally:
+        for r in list(requests.values())[:3]:
+            llm.engine.remove_lora(r.lora_int_id)
 
 
 def test_remove_refuses_an_adapter_in_use(llama_setup):
@@ -256,6 +294,42 @@ def test_ngram_speculative_decoding_with_an_adapter(llama_setup):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[requests["all8"], requests["qv4"]])
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, "all8", prompts[0]),
                                                       _reference(pm, "qv4", prompts[1])]
+
+
+def test_draft_model_speculative_decoding_with_an_adapter(llama_setup):
+    """The draft model proposes without the adapter (it is the base model here); verification runs
+    the adapter, so greedy output is the adapter's exactly, only acceptance is lower."""
+    base, _, pm, _, requests = llama_setup
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=4,
+             speculative_config={"method": "draft_model", "model": str(base), "num_speculative_tokens": 3}) as llm:
+        names = ["all8", None, "qv4"]
+        outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+
+
+def test_fp8_base_weights_with_an_adapter_match_peft_on_the_dequantized_model(llama_setup):
+    """Load-time FP8 base (weight-only on the CPU, per-channel scales) with an adapter in full
+    precision beside it. Oracle: peft on transformers whose projections hold the same FP8 values."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.runtime.models.quantization.fp8 import quantize_fp8_per_channel
+
+    base, adapters, _, _, requests = llama_setup
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and name.endswith("proj.weight"):
+                q, scale = quantize_fp8_per_channel(p.data)
+                p.copy_(q.float() * scale[:, None])
+    pm = PeftModel.from_pretrained(hf, str(adapters["all8"]), adapter_name="all8").eval()
+    names = ["all8", None]
+    with LLM(str(base), quantization="fp8", enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64,
+             block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else requests[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen3", dict(num_key_value_heads=1))])

@@ -50,7 +50,7 @@ def test_layout():
     ([[i] for i in range(64)], "at most 63"),
 ])
 def test_bad_choices_name_the_key(bad, message):
-    with pytest.raises(ValueError, match=f"speculative_config.medusa_choices: .*{message}"):
+    with pytest.raises(ValueError, match=f"speculative_config.speculative_token_tree: .*{message}"):
         parse_choices(bad)
     with pytest.raises(ValueError, match="needs that many heads; the Medusa directory has 2"):
         parse_choices([[0], [0, 0], [0, 0, 0]], num_heads=2)
@@ -161,3 +161,29 @@ def test_triton_kernel_matches_the_twin(monkeypatch):
     args = (torch.randn(64, 4, 16, generator=gen), kc, vc, torch.tensor([0, 64], dtype=torch.int32),
             torch.tensor([70], dtype=torch.int32), table[None], torch.tensor(big.masks, dtype=torch.int64), 0.25)
     torch.testing.assert_close(paged_tree_attention(*args), tree_attention_ref(*args), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backends_attend_trees_and_causal_rows_in_one_step(backend, monkeypatch):
+    """AttentionMetadata.tree_masks: rows of tree sequences get tree attention, the others (mask
+    0) causal attention, in one attend call of either backend."""
+    from kvserve.runtime.attention.backend import AttentionMetadata
+    from kvserve.runtime.attention.selector import get_attention_backend
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(3)
+    t, q, k_cache, v_cache, qsl, seq_lens, bt, masks, _, _ = _tree_batch(gen)
+    n = t.num_nodes
+    masks[n:2 * n] = 0  # the second sequence is a plain causal chunk
+    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
+                             slot_mapping=torch.full((q.shape[0],), -1, dtype=torch.long), max_query_len=n,
+                             max_seq_len=int(seq_lens.max()), tree_masks=masks)
+    got = get_attention_backend(backend, "cpu").attend(q, None, None, k_cache, v_cache, meta, 0.25)
+    tree = tree_attention_ref(q, k_cache, v_cache, qsl, seq_lens, bt, torch.tensor(list(t.masks) * 3), 0.25)
+    causal = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, bt, 0.25)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[:n], tree[:n], **tol)
+    torch.testing.assert_close(got[n:2 * n], causal[n:2 * n], **tol)
+    torch.testing.assert_close(got[2 * n:], tree[2 * n:], **tol)

@@ -310,9 +310,9 @@ def test_unsupported_architecture_names_supported(tmp_path):
 
 
 def test_unsupported_rope_type_names_supported(tmp_path):
-    _write_config(tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0},
+    _write_config(tmp_path, rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0},
                   rope_scaling=None)
-    with pytest.raises(ValueError, match="rope type 'longrope'.*linear.*llama3"):
+    with pytest.raises(ValueError, match="rope type 'mrope'.*linear.*llama3.*longrope"):
         ModelConfig.from_pretrained(tmp_path)
 
 

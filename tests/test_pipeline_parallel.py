@@ -107,6 +107,61 @@ def test_pp2_matches_pp1(tiny_model_factory, request, family):
     assert [r["rank"] for r in reports] == [0, 1]
 
 
+def _run(engine, prompts, params, abort_at=None):
+    """Steps the engine to the end; aborts request "r0" at step `abort_at`. Token ids by request."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    got, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps == abort_at:
+            engine.abort_request("r0")
+        for out in engine.step():
+            got[out.request_id] = list(out.outputs[0].token_ids)
+    return got
+
+
+def test_micro_batches_overlap_and_survive_an_abort(pp2_llama):
+    """Two micro-batches in flight (one per stage), never sharing a sequence; the same greedy tokens
+    as one step at a time; a request aborted while its step is in flight leaks no block."""
+    engine = pp2_llama.engine
+    core, executor = engine.core, engine.executor
+    assert core.depth == executor.max_concurrent_batches == 2
+    prompts = _prompts(engine.model_config.vocab_size) * 2
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 7, 9, 15) * 2]
+    core.depth = 1
+    try:
+        want = _run(engine, prompts, params)
+    finally:
+        core.depth = 2
+    flights: list[set[int]] = []
+    most = 0
+    launch, land = executor.launch_model, executor.land_model
+
+    def launch_model(model_input):
+        nonlocal most
+        ids = {item.seq.seq_id for item in model_input.scheduled}
+        assert not any(ids & f for f in flights), "a sequence in two micro-batches in flight"
+        flights.append(ids)
+        most = max(most, len(flights))
+        return launch(model_input)
+
+    def land_model(pending):
+        flights.pop(0)
+        return land(pending)
+
+    executor.launch_model, executor.land_model = launch_model, land_model
+    try:
+        assert _run(engine, prompts, params) == want
+        assert most == 2
+        got = _run(engine, prompts, params, abort_at=4)
+    finally:
+        del executor.launch_model, executor.land_model
+    assert got.keys() == want.keys() and all(got[k] == want[k] for k in want if k != "r0")
+    assert len(got["r0"]) < len(want["r0"])
+    assert engine.block_manager.num_used_blocks == 0 and not core._queue
+
+
 def test_killed_stage_mid_generate_raises_naming_the_rank(pp2_llama):
     """Kills the shared engine's stage 1 (this case is its last user)."""
     llm = pp2_llama
@@ -135,7 +190,8 @@ def test_killed_stage_mid_generate_raises_naming_the_rank(pp2_llama):
 def test_pp2_features_match_pp1(tiny_model_factory):
     """Prefix caching (shared prompts), chunked prefill (max 8 tokens a step), preemption (a pool
     too small for every sequence at once), n-gram speculative decoding, a regex constraint and
-    int8 weights, all at once: the same tokens at PP=2 as at PP=1."""
+    int8 weights, all at once: the same tokens at PP=2 as at PP=1, with and without micro-batches
+    in flight."""
     model_dir = tiny_model_factory("llama", num_hidden_layers=4)
     kw = dict(KW, num_kv_blocks=14, max_num_batched_tokens=8, quantization="int8",
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
@@ -144,14 +200,19 @@ def test_pp2_features_match_pp1(tiny_model_factory):
     params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) for _ in range(4)]
     params.append(SamplingParams(temperature=0, max_tokens=10, structured_outputs={"regex": "[a-c]{3,6}"}))
     outs = []
-    for pp in (1, 2):
-        with LLM(str(model_dir), pipeline_parallel_size=pp, **kw) as llm:
+    # The last run drops speculative decoding (greedy drafting gives the same tokens), so two
+    # micro-batches are in flight under the same preemption and prefix-cache pressure.
+    for pp, spec in ((1, True), (2, True), (2, False)):
+        kw_run = kw if spec else {k: v for k, v in kw.items() if k != "speculative_config"}
+        with LLM(str(model_dir), pipeline_parallel_size=pp, **kw_run) as llm:
+            assert llm.engine.core.depth == (1 if spec else 2)
             outs.append(_generate(llm, prompts, params))
             stats = llm.engine.get_stats()
             assert stats.num_preemptions_total > 0, "the pool must be small enough to preempt"
             assert stats.prefix_cache_hits_total > 0
-            assert stats.spec_decode_num_drafts_total > 0
-    assert outs[1] == outs[0]
+            assert (stats.spec_decode_num_drafts_total > 0) == spec
+            assert llm.engine.block_manager.num_used_blocks == 0
+    assert outs[1] == outs[0] and outs[2] == outs[0]
 
 
 def test_tp2_pp2_on_four_processes(tiny_model_factory):

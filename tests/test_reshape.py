@@ -195,13 +195,17 @@ def test_parallelism_needs_the_admin_key(server):
 def test_spare_workers_and_one_kv_events_endpoint_across_reshapes(tiny_llama, tmp_path):
     """One engine for two checks (each engine start costs seconds of CI). Spare workers: the
     layout's tensor-parallel rank is a spare started while 2 x TP1 ran, the text is the same, and
-    nothing outlives the engine. KV events: engine 0 binds the server's one endpoint and the
-    other publishes through it (a second bind would fail the start); a reshape binds it again."""
+    nothing outlives the engine. KV events: the server's one publisher outlives both reshapes, so
+    a subscriber that connected once gets every layout's events, numbered on without a gap; each
+    reshape says AllBlocksCleared for the whole pod first, and a router index fed the stream
+    follows (it ends holding the last layout's blocks only)."""
     import zmq
 
     from kvserve.runtime.config import EngineConfig
     from kvserve.runtime.engine.data_parallel import DataParallelEngine
     from kvserve.runtime.executor.multiproc import spare_worker_pids
+    from kvserve.runtime.kv_events import AllBlocksCleared, BlockStored, decode_batch
+    from kvserve.runtime.router.kv_index import PodKVIndex
     from kvserve.runtime.sampling_params import SamplingParams
 
     endpoint = f"ipc://{tmp_path}/kv-events"
@@ -212,6 +216,22 @@ def test_spare_workers_and_one_kv_events_endpoint_across_reshapes(tiny_llama, tm
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    got: list = []  # (seq, batch) in arrival order
+
+    def drain(until) -> list:
+        """Everything that arrives until `until(new batches)` holds (10 s at most): the
+        previous layout's batches are read before the next layout's are looked for."""
+        start, deadline = len(got), time.monotonic() + 10
+        while not until(got[start:]) and sub.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+            _, seq, payload = sub.recv_multipart()
+            got.append((int.from_bytes(seq, "big"), decode_batch(payload)))
+        return got[start:]
+
+    def cleared_then_stored(batches, ranks) -> bool:
+        kinds = [(type(e), b.data_parallel_rank) for _, b in batches for e in b.events]
+        return (AllBlocksCleared, None) in kinds and any(
+            k == BlockStored and r in ranks for k, r in kinds[kinds.index((AllBlocksCleared, None)):])
+
     engine = DataParallelEngine(config, 2, spare_workers=True)
     try:
         sub.connect(endpoint)
@@ -222,6 +242,8 @@ def test_spare_workers_and_one_kv_events_endpoint_across_reshapes(tiny_llama, tm
         engine.add_request("other", {"prompt_token_ids": list(range(30, 46))}, params)  # the other engine
         assert sorted(e.get_num_unfinished_requests() for e in engine.engines) == [1, 1]
         before = [o for o in engine.step() if o.request_id == "a"]
+        first = drain(lambda new: {b.data_parallel_rank for _, b in new} >= {0, 1})
+        assert {b.data_parallel_rank for _, b in first} == {0, 1}  # each engine's prefill, tagged
         # On the CPU the engines of a layout share one copy of the weights (host_weights) ...
         weights = [dict(e.executor.driver_worker.model.named_parameters()) for e in engine.engines]
         assert all(p is weights[1][name] for name, p in weights[0].items())
@@ -235,18 +257,31 @@ def test_spare_workers_and_one_kv_events_endpoint_across_reshapes(tiny_llama, tm
         done = {}
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})
+        # 1 x TP2: one engine, untagged; its events arrive on the connection the subscriber has.
+        assert cleared_then_stored(drain(lambda new: cleared_then_stored(new, {None})), {None})
         engine.reshape(2, 1)
         assert len(spare_worker_pids()) == 1  # ready for the next reshape
         engine.add_request("b", {"prompt_token_ids": [5, 6, 7, 8]}, params)
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert cleared_then_stored(drain(lambda new: cleared_then_stored(new, {0, 1})), {0, 1})
         assert before and done["a"].outputs[0].token_ids == done["b"].outputs[0].token_ids
-        assert sub.poll(5000)  # events flow on the one endpoint, from every layout
+        published = engine.get_stats().kv_events_published_total
+        drain(lambda new: len(got) >= published)
     finally:
         engine.close()
         sub.close(0)
         context.term()
     assert not spare_worker_pids() and not tp_worker_pids()
+    assert [seq for seq, _ in got] == list(range(len(got)))  # one numbering: no restart, no gap
+    index = PodKVIndex()
+    for seq, batch in got:
+        assert index.live(seq, batch, now=1.0) is None  # applied in order, nothing to replay
+    last_clear = max(i for i, (_, b) in enumerate(got) if any(isinstance(e, AllBlocksCleared) for e in b.events))
+    earlier = {h for _, b in got[:last_clear] for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes}
+    later = {h for _, b in got[last_clear:] for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes}
+    assert index.blocks and set(index.blocks) <= later  # the last layout's blocks only
+    assert earlier - later and not (earlier - later) & set(index.blocks)  # "other"'s blocks went with the reshape
 
 
 def test_prefix_keys_and_engine_choice():

@@ -100,7 +100,10 @@ def test_event_fed_router_ranks_pods_by_the_blocks_they_hold(env):
         assert hits >= 4 * 2 and rate > 0.5, (hits, rate)
         assert sum(v for k, v in m.items() if k.startswith("kvserve_router_kv_events_live{")) == 3
         assert m["kvserve_router_kv_events_ranked_requests_total"] >= 4 * 2
-        assert all(v > 0 for k, v in m.items() if k.startswith("kvserve_router_kv_events_blocks{"))
+        # A pod the ring gave no conversation holds nothing (4 conversations on 3 pods may leave one idle).
+        blocks = [v for k, v in m.items() if k.startswith("kvserve_router_kv_events_blocks{")]
+        assert len(blocks) == 3 and sum(v > 0 for v in blocks) == sum(1 for p in status["pods"].values()
+                                                                       if p["batches"]), (blocks, status)
     finally:
         router.stop()
 

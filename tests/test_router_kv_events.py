@@ -105,6 +105,11 @@ def test_data_parallel_engines_are_indexed_apart():
     assert index.match([H[0], H[2]]) == 1  # no engine holds H0 and H2 together
     index.live(3, EventBatch(1.0, [AllBlocksCleared()], 0), now=1.0)
     assert index.match([H[0]]) == 0 and H[2] in index.blocks and len(index) == 1
+    # An untagged clear is the whole pod's (a live reshape): every engine starts empty.
+    index.live(4, EventBatch(1.0, [AllBlocksCleared()]), now=1.0)
+    assert len(index) == 0 and index.match([H[2]]) == 0
+    index.live(5, EventBatch(1.0, [stored(H[1])]), now=1.0)  # one engine now, untagged
+    assert index.match([H[1]]) == 1 and len(index) == 1
 
 
 def test_trusted_only_live_and_caught_up():

@@ -143,3 +143,46 @@ def test_everything_completes_under_pressure():
     assert all(q.is_finished for q in seqs)
     assert all(q.num_output_tokens == q.max_tokens for q in seqs)
     assert s.block_manager.num_free_blocks == 6
+
+
+# -- pipelined: micro-batches in flight (EngineCore.depth > 1) -------------------------------------
+
+def _land(sched, out):
+    """The token of a micro-batch that comes back later (as step() does, for one batch)."""
+    sched.on_step_done(out)
+    for item in out.scheduled:
+        if item.samples:
+            item.seq.append_token(0)
+    sched.block_manager.check_invariants()
+
+
+def test_in_flight_sequences_are_skipped_and_batches_alternate():
+    s = make(budget=100)
+    seqs = [add(s, rid, 3) for rid in "abcd"]
+    first = s.schedule(max_seqs=2)
+    assert [i.seq.request_id for i in first.scheduled] == ["a", "b"]
+    in_flight = {i.seq.seq_id for i in first.scheduled}
+    second = s.schedule(in_flight, max_seqs=2)
+    assert [i.seq.request_id for i in second.scheduled] == ["c", "d"]
+    # a and b are still in flight, c and d now too: nothing may run until one batch lands
+    assert s.schedule(in_flight | {i.seq.seq_id for i in second.scheduled}).is_empty
+    _land(s, first)
+    third = s.schedule({i.seq.seq_id for i in second.scheduled}, max_seqs=2)
+    assert [(i.seq.request_id, i.num_new_tokens) for i in third.scheduled] == [("a", 1), ("b", 1)]
+    assert all(seq.status is SequenceStatus.RUNNING for seq in seqs)
+
+
+def test_an_in_flight_sequence_is_never_the_preemption_victim():
+    # 4 blocks of 2 tokens: a and b (3-token prompts) take 2 each; b is the newest.
+    s = make(num_blocks=4, block_size=2, budget=100)
+    a = add(s, "a", 3, max_tokens=4)
+    b = add(s, "b", 3, max_tokens=4)
+    out = s.schedule()
+    _land(s, out)
+    _land(s, s.schedule())  # both decode into their 2nd block; the pool is full
+    # b is in flight and a needs a 3rd block: b (the newest) may not go, so a preempts itself
+    out = s.schedule({b.seq_id})
+    assert out.scheduled == [] and [q.request_id for q in out.preempted] == ["a"]
+    assert b.status is SequenceStatus.RUNNING and b.num_computed_tokens == 4
+    assert a.status is SequenceStatus.WAITING and a.num_computed_tokens == 0
+    s.block_manager.check_invariants()

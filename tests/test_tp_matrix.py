@@ -101,6 +101,7 @@ class Case:
     draft: dict[str, Any] | None = None  # a draft model: tiny_model_factory(**draft)
     medusa: bool = False  # Medusa heads built on the model (its own lm_head per head) as the spec model
     eagle3: bool = False  # a random EAGLE-3 head (reads two of the model's layers) as the spec model
+    mtp: bool = False  # the model gets a random MTP layer (DeepSeek-V3's layout) in its checkpoint
     exact: bool = True  # False: the same tokens up to the first near-tie, the same logprobs
 
 
@@ -121,6 +122,10 @@ CASES = {
     # EAGLE-3 on rank 0 reads layers' residual streams there (the other ranks keep the fast path).
     "eagle3-spec-decode": Case(engine=dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 3}),
                                eagle3=True, workload=_grounded, ran=_spec_ran),
+    # The MTP layer runs unsharded on rank 0, with its own copies of the embedding and head.
+    "mtp-spec-decode": Case(arch="deepseek_v3", engine=dict(speculative_config={"method": "mtp",
+                                                                                "num_speculative_tokens": 2}),
+                            mtp=True, workload=_grounded, ran=_spec_ran),
     "structured-outputs": Case(model=dict(vocab_size=640), workload=_structured),
     # Gemma 2 alternates local (window 8) and global layers: two KV cache groups, two block tables.
     "hybrid-kv-groups": Case(arch="gemma2", model=dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5),
@@ -196,6 +201,11 @@ def test_tp2_matches_tp1(tiny_model_factory, name):
 
         draft_dir = save_eagle_head(random_head(True, draft_vocab=200), model_dir.parent / f"{model_dir.name}-eagle3",
                                     base_config=base_config(), aux_layers=(1, 2, 2))
+    if case.mtp:
+        from test_mtp import add_mtp_layer
+
+        mtp_dir = model_dir.parent / f"{model_dir.name}-mtp"
+        model_dir = mtp_dir if mtp_dir.is_dir() else add_mtp_layer(model_dir, mtp_dir)
     want = _run(model_dir, case, draft_dir, 1)
     got = _run(model_dir, case, draft_dir, 2)
     if case.exact:

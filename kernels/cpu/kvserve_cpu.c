@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 11; }
+int kv_abi_version(void) { return 12; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -379,6 +379,125 @@ void kv_linear_q4(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8
       }
     }
     free(w);
+  }
+}
+
+/* ------------------------------------------------------ 4-bit codebook weights (bitsandbytes) */
+
+/* NF4 / FP4: w = codebook[code] * absmax per (row, block of `blk` inputs). The codes are
+   bitsandbytes' [n, k / 2] bytes, the first of a pair in the high nibble; they are repacked into
+   the int4 panel layout (kv_pack_q4's: row j of a tile in the low nibble of byte j, row j + 8 in
+   the high one), absmax into [tiles, k / blk, TILE]. */
+void kv_pack_nf4(const uint8_t* codes, const float* absmax, int64_t n, int64_t k, int64_t blk, uint8_t* out,
+                 float* out_absmax, int nthreads) {
+  int64_t tiles = (n + TILE - 1) / TILE, blocks = k / blk, half = k / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < tiles; t++) {
+    uint8_t* dst = out + t * k * (TILE / 2);
+    float* ad = out_absmax + t * blocks * TILE;
+    for (int64_t kk = 0; kk < k; kk++) {
+      int shift = kk % 2 ? 0 : 4;
+      for (int64_t j = 0; j < TILE / 2; j++) {
+        int64_t lo = t * TILE + j, hi = lo + TILE / 2;
+        uint8_t a = lo < n ? (codes[lo * half + kk / 2] >> shift) & 0xF : 0;
+        uint8_t b = hi < n ? (codes[hi * half + kk / 2] >> shift) & 0xF : 0;
+        dst[kk * (TILE / 2) + j] = (uint8_t)(a | (b << 4));
+      }
+    }
+    for (int64_t j = 0; j < TILE; j++) {
+      int64_t row = t * TILE + j;
+      for (int64_t bi = 0; bi < blocks; bi++) ad[bi * TILE + j] = row < n ? absmax[row * blocks + bi] : 0.0f;
+    }
+  }
+}
+
+/* The codebook values of 8 codes (0..15, the low 8 bytes of `idx`): two in-register 8-entry
+   tables, the code's bit 3 picking between them. */
+static inline __m256 codebook8(__m128i idx, __m256 table_lo, __m256 table_hi) {
+  __m256i i = _mm256_cvtepu8_epi32(idx);
+  __m256 a = _mm256_permutevar8x32_ps(table_lo, i), b = _mm256_permutevar8x32_ps(table_hi, i);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
+}
+
+/* One row of x against one tile: codebook values times x summed per block, then times absmax
+   (sum_k cb[q] x_k * absmax, the same terms as the dequantized product, in another order). */
+static void nf4_row(const float* x, const uint8_t* p, const float* a, int64_t k, int64_t blk, __m256 tl, __m256 th,
+                    float* y, int64_t ncols) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < k; b0 += blk) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), u0 = _mm256_setzero_ps(), u1 = _mm256_setzero_ps();
+    for (int64_t kk = b0; kk < b0 + blk; kk += 2) {
+      __m128i v = _mm_loadu_si128((const __m128i*)(p + kk * (TILE / 2)));
+      __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      __m256 x0 = _mm256_broadcast_ss(x + kk), x1 = _mm256_broadcast_ss(x + kk + 1);
+      s0 = _mm256_fmadd_ps(codebook8(lo, tl, th), x0, s0);
+      s1 = _mm256_fmadd_ps(codebook8(hi, tl, th), x0, s1);
+      u0 = _mm256_fmadd_ps(codebook8(_mm_unpackhi_epi64(lo, lo), tl, th), x1, u0);
+      u1 = _mm256_fmadd_ps(codebook8(_mm_unpackhi_epi64(hi, hi), tl, th), x1, u1);
+    }
+    const float* ab = a + (b0 / blk) * TILE;
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(ab), _mm256_add_ps(s0, u0), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 8), _mm256_add_ps(s1, u1), acc1);
+  }
+  float tmp[TILE];
+  _mm256_storeu_ps(tmp, acc0);
+  _mm256_storeu_ps(tmp + 8, acc1);
+  memcpy(y, tmp, (size_t)ncols * sizeof(float));
+}
+
+/* A tile's float32 panel: codebook[code] * absmax, the product bitsandbytes' dequantizer forms. */
+static void nf4_dequant_panel(const uint8_t* p, const float* a, int64_t k, int64_t blk, __m256 tl, __m256 th,
+                              float* w) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b0 = 0; b0 < k; b0 += blk) {
+    const float* ab = a + (b0 / blk) * TILE;
+    __m256 a0 = _mm256_loadu_ps(ab), a1 = _mm256_loadu_ps(ab + 8);
+    for (int64_t kk = b0; kk < b0 + blk; kk++) {
+      __m128i v = _mm_loadl_epi64((const __m128i*)(p + kk * (TILE / 2)));
+      __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      _mm256_store_ps(w + kk * TILE, _mm256_mul_ps(codebook8(lo, tl, th), a0));
+      _mm256_store_ps(w + kk * TILE + 8, _mm256_mul_ps(codebook8(hi, tl, th), a1));
+    }
+  }
+}
+
+/* y[m, n] = x[m, k] @ W.T for a codebook weight packed by kv_pack_nf4 (blk even); m == 1 reads
+   the codes once per output tile, m > 1 dequantizes each tile once and runs the float kernel. */
+void kv_linear_nf4(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* p, const float* a,
+                   const float* codebook, int64_t n, int64_t blk, float* y, int64_t ldy, int nthreads) {
+  int64_t tiles = (n + TILE - 1) / TILE, blocks = k / blk;
+  __m256 tl = _mm256_loadu_ps(codebook), th = _mm256_loadu_ps(codebook + 8);
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* w = m > 1 ? (float*)aligned_alloc(32, (size_t)q_panel_floats(k) * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+      int64_t col = t * TILE, ncols = n - col < TILE ? n - col : TILE;
+      const uint8_t* pt = p + t * k * (TILE / 2);
+      const float* at = a + t * blocks * TILE;
+      if (m == 1) {
+        nf4_row(x, pt, at, k, blk, tl, th, y + col, ncols);
+      } else {
+        nf4_dequant_panel(pt, at, k, blk, tl, th, w);
+        f32_panel_rows(x, m, ldx, w, k, y + col, ldy, ncols);
+      }
+    }
+    free(w);
+  }
+}
+
+/* Dequantized rows `ids` (float32 [m, k]) of a kv_pack_nf4 weight: embedding lookups. */
+void kv_gather_rows_nf4(const int64_t* ids, int64_t m, const uint8_t* p, const float* a, const float* codebook,
+                        int64_t k, int64_t blk, float* out) {
+  int64_t blocks = k / blk;
+  for (int64_t i = 0; i < m; i++) {
+    int64_t t = ids[i] / TILE, j = ids[i] % TILE;
+    const uint8_t* src = p + t * k * (TILE / 2) + (j % (TILE / 2));
+    int shift = j < TILE / 2 ? 0 : 4;
+    const float* ab = a + t * blocks * TILE + j;
+    for (int64_t kk = 0; kk < k; kk++)
+      out[i * k + kk] = codebook[(src[kk * (TILE / 2)] >> shift) & 0xF] * ab[(kk / blk) * TILE];
   }
 }
 

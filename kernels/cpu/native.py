@@ -37,7 +37,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 11
+ABI_VERSION = 12
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -56,6 +56,9 @@ _SIGNATURES = {
     "kv_gather_rows_q4": ([_P, _I, _P, _P, _P, _I, _I, _P], None),
     "kv_linear_q8": ([_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _T], None),
     "kv_linear_q4": ([_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, _T], None),
+    "kv_pack_nf4": ([_P, _P, _I, _I, _I, _P, _P, _T], None),
+    "kv_linear_nf4": ([_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, _T], None),
+    "kv_gather_rows_nf4": ([_P, _I, _P, _P, _P, _I, _I, _P], None),
     "kv_silu_and_mul_f32": ([_P, _I, _I, _I, _P, _I, _T], None),
     "kv_rms_norm_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _T], None),
     "kv_rotary_f32": ([_P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _T], None),
@@ -388,6 +391,49 @@ class Int4Panels:
             _lib().kv_linear_q4(x2.data_ptr(), x2.shape[0], self.k, x2.stride(0), self.q.data_ptr(),
                                 self.scale.data_ptr(), self.offset.data_ptr(), self.n, self.group_size,
                                 out.data_ptr(), self.n, _threads())
+        return out.view(*lead, self.n)
+
+
+class CodebookPanels:
+    """A 4-bit codebook weight (bitsandbytes NF4 / FP4: w = codebook[code] * absmax per (row,
+    block)) repacked for linear_nf4: codes [N, K / 2] (first of a pair in the high nibble) become
+    int4 panels [ceil(N / 16), K, 8] (Int4Panels' layout), absmax [ceil(N / 16), K / block, 16].
+    The block size must be even."""
+
+    def __init__(self, codes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, block: int):
+        n, half = codes.shape
+        k = 2 * half
+        if codes.dtype != torch.uint8 or k % block or block % 2 or absmax.shape != (n, k // block) \
+                or codebook.numel() != 16:
+            raise ValueError(f"4-bit codebook weight [{n}, {k}]: needs uint8 codes, absmax ({n}, {k // block}) "
+                             f"and 16 codebook values for an even block {block}; got {codes.dtype}, "
+                             f"{tuple(absmax.shape)}, {codebook.numel()}")
+        tiles = -(-n // TILE)
+        self.n, self.k, self.block = n, k, block
+        self.q = torch.empty(tiles, k, TILE // 2, dtype=torch.uint8)
+        self.absmax = torch.empty(tiles, k // block, TILE, dtype=torch.float32)
+        self.codebook = codebook.to(torch.float32).reshape(16).contiguous()
+        cc, ac = codes.contiguous(), absmax.to(torch.float32).contiguous()
+        _lib().kv_pack_nf4(cc.data_ptr(), ac.data_ptr(), n, k, block, self.q.data_ptr(), self.absmax.data_ptr(),
+                           _threads())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"bnb4_panels": self.q, "bnb4_panel_absmax": self.absmax, "bnb4_quant_map": self.codebook}
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = _row_ids(ids, self.n)
+        out = torch.empty(ids.shape[0], self.k, dtype=torch.float32)
+        _lib().kv_gather_rows_nf4(ids.data_ptr(), ids.shape[0], self.q.data_ptr(), self.absmax.data_ptr(),
+                                  self.codebook.data_ptr(), self.k, self.block, out.data_ptr())
+        return out
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _matmul_rows(x, self.k)
+        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)
+        if x2.shape[0]:
+            _lib().kv_linear_nf4(x2.data_ptr(), x2.shape[0], self.k, x2.stride(0), self.q.data_ptr(),
+                                 self.absmax.data_ptr(), self.codebook.data_ptr(), self.n, self.block,
+                                 out.data_ptr(), self.n, _threads())
         return out.view(*lead, self.n)
 
 

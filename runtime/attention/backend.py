@@ -55,6 +55,12 @@ class AttentionMetadata:
     # metadata whose block_tables / slot_mapping address that group's pools; None when one block
     # table serves every layer. Model code hands each layer ``for_window(its window)``.
     kv_groups: dict[int | None, AttentionMetadata] | None = None
+    # Medusa tree verification (runtime/spec_decode/tree_verify.py): int64 [num_tokens], the
+    # ancestor bitmask of each query row of a sequence verified as a candidate tree (bit j: the
+    # sequence's j-th new row is visible; see kernels/tree_attention.py), 0 on every row of the
+    # other sequences, which attend causally. A tree row's position is the context length plus
+    # its depth (popcount - 1), not its slot's. None: no tree in the step.
+    tree_masks: torch.Tensor | None = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         return self if self.kv_groups is None else self.kv_groups[window]

@@ -186,10 +186,13 @@ class TorchAttentionBackend:
             return plan
         q_starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
-        decode_seqs, short_seqs, prefill = [], [], []
+        tree = None if meta.tree_masks is None else meta.tree_masks.tolist()
+        decode_seqs, short_seqs, prefill, tree_seqs = [], [], [], []
         for i, seq_len in enumerate(seq_lens):
             q0, q1 = q_starts[i], q_starts[i + 1]
-            if q1 - q0 == 1:
+            if tree is not None and q1 - q0 > 1 and tree[q0]:
+                tree_seqs.append(i)
+            elif q1 - q0 == 1:
                 decode_seqs.append(i)
             elif 1 < q1 - q0 <= _SHORT_QUERY:
                 short_seqs.append(i)
@@ -217,6 +220,9 @@ class TorchAttentionBackend:
                 # Sorted by context length, but a window bounds what each one reads.
                 groups.append(self._group(meta, part, [q_starts[i] for i in part], q_lens, lens,
                                           block_size, heads_per_kv, window, device))
+        if tree_seqs:
+            groups.append(_tree_group(meta, tree_seqs, q_starts, seq_lens, tree, block_size, heads_per_kv, window,
+                                      device))
         plan = _Plan(meta, block_size, heads_per_kv, window, groups, prefill, native_decode, decode_rows,
                      decode_tables, decode_lens)
         self._plans[window] = plan
@@ -352,6 +358,49 @@ class TorchAttentionBackend:
         if v_scale is not None:
             out = out * v_scale
         return out.view(s, kv_heads, groups, nq, d).permute(0, 3, 1, 2, 4).reshape(s * nq, h, d).to(dtype)
+
+
+def _tree_group(meta: AttentionMetadata, members: list[int], q_starts: list[int], seq_lens: list[int],
+                tree: list[int], block_size: int, heads_per_kv: int, window: int | None,
+                device: torch.device) -> _Group:
+    """Candidate trees (AttentionMetadata.tree_masks) as one padded group: row j of a sequence
+    sees its context and the tree slots whose bit is set in its mask. Positions (for the window
+    and ALiBi) are the context length plus each node's depth, slots being in node order."""
+    q_lens = [q_starts[i + 1] - q_starts[i] for i in members]
+    ctxs = [seq_lens[i] - q for i, q in zip(members, q_lens)]
+    los = [0 if window is None else max(0, c - window + 1) for c in ctxs]
+    max_len = max(seq_lens[i] - lo for i, lo in zip(members, los))
+    q_max = max(q_lens)
+    s = len(members)
+    masks, depths = [], []
+    for i, q in zip(members, q_lens):
+        row = tree[q_starts[i]:q_starts[i] + q]
+        row = row + [row[-1]] * (q_max - q)  # padding repeats the last row (dropped by `keep`)
+        masks.append(row)
+        depths.append([bin(m & (2**64 - 1)).count("1") - 1 for m in row])
+    masks_t = torch.tensor(masks, dtype=torch.long, device=device)  # [S, Q]
+    depth_t = torch.tensor(depths, dtype=torch.long, device=device)
+    idx = torch.tensor(members, dtype=torch.long, device=device)
+    lens_t = torch.tensor([seq_lens[i] for i in members], dtype=torch.long, device=device)[:, None]
+    ctx_t = torch.tensor(ctxs, dtype=torch.long, device=device)[:, None]
+    key = torch.arange(max_len, device=device)[None, :] + torch.tensor(los, dtype=torch.long, device=device)[:, None]
+    clamped = torch.minimum(key, lens_t - 1)  # past the end: the last slot again, masked out
+    blocks = meta.block_tables.index_select(0, idx).long().gather(1, clamped // block_size)
+    slots = (blocks * block_size + clamped % block_size).flatten()
+    node = (key - ctx_t).clamp(0, q_max - 1)  # [S, T]: the tree slot's node (where key >= ctx)
+    key_pos = torch.where(key < ctx_t, key, ctx_t + depth_t.gather(1, node))
+    row_pos = ctx_t + depth_t  # [S, Q]
+    bit = (masks_t[:, :, None] >> (key - ctx_t).clamp(0, 63)[:, None, :]) & 1  # [S, Q, T]
+    visible = torch.where((key < ctx_t)[:, None, :], True, (bit != 0) & (key < lens_t)[:, None, :])
+    if window is not None:
+        visible &= key_pos[:, None, :] > row_pos[:, :, None] - window
+    q_lens_t = torch.tensor(q_lens, dtype=torch.long, device=device)[:, None]
+    j = torch.minimum(torch.arange(q_max, device=device)[None, :], q_lens_t - 1)
+    rows = (torch.tensor([q_starts[i] for i in members], dtype=torch.long, device=device)[:, None] + j).flatten()
+    visible = visible[:, None, None].expand(s, 1, heads_per_kv, q_max, max_len)
+    keep = (torch.arange(q_max, device=device)[None, :] < q_lens_t).flatten().nonzero().flatten()
+    return _Group(rows, slots, visible.reshape(s, 1, heads_per_kv * q_max, max_len), s, q_max, max_len,
+                  keep, rows[keep], key_pos=key_pos, row_pos=row_pos)
 
 
 def _alibi_bias(slopes: torch.Tensor, distance: torch.Tensor, visible: torch.Tensor,

@@ -57,8 +57,33 @@ class TritonAttentionBackend:
                 scale, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
             )
-        return prefill_attention(
+        out = prefill_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale, max_query_len=meta.max_query_len, sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
         )
+        if meta.tree_masks is not None:
+            if sliding_window is not None or logits_soft_cap is not None or alibi_slopes is not None or k_scale is not None:
+                raise ValueError("speculative_config.speculative_token_tree: the Triton tree kernel has no sliding "
+                                 "window, soft-capping, ALiBi or fp8 KV cache; use attention_backend 'torch'")
+            _tree_rows(out, query, k_cache, v_cache, meta, scale)
+        return out
+
+
+def _tree_rows(out, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
+    """Overwrites the rows of the sequences verified as candidate trees (the prefill kernel
+    attended them causally) with the tree kernel's, run over just those sequences."""
+    from kvserve.kernels.tree_attention import paged_tree_attention
+
+    starts = meta.query_start_loc.tolist()
+    masks = meta.tree_masks
+    seqs = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > 1 and bool(masks[starts[i]] != 0)]
+    if not seqs:
+        return
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=query.device) for i in seqs])
+    idx = torch.tensor(seqs, device=query.device)
+    lens = torch.tensor([starts[i + 1] - starts[i] for i in seqs], device=query.device)
+    qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=query.device)
+    qsl[1:] = lens.cumsum(0)
+    out[rows] = paged_tree_attention(query[rows], k_cache, v_cache, qsl, meta.seq_lens[idx],
+                                     meta.block_tables[idx], masks[rows], scale)

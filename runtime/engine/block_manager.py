@@ -284,6 +284,20 @@ class BlockManager:
             self.events.cleared()
 
     # -- mutations -------------------------------------------------------------------------------
+    def resume(self, seq_id: int, num_freed: int, num_tokens: int) -> bool:
+        """Gives a sequence without blocks a table for slots [0, num_tokens) whose first
+        `num_freed` entries are FREED (a swapped-out sequence's blocks behind its window, never
+        read again) and the rest fresh blocks; False (nothing changed) if too few are free."""
+        if self.block_tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        fresh = self.blocks_for_tokens(num_tokens) - num_freed
+        if fresh > len(self._free):
+            return False
+        self.block_tables[seq_id] = [FREED] * num_freed + [self._pop_free() for _ in range(fresh)]
+        self._num_freed[seq_id] = num_freed
+        self._num_registered[seq_id] = 0
+        return True
+
     def allocate_slots(self, seq_id: int, num_computed: int, num_new: int) -> list[tuple[int, int]]:
         """Makes slots [num_computed, num_computed + num_new) writable for `seq_id`.
 

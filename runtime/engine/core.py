@@ -9,6 +9,14 @@ token updates leave for the output processor.
 With async scheduling (`overlap`), the forward pass of step N+1 runs in a second thread while
 this one turns step N's tokens into outputs and the caller streams them. Scheduling still waits
 for step N's tokens, so every decision (and every output) is the one the synchronous loop makes.
+
+Pipelined (`executor.max_concurrent_batches` > 1: pipeline parallelism, one micro-batch per
+stage), up to that many steps are in flight at once, a queue of launched steps: while the last
+stages run micro-batch k, stage 0 (this process) already runs micro-batch k + 1. A sequence is in
+at most one micro-batch in flight (the scheduler skips and never preempts those), and each
+micro-batch takes about 1/depth of the live sequences, so decoding sequences alternate between
+the batches. Each stage runs the micro-batches in launch order, so KV blocks freed by an abort
+while their step is in flight are written by that step before any later step reuses them.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -62,12 +72,18 @@ class Executor(Protocol):
     block_size: int
     kv_release_window: int | None  # every layer slides: blocks behind it may go back
     supports_overlap: bool  # may execute_model run in a second thread?
+    # Steps that may be in flight at once (launch_model / land_model); 1: execute_model only.
+    max_concurrent_batches: int
     last_timings: tuple[float, float, float] | None  # (prepare, forward, sample) of the latest step
 
     def propose_drafts(self, running: list[Sequence],
                        params_of: Callable[[Sequence], SamplingParams | None]) -> None: ...
 
     def execute_model(self, model_input: ModelInput) -> SamplerOutput: ...
+
+    def launch_model(self, model_input: ModelInput) -> Any: ...
+
+    def land_model(self, pending: Any) -> SamplerOutput: ...
 
     def check_health(self) -> None: ...
 
@@ -86,6 +102,7 @@ class _Step:
     t_executed: float = 0.0
     timings: tuple[float, float, float] | None = None
     future: concurrent.futures.Future | None = None
+    pending: Any = None  # pipelined: the executor's handle of the launched step
 
     def without_finished(self, result: SamplerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
         """The step and its sampled rows without the sequences that finished meanwhile."""
@@ -134,6 +151,10 @@ class EngineCore:
         self._forward_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-forward")
                               if self.overlap else None)
         self._inflight: _Step | None = None
+        self.depth = max(1, getattr(executor, "max_concurrent_batches", 1))
+        if self.depth > 1:
+            self.overlap = False  # the micro-batches in flight overlap the stages instead
+        self._queue: deque[_Step] = deque()  # pipelined: launched steps, oldest first
         # Requests ended by a failed forward pass, for the output side to report as aborted.
         self.failed: list[Request] = []
         self.offload = None  # the offload tier's OffloadManager, once attached
@@ -209,7 +230,7 @@ class EngineCore:
 
     @property
     def busy(self) -> bool:
-        return bool(self.requests) or self._inflight is not None
+        return bool(self.requests) or self._inflight is not None or bool(self._queue)
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> CoreStep | None:
@@ -218,6 +239,8 @@ class EngineCore:
         self._admit_compiled()
         if self.overlap:
             return self._step_overlapped()
+        if self.depth > 1:
+            return self._step_pipelined()
         begun = self._begin_step()
         if begun is None:
             return None
@@ -242,10 +265,52 @@ class EngineCore:
             self._inflight = begun
         return finished
 
-    def _begin_step(self) -> _Step | None:
+    def _step_pipelined(self) -> CoreStep | None:
+        """Launches a micro-batch while fewer than `depth` are in flight and there is one to run;
+        otherwise lands the oldest (waiting for its tokens) and returns what it did."""
+        if len(self._queue) < self.depth:
+            begun = self._begin_step(pipelined=True)
+            if begun is not None:
+                try:
+                    begun.pending = self.executor.launch_model(begun.model_input)
+                except Exception:
+                    self._fail_queued(begun)
+                    raise
+                self._queue.append(begun)
+                if len(self._queue) < self.depth:
+                    return None
+        if not self._queue:
+            return None
+        done = self._queue.popleft()
+        try:
+            result = self.executor.land_model(done.pending)
+        except Exception:
+            self._fail_queued(done)
+            raise
+        done.timings = self.executor.last_timings
+        done.t_executed = time.perf_counter()
+        return self._finish_step(done, result)
+
+    def _fail_queued(self, failed: _Step) -> None:
+        """A launch or landing raised (the executor is torn down): every step in flight fails."""
+        steps, self._queue = [failed, *self._queue], deque()
+        for step in steps:
+            self._fail_step(step.sched)
+
+    def _micro_batch_cap(self) -> int:
+        """Sequences per micro-batch: the live ones (up to max_num_seqs) split over the depth."""
+        sched = self.scheduler
+        live = min(len(sched.running) + len(sched.waiting), sched.config.max_num_seqs)
+        return max(1, math.ceil(live / self.depth))
+
+    def _begin_step(self, pipelined: bool = False) -> _Step | None:
         t_start = time.perf_counter()
         self.executor.propose_drafts(self.scheduler.running, self._params_of)
-        sched = self.scheduler.schedule()
+        if pipelined:
+            in_flight = {item.seq.seq_id for step in self._queue for item in step.sched.scheduled}
+            sched = self.scheduler.schedule(in_flight, self._micro_batch_cap())
+        else:
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
         t_scheduled = time.perf_counter()
@@ -284,7 +349,7 @@ class EngineCore:
     def _finish_step(self, step: _Step, result: SamplerOutput) -> CoreStep:
         t_joined = time.perf_counter()
         sched = step.sched
-        if self.overlap and any(item.seq.status.finished for item in sched.scheduled):
+        if (self.overlap or self.depth > 1) and any(item.seq.status.finished for item in sched.scheduled):
             # Requests aborted while the forward pass ran: their tokens are dropped.
             sched, result = step.without_finished(result)
         update = self.scheduler.update_from_output(sched, result, self._by_seq)
@@ -317,6 +382,14 @@ class EngineCore:
     def finish_inflight(self) -> CoreStep | None:
         """Overlapped: joins the step in flight without launching another (a reshape needs the
         core still); what it did goes to the output side like any finished step."""
+        if self._queue:  # pipelined: the oldest; the caller repeats until None
+            done = self._queue.popleft()
+            try:
+                result = self.executor.land_model(done.pending)
+            except Exception:
+                self._fail_queued(done)
+                raise
+            return self._finish_step(done, result)
         done, self._inflight = self._inflight, None
         if done is None:
             return None
@@ -331,7 +404,7 @@ class EngineCore:
         """Takes every unfinished request out, oldest first, as it would come back from a
         preemption by recompute: its KV blocks freed, its tokens kept, so another core (another
         layout) prefills them again and goes on. The core is left empty. No step may be in flight."""
-        assert self._inflight is None, "finish_inflight() first"
+        assert self._inflight is None and not self._queue, "finish_inflight() first"
         heads = list(self.requests.values())
         sched, bm = self.scheduler, self.block_manager
         for head in heads:

@@ -43,6 +43,7 @@ from kvserve.runtime.engine.layout import (
     engine_devices,
     prefix_keys,
 )
+from kvserve.runtime.kv_events.stream import open_server_stream
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.stats import EngineStats
 
@@ -138,6 +139,8 @@ class DataParallelEngine:
         check_layout(self.layout, self.num_devices)
         self._grammars = None  # one grammar manager for every engine, present and future
         self._started_one = False
+        # The server's one KV events stream, kept across layouts (runtime/kv_events/stream.py).
+        self._kv_events = open_server_stream(getattr(config, "kv_events_config", None))
         # Keep G - 1 worker interpreters started while no engine uses them, so a reshape to
         # tensor parallelism skips their start-up (multiproc.prestart_workers).
         self.spare_workers = spare_workers
@@ -178,13 +181,7 @@ class DataParallelEngine:
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
         devices = engine_devices(layout, str(self.config.device))
-        configs = [dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
-                   for device in devices]
-        events = getattr(self.config, "kv_events_config", None)
-        share_events = len(configs) > 1 and events is not None and events.active
-        if share_events:
-            # One endpoint per server: engine 0 binds it, the others publish through its publisher.
-            configs = configs[:1] + [dataclasses.replace(c, kv_events_config=None) for c in configs[1:]]
+        configs = [self._engine_config(layout.tensor_parallel, device) for device in devices]
         engines: list[Any] = []
         # The engines start side by side: most of a start is torch work that leaves the GIL
         # (filling the KV pools, packing weights), so G engines take little more than one. The
@@ -217,8 +214,8 @@ class DataParallelEngine:
                     engine.structured_outputs = self._grammars
                     engine.input_processor.structured_outputs = self._grammars
                 engines.append(engine)
-            if share_events:
-                self._share_kv_events(engines)
+            if self._kv_events is not None:
+                self._kv_events.attach(engines)
         except BaseException:
             for fut in futures:  # every engine that did start, not only those already taken
                 if fut.exception() is None:
@@ -228,32 +225,18 @@ class DataParallelEngine:
             raise
         return engines
 
+    def _engine_config(self, tensor_parallel: int, device: str) -> Any:
+        config = dataclasses.replace(self.config, tensor_parallel_size=tensor_parallel, device=device)
+        if self._kv_events is not None:  # the engines publish through the server's stream
+            config = dataclasses.replace(config, kv_events_config=None)
+        return config
+
     def _make(self, index: int, config: Any) -> Any:
         if self._tokenizers is None:
             return self._factory(config)
         engine = self._factory(config, tokenizer=self._tokenizers.get(index))
         self._tokenizers.setdefault(index, engine.tokenizer)
         return engine
-
-    @staticmethod
-    def _share_kv_events(engines: list[Any]) -> None:
-        """The KV events of engines 1..n go out through engine 0's publisher (thread-safe: it
-        queues), so subscribers see the pod's whole cache on the pod's one endpoint; every batch
-        names its engine's data_parallel_rank, since each engine has a pool of its own."""
-        from kvserve.runtime.kv_events.events import KVEventSink
-        from kvserve.runtime.kv_events.publisher import RankedPublisher
-
-        publisher = engines[0].kv_event_publisher
-        publisher.data_parallel_rank = 0
-        for rank, engine in enumerate(engines[1:], start=1):
-            bm = engine.block_manager
-            pool = bm.managers[0] if hasattr(bm, "managers") else bm
-            sink = KVEventSink(pool.block_size)
-            pool.events = sink
-            if getattr(engine, "offload", None) is not None:
-                engine.offload.events = sink
-            engine.kv_event_sink, engine.kv_event_publisher = sink, RankedPublisher(publisher, rank)
-            engine.kv_events_shared = True  # engine 0 closes the publisher
 
     def _keep_spares(self) -> None:
         if not self.spare_workers or self.num_devices < 2:
@@ -267,8 +250,7 @@ class DataParallelEngine:
             # memory: (G-1)/G of the weights, held while the layout is G x TP1).
             g = self.num_devices
             device = engine_devices(Layout(1, g), str(self.config.device))[0]
-            config = dataclasses.replace(self.config, tensor_parallel_size=g, device=device)
-            preload = (config, g, "cpu", str(self.engines[0].dtype).removeprefix("torch."))
+            preload = (self._engine_config(g, device), g, "cpu", str(self.engines[0].dtype).removeprefix("torch."))
         prestart_workers(wanted, preload)
 
     def _close_engine(self, engine: Any) -> None:
@@ -388,6 +370,9 @@ class DataParallelEngine:
             for k, v in old.step_phase_durations.items():
                 stats.step_phase_durations.setdefault(k, []).extend(v)
         self._retired_obs = []
+        if self._kv_events is not None:  # one publisher for every layout: its own counts
+            stats.kv_events_published_total = self._kv_events.published
+            stats.kv_events_dropped_total = self._kv_events.dropped
         stats.reshape_seconds, self._reshape_seconds = self._reshape_seconds, []
         return stats
 
@@ -432,6 +417,8 @@ class DataParallelEngine:
             prestart_workers(0)
         if self._grammars is not None:
             self._grammars.close()
+        if self._kv_events is not None:
+            self._kv_events.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
 
@@ -486,6 +473,8 @@ class DataParallelEngine:
                 self._retired_obs.append(stats)
                 self._close_engine(engine)
             self.engines = []
+        if self._kv_events is not None:
+            self._kv_events.layout_changed()
         phases["free"] = time.perf_counter() - t0 - sum(phases.values())
         # 3. Start the new layout, or the old one again.
         failure: BaseException | None = None

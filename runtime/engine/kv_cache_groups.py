@@ -174,6 +174,14 @@ class KVCacheCoordinator:
             m.reset_prefix_cache()
 
     # -- mutations -------------------------------------------------------------------------------
+    def resume(self, seq_id: int, num_freed: Sequence[int], num_tokens: int) -> bool:
+        """``BlockManager.resume`` in every group (`num_freed` per group), or in none."""
+        if not all(m.blocks_for_tokens(num_tokens) - f <= m.num_free_blocks for m, f in zip(self.managers, num_freed)):
+            return False
+        for m, f in zip(self.managers, num_freed):
+            m.resume(seq_id, f, num_tokens)
+        return True
+
     def release_behind_window(self, seq_id: int, num_computed: int) -> int:
         return sum(m.release_behind_window(seq_id, num_computed) for m in self.managers)
 

@@ -94,6 +94,7 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         check_kv_cache_dtype_for_model(config.kv_cache_dtype, self.model_config)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
+        self.model_config = self.model_config.for_max_model_len(self.max_model_len)  # LongRoPE's factors
         if tokenizer is not None:
             self.tokenizer = tokenizer
         elif config.tokenizer is None and is_gguf_path(config.model):
@@ -341,10 +342,9 @@ class LLMEngine:
         """Stops this engine's work for a reshape: the outputs still owed (a step in flight, aborts,
         failures) and every unfinished request, ready for another engine's attach_requests."""
         outputs, self._pending = self._pending, []
-        done = self.core.finish_inflight()
-        outputs += self._failed_outputs()
-        if done is not None:
+        while (done := self.core.finish_inflight()) is not None:  # pipelined: several in flight
             outputs += self.output_processor.make_outputs(self.output_processor.process(done.update, done.now))
+        outputs += self._failed_outputs()
         return outputs, self.core.detach_all()
 
     def attach_requests(self, heads: list) -> None:

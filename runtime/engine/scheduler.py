@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -165,15 +165,23 @@ class Scheduler:
         self.running.append(seq)
 
     # -- one step --------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: Collection[int] = (), max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. Pipelined (several micro-batches in flight), `in_flight` holds the ids
+        of sequences whose previous step has not come back: they are neither scheduled nor
+        preempted (their tokens and blocks are still in use); `max_seqs` caps the sequences of
+        this micro-batch so the running ones spread over the batches in flight."""
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        cap = max_seqs if max_seqs is not None else len(self.running) + cfg.max_num_seqs
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             seq = self.running[i]
+            if seq.seq_id in in_flight:
+                i += 1
+                continue
             # Blocks behind every layer's window go back before this step asks for new ones.
             bm.release_behind_window(seq.seq_id, seq.num_computed_tokens)
             if seq.spec_token_ids:
@@ -186,7 +194,7 @@ class Scheduler:
                     seq.spec_token_ids.clear()
                     num_new = min(seq.num_uncomputed_tokens, budget)
                     continue
-                victim = self.running.pop()
+                victim = self._pop_victim(i, in_flight)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -208,7 +216,8 @@ class Scheduler:
             active = {s.lora_int_id for s in self.running if s.lora_int_id} if cfg.max_loras else None
             blocked = False
             idx = 0
-            while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while (idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs
+                   and len(scheduled) < cap):
                 seq = self.waiting[idx]
                 if active is not None and seq.lora_int_id and (
                         blocked or (seq.lora_int_id not in active and len(active) >= cfg.max_loras)):
@@ -266,6 +275,15 @@ class Scheduler:
             self.offload.flush()  # blocks saved in this schedule leave before the forward pass writes
         return SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget)
 
+    def _pop_victim(self, i: int, in_flight: Collection[int]) -> Sequence:
+        """The most recently admitted running sequence at index >= i that is not in flight (the
+        one at i, the sequence asking, qualifies last: nothing before it is a candidate, since
+        those are scheduled in this step or in flight)."""
+        for j in range(len(self.running) - 1, i, -1):
+            if self.running[j].seq_id not in in_flight:
+                return self.running.pop(j)
+        return self.running.pop(i)
+
     def _take_prefix_loading(self, seq: Sequence, prefix, num_cached: int) -> bool:
         """Takes a prefix hit whose blocks may partly come from the offload tier, loading those
         into fresh blocks now. False (and the sequence holds nothing) if a load failed."""
@@ -301,18 +319,19 @@ class Scheduler:
             if not cfg.enable_chunked_prefill:
                 return None
             num_new = budget
-        if not bm.can_allocate(seq.seq_id, 0, tokens + num_new):
+        grouped = isinstance(bm, KVCacheCoordinator)
+        if not bm.resume(seq.seq_id, state.num_freed if grouped else state.num_freed[0], tokens + num_new):
             return None
-        copies = bm.allocate_slots(seq.seq_id, 0, tokens + num_new)
         seq.swapped = None
-        if not self.offload.swap_in(state, bm.get_block_table(seq.seq_id)):
+        tables = bm.group_tables(seq.seq_id) if grouped else (bm.get_block_table(seq.seq_id),)
+        if not self.offload.swap_in(state, tables):
             bm.free(seq.seq_id)
             return False
         del self.waiting[idx]
         seq.num_computed_tokens = tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return ScheduledSequence(seq, num_new, copies)
+        return ScheduledSequence(seq, num_new, [])
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         bm = self.block_manager
@@ -322,10 +341,12 @@ class Scheduler:
         return bm.lookup(seq.block_hashes)
 
     def _preempt(self, seq: Sequence) -> None:
-        if self.offload is not None and isinstance(self.block_manager, BlockManager):
+        if self.offload is not None:
             # Swapped out (its blocks saved before they are freed) when cheaper than recompute.
-            seq.swapped = self.offload.swap_out(seq.seq_id, self.block_manager.get_block_table(seq.seq_id),
-                                                seq.num_computed_tokens)
+            bm = self.block_manager
+            tables = bm.group_tables(seq.seq_id) if isinstance(bm, KVCacheCoordinator) else \
+                (bm.get_block_table(seq.seq_id),)
+            seq.swapped = self.offload.swap_out(seq.seq_id, tables, seq.num_computed_tokens)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.spec_token_ids.clear()

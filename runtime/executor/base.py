@@ -119,6 +119,9 @@ class Executor:
         if worker.lora is not None:
             from kvserve.runtime.lora.manager import LoRAManager
 
+            if config.pipeline_parallel_size > 1:  # adapters are checked against every stage's modules
+                worker.lora.all_targets = {**getattr(self, "lora_targets", {}), **worker.lora.target_shapes}
+
             self.lora_manager = LoRAManager(worker.lora, max_loras=config.max_loras)
         self.runner = ModelRunner(self._forward, config.block_size, Sampler(generator), kv_groups=self.kv_groups,
                                   lora=self.lora_manager, verify_as_decode_rows=device.type == "cpu")
@@ -137,7 +140,9 @@ class Executor:
                                             max_model_len=max_model_len, draft_model=draft, heads=heads,
                                             hidden_source=lambda: worker.last_hidden,
                                             aux_source=lambda: worker.last_aux_hidden, target=worker.model,
-                                            model_dir=config.model)
+                                            model_dir=config.model, max_num_seqs=config.max_num_seqs,
+                                            kv_source=lambda: worker.kv_caches,
+                                            attention_backend=worker.attention_backend.name)
 
     @staticmethod
     def _eagle_aux(model, heads):
@@ -157,11 +162,15 @@ class Executor:
         """Medusa heads on rank 0, loaded (like a draft) before the KV pools are sized."""
         if self.config.speculative_config is None:
             return None
+        from kvserve.runtime.attention.selector import get_attention_backend
         from kvserve.runtime.spec_decode.worker import load_heads
 
         return load_heads(self.config.speculative_config, hidden_size=self.model_config.hidden_size,
                           vocab_size=self.model_config.vocab_size, device=self.device, dtype=self.dtype,
-                          num_layers=self.model_config.num_layers)
+                          num_layers=self.model_config.num_layers, model_config=self.model_config,
+                          model_dir=self.config.model,
+                          quant_config=self.driver_worker.quant_config or self.config.quantization,
+                          attention_backend=get_attention_backend(self.config.attention_backend, self.device))
 
     def _load_draft(self):
         if self.config.speculative_config is None:
@@ -180,6 +189,41 @@ class Executor:
         """Whether execute_model may run in a second thread while the engine thread works on the
         previous step's outputs (async scheduling). Speculative steps read the newest tokens."""
         return self.spec_decoder is None
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may keep in flight (launch_model before the previous land_model):
+        one per pipeline stage at pipeline_parallel_size > 1, so every stage has a micro-batch
+        to run; 1 otherwise, with speculative decoding (its drafts read the newest tokens) and
+        with LoRA (rank 0 reassigns adapter slots at each step while a stage may still run an
+        earlier one)."""
+        pp = self.config.pipeline_parallel_size
+        if pp == 1 or self.spec_decoder is not None or self.lora_manager is not None:
+            return 1
+        configured = self.config.max_concurrent_batches
+        return pp if configured is None else configured
+
+    def launch_model(self, model_input):
+        """Starts a step and returns a handle for land_model; at depth 1 it simply runs it."""
+        if self.max_concurrent_batches == 1:
+            return self.execute_model(model_input)
+        self.runner.last_timings = None
+        return self.runner.start(model_input.scheduled, model_input.block_tables, model_input.rows,
+                                 model_input.repeats, self._launch)
+
+    def land_model(self, pending) -> SamplerOutput:
+        """The sampled tokens of a launched step, in launch order."""
+        if isinstance(pending, SamplerOutput):
+            return pending
+        out = self.runner.finish(pending, self._land)
+        self.last_timings = self.runner.last_timings
+        self._observe_bubble()
+        return out
+
+    def _observe_bubble(self) -> None:
+        bubble = getattr(self.driver_worker, "last_bubble", None)
+        if bubble is not None:
+            self.pipeline_bubble_fraction = 0.9 * self.pipeline_bubble_fraction + 0.1 * bubble
 
     @property
     def model(self) -> torch.nn.Module:
@@ -219,9 +263,7 @@ class Executor:
             out = runner.execute(model_input.scheduled, model_input.block_tables, model_input.rows,
                                  model_input.repeats)
         self.last_timings = runner.last_timings
-        bubble = getattr(self.driver_worker, "last_bubble", None)
-        if bubble is not None:
-            self.pipeline_bubble_fraction = 0.9 * self.pipeline_bubble_fraction + 0.1 * bubble
+        self._observe_bubble()
         return out
 
     @property
@@ -269,6 +311,13 @@ class Executor:
 
     def _forward(self, step: ForwardInput) -> torch.Tensor | None:
         return self.driver_worker.execute_model(step)
+
+    def _launch(self, step: ForwardInput):
+        """Starts rank 0's part of a step (pipelined: its stage, the activations sent on)."""
+        return self.driver_worker.launch(step)
+
+    def _land(self, handle) -> torch.Tensor | None:
+        return self.driver_worker.land(handle)
 
     def _stop_ranks(self) -> None:
         pass

@@ -36,6 +36,9 @@ class ForwardInput:
     # logits row's argmax (int64 token ids) instead of the rows x vocabulary float32 logits: the
     # same tokens rank 0's Sampler would pick from the same logits, at 8 bytes a row on the wire.
     greedy_ids: bool = False
+    # (source slot, destination slot) copies in every layer's pools that rank 0 made after the
+    # previous step (a Medusa tree's accepted path), for the other ranks to make before this one.
+    kv_slot_moves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def to(self, device: torch.device) -> ForwardInput:
         if device.type == "cpu":
@@ -52,5 +55,6 @@ def _meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata
     groups = meta.kv_groups
     return dataclasses.replace(
         meta, query_start_loc=_to(meta.query_start_loc, device), seq_lens=_to(meta.seq_lens, device),
+        tree_masks=None if meta.tree_masks is None else _to(meta.tree_masks, device),
         block_tables=_to(meta.block_tables, device), slot_mapping=_to(meta.slot_mapping, device),
         kv_groups=None if groups is None else {w: _meta_to(m, device) for w, m in groups.items()})

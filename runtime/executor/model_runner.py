@@ -25,6 +25,18 @@ from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow, plain_g
 Forward = Callable[[ForwardInput], "torch.Tensor | None"]
 
 
+@dataclasses.dataclass(eq=False)
+class PendingStep:
+    """A step handed to the forward pass whose logits may not have come back yet."""
+
+    step: ForwardInput
+    rows: list[SamplingRow]
+    repeats: list[int] | None
+    t0: float  # packing began
+    t1: float  # launched
+    handle: object  # what the launch returned: the logits, or the executor's handle for them
+
+
 class ModelRunner:
     def __init__(self, forward: Forward, block_size: int, sampler: Sampler,
                  kv_groups: Sequence | None = None, lora=None, verify_as_decode_rows: bool = False) -> None:
@@ -46,35 +58,43 @@ class ModelRunner:
         # Pipeline parallelism: a step whose rows are all plain greedy is sampled on the last
         # stage (ForwardInput.greedy_ids), so only token ids travel back to rank 0.
         self.greedy_on_last_stage = False
+        # Cache slot moves rank 0 already made (a Medusa tree's accepted path, moved into place)
+        # that the other ranks make before their next step: the next ForwardInput carries them.
+        self.kv_slot_moves: list[tuple[int, int]] = []
 
-    def prepare(self, scheduled, block_tables: list) -> ForwardInput:
+    def prepare(self, scheduled, block_tables: list, trees: dict[int, tuple[list[int], list[int]]] | None = None
+                ) -> ForwardInput:
         """The packed step on the CPU, with every scheduled sequence's copy-on-write copies. With
-        KV cache groups, `block_tables[i]` holds one table per group, and the metadata one per window."""
+        KV cache groups, `block_tables[i]` holds one table per group, and the metadata one per window.
+        `trees` (Medusa tree verification): scheduled index -> (depths, ancestor masks) of its
+        rows, which then sit at positions start + depth (AttentionMetadata.tree_masks)."""
         copies = [pair for item in scheduled for pair in item.block_copies]
         if self.kv_groups is None:
-            input_ids, positions, meta, logits_rows = self._prepare(scheduled, block_tables)
+            input_ids, positions, meta, logits_rows = self._prepare(scheduled, block_tables, trees)
         else:
-            per_group = [self._prepare(scheduled, [tables[g] for tables in block_tables])
+            per_group = [self._prepare(scheduled, [tables[g] for tables in block_tables], trees)
                          for g in range(len(self.kv_groups))]
             input_ids, positions, meta, logits_rows = per_group[0]
             # A new outer object: group 0's own metadata is one of the windows it maps.
             meta = dataclasses.replace(meta, kv_groups={group.window: prepared[2]
                                                         for group, prepared in zip(self.kv_groups, per_group)})
         step = ForwardInput(input_ids, positions, meta, logits_rows, copies)
+        if self.kv_slot_moves:
+            step.kv_slot_moves, self.kv_slot_moves = self.kv_slot_moves, []
         if self.lora is not None:
             step.lora = self.lora.step_input([item.seq.lora_int_id for item in scheduled],
                                              [item.num_new_tokens for item in scheduled])
         return step
 
-    def _prepare(self, scheduled,
-                 block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, scheduled, block_tables: list[list[int]],
+                 trees=None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         decode_only = all(item.num_new_tokens == 1 for item in scheduled)
         # A verification step (each sequence's pending token and its drafts, nothing else) runs
         # as decode rows, one per token with its own context length: every layer writes all rows'
         # K/V before any row attends, so row j sees the drafts before it, as causal attention
         # would, and the step takes the decode path (the native CPU stack) instead of prefill's.
-        draft_rows = (not decode_only and self.verify_as_decode_rows
+        draft_rows = (not decode_only and self.verify_as_decode_rows and not trees
                       and all(item.num_new_tokens == 1 + item.num_spec for item in scheduled))
         num_seqs = sum(item.num_new_tokens for item in scheduled) if draft_rows else len(scheduled)
         query_start_loc = [0] * (num_seqs + 1)
@@ -124,6 +144,13 @@ class ModelRunner:
             pos_t = torch.from_numpy(np.concatenate(pos_parts))
             slot_t = torch.from_numpy(np.concatenate(slot_parts))
             max_query_len = max(item.num_new_tokens for item in scheduled)
+            if trees:
+                tree_masks = np.zeros(total, dtype=np.int64)
+                for i, (depths, masks) in trees.items():
+                    lo = query_start_loc[i]
+                    pos_parts[i][:] = scheduled[i].start + np.asarray(depths, dtype=np.int64)
+                    tree_masks[lo:lo + len(masks)] = masks
+                pos_t = torch.from_numpy(np.concatenate(pos_parts))
 
         # Blocks given back behind a sliding window (FREED, -1) are never read; 0 keeps every id valid.
         np.maximum(tables, 0, out=tables)
@@ -135,6 +162,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
             is_decode_only=decode_only,
+            tree_masks=torch.from_numpy(tree_masks) if trees and not decode_only else None,
         )
         return input_t, pos_t, meta, logits_rows
 
@@ -143,6 +171,12 @@ class ModelRunner:
                 repeats: list[int] | None = None) -> SamplerOutput:
         """Runs the step; `rows` describe, in order, the scheduled sequences that sample.
         With `repeats`, sampling sequence i gives repeats[i] rows (n > 1: one logits row, n draws)."""
+        return self.finish(self.start(scheduled, block_tables, rows, repeats, self.forward))
+
+    def start(self, scheduled, block_tables: list, rows: list[SamplingRow], repeats: list[int] | None,
+              launch: Forward) -> PendingStep:
+        """Packs the step and hands it to `launch`, which may return before its logits exist (a
+        handle for `finish`'s `land`): pipeline parallelism keeps several steps in flight."""
         t0 = time.perf_counter()
         step = self.prepare(scheduled, block_tables)
         if not rows:
@@ -151,7 +185,16 @@ class ModelRunner:
         step.greedy_ids = bool(self.greedy_on_last_stage and rows and (repeats is None or set(repeats) == {1})
                                and all(plain_greedy(r.params) and r.grammar is None for r in rows))
         t1 = time.perf_counter()
-        logits = self.forward(step)
+        with torch.inference_mode():
+            handle = launch(step)
+        return PendingStep(step, rows, repeats, t0, t1, handle)
+
+    @torch.inference_mode()
+    def finish(self, pending: PendingStep, land: Callable[[object], torch.Tensor | None] | None = None) -> SamplerOutput:
+        """Waits for a started step's logits (`land(handle)`; without it the handle is them) and
+        samples them."""
+        step, rows, repeats, t0, t1 = pending.step, pending.rows, pending.repeats, pending.t0, pending.t1
+        logits = pending.handle if land is None else land(pending.handle)
         if logits is None:
             self.last_timings = (t1 - t0, time.perf_counter() - t1, 0.0)
             return SamplerOutput([], [])

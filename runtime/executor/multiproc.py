@@ -253,6 +253,7 @@ class MultiProcExecutor(Executor):
         self._errors: dict[int, str] = {}
         self._kv_ops: list[tuple] = []  # offload operations for ranks 1..N-1 (rank 0 applied them)
         self._inbox: dict[int, list[tuple[str, Any]]] = {}
+        self.lora_targets: dict = {}  # with LoRA: every rank's adaptable modules (from LOADED)
         self._workers: list[_WorkerProcess] = []
         self._monitor: threading.Thread | None = None
         self._stop_r, self._stop_w = os.pipe()
@@ -353,6 +354,8 @@ class MultiProcExecutor(Executor):
         agreed = [min(counts) for counts in zip(blocks, *(payload[1] for payload in loaded.values()))]
         for rank, payload in loaded.items():
             self.rank_reports[rank].update(num_kv_blocks_fit=payload[1][0], weight_bytes=payload[2])
+            if len(payload) > 3 and payload[3]:
+                self.lora_targets.update(payload[3])
         self._send_all(protocol.encode(protocol.ALLOCATE, agreed))
         return agreed
 
@@ -384,6 +387,33 @@ class MultiProcExecutor(Executor):
         if self.failure is not None:
             # A worker died during the step and the group was aborted under it (NCCL): its
             # collectives may have returned garbage, so the step's tokens are not used.
+            self.check()
+        return logits
+
+    def _launch(self, step: ForwardInput):
+        """Pipelined: sends the step to every worker and starts rank 0's stage of it."""
+        self.check()
+        if self._kv_ops:
+            step.kv_ops, self._kv_ops = self._kv_ops, []
+        message = protocol.encode(protocol.STEP, step)
+        try:
+            self._send_all(message)
+            return self.driver_worker.launch(step)
+        except BaseException as exc:
+            failure = self._step_failed(exc)
+            if isinstance(exc, Exception):
+                raise failure from exc
+            raise
+
+    def _land(self, handle) -> torch.Tensor | None:
+        try:
+            logits = self.driver_worker.land(handle)
+        except BaseException as exc:
+            failure = self._step_failed(exc)
+            if isinstance(exc, Exception):
+                raise failure from exc
+            raise
+        if self.failure is not None:
             self.check()
         return logits
 

@@ -15,8 +15,16 @@ would pick from the same logits, and only the int64 ids cross back (8 bytes a ro
 
 Every rank receives the same ForwardInput from rank 0 (the executor broadcasts it as it does at
 TP), so a stage knows each step's token count and rows before anything arrives: the receive
-buffers are sized from it, and there is no shape exchange. One step is in flight at a time; a
-stage waits while the others run (the bubble, measured on rank 0: ``last_bubble``).
+buffers are sized from it, and there is no shape exchange.
+
+Several steps may be in flight (the engine's micro-batches, runtime/engine/core.py): rank 0's
+``launch`` posts the receive of the step's logits first, runs stage 0 and sends the activations
+on without waiting for them to arrive (``isend``), then returns; ``land`` waits for the logits.
+So stage 0 runs micro-batch k + 1 while the later stages run k. Every stage takes the steps in
+launch order (each rank reads them from one pipe), and a send is matched by the receive posted
+for the same step, so nothing needs tags. Other ranks run each step whole (``execute_model``),
+their sends also asynchronous so a stage never waits for the next to take its activations. What
+stage 0 waits for its logits is its idle share, the bubble (``last_bubble``).
 
 Each stage holds only its layers' weights (the loader skips other stages' tensors) and KV pools
 (its layers' pools of the agreed block count; block ids mean the same slots on every stage, so
@@ -28,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +53,16 @@ def stage_ranges(config, model_config) -> list[tuple[int, int]]:
     """The layer range of every stage, balanced by the capacity model (weights per GPU)."""
     # Weights and vocabulary share one dtype, so its size does not move the split: 2 bytes.
     return split_layers(model_config.shape, config.pipeline_parallel_size, tp=config.tensor_parallel_size)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """Rank 0's handle of a launched step: where its logits (or token ids) arrive."""
+
+    logits: torch.Tensor | None
+    recv: object  # the irecv's work handle (None: the step samples nothing)
+    greedy: bool
+    busy: float  # seconds stage 0 spent on the step
 
 
 class PipelineWorker(Worker):
@@ -70,6 +89,7 @@ class PipelineWorker(Worker):
         self.last_bubble: float | None = None
         # Steps whose tokens the last stage picked (ForwardInput.greedy_ids), counted on rank 0.
         self.steps_sampled_on_last_stage = 0
+        self._send = None  # the activations' latest isend (its work, its tensor kept alive)
 
     def load_model(self) -> None:
         import torch.distributed as dist
@@ -92,6 +112,7 @@ class PipelineWorker(Worker):
                                 layer_range=(self.layer_start, self.layer_end))
         log.info("pipeline stage %d/%d (rank %d): layers %d..%d", self.stage, self.pp, self.global_rank,
                  self.layer_start, self.layer_end - 1)
+        self._attach_lora()  # this stage's layers, under their global indices
 
     def close(self) -> None:
         from kvserve.runtime.models import layers
@@ -154,17 +175,20 @@ class PipelineWorker(Worker):
 
     def offload_namespace(self, rank: int | None = None):
         """Global rank `rank`'s namespace: its stage's layer range and pool shape are part of it, so
-        a stage never reads another's blocks and a new split (another P) starts cold."""
+        a stage never reads another's blocks and a new split (another P) starts cold; its KV heads
+        (its rank within the stage's TP group) are too, as without pipeline parallelism."""
+        from kvserve.runtime.kv_offload.heads import head_copy, head_range, kv_head_count
         from kvserve.runtime.kv_offload.namespace import namespace_for
 
         rank = self.global_rank if rank is None else rank
         start, end = self.ranges[rank // self.tp]
         shape = layer_shape(self.model_config.shape, start, end)
-        layout = {"groups": [], "pools": list(shape.kv_cache_layout(self.world_size)), "layers": [start, end],
-                  "pipeline": self.pp}
+        pools, _, values = shape.kv_cache_layout(self.world_size)
+        layout = {"groups": [], "pools": [pools, kv_head_count(shape), values], "layers": [start, end]}
+        heads = head_range(kv_head_count(shape), self.tp, rank % self.tp)
         return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
-                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), tp_rank=rank,
-                             layout=repr(layout))
+                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), heads=heads,
+                             layout=repr(layout), copy=head_copy(kv_head_count(shape), self.tp, rank % self.tp))
 
     def graph_sizes(self) -> tuple[list[int], str | None]:
         return [], "pipeline parallelism"  # see compile_and_capture
@@ -179,10 +203,6 @@ class PipelineWorker(Worker):
     def execute_model(self, step: ForwardInput) -> torch.Tensor | None:
         """Runs this stage's part of the step. Rank 0 returns the sampling rows' logits (from the
         last stage); the last stage's ranks return them too; the others return None."""
-        import torch.distributed as dist
-
-        from kvserve.runtime.models.pipeline_stage import stage_forward
-
         t0 = time.perf_counter()
         if step.kv_ops and self.global_rank != 0:  # rank 0 applied them while scheduling
             failed = self.offloader.apply(step.kv_ops)
@@ -191,6 +211,19 @@ class PipelineWorker(Worker):
                                    "rank 0 loaded; the step's requests are aborted")
         copy_blocks(self.kv_caches, step.block_copies)
         step = step.to(self.device)
+        if step.lora is None:
+            return self._stage_step(step, t0)
+        self.lora.begin_step(step.lora, self.device)  # every stage fills its own layers' slots
+        try:
+            return self._stage_step(step, t0)
+        finally:
+            self.lora.end_step()
+
+    def _stage_step(self, step: ForwardInput, t0: float) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        from kvserve.runtime.models.pipeline_stage import stage_forward
+
         num_tokens = step.input_ids.shape[0]
         hidden = residual = None
         if not self.first:
@@ -202,10 +235,12 @@ class PipelineWorker(Worker):
         rows = step.logits_rows
         logits = None
         if not self.last:
-            dist.send(torch.stack((hidden, residual)), self.next_rank)
+            self._send_on(torch.stack((hidden, residual)))
         elif rows:
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            if step.lora is not None:
+                self.lora.set_logits_rows(rows)
             logits = self.model.compute_logits(hidden).contiguous()
             if step.greedy_ids:
                 logits = argmax_last(logits)  # int64 ids: rank 0's Sampler would pick the same
@@ -215,15 +250,63 @@ class PipelineWorker(Worker):
             self.steps_sampled_on_last_stage += bool(rows and step.greedy_ids)
             busy = time.perf_counter() - t0
             if rows and not self.last:
-                logits = (torch.empty(len(rows), dtype=torch.long, device=self.device) if step.greedy_ids else
-                          torch.empty(len(rows), self.model_config.vocab_size, dtype=torch.float32,
-                                      device=self.device))
+                logits = self._logits_buffer(step)
                 dist.recv(logits, self.logits_rank)
             # Stage 0's idle share of the step: with one step in flight, about (pp - 1) / pp
             # when the stages are balanced and the transfers are cheap.
             wall = time.perf_counter() - t0
             self.last_bubble = max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
         return logits
+
+
+    def _send_on(self, activations: torch.Tensor) -> None:
+        """Sends a step's (hidden, residual) to the next stage without waiting for it to be taken
+        (a gloo send returns only once the receiver asks for it); one send is outstanding at most."""
+        import torch.distributed as dist
+
+        if self._send is not None:
+            self._send[0].wait()
+        self._send = (dist.isend(activations, self.next_rank), activations)
+
+    def _logits_buffer(self, step: ForwardInput) -> torch.Tensor:
+        n = len(step.logits_rows)
+        if step.greedy_ids:
+            return torch.empty(n, dtype=torch.long, device=self.device)
+        return torch.empty(n, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+
+    @torch.inference_mode()
+    def launch(self, step: ForwardInput) -> _InFlight:
+        """Rank 0, pipelined: runs stage 0 of the step, sends the activations on and returns
+        without waiting for the logits (``land`` does)."""
+        import torch.distributed as dist
+
+        from kvserve.runtime.models.pipeline_stage import stage_forward
+
+        assert self.global_rank == 0 and not self.last
+        t0 = time.perf_counter()
+        copy_blocks(self.kv_caches, step.block_copies)
+        step = step.to(self.device)
+        hidden, residual = stage_forward(self.model, step.input_ids, step.positions, self.kv_caches, step.meta,
+                                         None, None)
+        logits = recv = None
+        if step.logits_rows:
+            # Posted before the activations leave: the last stage's send of these logits then
+            # never waits for rank 0, whatever rank 0 is doing by then.
+            logits = self._logits_buffer(step)
+            recv = dist.irecv(logits, self.logits_rank)
+        self._send_on(torch.stack((hidden, residual)))
+        return _InFlight(logits, recv, bool(step.greedy_ids), time.perf_counter() - t0)
+
+    def land(self, pending: _InFlight) -> torch.Tensor | None:
+        """Waits for a launched step's logits (token ids when the last stage sampled)."""
+        t0 = time.perf_counter()
+        if pending.recv is not None:
+            pending.recv.wait()
+        idle = time.perf_counter() - t0
+        self.steps_sampled_on_last_stage += bool(pending.logits is not None and pending.greedy)
+        total = idle + pending.busy
+        self.last_bubble = idle / total if total > 0 else 0.0
+        return pending.logits
 
 
 def check_pipeline_parallel(model_config, pp: int) -> None:

@@ -80,6 +80,10 @@ class Worker:
             from kvserve.runtime.spec_decode.eagle import eagle3_target_layers
 
             self.model.aux_hidden_layers = eagle3_target_layers(self.config, self.model_config.num_layers)
+        self._attach_lora()
+
+    def _attach_lora(self) -> None:
+        """With enable_lora: the model's layers (this stage's) wrapped with adapter slots."""
         if getattr(self.config, "enable_lora", False):
             from kvserve.runtime.lora.worker import WorkerLoRA
 
@@ -219,16 +223,32 @@ class Worker:
         return self.world_size
 
     def offload_namespace(self, rank: int | None = None):
-        """The namespace this rank's offloaded blocks live in (runtime/kv_offload/namespace.py)."""
+        """The namespace this rank's offloaded blocks live in (runtime/kv_offload/namespace.py):
+        keyed by the KV heads it holds, not by the TP degree, so another degree can read them."""
+        from kvserve.runtime.kv_offload.heads import head_copy, head_range, kv_head_count
         from kvserve.runtime.kv_offload.namespace import namespace_for
 
+        shape = self.model_config.shape
         groups = self.kv_groups or ()
+        pools, _, values = shape.kv_cache_layout(self.world_size)
         layout = {"groups": [[g.window, list(g.layers)] for g in groups],
-                  "pools": list(self.model_config.shape.kv_cache_layout(self.world_size)),
-                  "layers": self.model_config.num_layers}
+                  "pools": [pools, kv_head_count(shape), values], "layers": self.model_config.num_layers}
+        rank = self.rank if rank is None else rank
+        heads = head_range(kv_head_count(shape), self.world_size, rank)
         return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
-                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
-                             tp_rank=self.rank if rank is None else rank, layout=repr(layout))
+                             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), heads=heads,
+                             layout=repr(layout), copy=head_copy(kv_head_count(shape), self.world_size, rank))
+
+    def offload_geometry(self):
+        """How an offloaded block's bytes are laid out (runtime/kv_offload/heads.py)."""
+        from kvserve.runtime.kv_offload.heads import HeadGeometry, kv_head_count
+
+        groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None
+                  else [tuple(range(len(self.kv_caches)))])
+        pool = self.kv_caches[0][0]
+        return HeadGeometry(num_kv_heads=kv_head_count(self.model_config.shape),
+                            segments=tuple(sum(len(self.kv_caches[layer]) for layer in g) for g in groups),
+                            block_size=pool.shape[1], value_bytes=pool.shape[3] * pool.element_size())
 
     def _make_offloader(self):
         from kvserve.runtime.kv_offload.offloader import SWAP, TIER, KVOffloader
@@ -244,7 +264,8 @@ class Worker:
                 ranks = self.offload_ranks  # every TP (and pipeline) rank of the pod
                 stores[TIER] = FileStore(self.config.kv_offload_dir, ns,
                                          root_budget_bytes=self.config.kv_offload_bytes * ranks,
-                                         keep=frozenset(self.offload_namespace(r).dirname for r in range(ranks)))
+                                         keep=frozenset(self.offload_namespace(r).dirname for r in range(ranks)),
+                                         geometry=self.offload_geometry())
             else:
                 stores[TIER] = HostStore(pin_memory=pin)
         if self.config.swap_space:
@@ -262,8 +283,11 @@ class Worker:
         if self.offloader is None or not getattr(self.offloader.stores.get(TIER), "persistent", False):
             return []
         found = self.offloader.stores[TIER].scan()
+        geometry = self.offload_geometry()
         for rank in range(1, self.offload_ranks):
-            other = {k for k, _ in FileStore(self.config.kv_offload_dir, self.offload_namespace(rank)).scan()}
+            store = FileStore(self.config.kv_offload_dir, self.offload_namespace(rank), geometry=geometry)
+            other = store.readable_keys()
+            store.close()
             found = [(k, n) for k, n in found if k in other]
         return found
 
@@ -321,6 +345,10 @@ class Worker:
     def execute_model(self, step: ForwardInput) -> torch.Tensor | None:
         """Applies the step's block copies, runs the forward pass and returns the float32 logits
         of `step.logits_rows` (None when the step only fills the cache)."""
+        if step.kv_slot_moves and self.rank != 0:  # rank 0 made them when it verified the tree
+            from kvserve.runtime.spec_decode.tree_verify import move_slots
+
+            move_slots(self.kv_caches, step.kv_slot_moves)
         if step.kv_ops and self.rank != 0:  # rank 0 applied them while scheduling
             failed = self.offloader.apply(step.kv_ops)
             if failed:
@@ -333,14 +361,20 @@ class Worker:
         else:
             copy_group_blocks(self.kv_caches, self.kv_groups, step.block_copies)
         step = step.to(self.device)
+        if step.lora is None:
+            return self._execute(step)
+        # Adapter steps run eagerly (the graphs were captured without adapter work); the LM head's
+        # adapters need the step's layout too, so it stays active until the logits are computed.
+        self.lora.begin_step(step.lora, self.device)
+        try:
+            return self._execute(step)
+        finally:
+            self.lora.end_step()
+
+    def _execute(self, step: ForwardInput) -> torch.Tensor | None:
         graphs = self.graphs
         if step.lora is not None:
-            # Adapter steps run eagerly: the graphs were captured without adapter work.
-            self.lora.begin_step(step.lora, self.device)
-            try:
-                hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-            finally:
-                self.lora.end_step()
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         elif (graphs is not None and step.meta.is_decode_only and not self.model.aux_hidden_layers
               and graphs.bucket(step.input_ids.shape[0]) is not None):
             hidden = graphs.run(step.input_ids, step.positions, step.meta)
@@ -363,6 +397,8 @@ class Worker:
             self.last_hidden = hidden
             aux = self.model.aux_hidden if self.model.aux_hidden_layers else []
             self.last_aux_hidden = [a if index is None else a[index] for a in aux]
+        if step.lora is not None:
+            self.lora.set_logits_rows(rows)
         return self.model.compute_logits(hidden)
 
     def close(self) -> None:

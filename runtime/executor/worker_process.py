@@ -182,7 +182,9 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
             worker.load_model()
         blocks = worker.determine_kv_blocks(kv_groups, max_model_len=max_model_len,
                                             max_step_tokens=args.max_step_tokens)
-        report.send_bytes(protocol.encode(protocol.LOADED, args.rank, blocks, worker.weight_bytes))
+        # With LoRA, each rank's adaptable modules: rank 0 checks adapters against every stage's.
+        lora_targets = worker.lora.target_shapes if worker.lora is not None else None
+        report.send_bytes(protocol.encode(protocol.LOADED, args.rank, blocks, worker.weight_bytes, lora_targets))
 
         kind, (blocks,) = protocol.decode(ctrl.recv_bytes())
         if kind != protocol.ALLOCATE:

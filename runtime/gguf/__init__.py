@@ -4,7 +4,8 @@
   ``ModelConfig.from_dict`` checks as a Hugging Face directory);
 - ``checkpoint_tensors(path, cfg)``: the weights under Hugging Face checkpoint names, with what
   llama.cpp's converter changed undone (``kvserve.runtime.gguf.names``: Q/K row permutation,
-  Gemma's norm offsets, stacked experts, DeepSeek's split kv_b and interleaved rotary rows), each
+  Gemma's norm offsets, stacked experts, DeepSeek's split kv_b and interleaved rotary rows,
+  BLOOM's regrouped q|k|v), each
   either a float tensor or (for the types with a group-wise integer form, when the caller asks)
   a ``GroupQuantized``;
 - ``load_tokenizer(path)``: the tokenizer and chat template from the metadata, converted by
@@ -21,14 +22,23 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from kvserve.runtime.gguf.config import ROPE_FREQS, hf_config
-from kvserve.runtime.gguf.names import KV_B_PARTS, LAYER_RE, hf_names, norm_offset, permuted_heads, rope_rows
+from kvserve.runtime.gguf.config import CONFIG_TENSORS, ROPE_FREQS, hf_config
+from kvserve.runtime.gguf.names import (
+    KV_B_PARTS,
+    LAYER_RE,
+    bloom_qkv_heads,
+    hf_names,
+    norm_offset,
+    permuted_heads,
+    rope_rows,
+)
 from kvserve.runtime.gguf.reader import GGUFFile, is_gguf_path
 from kvserve.runtime.gguf.weights import (
     GROUPWISE_TYPES,
     GroupQuantized,
     check_supported,
     group_quantized,
+    per_head_index,
     rope_deinterleave_index,
     take_rows,
     to_float,
@@ -85,7 +95,7 @@ def checkpoint_tensors(path: str | pathlib.Path, cfg, *, keep_quantized=lambda h
         for gguf_name, info in gf.tensors.items():
             names = hf_names(gguf_name, arch, len(info.shape), experts)
             if not names:
-                if gguf_name != ROPE_FREQS:
+                if gguf_name not in CONFIG_TENSORS:
                     log.warning("ignoring GGUF tensor %s: not used by %s", gguf_name, cfg.architecture)
                 continue
             if wanted is not None and not any(wanted(n) for n in names):
@@ -115,6 +125,8 @@ def checkpoint_tensors(path: str | pathlib.Path, cfg, *, keep_quantized=lambda h
                               mla.latent_dim) if mla is not None else None
             if group is not None:
                 index = rope_deinterleave_index(info.shape[0], group, mla.qk_rope_head_dim)
+            if (fused_heads := bloom_qkv_heads(gguf_name, arch, shape.num_attention_heads)) is not None:
+                index = per_head_index(info.shape[0], fused_heads)
             if index is not None:
                 tensor = tensor.permute_rows(index) if isinstance(tensor, GroupQuantized) else take_rows(tensor, index)
             offset = norm_offset(arch, name)

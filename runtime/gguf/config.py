@@ -33,19 +33,33 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "mpt": ("MptForCausalLM", "mpt", False),
+    "bloom": ("BloomForCausalLM", "bloom", False),
 }
+# ALiBi families: LayerNorm (attention.layer_norm_epsilon), no RoPE keys.
+ALIBI = ("mpt", "bloom")
 GEMMA = ("gemma2", "gemma3")
 # llama.cpp's ggml_expert_gating_func: 1 softmax, 2 sigmoid.
 _GATING = {1: "softmax", 2: "sigmoid"}
 
 # Tensors that carry no weight of their own here: RoPE frequency factors become part of the
-# config (see rope_freqs).
+# config (see rope_freqs; Phi-3's LongRoPE factors, one tensor per set).
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS.values())
 
 
 def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
     """(config.json, generation_config.json) equivalents built from the file's metadata."""
     arch = gf.architecture
+    if arch == "falcon":
+        # llama.cpp's falcon graph is Falcon-7B/40B's (RoPE, parallel attention, multi-query or
+        # grouped KV), which kvserve does not serve from safetensors either; kvserve's Falcon is the
+        # ALiBi variant (Falcon-RW), which llama.cpp's converter cannot convert (it regroups q|k|v
+        # as multi-query).
+        raise GGUFError(gf.path, "metadata key 'general.architecture'",
+                        "'falcon' files are the RoPE, parallel-attention Falcon (7B/40B/180B), which kvserve does "
+                        "not serve; kvserve serves Falcon-RW (ALiBi) from safetensors only")
     if arch not in ARCHITECTURES:
         raise ValueError(f"model: GGUF architecture {arch!r} in {gf.path} is not supported; "
                          f"supported: {', '.join(ARCHITECTURES)}")
@@ -89,7 +103,8 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         "num_key_value_heads": kv_heads,
         "vocab_size": vocab,
         "max_position_embeddings": get("context_length", 2048),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6, kind=float),
+        "rms_norm_eps": (get("attention.layer_norm_epsilon", 1e-5, kind=float) if arch in ALIBI
+                         else get("attention.layer_norm_rms_epsilon", 1e-6, kind=float)),
         "rope_theta": get("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0, kind=float),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
@@ -116,10 +131,12 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         config["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     if arch in GEMMA:
         config.update(_gemma(get, arch, config))
+    if arch in ALIBI:
+        config.update(_alibi(get, gf, arch, heads, kv_heads, names))
     if arch == "phi3":
-        if any(n.startswith("rope_factors_") for n in names):
-            raise GGUFError(gf.path, "tensor 'rope_factors_long.weight'",
-                            "Phi-3's longrope scaling is not supported (a 4k-context Phi-3 file has none)")
+        if any(n in names for n in LONGROPE_FACTORS.values()):
+            config["rope_scaling"] = _longrope(get, gf, config["head_dim"])
+            config["original_max_position_embeddings"] = config["rope_scaling"]["original_max_position_embeddings"]
         config["sliding_window"] = get("attention.sliding_window")
     if experts and arch != "deepseek2":
         used = get("expert_used_count", required=True)
@@ -145,7 +162,7 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
                          for hf in hf_names(name, arch, len(info.shape), experts)
                          for part in fused_parts(hf_arch, hf) or (hf,)},
     }
-    scaling = _rope_scaling(get, gf.path, arch)
+    scaling = _rope_scaling(get, gf.path, arch) if "rope_scaling" not in config else None
     if scaling is not None:
         if arch == "deepseek2" and scaling["rope_type"] == "yarn":
             # The converter stores DeepSeek's mscale_all_dim as 0.1 * mscale_all_dim (llama.cpp's
@@ -185,6 +202,49 @@ def _gemma(get, arch: str, config: dict[str, Any]) -> dict[str, Any]:
     else:
         out["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0, kind=float)
         out["sliding_window_pattern"] = 6
+    return out
+
+
+def _alibi(get, gf: GGUFFile, arch: str, heads: int, kv_heads: int, names: set[str]) -> dict[str, Any]:
+    """MPT / BLOOM: the config.json keys their families read (models/mpt.py). The slopes' bias max
+    is MPT's attention.max_alibi_bias (0: learned positions, which kvserve refuses); llama.cpp fixes
+    BLOOM's at 8. What kvserve's MPT does not run (grouped KV heads, biases, q/k LayerNorm, learned
+    positions) comes through as the config keys ModelConfig refuses by name."""
+    if kv_heads != heads:
+        raise GGUFError(gf.path, f"metadata key '{arch}.attention.head_count_kv'",
+                        f"{kv_heads} differs from head_count {heads}; {arch} is served multi-head only")
+    hidden, ffn = get("embedding_length"), get("feed_forward_length")
+    if ffn != 4 * hidden:  # both families' MLP is 4 x hidden whatever their config says
+        raise GGUFError(gf.path, f"metadata key '{arch}.feed_forward_length'",
+                        f"{ffn} is not 4 x embedding_length ({4 * hidden}); {arch}'s MLP is 4 x hidden")
+    if arch == "bloom":
+        return {}
+    bias_max = get("attention.max_alibi_bias", 8.0, kind=_SCALE)
+    attn: dict[str, Any] = {"alibi": bias_max > 0 and "position_embd.weight" not in names,
+                            "alibi_bias_max": bias_max or 8.0, "qk_ln": "blk.0.attn_q_norm.weight" in names}
+    clip = get("attention.clamp_kqv", kind=float)
+    if clip is not None:
+        attn["clip_qkv"] = clip
+    return {"attn_config": attn, "no_bias": "blk.0.attn_qkv.bias" not in names, "expansion_ratio": 4}
+
+
+def _longrope(get, gf: GGUFFile, head_dim: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp's converter stores it: the short and long per-frequency
+    factors as F32 tensors rope_factors_short / rope_factors_long, the pretraining context as
+    rope.scaling.original_context_length and the cos/sin multiplier as rope.scaling.attn_factor
+    (no rope.scaling.type). ModelConfig checks the rest, as for a config.json."""
+    out: dict[str, Any] = {"rope_type": "longrope",
+                           "original_max_position_embeddings": get("rope.scaling.original_context_length",
+                                                                   required=True)}
+    for key, name in LONGROPE_FACTORS.items():
+        info = gf.tensors.get(name)
+        if info is None or info.type_name != "F32" or info.shape != (head_dim // 2,):
+            raise GGUFError(gf.path, f"tensor {name!r}", f"must be F32 of shape ({head_dim // 2},) (head_dim / 2), "
+                                                         f"not {None if info is None else (info.type_name, info.shape)}")
+        out[key] = [float(v) for v in np.asarray(gf.raw(name)).view(np.float32)]
+    attn_factor = get("rope.scaling.attn_factor", kind=float)
+    if attn_factor is not None:
+        out["attention_factor"] = attn_factor
     return out
 
 

@@ -13,7 +13,10 @@ the config builder can list the per-tensor types without loading anything):
 - DeepSeek V2/V3: kv_b_proj split into ``attn_k_b`` (each head's key rows transposed) and
   ``attn_v_b`` (older files keep ``attn_kv_b``), and the rotary rows of q and kv_a_proj in
   DeepSeek's interleaved pair order, which the loader turns into rotate-half order
-  (``rope_rows``) so that no packed tensor needs permuting inside the model.
+  (``rope_rows``) so that no packed tensor needs permuting inside the model;
+- MPT / BLOOM: q|k|v fused in ``attn_qkv`` (MPT's Wqkv as is; BLOOM's reordered from head by head
+  [q_h; k_h; v_h] into q | k | v, which ``bloom_qkv_heads`` undoes), LayerNorm biases, BLOOM's
+  embedding LayerNorm ``token_embd_norm``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output_norm.bias": "model.norm.bias",  # LayerNorm families (MPT, BLOOM)
+    "token_embd_norm.weight": "model.embed_layernorm.weight",  # BLOOM
+    "token_embd_norm.bias": "model.embed_layernorm.bias",
 }
 _COMMON = {
     "attn_norm": "input_layernorm",
@@ -72,7 +78,11 @@ _DEEPSEEK = {
 }
 # Phi-3: q|k|v and gate|up fused, as in its checkpoints (the loader splits them).
 _PHI3 = {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_LAYER_NAMES = {"phi3": _PHI3, "gemma2": _GEMMA, "gemma3": _GEMMA, "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE,
+# MPT and BLOOM (ALiBi, LayerNorm, ungated MLP): q|k|v fused as in their checkpoints.
+_ALIBI = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
+          "attn_output": "self_attn.o_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_LAYER_NAMES = {"mpt": _ALIBI, "bloom": _ALIBI,
+                "phi3": _PHI3, "gemma2": _GEMMA, "gemma3": _GEMMA, "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE,
                 "deepseek2": _DEEPSEEK}
 # The stacked expert tensors: GGUF kind -> part (the names per family are in _expert_name).
 EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
@@ -132,6 +142,15 @@ def permuted_heads(gguf_name: str, architecture: str, num_heads: int, num_kv_hea
     if m is None:
         return None
     return {"attn_q": num_heads, "attn_k": num_kv_heads}.get(m.group(2))
+
+
+def bloom_qkv_heads(gguf_name: str, architecture: str, num_heads: int) -> int | None:
+    """For BLOOM's attn_qkv: the head count whose [q_h; k_h; v_h] row groups llama.cpp's converter
+    regrouped into q | k | v (the checkpoint's order, which the loader splits, is head by head)."""
+    if architecture != "bloom":
+        return None
+    m = LAYER_RE.match(gguf_name)
+    return num_heads if m is not None and m.group(2) == "attn_qkv" else None
 
 
 def norm_offset(architecture: str, hf: str) -> float:

@@ -149,6 +149,14 @@ def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).view(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
 
 
+def per_head_index(rows: int, num_heads: int, parts: int = 3) -> torch.Tensor:
+    """Row order that turns `parts` consecutive blocks (q | k | v, each num_heads heads) back into
+    head-by-head groups [q_h; k_h; v_h] (BLOOM's fused layout)."""
+    if rows % (num_heads * parts):
+        raise ValueError(f"cannot regroup {rows} rows into {num_heads} heads of {parts} parts")
+    return torch.arange(rows).view(parts, num_heads, rows // (num_heads * parts)).transpose(0, 1).reshape(-1)
+
+
 def rope_deinterleave_index(rows: int, group: int, rope_dim: int) -> torch.Tensor:
     """Row order that turns the last rope_dim rows of every group of `group` rows from
     interleaved pairs (x0, x1), (x2, x3), ... into rotate-half order (x0, x2, ..., x1, x3, ...)."""

@@ -58,10 +58,17 @@ class OffloadStats:
 
 @dataclass
 class SwapState:
-    """A swapped-out sequence: how many tokens its saved blocks hold, and their keys."""
+    """A swapped-out sequence: how many tokens its saved blocks hold, how many leading entries of
+    each group's table were FREED (behind a sliding window: not saved, never read again), and
+    the saved blocks' (group, table index, key)."""
 
     num_computed_tokens: int
-    keys: list[bytes]
+    num_freed: tuple[int, ...]
+    saved: list[tuple[int, int, bytes]]
+
+    @property
+    def keys(self) -> list[bytes]:
+        return [key for _, _, key in self.saved]
 
 
 class OffloadManager:
@@ -157,9 +164,9 @@ class OffloadManager:
     def prefetch(self, waiting: Iterable, bm) -> None:
         """Asks the ranks to read ahead the file-tier blocks the next waiting requests' prefixes
         will load (once per request), so admission copies bytes already in memory."""
-        if self.tier is None or self.medium != "DISK" or not getattr(bm, "enable_caching", False) \
-                or not hasattr(bm, "cached"):  # one pool, no KV cache groups
+        if self.tier is None or self.medium != "DISK" or not getattr(bm, "enable_caching", False):
             return
+        managers = getattr(bm, "managers", None) or [bm]  # KV cache groups: the full group first
         for seq in waiting:
             if seq.seq_id in self._prefetched or seq.swapped is not None or seq.num_computed_tokens:
                 continue
@@ -167,14 +174,20 @@ class OffloadManager:
             if len(self._prefetched) > 1024:
                 self._prefetched.popitem(last=False)
             extend_block_hashes(seq.block_hashes, seq.token_ids, seq.num_tokens, bm.block_size, seq.cache_extra)
-            keys = []
+            keys, n = [], 0
             for h in seq.block_hashes:  # the prefix lookup's walk: pool or tier, up to a miss
-                if h in bm.cached:
-                    continue
-                key = tier_key(0, h)
-                if key not in self.tier:
-                    break
-                keys.append(key)
+                if h not in managers[0].cached:
+                    key = tier_key(0, h)
+                    if key not in self.tier:
+                        break
+                    keys.append(key)
+                n += 1
+            # A window group loads only the blocks inside the hit's window (a hint: the lookup may
+            # still shorten the hit).
+            for group, m in enumerate(managers[1:], 1):
+                for h in seq.block_hashes[m.first_live_block(min(n * bm.block_size, seq.num_tokens - 1)):n]:
+                    if h not in m.cached and tier_key(group, h) in self.tier:
+                        keys.append(tier_key(group, h))
             if keys:
                 self._ops.append(("prefetch", TIER_STORE, keys))
 
@@ -182,33 +195,43 @@ class OffloadManager:
         self.stats.queries_tokens += num_tokens
         self.stats.hit_tokens += hit_tokens
 
-    def swap_out(self, seq_id: int, table: Sequence[int], num_computed_tokens: int) -> SwapState | None:
-        """Saves a preempted sequence's blocks to the swap space when that is cheaper than
-        recomputing them (and they fit); returns its SwapState, or None to recompute."""
+    def swap_out(self, seq_id: int, tables: Sequence[Sequence[int]], num_computed_tokens: int) -> SwapState | None:
+        """Saves a preempted sequence's blocks (`tables`: its table in every KV cache group) to
+        the swap space when that is cheaper than recomputing them (and they fit); returns its
+        SwapState, or None to recompute. Blocks given back behind a sliding window (leading FREED
+        entries) are not saved: no later query reads them."""
         if self.swap is None or num_computed_tokens <= 0:
             return None
         n = -(-num_computed_tokens // self.block_size)
-        blocks = table[:n]
-        if len(blocks) < n or any(b < 0 for b in blocks):
-            return None
-        nbytes = n * self.block_bytes[0]
+        num_freed, saved, nbytes = [], [], 0
+        for group, table in enumerate(tables):
+            blocks = table[:n]
+            freed = next((i for i, b in enumerate(blocks) if b >= 0), len(blocks))
+            if len(blocks) < n or any(b < 0 for b in blocks[freed:]):
+                return None
+            num_freed.append(freed)
+            saved += [(group, i, blocks[i]) for i in range(freed, n)]
+            nbytes += (n - freed) * self.block_bytes[group]
         choice = preemption_choice(num_computed_tokens=num_computed_tokens, swap_bytes=nbytes,
                                    swap_free_bytes=self.swap.free_bytes,
                                    prefill_tokens_per_s=self.prefill_tokens_per_s,
                                    transfer_bytes_per_s=self.transfer_bytes_per_s)
         if choice != SWAP:
             return None
-        keys = [swap_key(seq_id, 0, i) for i in range(n)]
-        for key, block in zip(keys, blocks):
-            self.swap.add(key, self.block_bytes[0])
-            self._ops.append(("save", SWAP_STORE, 0, block, key))
+        state = SwapState(num_computed_tokens, tuple(num_freed), [])
+        for group, i, block in saved:
+            key = swap_key(seq_id, group, i)
+            self.swap.add(key, self.block_bytes[group])
+            self._ops.append(("save", SWAP_STORE, group, block, key))
+            state.saved.append((group, i, key))
         self.stats.swap_outs += 1
         self.stats.swapped_bytes += nbytes
-        return SwapState(num_computed_tokens, keys)
+        return state
 
-    def swap_in(self, state: SwapState, table: Sequence[int]) -> bool:
-        """Loads a swapped sequence's blocks into its new table; the swap space forgets them."""
-        ops = [("load", SWAP_STORE, 0, block, key) for key, block in zip(state.keys, table)]
+    def swap_in(self, state: SwapState, tables: Sequence[Sequence[int]]) -> bool:
+        """Loads a swapped sequence's blocks into its new tables (one per KV cache group, from
+        ``resume``); the swap space forgets them."""
+        ops = [("load", SWAP_STORE, group, tables[group][i], key) for group, i, key in state.saved]
         failed = self._run(ops)
         self.discard(state)
         if failed:

@@ -1,10 +1,11 @@
 """What makes a stored KV block readable: the namespace every key of an engine lives in.
 
 A block's bytes are only meaningful to an engine with the same model weights, dtype and KV cache
-dtype, block size, tensor-parallel layout (each rank holds its own heads) and layer grouping. All
-of that goes into one digest: the file tier keeps each namespace in its own directory and repeats
-the digest in every file's header, so nothing stale (another model, a new revision, a TP change)
-is ever read back.
+dtype, block size, layer grouping, and the same KV heads (a tensor-parallel rank holds a range of
+them). All of that goes into one digest: the file tier keeps each namespace in its own directory
+and repeats the digest in every file's header, so nothing stale (another model, a new revision) is
+ever read back. The head range, not the TP degree, is the key: after a TP change a rank reads the
+old layout's namespaces that hold its heads (heads.py) and slices or joins them.
 """
 
 from __future__ import annotations
@@ -49,16 +50,18 @@ def weights_fingerprint(model: str) -> str:
 @dataclass(frozen=True)
 class Namespace:
     """Everything a stored block's bytes depend on. ``layout`` is each KV cache group's window and
-    layers, plus the per-layer pool shape on this rank."""
+    layers, plus the per-layer pool shape with all KV heads; ``heads`` the KV heads [h0, h1) a
+    block of this namespace holds (a TP rank's), ``copy`` which copy of them when more ranks than
+    KV heads each hold one (heads.py)."""
 
     model_id: str
     weights: str
     dtype: str
     kv_cache_dtype: str
     block_size: int
-    tp_size: int
-    tp_rank: int
+    heads: tuple[int, int]
     layout: str
+    copy: int = 0
 
     @property
     def digest(self) -> bytes:
@@ -66,19 +69,18 @@ class Namespace:
 
     @property
     def dirname(self) -> str:
-        """The namespace's directory under the tier's root (one per rank)."""
+        """The namespace's directory under the tier's root (one per head range)."""
         return f"{self.digest.hex()[:32]}"
 
-    def for_rank(self, rank: int) -> Namespace:
-        return Namespace(**{**asdict(self), "tp_rank": rank})
+    def for_heads(self, heads: tuple[int, int], copy: int = 0) -> Namespace:
+        return Namespace(**{**asdict(self), "heads": tuple(heads), "copy": copy})
 
     def describe(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
 
-def namespace_for(config, model_config, *, dtype: str, kv_cache_dtype: str, tp_rank: int,
-                  layout: str) -> Namespace:
+def namespace_for(config, model_config, *, dtype: str, kv_cache_dtype: str, heads: tuple[int, int],
+                  layout: str, copy: int = 0) -> Namespace:
     return Namespace(model_id=os.path.basename(os.path.normpath(str(config.model))) or str(config.model),
                      weights=weights_fingerprint(config.model), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                     block_size=config.block_size, tp_size=config.tensor_parallel_size, tp_rank=tp_rank,
-                     layout=layout)
+                     block_size=config.block_size, heads=tuple(heads), layout=layout, copy=copy)

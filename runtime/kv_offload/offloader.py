@@ -129,9 +129,13 @@ class KVOffloader:
         store = self.stores[store_id]
         nbytes = self.block_bytes[group]
         good_blocks, rows, failed = [], [], []
+        # A store that can read other TP layouts' files (a TP change) copies what it read from
+        # them into its own directory, so they can be trimmed later without losing the block.
+        migrates = bool(getattr(store, "sources", None))
         for block, key in zip(blocks, keys):
             with self._lock:
                 data = self._pending.get((store_id, key))
+                pending = data is not None
                 staged = self._staged.pop((store_id, key), None)
                 if staged is not None:
                     self._staged_bytes -= staged.numel()
@@ -143,6 +147,10 @@ class KVOffloader:
             if data is None or data.numel() != nbytes:
                 failed.append(key)
                 continue
+            if migrates and not pending and not store.has_own(key):
+                with self._lock:
+                    self._pending[(store_id, key)] = data
+                self._queue.put(("put", store_id, key, data))
             good_blocks.append(block)
             rows.append(data)
         if rows:

@@ -45,12 +45,14 @@ class LoRABatch:
 
 
 class LoRAState:
-    """Shared by every wrapper of a model: the batch of the step now running (None: base only)
-    and each slot's rank."""
+    """Shared by every wrapper of a model: the batch of the step now running (None: base only),
+    each slot's rank, and the slot of each row the LM head computes logits for (runtime/lora/
+    vocab.py; set by the worker for those rows, None outside a step with adapters)."""
 
     def __init__(self, num_slots: int) -> None:
         self.batch: LoRABatch | None = None
         self.slot_ranks = [0] * num_slots
+        self.logits_slots: list[int] | None = None
 
 
 class LoRALinear(nn.Module):

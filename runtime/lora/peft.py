@@ -6,10 +6,15 @@ or ``lora_alpha / sqrt(r)`` with rsLoRA; per-module ``rank_pattern`` / ``alpha_p
 into B, so applying it is ``x @ A.T @ B.T``, what PEFT computes unmerged. Matrices stay whole
 here: each tensor-parallel rank slices its part when it copies them into its device slots.
 
+The token embedding (``lora_embedding_A`` [r, vocab], ``lora_embedding_B`` [hidden, r]) and the LM
+head are adapted too, as model-level modules (layer ``MODEL_LEVEL``). PEFT saves a copy of a
+targeted embedding's or head's own weights beside them (``save_embedding_layers``): a copy of this
+model's shape is the base weights and is skipped; another shape (a resized vocabulary) is refused.
+
 Every problem is a ValueError naming it: a missing file, a rank above ``max_lora_rank``, a target
-module the model lacks (or that kvserve cannot adapt: embeddings, the LM head, MoE experts, MLA's
-projections), shapes of another base model, PEFT features that change the math (DoRA, trained
-biases, ``modules_to_save``).
+module the model lacks (or that kvserve cannot adapt: MoE experts, MLA's projections, Gemma's
+scaled embedding), shapes of another base model, PEFT features that change the math (DoRA,
+trained biases, ``modules_to_save``).
 """
 
 from __future__ import annotations
@@ -28,9 +33,15 @@ from kvserve.runtime.lora.request import LoRARequest
 # PEFT's module names kvserve adapts, and where each lives in a decoder layer.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES
+# The layer index of the model-level modules (embedding, LM head) in Targets keys.
+MODEL_LEVEL = -1
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
+_EMBED_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?$")
+_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight$")
+_VOCAB_MODULE = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
 _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>[a-z_]+)$")
 
 CONFIG_FILE = "adapter_config.json"
@@ -54,7 +65,16 @@ class LoRAWeights:
     @property
     def nbytes(self) -> int:
         pairs = self.images if self.images is not None else self.modules.values()
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in pairs)
+        return sum(t.numel() * t.element_size() for t in _tensors(pairs))
+
+
+def _tensors(items):
+    """Every tensor in nested tuples/lists (slot images: None where a part is not adapted)."""
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, (tuple, list)):
+            yield from _tensors(item)
 
 
 def read_config(path: str) -> dict:
@@ -80,7 +100,8 @@ def read_config(path: str) -> dict:
         raise ValueError(f"adapter_config: bias {cfg.get('bias')!r} is not supported (trained biases); use 'none'")
     if cfg.get("modules_to_save"):
         raise ValueError(f"adapter_config: modules_to_save {cfg['modules_to_save']!r} is not supported "
-                         "(fully trained modules, not LoRA)")
+                         "(fully trained copies of modules, not LoRA; LoRA on embed_tokens and lm_head is: "
+                         "list them in target_modules instead)")
     if cfg.get("fan_in_fan_out"):
         raise ValueError("adapter_config: fan_in_fan_out is not supported (Conv1D models)")
     for key in ("r", "lora_alpha"):
@@ -147,19 +168,26 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, num_layers: int,
-                 model_dir: str = "", hf_config=None) -> LoRAWeights:
-    """Reads and checks `request`'s adapter against the model's adaptable modules (`targets`)."""
+                 model_dir: str = "", hf_config=None, only_targets: bool = False) -> LoRAWeights:
+    """Reads and checks `request`'s adapter against the model's adaptable modules (`targets`).
+    `only_targets`: `targets` are one pipeline stage's, and modules outside them belong to other
+    stages: they are skipped, not refused (rank 0 has checked them against every stage's)."""
     path = request.lora_path
     cfg = read_config(path)
     if hf_config is not None:
         check_base_model(cfg, request, model_dir, hf_config)
     tensors = _read_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    base_copies: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        m = _KEY.match(key)
+        m = _KEY.match(key) or _EMBED_KEY.match(key)
         if m is None:
-            raise ValueError(f"adapter weights: tensor {key!r} is not a LoRA A/B matrix (embedding LoRA, "
-                             f"trained biases and saved modules are not supported)")
+            copy = _BASE_COPY.match(key)
+            if copy is not None:
+                base_copies[_VOCAB_MODULE[copy["module"]]] = tensor
+                continue
+            raise ValueError(f"adapter weights: tensor {key!r} is not a LoRA A/B matrix (trained biases and "
+                             f"saved modules are not supported)")
         pairs.setdefault(m["module"], {})[m["ab"]] = tensor
     if not pairs:
         raise ValueError(f"adapter weights: {path!r} holds no LoRA matrices")
@@ -171,18 +199,28 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
             raise ValueError(f"adapter weights: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
         m = _LAYER_MODULE.match(module)
         name = module.rsplit(".", 1)[-1]
-        if m is None or name not in SUPPORTED_MODULES:
+        if module in _VOCAB_MODULE:
+            layer, name = MODEL_LEVEL, _VOCAB_MODULE[module]
+        elif m is None or name not in SUPPORTED_MODULES:
             raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts the decoder "
-                             f"layers' self_attn q/k/v/o_proj and dense mlp gate/up/down_proj; MoE experts, shared "
-                             f"experts, embeddings and the LM head are not)")
-        layer = int(m["layer"])
-        if layer >= num_layers:
-            raise ValueError(f"target module {module!r}: the model has {num_layers} layers (base model mismatch?)")
+                             f"layers' self_attn q/k/v/o_proj and dense mlp gate/up/down_proj, model.embed_tokens "
+                             f"and lm_head; MoE experts and shared experts are not)")
+        else:
+            layer = int(m["layer"])
+            if layer >= num_layers:
+                raise ValueError(f"target module {module!r}: the model has {num_layers} layers (base model mismatch?)")
+        a, b = ab["A"], ab["B"]
+        if a.dim() == 2 and a.shape[0] > max_lora_rank:
+            raise ValueError(f"adapter rank: {module} has rank {a.shape[0]}, above max_lora_rank {max_lora_rank}")
         shape = targets.get((layer, name))
+        if shape is None and only_targets:
+            continue  # another pipeline stage's module
         if shape is None:
+            if layer == MODEL_LEVEL:
+                why = " (Gemma's scaled embedding is not supported)" if name == "embed_tokens" else ""
+                raise ValueError(f"target module {module!r}: this model's {name} cannot take LoRA{why}")
             raise ValueError(f"target module {module!r}: the model lacks it (this architecture's layer {layer} "
                              f"has no adaptable {name}: MoE experts and MLA projections are not supported)")
-        a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter weights: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
                              "which do not form a LoRA pair")
@@ -198,4 +236,12 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
         out.modules[(layer, name)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
         out.rank = max(out.rank, rank)
+    for name, weight in base_copies.items():
+        shape = targets.get((MODEL_LEVEL, name))
+        if shape is None:
+            continue  # not adapted here (another stage's, or refused above)
+        want = shape if name == "embed_tokens" else shape[::-1]  # [vocab, hidden] either way
+        if tuple(weight.shape) != tuple(want):
+            raise ValueError(f"base model mismatch: the adapter saves {name} of shape {tuple(weight.shape)}, this "
+                             f"model's is {tuple(want)} (a resized vocabulary is not supported)")
     return out

@@ -1,9 +1,13 @@
 """One rank's adapters: the model's layers wrapped, the host cache, the device slots, and each
 step's activation (slots filled, token layout on the device) around the forward pass.
 
-The same class runs on every tensor-parallel rank: a step's `LoRAStepInput` names the adapters
-to put into slots, and each rank loads them (from its host cache, or the adapter directory) and
-copies in its own slice, so ranks need no other message.
+The same class runs on every tensor-parallel rank and pipeline stage: a step's `LoRAStepInput`
+names the adapters to put into slots, and each rank loads them (from its host cache, or the
+adapter directory) and copies in its own slice of its own layers, so ranks need no other message.
+A pipeline stage wraps only its layers, under their global indices. Rank 0 checks an adapter
+against every stage's modules (`all_targets`, gathered when the ranks start) before it is
+registered, so a bad adapter never reaches another stage; the other stages then read only
+their own modules of it.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import logging
 import torch
 
 from kvserve.runtime.lora.layers import LoRABatch, LoRALinear, LoRAState
-from kvserve.runtime.lora.peft import LoRAWeights, load_adapter
+from kvserve.runtime.lora.peft import MODEL_LEVEL, LoRAWeights, load_adapter
 from kvserve.runtime.lora.request import LoRARequest
 from kvserve.runtime.lora.slots import LoRAStepInput, LRUCache
+from kvserve.runtime.lora.vocab import wrap_vocab
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +37,24 @@ class WorkerLoRA:
         self.targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
         self.wrappers: list[tuple[int, LoRALinear]] = []
         self._wrap()
+        # Every pipeline stage's targets (set on rank 0 when the ranks report theirs); None: this
+        # rank holds the whole model, or is a later stage that only reads its own modules.
+        self.all_targets: dict | None = None
+        self.num_layers = getattr(model.config, "num_layers", len(model.layers))
+        start = getattr(model, "layer_start", 0)
+        self.stage_only = (start, start + len(model.layers)) != (0, self.num_layers)
         model.lora_state = self.state
 
     def _wrap(self) -> None:
         from kvserve.runtime.models.llama import MLP, Attention
 
         kw = dict(max_loras=self.max_loras, max_rank=self.max_lora_rank)
-        for i, layer in enumerate(self.model.layers):
+        for w in wrap_vocab(self.model, self.state, **kw):
+            self.wrappers.append((MODEL_LEVEL, w))
+            for p, name in enumerate(w.parts):
+                self.targets[(MODEL_LEVEL, name)] = (w, p)
+        # A pipeline stage's layers keep their global indices (the adapter's names).
+        for i, layer in enumerate(self.model.layers, start=getattr(self.model, "layer_start", 0)):
             attn, mlp = layer.self_attn, layer.mlp
             wrapped = []
             if isinstance(attn, Attention):  # not MLA: its projections are another shape
@@ -63,17 +79,17 @@ class WorkerLoRA:
     @property
     def slot_bytes(self) -> int:
         """Device memory of the slots (all max_loras of them)."""
-        return sum(w.a_t.numel() * w.a_t.element_size() + w.b_t.numel() * w.b_t.element_size()
-                   for _, w in self.wrappers)
+        return sum(b.numel() * b.element_size() for _, w in self.wrappers for b in w.buffers(recurse=False))
 
     # -- host cache ------------------------------------------------------------------------------
     def load(self, request: LoRARequest, protect=()) -> LoRAWeights:
         """The adapter's weights, from the host cache or read and checked now (ValueError)."""
         weights = self.cache.get(request)
         if weights is None:
-            weights = load_adapter(request, targets=self.target_shapes, max_lora_rank=self.max_lora_rank,
-                                   num_layers=len(self.model.layers), model_dir=self.model_dir,
-                                   hf_config=self.hf_config)
+            weights = load_adapter(request, targets=self.all_targets or self.target_shapes,
+                                   max_lora_rank=self.max_lora_rank, num_layers=self.num_layers,
+                                   model_dir=self.model_dir, hf_config=self.hf_config,
+                                   only_targets=self.all_targets is None and self.stage_only)
             # The host cache keeps this rank's slot images (sliced, padded, in the model dtype)
             # rather than the PEFT matrices: a slot is then filled with two copies per layer.
             weights.images = [w.slot_image(weights.rank, [weights.modules.get((i, name)) for name in w.parts])
@@ -124,8 +140,14 @@ class WorkerLoRA:
         )
         self.model.lora_active = True
 
+    def set_logits_rows(self, rows) -> None:
+        """The step's rows the LM head computes logits for (their adapters' head LoRA)."""
+        batch = self.state.batch
+        self.state.logits_slots = None if batch is None else [batch.token_slots[r] for r in rows]
+
     def end_step(self) -> None:
         self.state.batch = None
+        self.state.logits_slots = None
         self.model.lora_active = False
 
 

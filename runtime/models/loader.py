@@ -22,6 +22,14 @@ log = logging.getLogger(__name__)
 
 # Buffers some older checkpoints saved that are recomputed here.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _mtp_tensor(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of the multi-token prediction layers DeepSeek-V3 keeps after the decoder layers
+    (read only by speculative decoding's mtp method, spec_decode/mtp.py)."""
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= cfg.num_layers and bool(cfg.hf_config.get("num_nextn_predict_layers"))
 
 
 def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -153,7 +161,8 @@ def _load_weights(model: CausalLM, model_dir: pathlib.Path, cfg: ModelConfig,
                             if (name not in targets and name not in optional
                                     and fused_parts(cfg.architecture, name) is None):
                                 tied_head = name == "lm_head.weight" and cfg.tie_word_embeddings
-                                if not _IGNORED.search(name) and not other_stage(name) and not tied_head:
+                                if (not _IGNORED.search(name) and not other_stage(name) and not tied_head
+                                        and not _mtp_tensor(name, cfg)):
                                     log.warning("ignoring checkpoint tensor %s: not used by %s", name, cfg.architecture)
                                 continue
                             consume(name, f.get_tensor(stored))

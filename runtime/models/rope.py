@@ -46,6 +46,10 @@ def rope_inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn(cfg, scaling, factor)
+    if kind == "longrope":  # the factors ModelConfig chose (short or long) divide each frequency
+        ext = torch.tensor(scaling["long_factor" if scaling["long"] else "short_factor"], dtype=torch.float32)
+        inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, float(scaling["attention_factor"])
     raise ValueError(f"rope type {kind!r} is not supported")  # unreachable: checked in _rope
 
 

@@ -20,7 +20,8 @@ medium: a block in the pool saves its whole prefill, one in a tier most of it (a
 A pod with several data-parallel engines has a pool per engine: each batch names its engine in
 `data_parallel_rank` (vLLM's field), and the index keeps one block map per engine, so a block one
 engine evicts stays held by another that has it. A request is served by one engine (the pod
-places it by prefix), so a pod's match is its best engine's, not the union.
+places it by prefix), so a pod's match is its best engine's, not the union. An AllBlocksCleared
+in an untagged batch clears every engine: the pod changed its layout live and starts empty.
 """
 
 from __future__ import annotations
@@ -200,6 +201,9 @@ class PodKVIndex:
                         else:
                             del blocks[h]
             elif isinstance(event, AllBlocksCleared):
+                if batch.data_parallel_rank is None:  # the whole pod speaks (a live reshape): every engine
+                    for other in self.engines.values():
+                        other.clear()
                 blocks.clear()
 
     # -- queries ---------------------------------------------------------------------------------

@@ -2,24 +2,35 @@
 
 Methods: ``ngram`` (prompt lookup), ``draft_model`` (a small model of the same vocabulary),
 ``medusa`` (heads on the target's final hidden state), ``eagle`` / ``eagle3`` (a one-layer draft
-fed by the target's features, spec_decode/eagle.py). vLLM's ``mtp`` is a known name that is
-refused until it is built, so a config written for vLLM fails with a message that says so rather
-than "unknown method".
+fed by the target's features, spec_decode/eagle.py), ``mtp`` (the target checkpoint's own
+multi-token prediction layer, DeepSeek-V3's ``num_nextn_predict_layers``: spec_decode/mtp.py;
+``model`` is optional, by default the target's directory). vLLM's older name ``deepseek_mtp`` is
+accepted as ``mtp``.
+
+Medusa also takes a candidate tree, ``speculative_token_tree`` (vLLM's key: a list of rank paths,
+or its Python literal string such as ``"[(0,), (1,), (0, 0)]"``; runtime/spec_decode/medusa_tree.py),
+and non-greedy requests may use Medusa's typical acceptance instead of rejection sampling
+(``acceptance_method: "typical_acceptance_sampler"`` with ``posterior_threshold`` and
+``posterior_alpha``, the names of vLLM's typical acceptance sampler; runtime/spec_decode/typical.py).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.runtime.options import json_object
 
-METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
-NOT_YET = ("mtp",)
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
+NOT_YET: tuple[str, ...] = ()
+ALIASES = {"deepseek_mtp": "mtp"}
 # Methods whose `model` is a directory of their own (a draft model or heads).
 WITH_MODEL = ("draft_model", "medusa", "eagle", "eagle3")
-_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "speculative_token_tree", "acceptance_method", "posterior_threshold", "posterior_alpha"}
+ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,11 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # Medusa's candidate tree (validated rank paths, sorted by depth); None: the top-1 chain.
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+    acceptance_method: str = "rejection_sampler"
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
@@ -39,6 +55,7 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None:
             method = "draft_model" if value.get("model") else None
+        method = ALIASES.get(method, method)
         if method in NOT_YET:
             raise ValueError(f"speculative_config.method: {method!r} is not supported yet; "
                              f"supported: {list(METHODS)}")
@@ -51,7 +68,25 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{key}: must be an integer >= {low}, got {v!r}")
             return v
 
+        tree = _tree(value.get("speculative_token_tree"), method)
+        if tree is not None and "num_speculative_tokens" not in value:
+            value = {**value, "num_speculative_tokens": max(len(p) for p in tree)}
         k = integer("num_speculative_tokens", None)
+        if tree is not None and k != max(len(p) for p in tree):
+            raise ValueError(f"speculative_config.num_speculative_tokens: must equal the depth of "
+                             f"speculative_token_tree ({max(len(p) for p in tree)}), got {k}")
+        acceptance = value.get("acceptance_method", "rejection_sampler")
+        if acceptance not in ACCEPTANCE_METHODS:
+            raise ValueError(f"speculative_config.acceptance_method: must be one of {list(ACCEPTANCE_METHODS)}, "
+                             f"got {acceptance!r}")
+
+        def fraction(key: str, default: float) -> float:
+            v = value.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"speculative_config.{key}: must be a number in [0, 1], got {v!r}")
+            return float(v)
+
+        threshold, alpha = fraction("posterior_threshold", 0.09), fraction("posterior_alpha", 0.3)
         lo = integer("prompt_lookup_min", 1)
         hi = integer("prompt_lookup_max", max(lo, 4))
         if lo > hi:
@@ -62,7 +97,30 @@ class SpeculativeConfig:
                 what = {"draft_model": "draft model", "medusa": "Medusa heads"}.get(method, "EAGLE head")
                 raise ValueError(f"speculative_config.model: a {what} directory is required for {method}")
             model = str(model)
+        elif method == "mtp" and model is not None:
+            if not isinstance(model, (str, os.PathLike)) or not str(model):
+                raise ValueError("speculative_config.model: must be a directory holding the MTP layer")
+            model = str(model)
         elif model is not None:
             raise ValueError(f"speculative_config.model: only used with methods {list(WITH_MODEL)}")
         return cls(method=method, num_speculative_tokens=k, model=model, prompt_lookup_max=hi,
-                   prompt_lookup_min=lo)
+                   prompt_lookup_min=lo, speculative_token_tree=tree, acceptance_method=acceptance,
+                   posterior_threshold=threshold, posterior_alpha=alpha)
+
+
+def _tree(value, method: str | None) -> tuple[tuple[int, ...], ...] | None:
+    """vLLM's speculative_token_tree (a list, or the Python literal string vLLM stores) as
+    validated paths; only Medusa's heads give more than one guess per position here."""
+    if value is None:
+        return None
+    if method != "medusa":
+        raise ValueError("speculative_config.speculative_token_tree: only used with method 'medusa'")
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError("speculative_config.speculative_token_tree: not a list of rank paths, "
+                             f"got {value!r}") from None
+    from kvserve.runtime.spec_decode.medusa_tree import parse_choices
+
+    return parse_choices(value)

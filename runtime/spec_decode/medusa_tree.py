@@ -1,4 +1,5 @@
-"""Medusa's candidate tree (``medusa_choices``): its layout, its candidates, its acceptance.
+"""Medusa's candidate tree (vLLM's ``speculative_token_tree``, Medusa's ``medusa_choices``): its
+layout, its candidates, its acceptance.
 
 Pure functions; the forward pass that scores a tree is ``kvserve.kernels.tree_attention``.
 
@@ -52,8 +53,8 @@ class TreeLayout:
 
 def parse_choices(value, *, num_heads: int | None = None) -> tuple[tuple[int, ...], ...]:
     """Validated choices (a list of non-empty lists of ranks >= 0, every prefix present, no
-    duplicates, at most 63), sorted by depth then path. Errors name ``medusa_choices``."""
-    key = "speculative_config.medusa_choices"
+    duplicates, at most 63), sorted by depth then path. Errors name ``speculative_token_tree``."""
+    key = "speculative_config.speculative_token_tree"
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{key}: expected a non-empty list of paths (lists of top-k ranks), got {value!r}")
     paths = []

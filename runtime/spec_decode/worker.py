@@ -31,13 +31,22 @@ from kvserve.runtime.spec_decode.config import SpeculativeConfig
 from kvserve.runtime.spec_decode.ngram import ngram_propose
 from kvserve.runtime.spec_decode.probs import sampling_probs
 from kvserve.runtime.spec_decode.rejection import greedy_verify, rejection_sample
+from kvserve.runtime.spec_decode.typical import typical_chain
 from kvserve.runtime.structured_outputs.manager import apply_grammar_to_drafts
 
 
 def load_heads(config: SpeculativeConfig, *, hidden_size: int, vocab_size: int, device: torch.device,
-               dtype: torch.dtype, num_layers: int | None = None):
+               dtype: torch.dtype, num_layers: int | None = None, model_config=None, model_dir=None,
+               attention_backend=None, quant_config=None):
     """Medusa heads, or an EAGLE head with the indices of the target's aux_hidden_layers it
-    reads (EAGLE-3), on rank 0; None for the other methods. Checked against the target."""
+    reads (EAGLE-3), or the checkpoint's MTP layer (with no indices), on rank 0; None for the
+    other methods. Checked against the target."""
+    if config.method == "mtp":
+        from kvserve.runtime.spec_decode.mtp import load_mtp_layer
+
+        layer = load_mtp_layer(config.model or model_dir, model_config, attention_backend, dtype=dtype,
+                               device=device, quant_config=quant_config)
+        return layer, ()
     if config.method in ("eagle", "eagle3"):
         from kvserve.runtime.spec_decode.eagle import default_aux_layers, load_eagle_head
 
@@ -92,6 +101,10 @@ def split_blocks_with_draft(num_blocks: int, target_shape, draft_shape) -> int:
     return max(1, num_blocks * t // (t + d))
 
 
+def _first(tokens) -> int:
+    return tokens[0] if isinstance(tokens, list) else tokens
+
+
 def eligible(params: SamplingParams, seq) -> bool:
     """Requests whose next-token distribution the rejection sampler reproduces exactly (with
     structured outputs, the distribution masked by the grammar at every verified position)."""
@@ -103,17 +116,44 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, *, num_blocks: int, block_size: int,
                  device: torch.device, kv_cache_dtype: torch.dtype, max_model_len: int,
                  draft_model=None, heads=None, hidden_source=None, aux_source=None, target=None,
-                 model_dir=None) -> None:
+                 model_dir=None, max_num_seqs: int = 256, kv_source=None,
+                 attention_backend: str | None = None) -> None:
         """`draft_model` comes from ``load_draft`` (required for method draft_model); its KV pools
         take `kv_cache_dtype`, the target's (float8 with kv_cache_dtype fp8). `heads` (Medusa,
         from ``load_heads``) read the hidden states behind each step's logits rows, which
-        `hidden_source()` returns (rank 0's worker keeps them)."""
+        `hidden_source()` returns (rank 0's worker keeps them); `kv_source()` gives rank 0's KV
+        pools (a tree's accepted path is moved into place there at once)."""
         self.config = config
+        self.kv_source = kv_source
+        self.tree = None
+        if config.speculative_token_tree is not None and config.method == "medusa":
+            from kvserve.runtime.spec_decode.tree_verify import Tree, unsupported
+
+            self.tree = Tree(config.speculative_token_tree)
+            why = unsupported(getattr(target, "config", None), attention_backend, kv_cache_dtype)
+            if why is not None:
+                raise ValueError(f"speculative_config.speculative_token_tree: {why}")
+        # Sequences (ids) whose drafts this step are a tree's nodes, not a chain.
+        self._tree_seqs: set[int] = set()
         self.heads = heads
         self.hidden_source = hidden_source
         self.aux_source = aux_source
         self.eagle = None
-        if config.method in ("eagle", "eagle3"):
+        # EAGLE / MTP with n > 1: per forked sample (keyed by its SamplingRow), the prompt's last
+        # position and the target's feature there, until the sample's first decode step.
+        self._fork_slots: dict[int, tuple] = {}
+        self._steps = 0
+        if config.method == "mtp":
+            from kvserve.runtime.spec_decode.mtp import MTPProposer
+
+            if heads is None or hidden_source is None or target is None:
+                raise ValueError("speculative_config: the MTP layer was not loaded")
+            # Same draft-slot bookkeeping as EAGLE (_eagle_drafts), over the MTP's latent pool.
+            self.eagle = MTPProposer(heads[0], target, num_blocks=num_blocks, block_size=block_size,
+                                     max_num_seqs=max_num_seqs, num_speculative_tokens=config.num_speculative_tokens,
+                                     model_dir=model_dir)
+            self.heads = None
+        elif config.method in ("eagle", "eagle3"):
             # `heads` is the loaded EagleHead; its proposer owns the one-layer draft KV pools.
             from kvserve.runtime.spec_decode.eagle import EagleProposer
 
@@ -145,6 +185,7 @@ class SpecDecoder:
     def plan(self, running: list, params_of) -> None:
         """Sets `spec_token_ids` of the running sequences (params_of(seq) -> SamplingParams | None)."""
         cfg = self.config
+        self._tree_seqs.clear()
         for seq in running:
             seq.spec_token_ids = []
             if seq.num_uncomputed_tokens != 1:
@@ -159,10 +200,20 @@ class SpecDecoder:
                 continue
             if cfg.method == "ngram":
                 seq.spec_token_ids = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            elif cfg.method in ("medusa", "eagle", "eagle3"):
+            elif cfg.method in ("medusa", "eagle", "eagle3", "mtp"):
                 # The heads' guesses from the previous step, if nothing changed the sequence since.
                 made = seq.head_drafts
-                seq.spec_token_ids = list(made[1][:k]) if made is not None and made[0] == seq.num_tokens else []
+                if made is None or made[0] != seq.num_tokens:
+                    continue
+                if self.tree is None:
+                    seq.spec_token_ids = list(made[1][:k])
+                elif self._branches(params):
+                    # The tree cut to k levels and to the slots left below max_model_len.
+                    n = min(self.tree.nodes_within(k), self.max_model_len - seq.num_tokens + 1)
+                    seq.spec_token_ids = list(made[1][:n - 1])
+                    self._tree_seqs.add(seq.seq_id)
+                else:
+                    seq.spec_token_ids = self.tree.chain_tokens(made[1])[:k]
             else:
                 seq.spec_token_ids = [0] * k  # slots; the draft model fills them after scheduling
 
@@ -215,11 +266,18 @@ class SpecDecoder:
             else:
                 spans.append(-1)
 
+        # Medusa trees: sequences whose drafts are a tree's nodes (a prefix that is a chain runs as one).
+        trees = {}
+        if self.tree is not None:
+            trees = {i: self.tree.layout(scheduled[i].num_spec + 1) for i in spec
+                     if scheduled[i].seq.seq_id in self._tree_seqs and not self.tree.is_chain(scheduled[i].num_spec + 1)}
+
         # Pack with the drafts in place (prepare reads token_ids), then put token_ids back.
         for i in spec:
             scheduled[i].seq.token_ids.extend(scheduled[i].seq.spec_token_ids)
         try:
-            step = runner.prepare(scheduled, block_tables)
+            step = runner.prepare(scheduled, block_tables,
+                                  {i: (t.depths, t.masks) for i, t in trees.items()} or None)
         finally:
             for i in spec:
                 del scheduled[i].seq.token_ids[-scheduled[i].num_spec:]
@@ -247,6 +305,7 @@ class SpecDecoder:
 
         token_ids: list = []
         logprobs: list = []
+        paths: dict[int, list[int]] = {}  # tree sequences: their accepted nodes
         p = 0
         for i, item in enumerate(scheduled):
             if not item.samples:
@@ -262,7 +321,13 @@ class SpecDecoder:
             span = logits[spans[i]:spans[i] + item.num_spec + 1]
             if row.grammar is not None:
                 apply_grammar_to_drafts(span, row.grammar, drafts)
-            if row.params.greedy:
+            if i in trees:
+                paths[i], tokens = self._verify_tree(trees[i], [item.seq.token_ids[item.start]] + drafts, span, row)
+            elif not row.params.greedy and self.config.acceptance_method == "typical_acceptance_sampler":
+                generator = row.generator if row.generator is not None else runner.sampler.generator
+                tokens = typical_chain(sampling_probs(span, row.params), drafts, self.config.posterior_threshold,
+                                       self.config.posterior_alpha, generator)
+            elif row.params.greedy:
                 tokens = greedy_verify(argmax_last(span).tolist(), drafts)
             else:
                 q = draft_probs.get(i)
@@ -271,6 +336,8 @@ class SpecDecoder:
                                           torch.stack(q) if q else None, generator)
             token_ids.append(tokens)
             logprobs.append(None)
+        if paths:
+            self._move_paths(scheduled, block_tables, paths)
         if self.heads is not None:
             # The row behind each sequence's newest token: its last plain row, or the verified
             # row whose logits gave the bonus token.
@@ -283,7 +350,7 @@ class SpecDecoder:
                 t += len(item_rows[i])
                 if len(item_rows[i]) == 1:
                     n = len(emitted) if isinstance(emitted, list) else 1
-                    sources.append((item.seq, spans[i] + n - 1, n))
+                    sources.append((item.seq, spans[i] + (paths[i][-1] if i in paths else n - 1), n))
             self._head_drafts(sources)
         for i in spec:
             scheduled[i].seq.spec_token_ids = []
@@ -292,6 +359,36 @@ class SpecDecoder:
         return SamplerOutput(token_ids, logprobs)
 
     # -- Medusa --------------------------------------------------------------------------------------
+    def _branches(self, params: SamplingParams) -> bool:
+        """Whether a request verifies the tree's branches (else its top-1 chain): greedy ones, and
+        sampled ones under typical acceptance; never with structured outputs (one grammar state
+        per draft position)."""
+        if params.structured_outputs is not None:
+            return False
+        return params.greedy or self.config.acceptance_method == "typical_acceptance_sampler"
+
+    def _verify_tree(self, layout, tokens: list[int], span: torch.Tensor, row: SamplingRow):
+        """(accepted nodes, emitted tokens) of one tree (`tokens`: the root's, then the nodes')."""
+        from kvserve.runtime.spec_decode.tree_verify import greedy_path, typical_path
+
+        if row.params.greedy:
+            return greedy_path(layout, tokens, argmax_last(span).tolist())
+        cfg = self.config
+        generator = row.generator if row.generator is not None else self.runner.sampler.generator
+        return typical_path(layout, tokens, sampling_probs(span, row.params), cfg.posterior_threshold,
+                            cfg.posterior_alpha, generator)
+
+    def _move_paths(self, scheduled: list, block_tables: list, paths: dict[int, list[int]]) -> None:
+        """Brings each tree's accepted path's K/V to the slots where its sequence continues: on
+        rank 0 now, on the other ranks before their next step (ForwardInput.kv_slot_moves)."""
+        from kvserve.runtime.spec_decode.tree_verify import move_slots, path_moves
+
+        moves = [m for i, path in paths.items()
+                 for m in path_moves(path, scheduled[i].start, block_tables[i], self.block_size)]
+        if moves:
+            move_slots(self.kv_source(), moves)
+            self.runner.kv_slot_moves.extend(moves)
+
     def _plain_head_drafts(self, scheduled: list, repeats: list[int] | None) -> None:
         """After a step without drafts: one hidden row per sampling sequence, one new token each."""
         sources = []
@@ -311,7 +408,12 @@ class SpecDecoder:
         if not sources or hidden is None:
             return
         index = torch.tensor([row for _, row, _ in sources], device=hidden.device)
-        guesses = self.heads.propose(hidden[index], self.config.num_speculative_tokens)
+        if self.tree is not None:  # every node's guess, in node order
+            from kvserve.runtime.spec_decode.tree_verify import top_guesses
+
+            guesses = [self.tree.candidates(t) for t in top_guesses(self.heads, hidden[index], self.tree.top_k)]
+        else:
+            guesses = self.heads.propose(hidden[index], self.config.num_speculative_tokens)
         for (seq, _, added), drafts in zip(sources, guesses):
             seq.head_drafts = (seq.num_tokens + added, drafts)
 
@@ -344,29 +446,55 @@ class SpecDecoder:
                 row += reps
                 r += reps
                 s += 1
+                fork = None
                 if reps == 1:
                     emitted = emitted if isinstance(emitted, list) else [emitted]
                     if item.num_spec:
                         ext, m = base[:start + 1] + emitted, len(emitted)
                     else:
                         ext, m = base + emitted, n
+                        fork = self._fork_slots.pop(id(rows[row - 1]), None)
                     if eligible(params, seq):
                         want = k
                         owners.append((seq, len(emitted)))
                 else:
-                    ext, m = base, n - 1
+                    # n > 1: this is sample 0, whose first token fills the prompt's last slot; the
+                    # other samples are forked off it after this step (see _fork_slot).
+                    ext, m = base + [_first(emitted)], n
+                    if eligible(params, seq):
+                        want = k
+                        owners.append((seq, 1))
+                    for other in rows[row - reps + 1:row]:
+                        self._fork_slots[id(other)] = (other, start + n - 1, hidden[off + n - 1:off + n].clone(),
+                                                   self._steps)
             m = max(0, min(m, len(ext) - 1 - start))
             if m:
                 positions = list(range(start, start + m))
-                fills.append((table, positions, ext[start + 1:start + 1 + m], hidden[off:off + m]))
+                tokens, features = ext[start + 1:start + 1 + m], hidden[off:off + m]
+                if fork is not None and self._fork_slot(fork, rows[row - 1], start, n, table):
+                    positions = [start - 1] + positions
+                    tokens = [base[start]] + tokens
+                    features = torch.cat((fork[2], features))
+                fills.append((table, positions, tokens, features))
                 wants.append(want)
             elif want:
                 owners.pop()
             off += n
+        self._steps += 1
+        if self._fork_slots:  # a sample that never decoded (finished or preempted at once)
+            self._fork_slots = {key: v for key, v in self._fork_slots.items() if self._steps - v[3] < 64}
         proposals = eagle.step(fills, wants)
         drafts = [d for d, w in zip(proposals, wants) if w]
         for (seq, added), d in zip(owners, drafts):
             seq.head_drafts = (seq.num_tokens + added, d)
+
+    def _fork_slot(self, fork: tuple, row: SamplingRow, start: int, n: int, table: list[int]) -> bool:
+        """Whether a forked sample's first decode step rewrites the prompt's last slot with its
+        own first token (sample 0's is there): only in the sample's own copy of that block, that
+        is when the block is not full (a full one stays shared with the other samples and the
+        prefix cache, and keeps sample 0's slot: an approximate draft, never a wrong output)."""
+        return (fork[0] is row and n == 1 and start == fork[1] + 1 and start % self.block_size != 0
+                and start // self.block_size < len(table))
 
     def _propose(self, scheduled: list, block_tables: list[list[int]],
                  item_rows: list[list[SamplingRow]], spec: list[int]) -> dict[int, list[torch.Tensor | None]]:

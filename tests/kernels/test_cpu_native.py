@@ -67,6 +67,25 @@ def test_packed_rows_read_back_as_the_original_rows():
     assert torch.equal(native.unpack_rows(native.pack_weight(w), ids), w[ids])
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n, k, block", [(40, 128, 64), (16, 256, 32)])
+def test_codebook_4bit_matmul_and_rows(m, n, k, block):
+    """bitsandbytes' NF4 layout (codes high nibble first, absmax per block) repacked into panels:
+    rows read back as codebook[code] * absmax bit for bit; the matmul (the one-row path and the
+    panel path, a ragged last tile) equals that weight's float64 product."""
+    gen = torch.Generator().manual_seed(m + n)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    absmax = torch.rand(n, k // block, generator=gen) + 0.05
+    codebook = torch.randn(16, generator=gen).sort().values  # any 16 values (NF4's, FP4's)
+    q = torch.stack(((codes >> 4), codes & 0xF), dim=-1).reshape(n, k).long()
+    want = (codebook[q].view(n, k // block, block) * absmax[..., None]).view(n, k)
+    panels = native.CodebookPanels(codes, absmax, codebook, block)
+    assert torch.equal(panels.rows(torch.arange(n)), want)
+    x = torch.randn(m, k, generator=gen)
+    ref = x.double() @ want.double().T
+    assert (panels.matmul(x).double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 64), (300, 250)])
 def test_norms_match_the_twins(rows, hidden):
     x, r, w = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.randn(hidden)

@@ -114,6 +114,29 @@ def test_only_a_leaderworkerset_leaves_its_size_to_the_scale_subresource():
     assert not MN.scaled_through_subresource(dep) and MN.applied_body(dep) == dep
 
 
+@pytest.mark.parametrize("kind, replicas", [("LeaderWorkerSet", 0), ("LeaderWorkerSet", 3), ("Deployment", 0),
+                                            ("Deployment", 2)])
+def test_a_workload_is_created_at_its_size(kind, replicas):
+    """The creating apply carries spec.replicas for every workload (a LeaderWorkerSet created
+    without it would run LWS's default of 1 group, even for a service scaled to zero); a
+    LeaderWorkerSet then hands the field to SIZE_MANAGER, whose apply holds it alone."""
+    if kind == "LeaderWorkerSet":
+        obj = MN.build_workload(OWNER, parsed(big_spec()), replicas=replicas, tp=8)
+    else:
+        obj = MN.build_workload(OWNER, parsed(big_spec(gpu={"perShard": 1, "gpusPerNode": 8},
+                                                       parallelism={"tensor": {"min": 4, "max": 4, "initial": 4}})),
+                                replicas=replicas, tp=4)
+    assert obj["kind"] == kind
+    assert MN.created_body(obj)["spec"]["replicas"] == replicas
+    handover = MN.size_handover(obj)
+    if kind == "LeaderWorkerSet":
+        assert "replicas" not in MN.applied_body(obj)["spec"]
+        assert handover == {"apiVersion": MN.LWS_API_VERSION, "kind": kind, "spec": {"replicas": replicas},
+                            "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]}}
+    else:
+        assert handover is None and MN.applied_body(obj)["spec"]["replicas"] == replicas
+
+
 def test_a_replica_that_fits_a_node_stays_a_deployment_with_its_stages():
     spec = parsed(big_spec(gpu={"perShard": 1, "gpusPerNode": 8},
                            parallelism={"pipeline": 2, "tensor": {"min": 4, "max": 4, "initial": 4}}))
@@ -215,11 +238,15 @@ def test_operator_renders_scales_and_reports_a_leaderworkerset_and_names_a_missi
         # The CRD is installed: the next retry renders it, valid against the real schema.
         emulator.emulator.resources["leaderworkerset.x-k8s.io/v1/leaderworkersets"] = _lws_resource()
         PatchedEmulator.UNSERVED_GROUPS.discard("leaderworkerset.x-k8s.io")
-        # Created without spec.replicas (the applied body never owns it), then sized through /scale:
-        # wait for that PATCH too, or a read in between sees no replicas (the emulator applies no
-        # CRD defaults).
-        lws = wait_for(lambda: (o := api.get("LeaderWorkerSet", "big")) and "replicas" in o["spec"] and o,
-                       timeout=60, what="LeaderWorkerSet sized through /scale")
+        # Created at its size (no moment at LWS's default of 1 group), then the size handed to a
+        # second field manager, so the operator's later applies (which leave it out) keep it.
+        lws = wait_for(lambda: (o := api.get("LeaderWorkerSet", "big")) and any(
+            f.get("manager") == MN.SIZE_MANAGER for f in o["metadata"].get("managedFields") or []) and o,
+            timeout=60, what="LeaderWorkerSet created and its size handed over")
+        (create, *_) = [r for r in list(emulator.emulator) if r.resource is not None
+                        and r.resource.plural == "leaderworkersets" and r.method == "PATCH" and r.subresource is None]
+        assert create.data["spec"]["replicas"] == 1, "the creating apply carries the size"
+        assert scale_patches(emulator) == 0  # nothing to correct
         stored = {k: lws[k] for k in ("apiVersion", "kind", "spec")}
         stored["metadata"] = {"name": "big", "namespace": "default"}
         assert crd.validate(stored, crd=lws_crd(), version="v1", cel=False) == []
@@ -235,9 +262,10 @@ def test_operator_renders_scales_and_reports_a_leaderworkerset_and_names_a_missi
         wait_for(lambda: api.call("GET", SCALE)["spec"]["replicas"] == 2, what="2 groups through /scale")
         lws = api.get("LeaderWorkerSet", "big")
         assert lws["spec"]["replicas"] == 2
-        assert scale_patches(emulator) >= 2  # created at 1, then 2
-        owned = [f for f in lws["metadata"].get("managedFields") or [] if f.get("operation") == "Apply"]
-        assert owned and all("f:replicas" not in json.dumps(f.get("fieldsV1", {})) for f in owned)
+        assert scale_patches(emulator) >= 1
+        owners = {f["manager"]: json.dumps(f.get("fieldsV1", {})) for f in lws["metadata"]["managedFields"]
+                  if f.get("operation") == "Apply"}
+        assert "f:replicas" not in owners["kvserve-operator"] and "f:replicas" in owners[MN.SIZE_MANAGER]
         # The LWS controller's view of the groups reads back through the same Scale.
         api.call("PATCH", LWS_PATH + "/status", {"status": {"replicas": 2, "hpaPodSelector": "x=y"}},
                  content_type="application/merge-patch+json")

@@ -13,12 +13,21 @@ of float32, reused for every slab) and multiplies by it, so neither the layer no
 ever held in float32. Every dequantized value is codebook[code] * absmax in float32, the same
 product `dequantize_4bit` (and bitsandbytes' own dequantizer) computes, so the weights the
 matmul sees are bit for bit the checkpoint's.
+
+On a CPU with kvserve's native kernels (`packed.native_enabled`) the codes are repacked once at
+load into the int4 panel layout (`kvserve.kernels.cpu.native.CodebookPanels`, the same bytes per
+weight) and the matmul is the native kernel: a decode step (one row) looks each code up in a
+16-entry in-register codebook and multiplies by x without writing any float weight, a longer
+batch dequantizes one 16-row panel at a time into the float kernel's layout (the same product,
+codebook value x absmax). The slab path above is the torch twin and the path everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
+
+from kvserve.runtime.models.quantization.packed import _native_matmul, native_enabled
 
 # Output rows dequantized per slab: 256 rows of a 4096-wide layer are 4 MiB of float32.
 _ROWS_PER_SLAB = 256
@@ -36,15 +45,23 @@ class Packed4bitWeight:
                              f"[{n}, {half}], absmax ({n}, {k // block}) and 16 codebook values; got "
                              f"{codes.dtype} codes, absmax {tuple(absmax.shape)}, {quant_map.numel()} values")
         self.n, self.k, self.block, self.dtype = n, k, block, dtype
+        self.quant_map = quant_map.to(torch.float32).reshape(16).contiguous()
+        self.native = None
+        if block % 2 == 0 and native_enabled(codes.device):
+            from kvserve.kernels.cpu import native
+
+            self.native = native.CodebookPanels(codes, absmax, self.quant_map, block)
+            return  # the panels replace the codes: nothing else is held
         self.codes = codes.contiguous()
         self.absmax = absmax.to(torch.float32).contiguous()
-        self.quant_map = quant_map.to(torch.float32).reshape(16).contiguous()
         # byte -> its two values (high nibble first): one gather per byte instead of shifts, masks
         # and a gather per code; the values are the codebook's, so the products are unchanged.
         byte = torch.arange(256, device=codes.device)
         self._pairs = torch.stack((self.quant_map[byte >> 4], self.quant_map[byte & 0xF]), dim=1).contiguous()
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        if self.native is not None:
+            return self.native.tensors()
         return {"bnb4_codes": self.codes, "bnb4_absmax": self.absmax, "bnb4_quant_map": self.quant_map}
 
     @property
@@ -54,12 +71,16 @@ class Packed4bitWeight:
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """float32 rows [start, end) of the weight."""
         end = self.n if end is None else end
+        if self.native is not None:
+            return self.native.rows(torch.arange(start, end))
         packed = self.codes[start:end].reshape(-1).to(torch.int32)
         values = self._pairs.index_select(0, packed).view(end - start, self.k // self.block, self.block)
         return (values * self.absmax[start:end, :, None]).view(end - start, self.k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W.T in x's dtype, one slab of dequantized rows at a time."""
+        if self.native is not None:
+            return _native_matmul(self.native, x)
         shape = x.shape
         rows = x.reshape(-1, self.k)
         out = torch.empty(rows.shape[0], self.n, dtype=x.dtype, device=x.device)
@@ -70,4 +91,6 @@ class Packed4bitWeight:
         return out.view(*shape[:-1], self.n)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.rows(ids).to(self.dtype)
         return torch.cat([self.dequantize(int(i), int(i) + 1) for i in ids.reshape(-1)]).to(self.dtype)
