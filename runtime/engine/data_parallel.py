@@ -69,8 +69,10 @@ _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", 
                  "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
 
 
-# After a reshape on the CPU, the garbage collection it skipped runs once the engines are idle,
-# or after this many seconds of serving at the latest.
+# After a reshape on the CPU, the garbage collection it skipped runs once the engines are idle
+# (but not in the first COLLECT_IDLE_AFTER_S, while the reshape's answer is still on its way:
+# the collection holds the GIL), or after COLLECT_AFTER_S of serving at the latest.
+COLLECT_IDLE_AFTER_S = 2.0
 COLLECT_AFTER_S = 30.0
 
 # Prefix keys remembered for placement (a few MB at most): about 250 prompts of 4k tokens.
@@ -394,7 +396,9 @@ class DataParallelEngine:
         COLLECT_AFTER_S after the reshape (then one pause of a full collection, as Python's own)."""
         if self._collect_due is None:
             return
-        if self.has_unfinished_requests() and time.monotonic() < self._collect_due:
+        now = time.monotonic()
+        idle_from = self._collect_due - COLLECT_AFTER_S + COLLECT_IDLE_AFTER_S
+        if now < self._collect_due and (self.has_unfinished_requests() or now < idle_from):
             return
         self._collect_due = None
         from kvserve.runtime.executor.platform import platform_for
