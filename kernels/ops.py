@@ -197,4 +197,5 @@ def lora_sgmv(x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, b_t: torch.
 
         return lora_sgmv_triton(x, out, a_t, b_t, batch.token_idx, batch.seg_slot, batch.seg_start,
                                 batch.seg_len, batch.max_seg_len)
-    return reference.lora_sgmv_ref(x, out, a_t, b_t, batch.segments, batch.perm, batch.cols, batch.padded)
+    return reference.lora_sgmv_ref(x, out, a_t, b_t, batch.segments, batch.perm, batch.cols, batch.padded,
+                                   batch.out_parts)

@@ -263,10 +263,14 @@ def mla_decode_ref(
     return out
 
 
+# A direct segment at least this long expands per fused part (lora_sgmv_ref's out_parts).
+LORA_PARTS_MIN_ROWS = 16
+
+
 def lora_sgmv_ref(x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
                   segments: list[tuple[int, int, int]], perm: torch.Tensor | None,
-                  cols: list[int] | None = None, padded: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
+                  cols: list[int] | None = None, padded: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  out_parts: list[tuple[int, int]] | None = None) -> torch.Tensor:
     """Adds each adapter segment's LoRA product to `out` in place: out[t] += x[t] @ a_t[s] @ b_t[s]
     for the tokens t of segment (s, start, end). a_t [L, in, C] / b_t [L, C, out] are the slots'
     stacked matrices (B already scaled); `cols[s]` the columns slot s uses (the rest are zeros).
@@ -278,7 +282,12 @@ def lora_sgmv_ref(x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, b_t: to
     `padded` (gather [L, M], scatter [L * M]): every slot's tokens in a row of M (padding gathers
     the zero row x[T] and scatters its zero product onto row 0), so all adapters take two batched
     matmuls over the whole slot stack: five ops per layer whatever the adapter count, for steps
-    of many short segments (decode)."""
+    of many short segments (decode).
+
+    `out_parts` ((start, end) output columns per part of a fused layer, whose B is block-diagonal:
+    part p's rows p*r .. (p+1)*r with r = cols[s] / parts): a long direct segment (prefill) expands
+    each part on its own diagonal block, skipping the zero blocks (a third of q|k|v's expand
+    work, half of gate|up's); short ones keep the one matmul (fewer ops)."""
     if padded is not None:
         gather, scatter = padded
         xs = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, gather.view(-1))
@@ -287,7 +296,13 @@ def lora_sgmv_ref(x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, b_t: to
     if perm is None:
         for slot, start, end in segments:
             c = a_t.shape[2] if cols is None else cols[slot]
-            out[start:end].addmm_(x[start:end] @ a_t[slot, :, :c], b_t[slot, :c])
+            if out_parts is None or len(out_parts) == 1 or end - start < LORA_PARTS_MIN_ROWS:
+                out[start:end].addmm_(x[start:end] @ a_t[slot, :, :c], b_t[slot, :c])
+                continue
+            shrunk = x[start:end] @ a_t[slot, :, :c]
+            r = c // len(out_parts)
+            for p, (lo, hi) in enumerate(out_parts):
+                out[start:end, lo:hi].addmm_(shrunk[:, p * r:(p + 1) * r], b_t[slot, p * r:(p + 1) * r, lo:hi])
         return out
     xs = x.index_select(0, perm)
     delta = torch.empty(xs.shape[0], out.shape[1], dtype=out.dtype, device=out.device)

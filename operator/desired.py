@@ -16,6 +16,7 @@ from typing import Any
 
 from kvserve.runtime.capacity import ModelShape
 
+from . import kvcache as K
 from . import lora as L
 from . import manifests as M
 from . import multinode as MN
@@ -54,6 +55,8 @@ def owned_objects(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int,
     objects = N.build_network_policies(owner, spec, operator)
     if spec.lora.enabled:  # before the Deployment: its pods mount it
         objects.append(L.build_configmap(owner, spec))
+    if K.creates_claim(spec):  # before the Deployment: its pods mount it
+        objects.append(K.build_claim(owner, spec))
     objects += [M.build_service(owner, spec), M.build_pdb(owner),
                 MN.build_workload(owner, spec, replicas=replicas, tp=tp)]
     if spec.router.enabled:
@@ -63,7 +66,9 @@ def owned_objects(owner: Mapping[str, Any], spec: ServiceSpec, *, replicas: int,
 
 def possible_objects(name: str) -> list[tuple[str, str]]:
     """(kind, name) of everything any spec could make the resource own, in apply order: what the
-    current spec does not ask for is deleted (in reverse order) when it exists and is ours."""
+    current spec does not ask for is deleted (in reverse order) when it exists and is ours. The
+    offload tier's claim is not here: a persistent tier outlives a spec that stops using it (the
+    API deletes it with the service)."""
     return ([("NetworkPolicy", N.runtime_policy_name(name)), ("NetworkPolicy", N.router_policy_name(name)),
              ("ConfigMap", L.configmap_name(name)), ("Service", name), ("PodDisruptionBudget", name),
              ("Deployment", name), (MN.LWS_KIND, name)]

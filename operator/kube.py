@@ -62,6 +62,9 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("/api/v1", "services", k8s.CoreV1Api, "namespaced_service"),
     # spec.adapters: the LoRA adapter list the pods' agents read (operator/lora.py).
     "ConfigMap": Kind("/api/v1", "configmaps", k8s.CoreV1Api, "namespaced_config_map"),
+    # spec.runtime.kvOffload with a storageClassName: the tier's claim (operator/kvcache.py).
+    "PersistentVolumeClaim": Kind("/api/v1", "persistentvolumeclaims", k8s.CoreV1Api,
+                                  "namespaced_persistent_volume_claim"),
     "PodDisruptionBudget": Kind("/apis/policy/v1", "poddisruptionbudgets", k8s.PolicyV1Api,
                                 "namespaced_pod_disruption_budget"),
     "Pod": Kind("/api/v1", "pods", k8s.CoreV1Api, "namespaced_pod"),

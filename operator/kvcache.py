@@ -1,6 +1,7 @@
 """The pod-side pieces of the KV cache beyond the pool (pure): the offload tier of
-spec.runtime.kvOffload (flags, volume, mount, memory request) and the KV events the pods publish
-for the router when it ranks them by the blocks they hold (spec.router, prefix policy).
+spec.runtime.kvOffload (flags, volume, mount, memory request, and the claim the operator creates
+for medium pvc with a storageClassName) and the KV events the pods publish for the router when it
+ranks them by the blocks they hold (spec.router, prefix policy).
 
 manifests.py, router.py and netpol.py call these; nothing here talks to the API.
 """
@@ -61,13 +62,40 @@ def runtime_args(spec: ServiceSpec) -> list[str]:
     return out
 
 
-def volumes(spec: ServiceSpec, tp: int) -> list[dict[str, Any]]:
+def volumes(spec: ServiceSpec, tp: int, name: str) -> list[dict[str, Any]]:
     k = spec.runtime.kv_offload
     if k is None or k.medium == "memory":
         return []
     if k.medium == "pvc":
-        return [{"name": OFFLOAD_VOLUME, "persistentVolumeClaim": {"claimName": k.claim_name}}]
+        claim = claim_name(name) if creates_claim(spec) else k.claim_name
+        return [{"name": OFFLOAD_VOLUME, "persistentVolumeClaim": {"claimName": claim}}]
     return [{"name": OFFLOAD_VOLUME, "emptyDir": {"sizeLimit": str(offload_volume_bytes(spec, tp))}}]
+
+
+# -- the claim the operator creates (medium pvc with storageClassName) ----------------------------
+def claim_name(name: str) -> str:
+    return f"{name}-kv-offload"
+
+
+def creates_claim(spec: ServiceSpec) -> bool:
+    k = spec.runtime.kv_offload
+    return k is not None and k.medium == "pvc" and k.storage_class_name is not None
+
+
+def build_claim(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
+    """The PersistentVolumeClaim of a file tier on a claim the operator creates. Owned by the
+    InferenceService, so the API deletes it with the service (and the kubelet's PVC protection
+    not before its last pod stops); the operator itself never deletes it (desired.py leaves it
+    out of the kinds it cleans up): turning the tier off keeps the prefixes."""
+    from .manifests import _metadata
+
+    k = spec.runtime.kv_offload
+    name, namespace = owner["metadata"]["name"], owner["metadata"].get("namespace", "default")
+    meta = _metadata(name, namespace, owner)
+    meta["name"] = claim_name(name)
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta,
+            "spec": {"accessModes": [k.access_mode], "storageClassName": k.storage_class_name,
+                     "resources": {"requests": {"storage": str(k.claim_size)}}}}
 
 
 def runtime_mounts(spec: ServiceSpec) -> list[dict[str, Any]]:

@@ -310,7 +310,7 @@ def pod_template(name: str, spec: ServiceSpec, tp: int) -> dict[str, Any]:
         })
     volumes: list[dict[str, Any]] = [
         {"name": "models", "emptyDir": {"sizeLimit": _quantity(model_size_limit(spec, tp))}},
-        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}] + L.volumes(name, spec) + K.volumes(spec, tp)
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}] + L.volumes(name, spec) + K.volumes(spec, tp, name)
     if per_pod_token:
         # In memory: the token never reaches the node's disk.
         volumes.append({"name": "admin-token", "emptyDir": {"medium": "Memory", "sizeLimit": ADMIN_VOLUME_SIZE}})

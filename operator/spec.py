@@ -44,6 +44,7 @@ _SUFFIX = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi
            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 GIB = 1024**3
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # e.g. a StorageClass name
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 # Credentials that would sit in plain text in the InferenceService (readable by anyone who can get
@@ -121,6 +122,7 @@ class ModelSpec:
 
 
 KV_OFFLOAD_MEDIA = ("memory", "emptyDir", "pvc")
+KV_OFFLOAD_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod")
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,10 @@ class KVOffloadSpec:
     size_bytes: int  # per tensor-parallel rank, as the runtime's --kv-offload-bytes
     medium: str = "emptyDir"  # memory: host RAM; emptyDir: files on the node; pvc: files on a claim
     claim_name: str | None = None  # medium pvc: an existing PersistentVolumeClaim
+    # medium pvc without claimName: the operator creates the claim in this StorageClass
+    storage_class_name: str | None = None
+    claim_size: int | None = None  # bytes of the created claim (required with storage_class_name)
+    access_mode: str = "ReadWriteMany"  # of the created claim
 
 
 @dataclass(frozen=True)
@@ -647,15 +653,35 @@ def parse_kv_offload(runtime: _Reader) -> KVOffloadSpec | None:
         raise SpecError(k.name("size"), f"must be at least 1Mi, got {k.raw['size']!r}")
     medium = k.string("medium", "emptyDir", choices=KV_OFFLOAD_MEDIA)
     claim = k.string("claimName")
+    storage_class = k.string("storageClassName")
+    claim_size = None if k.raw.get("claimSize") is None else parse_quantity(k.raw["claimSize"], k.name("claimSize"))
+    access_mode = k.string("accessMode", "ReadWriteMany", choices=KV_OFFLOAD_ACCESS_MODES)
     if medium == "pvc":
-        if not claim or not _NAME.match(claim):
-            raise SpecError(k.name("claimName"), f"medium pvc needs the name of an existing PersistentVolumeClaim, "
-                            f"got {claim!r}")
-    elif claim is not None:
-        raise SpecError(k.name("claimName"), f"only with medium pvc, not {medium!r}")
+        if claim is not None and storage_class is not None:
+            raise SpecError(k.name("storageClassName"), "give claimName (an existing claim) or storageClassName "
+                            "(the operator creates one), not both")
+        if storage_class is None and (not claim or not _NAME.match(claim)):
+            raise SpecError(k.name("claimName"), f"medium pvc needs the name of an existing PersistentVolumeClaim "
+                            f"(or storageClassName, to have the operator create one), got {claim!r}")
+        if storage_class is not None and not _SUBDOMAIN.match(storage_class):
+            raise SpecError(k.name("storageClassName"), f"must be a StorageClass name, got {storage_class!r}")
+        if storage_class is not None and claim_size is None:
+            raise SpecError(k.name("claimSize"), "is required with storageClassName (the claim the operator "
+                            "creates; the pods share it, each within size per rank, e.g. 200Gi)")
+    else:
+        for field_name, value in (("claimName", claim), ("storageClassName", storage_class)):
+            if value is not None:
+                raise SpecError(k.name(field_name), f"only with medium pvc, not {medium!r}")
+    if storage_class is None:
+        for field_name in ("claimSize", "accessMode"):
+            if k.raw.get(field_name) is not None:
+                raise SpecError(k.name(field_name), "only with storageClassName (a claim the operator creates)")
+    if claim_size is not None and claim_size < size:
+        raise SpecError(k.name("claimSize"), f"must hold at least the tier's size ({k.raw['size']!r}), "
+                        f"got {k.raw['claimSize']!r}")
     if runtime.raw.get("engine", "kvserve") != "kvserve":
         raise SpecError(k.path, "is kvserve's offload tier (--kv-offload-bytes); needs runtime.engine kvserve")
-    return KVOffloadSpec(size, medium, claim)
+    return KVOffloadSpec(size, medium, claim, storage_class, claim_size, access_mode)
 
 
 def parse_adapters(top: _Reader, served_name: str) -> tuple[tuple[AdapterSpec, ...], LoraSpec]:

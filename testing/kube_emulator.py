@@ -311,6 +311,9 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
                                                      verbs=verbs, subresources={"status", "scale"})
     emulator.resources["v1/services"] = info(kind="Service", singular="service", namespaced=True, verbs=verbs)
     emulator.resources["v1/configmaps"] = info(kind="ConfigMap", singular="configmap", namespaced=True, verbs=verbs)
+    emulator.resources["v1/persistentvolumeclaims"] = info(kind="PersistentVolumeClaim",
+                                                           singular="persistentvolumeclaim", namespaced=True,
+                                                           verbs=verbs)
     emulator.resources["v1/pods"] = info(kind="Pod", singular="pod", namespaced=True, verbs=verbs,
                                          subresources={"status"})
     # Discovered only: kopf waits for the resource to exist even with scanning disabled.

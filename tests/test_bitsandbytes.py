@@ -189,7 +189,8 @@ def test_held_forms_and_float64_layer_parity(checkpoints, monkeypatch, native):
 
 
 def test_engine_and_tensor_parallelism(checkpoints):
-    """Greedy output through the engine equals transformers on the dequantized weights; at
+    """Greedy output through the engine (decode steps in the native one-call stack where it
+    builds) equals transformers on the dequantized weights; at
     tensor_parallel_size 2 (each rank keeps its slice of the packed codes: rows of the
     column-parallel layers, whole blocks of the row-parallel ones' columns) it is the same."""
     from transformers import AutoModelForCausalLM
@@ -201,6 +202,10 @@ def test_engine_and_tensor_parallelism(checkpoints):
     with LLM(str(path), **kw) as one:
         assert one.engine.quantization == "bitsandbytes"
         got = one.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        from kvserve.kernels.cpu import native
+
+        if native.available():  # decode steps ran the one-call native stack on the packed 4-bit layers
+            assert isinstance(one.engine.model._native_stack, native.DecoderStack)
     with LLM(str(path), tensor_parallel_size=2, **kw) as two:
         got2 = two.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
     ref = AutoModelForCausalLM.from_pretrained(str(checkpoints.src), dtype=torch.float32)

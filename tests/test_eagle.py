@@ -7,8 +7,6 @@ must equal greedy output without one, inside continuous batching with preemption
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked  # noqa: E402  (tests/ is on sys.path via conftest)
@@ -256,31 +254,17 @@ def test_forked_samples_get_their_own_first_slot(tiny_llama, tmp_path):
 def test_eagle_through_the_server_with_the_openai_client(tiny_llama, tmp_path):
     """`kvserve serve --speculative-config '{"method": "eagle", ...}'`: completions equal the
     offline engine's greedy text without speculation, drafts counted on /metrics."""
-    import openai
-    from server_helpers import http, m, metrics, wait_until
-
-    from kvserve.runtime import LLM
-    from kvserve.runtime.server.main import ServerThread
+    from server_helpers import m, metrics
+    from spec_server import plain_greedy_texts, spec_server
 
     path = save_eagle_head(target_copy_head(), tmp_path / "h", base_config=base_config())
     prompts = grounded_prompts(n=3)
-    with LLM(str(tiny_llama), block_size=16, num_kv_blocks=64, max_model_len=256) as llm:
-        want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                                                        use_tqdm=False)]
-    spec = json.dumps({"method": "eagle", "model": str(path), "num_speculative_tokens": 3})
-    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "16",
-                        "--num-kv-blocks", "64", "--max-model-len", "256", "--speculative-config", spec])
-    srv.start()
-    try:
-        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    want = plain_greedy_texts(tiny_llama, prompts)
+    with spec_server(tiny_llama, {"method": "eagle", "model": str(path), "num_speculative_tokens": 3}) as (url, client):
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
         assert got == want
-        assert m(metrics(srv.url), "vllm:spec_decode_num_drafts_total") > 0
-    finally:
-        assert srv.stop() == 0
+        assert m(metrics(url), "vllm:spec_decode_num_drafts_total") > 0
 
 
 def test_real_smollm2_greedy_with_random_heads_equals_plain(smollm2, tmp_path):

@@ -1,8 +1,9 @@
 """GGUF files of the ALiBi families (MPT, BLOOM), written the way llama.cpp's converter writes them
-(tests/ggufmodels.py write_alibi_gguf), at F16 and Q4_K: logits against transformers on the
+(tests/ggufmodels.py write_alibi_gguf), at F16, Q8_0, Q4_K and Q6_K: logits against transformers on the
 weights the file encodes, BLOOM's also against transformers' own GGUF loading (an oracle that
 regroups q|k|v itself), the config the metadata maps to, greedy decoding through the engine, and
-what is refused (llama.cpp's Falcon, grouped KV heads)."""
+what is refused (MPT's grouped KV heads, an MLP width other than 4 x hidden, a Falcon KV head count
+that does not divide the heads). Falcon's GGUF files are tests/test_falcon.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from kvserve.runtime.gguf import model_config
 # Rows of 256 so that Q4_K applies to every matrix (it quantizes 256-value super-blocks).
 SIZES = dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=2)
 FAMILIES = {"mpt": dict(attn_config={"alibi": True, "alibi_bias_max": 8, "clip_qkv": 0.5}), "bloom": {}}
-KINDS = ["F16", "Q4_K"]
+KINDS = ["F16", "Q8_0", "Q4_K", "Q6_K"]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def _minimal(path: pathlib.Path, arch: str, **keys) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("arch, keys, message", [
-    ("falcon", {}, "Falcon-RW"),
+    ("falcon", {"kv_heads": 3}, "does not divide"),
     ("mpt", {"kv_heads": 2}, "head_count_kv"),
     ("bloom", {"ffn": 100}, "feed_forward_length"),
 ])

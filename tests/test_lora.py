@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.runtime import LLM, LoRARequest, SamplingParams
-from kvserve.testing.adapters import build_lora_adapter, peft_model
+from kvserve.testing.adapters import ALL_MODULES, build_lora_adapter, peft_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26], [40, 41, 42], [7, 7, 8, 9, 30, 31]]
 MAX_TOKENS = 10
@@ -335,10 +335,14 @@ def test_fp8_base_weights_with_an_adapter_match_peft_on_the_dequantized_model(ll
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen3", dict(num_key_value_heads=1))])
 def test_tensor_parallel_2_matches_peft(tiny_model_factory, tmp_path, arch, overrides):
     """TP=2 (gloo): A and B sharded with their base layer (column-parallel q|k|v and gate|up take
-    their rows of B; row-parallel o and down their columns of A, summed in the one all-reduce);
+    their rows of B; row-parallel o and down their columns of A, summed in the one all-reduce;
+    the embedding's and head's adapters whole on every rank);
     with one KV head both ranks keep a copy of k/v and of their B rows."""
     base = tiny_model_factory(arch, **overrides)
-    adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=31, std=0.1),
+    # "a" adapts the embedding and the LM head too: each rank adds their whole products after the
+    # base layer's all-reduce / all-gather.
+    adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=31, std=0.1,
+                                        target_modules=[*ALL_MODULES, "embed_tokens", "lm_head"]),
                 "b": build_lora_adapter(base, tmp_path / "b", r=4, seed=32, std=0.15,
                                         target_modules=["k_proj", "v_proj", "o_proj", "down_proj"])}
     pm = peft_model(base, {k: str(v) for k, v in adapters.items()})

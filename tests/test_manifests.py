@@ -186,6 +186,7 @@ NAMESPACED_NEEDS = {
     ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): {"get", "patch"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},  # spec.adapters
+    ("", "persistentvolumeclaims"): {"get", "create", "patch"},  # spec.runtime.kvOffload.storageClassName
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},  # get/watch only to grant them to a router (spec.router)
     ("", "secrets"): {"get"},  # spec.parallelism.devicesPerPod: the admin key shown to the pods' agents

@@ -161,34 +161,25 @@ def test_truncated_vocabulary_maps_back_to_target_ids(tmp_path, tiny_llama):
     run_checked(engine, grounded_prompts(n=3), GREEDY)
 
 
-def test_medusa_through_the_server_with_the_openai_client(tiny_llama, tmp_path):
-    """`kvserve serve --speculative-config '{"method": "medusa", ...}'`: streamed and plain
-    completions equal the offline engine's greedy text without speculation, drafts counted."""
-    import openai
-    from server_helpers import http, m, metrics, wait_until
-
-    from kvserve.runtime import LLM
-    from kvserve.runtime.server.main import ServerThread
+@pytest.mark.parametrize("tree", [None, [[0], [1], [0, 0], [0, 1], [0, 0, 0]]])
+def test_medusa_through_the_server_with_the_openai_client(tiny_llama, tmp_path, tree):
+    """`kvserve serve --speculative-config '{"method": "medusa", ...}'` (a chain, and a candidate
+    tree): streamed and plain completions equal the offline engine's greedy text without
+    speculation, drafts counted."""
+    from server_helpers import m, metrics
+    from spec_server import plain_greedy_texts, spec_server
 
     heads = save_medusa_heads(target_copy_heads(tiny_llama), tmp_path / "heads")
-    prompts = [p for p in grounded_prompts(n=4)]
-    with LLM(str(tiny_llama), block_size=16, num_kv_blocks=64, max_model_len=256) as llm:
-        want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                                                        use_tqdm=False)]
-    spec = json.dumps({"method": "medusa", "model": str(heads), "num_speculative_tokens": 3})
-    srv = ServerThread([str(tiny_llama), "--served-model-name", "tiny", "--port", "0", "--block-size", "16",
-                        "--num-kv-blocks", "64", "--max-model-len", "256", "--speculative-config", spec])
-    srv.start()
-    try:
-        wait_until(lambda: http(srv.url, "GET", "/ready")[0] == 200, timeout=120)
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    prompts = grounded_prompts(n=4)
+    want = plain_greedy_texts(tiny_llama, prompts)
+    spec = {"method": "medusa", "model": str(heads), "num_speculative_tokens": 3}
+    if tree is not None:
+        spec["speculative_token_tree"] = str([tuple(p) for p in tree])  # vLLM's string form
+    with spec_server(tiny_llama, spec) as (url, client):
         extra = {"ignore_eos": True}
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
                                          extra_body=extra).choices[0].text for p in prompts]
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model="tiny", prompt=prompts[0], max_tokens=16, temperature=0, stream=True, extra_body=extra))
         assert got == want and streamed == want[0]
-        assert m(metrics(srv.url), "vllm:spec_decode_num_drafts_total") > 0
-    finally:
-        assert srv.stop() == 0
+        assert m(metrics(url), "vllm:spec_decode_num_drafts_total") > 0

@@ -188,3 +188,18 @@ def test_greedy_equals_plain(dsv3_mtp, dsv3_reference, tiny_dsv3, tmp_path, kind
             outs += [o for o in engine.step() if o.finished]
         assert [c.token_ids for c in outs[0].outputs] == [dsv3_reference["r0"]] * 3
         assert engine.block_manager.num_used_blocks == 0
+
+
+def test_mtp_layer_from_its_own_directory(tiny_dsv3, dsv3_mtp, dsv3_reference, tmp_path):
+    """`model` names a directory holding only the MTP layer (same names): the target's own
+    checkpoint has none."""
+    own = tmp_path / "nextn"
+    own.mkdir()
+    sd = load_file(str(dsv3_mtp / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if k.startswith("model.layers.2.")}, str(own / "model.safetensors"))
+    shutil.copy(dsv3_mtp / "config.json", own / "config.json")
+    engine = make_engine(tiny_dsv3, {"method": "mtp", "model": str(own), "num_speculative_tokens": 2},
+                         num_kv_blocks=48)
+    outs = run_checked(engine, grounded_prompts()[:3], GREEDY)
+    assert {k: v.outputs[0].token_ids for k, v in outs.items()} == {k: dsv3_reference[k] for k in outs}
+    assert engine.get_stats().spec_decode_num_drafts_total > 0

@@ -783,14 +783,15 @@ void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int
 /* ------------------------------------------------------------------ a whole decoder stack */
 
 /* A linear layer's weight in one of the packed forms: float32 panels (kv_pack_f32), int8 panels
-   with scales (kv_pack_q8) or int4 panels with scales and offsets (kv_pack_q4). */
-enum { KV_WEIGHT_F32 = 0, KV_WEIGHT_Q8 = 1, KV_WEIGHT_Q4 = 2 };
+   with scales (kv_pack_q8), int4 panels with scales and offsets (kv_pack_q4), or 4-bit codebook
+   panels (kv_pack_nf4: scale holds the absmax panels, offset the 16 codebook values). */
+enum { KV_WEIGHT_F32 = 0, KV_WEIGHT_Q8 = 1, KV_WEIGHT_Q4 = 2, KV_WEIGHT_NF4 = 3 };
 typedef struct {
   const void* data;
-  const float* scale;  /* Q8, Q4 */
-  const float* offset; /* Q4 */
+  const float* scale;  /* Q8, Q4; NF4: absmax */
+  const float* offset; /* Q4; NF4: codebook */
   int64_t kind;
-  int64_t group; /* Q8, Q4: input features per scale */
+  int64_t group; /* Q8, Q4, NF4: input features per scale */
 } kv_weight;
 
 static void linear_any(const float* x, int64_t m, int64_t k, int64_t ldx, const kv_weight* w, int64_t n,
@@ -799,7 +800,9 @@ static void linear_any(const float* x, int64_t m, int64_t k, int64_t ldx, const 
     kv_linear_f32(x, m, k, ldx, (const float*)w->data, n, bias, y, ldy, nthreads);
     return;
   }
-  if (w->kind == KV_WEIGHT_Q8)
+  if (w->kind == KV_WEIGHT_NF4) /* scale: absmax panels, offset: the 16-value codebook */
+    kv_linear_nf4(x, m, k, ldx, (const uint8_t*)w->data, w->scale, w->offset, n, w->group, y, ldy, nthreads);
+  else if (w->kind == KV_WEIGHT_Q8)
     kv_linear_q8(x, m, k, ldx, (const int8_t*)w->data, w->scale, n, w->group, y, ldy, nthreads);
   else
     kv_linear_q4(x, m, k, ldx, (const uint8_t*)w->data, w->scale, w->offset, n, w->group, y, ldy, nthreads);

@@ -592,13 +592,16 @@ MLPS = {"silu_gated": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 def _weight(name: str, w) -> _Weight:
-    """A kv_weight for float32 panels (pack_weight), Int8Panels or Int4Panels."""
+    """A kv_weight for float32 panels (pack_weight), Int8Panels, Int4Panels or CodebookPanels."""
+    if isinstance(w, CodebookPanels):
+        return _Weight(w.q.data_ptr(), w.absmax.data_ptr(), w.codebook.data_ptr(), 3, w.block)
     if isinstance(w, Int8Panels):
         return _Weight(w.q.data_ptr(), w.scale.data_ptr(), None, 1, w.group_size)
     if isinstance(w, Int4Panels):
         return _Weight(w.q.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), 2, w.group_size)
     if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or not w.is_contiguous():
-        raise ValueError(f"DecoderStack: {name} must be packed float32 panels, Int8Panels or Int4Panels")
+        raise ValueError(f"DecoderStack: {name} must be packed float32 panels, Int8Panels, Int4Panels or "
+                         f"CodebookPanels")
     return _Weight(w.data_ptr(), None, None, 0, 0)
 
 

@@ -141,6 +141,8 @@ class LLMEngine:
         self.scheduler = self.core.scheduler
         self.block_manager = self.core.block_manager
         self.kv_event_sink, self.kv_event_publisher = attach_kv_events(config.kv_events_config, self.block_manager)
+        if self.kv_event_sink is not None and self.lora is not None:  # adapter blocks name their adapter
+            self.kv_event_sink.lora_identity = self.lora.identity
         self.offload = None
         if ex.offloader is not None:
             self.offload = self._attach_offload(config, ex)

@@ -18,30 +18,62 @@ all-reduce, since (sum of partial shrinks) @ B = sum of (partial shrink @ B).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 
 from kvserve.kernels import ops
+from kvserve.runtime.lora.slots import segment_starts
 from kvserve.runtime.models.layers import all_reduce
 
 
-@dataclass(eq=False)
 class LoRABatch:
-    """One step's token layout on this rank's device (built from slots.StepLayout)."""
+    """One step's token layout on this rank's device (from slots.StepLayout). The index tensors
+    are built when a layer first reads them: a decode step the CPU's native stack runs reads only
+    `token_slots`, so it builds none."""
 
-    segments: list[tuple[int, int, int]]
-    perm: torch.Tensor | None  # gathered token order, or None when segments index tokens directly
-    cols: list[int]  # per slot: columns in use (parts x rank) -- per layer, set by the wrapper
-    token_idx: torch.Tensor  # [num_tokens] int32: token rows, segment after segment (Triton)
-    seg_slot: torch.Tensor
-    seg_start: torch.Tensor
-    seg_len: torch.Tensor
-    max_seg_len: int
-    # (gather [max_loras, M], scatter [max_loras * M]): the batched form (reference.lora_sgmv_ref)
-    padded: tuple[torch.Tensor, torch.Tensor] | None = None
-    token_slots: list[int] = ()  # per token: its slot, -1 for the base model (the native decode stack)
+    def __init__(self, layout, device: torch.device, num_slots: int) -> None:
+        self.layout, self.device, self.num_slots = layout, device, num_slots
+        self.segments: list[tuple[int, int, int]] = layout.segments
+        self.token_slots: list[int] = layout.token_slots  # per token: its slot, -1 for the base model
+        self.max_seg_len = max(e - s for _, s, e in layout.segments)
+        self.cols: list[int] = []  # per slot: columns in use (parts x rank) -- per layer, set by the wrapper
+        self.out_parts: list[tuple[int, int]] | None = None  # per fused part: output columns -- likewise
+
+    def _ints(self, values, dtype=torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    @cached_property
+    def perm(self) -> torch.Tensor | None:
+        """Gathered token order, or None when segments index tokens directly."""
+        return None if self.layout.perm is None else self._ints(self.layout.perm, torch.long)
+
+    @cached_property
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gather [max_loras, M], scatter [max_loras * M]): the batched form (reference.lora_sgmv_ref)."""
+        p = self.layout.padded
+        return None if p is None else (self._ints(p[0], torch.long).view(self.num_slots, -1),
+                                       self._ints(p[1], torch.long))
+
+    @cached_property
+    def token_idx(self) -> torch.Tensor:
+        """[num_tokens] int32: token rows, segment after segment (Triton)."""
+        layout = self.layout
+        return self._ints(layout.perm if layout.perm is not None
+                          else [t for _, s, e in layout.segments for t in range(s, e)])
+
+    @cached_property
+    def seg_slot(self) -> torch.Tensor:
+        return self._ints([s for s, _, _ in self.segments])
+
+    @cached_property
+    def seg_start(self) -> torch.Tensor:
+        return self._ints(segment_starts(self.segments))
+
+    @cached_property
+    def seg_len(self) -> torch.Tensor:
+        return self._ints([e - s for _, s, e in self.segments])
 
 
 class LoRAState:
@@ -76,6 +108,11 @@ class LoRALinear(nn.Module):
             self.in_start, self.in_local = 0, spec.input_size
             self.out_slices = [(full, start, size) for full, (start, size) in zip(spec.output_sizes, spec.output_slices)]
             self.out_local = sum(size for _, _, size in self.out_slices)
+        # Each part's output columns in this rank's slice (B's diagonal blocks).
+        bounds = [0]
+        for _, _, size in self.out_slices:
+            bounds.append(bounds[-1] + size)
+        self.out_parts = list(zip(bounds, bounds[1:]))
         self.full_in = spec.input_size
         c = len(self.parts) * max_rank
         dtype, device = spec.params_dtype, spec.device
@@ -134,6 +171,7 @@ class LoRALinear(nn.Module):
     def _add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         n = len(self.parts)
         batch.cols = [n * r for r in self.state.slot_ranks]
+        batch.out_parts = self.out_parts
         ops.lora_sgmv(x, out, self.a_t, self.b_t, batch)
 
     # The base layer's loading and shape, for code that inspects layers.

@@ -155,6 +155,15 @@ def step_layout(seq_slots: Sequence[int], seq_tokens: Sequence[int], num_slots: 
     return _segmented(token_slots, runs, by_slot)
 
 
+def segment_starts(segments) -> list[int]:
+    """Each segment's start in the gathered token order (segments laid end to end)."""
+    out, pos = [], 0
+    for _, s, e in segments:
+        out.append(pos)
+        pos += e - s
+    return out
+
+
 def _segmented(token_slots, runs, by_slot) -> StepLayout:
     if len({r[0] for r in runs}) == len(runs) or min(e - s for _, s, e in runs) >= MIN_RUN_FOR_DIRECT:
         return StepLayout(token_slots, runs, None)

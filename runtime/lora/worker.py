@@ -120,24 +120,7 @@ class WorkerLoRA:
         if not layout.segments:
             self.state.batch = None
             return
-        order = layout.perm if layout.perm is not None else [t for _, s, e in layout.segments for t in range(s, e)]
-
-        def ints(values, dtype=torch.int32):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        self.state.batch = LoRABatch(
-            segments=layout.segments,
-            perm=None if layout.perm is None else ints(layout.perm, torch.long),
-            cols=[],
-            token_idx=ints(order),
-            seg_slot=ints([s for s, _, _ in layout.segments]),
-            seg_start=ints(_starts(layout.segments)),
-            seg_len=ints([e - s for _, s, e in layout.segments]),
-            max_seg_len=max(e - s for _, s, e in layout.segments),
-            padded=None if layout.padded is None else (ints(layout.padded[0], torch.long).view(self.max_loras, -1),
-                                                       ints(layout.padded[1], torch.long)),
-            token_slots=layout.token_slots,
-        )
+        self.state.batch = LoRABatch(layout, device, self.max_loras)
         self.model.lora_active = True
 
     def set_logits_rows(self, rows) -> None:
@@ -149,12 +132,3 @@ class WorkerLoRA:
         self.state.batch = None
         self.state.logits_slots = None
         self.model.lora_active = False
-
-
-def _starts(segments) -> list[int]:
-    """Segment starts in token_idx (segments laid end to end)."""
-    out, pos = [], 0
-    for _, s, e in segments:
-        out.append(pos)
-        pos += e - s
-    return out

@@ -32,14 +32,15 @@ def _bias(linear) -> torch.Tensor | None:
 
 def _native_weight(linear):
     """What the native stack multiplies by for this linear layer, or None: its float32 panels, or
-    the native panels of its int8/int4 weight when its method's apply is exactly matmul + bias.
+    the native panels of its int8/int4/bitsandbytes 4-bit weight when its method's apply is
+    exactly matmul + bias.
     A LoRA wrapper stands for its base layer (its adapters are added beside it: _lora_slots)."""
     linear = getattr(linear, "base_layer", linear)
     if getattr(linear, "packed_out_features", None) is not None:
         return linear.weight.detach()
     if getattr(linear, "gptq_perm", None) is not None or getattr(linear, "ct_perm", None) is not None:
         return None
-    for attr in ("int8", "int4"):
+    for attr in ("int8", "int4", "bnb4"):  # bnb4: a bitsandbytes 4-bit layer held packed
         weight = getattr(linear, attr, None)
         if weight is not None:
             return getattr(weight, "native", None)

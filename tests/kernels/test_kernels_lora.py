@@ -10,8 +10,7 @@ import torch
 
 from kvserve.kernels import ops, reference
 from kvserve.kernels.lora import lora_sgmv
-from kvserve.runtime.lora.slots import step_layout
-from kvserve.runtime.lora.worker import _starts
+from kvserve.runtime.lora.slots import segment_starts, step_layout
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -53,7 +52,7 @@ def test_sgmv_matches_the_twin(device, dtype, seq_slots, seq_tokens):
 
     got = out.to(dev).clone()
     lora_sgmv(x.to(dev), got, a_t.to(dev), b_t.to(dev), ints(order), ints([s for s, _, _ in layout.segments]),
-              ints(_starts(layout.segments)), ints([e - s for _, s, e in layout.segments]),
+              ints(segment_starts(layout.segments)), ints([e - s for _, s, e in layout.segments]),
               max((e - s for _, s, e in layout.segments), default=0))
     torch.testing.assert_close(got.float().cpu(), want, **TOL[dtype])
     base_rows = [i for i, s in enumerate(layout.token_slots) if s < 0]
@@ -79,3 +78,23 @@ def test_twin_equals_per_token_loop():
                             for i, s in enumerate(layout.token_slots)])
         torch.testing.assert_close(out, want)
     assert ops.lora_sgmv is not None
+
+
+def test_per_part_expand_equals_the_block_diagonal_one():
+    """Long direct segments of a fused layer (out_parts) expand each part on its diagonal block of
+    B: the same sums as the one matmul over the whole block-diagonal B (short ones take that)."""
+    g = torch.Generator().manual_seed(5)
+    parts, rank, k = [(0, 12), (12, 16), (16, 20)], 4, 16  # q|k|v-like widths, slot ranks 4 and 2
+    a_t = torch.zeros(2, k, 3 * rank)
+    b_t = torch.zeros(2, 3 * rank, 20)
+    for s, r in enumerate((4, 2)):
+        for p, (lo, hi) in enumerate(parts):
+            a_t[s, :, p * r:(p + 1) * r] = torch.randn(k, r, generator=g)
+            b_t[s, p * r:(p + 1) * r, lo:hi] = torch.randn(r, hi - lo, generator=g)
+    layout = step_layout([0, -1, 1], [reference.LORA_PARTS_MIN_ROWS, 2, 3])
+    assert layout.perm is None
+    x = torch.randn(len(layout.token_slots), k, generator=g)
+    whole = reference.lora_sgmv_ref(x, torch.zeros(x.shape[0], 20), a_t, b_t, layout.segments, None, [12, 6])
+    by_part = reference.lora_sgmv_ref(x, torch.zeros(x.shape[0], 20), a_t, b_t, layout.segments, None, [12, 6],
+                                      out_parts=parts)
+    torch.testing.assert_close(by_part, whole)

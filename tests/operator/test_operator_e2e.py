@@ -66,6 +66,7 @@ DOCUMENTED_RBAC = {
     ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): {"get", "patch"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
+    ("", "persistentvolumeclaims"): {"get", "create", "patch"},  # spec.runtime.kvOffload.storageClassName
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},  # get and watch only to grant them to a router
     ("", "secrets"): {"get"},  # spec.parallelism.devicesPerPod: the admin key for the pods' agents

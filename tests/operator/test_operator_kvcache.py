@@ -49,6 +49,14 @@ def flag(command: list[str], name: str) -> str | None:
     ({"medium": "memory"}, "size"),
     ({"size": "100Ki"}, "size"),
     ({"size": "8Gi", "medium": "tape"}, "medium"),
+    # A claim the operator creates: a StorageClass and a size, not with an existing claim.
+    ({"size": "8Gi", "medium": "pvc", "claimName": "c", "storageClassName": "nfs"}, "storageClassName"),
+    ({"size": "8Gi", "medium": "pvc", "storageClassName": "nfs"}, "claimSize"),
+    ({"size": "8Gi", "medium": "pvc", "claimName": "c", "claimSize": "100Gi"}, "claimSize"),
+    ({"size": "8Gi", "medium": "emptyDir", "storageClassName": "nfs"}, "storageClassName"),
+    ({"size": "8Gi", "medium": "pvc", "claimName": "c", "accessMode": "ReadWriteOnce"}, "accessMode"),
+    ({"size": "8Gi", "medium": "pvc", "storageClassName": "nfs", "claimSize": "100Gi", "accessMode": "All"},
+     "accessMode"),
 ])
 def test_bad_kv_offload_is_refused_by_crd_and_parser_naming_the_field(kv_offload, error):
     obj = owner(runtime={"kvOffload": kv_offload})
@@ -56,6 +64,42 @@ def test_bad_kv_offload_is_refused_by_crd_and_parser_naming_the_field(kv_offload
         parse_spec(obj["spec"])
     if error != "size" or "size" not in kv_offload:  # 100Ki passes the schema (a quantity), not the parser
         assert crd.validate(obj), "the CRD let it through"
+
+
+def test_a_claim_smaller_than_the_tier_or_not_a_storage_class_name_is_refused():
+    for kv, error in [({"claimSize": "4Gi"}, "claimSize"), ({"storageClassName": "NFS_rwx"}, "storageClassName")]:
+        obj = owner(runtime={"kvOffload": {"size": "8Gi", "medium": "pvc", "storageClassName": "nfs",
+                                           "claimSize": "100Gi", **kv}})
+        with pytest.raises(SpecError, match=f"spec.runtime.kvOffload.{error}"):
+            parse_spec(obj["spec"])
+
+
+@pytest.mark.parametrize("extra, access", [({}, "ReadWriteMany"), ({"accessMode": "ReadWriteOnce"}, "ReadWriteOnce")])
+def test_a_storage_class_makes_the_operator_create_an_owned_claim_the_pods_mount(extra, access):
+    from kvserve.operator import desired as D
+
+    kv = {"size": "8Gi", "medium": "pvc", "storageClassName": "fast.nfs", "claimSize": "200Gi", **extra}
+    obj = owner(runtime={"kvOffload": kv})
+    assert crd.validate(obj) == []
+    spec = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+    objects = D.owned_objects(obj, spec, replicas=2, tp=1)
+    kinds = [o["kind"] for o in objects]
+    assert kinds.index("PersistentVolumeClaim") < kinds.index("Deployment")  # the pods mount it
+    claim = objects[kinds.index("PersistentVolumeClaim")]
+    assert claim["metadata"]["name"] == K.claim_name("tiny") == "tiny-kv-offload"
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert claim["spec"] == {"accessModes": [access], "storageClassName": "fast.nfs",
+                             "resources": {"requests": {"storage": str(200 * 1024**3)}}}
+    runtime, template = runtime_container(obj)
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes[K.OFFLOAD_VOLUME]["persistentVolumeClaim"] == {"claimName": "tiny-kv-offload"}
+    assert flag(runtime["command"], "--kv-offload-dir") == K.OFFLOAD_DIR
+    # Never among what the operator cleans up: turning the tier off keeps the prefixes.
+    assert ("PersistentVolumeClaim", "tiny-kv-offload") not in D.possible_objects("tiny")
+    # An existing claim: mounted, nothing created.
+    obj = owner(runtime={"kvOffload": {"size": "8Gi", "medium": "pvc", "claimName": "mine"}})
+    spec = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+    assert "PersistentVolumeClaim" not in [o["kind"] for o in D.owned_objects(obj, spec, replicas=1, tp=1)]
 
 
 def test_kv_offload_is_kvserves_only():

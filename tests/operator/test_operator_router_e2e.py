@@ -202,6 +202,7 @@ def test_min_replicas_zero_without_router_is_refused_and_nothing_is_made(cluster
 
 def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
     """spec.runtime.kvOffload and the router's KV events, through the real operator into the API:
+    the tier's claim the operator creates (owned by the service, kept when the tier is turned off),
     the runtime Deployment's tier flags, volume and events ports, its pods' events annotation, and
     the router Deployment's subscription flag, which the router's own parser takes."""
     from kvserve.operator import kvcache as K
@@ -213,7 +214,8 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
     obj["metadata"]["name"] = "cached"
     obj["spec"]["parallelism"] = {"tensor": {"min": 1, "max": 1}}
     obj["spec"]["router"] = {"enabled": True}
-    obj["spec"]["runtime"] = {"kvOffload": {"size": "1Gi", "medium": "emptyDir"}}
+    obj["spec"]["runtime"] = {"kvOffload": {"size": "1Gi", "medium": "pvc", "storageClassName": "nfs-rwx",
+                                            "claimSize": "10Gi"}}
     assert crd.validate(obj) == []
     op = start_operator(emulator, kubelet)
     try:
@@ -225,7 +227,11 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
         assert command[command.index("--kv-offload-bytes") + 1] == str(1024**3)
         assert command[command.index("--kv-offload-dir") + 1] == K.OFFLOAD_DIR
         assert KVEventsConfig.parse(command[command.index("--kv-events-config") + 1]).active
-        assert {v["name"] for v in template["spec"]["volumes"]} >= {K.OFFLOAD_VOLUME}
+        volume = next(v for v in template["spec"]["volumes"] if v["name"] == K.OFFLOAD_VOLUME)
+        assert volume["persistentVolumeClaim"]["claimName"] == "cached-kv-offload"
+        claim = api.get("PersistentVolumeClaim", "cached-kv-offload")
+        assert claim["spec"]["storageClassName"] == "nfs-rwx" and claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert claim["metadata"]["ownerReferences"][0]["uid"] == api.get_isvc("cached")["metadata"]["uid"]
         assert {p["name"] for p in runtime["ports"]} >= {"kv-events", "kv-replay"}
         assert template["metadata"]["annotations"][K.EVENTS_PORT_ANNOTATION] == str(K.EVENTS_PORT)
         router = wait_for(lambda: api.get("Deployment", "cached-router"), timeout=60, what="router Deployment")
@@ -234,7 +240,31 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
         isvc = wait_for(lambda: (o := api.get_isvc("cached")) and o.get("status", {}).get("conditions") and o,
                         timeout=60, what="status")
         assert condition(isvc, "Ready")  # the service reports its state with the tier on
+        # The tier off: the pods lose the volume, the claim (its prefixes) stays until the service goes.
+        api.patch_spec("cached", {"runtime": {"kvOffload": None}})
+        wait_for(lambda: "--kv-offload-bytes" not in next(
+            c for c in api.get("Deployment", "cached")["spec"]["template"]["spec"]["containers"]
+            if c["name"] == "runtime")["command"], timeout=60, what="tier off")
+        assert api.get("PersistentVolumeClaim", "cached-kv-offload") is not None
         api.delete_isvc("cached")
         wait_for(lambda: api.get_isvc("cached") is None, timeout=60, what="resource gone")
+        # A claim of that name that is someone else's: Degraded (NotOwned) and a Warning, and no pods
+        # that would mount it (the claim is applied before the Deployment).
+        from kvserve.operator.kube import KubeClient
+        from kvserve.testing.e2e_harness import NAMESPACE
+
+        api.call("POST", KubeClient.path("PersistentVolumeClaim", NAMESPACE), {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "squat-kv-offload", "namespace": NAMESPACE},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+        obj["metadata"]["name"] = "squat"
+        api.apply_isvc(crd.apply_defaults(obj, crd.openapi_schema()))
+        isvc = wait_for(lambda: (o := api.get_isvc("squat")) and condition(o, "Degraded").get("reason") == "NotOwned"
+                        and o, timeout=60, what="Degraded NotOwned")
+        assert "PersistentVolumeClaim" in condition(isvc, "Degraded")["message"]
+        assert any(e.get("reason") == "NotOwned" and e.get("type") == "Warning" for e in api.events())
+        assert api.get("Deployment", "squat") is None
+        api.delete_isvc("squat")
+        wait_for(lambda: api.get_isvc("squat") is None, timeout=60, what="resource gone")
     finally:
         op.stop()

@@ -42,6 +42,11 @@ owns by server-side apply only: patch, and create for an apply that creates the 
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, create, patch, delete]
+# spec.runtime.kvOffload with storageClassName: the tier's claim. No delete: the API deletes it
+# with its InferenceService (owner reference); the operator never does.
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch, delete]
