@@ -162,10 +162,10 @@ def _split_rows(cfg: ModelConfig, name: str, parts: tuple[str, ...], tensor):
     if sum(rows) != codes.shape[0]:
         raise ValueError(f"weight {name}: checkpoint has {codes.shape[0]} rows, the config implies "
                          f"{' + '.join(map(str, rows))}")
-    if fused_rows_per_head(cfg.architecture):  # [q_h; k_h; v_h] per head -> [q; k; v]
-        per_head = codes.shape[0] // shape.num_attention_heads
-        order = torch.arange(codes.shape[0]).view(shape.num_attention_heads, len(parts), per_head // len(parts))
-        order = order.transpose(0, 1).reshape(-1)
+    if fused_rows_per_head(cfg.architecture):  # [q_g...; k_g; v_g] per KV group g -> [q; k; v]
+        kv, group = shape.num_kv_heads, shape.num_attention_heads // shape.num_kv_heads
+        order = torch.arange(codes.shape[0]).view(kv, group + 2, codes.shape[0] // (kv * (group + 2)))
+        order = torch.cat((order[:, :group].reshape(-1), order[:, group].reshape(-1), order[:, group + 1].reshape(-1)))
         tensor = tensor.permute_rows(order) if hasattr(tensor, "permute_rows") else tensor.index_select(0, order)
     start = 0
     for part, n in zip(parts, rows):
