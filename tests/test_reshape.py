@@ -350,3 +350,41 @@ def test_parallel_samples_seeds_stop_strings_and_logprobs_survive_reshapes(tiny_
         return out
 
     assert run({3: (1, 2), 7: (2, 1)}) == run({})
+
+
+def test_with_a_file_tier_resumed_requests_read_their_kv_across_the_reshape(tiny_llama, tmp_path):
+    """With --kv-offload-dir the retired engines write their cached blocks to the tier, and the new
+    layout reads them at its own TP degree (sliced or joined heads): the requests a reshape
+    resumes, and a conversation's next turn, find their KV there instead of recomputing it; the
+    greedy output is the one without a reshape."""
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = {f"r{i}": list(range(5 + 20 * i, 5 + 20 * i + 24)) for i in range(2)}
+
+    def run(reshape_at: int | None, tier) -> tuple[dict, int]:
+        config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=128,
+                                        max_model_len=256, enable_prefix_caching=True,
+                                        kv_offload_bytes=1 << 22, kv_offload_dir=str(tier))
+        out: dict = {}
+        with DataParallelEngine(config, 2) as engine:
+            for rid, ids in prompts.items():
+                engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            steps = 0
+            while engine.has_unfinished_requests():
+                out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+                steps += 1
+                if steps == reshape_at:
+                    hits = engine.get_stats().kv_offload_hit_tokens_total
+                    engine.reshape(1, 2)
+            hits = engine.get_stats().kv_offload_hit_tokens_total - (hits if reshape_at else 0)
+        return out, hits
+
+    want, _ = run(None, tmp_path / "plain")
+    got, hits = run(4, tmp_path / "tier")
+    assert got == want
+    # each request had 24 prompt + 3 generated tokens: its 6 whole blocks came back from the tier
+    # (the last, partial block is recomputed)
+    assert hits >= 2 * 24, hits
