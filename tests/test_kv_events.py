@@ -75,16 +75,21 @@ def test_encoding_is_vllms_array_like_tagged_shape():
     batch = EventBatch(12.5, [BlockStored([b"h1", b"h2"], b"h0", [1, 2, 3, 4], 2, None, "GPU"),
                               BlockRemoved([b"h0"], "GPU"), AllBlocksCleared()])
     raw = msgpack.unpackb(encode_batch(batch), raw=False)
-    assert raw == [12.5, [["BlockStored", [b"h1", b"h2"], b"h0", [1, 2, 3, 4], 2, None, "GPU"],
+    assert raw == [12.5, [["BlockStored", [b"h1", b"h2"], b"h0", [1, 2, 3, 4], 2, None, "GPU", None],
                           ["BlockRemoved", [b"h0"], "GPU"], ["AllBlocksCleared"]]]
     assert decode_batch(encode_batch(batch)) == batch
+    # An adapter's blocks: lora_id, medium, lora_name (vLLM's field order).
+    lora = EventBatch(1.0, [BlockStored([b"h1"], None, [1, 2], 2, 2**62 + 5, "GPU", "chat")])
+    assert msgpack.unpackb(encode_batch(lora), raw=False)[1][0][5:] == [2**62 + 5, "GPU", "chat"]
+    assert decode_batch(encode_batch(lora)) == lora
     ranked = EventBatch(1.0, [], 3)
     assert msgpack.unpackb(encode_batch(ranked)) == [1.0, [], 3] and decode_batch(encode_batch(ranked)) == ranked
     # vLLM without lora_id/medium (older releases) and integer hashes decode too.
     assert decode_batch(msgpack.packb([1.0, [["BlockStored", [7], None, [1], 1]]])).events == [
         BlockStored([7], None, [1], 1, None, None)]
     for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, [["Nope"]]]),
-                msgpack.packb([1.0, [["BlockRemoved", "x"]]])):
+                msgpack.packb([1.0, [["BlockRemoved", "x"]]]),
+                msgpack.packb([1.0, [["BlockStored", [7], None, [1], 1, "id", "GPU", "x"]]])):
         with pytest.raises(ValueError):
             decode_batch(bad)
 

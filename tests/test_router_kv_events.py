@@ -244,7 +244,7 @@ def test_subscription_replays_dropped_batches_and_late_joins():
             assert index.stats["gaps"] >= 1
             assert subs.status()["pod"]["blocks"] == 6
             keys = H[:3]
-            got = subs.precise(lambda size: keys, ["pod", "other"])
+            got = subs.precise(lambda size, lora=None: keys, ["pod", "other"])
             assert got.total_blocks == 3 and got.held == {"pod": 3}
             subs.set_endpoints([])  # the pod went away: its index with it
             assert subs.indexes == {}
@@ -297,7 +297,7 @@ def test_subscription_without_replay_answers_is_partial_and_not_trusted():
                 pub.publish([stored(H[i])])
             await until(lambda: H[2] in index.blocks, what="live batches")
             assert index.state == PARTIAL and H[1] not in index.blocks
-            got = subs.precise(lambda size: H[:1], ["pod"])
+            got = subs.precise(lambda size, lora=None: H[:1], ["pod"])
             assert got.held == {} and got.partial == {"pod": 1}
         finally:
             await subs.stop()

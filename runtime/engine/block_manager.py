@@ -203,26 +203,28 @@ class BlockManager:
         return loads
 
     def key_loaded(self, hashes: Sequence[BlockHash], loads: Sequence[tuple[int, int]],
-                   token_ids: Sequence[int] | None = None) -> None:
+                   token_ids: Sequence[int] | None = None, lora_int_id: int = 0) -> None:
         """Keys blocks just loaded from the offload tier (`loads` from ``take_prefix``);
-        `token_ids` (the sequence's) only feed the KV events' BlockStored."""
-        self._key_blocks(loads, hashes, token_ids)
+        `token_ids` (the sequence's) and its adapter only feed the KV events' BlockStored."""
+        self._key_blocks(loads, hashes, token_ids, lora_int_id)
 
-    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
+    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None,
+                 lora_int_id: int = 0) -> None:
         """Keys the sequence's leading full, computed blocks; `hashes[i]` is block i's key.
         A block whose content is already cached elsewhere stays unkeyed (one block per key).
-        `token_ids` (the sequence's) only feed the KV events' BlockStored."""
+        `token_ids` (the sequence's) and its adapter only feed the KV events' BlockStored."""
         if not self.enable_caching:
             return
         table = self.block_tables.get(seq_id, [])
         start = self._num_registered.get(seq_id, 0)
         end = min(len(hashes), len(table))
-        self._key_blocks(((i, table[i]) for i in range(start, end) if table[i] != FREED), hashes, token_ids)
+        self._key_blocks(((i, table[i]) for i in range(start, end) if table[i] != FREED), hashes, token_ids,
+                         lora_int_id)
         if end > start:
             self._num_registered[seq_id] = end
 
     def _key_blocks(self, blocks: Iterable[tuple[int, int]], hashes: Sequence[BlockHash],
-                    token_ids: Sequence[int] | None) -> None:
+                    token_ids: Sequence[int] | None, lora_int_id: int = 0) -> None:
         """Keys each (index, block) whose content is not cached yet (one block per key); with KV
         events, each run of consecutive newly keyed indices is one BlockStored."""
         run: list[int] = []
@@ -236,16 +238,18 @@ class BlockManager:
                     self.stored_meta[block] = (hashes[i - 1] if i else None,
                                                tuple(token_ids[i * size:(i + 1) * size]) if token_ids else ())
                     if run and run[-1] != i - 1:
-                        self._report_stored(run, hashes, token_ids)
+                        self._report_stored(run, hashes, token_ids, lora_int_id)
                         run = []
                     run.append(i)
         if run:
-            self._report_stored(run, hashes, token_ids)
+            self._report_stored(run, hashes, token_ids, lora_int_id)
 
-    def _report_stored(self, run: list[int], hashes: Sequence[BlockHash], token_ids: Sequence[int] | None) -> None:
+    def _report_stored(self, run: list[int], hashes: Sequence[BlockHash], token_ids: Sequence[int] | None,
+                       lora_int_id: int = 0) -> None:
         first, last, size = run[0], run[-1], self.block_size
         tokens = [] if token_ids is None else token_ids[first * size:(last + 1) * size]
-        self.events.stored([hashes[i] for i in run], hashes[first - 1] if first else None, tokens)
+        self.events.stored([hashes[i] for i in run], hashes[first - 1] if first else None, tokens,
+                           lora_int_id=lora_int_id)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Drops the blocks past the first `num_tokens` slots (speculative rollback)."""

@@ -161,13 +161,14 @@ class KVCacheCoordinator:
                 for i, b in m.take_prefix(seq_id, p)]
 
     def key_loaded(self, hashes: Sequence[BlockHash], loads: Sequence[tuple[int, int, int]],
-                   token_ids: Sequence[int] | None = None) -> None:
+                   token_ids: Sequence[int] | None = None, lora_int_id: int = 0) -> None:
         for g, m in enumerate(self.managers):
-            m.key_loaded(hashes, [(i, b) for lg, i, b in loads if lg == g], token_ids)
+            m.key_loaded(hashes, [(i, b) for lg, i, b in loads if lg == g], token_ids, lora_int_id)
 
-    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None) -> None:
+    def register(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None = None,
+                 lora_int_id: int = 0) -> None:
         for m in self.managers:
-            m.register(seq_id, hashes, token_ids)
+            m.register(seq_id, hashes, token_ids, lora_int_id)
 
     def reset_prefix_cache(self) -> None:
         for m in self.managers:

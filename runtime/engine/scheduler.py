@@ -302,7 +302,7 @@ class Scheduler:
             if not offload.load(loads, seq.block_hashes):
                 bm.free(seq.seq_id)  # the loaded blocks were never keyed: they go back as plain free blocks
                 return False
-            bm.key_loaded(seq.block_hashes, taken, seq.token_ids)
+            bm.key_loaded(seq.block_hashes, taken, seq.token_ids, seq.lora_int_id)
         reference = sum(1 for g, _, _ in loads if g == 0)
         offload.count_query(seq.num_tokens, min(reference * bm.block_size, num_cached))
         return True
@@ -368,7 +368,7 @@ class Scheduler:
                 if done // bm.block_size > len(seq.block_hashes):
                     extend_block_hashes(seq.block_hashes, seq.token_ids, done, bm.block_size,
                                         seq.cache_extra)
-                bm.register(seq.seq_id, seq.block_hashes[: done // bm.block_size], seq.token_ids)
+                bm.register(seq.seq_id, seq.block_hashes[: done // bm.block_size], seq.token_ids, seq.lora_int_id)
 
     def update_from_output(self, out: SchedulerOutput, result: SamplerOutput,
                            requests: Mapping[int, Request]) -> StepUpdate:

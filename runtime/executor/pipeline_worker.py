@@ -6,12 +6,14 @@ stage's TP ranks get their own process group for the layers' all-reduces and the
 all-gather (runtime/models/layers.py ``set_tp_group``); activations cross stages point to point
 on the world group: TP rank t of stage s sends (hidden, residual), stacked into one tensor, to TP
 rank t of stage s + 1 (after a row-parallel layer every TP rank holds the whole activation, so
-each pair carries a full copy and no stage needs a gather). The last stage's first shard sends the
-float32 logits of the step's sampling rows to rank 0, which samples exactly as a single-process
-engine does: structured outputs, speculative decoding (verification is a forward pass like any
-other), penalties and n > 1 need nothing stage-specific. A step whose rows are all plain greedy
-(ForwardInput.greedy_ids) is sampled on the last stage instead: its argmax is the token rank 0
-would pick from the same logits, and only the int64 ids cross back (8 bytes a row, not 4 x vocab).
+each pair carries a full copy and no stage needs a gather). The last stage's first shard samples
+the step's rows and sends only the tokens to rank 0: the argmax ids of an all-greedy step
+(ForwardInput.greedy_ids, 8 bytes a row), or otherwise the result of rank 0's own sampler run on
+the last stage with the rows rank 0 described (ForwardInput.stage_rows, stage_sampling.py:
+seeded generator states, penalties' tokens, the grammar bitmask go out, tokens, logprobs and
+the advanced states come back). Speculative verification steps send the float32 logits and rank
+0 verifies. Scheduling, grammars and stop checks stay on rank 0, so structured outputs,
+speculative decoding, penalties and n > 1 need nothing else stage-specific.
 
 Every rank receives the same ForwardInput from rank 0 (the executor broadcasts it as it does at
 TP), so a stage knows each step's token count and rows before anything arrives: the receive
@@ -63,6 +65,7 @@ class _InFlight:
     recv: object  # the irecv's work handle (None: the step samples nothing)
     greedy: bool
     busy: float  # seconds stage 0 spent on the step
+    sampled: bool = False  # `logits` is the size of a StageSample (ForwardInput.stage_rows)
 
 
 class PipelineWorker(Worker):
@@ -87,9 +90,13 @@ class PipelineWorker(Worker):
         # The rank that sends the sampled rows' logits to rank 0: the last stage's first shard.
         self.logits_rank = (pp - 1) * tp
         self.last_bubble: float | None = None
-        # Steps whose tokens the last stage picked (ForwardInput.greedy_ids), counted on rank 0.
+        # Steps whose tokens the last stage picked (ForwardInput.greedy_ids) or sampled
+        # (ForwardInput.stage_rows), counted on rank 0; the second count is the latter alone.
         self.steps_sampled_on_last_stage = 0
+        self.steps_with_stage_rows = 0
         self._send = None  # the activations' latest isend (its work, its tensor kept alive)
+        self._sample_send = None  # last stage: the latest sampled rows' isend to rank 0
+        self._stage_sampler = None  # last stage: samples with its own generator for unseeded rows
 
     def load_model(self) -> None:
         import torch.distributed as dist
@@ -245,13 +252,19 @@ class PipelineWorker(Worker):
             if step.greedy_ids:
                 logits = argmax_last(logits)  # int64 ids: rank 0's Sampler would pick the same
             if self.global_rank == self.logits_rank and self.global_rank != 0:
-                dist.send(logits, 0)
+                if step.stage_rows is not None:
+                    self._send_sample(logits, step)
+                else:
+                    dist.send(logits, 0)
         if self.global_rank == 0:
-            self.steps_sampled_on_last_stage += bool(rows and step.greedy_ids)
+            self.steps_sampled_on_last_stage += bool(rows and (step.greedy_ids or step.stage_rows is not None))
+            self.steps_with_stage_rows += bool(rows and step.stage_rows is not None)
             busy = time.perf_counter() - t0
             if rows and not self.last:
                 logits = self._logits_buffer(step)
                 dist.recv(logits, self.logits_rank)
+                if step.stage_rows is not None:
+                    logits = self._recv_sample(logits)
             # Stage 0's idle share of the step: with one step in flight, about (pp - 1) / pp
             # when the stages are balanced and the transfers are cheap.
             wall = time.perf_counter() - t0
@@ -268,8 +281,39 @@ class PipelineWorker(Worker):
             self._send[0].wait()
         self._send = (dist.isend(activations, self.next_rank), activations)
 
+    def _send_sample(self, logits: torch.Tensor, step: ForwardInput) -> None:
+        """Last stage: samples the step's rows as rank 0 would and sends the result (its size on
+        the logits' channel, then the bytes on tag 1, asynchronously: the size's receive is
+        posted early, the bytes' only when rank 0 lands the step)."""
+        import torch.distributed as dist
+
+        from kvserve.runtime.executor import stage_sampling
+
+        if self._stage_sampler is None:
+            from kvserve.runtime.sampler import Sampler
+
+            self._stage_sampler = Sampler(torch.Generator(device=logits.device).manual_seed(self.config.seed + 1))
+        data = stage_sampling.encode(stage_sampling.sample_on_stage(logits, step.stage_rows, self._stage_sampler))
+        data = data.to(self.device)
+        dist.send(torch.tensor([data.numel()], dtype=torch.long, device=self.device), 0)
+        if self._sample_send is not None:
+            self._sample_send[0].wait()
+        self._sample_send = (dist.isend(data, 0, tag=1), data)
+
+    def _recv_sample(self, size: torch.Tensor):
+        """Rank 0: the last stage's StageSample, once its size has arrived."""
+        import torch.distributed as dist
+
+        from kvserve.runtime.executor import stage_sampling
+
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(data, self.logits_rank, tag=1)
+        return stage_sampling.decode(data)
+
     def _logits_buffer(self, step: ForwardInput) -> torch.Tensor:
         n = len(step.logits_rows)
+        if step.stage_rows is not None:
+            return torch.empty(1, dtype=torch.long, device=self.device)  # the size of the sampled rows' bytes
         if step.greedy_ids:
             return torch.empty(n, dtype=torch.long, device=self.device)
         return torch.empty(n, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
@@ -295,15 +339,18 @@ class PipelineWorker(Worker):
             logits = self._logits_buffer(step)
             recv = dist.irecv(logits, self.logits_rank)
         self._send_on(torch.stack((hidden, residual)))
-        return _InFlight(logits, recv, bool(step.greedy_ids), time.perf_counter() - t0)
+        return _InFlight(logits, recv, bool(step.greedy_ids), time.perf_counter() - t0, step.stage_rows is not None)
 
     def land(self, pending: _InFlight) -> torch.Tensor | None:
         """Waits for a launched step's logits (token ids when the last stage sampled)."""
         t0 = time.perf_counter()
         if pending.recv is not None:
             pending.recv.wait()
+            if pending.sampled:
+                pending.logits = self._recv_sample(pending.logits)
         idle = time.perf_counter() - t0
-        self.steps_sampled_on_last_stage += bool(pending.logits is not None and pending.greedy)
+        self.steps_sampled_on_last_stage += bool(pending.logits is not None and (pending.greedy or pending.sampled))
+        self.steps_with_stage_rows += bool(pending.logits is not None and pending.sampled)
         total = idle + pending.busy
         self.last_bubble = idle / total if total > 0 else 0.0
         return pending.logits

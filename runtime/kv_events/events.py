@@ -4,7 +4,8 @@ Wire shape (msgpack, what vLLM's msgspec structs with ``array_like`` + ``tag`` p
 decoder and llm-d's indexer read ours unchanged): a batch is ``[ts, [event, ...]]`` (plus
 ``data_parallel_rank`` when set), an event is an array led by its class name:
 
-    ["BlockStored", [hash, ...], parent_hash | None, [token_id, ...], block_size, lora_id | None, medium]
+    ["BlockStored", [hash, ...], parent_hash | None, [token_id, ...], block_size, lora_id | None, medium,
+     lora_name | None]
     ["BlockRemoved", [hash, ...], medium]
     ["AllBlocksCleared"]
 
@@ -36,12 +37,16 @@ class BlockStored:
     parent_block_hash: Hash | None
     token_ids: list[int]
     block_size: int
+    # A LoRA adapter's blocks: its pod-independent id and name (runtime/lora/identity.py); the
+    # prefix-cache key of the adapter is cache_key(lora_name, lora_id).
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
 
     def to_wire(self) -> list:
+        # lora_name always (nil too): vLLM's current struct has it as a required field.
         return ["BlockStored", list(self.block_hashes), self.parent_block_hash, list(self.token_ids),
-                self.block_size, self.lora_id, self.medium]
+                self.block_size, self.lora_id, self.medium, self.lora_name]
 
 
 @dataclass(frozen=True)
@@ -95,12 +100,15 @@ def _event(raw: Any) -> Event:
         hashes, parent, tokens, block_size = args[:4]
         lora_id = args[4] if len(args) > 4 else None
         medium = args[5] if len(args) > 5 else None
+        lora_name = args[6] if len(args) > 6 and isinstance(args[6], str) else None
+        if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)):
+            raise ValueError("BlockStored.lora_id: must be an integer or nil")
         if parent is not None and not isinstance(parent, (bytes, int)):
             raise ValueError("BlockStored.parent_block_hash: must be bytes, an integer or nil")
         if not isinstance(tokens, list) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError("BlockStored: token_ids must be a list and block_size an integer >= 1")
         return BlockStored(_hashes(hashes), parent, tokens, block_size, lora_id,
-                           medium if isinstance(medium, str) else None)
+                           medium if isinstance(medium, str) else None, lora_name)
     if tag == "BlockRemoved":
         if not args:
             raise ValueError("BlockRemoved: too few fields")
@@ -130,18 +138,22 @@ def decode_batch(payload: bytes) -> EventBatch:
 class KVEventSink:
     """Collects the events of one engine step (the block pool reports into it; an offload tier
     may too, from its own thread, hence the lock). Consecutive removals of one medium merge into
-    one event, as a step's evictions come one block at a time."""
+    one event, as a step's evictions come one block at a time. `lora_identity(lora_int_id)`:
+    the engine's adapter registry (LoRAManager.identity), which names an adapter's blocks."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lora_identity=None) -> None:
         self.block_size = block_size
+        self.lora_identity = lora_identity
         self._events: list[Event] = []
         self._lock = threading.Lock()
 
     def stored(self, block_hashes: Sequence[Hash], parent_block_hash: Hash | None, token_ids: Sequence[int],
-               *, medium: str | None = MEDIUM_GPU, lora_id: int | None = None) -> None:
+               *, medium: str | None = MEDIUM_GPU, lora_int_id: int = 0) -> None:
         if not block_hashes:
             return
-        event = BlockStored(list(block_hashes), parent_block_hash, list(token_ids), self.block_size, lora_id, medium)
+        lora = self.lora_identity(lora_int_id) if lora_int_id and self.lora_identity is not None else None
+        event = BlockStored(list(block_hashes), parent_block_hash, list(token_ids), self.block_size,
+                            None if lora is None else lora[0], medium, None if lora is None else lora[1])
         with self._lock:
             self._events.append(event)
 

@@ -47,7 +47,8 @@ class ServerEventStream:
             # With several KV cache groups, the reference group's pool: its blocks are the
             # context the cache holds (as attach_kv_events).
             pool = bm.managers[0] if hasattr(bm, "managers") else bm
-            sink = KVEventSink(pool.block_size)
+            lora = getattr(engine, "lora", None)  # adapter blocks name their adapter
+            sink = KVEventSink(pool.block_size, None if lora is None else lora.identity)
             pool.events = sink
             if getattr(engine, "offload", None) is not None:
                 engine.offload.events = sink

@@ -2,17 +2,18 @@
 each step's `LoRAStepInput`.
 
 Adapters are known by their integer id; a registered adapter may leave the host cache
-(max_cpu_loras) and is read again from its directory when a request needs it. Each registration
-gets a fresh prefix-cache key, so KV blocks computed under one adapter are never reused under
-another, nor under a later adapter that reuses a removed one's id.
+(max_cpu_loras) and is read again from its directory when a request needs it. Each registration's
+prefix-cache key is its name and a digest of its files (runtime/lora/identity.py): KV blocks
+computed under one adapter are never reused under another (nor under new weights loaded under an
+old name or id), and every pod that loads the same adapter keys its blocks alike.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 
+from kvserve.runtime.lora.identity import adapter_digest, adapter_id, cache_key
 from kvserve.runtime.lora.request import LoRARequest
 from kvserve.runtime.lora.slots import LoRAStepInput, SlotTable, step_layout
 
@@ -24,7 +25,7 @@ class LoRAManager:
         self.slots = SlotTable(max_loras)
         self.registry: dict[int, LoRARequest] = {}
         self._cache_keys: dict[int, bytes] = {}
-        self._generation = itertools.count(1)
+        self._identities: dict[int, tuple[int, str]] = {}  # lora_int_id -> (KV events' lora_id, name)
         # add/remove come from the engine thread, step inputs from the forward thread when
         # steps overlap (async scheduling).
         self._lock = threading.Lock()
@@ -46,10 +47,14 @@ class LoRAManager:
                 if other.lora_name == request.lora_name:
                     raise ValueError(f"lora_name: {request.lora_name!r} is already loaded with id {other.lora_int_id}")
             self.worker.load(request)  # raises ValueError: nothing registered
+            try:
+                stable_id = adapter_id(request.lora_name, adapter_digest(request.lora_path))
+            except OSError as exc:  # gone between the load and the digest
+                self.worker.remove(request)
+                raise ValueError(f"lora_path: cannot read {request.lora_path!r}: {exc}") from None
             self.registry[request.lora_int_id] = request
-            # Name and path too: a persistent KV offload tier outlives this process's counter.
-            self._cache_keys[request.lora_int_id] = (f"lora:{request.lora_int_id}:{next(self._generation)}:"
-                                                     f"{request.lora_name}:{request.lora_path}").encode()
+            self._identities[request.lora_int_id] = (stable_id, request.lora_name)
+            self._cache_keys[request.lora_int_id] = cache_key(request.lora_name, stable_id)
             return True
 
     def remove(self, lora_int_id: int) -> bool:
@@ -58,6 +63,7 @@ class LoRAManager:
             if request is None:
                 return False
             self._cache_keys.pop(lora_int_id, None)
+            self._identities.pop(lora_int_id, None)
             self.slots.evict(lora_int_id)
             self.worker.remove(request)
             return True
@@ -79,6 +85,10 @@ class LoRAManager:
 
     def cache_key(self, lora_int_id: int) -> bytes:
         return self._cache_keys[lora_int_id]
+
+    def identity(self, lora_int_id: int) -> tuple[int, str] | None:
+        """(lora_id, lora_name) as KV events publish them; None for an adapter not registered."""
+        return self._identities.get(lora_int_id)
 
     # -- every step ------------------------------------------------------------------------------
     def step_input(self, seq_ids: Sequence[int], seq_tokens: Sequence[int]) -> LoRAStepInput | None:

@@ -235,11 +235,10 @@ class Router:
     async def _precise(self, route: Route, obj: Any, adapter: str | None,
                        headers: dict[str, str]) -> PreciseMatch | None:
         """What the pods' KV events say they hold of this request (None: no pod's events to go by,
-        or a request the router cannot hash as the runtime does: one for a LoRA adapter, whose
-        blocks the pod keys by its own adapter id)."""
+        or a request the router cannot hash as the runtime does). A LoRA adapter's request is
+        hashed under the adapter id each pod's events name (runtime/lora/identity.py)."""
         events = self.kv_events
-        if events is None or route.kind not in ROUTED or not isinstance(obj, dict) or not events.indexes \
-                or adapter is not None:
+        if events is None or route.kind not in ROUTED or not isinstance(obj, dict) or not events.indexes:
             return None
         kind = route.kind
         prompt = obj.get("prompt") if kind == "completion" else None
@@ -253,17 +252,17 @@ class Router:
             return None
         ids, cut = got
         salt = obj.get("cache_salt")
-        extra = extra_key(salt if isinstance(salt, str) and salt else None)
-        memo: dict[int, list[bytes]] = {}
+        salt = salt if isinstance(salt, str) and salt else None
+        memo: dict[tuple[int, bytes | None], list[bytes]] = {}
 
-        def keys_for(block_size: int | None) -> list[bytes]:
+        def keys_for(block_size: int | None, lora_key: bytes | None = None) -> list[bytes]:
             size = block_size or self.config.policy.block_tokens
-            if size not in memo:
-                keys = block_hashes(ids[:MAX_BLOCKS * size], size, extra)
-                memo[size] = keys[:-2] if cut else keys
-            return memo[size]
+            if (size, lora_key) not in memo:
+                keys = block_hashes(ids[:MAX_BLOCKS * size], size, extra_key(salt, lora_key))
+                memo[size, lora_key] = keys[:-2] if cut else keys
+            return memo[size, lora_key]
 
-        precise = events.precise(keys_for, list(self.endpoints))
+        precise = events.precise(keys_for, list(self.endpoints), adapter)
         if precise is not None and precise.held:
             self.ranked_by_events += 1
         return precise

@@ -77,18 +77,32 @@ class KVEventSubscriptions:
     def block_sizes(self) -> set[int]:
         return {i.block_size for i in self.indexes.values() if i.block_size}
 
-    def precise(self, keys_for, pods: Sequence[str]) -> PreciseMatch | None:
-        """`keys_for(block_size)`: the request's runtime block hashes at that block size (None
-        when they cannot be computed). None when no pod has usable events."""
+    def precise(self, keys_for, pods: Sequence[str], adapter: str | None = None) -> PreciseMatch | None:
+        """`keys_for(block_size, lora_key)`: the request's runtime block hashes at that block size,
+        under that LoRA adapter key (None when they cannot be computed). `adapter`: the LoRA
+        adapter the request names; each pod's events say which id its blocks of it are keyed
+        with (a pod that never stored a block of it holds none). None when no pod has usable
+        events (or, for an adapter, none has stored any of its blocks)."""
+        from kvserve.runtime.lora.identity import cache_key
+
         now = self.clock()
         held: dict[str, float] = {}
         partial: dict[str, float] = {}
         total = 0
+        known = False
         for pod in pods:
             index = self.indexes.get(pod)
             if index is None or index.state not in (LIVE, PARTIAL):
                 continue
-            keys = keys_for(index.block_size)  # None: the router's own --block-size
+            lora_key = None
+            if adapter is not None:
+                lora_id = index.adapters.get(adapter)
+                if lora_id is None:  # none of its blocks here
+                    if index.trusted(now, self.last_routed.get(pod)):
+                        held[pod] = 0.0
+                    continue
+                known, lora_key = True, cache_key(adapter, lora_id)
+            keys = keys_for(index.block_size, lora_key)  # block_size None: the router's own --block-size
             if keys is None:
                 return None
             total = max(total, len(keys))
@@ -96,7 +110,7 @@ class KVEventSubscriptions:
                 held[pod] = index.match(keys)
             elif index.state in (PARTIAL, LIVE):
                 partial[pod] = index.match(keys)
-        if not held and not partial:
+        if (not held and not partial) or (adapter is not None and not known):
             return None
         return PreciseMatch(total, held, partial)
 

@@ -40,6 +40,7 @@ DOWN = "down"  # not connected (yet)
 _MEDIUM_BITS = {"GPU": 1, "CPU": 2, "DISK": 4}
 _OTHER_BIT = 8
 MAX_PENDING = 1024  # live batches kept while a replay runs; past it the oldest go (a gap again)
+MAX_ADAPTERS = 256  # LoRA adapters remembered per pod (name -> id); past it the least recently stored go
 
 
 def medium_bit(medium: str | None) -> int:
@@ -83,6 +84,9 @@ class PodKVIndex:
         self.replay_from: int | None = None  # the seq the running replay was asked to start at
         self.replayed_through = -1  # live batches up to this seq are duplicates of a replay's
         self._partial = False
+        # LoRA adapter name -> the id its blocks are keyed with on this pod (BlockStored's
+        # lora_name / lora_id): what the router hashes an adapter request's prompt with.
+        self.adapters: OrderedDict[str, int] = OrderedDict()
         self.stats = {"batches": 0, "gaps": 0, "restarts": 0, "partial": 0, "evicted": 0, "bad": 0}
 
     def __len__(self) -> int:
@@ -101,6 +105,7 @@ class PodKVIndex:
     def reset(self) -> None:
         """The pod restarted (or we reconnected and cannot tell): nothing it held is known."""
         self.engines.clear()
+        self.adapters.clear()
         self.last_seq = -1
         self.pending.clear()
         self.state = DOWN
@@ -185,6 +190,11 @@ class PodKVIndex:
             if isinstance(event, BlockStored):
                 bit = medium_bit(event.medium)
                 self.block_size = event.block_size
+                if event.lora_name is not None and isinstance(event.lora_id, int):
+                    self.adapters.pop(event.lora_name, None)
+                    self.adapters[event.lora_name] = event.lora_id
+                    if len(self.adapters) > MAX_ADAPTERS:
+                        self.adapters.popitem(last=False)
                 for h in event.block_hashes:
                     blocks[h] = blocks.pop(h, 0) | bit
                 while len(self) > cap and blocks:  # forget the oldest stored: a miss, never a false hit
