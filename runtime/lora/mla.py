@@ -57,10 +57,12 @@ class LatentLoRA(LoRALinear):
     def forward(self, x):  # never called: see the class docstring
         raise RuntimeError("kv_b_proj's LoRA is applied by the attention, not as a layer")
 
-    def _ab(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A^T [L, r], B^T [r, H, nope + v]) of one slot, cut to its adapter's rank."""
+    def _ab(self, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A^T [L, r], B^T [r, H, nope + v]) of one slot, cut to its adapter's rank, in the
+        activations' dtype (the slots may be kept narrower: lora_dtype)."""
         r = self.state.slot_ranks[slot]
-        return self.a_t[slot, :, :r], self.b_t[slot, :r].view(r, self.num_heads, self.nope + self.v_dim)
+        a_t, b_t = self.a_t[slot, :, :r].to(dtype), self.b_t[slot, :r].to(dtype)
+        return a_t, b_t.view(r, self.num_heads, self.nope + self.v_dim)
 
     def decode_groups(self, rows: torch.Tensor, every: bool) -> list[tuple[int, torch.Tensor]]:
         """The decode rows' adapters: (slot, positions among the decode rows), none for the base."""
@@ -80,7 +82,7 @@ class LatentLoRA(LoRALinear):
             return q_lat
         q_lat = q_lat.clone()
         for slot, idx in groups:
-            a_t, b_t = self._ab(slot)
+            a_t, b_t = self._ab(slot, q_lat.dtype)
             u = torch.einsum("nhd,rhd->nhr", q_nope[idx], b_t[:, :, : self.nope])
             q_lat[idx] += u @ a_t.t()
         return q_lat
@@ -91,7 +93,7 @@ class LatentLoRA(LoRALinear):
             return o
         o = o.clone()
         for slot, idx in groups:
-            a_t, b_t = self._ab(slot)
+            a_t, b_t = self._ab(slot, o.dtype)
             o[idx] += torch.einsum("nhr,rhd->nhd", o_lat[idx] @ a_t, b_t[:, :, self.nope:])
         return o
 
@@ -102,13 +104,14 @@ class LatentLoRA(LoRALinear):
         slot = -1 if batch is None else batch.token_slots[first_row]
         if slot < 0:
             return kv
-        a_t, b_t = self._ab(slot)
+        a_t, b_t = self._ab(slot, kv.dtype)
         return kv + (ctx_c @ a_t) @ b_t.reshape(b_t.shape[0], -1)
 
 
-def wrap_mla(attn, state: LoRAState, *, max_loras: int, max_rank: int, rope_interleave: bool) -> list[LoRALinear]:
+def wrap_mla(attn, state: LoRAState, *, max_loras: int, max_rank: int, rope_interleave: bool,
+             dtype: torch.dtype | None = None) -> list[LoRALinear]:
     """Wraps an MLAAttention's projections in place; returns the wrappers (kv_b_proj's included)."""
-    kw = dict(max_loras=max_loras, max_rank=max_rank)
+    kw = dict(max_loras=max_loras, max_rank=max_rank, dtype=dtype)
     qk = attn.nope + attn.rope
     heads = attn.q_proj.spec.output_sizes[0] // qk
 
