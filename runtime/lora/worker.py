@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 class WorkerLoRA:
     def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int, model_dir: str = "",
-                 hf_config=None) -> None:
+                 hf_config=None, dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.dtype = dtype  # the slots' dtype (lora_dtype); None: the model's
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.model_dir, self.hf_config = model_dir, hf_config
         self.state = LoRAState(max_loras)
@@ -48,7 +49,7 @@ class WorkerLoRA:
     def _wrap(self) -> None:
         from kvserve.runtime.models.llama import MLP, Attention
 
-        kw = dict(max_loras=self.max_loras, max_rank=self.max_lora_rank)
+        kw = dict(max_loras=self.max_loras, max_rank=self.max_lora_rank, dtype=self.dtype)
         for w in wrap_vocab(self.model, self.state, **kw):
             self.wrappers.append((MODEL_LEVEL, w))
             for p, name in enumerate(w.parts):
