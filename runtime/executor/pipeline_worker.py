@@ -96,6 +96,11 @@ class PipelineWorker(Worker):
         self._send = None  # the activations' latest isend (its work, its tensor kept alive)
         self._results_out = collections.deque()  # last stage: its sends to rank 0 in flight
         self._stage_sampler = None  # last stage: samples with its own generator for unseeded rows
+        # Medusa / EAGLE heads (on rank 0) read the last stage's hidden rows: pipeline_hidden.py.
+        from kvserve.runtime.executor.pipeline_hidden import keep_hidden_mode
+
+        self.keep_hidden = keep_hidden_mode(config)
+        self.hidden_sends: list = []
 
     def load_model(self) -> None:
         import torch.distributed as dist
@@ -116,6 +121,11 @@ class PipelineWorker(Worker):
                                 quantization=self.quant_config if self.quant_config is not None
                                 else self.config.quantization,
                                 layer_range=(self.layer_start, self.layer_end))
+        if getattr(self.config, "speculative_config", None) is not None:
+            from kvserve.runtime.spec_decode.eagle import eagle3_target_layers
+
+            # Every stage keeps the EAGLE-3 layers it holds (stage_forward captures them).
+            self.model.aux_hidden_layers = eagle3_target_layers(self.config, self.model_config.num_layers)
         log.info("pipeline stage %d/%d (rank %d): layers %d..%d", self.stage, self.pp, self.global_rank,
                  self.layer_start, self.layer_end - 1)
         self._attach_lora()  # this stage's layers, under their global indices
@@ -215,6 +225,10 @@ class PipelineWorker(Worker):
             if failed:  # a stage computing on without these blocks would give wrong tokens
                 raise RuntimeError(f"kv offload: rank {self.global_rank} could not load {len(failed)} block(s) "
                                    "rank 0 loaded; the step's requests are aborted")
+        if step.kv_slot_moves and self.global_rank != 0:  # rank 0 made them when it verified a Medusa tree
+            from kvserve.runtime.spec_decode.tree_verify import move_slots
+
+            move_slots(self.kv_caches, step.kv_slot_moves)
         copy_blocks(self.kv_caches, step.block_copies)
         step = step.to(self.device)
         if step.lora is None:
@@ -228,6 +242,7 @@ class PipelineWorker(Worker):
     def _stage_step(self, step: ForwardInput, t0: float) -> torch.Tensor | None:
         import torch.distributed as dist
 
+        from kvserve.runtime.executor import pipeline_hidden
         from kvserve.runtime.models.pipeline_stage import stage_forward
 
         num_tokens = step.input_ids.shape[0]
@@ -240,6 +255,8 @@ class PipelineWorker(Worker):
                                          self.kv_caches, step.meta, hidden, residual)
         rows = step.logits_rows
         logits = None
+        if self.keep_hidden and self.global_rank != 0:
+            pipeline_hidden.send(self, rows, hidden if self.last else None)
         if not self.last:
             self._send_on(torch.stack((hidden, residual)))
         elif rows:
@@ -261,6 +278,8 @@ class PipelineWorker(Worker):
             busy = time.perf_counter() - t0
             if rows and not self.last:
                 logits = self._receive_result(step)
+            if self.keep_hidden:
+                pipeline_hidden.receive(self, rows, num_tokens)
             # Stage 0's idle share of the step: with one step in flight, about (pp - 1) / pp
             # when the stages are balanced and the transfers are cheap.
             wall = time.perf_counter() - t0
