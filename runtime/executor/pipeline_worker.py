@@ -140,14 +140,19 @@ class PipelineWorker(Worker):
 
     def determine_kv_blocks(self, kv_groups, *, max_model_len: int, max_step_tokens: int) -> list[int]:
         """Blocks this stage's budget holds for its own layers (so a stage of fewer layers holds
-        more; rank 0 takes the smallest count over all stages)."""
-        if kv_groups is not None:
-            raise ValueError("pipeline parallelism keeps one block table for every layer (KV cache groups off)")
+        more; rank 0 takes the smallest count over all stages). With KV cache groups, per group,
+        split over the groups this stage holds layers of (pipeline_kv_groups.py)."""
         budget = None
         config = self.config
         if (self.platform.free_memory_bytes(self.device) is not None and config.num_kv_blocks is None
                 and config.kv_cache_memory_bytes is None):
-            budget = self._profiled_kv_budget(None, max_step_tokens, max_model_len)
+            budget = self._profiled_kv_budget(kv_groups, max_step_tokens, max_model_len)
+        if kv_groups is not None:
+            from kvserve.runtime.executor.pipeline_kv_groups import stage_group_blocks
+
+            return stage_group_blocks(config, self.stage_shape, self.kv_cache_dtype, self.device, kv_groups,
+                                      self.layer_start, self.layer_end, max_model_len=max_model_len,
+                                      max_step_tokens=max_step_tokens, budget_bytes=budget)
         return [determine_num_blocks(config, self.stage_shape, self.kv_cache_dtype, self.device, budget_bytes=budget)]
 
     @torch.inference_mode()
@@ -165,6 +170,8 @@ class PipelineWorker(Worker):
                                  block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
                                  slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
                                  max_query_len=max(lens), max_seq_len=max(lens), is_decode_only=False)
+        if kv_groups is not None:
+            meta.kv_groups = {g.window: AttentionMetadata(**{**vars(meta), "kv_groups": None}) for g in kv_groups}
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
         hidden = residual = None
         if not self.first:
@@ -176,9 +183,19 @@ class PipelineWorker(Worker):
             self.model.compute_logits(hidden[:min(self.config.max_num_seqs, num_tokens)])
 
     def initialize_kv_cache(self, group_blocks: Sequence[int], kv_groups) -> int:
+        layer_blocks = None
         self.kv_groups = None
+        if kv_groups is not None:
+            from kvserve.runtime.executor.pipeline_kv_groups import local_groups
+            from kvserve.runtime.kv_cache import layer_group_blocks
+
+            # The model's groups, in order, with this stage's layers renumbered from 0 (a group
+            # may have none here): block copies and the pools index the stage's own layer list.
+            self.kv_groups = local_groups(kv_groups, self.layer_start, self.layer_end)
+            layer_blocks = layer_group_blocks(self.kv_groups, group_blocks)
         self.kv_caches = allocate_kv_cache(self.stage_shape, group_blocks[0], self.config.block_size,
-                                           self.kv_cache_dtype, self.device, self.world_size)
+                                           self.kv_cache_dtype, self.device, self.world_size,
+                                           layer_blocks=layer_blocks)
         if self.config.kv_offload_bytes or self.config.swap_space:
             # Each rank offloads its own stage's layers (and TP shard) of every block, in its own
             # namespace: rank 0's block manager decides for all, as at tensor parallelism.
@@ -229,7 +246,7 @@ class PipelineWorker(Worker):
             from kvserve.runtime.spec_decode.tree_verify import move_slots
 
             move_slots(self.kv_caches, step.kv_slot_moves)
-        copy_blocks(self.kv_caches, step.block_copies)
+        self._copy_blocks(step.block_copies)
         step = step.to(self.device)
         if step.lora is None:
             return self._stage_step(step, t0)
@@ -238,6 +255,14 @@ class PipelineWorker(Worker):
             return self._stage_step(step, t0)
         finally:
             self.lora.end_step()
+
+    def _copy_blocks(self, copies) -> None:
+        if self.kv_groups is None:
+            copy_blocks(self.kv_caches, copies)
+        else:
+            from kvserve.runtime.kv_cache import copy_group_blocks
+
+            copy_group_blocks(self.kv_caches, self.kv_groups, copies)
 
     def _stage_step(self, step: ForwardInput, t0: float) -> torch.Tensor | None:
         import torch.distributed as dist
@@ -355,7 +380,7 @@ class PipelineWorker(Worker):
 
         assert self.global_rank == 0 and not self.last
         t0 = time.perf_counter()
-        copy_blocks(self.kv_caches, step.block_copies)
+        self._copy_blocks(step.block_copies)
         step = step.to(self.device)
         hidden, residual = stage_forward(self.model, step.input_ids, step.positions, self.kv_caches, step.meta,
                                          None, None)
