@@ -40,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--num-adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--lora-dtype", default="auto", help="the adapters' slot dtype (vLLM's --lora-dtype)")
     p.add_argument("--quick", action="store_true", help="16 requests, outputs 16-64")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three runs")
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     # Both engines stay up and the runs interleave, round after round: on a shared machine the
     # load moves between minutes, so only ratios within a round are compared.
     with LLM(str(model), **kw) as plain, LLM(str(model), enable_lora=True, max_loras=args.max_loras,
-                                             max_lora_rank=args.rank,
+                                             max_lora_rank=args.rank, lora_dtype=args.lora_dtype,
                                              max_cpu_loras=max(args.max_loras, args.num_adapters), **kw) as llm:
         prompts, lens = workload(args, plain.engine.vocab_size)
         engine = llm.engine
@@ -157,7 +158,8 @@ def main(argv=None) -> int:
         command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=platform.platform(),
         cpu_count=os.cpu_count(), cpu_flags=flags, threads=torch.get_num_threads(), load=os.getloadavg(),
-        device=args.device, dtype=args.dtype, requests=len(prompts), adapters=args.num_adapters, rank=args.rank,
+        device=args.device, dtype=args.dtype, lora_dtype=args.lora_dtype,
+        requests=len(prompts), adapters=args.num_adapters, rank=args.rank,
         max_loras=args.max_loras, rounds=args.rounds, runs=results, ratios_vs_base=ratios,
         median_ratio_mixed_vs_base=statistics.median(ratios["lora-mixed"]),
         median_ratio_lora_base_vs_base=statistics.median(ratios["lora-base"]),

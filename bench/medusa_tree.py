@@ -17,9 +17,10 @@ of the real SmolLM2, and the cost of a verification step of N decode rows on the
    checked against bench/spec_heads.py's measured end-to-end ratio.
 
 Decode rows see every earlier row of their sequence, so a tree with branches cannot run as
-decode rows as is: its nodes would need per-path copies of the context's last block (or the
-tree kernel on the prefill path, which costs ~1.85x a decode here). The step cost measured here
-is therefore a lower bound for a tree; it answers whether a tree is worth building at all.
+decode rows: the engine verifies a tree on the per-operation path with the tree mask, which costs
+more than the decode rows timed here. The step cost measured here is therefore a lower bound for
+a tree (bench/spec_heads.py --methods none,medusa,medusa_tree measures the engine end to end).
+`--no-timing` prints tokens per step only.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def budget_tree(depth: int, rank_sum: int, width: int = 4) -> list[tuple[int, ..
 
 
 def trees(k: int) -> dict[str, list[tuple[int, ...]]]:
+    from spec_heads import DEFAULT_TREE
+
     from kvserve.runtime.spec_decode.medusa_tree import chain_choices
 
-    out = {f"chain k={k}": list(chain_choices(k))}
+    out = {f"chain k={k}": list(chain_choices(k)), "spec_heads default": DEFAULT_TREE}
     for widths in ((2,) * k, (3, 2, 1)[:k], (4, 2, 2)[:k], (5, 3, 2, 1)[:k]):
         out["product " + "x".join(map(str, widths))] = product_tree(widths)
     for budget in (1, 2, 3):
@@ -75,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--context", type=int, default=200, help="context length of the timed verification steps")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--no-timing", action="store_true",
+                   help="tokens per step only (no step costs: what a loaded machine can still measure)")
     p.add_argument("--out", type=Path, default=RESULTS / "medusa_tree.json")
     return p.parse_args(argv)
 
@@ -186,10 +191,20 @@ def main(argv=None) -> None:
     choices = trees(args.depth)
     acc = acceptance(heads, hidden, tokens, choices, args.depth)
     positions = acc.pop("_positions")
+    rows = []
+    if args.no_timing:
+        print(f"\n{'tree':<22} {'nodes':>5} {'tokens/step':>11}")
+        for name, a in acc.items():
+            print(f"{name:<22} {a['nodes']:>5} {a['tokens_per_step']:>11.3f}")
+            rows.append({"tree": name, "choices": [list(c) for c in choices[name]], "nodes": a["nodes"],
+                         "tokens_per_step": a["tokens_per_step"]})
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"bench": "medusa_tree", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                        "medusa": str(medusa), "positions": positions, "trees": rows}, indent=2) + "\n")
+        return
     # A chain of k runs 1 + k rows; a tree of T choices runs 1 + T.
     costs = step_costs(Path(model), heads, [1] + [a["nodes"] for a in acc.values()], args.context, args.reps)
     decode = costs[1]
-    rows = []
     print(f"\nheads {medusa}\nverification against a {args.context}-token context; decode {decode * 1e3:.2f} ms, "
           f"heads {costs['heads'] * 1e3:.2f} ms\n")
     print(f"{'tree':<22} {'nodes':>5} {'tokens/step':>11} {'step cost':>9} {'est. speed-up':>13}")

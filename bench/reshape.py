@@ -62,6 +62,10 @@ def cpu_flags() -> str:
     return f"{model}; {os.cpu_count()} cpus; {' '.join(keep)}"
 
 
+# After a reshape to G x TP1 the spare workers start again, import torch and (on the CPU) load
+# their future shard: a reshape to TP G sooner than that waits for what is left (--spare-wait).
+SPARE_WAIT_S = 20.0
+
 DEVICE = "cpu"  # --device: a GPU host runs the same comparison over NCCL (engine i on cuda:i*TP..)
 
 
@@ -199,12 +203,12 @@ async def part_restart(model: Path, g: int, in_flight: int, out_len: int) -> dic
         await run_phase(srv.url, 1, make_prompts(1, 16, 0), 4)  # warm
         await srv.reshape(1, g)
         await srv.reshape(g, 1)
-        await asyncio.sleep(3.0)  # the spares started after that reshape import torch
+        await asyncio.sleep(SPARE_WAIT_S)  # the spares started after that reshape import torch, load their shard
         wall, body = await srv.reshape(1, g)
         out["reshape_idle_to_tp"] = {"wall_s": wall, "seconds": body["seconds"], "phases": body.get("phases", {})}
         wall, body = await srv.reshape(g, 1)
         out["reshape_idle_to_dp"] = {"wall_s": wall, "seconds": body["seconds"], "phases": body.get("phases", {})}
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(SPARE_WAIT_S)
         # With streams in flight: they pause, the layout changes, they resume by recompute.
         prompts = make_prompts(in_flight, 64, 1)
         load = asyncio.create_task(run_phase(srv.url, in_flight, prompts, out_len))
@@ -302,6 +306,7 @@ def print_ramp(r: dict) -> None:
 
 
 def main(argv=None) -> int:
+    global DEVICE, SPARE_WAIT_S
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="HF model directory (default: the real SmolLM2)")
     p.add_argument("--part", choices=["all", "restart", "ramp"], default="all")
@@ -309,9 +314,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a host with G GPUs")
     p.add_argument("--devices", type=int, default=None,
                    help="G: layouts G x TP1 and 1 x TP G (default: the smallest TP > 1 the model's heads allow)")
+    p.add_argument("--spare-wait", type=float, default=SPARE_WAIT_S,
+                   help="seconds between a reshape to G x TP1 and the next one to TP G (spares get ready)")
     args = p.parse_args(argv)
-    global DEVICE
     DEVICE = args.device
+    SPARE_WAIT_S = args.spare_wait
     model = args.model
     if model is None:
         from kvserve.testing.realmodel import ensure_smollm2

@@ -197,5 +197,12 @@ def lora_sgmv(x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, b_t: torch.
 
         return lora_sgmv_triton(x, out, a_t, b_t, batch.token_idx, batch.seg_slot, batch.seg_start,
                                 batch.seg_len, batch.max_seg_len)
+    if a_t.dtype != x.dtype:
+        # lora_dtype other than the model's: the products in the adapters' dtype (as PEFT computes
+        # an adapter of another dtype), added to the model's output.
+        delta = torch.zeros(out.shape, dtype=a_t.dtype, device=out.device)
+        reference.lora_sgmv_ref(x.to(a_t.dtype), delta, a_t, b_t, batch.segments, batch.perm, batch.cols,
+                                batch.padded, batch.out_parts)
+        return out.add_(delta)
     return reference.lora_sgmv_ref(x, out, a_t, b_t, batch.segments, batch.perm, batch.cols, batch.padded,
                                    batch.out_parts)

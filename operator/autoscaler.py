@@ -54,6 +54,8 @@ class PodSignals:
     kv_cache_capacity_tokens: int = 0
     tensor_parallel_size: int | None = None
     data_parallel_size: int | None = None  # kvserve's engines per pod (spec.parallelism.devicesPerPod)
+    itl_seconds_sum: float = 0.0  # the engine's inter-token latency histogram totals (TPOT)
+    itl_seconds_count: float = 0.0
 
     @classmethod
     def from_json(cls, name: str, data: Mapping[str, Any], *, pod_ready: bool = True) -> PodSignals:
@@ -74,6 +76,8 @@ class PodSignals:
             kv_cache_capacity_tokens=int(num("kv_cache_capacity_tokens")),
             tensor_parallel_size=int(tp) if isinstance(tp, int) and tp > 0 else None,
             data_parallel_size=int(dp) if isinstance(dp, int) and dp > 0 else None,
+            itl_seconds_sum=max(0.0, num("inter_token_latency_seconds_sum")),
+            itl_seconds_count=max(0.0, num("inter_token_latency_seconds_count")),
         )
 
     def fresh(self, max_age: float) -> bool:
@@ -107,6 +111,10 @@ class Signals:
     kv_cache_utilization: float = 0.0  # mean over fresh pods
     queue_depth: float = 0.0  # total
     requests_running: float = 0.0  # total
+    # Inter-token latency (TPOT) histogram totals over the pods (seconds, tokens): the layout
+    # policy takes differences between decisions (operator/layout.py).
+    itl_seconds_sum: float = 0.0
+    itl_seconds_count: float = 0.0
 
     def as_status(self) -> dict[str, Any]:
         return {"pods": self.pods, "kvCacheUtilization": round(self.kv_cache_utilization, 4),
@@ -187,7 +195,9 @@ def _aggregate(fresh: list[PodSignals]) -> Signals:
     return Signals(pods=len(fresh),
                    kv_cache_utilization=sum(p.kv_cache_utilization for p in fresh) / len(fresh),
                    queue_depth=sum(p.queue_depth for p in fresh),
-                   requests_running=sum(p.requests_running for p in fresh))
+                   requests_running=sum(p.requests_running for p in fresh),
+                   itl_seconds_sum=sum(p.itl_seconds_sum for p in fresh),
+                   itl_seconds_count=sum(p.itl_seconds_count for p in fresh))
 
 
 def _proposal(load: float, target: float, ready: int, total: int, current: int, tolerance: float) -> int:

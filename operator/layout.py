@@ -9,6 +9,14 @@ pool G/TP times larger (long contexts). So:
   * at low load (at or below `lowLoadRequests`), or when KV is saturated while few requests run
     (long contexts), the highest tensor-parallel layout;
   * between the two, the layout stays (the band is the hysteresis);
+  * with a TPOT SLO (`tpotSloSeconds`), low load alone is no reason to reshape: the highest
+    tensor-parallel layout is wanted only while the measured TPOT (the pods' inter-token latency
+    over the last interval) misses the SLO, at any load short of high;
+  * a move to a higher TP for latency is refused (`LayoutTPOTGated`) when that layout's TPOT,
+    measured the last time the pods ran it at low load, was no better than the current layout's:
+    on hosts where the extra ranks only add communication (CPU ranks sharing cores), a higher TP
+    is slower and every reshape to it would be pure cost. Long contexts are not gated (they need
+    the larger pool, whatever the TPOT);
   * a wish must hold for `stabilizationSeconds`, and a layout is kept at least
     `reshapeCostMultiple` x the last measured reshape duration, so the time spent reshaping stays
     a small share however slow a reshape turns out to be: it never flaps.
@@ -45,6 +53,30 @@ class LayoutState:
     wish_since: float | None = None
     last_change: float | None = None
     last_reshape_seconds: float | None = None  # measured by the latest in-place reshape
+    # The pods' inter-token latency totals (sum of seconds, count) at the previous decision: the
+    # TPOT of an interval is the difference (Signals carry totals, as the engines' histograms).
+    itl_totals: tuple[float, float] | None = None
+    # (layout, TPOT seconds) measured while the pods ran that layout at low load, newest kept.
+    tpot_by_layout: tuple[tuple[PodLayout, float], ...] = ()
+
+    def tpot_at(self, layout: PodLayout) -> float | None:
+        return next((t for lay, t in self.tpot_by_layout if lay == layout), None)
+
+
+# Fewer output tokens than this in an interval: its TPOT is not measured (too noisy).
+MIN_TPOT_TOKENS = 16
+
+
+def interval_tpot(previous: tuple[float, float] | None, signals: Signals) -> tuple[float | None, tuple[float, float]]:
+    """The mean TPOT of the interval since `previous` totals, and the totals to keep. None when
+    too few tokens were generated, or the totals went back (a pod restarted, one joined or left)."""
+    totals = (signals.itl_seconds_sum, signals.itl_seconds_count)
+    if previous is None:
+        return None, totals
+    d_sum, d_count = totals[0] - previous[0], totals[1] - previous[1]
+    if d_count < MIN_TPOT_TOKENS or d_sum < 0:
+        return None, totals
+    return d_sum / d_count, totals
 
 
 @dataclass(frozen=True)
@@ -97,16 +129,34 @@ def decide_layout(spec: ServiceSpec, shape: ModelShape | None, current: PodLayou
     if signals.pods == 0:
         return keep("NoMetrics", "no fresh signals; layout held", replace(state, wish=None, wish_since=None))
     per_pod = (signals.requests_running + signals.queue_depth) / signals.pods
+    tpot, totals = interval_tpot(state.itl_totals, signals)
+    state = replace(state, itl_totals=totals)
+    if tpot is not None and per_pod <= la.low_load_requests:  # what this layout gives one request
+        state = replace(state, tpot_by_layout=tuple(
+            [(lay, t) for lay, t in state.tpot_by_layout if lay != current] + [(current, tpot)]))
     long_context = (signals.kv_cache_utilization >= ta.kv_saturation
                     and signals.requests_running / signals.pods <= ta.few_running_requests)
+    slo = la.tpot_slo_seconds
+    slo_missed = bool(slo) and tpot is not None and tpot > slo
     if per_pod > la.high_load_requests and not long_context:
         wish, why = layouts[0], f"{per_pod:.1f} requests per pod > {la.high_load_requests:g}: throughput"
         reason = "LayoutDataParallel"
-    elif per_pod <= la.low_load_requests or long_context:
+    elif long_context or slo_missed or (per_pod <= la.low_load_requests and not slo):
         wish = layouts[-1]
         why = ("KV saturated while few requests run: long contexts" if long_context
+               else f"TPOT {tpot:.3f}s > SLO {slo:g}s at {per_pod:.1f} requests per pod: latency" if slo_missed
                else f"{per_pod:.1f} requests per pod <= {la.low_load_requests:g}: latency")
         reason = "LayoutTensorParallel"
+        if not long_context and wish != current:
+            there, here = state.tpot_at(wish), state.tpot_at(current)
+            if there is not None and here is not None and there >= here:
+                return keep("LayoutTPOTGated", f"{why}; but {wish} measured TPOT {there:.3f}s against "
+                            f"{here:.3f}s at {current}: a higher TP is not faster on these pods; keeping {current}",
+                            replace(state, wish=None, wish_since=None))
+    elif per_pod <= la.low_load_requests:
+        return keep("LayoutTPOTMet", f"{per_pod:.1f} requests per pod, TPOT "
+                    f"{'not measured' if tpot is None else f'{tpot:.3f}s'} within SLO {slo:g}s; keeping {current}",
+                    replace(state, wish=None, wish_since=None))
     else:
         return keep("LayoutWithinBand", f"{per_pod:.1f} requests per pod within "
                     f"({la.low_load_requests:g}, {la.high_load_requests:g}]; keeping {current}",

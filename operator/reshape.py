@@ -107,6 +107,14 @@ async def converge_layouts(reconciler, body, current, spec, shape, pods, signals
     decision = decide_layout(spec, shape, layout, aggregate(signals, reconciler.config.max_sample_age), state,
                              reconciler.config.clock())
     memo["kvserve_layout"] = state = decision.state
+    if decision.reason == "LayoutTPOTGated":
+        # One Event per refusal spell (the reason holds tick after tick), naming both TPOTs.
+        if memo.get("kvserve_layout_gated") != str(layout):
+            kopf.info(body, reason="LayoutTPOTGated", message=decision.message[:1024])
+            logger.info(f"LayoutTPOTGated: {decision.message}")
+            memo["kvserve_layout_gated"] = str(layout)
+    else:
+        memo["kvserve_layout_gated"] = None
     fields = {}
     if decision.changed:
         record = {"time": iso(now), "fromLayout": str(decision.from_layout), "toLayout": str(decision.layout),

@@ -198,6 +198,9 @@ class LayoutAutoscaling:
     low_load_requests: float = 2.0  # per pod: the highest tensor-parallel layout
     stabilization_seconds: float = 30.0
     reshape_cost_multiple: float = 20.0
+    # > 0: the highest TP only while the measured TPOT misses this (seconds per output token);
+    # 0: low load alone asks for it.
+    tpot_slo_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -588,6 +591,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
             low_load_requests=la.number("lowLoadRequests", 2, lo=0, hi=10000),
             stabilization_seconds=la.number("stabilizationSeconds", 30, lo=0, hi=86400),
             reshape_cost_multiple=la.number("reshapeCostMultiple", 20, lo=0, hi=10000),
+            tpot_slo_seconds=la.number("tpotSloSeconds", 0, lo=0, hi=3600),
         ),
     )
     if autoscaling.layout.low_load_requests > autoscaling.layout.high_load_requests:

@@ -54,7 +54,7 @@ _FUSED = {"Phi3ForCausalLM": {"self_attn.qkv_proj.weight": ("self_attn.q_proj.we
           # BLOOM's rows are per head [q_h; k_h; v_h] (fused_rows_per_head).
           "BloomForCausalLM": {f"self_attn.qkv_proj.{t}": tuple(f"self_attn.{p}_proj.{t}" for p in "qkv")
                                for t in ("weight", "bias")}}
-_FUSED["FalconForCausalLM"] = _FUSED["BloomForCausalLM"]  # Falcon without multi-query: the same layout
+_FUSED["FalconForCausalLM"] = _FUSED["BloomForCausalLM"]  # per KV group (fused_rows_per_head)
 _FUSED["BaichuanForCausalLM"] = _FUSED["MptForCausalLM"]  # W_pack: q | k | v one after the other
 _BAICHUAN_NAMES = ((".self_attn.W_pack.", ".self_attn.qkv_proj."),)
 _BLOOM_NAMES = (("transformer.word_embeddings_layernorm.", "model.embed_layernorm."),
@@ -62,6 +62,8 @@ _BLOOM_NAMES = (("transformer.word_embeddings_layernorm.", "model.embed_layernor
                 ("transformer.h.", "model.layers."), (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
                 (".self_attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
                 (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+# Falcon-40B's two parallel LayerNorms (ln_attn before attention, ln_mlp before the MLP).
+_FALCON_NAMES = (*_BLOOM_NAMES, (".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".mlp_layernorm."))
 # MPT's checkpoint names (transformer.blocks.N...) -> the names every other family uses.
 _MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.", "model.norm."),
               ("transformer.blocks.", "model.layers."), (".norm_1.", ".input_layernorm."),
@@ -119,14 +121,15 @@ def fused_part_rows(name: str, rows: int, num_heads: int, num_kv_heads: int, hea
 def checkpoint_name(arch: str, name: str) -> str:
     """A checkpoint tensor's name in the layout every family shares (model.layers.N.self_attn...)."""
     for old, new in {"MptForCausalLM": _MPT_NAMES, "BloomForCausalLM": _BLOOM_NAMES,
-                     "FalconForCausalLM": _BLOOM_NAMES, "BaichuanForCausalLM": _BAICHUAN_NAMES}.get(arch, ()):
+                     "FalconForCausalLM": _FALCON_NAMES, "BaichuanForCausalLM": _BAICHUAN_NAMES}.get(arch, ()):
         name = name.replace(old, new)
     return name
 
 
 def fused_rows_per_head(arch: str) -> bool:
-    """Whether a fused q|k|v tensor holds its parts head by head ([q_h; k_h; v_h] per head, BLOOM)
-    rather than one after the other."""
+    """Whether a fused q|k|v tensor holds its parts per KV group ([q_g...; k_g; v_g] for each KV
+    head g: BLOOM and Falcon-RW one query head per group, Falcon-7B's multi-query one group,
+    Falcon-40B's grouped KV) rather than one after the other."""
     return arch in ("BloomForCausalLM", "FalconForCausalLM")
 
 
@@ -161,8 +164,13 @@ def standard_config(config: Mapping[str, Any]) -> dict[str, Any]:
             config["intermediate_size"] = config.get("ffn_hidden_size") or 4 * int(d)
         config.setdefault("rms_norm_eps", config.get("layer_norm_epsilon", 1e-5))
         config.setdefault("tie_word_embeddings", True)
-        # Multi-query Falcons are refused by ModelConfig; the others have a KV head per head.
-        config["num_key_value_heads"] = config.get("num_attention_heads")
+        # transformers' FalconAttention: num_kv_heads with the new decoder architecture (grouped)
+        # or without multi-query (then one per head); one KV head for multi-query.
+        heads = config.get("num_attention_heads") or config.get("n_head")
+        if config.get("new_decoder_architecture") or not config.get("multi_query", True):
+            config["num_key_value_heads"] = config.get("num_kv_heads") or heads
+        else:
+            config["num_key_value_heads"] = 1
     elif architecture_of(config) == "BaichuanForCausalLM":
         # Baichuan (remote code): multi-head; the 13B config names its context model_max_length.
         config["num_key_value_heads"] = config.get("num_attention_heads")

@@ -14,6 +14,9 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
 
 
+# vLLM's --lora-dtype values.
+LORA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. Bad values raise ValueError naming the field.
@@ -75,6 +78,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's lora_dtype: the adapters' slot dtype ("auto": the model's). bfloat16 under a float32
+    # model halves the adapter bytes each decode step reads.
+    lora_dtype: str = "auto"
     # vLLM's KVEventsConfig (runtime/kv_events/config.py), a dict or its JSON string: publish the
     # prefix cache's stored / removed blocks over ZMQ for a cache-aware router.
     kv_events_config: Any = None
@@ -146,11 +152,11 @@ class EngineConfig:
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             method = self.speculative_config.method
-            if (method in ("medusa", "eagle", "eagle3", "mtp") and isinstance(self.pipeline_parallel_size, int)
-                    and self.pipeline_parallel_size > 1):
-                # The heads read the final hidden state, which lives on the last stage, not rank 0.
-                what = {"medusa": "Medusa heads", "mtp": "MTP layers"}.get(method, "EAGLE heads")
-                fail("speculative_config", f"{what} do not run with pipeline parallelism yet "
+            if method == "mtp" and isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size > 1:
+                # The MTP layer reuses the target's MLA attention, MoE block, embedding and head,
+                # which are split across the stages (Medusa and EAGLE heads run on rank 0 from the
+                # last stage's hidden states: runtime/executor/pipeline_hidden.py).
+                fail("speculative_config", "MTP layers do not run with pipeline parallelism yet "
                      "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):
             fail("enforce_eager", "must be a boolean")
@@ -163,6 +169,8 @@ class EngineConfig:
         positive_int("max_loras")
         positive_int("max_lora_rank")
         positive_int("max_cpu_loras", optional=True)
+        if self.lora_dtype not in LORA_DTYPES:
+            fail("lora_dtype", f"must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         elif self.max_cpu_loras < self.max_loras:

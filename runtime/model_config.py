@@ -128,6 +128,10 @@ class ModelConfig:
     alibi_scale: float = 1.0
     # Baichuan-13B: ALiBi attention inside the Llama layer (RMSNorms, SiLU-gated MLP), not MPT's.
     alibi_llama_layers: bool = False
+    # Falcon-7B/40B (RoPE): attention and MLP side by side on the same normed input (two LayerNorms,
+    # one per branch, with falcon_two_norms: Falcon-40B's new decoder architecture).
+    falcon_parallel: bool = False
+    falcon_two_norms: bool = False
 
     @classmethod
     def from_pretrained(cls, model_dir: str | pathlib.Path) -> ModelConfig:
@@ -243,6 +247,12 @@ class ModelConfig:
                              or (arch == "DeepseekV3ForCausalLM" and bool(config.get("rope_interleave", True)))),
             hf_config=config,
         )
+
+    @property
+    def layer_norms(self) -> bool:
+        """LayerNorm layers with an ungated GELU MLP (models/mpt.py, models/falcon.py), not the
+        Llama layer's RMSNorms: MPT, BLOOM, both Falcons."""
+        return (self.alibi_bias_max is not None and not self.alibi_llama_layers) or self.falcon_parallel
 
     @property
     def dtype(self) -> torch.dtype:
@@ -450,15 +460,25 @@ def _bloom(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _falcon(config: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """Falcon's ALiBi variant (Falcon-RW): one KV head per head, attention then MLP; the RoPE,
-    multi-query and parallel-attention Falcons are refused by field."""
-    for key, want in (("alibi", True), ("multi_query", False), ("parallel_attn", False),
-                      ("new_decoder_architecture", False)):
-        if bool(config.get(key, not want)) != want:
-            raise ValueError(f"model config: {key} {str(not want).lower()} is not supported for FalconForCausalLM "
-                             f"(its ALiBi variant, Falcon-RW, is); supported: {str(want).lower()}")
+    """Falcon: the ALiBi variant (Falcon-RW: one KV head per head, attention then MLP) or the RoPE
+    one with attention and MLP in parallel (Falcon-7B: multi-query, one LayerNorm; Falcon-40B's new
+    decoder architecture: grouped KV heads, a LayerNorm per branch). Other combinations are refused
+    by field."""
     if (config.get("activation") or "gelu") != "gelu":
         raise ValueError(f"model config: activation {config.get('activation')!r} is not supported; supported: 'gelu'")
+    new_arch = bool(config.get("new_decoder_architecture", False))
+    if not config.get("alibi", False):
+        if not new_arch and not config.get("parallel_attn", True):
+            raise ValueError("model config: parallel_attn false is not supported for FalconForCausalLM with rotary "
+                             "embeddings (alibi false); supported: true, or alibi true (Falcon-RW)")
+        lns = config.get("num_ln_in_parallel_attn") or (2 if new_arch else 1)
+        if lns not in (1, 2):
+            raise ValueError(f"model config: num_ln_in_parallel_attn {lns!r} is not supported; supported: 1, 2")
+        return {"norm_bias": True, "falcon_parallel": True, "falcon_two_norms": new_arch and lns == 2}
+    for key, want in (("multi_query", False), ("parallel_attn", False), ("new_decoder_architecture", False)):
+        if bool(config.get(key, not want)) != want:
+            raise ValueError(f"model config: {key} {str(not want).lower()} is not supported for FalconForCausalLM "
+                             f"with alibi true (Falcon-RW); supported: {str(want).lower()}")
     return {"alibi_bias_max": 8.0, "norm_bias": True, "alibi_scale": head_dim ** -0.5}
 
 

@@ -110,11 +110,14 @@ def _config(arch: str, overrides: dict[str, Any]):
                       n_layer=kwargs["num_hidden_layers"], vocab_size=kwargs["vocab_size"],
                       layer_norm_epsilon=kwargs.get("layer_norm_epsilon", 1e-5), initializer_range=INIT_STD,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if arch == "falcon":  # the ALiBi variant (Falcon-RW): a KV head per head, sequential attention and MLP
+    if arch == "falcon":  # by default the ALiBi variant (Falcon-RW): a KV head per head, sequential attention and MLP
+        variant = {k: overrides[k] for k in ("alibi", "multi_query", "parallel_attn", "new_decoder_architecture", "bias",
+                                             "num_kv_heads", "num_ln_in_parallel_attn") if k in overrides}
         kwargs = dict(hidden_size=kwargs["hidden_size"], num_attention_heads=kwargs["num_attention_heads"],
                       num_hidden_layers=kwargs["num_hidden_layers"], vocab_size=kwargs["vocab_size"], alibi=True,
                       multi_query=False, parallel_attn=False, new_decoder_architecture=False, bias=True,
                       initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        kwargs.update(variant)
     cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,

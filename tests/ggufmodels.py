@@ -409,6 +409,72 @@ def write_alibi_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32",
     return out
 
 
+_FALCON_LAYER = {f"{hf}.{t}": f"{gg}.{t}" for hf, gg in (
+    ("input_layernorm", "attn_norm"), ("ln_attn", "attn_norm"), ("ln_mlp", "attn_norm_2"),
+    ("self_attention.query_key_value", "attn_qkv"), ("self_attention.dense", "attn_output"),
+    ("mlp.dense_h_to_4h", "ffn_up"), ("mlp.dense_4h_to_h", "ffn_down")) for t in ("weight", "bias")}
+
+
+def write_falcon_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *,
+                      twin: dict | None = None) -> pathlib.Path:
+    """A RoPE Falcon directory as llama.cpp's converter writes it (conversion/falcon.py): falcon.*
+    metadata (feed_forward_length 4 x hidden, head_count_kv, layer_norm_epsilon), q|k|v regrouped
+    from KV groups [q_g...; k_g; v_g] into q | k | v, ln_attn / input_layernorm as attn_norm and
+    ln_mlp as attn_norm_2. The KV head count is transformers' (1 for multi-query): the converter
+    reads num_kv_heads, which a config saved by transformers 5 fills with the head count even
+    for multi-query models."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        state.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
+    hidden, heads, layers = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+    new_arch = config.get("new_decoder_architecture", False)
+    kv = config.get("num_kv_heads") or heads if new_arch or not config.get("multi_query", True) else 1
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(str(out), "falcon")
+    w.add_context_length(2048)
+    w.add_tensor_data_layout("jploski")
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_block_count(layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_eps(config["layer_norm_epsilon"])
+    w.add_vocab_size(config["vocab_size"])
+    _add_tokenizer(w, hf_dir)
+
+    def put(hf: str, gguf_name: str, stored: np.ndarray, k: str) -> None:
+        used = _add_tensor(w, gguf_name, stored, k)
+        if twin is not None:  # row regrouping commutes with row-wise quantization
+            twin[hf] = torch.from_numpy(encoded(state[hf], used))
+
+    put("transformer.word_embeddings.weight", "token_embd.weight", state["transformer.word_embeddings.weight"], kind)
+    for i in range(layers):
+        pre = f"transformer.h.{i}."
+        for hf, gg in _FALCON_LAYER.items():
+            if pre + hf not in state:
+                continue
+            x = state[pre + hf]
+            if hf.startswith("self_attention.query_key_value"):
+                g = x.reshape(kv, heads // kv + 2, head_dim, *x.shape[1:])
+                x = np.concatenate([g[:, :-2].reshape(-1, *x.shape[1:]), g[:, -2].reshape(-1, *x.shape[1:]),
+                                    g[:, -1].reshape(-1, *x.shape[1:])])
+            put(pre + hf, f"blk.{i}.{gg}", x, kind)
+    for t in ("weight", "bias"):
+        put(f"transformer.ln_f.{t}", f"output_norm.{t}", state[f"transformer.ln_f.{t}"], "F32")
+    if "lm_head.weight" in state and not config.get("tie_word_embeddings", True):
+        put("lm_head.weight", "output.weight", state["lm_head.weight"], kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, kind: str = "F32", *, embed_kind: str | None = None,
                rope_freqs: np.ndarray | None = None, tensor_kinds: dict[str, str] | None = None,
                twin: dict | None = None) -> pathlib.Path:

@@ -24,6 +24,8 @@ def test_recorded_vllm_exposition():
         tensor_parallel_size=None,
         prompt_tokens_total=123456,
         generation_tokens_total=65432,
+        inter_token_latency_seconds_sum=42.502818602531875,  # TPOT totals, for the layout policy
+        inter_token_latency_seconds_count=2000,
     )
     assert standardize(VLLM_TEXT, "vllm") == s
 

@@ -2,7 +2,8 @@
 (tests/ggufmodels.py write_alibi_gguf), at F16, Q8_0, Q4_K and Q6_K: logits against transformers on the
 weights the file encodes, BLOOM's also against transformers' own GGUF loading (an oracle that
 regroups q|k|v itself), the config the metadata maps to, greedy decoding through the engine, and
-what is refused (llama.cpp's Falcon, grouped KV heads)."""
+what is refused (MPT's grouped KV heads, an MLP width other than 4 x hidden, a Falcon KV head count
+that does not divide the heads). Falcon's GGUF files are tests/test_falcon.py's."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def _minimal(path: pathlib.Path, arch: str, **keys) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("arch, keys, message", [
-    ("falcon", {}, "Falcon-RW"),
+    ("falcon", {"kv_heads": 3}, "does not divide"),
     ("mpt", {"kv_heads": 2}, "head_count_kv"),
     ("bloom", {"ffn": 100}, "feed_forward_length"),
 ])

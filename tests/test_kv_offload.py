@@ -425,6 +425,36 @@ def test_two_servers_sharing_a_directory_never_clash_or_delete_each_others_write
     b.close()
 
 
+def _write_blocks_in_a_loop(root) -> None:
+    store = FileStore(root, NS, fsync=False)
+    for _ in range(20):
+        for i in range(16):
+            store.put(bytes([i]), torch.full((8192 + i,), i, dtype=torch.uint8))
+
+
+def test_two_processes_writing_and_reading_one_directory_never_read_a_partial_block(tmp_path):
+    """Another server (a real process, forked: no second import) writes the same blocks while this
+    one writes and reads them."""
+    import multiprocessing
+
+    other = multiprocessing.get_context("fork").Process(target=_write_blocks_in_a_loop, args=(str(tmp_path),))
+    other.start()
+    ours = FileStore(tmp_path, NS, fsync=False)
+    blocks = {bytes([i]): torch.full((8192 + i,), i, dtype=torch.uint8) for i in range(16)}
+    bad, rounds = [], 0
+    while other.is_alive() or rounds == 0:
+        rounds += 1
+        for key, data in blocks.items():
+            ours.put(key, data)
+            got = ours.get(key)
+            if got is None or not torch.equal(got, data):
+                bad.append(key)
+    other.join(60)
+    assert other.exitcode == 0 and not bad
+    assert sorted(k for k, _ in ours.scan()) == sorted(blocks) and not list(ours.dir.glob("*.tmp"))
+    ours.close()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "other-namespace", "renamed"])
 def test_a_damaged_file_is_never_read_and_is_deleted(tmp_path, damage):
     store = FileStore(tmp_path, NS)

@@ -387,3 +387,31 @@ def test_structured_output_with_an_adapter(llama_setup):
     params = SamplingParams(max_tokens=16, temperature=0, structured_outputs={"choice": choices})
     outs = llm.generate(["Is it?", "Or not?"], params, use_tqdm=False, lora_request=[requests["all8"], None])
     assert all(o.outputs[0].text in choices for o in outs)
+
+
+def test_bfloat16_adapters_on_a_float32_model_match_peft_on_rounded_weights(tiny_model_factory, tmp_path):
+    """lora_dtype="bfloat16" (vLLM's --lora-dtype): the slots hold bfloat16 (half the bytes a decode
+    step reads), the native decode stack widens them as it reads. Oracle: peft with the adapters'
+    weights rounded to bfloat16 (scalings 16/8 and 16/4 are powers of two: rounding B before or
+    after scaling is the same)."""
+    base = tiny_model_factory("llama")
+    adapters = {"a": build_lora_adapter(base, tmp_path / "a", r=8, seed=51, std=0.1,
+                                        target_modules=[*ALL_MODULES, "embed_tokens", "lm_head"]),
+                "b": build_lora_adapter(base, tmp_path / "b", r=4, seed=52, std=0.15)}
+    pm = peft_model(base, {k: str(v) for k, v in adapters.items()})
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(p.to(torch.bfloat16).float())
+    names = ["a", None, "b", "a"]
+    with LLM(str(base), enable_lora=True, lora_dtype="bfloat16", max_loras=2, max_lora_rank=8, num_kv_blocks=64,
+             block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else LoRARequest(n, 1 + (n == "b"), str(adapters[n]))
+                                          for n in names])
+        model = llm.engine.executor.driver_worker.model
+        assert model.layers[0].self_attn.qkv_proj.a_t.dtype == torch.bfloat16
+        assert model._native_stack.lora_slots is not None  # decode steps took the native stack
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+    with pytest.raises(ValueError, match="lora_dtype"):
+        LLM(str(base), enable_lora=True, lora_dtype="int8")

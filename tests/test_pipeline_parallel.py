@@ -42,7 +42,7 @@ def _generate(llm: LLM, prompts, params=None) -> list[list[int]]:
 FAMILIES = {
     # Tied head on the last stage (its own copy of the embedding) and a vocabulary 2 does not divide.
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, vocab_size=509)),
-    # Sandwich norms, embedding scale on stage 0, local/global layers (one block table at PP).
+    # Sandwich norms, embedding scale on stage 0, local/global layers (a block table per group at PP).
     "gemma2": ("gemma2", dict(final_logit_softcapping=1.5)),
     # A dense first layer then MoE, latent attention.
     "deepseek_v3": ("deepseek_v3", {}),
@@ -67,24 +67,34 @@ def pp2_llama(tiny_model_factory):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pp2_matches_pp1(tiny_model_factory, request, family):
     model_dir = _family_dir(tiny_model_factory, family)
-    # Greedy rows, plus seeded random rows (one asking for logprobs) that finish first: steps
-    # with a random row ship logits to rank 0, whose Sampler draws from each request's own
-    # generator as at PP=1; the all-greedy steps after them are sampled on the last stage.
+    # Greedy rows, plus seeded random rows that finish first (one asking for logprobs, one n = 2
+    # with penalties and min_tokens): the last stage samples those with each request's generator
+    # state sent along and sends back tokens, logprobs and the advanced states, so the draws are
+    # PP=1's; the all-greedy steps after them send only argmax ids.
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 7, 9, 15)]
     params += [SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=5, ignore_eos=True),
-               SamplingParams(temperature=1.0, seed=12, max_tokens=4, ignore_eos=True, logprobs=2)]
+               SamplingParams(temperature=1.0, seed=12, max_tokens=4, ignore_eos=True, logprobs=2),
+               SamplingParams(temperature=0.8, seed=13, n=2, presence_penalty=0.5, repetition_penalty=1.2,
+                              min_tokens=2, max_tokens=4, ignore_eos=True)]
+
+    def generate(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        logprobs = [{t: round(lp.logprob, 4) for t, lp in d.items()} for d in outs[5].outputs[0].logprobs]
+        return [[list(c.token_ids) for c in o.outputs] for o in outs], logprobs
+
     with LLM(str(model_dir), **KW) as llm1:
         prompts = _prompts(llm1.engine.model_config.vocab_size)
-        prompts += prompts[:2]
-        want = _generate(llm1, prompts, params)
+        prompts += prompts[:3]
+        want = generate(llm1)
         full_weights = llm1.engine.executor.model_weight_bytes
     shared = family == "llama-untied"
     llm2 = (request.getfixturevalue("pp2_llama") if shared
             else LLM(str(model_dir), pipeline_parallel_size=2, **KW))
     try:
-        got = _generate(llm2, prompts, params)
+        got = generate(llm2)
         executor = llm2.engine.executor
-        assert executor.driver_worker.steps_sampled_on_last_stage > 0
+        worker = executor.driver_worker
+        assert worker.steps_with_stage_rows > 0 and worker.steps_sampled_on_last_stage > worker.steps_with_stage_rows
         stats = llm2.engine.get_stats()
         reports = executor.rank_reports
         assert len(tp_worker_pids()) == 1

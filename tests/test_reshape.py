@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 
 import openai
 import pytest
@@ -243,8 +244,16 @@ def test_spare_workers_and_one_kv_events_endpoint_across_reshapes(tiny_llama, tm
         before = [o for o in engine.step() if o.request_id == "a"]
         first = drain(lambda new: {b.data_parallel_rank for _, b in new} >= {0, 1})
         assert {b.data_parallel_rank for _, b in first} == {0, 1}  # each engine's prefill, tagged
+        # On the CPU the engines of a layout share one copy of the weights (host_weights) ...
+        weights = [dict(e.executor.driver_worker.model.named_parameters()) for e in engine.engines]
+        assert all(p is weights[1][name] for name, p in weights[0].items())
+        old_model = weakref.ref(engine.engines[0].executor.driver_worker.model)
+        del weights
         engine.reshape(1, 2)
+        # ... and a reshape frees the old layout's without a garbage collection (it runs later).
+        assert old_model() is None and engine._collect_due is not None
         assert engine.engines[0].executor.worker_pids == spares and not spare_worker_pids()
+        assert engine.engines[0].executor.rank_reports[1]["preloaded"]  # its shard loaded while it waited
         done = {}
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -341,3 +350,41 @@ def test_parallel_samples_seeds_stop_strings_and_logprobs_survive_reshapes(tiny_
         return out
 
     assert run({3: (1, 2), 7: (2, 1)}) == run({})
+
+
+def test_with_a_file_tier_resumed_requests_read_their_kv_across_the_reshape(tiny_llama, tmp_path):
+    """With --kv-offload-dir the retired engines write their cached blocks to the tier, and the new
+    layout reads them at its own TP degree (sliced or joined heads): the requests a reshape
+    resumes, and a conversation's next turn, find their KV there instead of recomputing it; the
+    greedy output is the one without a reshape."""
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = {f"r{i}": list(range(5 + 20 * i, 5 + 20 * i + 24)) for i in range(2)}
+
+    def run(reshape_at: int | None, tier) -> tuple[dict, int]:
+        config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=128,
+                                        max_model_len=256, enable_prefix_caching=True,
+                                        kv_offload_bytes=1 << 22, kv_offload_dir=str(tier))
+        out: dict = {}
+        with DataParallelEngine(config, 2) as engine:
+            for rid, ids in prompts.items():
+                engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            steps = 0
+            while engine.has_unfinished_requests():
+                out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+                steps += 1
+                if steps == reshape_at:
+                    hits = engine.get_stats().kv_offload_hit_tokens_total
+                    engine.reshape(1, 2)
+            hits = engine.get_stats().kv_offload_hit_tokens_total - (hits if reshape_at else 0)
+        return out, hits
+
+    want, _ = run(None, tmp_path / "plain")
+    got, hits = run(4, tmp_path / "tier")
+    assert got == want
+    # each request had 24 prompt + 3 generated tokens: its 6 whole blocks came back from the tier
+    # (the last, partial block is recomputed)
+    assert hits >= 2 * 24, hits

@@ -144,3 +144,39 @@ def test_logprobs_equal_log_softmax_of_transformers_logits(llm, tiny_llama):
         cumulative += entry[token].logprob
     assert out.cumulative_logprob == pytest.approx(cumulative, abs=1e-4)
     assert not math.isnan(out.cumulative_logprob)
+
+
+def test_sampling_on_the_last_pipeline_stage_is_rank_0s_draw():
+    """runtime/executor/stage_sampling.py: the rows described, sampled elsewhere (through the wire
+    format) and taken back give rank 0's tokens and logprobs, and leave each seeded generator
+    where rank 0's draw would have."""
+    from kvserve.runtime.executor import stage_sampling as ss
+
+    vocab = 300
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    specs = [SamplingParams(temperature=0.9, top_p=0.9, seed=5, logprobs=3),
+             SamplingParams(temperature=0.7, top_k=20, seed=6, presence_penalty=0.5, repetition_penalty=1.3,
+                            min_tokens=4, n=2),
+             SamplingParams(temperature=0, logprobs=0)]
+    repeats = [1, 2, 1]
+
+    def rows():
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in specs]
+        out = [SamplingRow(specs[0], [1, 2, 3, 9], 3, gens[0]),
+               SamplingRow(specs[1], [4, 4, 7, 8, 8], 3, gens[1], [0, 1]),
+               SamplingRow(specs[1], [4, 4, 7, 8, 8], 3, torch.Generator().manual_seed(7), [0, 1]),
+               SamplingRow(specs[2], [5], 1, None)]
+        return out
+
+    want_rows = rows()
+    want = Sampler(torch.Generator())(logits.repeat_interleave(torch.tensor(repeats), dim=0), want_rows)
+    got_rows = rows()
+    shipped = ss.stage_rows(got_rows, repeats)
+    sample = ss.decode(ss.encode(ss.sample_on_stage(logits.clone(), shipped, Sampler(torch.Generator()))))
+    got = ss.take_stage_sample(sample, got_rows)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    for w, g in zip(want_rows, got_rows):
+        if w.generator is not None:
+            assert torch.equal(w.generator.get_state(), g.generator.get_state())
+    # Only rows whose penalties or min_tokens read them carry their tokens.
+    assert [len(r.token_ids) for r in shipped.rows] == [0, 5, 5, 0]

@@ -49,10 +49,12 @@ def test_lora_flags_need_enable_lora():
     base = parse(["serve", "m"])
     assert lora_problem(base) is None and "enable_lora" not in engine_kwargs(base)  # the base path is unchanged
     on = parse(["serve", "m", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
-                "--lora-modules", "a=/a", '{"name": "b", "path": "/b"}'])
+                "--lora-dtype", "bfloat16", "--lora-modules", "a=/a", '{"name": "b", "path": "/b"}'])
     assert lora_problem(on) is None
-    assert {k: engine_kwargs(on)[k] for k in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")} == {
-        "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 3}
+    keys = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")
+    assert {k: engine_kwargs(on)[k] for k in keys} == {
+        "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 3, "lora_dtype": "bfloat16"}
+    assert lora_problem(parse(["serve", "m", "--lora-dtype", "bfloat16"])) == "--lora-dtype needs --enable-lora"
     assert [x.name for x in on.lora_modules] == ["a", "b"]
     with pytest.raises(SystemExit):
         parse(["serve", "m", "--enable-lora", "--lora-modules", "broken"])

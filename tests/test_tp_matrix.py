@@ -119,6 +119,11 @@ CASES = {
     # The heads run on rank 0 from the hidden states behind its logits rows.
     "medusa-spec-decode": Case(engine=dict(speculative_config={"method": "medusa", "num_speculative_tokens": 3}),
                                medusa=True, workload=_grounded, ran=_spec_ran),
+    # A Medusa tree: rank 0 moves each accepted path's K/V into place at once, rank 1 before its
+    # next step (ForwardInput.kv_slot_moves); a rank that missed one would diverge.
+    "medusa-tree-spec-decode": Case(engine=dict(speculative_config={
+        "method": "medusa", "speculative_token_tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
+        medusa=True, workload=_grounded, ran=_spec_ran),
     # EAGLE-3 on rank 0 reads layers' residual streams there (the other ranks keep the fast path).
     "eagle3-spec-decode": Case(engine=dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 3}),
                                eagle3=True, workload=_grounded, ran=_spec_ran),

@@ -25,7 +25,7 @@ the matmul and attention dot products use explicit FMA.
 #define TILE 16
 #define MR_MAX 6
 
-int kv_abi_version(void) { return 12; }
+int kv_abi_version(void) { return 13; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -896,10 +896,11 @@ typedef struct {
    A's columns p*r .. (p+1)*r and only the outputs part_off[p] .. part_off[p+1]: the columns past
    parts x r and B's off-diagonal blocks are zero and never read. */
 typedef struct {
-  const float* a; /* NULL: the layer has no adapter slots */
-  const float* b;
+  const void* a; /* NULL: the layer has no adapter slots */
+  const void* b;
   int64_t parts;
   int64_t part_off[4];
+  int64_t bf16; /* 1: A and B are bfloat16 (lora_dtype), widened to float32 as they are read */
 } kv_lora_linear;
 
 typedef struct {
@@ -911,17 +912,38 @@ typedef struct {
   int64_t num_groups, max_rank;
 } kv_lora;
 
+/* Eight slot values from float32 or bfloat16 storage (bfloat16 is float32's upper half). */
+static inline __attribute__((always_inline)) __m256 lora_load8(const void* p, int64_t i, int bf16) {
+  if (bf16)
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))), 16));
+  return _mm256_loadu_ps((const float*)p + i);
+}
+
+static inline __attribute__((always_inline)) float lora_load1(const void* p, int64_t i, int bf16) {
+  if (bf16) {
+    uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  return ((const float*)p)[i];
+}
+
 /* Up to four rows of one adapter (row pointers; a short tail repeats its last row, computed but
    not stored): sh = x @ A over the parts x r columns in use, then y += sh @ B per part over that
-   part's outputs only. Four rows share every load of A and B. */
-static void lora_rows4(const float* const xr[4], float* const yr[4], int mr, int64_t k, const float* a,
-                       const float* b, int64_t C, const kv_lora_linear* L, int32_t r, int64_t n, float* sh) {
+   part's outputs only. Four rows share every load of A and B. `bf16` is a constant at each call
+   site, so the compiler builds one loop per storage type. */
+static inline __attribute__((always_inline)) void lora_rows4_t(const float* const xr[4], float* const yr[4], int mr,
+                                                               int64_t k, const void* a, const void* b, int64_t C,
+                                                               const kv_lora_linear* L, int32_t r, int64_t n,
+                                                               float* sh, int bf16) {
   const int64_t used = L->parts * r;
   int64_t c0 = 0;
   for (; c0 + 8 <= used; c0 += 8) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     for (int64_t kk = 0; kk < k; kk++) {
-      const __m256 av = _mm256_loadu_ps(a + kk * C + c0);
+      const __m256 av = lora_load8(a, kk * C + c0, bf16);
       s0 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[0] + kk), av, s0);
       s1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[1] + kk), av, s1);
       s2 = _mm256_fmadd_ps(_mm256_broadcast_ss(xr[2] + kk), av, s2);
@@ -935,19 +957,19 @@ static void lora_rows4(const float* const xr[4], float* const yr[4], int mr, int
   for (; c0 < used; c0++)
     for (int ii = 0; ii < 4; ii++) {
       float acc = 0.0f;
-      for (int64_t kk = 0; kk < k; kk++) acc += xr[ii][kk] * a[kk * C + c0];
+      for (int64_t kk = 0; kk < k; kk++) acc += xr[ii][kk] * lora_load1(a, kk * C + c0, bf16);
       sh[ii * C + c0] = acc;
     }
   for (int64_t p = 0; p < L->parts; p++) {
     const int64_t hi = L->part_off[p + 1];
     const float* sp = sh + p * r;
-    const float* bp = b + p * r * n;
+    const int64_t bp = p * r * n; /* part p's block of B starts at this element */
     int64_t o = L->part_off[p];
     for (; o + 8 <= hi; o += 8) {
       __m256 y0 = _mm256_loadu_ps(yr[0] + o), y1 = _mm256_loadu_ps(yr[1] + o);
       __m256 y2 = _mm256_loadu_ps(yr[2] + o), y3 = _mm256_loadu_ps(yr[3] + o);
       for (int32_t j = 0; j < r; j++) {
-        const __m256 bv = _mm256_loadu_ps(bp + j * n + o);
+        const __m256 bv = lora_load8(b, bp + j * n + o, bf16);
         y0 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + j), bv, y0);
         y1 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + C + j), bv, y1);
         y2 = _mm256_fmadd_ps(_mm256_broadcast_ss(sp + 2 * C + j), bv, y2);
@@ -962,10 +984,18 @@ static void lora_rows4(const float* const xr[4], float* const yr[4], int mr, int
     for (; o < hi; o++)
       for (int ii = 0; ii < mr; ii++) {
         float acc = yr[ii][o];
-        for (int32_t j = 0; j < r; j++) acc += sp[ii * C + j] * bp[j * n + o];
+        for (int32_t j = 0; j < r; j++) acc += sp[ii * C + j] * lora_load1(b, bp + j * n + o, bf16);
         yr[ii][o] = acc;
       }
   }
+}
+
+static void lora_rows4(const float* const xr[4], float* const yr[4], int mr, int64_t k, const void* a,
+                       const void* b, int64_t C, const kv_lora_linear* L, int32_t r, int64_t n, float* sh) {
+  if (L->bf16)
+    lora_rows4_t(xr, yr, mr, k, a, b, C, L, r, n, sh, 1);
+  else
+    lora_rows4_t(xr, yr, mr, k, a, b, C, L, r, n, sh, 0);
 }
 
 /* y[t] += (x[t] @ A_s) @ B_s for every adapter row t (slot s), after the base matmul wrote y (as
@@ -979,8 +1009,9 @@ static void lora_add(const float* x, int64_t k, int64_t ldx, const kv_lora* lo, 
   for (int64_t g = 0; g < lo->num_groups; g++) {
     const int32_t slot = lo->group_slot[g], r = lo->slot_rank[slot];
     const int32_t first = lo->group_start[g], rows = lo->group_start[g + 1] - first;
-    const float* a = L->a + (int64_t)slot * k * C;
-    const float* b = L->b + (int64_t)slot * C * n;
+    const int64_t esize = L->bf16 ? 2 : 4;
+    const void* a = (const char*)L->a + (int64_t)slot * k * C * esize;
+    const void* b = (const char*)L->b + (int64_t)slot * C * n * esize;
     float sh[4 * C];
     for (int32_t i0 = 0; i0 < rows && r > 0; i0 += 4) {
       const int mr = rows - i0 < 4 ? rows - i0 : 4;

@@ -37,7 +37,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 12
+ABI_VERSION = 13
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
 
@@ -615,7 +615,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class _LoRALinear(ctypes.Structure):
-    _fields_ = [("a", _P), ("b", _P), ("parts", _I), ("part_off", _I * 4)]
+    _fields_ = [("a", _P), ("b", _P), ("parts", _I), ("part_off", _I * 4), ("bf16", _I)]
 
 
 class _LoRA(ctypes.Structure):
@@ -625,7 +625,8 @@ class _LoRA(ctypes.Structure):
 
 class LoRASlots:
     """The adapter slots of every layer's qkv, o, gate_up and down (runtime/lora/layers.py: A^T
-    [slots, in, parts x max_rank], scaled B [slots, parts x max_rank, out], filled in place), for
+    [slots, in, parts x max_rank], scaled B [slots, parts x max_rank, out], float32 or bfloat16
+    (lora_dtype), filled in place), for
     DecoderStack.run: each step's adapter rows are added after their base matmul, B read only in
     its parts' diagonal blocks. `layers[i]` is four (a_t, b_t, part output sizes) or None."""
 
@@ -639,12 +640,15 @@ class LoRASlots:
                     continue
                 a_t, b_t, sizes = entry
                 for name, t in (("A", a_t), ("B", b_t)):
-                    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                        raise ValueError(f"LoRASlots: layer {i} {_WEIGHTS[j]} {name} must be contiguous float32")
+                    if (t.dtype not in (torch.float32, torch.bfloat16) or t.dtype != a_t.dtype
+                            or not t.is_contiguous() or t.device.type != "cpu"):
+                        raise ValueError(f"LoRASlots: layer {i} {_WEIGHTS[j]} {name} must be contiguous float32 "
+                                         "or bfloat16 (both alike)")
                 if len(sizes) > 3 or a_t.shape[2] != len(sizes) * max_rank or sum(sizes) != b_t.shape[2]:
                     raise ValueError(f"LoRASlots: layer {i} {_WEIGHTS[j]}: shapes do not fit {len(sizes)} parts")
                 c = self.array[4 * i + j]
                 c.a, c.b, c.parts = a_t.data_ptr(), b_t.data_ptr(), len(sizes)
+                c.bf16 = int(a_t.dtype == torch.bfloat16)
                 offsets = [0]
                 for size in sizes:
                     offsets.append(offsets[-1] + size)

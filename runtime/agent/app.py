@@ -99,6 +99,8 @@ def signals_json(state: ScrapeState, config: AgentConfig, now: float, adapters: 
         "data_parallel_size": val("data_parallel_size", int),
         "prompt_tokens_total": val("prompt_tokens_total", int),
         "generation_tokens_total": val("generation_tokens_total", int),
+        "inter_token_latency_seconds_sum": val("inter_token_latency_seconds_sum"),
+        "inter_token_latency_seconds_count": val("inter_token_latency_seconds_count", int),
         "model_name": sample.model_name if sample else None,
         "lora_adapters": list(sample.lora_adapters) if sample and sample.lora_adapters is not None else None,
         "engine_up": state.up,

@@ -34,6 +34,10 @@ class EngineSample:
     # engine does not say (vLLM's lora_requests_info names only running and waiting ones).
     lora_adapters: tuple[str, ...] | None = None
     data_parallel_size: float | None = None  # kvserve's engines per pod (a live layout, issue 22)
+    # The inter-token latency (TPOT) histogram's totals: the operator's layout policy takes their
+    # differences between decisions for the TPOT of an interval.
+    inter_token_latency_seconds_sum: float | None = None
+    inter_token_latency_seconds_count: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -97,6 +101,16 @@ SOURCES: dict[str, list[tuple[str, Reducer]]] = {
     ],
     "data_parallel_size": [
         ("kvserve:data_parallel_size", _max),
+    ],
+    "inter_token_latency_seconds_sum": [
+        ("vllm:inter_token_latency_seconds_sum", _sum),
+        ("vllm:time_per_output_token_seconds_sum", _sum),  # vLLM before the rename
+        ("sglang:inter_token_latency_seconds_sum", _sum),
+    ],
+    "inter_token_latency_seconds_count": [
+        ("vllm:inter_token_latency_seconds_count", _sum),
+        ("vllm:time_per_output_token_seconds_count", _sum),
+        ("sglang:inter_token_latency_seconds_count", _sum),
     ],
     "prompt_tokens_total": [
         ("vllm:prompt_tokens_total", _sum),

@@ -69,6 +69,12 @@ _OBSERVATIONS = ("queue_times", "time_to_first_token", "inter_token_latencies", 
                  "grammar_compile_times", "kv_offload_store_seconds", "kv_offload_load_seconds")
 
 
+# After a reshape on the CPU, the garbage collection it skipped runs once the engines are idle
+# (but not in the first COLLECT_IDLE_AFTER_S, while the reshape's answer is still on its way:
+# the collection holds the GIL), or after COLLECT_AFTER_S of serving at the latest.
+COLLECT_IDLE_AFTER_S = 2.0
+COLLECT_AFTER_S = 30.0
+
 # Prefix keys remembered for placement (a few MB at most): about 250 prompts of 4k tokens.
 MAX_PREFIX_KEYS = 65536
 
@@ -121,12 +127,15 @@ class DataParallelEngine:
 
     def __init__(self, config, data_parallel_size: int = 1,
                  engine_factory: Callable[[Any], Any] | None = None, *, spare_workers: bool = False) -> None:
-        if engine_factory is None:
-            from kvserve.runtime.engine.llm_engine import LLMEngine
+        from kvserve.runtime.engine.llm_engine import LLMEngine
 
+        if engine_factory is None:
             engine_factory = LLMEngine
         self.config = config
         self._factory = engine_factory
+        # Engine i's tokenizer, kept across layouts (each running engine keeps its own, as each
+        # detokenizes in its own thread); only the default factory takes one.
+        self._tokenizers: dict[int, Any] | None = {} if engine_factory is LLMEngine else None
         self.layout = Layout(data_parallel_size, config.tensor_parallel_size)
         self.num_devices = self.layout.devices
         check_layout(self.layout, self.num_devices)
@@ -137,7 +146,23 @@ class DataParallelEngine:
         # Keep G - 1 worker interpreters started while no engine uses them, so a reshape to
         # tensor parallelism skips their start-up (multiproc.prestart_workers).
         self.spare_workers = spare_workers
-        self.engines: list[Any] = self._build(self.layout)
+        # On the CPU every layout's rank-0 weights stay in host memory (runtime/models/
+        # host_weights.py): engines of one layout share one copy, and a reshape back to a layout
+        # seen before builds its engines without reading or repacking the checkpoint.
+        self._host_weights = str(config.device).startswith("cpu")
+        if self._host_weights:
+            from kvserve.runtime.models import host_weights
+
+            host_weights.retain()
+        # A full garbage collection costs most of a second in a process holding torch; on the
+        # CPU a reshape does not need one before the new layout starts (the closed engines'
+        # weights and pools go by reference counting), so it is run later (_collect_later).
+        self._collect_due: float | None = None
+        try:
+            self.engines: list[Any] = self._build(self.layout)
+        except BaseException:
+            self._release_host_weights()
+            raise
         self._keep_spares()
         first = self.engines[0]
         self.model_config = first.model_config
@@ -158,10 +183,7 @@ class DataParallelEngine:
     # -- building a layout -------------------------------------------------------------------------
     def _build(self, layout: Layout) -> list[Any]:
         devices = engine_devices(layout, str(self.config.device))
-        configs = [dataclasses.replace(self.config, tensor_parallel_size=layout.tensor_parallel, device=device)
-                   for device in devices]
-        if self._kv_events is not None:  # the engines publish through the server's stream
-            configs = [dataclasses.replace(c, kv_events_config=None) for c in configs]
+        configs = [self._engine_config(layout.tensor_parallel, device) for device in devices]
         engines: list[Any] = []
         # The engines start side by side: most of a start is torch work that leaves the GIL
         # (filling the KV pools, packing weights), so G engines take little more than one. The
@@ -171,7 +193,7 @@ class DataParallelEngine:
         if not self._started_one:
             first: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                first.set_result(self._factory(configs[0]))
+                first.set_result(self._make(0, configs[0]))
             except BaseException as exc:
                 first.set_exception(exc)
             futures.append(first)
@@ -179,7 +201,8 @@ class DataParallelEngine:
             self._started_one = first.exception() is None
         if configs:
             with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="kvserve-dp-start") as pool:
-                futures += [pool.submit(self._factory, cfg) for cfg in configs]
+                done = len(futures)
+                futures += [pool.submit(self._make, done + i, cfg) for i, cfg in enumerate(configs)]
                 concurrent.futures.wait(futures)
         try:
             for fut in futures:
@@ -204,12 +227,33 @@ class DataParallelEngine:
             raise
         return engines
 
+    def _engine_config(self, tensor_parallel: int, device: str) -> Any:
+        config = dataclasses.replace(self.config, tensor_parallel_size=tensor_parallel, device=device)
+        if self._kv_events is not None:  # the engines publish through the server's stream
+            config = dataclasses.replace(config, kv_events_config=None)
+        return config
+
+    def _make(self, index: int, config: Any) -> Any:
+        if self._tokenizers is None:
+            return self._factory(config)
+        engine = self._factory(config, tokenizer=self._tokenizers.get(index))
+        self._tokenizers.setdefault(index, engine.tokenizer)
+        return engine
+
     def _keep_spares(self) -> None:
         if not self.spare_workers or self.num_devices < 2:
             return
         from kvserve.runtime.executor.multiproc import prestart_workers
 
-        prestart_workers(self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0)
+        wanted = self.num_devices - 1 if self.layout.tensor_parallel < self.num_devices else 0
+        preload = None
+        if wanted and self._host_weights:
+            # On the CPU each spare also loads the shard its rank of 1 x TP G will need (host
+            # memory: (G-1)/G of the weights, held while the layout is G x TP1).
+            g = self.num_devices
+            device = engine_devices(Layout(1, g), str(self.config.device))[0]
+            preload = (self._engine_config(g, device), g, "cpu", str(self.engines[0].dtype).removeprefix("torch."))
+        prestart_workers(wanted, preload)
 
     def _close_engine(self, engine: Any) -> None:
         """Frees an engine's devices but not the shared grammar manager."""
@@ -304,6 +348,8 @@ class DataParallelEngine:
         return sum(self._loads())
 
     def step(self) -> list[RequestOutput]:
+        if self._collect_due is not None:
+            self._collect_later()
         outputs, self._pending = self._pending, []
         busy = [e for e in self.engines if e.has_unfinished_requests()]
         if len(busy) == 1:
@@ -333,16 +379,42 @@ class DataParallelEngine:
         return stats
 
     def check_health(self) -> None:
+        if self._collect_due is not None:  # the server's engine loop checks health when idle
+            self._collect_later()
         for e in self.engines:
             e.check_health()
+
+    def _release_host_weights(self) -> None:
+        if self._host_weights:
+            from kvserve.runtime.models import host_weights
+
+            self._host_weights = False
+            host_weights.release()
+
+    def _collect_later(self) -> None:
+        """The collection a CPU reshape skipped: once the engines are idle, or at the latest
+        COLLECT_AFTER_S after the reshape (then one pause of a full collection, as Python's own)."""
+        if self._collect_due is None:
+            return
+        now = time.monotonic()
+        idle_from = self._collect_due - COLLECT_AFTER_S + COLLECT_IDLE_AFTER_S
+        if now < self._collect_due and (self.has_unfinished_requests() or now < idle_from):
+            return
+        self._collect_due = None
+        from kvserve.runtime.executor.platform import platform_for
+
+        platform_for(self.engines[0].device if self.engines else "cpu").release_memory()
 
     def close(self) -> None:
         from kvserve.runtime.executor.platform import held_release, platform_for
 
         device = self.engines[0].device if self.engines else "cpu"  # none left after a failed rollback
+        self._collect_due = None
         with held_release(platform_for(device)):  # one collection for all engines
             for e in self.engines:
                 self._close_engine(e)
+            self.engines = []
+            self._release_host_weights()
         if self.spare_workers:
             from kvserve.runtime.executor.multiproc import prestart_workers
 
@@ -395,7 +467,10 @@ class DataParallelEngine:
         # all of them (each rank's own would cost most of a second).
         from kvserve.runtime.executor.platform import held_release, platform_for
 
-        with held_release(platform_for(self.engines[0].device)):
+        platform = platform_for(self.engines[0].device)
+        # A GPU needs the memory back before the new layout sizes its pools; the CPU does not.
+        collect_now = platform.name != "cpu"
+        with held_release(platform, release=collect_now):
             for i, engine in enumerate(self.engines):
                 stats = engine.get_stats()
                 _retire_into(self._retired, stats, first=i == 0)
@@ -423,6 +498,8 @@ class DataParallelEngine:
         self._prefixes.clear()
         self._resume(heads)
         self._keep_spares()
+        if not collect_now:
+            self._collect_due = time.monotonic() + COLLECT_AFTER_S
         seconds = time.perf_counter() - t0
         phases["resume"] = seconds - sum(phases.values())
         record = self._record(old, target, seconds, len(heads), changed=failure is None,

@@ -69,7 +69,9 @@ class LLMEngine:
     OutputProcessor. Single-threaded: add_request/abort_request/step come from one thread.
     Implements the server's EngineClient (runtime/engine/client.py)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+        """`tokenizer`: one this config's model loaded before (a live reshape's engine reuses a
+        retired engine's: loading one holds the GIL for most of a second)."""
         from transformers import AutoTokenizer
 
         from kvserve.runtime.attention.selector import get_attention_backend
@@ -93,7 +95,9 @@ class LLMEngine:
         check_kv_cache_dtype_for_model(config.kv_cache_dtype, self.model_config)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         self.model_config = self.model_config.for_max_model_len(self.max_model_len)  # LongRoPE's factors
-        if config.tokenizer is None and is_gguf_path(config.model):
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
+        elif config.tokenizer is None and is_gguf_path(config.model):
             self.tokenizer = load_gguf_tokenizer(config.model)  # from the file's metadata
         else:
             try:

@@ -36,6 +36,10 @@ class ForwardInput:
     # logits row's argmax (int64 token ids) instead of the rows x vocabulary float32 logits: the
     # same tokens rank 0's Sampler would pick from the same logits, at 8 bytes a row on the wire.
     greedy_ids: bool = False
+    # Pipeline parallelism, any other sampling step: the rows' sampling on the last stage
+    # (runtime/executor/stage_sampling.py's StageRows), which returns the sampled tokens instead
+    # of the logits. None: the logits go to rank 0 (speculative verification).
+    stage_rows: Any = None
     # (source slot, destination slot) copies in every layer's pools that rank 0 made after the
     # previous step (a Medusa tree's accepted path), for the other ranks to make before this one.
     kv_slot_moves: list[tuple[int, int]] = dataclasses.field(default_factory=list)

@@ -20,6 +20,7 @@ import torch
 
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.executor.forward_input import ForwardInput
+from kvserve.runtime.executor.stage_sampling import stage_rows, take_stage_sample
 from kvserve.runtime.sampler import Sampler, SamplerOutput, SamplingRow, plain_greedy
 
 Forward = Callable[[ForwardInput], "torch.Tensor | None"]
@@ -184,6 +185,8 @@ class ModelRunner:
         assert not rows or len(step.logits_rows) == (len(rows) if repeats is None else len(repeats))
         step.greedy_ids = bool(self.greedy_on_last_stage and rows and (repeats is None or set(repeats) == {1})
                                and all(plain_greedy(r.params) and r.grammar is None for r in rows))
+        if self.greedy_on_last_stage and rows and not step.greedy_ids:
+            step.stage_rows = stage_rows(rows, repeats)
         t1 = time.perf_counter()
         with torch.inference_mode():
             handle = launch(step)
@@ -201,6 +204,9 @@ class ModelRunner:
         if step.greedy_ids:
             self.last_timings = (t1 - t0, time.perf_counter() - t1, 0.0)
             return SamplerOutput(logits.tolist(), [None] * len(rows))
+        if step.stage_rows is not None:  # sampled on the last stage
+            self.last_timings = (t1 - t0, time.perf_counter() - t1, 0.0)
+            return take_stage_sample(logits, rows)
         if repeats is not None and any(r != 1 for r in repeats):
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         t2 = time.perf_counter()

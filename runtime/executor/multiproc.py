@@ -42,7 +42,7 @@ import torch
 from kvserve.runtime.executor import protocol
 from kvserve.runtime.executor.base import Executor
 from kvserve.runtime.executor.forward_input import ForwardInput
-from kvserve.runtime.executor.worker_process import WorkerArgs
+from kvserve.runtime.executor.worker_process import Preload, WorkerArgs
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +125,17 @@ def _spawn() -> tuple[subprocess.Popen, int, int]:
 
 # Worker interpreters started ahead of need (prestart_workers): a live reshape to tensor
 # parallelism (runtime/engine/data_parallel.py) then does not wait for Python and torch to start.
-# Each has imported what a rank needs and waits for its rank on the control pipe.
-_spares: list[tuple[subprocess.Popen, int, int]] = []
+# Each has imported what a rank needs and waits for its rank on the control pipe; given a
+# preload, it has also loaded the shard of the rank it will most likely get (the 4th item).
+_spares: list[tuple[subprocess.Popen, int, int, int | None]] = []
+# A preload message waits in the spare's pipe until it has imported torch: it must fit the pipe's
+# buffer (64 KiB on Linux), or sending it would block the engine's thread that long.
+PRELOAD_MESSAGE_MAX = 32768
 _spares_lock = threading.Lock()
 
 
-def _close_spare(spare: tuple[subprocess.Popen, int, int]) -> None:
-    popen, ctrl_w, report_r = spare
+def _close_spare(spare: tuple[subprocess.Popen, int, int, int | None]) -> None:
+    popen, ctrl_w, report_r, _ = spare
     for fd in (ctrl_w, report_r):
         try:
             os.close(fd)  # the spare reads EOF and exits
@@ -144,14 +148,28 @@ def _close_spare(spare: tuple[subprocess.Popen, int, int]) -> None:
         popen.wait()
 
 
-def prestart_workers(n: int) -> None:
-    """Keeps `n` spare worker interpreters ready (0: stops them)."""
+def prestart_workers(n: int, preload: tuple[Any, int, str, str] | None = None) -> None:
+    """Keeps `n` spare worker interpreters ready (0: stops them). `preload`: (engine config,
+    world size, device, dtype name) of the tensor-parallel engine they will most likely serve;
+    spare i then loads the shard of rank i + 1 while it waits (host memory: CPU devices only)."""
     with _spares_lock:
         dead = [s for s in _spares if s[0].poll() is not None]
         live = [s for s in _spares if s[0].poll() is None]
         extra, live = live[n:], live[:n]
         while len(live) < n:
-            live.append(_spawn())
+            popen, ctrl_w, report_r = _spawn()
+            rank = None
+            if preload is not None:
+                config, world_size, device, dtype = preload
+                rank = len(live) + 1
+                message = pickle.dumps((Preload(rank, world_size, device, dtype, torch.get_num_threads()), config),
+                                       protocol=pickle.HIGHEST_PROTOCOL)
+                if len(message) > PRELOAD_MESSAGE_MAX:
+                    rank = None  # it would wait for the spare to read it: no preload
+                else:
+                    with Connection(os.dup(ctrl_w), readable=False) as conn:  # ctrl_w stays open
+                        conn.send_bytes(message)
+            live.append((popen, ctrl_w, report_r, rank))
         _spares[:] = live
     for spare in dead + extra:
         _close_spare(spare)
@@ -162,12 +180,13 @@ def spare_worker_pids() -> list[int]:
         return [s[0].pid for s in _spares]
 
 
-def _take_spare() -> tuple[subprocess.Popen, int, int] | None:
+def _take_spare(rank: int) -> tuple[subprocess.Popen, int, int] | None:
+    """A live spare, the one that preloaded `rank`'s shard if there is one."""
     with _spares_lock:
-        while _spares:
-            spare = _spares.pop(0)
+        for spare in sorted(_spares, key=lambda s: s[3] != rank):
+            _spares.remove(spare)
             if spare[0].poll() is None:
-                return spare
+                return spare[:3]
             _close_spare(spare)
     return None
 
@@ -177,7 +196,7 @@ class _WorkerProcess:
 
     def __init__(self, args: WorkerArgs, config, kv_groups, max_model_len: int) -> None:
         self.rank = args.rank
-        self.popen, ctrl_w, report_r = _take_spare() or _spawn()
+        self.popen, ctrl_w, report_r = _take_spare(args.rank) or _spawn()
         self.pid = self.popen.pid
         self.ctrl = Connection(ctrl_w, readable=False)
         self.report = Connection(report_r, writable=False)
@@ -275,6 +294,8 @@ class MultiProcExecutor(Executor):
             for w in self._workers:
                 if w.pid is None:  # a remote rank: its pid on its own node
                     w.pid = self.rank_reports[w.rank]["pid"] = hello[w.rank][1]
+                # a spare that had loaded its shard before its rank came (prestart_workers)
+                self.rank_reports[w.rank]["preloaded"] = bool(hello[w.rank][2:3] and hello[w.rank][2])
             dist.init_process_group(self.backend, store=store, rank=0, world_size=tp, timeout=timeout)
             self._group_up = True
         except BaseException:

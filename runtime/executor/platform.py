@@ -250,16 +250,17 @@ _held = threading.local()
 
 
 @contextlib.contextmanager
-def held_release(platform: Platform):
+def held_release(platform: Platform, release: bool = True):
     """Closes several engines with one release_memory at the end instead of one per rank: a full
     collection takes most of a second in a process holding torch and transformers, and a live
-    reshape closing G engines paid it G times (runtime/engine/data_parallel.py)."""
+    reshape closing G engines paid it G times (runtime/engine/data_parallel.py). `release=False`:
+    none at the end either (the caller collects later)."""
     _held.depth = getattr(_held, "depth", 0) + 1
     try:
         yield
     finally:
         _held.depth -= 1
-        if not _held.depth:
+        if not _held.depth and release:
             platform.release_memory()
 
 

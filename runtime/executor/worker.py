@@ -88,9 +88,11 @@ class Worker:
             from kvserve.runtime.lora.worker import WorkerLoRA
 
             config = self.config
+            lora_dtype = getattr(config, "lora_dtype", "auto")
             self.lora = WorkerLoRA(self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                    max_cpu_loras=config.max_cpu_loras, model_dir=config.model,
-                                   hf_config=self.model_config.hf_config)
+                                   hf_config=self.model_config.hf_config,
+                                   dtype=None if lora_dtype == "auto" else getattr(torch, lora_dtype))
 
     @property
     def weight_bytes(self) -> int:

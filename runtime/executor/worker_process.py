@@ -39,6 +39,40 @@ class WorkerArgs:
     max_step_tokens: int  # the most tokens one step packs (KV groups size their pools by it)
 
 
+@dataclass(frozen=True)
+class Preload:
+    """What a spare worker (multiproc.prestart_workers) loads before it gets its rank: the shard
+    of `rank` of `world_size` that a reshape to that TP degree will ask of it (CPU only: the
+    shard waits in host memory)."""
+    rank: int
+    world_size: int
+    device: str
+    dtype: str
+    num_threads: int
+
+
+def _preload(preload: Preload, config):
+    """A Worker with its shard loaded, or None if that failed (the real start reports it)."""
+    import torch
+
+    from kvserve.runtime.executor.base import worker_class
+    from kvserve.runtime.model_config import ModelConfig
+
+    try:
+        device = torch.device(preload.device)
+        if device.type == "cpu":
+            torch.set_num_threads(preload.num_threads)
+        worker = worker_class(config)(config, ModelConfig.from_pretrained(config.model), device=device,
+                                      dtype=getattr(torch, preload.dtype), rank=preload.rank,
+                                      world_size=preload.world_size)
+        worker.load_model()
+        return worker
+    except Exception:
+        log.warning("a spare worker could not preload rank %d of %d; it loads when its rank comes",
+                    preload.rank, preload.world_size, exc_info=True)
+        return None
+
+
 def _watch_parent(parent_pid: int) -> None:
     def run():
         while True:
@@ -66,12 +100,17 @@ def main() -> None:
     import torch  # noqa: F401
 
     from kvserve.runtime.executor import worker  # noqa: F401
+    preloaded = None
     try:
-        args, config, kv_groups, max_model_len = pickle.loads(ctrl.recv_bytes())
+        message = pickle.loads(ctrl.recv_bytes())
+        if isinstance(message[0], Preload):
+            preloaded = [(message[0], message[1], _preload(*message))]
+            message = pickle.loads(ctrl.recv_bytes())
+        args, config, kv_groups, max_model_len = message
     except EOFError:
         os._exit(0)
     _watch_parent(args.parent_pid)
-    _serve(args, config, kv_groups, max_model_len, ctrl, report)
+    _serve(args, config, kv_groups, max_model_len, ctrl, report, preloaded)
 
 
 def main_remote() -> None:
@@ -96,9 +135,10 @@ def main_remote() -> None:
     _serve(args, config, kv_groups, max_model_len, conn, conn)
 
 
-def _serve(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connection, report: Connection) -> None:
+def _serve(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connection, report: Connection,
+           preloaded=None) -> None:
     try:
-        _run(args, config, kv_groups, max_model_len, ctrl, report)
+        _run(args, config, kv_groups, max_model_len, ctrl, report, preloaded)
     except EOFError:
         os._exit(0)  # the engine closed our pipe: it is gone or shutting down
     except BaseException:
@@ -110,25 +150,36 @@ def _serve(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connec
     os._exit(0)
 
 
-def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connection, report: Connection) -> None:
+def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connection, report: Connection,
+         preloaded=None) -> None:
     import torch
     import torch.distributed as dist
 
     from kvserve.runtime.executor.base import worker_class
+    from kvserve.runtime.executor.platform import held_release
     from kvserve.runtime.model_config import ModelConfig
 
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.num_threads)
-    worker = worker_class(config)(config, ModelConfig.from_pretrained(config.model), device=device,
-                    dtype=getattr(torch, args.dtype), rank=args.rank, world_size=args.world_size)
-    report.send_bytes(protocol.encode(protocol.HELLO, args.rank, os.getpid()))
+    worker = None
+    if preloaded is not None:
+        want = Preload(args.rank, args.world_size, args.device, args.dtype, args.num_threads)
+        spec, preload_config, worker = preloaded.pop()  # the only reference left: dropped below if unused
+        if worker is not None and (spec != want or preload_config != config):
+            worker = None  # loaded for another rank or engine: dropped, this one loads its own
+    loaded = worker is not None
+    if worker is None:
+        worker = worker_class(config)(config, ModelConfig.from_pretrained(config.model), device=device,
+                        dtype=getattr(torch, args.dtype), rank=args.rank, world_size=args.world_size)
+    report.send_bytes(protocol.encode(protocol.HELLO, args.rank, os.getpid(), loaded))
     store = dist.TCPStore(args.store_host, args.store_port, args.world_size, False,
                           timeout=datetime.timedelta(seconds=args.timeout_s))
     dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world_size,
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     try:
-        worker.load_model()
+        if not loaded:
+            worker.load_model()
         blocks = worker.determine_kv_blocks(kv_groups, max_model_len=max_model_len,
                                             max_step_tokens=args.max_step_tokens)
         # With LoRA, each rank's adaptable modules: rank 0 checks adapters against every stage's.
@@ -153,5 +204,6 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
                 raise RuntimeError(f"unexpected message {kind!r}")
             worker.execute_model(payload[0])
     finally:
-        worker.close()
+        with held_release(worker.platform, release=False):  # no collection: the process exits next
+            worker.close()
         dist.destroy_process_group()

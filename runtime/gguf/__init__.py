@@ -5,7 +5,7 @@
 - ``checkpoint_tensors(path, cfg)``: the weights under Hugging Face checkpoint names, with what
   llama.cpp's converter changed undone (``kvserve.runtime.gguf.names``: Q/K row permutation,
   Gemma's norm offsets, stacked experts, DeepSeek's split kv_b and interleaved rotary rows,
-  BLOOM's regrouped q|k|v), each
+  BLOOM's and Falcon's regrouped q|k|v), each
   either a float tensor or (for the types with a group-wise integer form, when the caller asks)
   a ``GroupQuantized``;
 - ``load_tokenizer(path)``: the tokenizer and chat template from the metadata, converted by
@@ -26,7 +26,7 @@ from kvserve.runtime.gguf.config import CONFIG_TENSORS, ROPE_FREQS, hf_config
 from kvserve.runtime.gguf.names import (
     KV_B_PARTS,
     LAYER_RE,
-    bloom_qkv_heads,
+    grouped_qkv,
     hf_names,
     norm_offset,
     permuted_heads,
@@ -38,7 +38,7 @@ from kvserve.runtime.gguf.weights import (
     GroupQuantized,
     check_supported,
     group_quantized,
-    per_head_index,
+    kv_group_index,
     rope_deinterleave_index,
     take_rows,
     to_float,
@@ -125,8 +125,8 @@ def checkpoint_tensors(path: str | pathlib.Path, cfg, *, keep_quantized=lambda h
                               mla.latent_dim) if mla is not None else None
             if group is not None:
                 index = rope_deinterleave_index(info.shape[0], group, mla.qk_rope_head_dim)
-            if (fused_heads := bloom_qkv_heads(gguf_name, arch, shape.num_attention_heads)) is not None:
-                index = per_head_index(info.shape[0], fused_heads)
+            if grouped_qkv(gguf_name, arch):
+                index = kv_group_index(info.shape[0], shape.num_attention_heads, shape.num_kv_heads)
             if index is not None:
                 tensor = tensor.permute_rows(index) if isinstance(tensor, GroupQuantized) else take_rows(tensor, index)
             offset = norm_offset(arch, name)

@@ -35,9 +35,11 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "mpt": ("MptForCausalLM", "mpt", False),
     "bloom": ("BloomForCausalLM", "bloom", False),
+    "falcon": ("FalconForCausalLM", "falcon", False),
 }
-# ALiBi families: LayerNorm (attention.layer_norm_epsilon), no RoPE keys.
+# ALiBi families: no RoPE keys. With Falcon: LayerNorms (attention.layer_norm_epsilon).
 ALIBI = ("mpt", "bloom")
+LAYER_NORM = (*ALIBI, "falcon")
 GEMMA = ("gemma2", "gemma3")
 # llama.cpp's ggml_expert_gating_func: 1 softmax, 2 sigmoid.
 _GATING = {1: "softmax", 2: "sigmoid"}
@@ -52,14 +54,6 @@ CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS.values())
 def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
     """(config.json, generation_config.json) equivalents built from the file's metadata."""
     arch = gf.architecture
-    if arch == "falcon":
-        # llama.cpp's falcon graph is Falcon-7B/40B's (RoPE, parallel attention, multi-query or
-        # grouped KV), which kvserve does not serve from safetensors either; kvserve's Falcon is the
-        # ALiBi variant (Falcon-RW), which llama.cpp's converter cannot convert (it regroups q|k|v
-        # as multi-query).
-        raise GGUFError(gf.path, "metadata key 'general.architecture'",
-                        "'falcon' files are the RoPE, parallel-attention Falcon (7B/40B/180B), which kvserve does "
-                        "not serve; kvserve serves Falcon-RW (ALiBi) from safetensors only")
     if arch not in ARCHITECTURES:
         raise ValueError(f"model: GGUF architecture {arch!r} in {gf.path} is not supported; "
                          f"supported: {', '.join(ARCHITECTURES)}")
@@ -103,7 +97,7 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         "num_key_value_heads": kv_heads,
         "vocab_size": vocab,
         "max_position_embeddings": get("context_length", 2048),
-        "rms_norm_eps": (get("attention.layer_norm_epsilon", 1e-5, kind=float) if arch in ALIBI
+        "rms_norm_eps": (get("attention.layer_norm_epsilon", 1e-5, kind=float) if arch in LAYER_NORM
                          else get("attention.layer_norm_rms_epsilon", 1e-6, kind=float)),
         "rope_theta": get("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0, kind=float),
         "tie_word_embeddings": "output.weight" not in names,
@@ -133,6 +127,8 @@ def hf_config(gf: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
         config.update(_gemma(get, arch, config))
     if arch in ALIBI:
         config.update(_alibi(get, gf, arch, heads, kv_heads, names))
+    if arch == "falcon":
+        config.update(_falcon(gf, heads, kv_heads, names))
     if arch == "phi3":
         if any(n in names for n in LONGROPE_FACTORS.values()):
             config["rope_scaling"] = _longrope(get, gf, config["head_dim"])
@@ -246,6 +242,20 @@ def _longrope(get, gf: GGUFFile, head_dim: int) -> dict[str, Any]:
     if attn_factor is not None:
         out["attention_factor"] = attn_factor
     return out
+
+
+def _falcon(gf: GGUFFile, heads: int, kv_heads: int, names: set[str]) -> dict[str, Any]:
+    """llama.cpp's Falcon graph: rotary embeddings, attention and MLP in parallel, one LayerNorm
+    (Falcon-7B, multi-query) or one per branch (attn_norm_2: Falcon-40B's new decoder architecture,
+    grouped KV heads). Its converter writes no flag for either; the tensors and head counts say."""
+    if heads % kv_heads:
+        raise GGUFError(gf.path, "metadata key 'falcon.attention.head_count_kv'",
+                        f"{kv_heads} does not divide head_count {heads}")
+    two_norms = "blk.0.attn_norm_2.weight" in names
+    new_arch = two_norms or 1 < kv_heads < heads
+    return {"alibi": False, "parallel_attn": True, "new_decoder_architecture": new_arch,
+            "multi_query": kv_heads == 1, "num_kv_heads": kv_heads, "num_ln_in_parallel_attn": 2 if two_norms else 1,
+            "bias": "blk.0.attn_qkv.bias" in names}
 
 
 def _deepseek2(get, gf: GGUFFile, config: dict[str, Any], experts: int) -> dict[str, Any]:

@@ -14,16 +14,17 @@ the config builder can list the per-tensor types without loading anything):
   ``attn_v_b`` (older files keep ``attn_kv_b``), and the rotary rows of q and kv_a_proj in
   DeepSeek's interleaved pair order, which the loader turns into rotate-half order
   (``rope_rows``) so that no packed tensor needs permuting inside the model;
-- MPT / BLOOM: q|k|v fused in ``attn_qkv`` (MPT's Wqkv as is; BLOOM's reordered from head by head
-  [q_h; k_h; v_h] into q | k | v, which ``bloom_qkv_heads`` undoes), LayerNorm biases, BLOOM's
-  embedding LayerNorm ``token_embd_norm``.
+- MPT / BLOOM / Falcon: q|k|v fused in ``attn_qkv`` (MPT's Wqkv as is; BLOOM's and Falcon's
+  reordered from KV groups [q_g...; k_g; v_g] into q | k | v, which ``grouped_qkv`` marks for
+  undoing), LayerNorm biases, BLOOM's embedding LayerNorm ``token_embd_norm``, Falcon-40B's second
+  LayerNorm ``attn_norm_2``.
 """
 
 from __future__ import annotations
 
 import re
 
-LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*)\.(weight|bias)$")  # attn_norm_2: a digit
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -81,7 +82,9 @@ _PHI3 = {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_pro
 # MPT and BLOOM (ALiBi, LayerNorm, ungated MLP): q|k|v fused as in their checkpoints.
 _ALIBI = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
           "attn_output": "self_attn.o_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_LAYER_NAMES = {"mpt": _ALIBI, "bloom": _ALIBI,
+# Falcon (RoPE): attention and MLP in parallel; Falcon-40B's second LayerNorm (ln_mlp) is attn_norm_2.
+_FALCON = {**_ALIBI, "attn_norm_2": "mlp_layernorm"}
+_LAYER_NAMES = {"mpt": _ALIBI, "bloom": _ALIBI, "falcon": _FALCON,
                 "phi3": _PHI3, "gemma2": _GEMMA, "gemma3": _GEMMA, "qwen2moe": _QWEN_MOE, "qwen3moe": _QWEN_MOE,
                 "deepseek2": _DEEPSEEK}
 # The stacked expert tensors: GGUF kind -> part (the names per family are in _expert_name).
@@ -144,13 +147,11 @@ def permuted_heads(gguf_name: str, architecture: str, num_heads: int, num_kv_hea
     return {"attn_q": num_heads, "attn_k": num_kv_heads}.get(m.group(2))
 
 
-def bloom_qkv_heads(gguf_name: str, architecture: str, num_heads: int) -> int | None:
-    """For BLOOM's attn_qkv: the head count whose [q_h; k_h; v_h] row groups llama.cpp's converter
-    regrouped into q | k | v (the checkpoint's order, which the loader splits, is head by head)."""
-    if architecture != "bloom":
-        return None
+def grouped_qkv(gguf_name: str, architecture: str) -> bool:
+    """Whether this is BLOOM's or Falcon's attn_qkv, whose KV groups ([q_g...; k_g; v_g], the
+    checkpoint's order, which the loader splits) llama.cpp's converter regrouped into q | k | v."""
     m = LAYER_RE.match(gguf_name)
-    return num_heads if m is not None and m.group(2) == "attn_qkv" else None
+    return architecture in ("bloom", "falcon") and m is not None and m.group(2) == "attn_qkv"
 
 
 def norm_offset(architecture: str, hf: str) -> float:

@@ -149,12 +149,21 @@ def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).view(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def per_head_index(rows: int, num_heads: int, parts: int = 3) -> torch.Tensor:
-    """Row order that turns `parts` consecutive blocks (q | k | v, each num_heads heads) back into
-    head-by-head groups [q_h; k_h; v_h] (BLOOM's fused layout)."""
-    if rows % (num_heads * parts):
-        raise ValueError(f"cannot regroup {rows} rows into {num_heads} heads of {parts} parts")
-    return torch.arange(rows).view(parts, num_heads, rows // (num_heads * parts)).transpose(0, 1).reshape(-1)
+def kv_group_index(rows: int, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Row order that turns q | k | v stored one after the other (llama.cpp's layout) back into KV
+    groups [q_g...; k_g; v_g] (BLOOM's and Falcon's fused layout: one query head per group for
+    BLOOM, all of them for multi-query Falcon-7B)."""
+    group = num_heads // num_kv_heads
+    if num_heads % num_kv_heads or rows % (num_kv_heads * (group + 2)):
+        raise ValueError(f"cannot regroup {rows} rows into {num_kv_heads} KV groups of {num_heads} heads")
+    d = rows // (num_kv_heads * (group + 2))
+    g = torch.arange(num_kv_heads)[:, None, None]
+    j = torch.arange(group + 2)[None, :, None]
+    i = torch.arange(d)[None, None, :]
+    q = (g * group + j) * d + i
+    k = num_heads * d + g * d + i
+    v = (num_heads + num_kv_heads) * d + g * d + i
+    return torch.where(j < group, q, torch.where(j == group, k, v)).reshape(-1)
 
 
 def rope_deinterleave_index(rows: int, group: int, rope_dim: int) -> torch.Tensor:

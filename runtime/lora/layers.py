@@ -91,7 +91,7 @@ class LoRALinear(nn.Module):
     """A MergedColumnParallelLinear or RowParallelLinear with LoRA slots beside it."""
 
     def __init__(self, base: nn.Module, state: LoRAState, *, parts: Sequence[str], row_parallel: bool,
-                 max_loras: int, max_rank: int) -> None:
+                 max_loras: int, max_rank: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.base_layer = base
         self.state = state
@@ -115,7 +115,7 @@ class LoRALinear(nn.Module):
         self.out_parts = list(zip(bounds, bounds[1:]))
         self.full_in = spec.input_size
         c = len(self.parts) * max_rank
-        dtype, device = spec.params_dtype, spec.device
+        dtype, device = dtype or spec.params_dtype, spec.device
         self.register_buffer("a_t", torch.zeros(max_loras, self.in_local, c, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("b_t", torch.zeros(max_loras, c, self.out_local, dtype=dtype, device=device),

@@ -42,13 +42,14 @@ class LoRAVocab(nn.Module):
     """A VocabParallelEmbedding with adapter slots for `parts` (EMBED and/or HEAD)."""
 
     def __init__(self, base: nn.Module, state: LoRAState, *, parts: Sequence[str], max_loras: int,
-                 max_rank: int) -> None:
+                 max_rank: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.base_layer = base
         self.state = state
         self.parts = list(parts)
         spec = base.spec
-        dtype, device = spec.params_dtype, spec.device
+        dtype, device = dtype or spec.params_dtype, spec.device
+        self.slot_dtype = dtype
         self.vocab, self.hidden = base.vocab_size, spec.input_size
         self.active = {p: [False] * max_loras for p in self.parts}
         for p in self.parts:
@@ -72,17 +73,13 @@ class LoRAVocab(nn.Module):
                 images.append(None)
                 continue
             a, b = ab
-            a_t = torch.zeros(getattr(self, f"{p}_a_t").shape[1:], dtype=self.base_dtype)
-            b_t = torch.zeros(getattr(self, f"{p}_b_t").shape[1:], dtype=self.base_dtype)
+            a_t = torch.zeros(getattr(self, f"{p}_a_t").shape[1:], dtype=self.slot_dtype)
+            b_t = torch.zeros(getattr(self, f"{p}_b_t").shape[1:], dtype=self.slot_dtype)
             r = a.shape[0]
             a_t[:, :r] = a.t().to(a_t.dtype)
             b_t[:r] = b.t().to(b_t.dtype)
             images.append((a_t, b_t))
         return images
-
-    @property
-    def base_dtype(self) -> torch.dtype:
-        return self.base_layer.spec.params_dtype
 
     @torch.inference_mode()
     def set_slot(self, slot: int, image: list) -> None:
@@ -102,7 +99,8 @@ class LoRAVocab(nn.Module):
         for slot, rows in segment_rows(batch):
             if active[slot]:
                 r = ranks[slot]
-                out[rows] += self.embed_tokens_a_t[slot, :, :r][input_ids[rows]] @ self.embed_tokens_b_t[slot, :r]
+                delta = self.embed_tokens_a_t[slot, :, :r][input_ids[rows]] @ self.embed_tokens_b_t[slot, :r]
+                out[rows] += delta.to(out.dtype)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -118,7 +116,8 @@ class LoRAVocab(nn.Module):
         for slot, rows in by_slot.items():
             r = ranks[slot]
             index = torch.tensor(rows, device=hidden.device)
-            delta = (hidden[index] @ self.lm_head_a_t[slot, :, :r]) @ self.lm_head_b_t[slot, :r]
+            a, b = self.lm_head_a_t[slot, :, :r], self.lm_head_b_t[slot, :r]
+            delta = (hidden[index].to(a.dtype) @ a) @ b
             out[index] += delta.to(out.dtype)
         return out
 
@@ -136,7 +135,8 @@ class LoRAVocab(nn.Module):
             return getattr(modules["base_layer"], name)
 
 
-def wrap_vocab(model, state: LoRAState, *, max_loras: int, max_rank: int) -> list[LoRAVocab]:
+def wrap_vocab(model, state: LoRAState, *, max_loras: int, max_rank: int,
+               dtype: torch.dtype | None = None) -> list[LoRAVocab]:
     """Wraps the model's embedding and LM head (those this stage holds) in place; returns the
     wrappers. Gemma's scaled embedding is left alone: PEFT's embedding product would be added
     before or after the scale depending on the transformers version, so it is refused instead
@@ -147,7 +147,7 @@ def wrap_vocab(model, state: LoRAState, *, max_loras: int, max_rank: int) -> lis
     first = getattr(model, "layer_start", 0) == 0
     end = getattr(model, "layer_end", None)
     last = end is None or end == model.config.num_layers
-    kw = dict(max_loras=max_loras, max_rank=max_rank)
+    kw = dict(max_loras=max_loras, max_rank=max_rank, dtype=dtype)
     out = []
     if isinstance(embed, VocabParallelEmbedding):
         parts = []

@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 class WorkerLoRA:
     def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int, model_dir: str = "",
-                 hf_config=None) -> None:
+                 hf_config=None, dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.dtype = dtype  # the slots' dtype (lora_dtype); None: the model's
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.model_dir, self.hf_config = model_dir, hf_config
         self.state = LoRAState(max_loras)
@@ -46,9 +47,11 @@ class WorkerLoRA:
         model.lora_state = self.state
 
     def _wrap(self) -> None:
+        from kvserve.runtime.lora.mla import wrap_mla
         from kvserve.runtime.models.llama import MLP, Attention
+        from kvserve.runtime.models.mla import MLAAttention
 
-        kw = dict(max_loras=self.max_loras, max_rank=self.max_lora_rank)
+        kw = dict(max_loras=self.max_loras, max_rank=self.max_lora_rank, dtype=self.dtype)
         for w in wrap_vocab(self.model, self.state, **kw):
             self.wrappers.append((MODEL_LEVEL, w))
             for p, name in enumerate(w.parts):
@@ -57,11 +60,13 @@ class WorkerLoRA:
         for i, layer in enumerate(self.model.layers, start=getattr(self.model, "layer_start", 0)):
             attn, mlp = layer.self_attn, layer.mlp
             wrapped = []
-            if isinstance(attn, Attention):  # not MLA: its projections are another shape
+            if isinstance(attn, Attention):
                 attn.qkv_proj = LoRALinear(attn.qkv_proj, self.state, parts=("q_proj", "k_proj", "v_proj"),
                                            row_parallel=False, **kw)
                 attn.o_proj = LoRALinear(attn.o_proj, self.state, parts=("o_proj",), row_parallel=True, **kw)
                 wrapped += [attn.qkv_proj, attn.o_proj]
+            elif isinstance(attn, MLAAttention):
+                wrapped += wrap_mla(attn, self.state, rope_interleave=attn.rope_interleave, **kw)
             if isinstance(mlp, MLP):  # not an expert block (MoE)
                 mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, self.state, parts=("gate_proj", "up_proj"),
                                               row_parallel=False, **kw)

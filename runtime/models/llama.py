@@ -262,7 +262,11 @@ class CausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **qkw)
                              if first or (last and cfg.tie_word_embeddings) else None)
         layer_cls = GemmaDecoderLayer if cfg.gemma_norms else DecoderLayer
-        if cfg.alibi_bias_max is not None and not cfg.alibi_llama_layers:  # MPT: ALiBi, LayerNorms, plain MLP
+        if cfg.falcon_parallel:  # Falcon-7B/40B: RoPE, attention and MLP in parallel, LayerNorms
+            from kvserve.runtime.models.falcon import FalconParallelLayer
+
+            layer_cls = FalconParallelLayer
+        elif cfg.alibi_bias_max is not None and not cfg.alibi_llama_layers:  # MPT: ALiBi, LayerNorms, plain MLP
             from kvserve.runtime.models import mpt
 
             layer_cls = mpt.AlibiDecoderLayer
@@ -281,7 +285,9 @@ class CausalLM(nn.Module):
         self.final_norm = ops.gemma_fused_add_rms_norm if cfg.gemma_norms else ops.fused_add_rms_norm
         self.first_norm = ops.gemma_rms_norm if cfg.gemma_norms else ops.rms_norm
         self.embed_layernorm = None
-        if cfg.alibi_bias_max is not None and not cfg.alibi_llama_layers:  # LayerNorms; BLOOM: biases, embed norm
+        if cfg.layer_norms:  # MPT, BLOOM, Falcon: LayerNorms (BLOOM, Falcon: biases; BLOOM: embed norm)
+            from kvserve.runtime.models import mpt
+
             dd = dict(dtype=dtype, device=self.device)
             self.final_layernorm = mpt.LayerNorm(cfg.hidden_size, bias=cfg.norm_bias, **dd) if last else None
             if cfg.embed_norm and first:

@@ -66,8 +66,35 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
                     else resolve_quantization(quantization, cfg.hf_config))
     if quant_config is not None:
         quant_config.check_supported(device, dtype)
-    model = CausalLM(cfg, attention_backend, dtype=dtype, device=device,
-                     tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config, layer_range=layer_range)
+    from kvserve.runtime.models import host_weights
+
+    key = host_weights.snapshot_key(model_dir, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size,
+                                    quant_config=quant_config, layer_range=layer_range)
+    with host_weights.loading(key):
+        kept = host_weights.lookup(key)
+        if kept is not None:  # this shard was loaded before in this process: its tensors, shared
+            from kvserve.runtime.models.quantization.base import parameters_replaced
+
+            with parameters_replaced():
+                model = CausalLM(cfg, attention_backend, dtype=dtype, device=device, tp_rank=tp_rank,
+                                 tp_size=tp_size, quant_config=quant_config, layer_range=layer_range)
+            host_weights.apply(model, kept)
+            return model.eval()
+        model = CausalLM(cfg, attention_backend, dtype=dtype, device=device,
+                         tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config, layer_range=layer_range)
+        before = {name: host_weights.module_state(m) for name, m in model.named_modules()} if key else {}
+        _load_weights(model, model_dir, cfg, quant_config, layer_range)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, LinearBase):
+                    module.process_weights_after_loading()
+        host_weights.record(key, model, before)
+    return model.eval()
+
+
+def _load_weights(model: CausalLM, model_dir: pathlib.Path, cfg: ModelConfig,
+                  quant_config: QuantizationConfig | None, layer_range: tuple[int, int] | None) -> None:
+    """Streams the checkpoint's tensors into `model`'s parameters (this rank's slices)."""
     if layer_range is None:
         def other_stage(name: str) -> bool:
             return False
@@ -146,11 +173,6 @@ def load_model(model_dir: str | pathlib.Path, *, dtype: torch.dtype, device: tor
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         fmt = f" (quantization {quant_config.name})" if quant_config is not None else ""
         raise ValueError(f"model: checkpoint in {str(model_dir)!r} lacks weights{fmt}: {shown}")
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, LinearBase):
-                module.process_weights_after_loading()
-    return model.eval()
 
 
 def _split_rows(cfg: ModelConfig, name: str, parts: tuple[str, ...], tensor):
@@ -162,10 +184,10 @@ def _split_rows(cfg: ModelConfig, name: str, parts: tuple[str, ...], tensor):
     if sum(rows) != codes.shape[0]:
         raise ValueError(f"weight {name}: checkpoint has {codes.shape[0]} rows, the config implies "
                          f"{' + '.join(map(str, rows))}")
-    if fused_rows_per_head(cfg.architecture):  # [q_h; k_h; v_h] per head -> [q; k; v]
-        per_head = codes.shape[0] // shape.num_attention_heads
-        order = torch.arange(codes.shape[0]).view(shape.num_attention_heads, len(parts), per_head // len(parts))
-        order = order.transpose(0, 1).reshape(-1)
+    if fused_rows_per_head(cfg.architecture):  # [q_g...; k_g; v_g] per KV group g -> [q; k; v]
+        kv, group = shape.num_kv_heads, shape.num_attention_heads // shape.num_kv_heads
+        order = torch.arange(codes.shape[0]).view(kv, group + 2, codes.shape[0] // (kv * (group + 2)))
+        order = torch.cat((order[:, :group].reshape(-1), order[:, group].reshape(-1), order[:, group + 1].reshape(-1)))
         tensor = tensor.permute_rows(order) if hasattr(tensor, "permute_rows") else tensor.index_select(0, order)
     start = 0
     for part, n in zip(parts, rows):

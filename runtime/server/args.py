@@ -160,6 +160,9 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
                    help="distinct adapters in one batch (default 1)")
     g.add_argument("--max-lora-rank", type=_bounded(int, 1, 512), default=None, metavar="R",
                    help="largest adapter rank accepted (default 16); a larger one is refused")
+    g.add_argument("--lora-dtype", choices=("auto", "float32", "float16", "bfloat16"), default=None,
+                   help="the adapters' dtype (default auto: the model's); bfloat16 under a float32 model "
+                        "halves the adapter bytes a step reads")
     g.add_argument("--max-cpu-loras", type=_bounded(int, 1, 4096), default=None, metavar="N",
                    help="adapters loaded at once (host memory; default --max-loras); POST /v1/load_lora_adapter "
                         "past it answers 400")

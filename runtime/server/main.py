@@ -59,7 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["compilation_config"] = args.compilation_config  # JSON or a level; the engine validates it
     if getattr(args, "enable_lora", None):  # without it the engine config is the base model's alone
         kw["enable_lora"] = True
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype"):
             if getattr(args, name, None) is not None:
                 kw[name] = getattr(args, name)
     return kw
@@ -69,7 +69,7 @@ def lora_problem(args: argparse.Namespace) -> str | None:
     """LoRA flags that only make sense together (the one-line reason, or None)."""
     if getattr(args, "enable_lora", None):
         return None
-    for flag in ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras"):
+    for flag in ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype"):
         if getattr(args, flag, None):
             return f"--{flag.replace('_', '-')} needs --enable-lora"
     return None

@@ -442,27 +442,40 @@ def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState | None
     """Masks, in place, the logits rows whose sample has a grammar (states[i] for row i; None rows
     are untouched): one bitmask for the whole step, each grammar row filled by its matcher, then
     applied once. Columns past the grammar's vocabulary (a padded LM head) are masked too."""
-    import xgrammar as xgr
+    filled = fill_grammar_bitmask(states)
+    if filled is not None:
+        apply_token_bitmask(logits, *filled)
 
+
+def fill_grammar_bitmask(states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int], int] | None:
+    """The step's bitmask (a view of the manager's reused buffer), the rows it masks and the
+    grammar's vocabulary size; None when no row has a live grammar."""
     rows = [i for i, s in enumerate(states) if s is not None and not s.is_terminated]
     if not rows:
-        return
+        return None
     manager = states[rows[0]].manager
-    mask = manager.bitmask(logits.shape[0])
+    mask = manager.bitmask(len(states))
     for i in rows:
         states[i].matcher.fill_next_token_bitmask(mask, i)
+    return mask, rows, manager.vocab_size
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """Masks `rows` of `logits` in place by `mask` (and every column past `vocab_size`)."""
+    import xgrammar as xgr
+
     if logits.device.type != "cpu":
         mask = mask.to(logits.device, non_blocking=True)
-    if logits.shape[1] > manager.vocab_size:
-        logits[rows, manager.vocab_size:] = float("-inf")
+    if logits.shape[1] > vocab_size:
+        logits[rows, vocab_size:] = float("-inf")
     if platform_for(logits.device).native_token_bitmask(logits):
         from kvserve.kernels.cpu import native
 
         # xgrammar's CPU kernel tests one bit at a time: ~9 ms for 32 rows of a 49k vocabulary,
         # as much as the rest of the sampler at batch 32 on the fast path; the native one ~0.3 ms.
-        native.apply_token_bitmask(logits, mask, rows, manager.vocab_size)
+        native.apply_token_bitmask(logits, mask, rows, vocab_size)
         return
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=manager.vocab_size, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=rows)
 
 
 def apply_grammar_to_drafts(logits: torch.Tensor, state: GrammarState, drafts: list[int]) -> None:

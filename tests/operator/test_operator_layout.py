@@ -133,3 +133,66 @@ def test_secret_value():
     assert secret_value({"data": {"k": "c2VjcmV0Cg=="}}, "k") == "secret"
     assert secret_value({"stringData": {"k": "s"}}, "k") == "s"
     assert secret_value({"data": {}}, "k") is None and secret_value(None, "k") is None
+
+
+def tpot_sig(per_pod_running, itl_sum, itl_count, pods=2):
+    return Signals(pods=pods, kv_cache_utilization=0.3, requests_running=per_pod_running * pods,
+                   itl_seconds_sum=itl_sum, itl_seconds_count=itl_count)
+
+
+@pytest.mark.parametrize("slo, current, per_pod, d_sum, d_count, reason, expected", [
+    # with an SLO, low load alone keeps the layout; a missed SLO asks for the highest TP
+    (0.1, DP, 1, 2.0, 100, "LayoutTPOTMet", DP),  # 20 ms per token: met
+    (0.1, DP, 1, 20.0, 100, "LayoutTensorParallel", TP),  # 200 ms per token: missed at low load
+    (0.1, DP, 5, 20.0, 100, "LayoutTensorParallel", TP),  # missed within the band too
+    (0.1, TP, 12, 20.0, 100, "LayoutDataParallel", DP),  # high load: throughput first, whatever the TPOT
+    (0.1, DP, 1, 20.0, 10, "LayoutTPOTMet", DP),  # too few tokens to measure: nothing missed
+    (0.1, DP, 1, -5.0, 100, "LayoutTPOTMet", DP),  # totals went back (a pod restarted): not measured
+    (0.0, DP, 1, 2.0, 100, "LayoutTensorParallel", TP),  # no SLO: low load asks for it as before
+])
+def test_tpot_slo_table(slo, current, per_pod, d_sum, d_count, reason, expected):
+    spec, shape = make_spec(layout={"stabilizationSeconds": 0, "tpotSloSeconds": slo})
+    state = LayoutState(itl_totals=(100.0, 1000.0))
+    d = decide_layout(spec, shape, current, tpot_sig(per_pod, 100.0 + d_sum, 1000.0 + d_count), state, now=10.0)
+    assert (d.reason, d.layout) == (reason, expected), d.message
+    assert d.state.itl_totals == (100.0 + d_sum, 1000.0 + d_count)
+
+
+@pytest.mark.parametrize("at_tp, at_dp, long_context, reason, expected", [
+    (0.50, 0.10, False, "LayoutTPOTGated", DP),  # the higher TP was 5x slower here (CPU ranks): refused
+    (0.10, 0.10, False, "LayoutTPOTGated", DP),  # no better is not worth a reshape
+    (0.05, 0.10, False, "LayoutTensorParallel", TP),  # faster: taken
+    (None, 0.10, False, "LayoutTensorParallel", TP),  # never measured: tried once
+    (0.50, 0.10, True, "LayoutTensorParallel", TP),  # long contexts need the pool whatever the TPOT
+])
+def test_measured_tpot_gates_a_move_to_higher_tp(at_tp, at_dp, long_context, reason, expected):
+    spec, shape = make_spec(layout={"stabilizationSeconds": 0})
+    known = ((DP, at_dp),) + (((TP, at_tp),) if at_tp is not None else ())
+    signals = sig(2, kv=0.95) if long_context else sig(1)
+    d = decide_layout(spec, shape, DP, signals, LayoutState(tpot_by_layout=known), now=10.0)
+    assert (d.reason, d.layout) == (reason, expected), d.message
+    if reason == "LayoutTPOTGated":
+        assert f"{at_tp:.3f}s" in d.message and "1xTP2" in d.message
+
+
+def test_tpot_is_learned_per_layout_at_low_load_only():
+    spec, shape = make_spec(layout={"stabilizationSeconds": 0, "reshapeCostMultiple": 0})
+    state = LayoutState()
+    # TP at low load: 400 tokens in 40 s -> 0.1 s per token, recorded for 1xTP2
+    for t, totals in ((0, (0.0, 0.0)), (10, (40.0, 400.0))):
+        state = decide_layout(spec, shape, TP, tpot_sig(1, *totals), state, now=float(t)).state
+    assert state.tpot_at(TP) == pytest.approx(0.1)
+    # high load at 2xTP1 moves to DP; its high-load TPOT is not what one request would get
+    d = decide_layout(spec, shape, TP, tpot_sig(12, 140.0, 800.0), state, now=20.0)
+    assert d.layout == DP and d.state.tpot_at(DP) is None
+    # DP at low load: 0.02 s per token, recorded; TP (0.1 s) is then refused at low load
+    d = decide_layout(spec, shape, DP, tpot_sig(1, 144.0, 1000.0), d.state, now=30.0)
+    assert d.state.tpot_at(DP) == pytest.approx(0.02)
+    assert (d.reason, d.layout) == ("LayoutTPOTGated", DP)
+
+
+def test_tpot_slo_spec_field():
+    spec, _ = make_spec(layout={"tpotSloSeconds": 0.05})
+    assert spec.autoscaling.layout.tpot_slo_seconds == 0.05
+    with pytest.raises(SpecError, match="tpotSloSeconds"):
+        make_spec(layout={"tpotSloSeconds": -1})

@@ -24,7 +24,9 @@ Methods that also cover a vocabulary table (the LM head, and a tied embedding) i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +150,20 @@ class QuantizationConfig(FormatConfig):
 # ----------------------------------------------------------------------------- sharded parameters
 
 
+# Set while a model is built only to receive tensors loaded before (runtime/models/host_weights.py):
+# its parameters are replaced before any read, so filling them would be wasted work.
+_no_fill = threading.local()
+
+
+@contextlib.contextmanager
+def parameters_replaced() -> Iterator[None]:
+    _no_fill.on = True
+    try:
+        yield
+    finally:
+        _no_fill.on = False
+
+
 def _set_attrs(param: torch.Tensor, **attrs: Any) -> None:
     for key, value in attrs.items():
         setattr(param, key, value)
@@ -166,7 +182,7 @@ def sharded_param(layer: nn.Module, name: str, spec: LinearSpec, shape: tuple[in
     checkpoint may lack it (the method then supplies a default in process_weights_after_loading).
     """
     data = torch.empty(shape, dtype=dtype, device=spec.device)
-    if fill is not None:
+    if fill is not None and not getattr(_no_fill, "on", False):
         data.fill_(fill)
     param = nn.Parameter(data, requires_grad=False)
     _set_attrs(param, out_dim=out_dim, out_div=out_div, in_dim=in_dim, in_div=in_div, shard_input=shard_input,
