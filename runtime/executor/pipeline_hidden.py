@@ -63,15 +63,17 @@ def send(worker, rows: list[int], final: torch.Tensor | None) -> None:
     for work, _ in worker.hidden_sends:  # the previous step's, long taken by now
         work.wait()
     worker.hidden_sends = []
-    aux = stage_aux_layers(worker) if worker.keep_hidden == "all" else []
-    if aux:
-        data = torch.stack(list(worker.model.aux_hidden)).contiguous()
-        worker.hidden_sends.append((dist.isend(data, 0, tag=_AUX_TAG), data))
+    # In the order rank 0 receives them (the step's result was sent before, the final rows,
+    # then the aux streams): NCCL's point-to-point ignores tags and matches by order alone.
     if worker.last:
         if worker.keep_hidden is True and len(rows) != final.shape[0]:
             final = final[torch.tensor(rows, device=final.device)]
         final = final.contiguous()
         worker.hidden_sends.append((dist.isend(final, 0, tag=_HIDDEN_TAG), final))
+    aux = stage_aux_layers(worker) if worker.keep_hidden == "all" else []
+    if aux:
+        data = torch.stack(list(worker.model.aux_hidden)).contiguous()
+        worker.hidden_sends.append((dist.isend(data, 0, tag=_AUX_TAG), data))
 
 
 def receive(worker, rows: list[int], num_tokens: int) -> None:
