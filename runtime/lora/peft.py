@@ -12,9 +12,9 @@ targeted embedding's or head's own weights beside them (``save_embedding_layers`
 model's shape is the base weights and is skipped; another shape (a resized vocabulary) is refused.
 
 Every problem is a ValueError naming it: a missing file, a rank above ``max_lora_rank``, a target
-module the model lacks (or that kvserve cannot adapt: MoE experts, MLA's projections, Gemma's
-scaled embedding), shapes of another base model, PEFT features that change the math (DoRA,
-trained biases, ``modules_to_save``).
+module the model lacks (or that kvserve cannot adapt: MoE experts, Gemma's scaled embedding),
+shapes of another base model, PEFT features that change the math (DoRA, trained biases,
+``modules_to_save``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from kvserve.runtime.lora.request import LoRARequest
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 VOCAB_MODULES = ("embed_tokens", "lm_head")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES
+# Multi-head latent attention's own projections (DeepSeek V2/V3; runtime/lora/mla.py).
+MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES + MLA_MODULES
 # The layer index of the model-level modules (embedding, LM head) in Targets keys.
 MODEL_LEVEL = -1
 
@@ -203,7 +205,8 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
             layer, name = MODEL_LEVEL, _VOCAB_MODULE[module]
         elif m is None or name not in SUPPORTED_MODULES:
             raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts the decoder "
-                             f"layers' self_attn q/k/v/o_proj and dense mlp gate/up/down_proj, model.embed_tokens "
+                             f"layers' self_attn q/k/v/o_proj (MLA: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, "
+                             f"kv_b_proj, o_proj) and dense mlp gate/up/down_proj, model.embed_tokens "
                              f"and lm_head; MoE experts and shared experts are not)")
         else:
             layer = int(m["layer"])
@@ -220,7 +223,7 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
                 why = " (Gemma's scaled embedding is not supported)" if name == "embed_tokens" else ""
                 raise ValueError(f"target module {module!r}: this model's {name} cannot take LoRA{why}")
             raise ValueError(f"target module {module!r}: the model lacks it (this architecture's layer {layer} "
-                             f"has no adaptable {name}: MoE experts and MLA projections are not supported)")
+                             f"has no adaptable {name}: MoE experts are not supported)")
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter weights: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
                              "which do not form a LoRA pair")
