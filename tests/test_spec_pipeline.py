@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from test_eagle import base_config, random_head, target_copy_head  # noqa: E402  (tests/ is on sys.path)
 from test_medusa import target_copy_heads
+from test_medusa_tree_engine import TREE
 from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked  # noqa: E402
 
 from kvserve.runtime.spec_decode.eagle import save_eagle_head
@@ -45,16 +46,32 @@ def _heads(kind, model_dir, tmp_path):
                            aux_layers=(1, 2, 2))
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "medusa_tree", "eagle", "eagle3"])
 def test_pp2_greedy_with_heads_equals_pp1(untied_llama, reference, tmp_path, kind):
-    path = _heads(kind, untied_llama, tmp_path)
-    engine = make_engine(untied_llama, {"method": kind, "model": str(path), "num_speculative_tokens": 3},
-                         num_kv_blocks=48, pipeline_parallel_size=2)
+    method = kind.removesuffix("_tree")
+    path = _heads(method, untied_llama, tmp_path)
+    spec = {"method": method, "model": str(path), "num_speculative_tokens": 3}
+    moved = []
+    if kind == "medusa_tree":
+        # Off-chain accepted paths are moved into place on rank 0 at once, and on stage 1 before
+        # its next step (ForwardInput.kv_slot_moves): a missed move would change the output.
+        spec = {"method": method, "model": str(path), "speculative_token_tree": TREE}
+    engine = make_engine(untied_llama, spec, num_kv_blocks=48, pipeline_parallel_size=2, max_num_batched_tokens=24)
+    if kind == "medusa_tree":
+        real = engine.spec_decoder._move_paths
+
+        def spy(scheduled, block_tables, paths):
+            moved.extend(p for p in paths.values() if any(n not in engine.spec_decoder.tree.chain for n in p))
+            real(scheduled, block_tables, paths)
+
+        engine.spec_decoder._move_paths = spy
     try:
         outs = run_checked(engine, grounded_prompts(n=6), GREEDY)
         s = engine.get_stats()
     finally:
         engine.close()
+    if kind == "medusa_tree":
+        assert moved, "no off-chain path was accepted: the slot moves went untested"
     assert {k: v.outputs[0].token_ids for k, v in outs.items()} == reference
     assert s.spec_decode_num_drafts_total > 0
     if kind != "eagle3":  # the copying heads guess the target's repeats

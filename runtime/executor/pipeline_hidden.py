@@ -19,16 +19,16 @@ next step; shipping ids would mean running the heads on every verified row (k + 
 work) or a second round trip per step. The hidden rows are small beside the logits and the
 activations already sent.
 
-Sends are asynchronous (a stage never waits for rank 0 to take them) and matched by tag and
-source: rank 0 receives them in stage order after the logits, one step in flight (speculative
-decoding keeps the pipeline at depth 1).
+Sends are asynchronous (a stage never waits for rank 0 to take them) and untagged: NCCL has no
+tags, so each pair's messages are matched in order. The last stage sends its final rows after
+the step's result (logits, ids or sampled rows), then its own aux streams; rank 0 receives in that
+order, then every other stage's aux in stage order. Speculative decoding keeps one step in
+flight, so no two steps' rows interleave.
 """
 
 from __future__ import annotations
 
 import torch
-
-_HIDDEN_TAG, _AUX_TAG = 2, 3
 
 
 def keep_hidden_mode(config) -> bool | str:
@@ -63,15 +63,14 @@ def send(worker, rows: list[int], final: torch.Tensor | None) -> None:
     for work, _ in worker.hidden_sends:  # the previous step's, long taken by now
         work.wait()
     worker.hidden_sends = []
-    aux = stage_aux_layers(worker) if worker.keep_hidden == "all" else []
-    if aux:
-        data = torch.stack(list(worker.model.aux_hidden)).contiguous()
-        worker.hidden_sends.append((dist.isend(data, 0, tag=_AUX_TAG), data))
     if worker.last:
         if worker.keep_hidden is True and len(rows) != final.shape[0]:
             final = final[torch.tensor(rows, device=final.device)]
         final = final.contiguous()
-        worker.hidden_sends.append((dist.isend(final, 0, tag=_HIDDEN_TAG), final))
+        worker.hidden_sends.append((dist.isend(final, 0), final))
+    if worker.keep_hidden == "all" and stage_aux_layers(worker):
+        data = torch.stack(list(worker.model.aux_hidden)).contiguous()
+        worker.hidden_sends.append((dist.isend(data, 0), data))
 
 
 def receive(worker, rows: list[int], num_tokens: int) -> None:
@@ -84,7 +83,7 @@ def receive(worker, rows: list[int], num_tokens: int) -> None:
     H = worker.model_config.hidden_size
     n = num_tokens if worker.keep_hidden == "all" else len(rows)
     final = torch.empty(n, H, dtype=worker.dtype, device=worker.device)
-    dist.recv(final, worker.logits_rank, tag=_HIDDEN_TAG)
+    dist.recv(final, worker.logits_rank)
     aux: list[torch.Tensor] = []
     if worker.keep_hidden == "all" and worker.model.aux_hidden_layers:
         aux.extend(worker.model.aux_hidden)  # stage 0's own
@@ -93,6 +92,6 @@ def receive(worker, rows: list[int], num_tokens: int) -> None:
             count = sum(start <= i < end for i in layers)
             if count:
                 buf = torch.empty(count, num_tokens, H, dtype=worker.dtype, device=worker.device)
-                dist.recv(buf, stage * worker.tp, tag=_AUX_TAG)
+                dist.recv(buf, stage * worker.tp)
                 aux.extend(buf.unbind(0))
     worker.last_hidden, worker.last_aux_hidden = final, aux

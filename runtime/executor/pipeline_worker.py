@@ -280,8 +280,7 @@ class PipelineWorker(Worker):
                                          self.kv_caches, step.meta, hidden, residual)
         rows = step.logits_rows
         logits = None
-        if self.keep_hidden and self.global_rank != 0:
-            pipeline_hidden.send(self, rows, hidden if self.last else None)
+        final = hidden
         if not self.last:
             self._send_on(torch.stack((hidden, residual)))
         elif rows:
@@ -297,6 +296,8 @@ class PipelineWorker(Worker):
                     self._send_sample(logits, step)
                 else:
                     self._send_to_rank0(logits)
+        if self.keep_hidden and self.global_rank != 0:  # after the result: rank 0 receives in that order
+            pipeline_hidden.send(self, rows, final if self.last else None)
         if self.global_rank == 0:
             self.steps_sampled_on_last_stage += bool(rows and (step.greedy_ids or step.stage_rows is not None))
             self.steps_with_stage_rows += bool(rows and step.stage_rows is not None)
