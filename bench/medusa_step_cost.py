@@ -125,7 +125,7 @@ def main(argv=None) -> None:
             rows.append({"batch": b, "step": name, "rows_per_seq": n, "min_s": min(t), "median_s": statistics.median(t),
                          "cost_vs_decode": rel, "tokens_per_step": tps, "estimated_speedup": est})
             print(f"{b:>5} | {name:<6} | {n:>4} | {min(t) * 1e3:>7.1f} | {statistics.median(t) * 1e3:>9.1f} | "
-                  f"{rel:>14.2f}x | {tps if tps else '-':>11} | {f'{est:.2f}x' if est else '-':>12}")
+                  f"{rel:>14.2f}x | {f'{tps:.2f}' if tps else '-':>11} | {f'{est:.2f}x' if est else '-':>12}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "medusa_step_cost", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                     "model": str(model), "context": args.context, "k": args.k,
