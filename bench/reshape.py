@@ -133,7 +133,9 @@ async def stream_one(session, url: str, prompt: list[int], out_len: int) -> dict
                     times.append(time.perf_counter())
     ttft = times[0] - t0 if times else float("nan")
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
-    return {"ttft": ttft, "tpot": tpot, "tokens": len(times), "e2e": time.perf_counter() - t0}
+    # The longest wait between two tokens: across a reshape, the pause this stream saw.
+    gap = max((b - a for a, b in zip(times, times[1:])), default=float("nan"))
+    return {"ttft": ttft, "tpot": tpot, "tokens": len(times), "e2e": time.perf_counter() - t0, "max_gap": gap}
 
 
 async def run_phase(url: str, concurrency: int, prompts: list[list[int]], out_len: int) -> dict:
@@ -154,8 +156,10 @@ async def run_phase(url: str, concurrency: int, prompts: list[list[int]], out_le
         return sum(vals) / len(vals) if vals else float("nan")
 
     tokens = sum(r["tokens"] for r in results)
+    gaps = [r["max_gap"] for r in results if r["max_gap"] == r["max_gap"]]
     return {"requests": len(results), "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
-            "ttft_ms": 1000 * mean("ttft"), "tpot_ms": 1000 * mean("tpot")}
+            "ttft_ms": 1000 * mean("ttft"), "tpot_ms": 1000 * mean("tpot"),
+            "max_gap_ms": 1000 * max(gaps) if gaps else float("nan")}
 
 
 def make_prompts(n: int, in_len: int, seed: int) -> list[list[int]]:
@@ -218,6 +222,7 @@ async def part_restart(model: Path, g: int, in_flight: int, out_len: int) -> dic
                                        "resumed_requests": body["resumed_requests"], "phases": body.get("phases", {})}
         phase = await load
         out["loaded_requests_completed"] = phase["requests"]
+        out["loaded_max_gap_s"] = phase["max_gap_ms"] / 1000  # the longest pause a stream saw
     finally:
         srv.stop()
     out["restart_over_reshape"] = out["restart_tp_s"] / out["reshape_idle_to_tp"]["seconds"]
@@ -277,7 +282,8 @@ def print_restart(r: dict) -> None:
         ("reshape_idle_to_dp", f"1xTP{g} -> {g}xTP1"), ("reshape_loaded_to_tp", f"{g}xTP1 -> 1xTP{g}, loaded"))])
     print(f"restart / reshape to TP {g}: {r['restart_over_reshape']:.1f}x idle, "
           f"{r['restart_over_reshape_loaded']:.1f}x with {r['reshape_loaded_to_tp'].get('resumed_requests')} "
-          f"requests resumed ({r['loaded_requests_completed']} completed)")
+          f"requests resumed ({r['loaded_requests_completed']} completed); the longest pause a stream saw "
+          f"between two tokens: {r.get('loaded_max_gap_s', float('nan')):.2f}s")
 
 
 def print_phases(rows: list[tuple[str, dict]]) -> None:

@@ -13,7 +13,8 @@ pool G/TP times larger (long contexts). So:
     tensor-parallel layout is wanted only while the measured TPOT (the pods' inter-token latency
     over the last interval) misses the SLO, at any load short of high;
   * a move to a higher TP for latency is refused (`LayoutTPOTGated`) when that layout's TPOT,
-    measured the last time the pods ran it at low load, was no better than the current layout's:
+    measured the last time the pods ran it at low load (within the last hour), was no better than
+    the current layout's:
     on hosts where the extra ranks only add communication (CPU ranks sharing cores), a higher TP
     is slower and every reshape to it would be pure cost. Long contexts are not gated (they need
     the larger pool, whatever the TPOT);
@@ -56,11 +57,18 @@ class LayoutState:
     # The pods' inter-token latency totals (sum of seconds, count) at the previous decision: the
     # TPOT of an interval is the difference (Signals carry totals, as the engines' histograms).
     itl_totals: tuple[float, float] | None = None
-    # (layout, TPOT seconds) measured while the pods ran that layout at low load, newest kept.
-    tpot_by_layout: tuple[tuple[PodLayout, float], ...] = ()
+    # (layout, TPOT seconds, when) measured while the pods ran that layout at low load, newest kept.
+    tpot_by_layout: tuple[tuple[PodLayout, float, float], ...] = ()
 
-    def tpot_at(self, layout: PodLayout) -> float | None:
-        return next((t for lay, t in self.tpot_by_layout if lay == layout), None)
+    def tpot_at(self, layout: PodLayout, now: float) -> float | None:
+        """The TPOT remembered for `layout`, unless older than TPOT_MEMORY_SECONDS (the pods may
+        have changed since: a new image, another node type; a gated layout is then tried again)."""
+        return next((t for lay, t, at in self.tpot_by_layout if lay == layout and now - at <= TPOT_MEMORY_SECONDS),
+                    None)
+
+
+# How long a layout's measured TPOT gates moves to it (LayoutTPOTGated) before it is measured again.
+TPOT_MEMORY_SECONDS = 3600.0
 
 
 # Fewer output tokens than this in an interval: its TPOT is not measured (too noisy).
@@ -133,7 +141,7 @@ def decide_layout(spec: ServiceSpec, shape: ModelShape | None, current: PodLayou
     state = replace(state, itl_totals=totals)
     if tpot is not None and per_pod <= la.low_load_requests:  # what this layout gives one request
         state = replace(state, tpot_by_layout=tuple(
-            [(lay, t) for lay, t in state.tpot_by_layout if lay != current] + [(current, tpot)]))
+            [entry for entry in state.tpot_by_layout if entry[0] != current] + [(current, tpot, now)]))
     long_context = (signals.kv_cache_utilization >= ta.kv_saturation
                     and signals.requests_running / signals.pods <= ta.few_running_requests)
     slo = la.tpot_slo_seconds
@@ -148,7 +156,7 @@ def decide_layout(spec: ServiceSpec, shape: ModelShape | None, current: PodLayou
                else f"{per_pod:.1f} requests per pod <= {la.low_load_requests:g}: latency")
         reason = "LayoutTensorParallel"
         if not long_context and wish != current:
-            there, here = state.tpot_at(wish), state.tpot_at(current)
+            there, here = state.tpot_at(wish, now), state.tpot_at(current, now)
             if there is not None and here is not None and there >= here:
                 return keep("LayoutTPOTGated", f"{why}; but {wish} measured TPOT {there:.3f}s against "
                             f"{here:.3f}s at {current}: a higher TP is not faster on these pods; keeping {current}",

@@ -152,11 +152,11 @@ class EngineConfig:
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             method = self.speculative_config.method
-            if (method in ("medusa", "eagle", "eagle3", "mtp") and isinstance(self.pipeline_parallel_size, int)
-                    and self.pipeline_parallel_size > 1):
-                # The heads read the final hidden state, which lives on the last stage, not rank 0.
-                what = {"medusa": "Medusa heads", "mtp": "MTP layers"}.get(method, "EAGLE heads")
-                fail("speculative_config", f"{what} do not run with pipeline parallelism yet "
+            if method == "mtp" and isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size > 1:
+                # The MTP layer reuses the target's MLA attention, MoE block, embedding and head,
+                # which are split across the stages (Medusa and EAGLE heads run on rank 0 from the
+                # last stage's hidden states: runtime/executor/pipeline_hidden.py).
+                fail("speculative_config", "MTP layers do not run with pipeline parallelism yet "
                      "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):
             fail("enforce_eager", "must be a boolean")

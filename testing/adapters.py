@@ -41,11 +41,14 @@ def build_lora_adapters(base_dir, adapters: dict) -> list[pathlib.Path]:
     out = []
     for out_dir, o in adapters.items():
         config = LoraConfig(r=o.get("r", 8), lora_alpha=o.get("lora_alpha", 16),
-                            target_modules=list(o.get("target_modules") or ALL_MODULES), lora_dropout=0.0,
+                            target_modules=list(ALL_MODULES if o.get("target_modules") is None else o["target_modules"]),
+                            lora_dropout=0.0,
                             bias="none", task_type="CAUSAL_LM", use_rslora=o.get("use_rslora", False),
                             layers_to_transform=list(o["layers_to_transform"]) if o.get("layers_to_transform")
                             else None,
-                            rank_pattern=o.get("rank_pattern") or {}, alpha_pattern=o.get("alpha_pattern") or {})
+                            rank_pattern=o.get("rank_pattern") or {}, alpha_pattern=o.get("alpha_pattern") or {},
+                            # fused MoE expert parameters (mlp.experts.gate_up_proj, ...)
+                            target_parameters=list(o["target_parameters"]) if o.get("target_parameters") else None)
         pm = get_peft_model(model, config)
         gen = torch.Generator().manual_seed(o.get("seed", 0))
         std = o.get("std", 0.05)

@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,12 +305,15 @@ class Workload:
     def _text(self, rng: random.Random, n: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
-    async def run(self, base_url: str, timeout: float = 120.0) -> Workload:
+    async def run(self, base_url: str | Sequence[str], timeout: float = 120.0) -> Workload:
         """Conversations in parallel (`concurrency` at a time), each one turn after another: turn
-        n+1's request is turn n's messages, its answer and a new user message."""
+        n+1's request is turn n's messages, its answer and a new user message. Several base URLs
+        (router replicas behind a load balancer): turn n goes to base_url[n % len]."""
         import openai
 
-        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=timeout)
+                   for u in urls]
         rng = random.Random(self.seed)
         system = f"[{self.seed}] " + self._text(rng, self.system_words)  # shared by this run's conversations
         plans = [[self._text(rng, self.user_words) for _ in range(self.turns)] for _ in range(self.conversations)]
@@ -320,7 +324,7 @@ class Workload:
                 messages = [{"role": "system", "content": system}]
                 for t, user in enumerate(plans[c]):
                     messages.append({"role": "user", "content": f"conversation {self.seed}.{c} turn {t}: {user}"})
-                    result = await self._turn(client, c, t, messages)
+                    result = await self._turn(clients[t % len(clients)], c, t, messages)
                     self.results.append(result)
                     if not result.ok:
                         return
@@ -329,7 +333,8 @@ class Workload:
         try:
             await asyncio.gather(*(conversation(c) for c in range(self.conversations)))
         finally:
-            await client.close()
+            for client in clients:
+                await client.close()
         return self
 
     async def _turn(self, client, c: int, t: int, messages: list[dict]) -> Turn:

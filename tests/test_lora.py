@@ -136,8 +136,8 @@ def test_other_families_match_peft(tiny_model_factory, tmp_path, arch):
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
 
 
-def test_moe_model_adapts_attention_and_refuses_experts(tiny_model_factory, tmp_path):
-    """MoE families: the attention projections (dense) take adapters; expert MLPs are refused."""
+def test_moe_model_adapts_attention(tiny_model_factory, tmp_path):
+    """MoE families: the attention projections take adapters (experts: test_lora_moe.py)."""
     base = tiny_model_factory("qwen2_moe")
     attn = build_lora_adapter(base, tmp_path / "attn", r=4, seed=21, std=0.15,
                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -145,9 +145,6 @@ def test_moe_model_adapts_attention_and_refuses_experts(tiny_model_factory, tmp_
     with LLM(str(base), enable_lora=True, max_lora_rank=8, num_kv_blocks=64, block_size=4) as llm:
         outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=LoRARequest("attn", 1, str(attn)))
         assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, "attn", p) for p in PROMPTS[:2]]
-        experts = build_lora_adapter(base, tmp_path / "experts", r=4, seed=22, target_modules=["gate_proj"])
-        with pytest.raises(ValueError, match="shared_expert.gate_proj': not supported .* MoE experts"):
-            llm.engine.add_lora(LoRARequest("experts", 2, str(experts)))
 
 
 # -- the engine's adapter API and its errors -------------------------------------------------------
@@ -413,5 +410,13 @@ def test_bfloat16_adapters_on_a_float32_model_match_peft_on_rounded_weights(tiny
         assert model.layers[0].self_attn.qkv_proj.a_t.dtype == torch.bfloat16
         assert model._native_stack.lora_slots is not None  # decode steps took the native stack
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+    # float16 slots: the native stack does not read them, so adapter steps take the per-op path.
+    with LLM(str(base), enable_lora=True, lora_dtype="float16", max_loras=1, max_lora_rank=8, num_kv_blocks=32,
+             block_size=4) as llm:
+        half = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[LoRARequest("b", 2, str(adapters["b"])),
+                                                                               None])
+        assert llm.engine.executor.driver_worker.model._native_stack.lora_slots is None
+    assert half[1].outputs[0].token_ids == outs[1].outputs[0].token_ids  # the base model, unchanged
+    assert half[0].outputs[0].token_ids != half[1].outputs[0].token_ids
     with pytest.raises(ValueError, match="lora_dtype"):
         LLM(str(base), enable_lora=True, lora_dtype="int8")

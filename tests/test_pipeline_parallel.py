@@ -42,7 +42,7 @@ def _generate(llm: LLM, prompts, params=None) -> list[list[int]]:
 FAMILIES = {
     # Tied head on the last stage (its own copy of the embedding) and a vocabulary 2 does not divide.
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, vocab_size=509)),
-    # Sandwich norms, embedding scale on stage 0, local/global layers (one block table at PP).
+    # Sandwich norms, embedding scale on stage 0, local/global layers (a block table per group at PP).
     "gemma2": ("gemma2", dict(final_logit_softcapping=1.5)),
     # A dense first layer then MoE, latent attention.
     "deepseek_v3": ("deepseek_v3", {}),

@@ -162,6 +162,8 @@ class DataParallelEngine:
             self.engines: list[Any] = self._build(self.layout)
         except BaseException:
             self._release_host_weights()
+            if self._kv_events is not None:  # its endpoint is free again for the next try
+                self._kv_events.close()
             raise
         self._keep_spares()
         first = self.engines[0]

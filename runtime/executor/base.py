@@ -55,9 +55,11 @@ def hybrid_kv_groups(config, model_config) -> tuple | None:
     groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])
     if len(groups) == 1 or config.disable_hybrid_kv_cache_manager:
         return None
-    if config.pipeline_parallel_size > 1:
-        log.info("hybrid KV cache manager off (pipeline parallelism): one block table serves every layer, "
-                 "so the local layers hold the whole context")
+    if config.pipeline_parallel_size > 1 and (config.kv_offload_bytes or config.swap_space):
+        # A stage's offloaded blocks are laid out by its own layers; per-group layouts per stage
+        # are not written yet.
+        log.info("hybrid KV cache manager off (pipeline parallelism with a KV offload tier or swap space): "
+                 "one block table serves every layer, so the local layers hold the whole context")
         return None
     if config.speculative_config is not None:
         log.info("hybrid KV cache manager off (speculative decoding): one block table serves every layer, "

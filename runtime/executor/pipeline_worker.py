@@ -20,13 +20,14 @@ TP), so a stage knows each step's token count and rows before anything arrives: 
 buffers are sized from it, and there is no shape exchange.
 
 Several steps may be in flight (the engine's micro-batches, runtime/engine/core.py): rank 0's
-``launch`` posts the receive of the step's logits first, runs stage 0 and sends the activations
-on without waiting for them to arrive (``isend``), then returns; ``land`` waits for the logits.
-So stage 0 runs micro-batch k + 1 while the later stages run k. Every stage takes the steps in
-launch order (each rank reads them from one pipe), and a send is matched by the receive posted
-for the same step, so nothing needs tags. Other ranks run each step whole (``execute_model``),
-their sends also asynchronous so a stage never waits for the next to take its activations. What
-stage 0 waits for its logits is its idle share, the bubble (``last_bubble``).
+``launch`` runs stage 0 and sends the activations on without waiting for them to be taken
+(``isend``), then returns; ``land`` receives the step's result. So stage 0 runs micro-batch k + 1
+while the later stages run k. Every stage takes the steps in launch order (each rank reads them
+from one pipe); the last stage sends each result without waiting for rank 0 to take it, and rank
+0 posts the receives when it lands the steps, in the same order, so every message on a channel
+matches the receive posted for it without tags (NCCL has none). Other ranks run each step whole
+(``execute_model``). The time rank 0 waits for a step's result over that plus its stage's compute
+is its idle share, the bubble (``last_bubble``).
 
 Each stage holds only its layers' weights (the loader skips other stages' tensors) and KV pools
 (its layers' pools of the agreed block count; block ids mean the same slots on every stage, so
@@ -35,6 +36,7 @@ the block manager on rank 0 serves all of them).
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -59,13 +61,10 @@ def stage_ranges(config, model_config) -> list[tuple[int, int]]:
 
 @dataclass(eq=False)
 class _InFlight:
-    """Rank 0's handle of a launched step: where its logits (or token ids) arrive."""
+    """Rank 0's handle of a launched step: what comes back for it, received when it lands."""
 
-    logits: torch.Tensor | None
-    recv: object  # the irecv's work handle (None: the step samples nothing)
-    greedy: bool
+    step: ForwardInput  # its logits_rows, greedy_ids and stage_rows say what arrives
     busy: float  # seconds stage 0 spent on the step
-    sampled: bool = False  # `logits` is the size of a StageSample (ForwardInput.stage_rows)
 
 
 class PipelineWorker(Worker):
@@ -95,8 +94,13 @@ class PipelineWorker(Worker):
         self.steps_sampled_on_last_stage = 0
         self.steps_with_stage_rows = 0
         self._send = None  # the activations' latest isend (its work, its tensor kept alive)
-        self._sample_send = None  # last stage: the latest sampled rows' isend to rank 0
+        self._results_out = collections.deque()  # last stage: its sends to rank 0 in flight
         self._stage_sampler = None  # last stage: samples with its own generator for unseeded rows
+        # Medusa / EAGLE heads (on rank 0) read the last stage's hidden rows: pipeline_hidden.py.
+        from kvserve.runtime.executor.pipeline_hidden import keep_hidden_mode
+
+        self.keep_hidden = keep_hidden_mode(config)
+        self.hidden_sends: list = []
 
     def load_model(self) -> None:
         import torch.distributed as dist
@@ -117,6 +121,11 @@ class PipelineWorker(Worker):
                                 quantization=self.quant_config if self.quant_config is not None
                                 else self.config.quantization,
                                 layer_range=(self.layer_start, self.layer_end))
+        if getattr(self.config, "speculative_config", None) is not None:
+            from kvserve.runtime.spec_decode.eagle import eagle3_target_layers
+
+            # Every stage keeps the EAGLE-3 layers it holds (stage_forward captures them).
+            self.model.aux_hidden_layers = eagle3_target_layers(self.config, self.model_config.num_layers)
         log.info("pipeline stage %d/%d (rank %d): layers %d..%d", self.stage, self.pp, self.global_rank,
                  self.layer_start, self.layer_end - 1)
         self._attach_lora()  # this stage's layers, under their global indices
@@ -131,14 +140,19 @@ class PipelineWorker(Worker):
 
     def determine_kv_blocks(self, kv_groups, *, max_model_len: int, max_step_tokens: int) -> list[int]:
         """Blocks this stage's budget holds for its own layers (so a stage of fewer layers holds
-        more; rank 0 takes the smallest count over all stages)."""
-        if kv_groups is not None:
-            raise ValueError("pipeline parallelism keeps one block table for every layer (KV cache groups off)")
+        more; rank 0 takes the smallest count over all stages). With KV cache groups, per group,
+        split over the groups this stage holds layers of (pipeline_kv_groups.py)."""
         budget = None
         config = self.config
         if (self.platform.free_memory_bytes(self.device) is not None and config.num_kv_blocks is None
                 and config.kv_cache_memory_bytes is None):
-            budget = self._profiled_kv_budget(None, max_step_tokens, max_model_len)
+            budget = self._profiled_kv_budget(kv_groups, max_step_tokens, max_model_len)
+        if kv_groups is not None:
+            from kvserve.runtime.executor.pipeline_kv_groups import stage_group_blocks
+
+            return stage_group_blocks(config, self.stage_shape, self.kv_cache_dtype, self.device, kv_groups,
+                                      self.layer_start, self.layer_end, max_model_len=max_model_len,
+                                      max_step_tokens=max_step_tokens, budget_bytes=budget)
         return [determine_num_blocks(config, self.stage_shape, self.kv_cache_dtype, self.device, budget_bytes=budget)]
 
     @torch.inference_mode()
@@ -156,6 +170,8 @@ class PipelineWorker(Worker):
                                  block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
                                  slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
                                  max_query_len=max(lens), max_seq_len=max(lens), is_decode_only=False)
+        if kv_groups is not None:
+            meta.kv_groups = {g.window: AttentionMetadata(**{**vars(meta), "kv_groups": None}) for g in kv_groups}
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
         hidden = residual = None
         if not self.first:
@@ -167,9 +183,19 @@ class PipelineWorker(Worker):
             self.model.compute_logits(hidden[:min(self.config.max_num_seqs, num_tokens)])
 
     def initialize_kv_cache(self, group_blocks: Sequence[int], kv_groups) -> int:
+        layer_blocks = None
         self.kv_groups = None
+        if kv_groups is not None:
+            from kvserve.runtime.executor.pipeline_kv_groups import local_groups
+            from kvserve.runtime.kv_cache import layer_group_blocks
+
+            # The model's groups, in order, with this stage's layers renumbered from 0 (a group
+            # may have none here): block copies and the pools index the stage's own layer list.
+            self.kv_groups = local_groups(kv_groups, self.layer_start, self.layer_end)
+            layer_blocks = layer_group_blocks(self.kv_groups, group_blocks)
         self.kv_caches = allocate_kv_cache(self.stage_shape, group_blocks[0], self.config.block_size,
-                                           self.kv_cache_dtype, self.device, self.world_size)
+                                           self.kv_cache_dtype, self.device, self.world_size,
+                                           layer_blocks=layer_blocks)
         if self.config.kv_offload_bytes or self.config.swap_space:
             # Each rank offloads its own stage's layers (and TP shard) of every block, in its own
             # namespace: rank 0's block manager decides for all, as at tensor parallelism.
@@ -216,7 +242,11 @@ class PipelineWorker(Worker):
             if failed:  # a stage computing on without these blocks would give wrong tokens
                 raise RuntimeError(f"kv offload: rank {self.global_rank} could not load {len(failed)} block(s) "
                                    "rank 0 loaded; the step's requests are aborted")
-        copy_blocks(self.kv_caches, step.block_copies)
+        if step.kv_slot_moves and self.global_rank != 0:  # rank 0 made them when it verified a Medusa tree
+            from kvserve.runtime.spec_decode.tree_verify import move_slots
+
+            move_slots(self.kv_caches, step.kv_slot_moves)
+        self._copy_blocks(step.block_copies)
         step = step.to(self.device)
         if step.lora is None:
             return self._stage_step(step, t0)
@@ -226,9 +256,18 @@ class PipelineWorker(Worker):
         finally:
             self.lora.end_step()
 
+    def _copy_blocks(self, copies) -> None:
+        if self.kv_groups is None:
+            copy_blocks(self.kv_caches, copies)
+        else:
+            from kvserve.runtime.kv_cache import copy_group_blocks
+
+            copy_group_blocks(self.kv_caches, self.kv_groups, copies)
+
     def _stage_step(self, step: ForwardInput, t0: float) -> torch.Tensor | None:
         import torch.distributed as dist
 
+        from kvserve.runtime.executor import pipeline_hidden
         from kvserve.runtime.models.pipeline_stage import stage_forward
 
         num_tokens = step.input_ids.shape[0]
@@ -241,6 +280,7 @@ class PipelineWorker(Worker):
                                          self.kv_caches, step.meta, hidden, residual)
         rows = step.logits_rows
         logits = None
+        final = hidden
         if not self.last:
             self._send_on(torch.stack((hidden, residual)))
         elif rows:
@@ -255,16 +295,17 @@ class PipelineWorker(Worker):
                 if step.stage_rows is not None:
                     self._send_sample(logits, step)
                 else:
-                    dist.send(logits, 0)
+                    self._send_to_rank0(logits)
+        if self.keep_hidden and self.global_rank != 0:  # after the result: rank 0 receives in that order
+            pipeline_hidden.send(self, rows, final if self.last else None)
         if self.global_rank == 0:
             self.steps_sampled_on_last_stage += bool(rows and (step.greedy_ids or step.stage_rows is not None))
             self.steps_with_stage_rows += bool(rows and step.stage_rows is not None)
             busy = time.perf_counter() - t0
             if rows and not self.last:
-                logits = self._logits_buffer(step)
-                dist.recv(logits, self.logits_rank)
-                if step.stage_rows is not None:
-                    logits = self._recv_sample(logits)
+                logits = self._receive_result(step)
+            if self.keep_hidden:
+                pipeline_hidden.receive(self, rows, num_tokens)
             # Stage 0's idle share of the step: with one step in flight, about (pp - 1) / pp
             # when the stages are balanced and the transfers are cheap.
             wall = time.perf_counter() - t0
@@ -282,11 +323,8 @@ class PipelineWorker(Worker):
         self._send = (dist.isend(activations, self.next_rank), activations)
 
     def _send_sample(self, logits: torch.Tensor, step: ForwardInput) -> None:
-        """Last stage: samples the step's rows as rank 0 would and sends the result (its size on
-        the logits' channel, then the bytes on tag 1, asynchronously: the size's receive is
-        posted early, the bytes' only when rank 0 lands the step)."""
-        import torch.distributed as dist
-
+        """Last stage: samples the step's rows as rank 0 would and sends the result: its size,
+        then its pickled bytes."""
         from kvserve.runtime.executor import stage_sampling
 
         if self._stage_sampler is None:
@@ -295,19 +333,35 @@ class PipelineWorker(Worker):
             self._stage_sampler = Sampler(torch.Generator(device=logits.device).manual_seed(self.config.seed + 1))
         data = stage_sampling.encode(stage_sampling.sample_on_stage(logits, step.stage_rows, self._stage_sampler))
         data = data.to(self.device)
-        dist.send(torch.tensor([data.numel()], dtype=torch.long, device=self.device), 0)
-        if self._sample_send is not None:
-            self._sample_send[0].wait()
-        self._sample_send = (dist.isend(data, 0, tag=1), data)
+        self._send_to_rank0(torch.tensor([data.numel()], dtype=torch.long, device=self.device))
+        self._send_to_rank0(data)
 
-    def _recv_sample(self, size: torch.Tensor):
-        """Rank 0: the last stage's StageSample, once its size has arrived."""
+    def _send_to_rank0(self, tensor: torch.Tensor) -> None:
+        """Last stage: sends a step's result to rank 0 without waiting for rank 0 to take it (it
+        does when it lands that step, after launching later ones): the stage goes on to its next
+        step at once. Every result travels in step order on one channel, so each receive rank 0
+        posts matches its own message without tags (NCCL has none)."""
+        import torch.distributed as dist
+
+        while self._results_out and self._results_out[0][0].is_completed():
+            self._results_out.popleft()
+        if len(self._results_out) >= 8:  # rank 0 is far behind: wait for the oldest
+            self._results_out.popleft()[0].wait()
+        self._results_out.append((dist.isend(tensor, 0), tensor))
+
+    def _receive_result(self, step: ForwardInput):
+        """Rank 0: the step's result from the last stage: token ids, logits, or a StageSample
+        (its size first, then its bytes)."""
         import torch.distributed as dist
 
         from kvserve.runtime.executor import stage_sampling
 
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.recv(data, self.logits_rank, tag=1)
+        head = self._logits_buffer(step)
+        dist.recv(head, self.logits_rank)
+        if step.stage_rows is None:
+            return head
+        data = torch.empty(int(head.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(data, self.logits_rank)
         return stage_sampling.decode(data)
 
     def _logits_buffer(self, step: ForwardInput) -> torch.Tensor:
@@ -320,40 +374,32 @@ class PipelineWorker(Worker):
 
     @torch.inference_mode()
     def launch(self, step: ForwardInput) -> _InFlight:
-        """Rank 0, pipelined: runs stage 0 of the step, sends the activations on and returns
-        without waiting for the logits (``land`` does)."""
-        import torch.distributed as dist
-
+        """Rank 0, pipelined: runs stage 0 of the step and sends the activations on without
+        waiting for the next stage to take them; ``land`` receives the step's result."""
         from kvserve.runtime.models.pipeline_stage import stage_forward
 
         assert self.global_rank == 0 and not self.last
         t0 = time.perf_counter()
-        copy_blocks(self.kv_caches, step.block_copies)
+        self._copy_blocks(step.block_copies)
         step = step.to(self.device)
         hidden, residual = stage_forward(self.model, step.input_ids, step.positions, self.kv_caches, step.meta,
                                          None, None)
-        logits = recv = None
-        if step.logits_rows:
-            # Posted before the activations leave: the last stage's send of these logits then
-            # never waits for rank 0, whatever rank 0 is doing by then.
-            logits = self._logits_buffer(step)
-            recv = dist.irecv(logits, self.logits_rank)
         self._send_on(torch.stack((hidden, residual)))
-        return _InFlight(logits, recv, bool(step.greedy_ids), time.perf_counter() - t0, step.stage_rows is not None)
+        return _InFlight(step, time.perf_counter() - t0)
 
     def land(self, pending: _InFlight) -> torch.Tensor | None:
-        """Waits for a launched step's logits (token ids when the last stage sampled)."""
+        """Waits for a launched step's result (steps land in launch order): token ids when the
+        last stage took the argmax, a StageSample when it sampled, logits otherwise."""
+        step, result = pending.step, None
         t0 = time.perf_counter()
-        if pending.recv is not None:
-            pending.recv.wait()
-            if pending.sampled:
-                pending.logits = self._recv_sample(pending.logits)
+        if step.logits_rows:
+            result = self._receive_result(step)
+            self.steps_sampled_on_last_stage += bool(step.greedy_ids or step.stage_rows is not None)
+            self.steps_with_stage_rows += step.stage_rows is not None
         idle = time.perf_counter() - t0
-        self.steps_sampled_on_last_stage += bool(pending.logits is not None and (pending.greedy or pending.sampled))
-        self.steps_with_stage_rows += bool(pending.logits is not None and pending.sampled)
         total = idle + pending.busy
         self.last_bubble = idle / total if total > 0 else 0.0
-        return pending.logits
+        return result
 
 
 def check_pipeline_parallel(model_config, pp: int) -> None:

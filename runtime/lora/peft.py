@@ -12,9 +12,9 @@ targeted embedding's or head's own weights beside them (``save_embedding_layers`
 model's shape is the base weights and is skipped; another shape (a resized vocabulary) is refused.
 
 Every problem is a ValueError naming it: a missing file, a rank above ``max_lora_rank``, a target
-module the model lacks (or that kvserve cannot adapt: MoE experts, MLA's projections, Gemma's
-scaled embedding), shapes of another base model, PEFT features that change the math (DoRA,
-trained biases, ``modules_to_save``).
+module the model lacks (or that kvserve cannot adapt: Gemma's scaled embedding, the MoE router),
+shapes of another base model, PEFT features that change the math (DoRA, trained biases,
+``modules_to_save``).
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.runtime.lora.moe import expert_module_layer, expert_pair
 from kvserve.runtime.lora.request import LoRARequest
 
 # PEFT's module names kvserve adapts, and where each lives in a decoder layer.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 VOCAB_MODULES = ("embed_tokens", "lm_head")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES
+# Multi-head latent attention's own projections (DeepSeek V2/V3; runtime/lora/mla.py).
+MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES + MLA_MODULES
 # The layer index of the model-level modules (embedding, LM head) in Targets keys.
 MODEL_LEVEL = -1
 
@@ -42,7 +45,9 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?
 _EMBED_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?$")
 _BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight$")
 _VOCAB_MODULE = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
-_LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>[a-z_]+)$")
+_LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>(?:shared_experts?\.)?[a-z_]+)$")
+# transformers' fused expert parameters, as PEFT's target_parameters name them (runtime/lora/moe.py).
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -108,6 +113,11 @@ def read_config(path: str) -> dict:
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"adapter_config: {key} must be a positive number, got {value!r}")
+    for t in cfg.get("target_parameters") or ():
+        # PEFT also lists a target_modules name that is an expert parameter's (down_proj) here.
+        if str(t).rsplit(".", 1)[-1] not in ("gate_up_proj", "down_proj"):
+            raise ValueError(f"adapter_config: target parameter {t!r} is not supported; kvserve adapts the "
+                             f"routed experts' {' and '.join(EXPERT_PARAMETERS)}")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         for t in targets:
@@ -197,14 +207,30 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"adapter weights: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        expert_layer = expert_module_layer(module)
+        if expert_layer is not None:
+            if expert_layer >= num_layers:
+                raise ValueError(f"target module {module!r}: the model has {num_layers} layers (base model mismatch?)")
+            found = expert_pair(module, expert_layer, ab["A"], ab["B"], targets, max_lora_rank=max_lora_rank,
+                                only_targets=only_targets, scaling=lambda name, r: (
+                                    _pattern_value(cfg.get("alpha_pattern"), name, alpha_default)
+                                    / (math.sqrt(r) if rslora else r)))
+            if found is not None:
+                key, pair, rank = found
+                if key in out.modules:
+                    raise ValueError(f"adapter weights: two LoRA pairs of the shape of {key[1]} in layer {key[0]}")
+                out.modules[key] = pair
+                out.rank = max(out.rank, rank)
+            continue
         m = _LAYER_MODULE.match(module)
-        name = module.rsplit(".", 1)[-1]
+        name = module.rsplit(".", 1)[-1] if m is None else m["name"]
         if module in _VOCAB_MODULE:
             layer, name = MODEL_LEVEL, _VOCAB_MODULE[module]
-        elif m is None or name not in SUPPORTED_MODULES:
+        elif m is None or name.rsplit(".", 1)[-1] not in SUPPORTED_MODULES:
             raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts the decoder "
-                             f"layers' self_attn q/k/v/o_proj and dense mlp gate/up/down_proj, model.embed_tokens "
-                             f"and lm_head; MoE experts and shared experts are not)")
+                             f"layers' self_attn q/k/v/o_proj (MLA: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, "
+                             f"kv_b_proj, o_proj), mlp gate/up/down_proj (dense, or MoE shared experts), the "
+                             f"routed experts' fused parameters, model.embed_tokens and lm_head)")
         else:
             layer = int(m["layer"])
             if layer >= num_layers:
@@ -220,7 +246,7 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
                 why = " (Gemma's scaled embedding is not supported)" if name == "embed_tokens" else ""
                 raise ValueError(f"target module {module!r}: this model's {name} cannot take LoRA{why}")
             raise ValueError(f"target module {module!r}: the model lacks it (this architecture's layer {layer} "
-                             f"has no adaptable {name}: MoE experts and MLA projections are not supported)")
+                             f"has no adaptable {name})")
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter weights: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
                              "which do not form a LoRA pair")

@@ -47,7 +47,11 @@ class WorkerLoRA:
         model.lora_state = self.state
 
     def _wrap(self) -> None:
+        from kvserve.runtime.lora.mla import wrap_mla
+        from kvserve.runtime.lora.moe import wrap_moe
         from kvserve.runtime.models.llama import MLP, Attention
+        from kvserve.runtime.models.mla import MLAAttention
+        from kvserve.runtime.models.moe import SparseMoeBlock
 
         kw = dict(max_loras=self.max_loras, max_rank=self.max_lora_rank, dtype=self.dtype)
         for w in wrap_vocab(self.model, self.state, **kw):
@@ -58,16 +62,20 @@ class WorkerLoRA:
         for i, layer in enumerate(self.model.layers, start=getattr(self.model, "layer_start", 0)):
             attn, mlp = layer.self_attn, layer.mlp
             wrapped = []
-            if isinstance(attn, Attention):  # not MLA: its projections are another shape
+            if isinstance(attn, Attention):
                 attn.qkv_proj = LoRALinear(attn.qkv_proj, self.state, parts=("q_proj", "k_proj", "v_proj"),
                                            row_parallel=False, **kw)
                 attn.o_proj = LoRALinear(attn.o_proj, self.state, parts=("o_proj",), row_parallel=True, **kw)
                 wrapped += [attn.qkv_proj, attn.o_proj]
-            if isinstance(mlp, MLP):  # not an expert block (MoE)
+            elif isinstance(attn, MLAAttention):
+                wrapped += wrap_mla(attn, self.state, rope_interleave=attn.rope_interleave, **kw)
+            if isinstance(mlp, MLP):
                 mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, self.state, parts=("gate_proj", "up_proj"),
                                               row_parallel=False, **kw)
                 mlp.down_proj = LoRALinear(mlp.down_proj, self.state, parts=("down_proj",), row_parallel=True, **kw)
                 wrapped += [mlp.gate_up_proj, mlp.down_proj]
+            elif isinstance(mlp, SparseMoeBlock):
+                wrapped += wrap_moe(mlp, self.state, **kw)
             for w in wrapped:
                 self.wrappers.append((i, w))
                 for p, name in enumerate(w.parts):

@@ -110,8 +110,12 @@ class MLAAttention(nn.Module):
                 self.q_proj.weight.weight_loader, qk, self.rope)
             self.kv_a_proj_with_mqa.weight.weight_loader = _with_rope_rows_permuted(  # type: ignore[attr-defined]
                 self.kv_a_proj_with_mqa.weight.weight_loader, m.latent_dim, self.rope)
+        self.rope_interleave = cfg.rope_interleave
         self.scale = cfg.attention_scale()
         self.impl = mla_attention_for(backend)
+        # LoRA on kv_b_proj (runtime/lora/mla.py, set when adapters are enabled): its delta is
+        # added wherever the weight is used, the absorbed decode included.
+        self.kv_b_lora = None
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, L] and W_UV [H, v, L]: views of kv_b_proj's rows, head by head."""
@@ -141,8 +145,14 @@ class MLAAttention(nn.Module):
             w_uk, w_uv = self._absorbed()
             qn, qp = (q_nope, q_pe) if every else (q_nope[rows], q_pe[rows])
             q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
+            lora = self.kv_b_lora
+            groups = lora.decode_groups(rows, every) if lora is not None else []
+            if groups:
+                q_lat = lora.add_to_query(q_lat, qn, groups)
             o_lat = impl.decode(torch.cat((q_lat, qp), dim=-1), cache, plan, self.kv_lora_rank, self.scale)
             o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            if groups:
+                o = lora.add_to_output(o, o_lat, groups)
             if every:
                 out = o
             else:
@@ -158,7 +168,10 @@ class MLAAttention(nn.Module):
                 ctx_c, ctx_pe = impl.gather_context(cache, meta, seq, seq_len).split(
                     [self.kv_lora_rank, self.rope], dim=-1)
                 ctx_c, ctx_pe = ctx_c.to(hidden.dtype), ctx_pe.to(hidden.dtype)
-            kv = self.kv_b_proj(ctx_c).view(seq_len, self.num_heads, self.nope + self.v_dim)
+            kv = self.kv_b_proj(ctx_c)
+            if self.kv_b_lora is not None:
+                kv = self.kv_b_lora.add_to_context(kv, ctx_c, q0)
+            kv = kv.view(seq_len, self.num_heads, self.nope + self.v_dim)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
             k = torch.cat((k_nope, ctx_pe[:, None, :].expand(seq_len, self.num_heads, self.rope)), dim=-1)
             qs = torch.cat((q_nope[q0:q1], q_pe[q0:q1]), dim=-1)

@@ -157,8 +157,8 @@ def _lora_slots(model, native):
                 entries.append(None)
                 continue
             rank = w.a_t.shape[2] // len(w.parts)
-            if max_rank not in (None, rank):
-                return None
+            if max_rank not in (None, rank) or w.a_t.dtype not in (torch.float32, torch.bfloat16):
+                return None  # float16 slots (lora_dtype): adapter steps take the per-op path
             max_rank = rank
             entries.append((w.a_t, w.b_t, [size for _, _, size in w.out_slices]))
         layers.append(entries)

@@ -51,11 +51,18 @@ def stage_forward(model, input_ids: torch.Tensor | None, positions: torch.Tensor
         residual = None
     local = model.local_cos_sin_cache
     groups = meta.kv_groups
+    # EAGLE-3: the residual streams of the hooked layers this stage holds (pipeline_hidden.py).
+    aux = getattr(model, "aux_hidden_layers", ())
+    captured: list[torch.Tensor] = []
     for offset, (layer, kv_cache) in enumerate(zip(model.layers, kv_caches)):
         i = model.layer_start + offset
         cos_sin = local if local is not None and i in model._local_rope_layers else model.cos_sin_cache
         layer_meta = meta if groups is None else groups[model._layer_windows[i]]
         hidden, residual = layer(positions, hidden, residual, kv_cache, layer_meta, cos_sin)
+        if aux and i in aux:
+            captured.append(hidden if residual is None else hidden + residual)
+    if aux:
+        model.aux_hidden = captured
     if model.layer_end < cfg.num_layers:
         return hidden, residual
     if residual is None:

@@ -68,7 +68,10 @@ class PolicyConfig:
     max_kv_utilization: float = 0.95  # ... or above this KV use (0..1)
     # Affinity (see affinity_pick): a pod must beat the new-prompt placement by this fraction of
     # the prompt, and each request it carries costs it `load_weight` of a whole prompt's prefill.
-    prefix_margin: float = 0.1
+    # 0.02 / 0.1 from bench/router_sweep.py (docs/benchmarks.md): a small margin lets any held
+    # advantage win while loads are equal (one request more outweighs up to 0.1 of the prompt);
+    # a load weight of 0.3 broke conversations apart with 6 in flight, 0 bought nothing.
+    prefix_margin: float = 0.02
     load_weight: float = 0.1
     prefix_ttl_seconds: float = 600.0  # how long "served recently" lasts
     index_capacity: int = 200_000  # prefix chunks remembered (LRU), over all pods

@@ -117,10 +117,12 @@ class EagleProposer:
         self.head = head
         self.target = target
         # At tensor parallelism the target's embedding and lm_head are sharded and every use is a
-        # collective the other ranks would not join: the head (on rank 0 alone) reads whole
-        # copies from the target's checkpoint instead.
+        # collective the other ranks would not join; at pipeline parallelism rank 0's stage has
+        # no lm_head (the last stage holds it): the head (on rank 0 alone) reads whole copies
+        # from the target's checkpoint instead.
         self.full_embed = self.full_head = None
-        if getattr(target, "tp_size", 1) > 1 and (head.embed_tokens is None or head.lm_head is None):
+        split = getattr(target, "tp_size", 1) > 1 or getattr(target, "layer_end", 0) < target.config.num_layers
+        if split and (head.embed_tokens is None or head.lm_head is None):
             self.full_embed, self.full_head = full_vocab_weights(model_dir, device=head.fc.weight.device,
                                                                  dtype=head.fc.weight.dtype)
         self.block_size = block_size
@@ -236,8 +238,9 @@ def full_vocab_weights(model_dir, *, device, dtype) -> tuple[torch.Tensor, torch
                 if name in f.keys():
                     found[name] = f.get_tensor(name).to(device, dtype)
     if "model.embed_tokens.weight" not in found:
-        raise ValueError("speculative_config.model: at tensor_parallel_size > 1 an EAGLE head without its own "
-                         "embedding and lm_head needs the target's unquantized safetensors (model.embed_tokens.weight)")
+        raise ValueError("speculative_config.model: at tensor_parallel_size or pipeline_parallel_size > 1 an "
+                         "EAGLE head without its own embedding and lm_head needs the target's unquantized "
+                         "safetensors (model.embed_tokens.weight)")
     embed = found["model.embed_tokens.weight"]
     return embed, found.get("lm_head.weight", embed)
 

@@ -8,7 +8,14 @@ import pytest
 from kvserve.operator import manifests as M
 from kvserve.operator.autoscaler import Signals
 from kvserve.operator.desired import recorded_size
-from kvserve.operator.layout import LayoutState, PodLayout, decide_layout, initial_layout, pod_layouts
+from kvserve.operator.layout import (
+    TPOT_MEMORY_SECONDS,
+    LayoutState,
+    PodLayout,
+    decide_layout,
+    initial_layout,
+    pod_layouts,
+)
 from kvserve.operator.reshape import recorded_layout, secret_value
 from kvserve.operator.spec import SpecError, model_shape, parse_spec
 
@@ -167,7 +174,7 @@ def test_tpot_slo_table(slo, current, per_pod, d_sum, d_count, reason, expected)
 ])
 def test_measured_tpot_gates_a_move_to_higher_tp(at_tp, at_dp, long_context, reason, expected):
     spec, shape = make_spec(layout={"stabilizationSeconds": 0})
-    known = ((DP, at_dp),) + (((TP, at_tp),) if at_tp is not None else ())
+    known = ((DP, at_dp, 5.0),) + (((TP, at_tp, 5.0),) if at_tp is not None else ())
     signals = sig(2, kv=0.95) if long_context else sig(1)
     d = decide_layout(spec, shape, DP, signals, LayoutState(tpot_by_layout=known), now=10.0)
     assert (d.reason, d.layout) == (reason, expected), d.message
@@ -181,14 +188,18 @@ def test_tpot_is_learned_per_layout_at_low_load_only():
     # TP at low load: 400 tokens in 40 s -> 0.1 s per token, recorded for 1xTP2
     for t, totals in ((0, (0.0, 0.0)), (10, (40.0, 400.0))):
         state = decide_layout(spec, shape, TP, tpot_sig(1, *totals), state, now=float(t)).state
-    assert state.tpot_at(TP) == pytest.approx(0.1)
+    assert state.tpot_at(TP, 10.0) == pytest.approx(0.1)
     # high load at 2xTP1 moves to DP; its high-load TPOT is not what one request would get
     d = decide_layout(spec, shape, TP, tpot_sig(12, 140.0, 800.0), state, now=20.0)
-    assert d.layout == DP and d.state.tpot_at(DP) is None
+    assert d.layout == DP and d.state.tpot_at(DP, 20.0) is None
     # DP at low load: 0.02 s per token, recorded; TP (0.1 s) is then refused at low load
     d = decide_layout(spec, shape, DP, tpot_sig(1, 144.0, 1000.0), d.state, now=30.0)
-    assert d.state.tpot_at(DP) == pytest.approx(0.02)
+    assert d.state.tpot_at(DP, 30.0) == pytest.approx(0.02)
     assert (d.reason, d.layout) == ("LayoutTPOTGated", DP)
+    # an hour later TP's TPOT is forgotten: the pods may have changed, so it is tried again
+    later = 10.0 + TPOT_MEMORY_SECONDS + 1
+    d = decide_layout(spec, shape, DP, tpot_sig(1, 148.0, 1200.0), d.state, now=later)
+    assert (d.reason, d.layout) == ("LayoutTensorParallel", TP)
 
 
 def test_tpot_slo_spec_field():

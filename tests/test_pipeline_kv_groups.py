@@ -1,0 +1,101 @@
+"""KV cache groups (Gemma's local and global layers) at pipeline_parallel_size > 1
+(runtime/executor/pipeline_kv_groups.py): each stage pools its own layers by group, rank 0 keeps
+one block table per group, so the window group really holds fewer blocks, and PP=2 greedy output
+equals PP=1's with the groups (itself checked against transformers in test_hybrid_kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve.runtime import LLMEngine, SamplingParams
+from kvserve.runtime.engine.kv_cache_groups import KVCacheGroup
+from kvserve.runtime.executor.pipeline_kv_groups import UNBOUNDED, local_groups, stage_group_blocks
+
+WINDOW, BLOCK = 8, 4
+GROUPS = (KVCacheGroup(None, (1,)), KVCacheGroup(WINDOW, (0, 2)))
+
+
+@pytest.mark.parametrize("start,end,expected", [
+    (0, 3, [(None, (1,)), (WINDOW, (0, 2))]),
+    (0, 1, [(None, ()), (WINDOW, (0,))]),  # only a local layer
+    (1, 3, [(None, (0,)), (WINDOW, (1,))]),
+    (2, 3, [(None, ()), (WINDOW, (0,))]),
+])
+def test_local_groups_renumber_the_stage_layers(start, end, expected):
+    assert [(g.window, g.layers) for g in local_groups(GROUPS, start, end)] == expected
+
+
+def test_a_stage_bounds_only_the_groups_it_holds():
+    from kvserve.runtime.capacity.pipeline import layer_shape
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+                                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=128, vocab_size=512, max_position_embeddings=512))
+    kw = dict(max_model_len=512, max_step_tokens=16)
+    explicit = EngineConfig(model="/m", num_kv_blocks=20, block_size=BLOCK)
+    assert stage_group_blocks(explicit, layer_shape(cfg.shape, 0, 1), torch.float32, torch.device("cpu"), GROUPS,
+                              0, 1, budget_bytes=None, **kw) == [UNBOUNDED, 20]
+    budget = EngineConfig(model="/m", block_size=BLOCK)
+    per_block = 2 * 2 * 16 * 4 * BLOCK  # K and V, 2 KV heads of 16 floats, one layer
+    only_local = stage_group_blocks(budget, layer_shape(cfg.shape, 0, 1), torch.float32, torch.device("cpu"),
+                                    GROUPS, 0, 1, budget_bytes=100 * per_block, **kw)
+    assert only_local == [UNBOUNDED, 100]  # its whole budget for its one group
+    both = stage_group_blocks(budget, layer_shape(cfg.shape, 1, 3), torch.float32, torch.device("cpu"), GROUPS,
+                              1, 3, budget_bytes=200 * per_block, **kw)
+    assert both[1] < both[0] < 200 * 2  # split by need: the full layer's share is far larger
+
+
+@pytest.fixture(scope="module")
+def gemma3(tiny_model_factory):
+    return tiny_model_factory("gemma3", sliding_window=WINDOW, max_position_embeddings=512, num_hidden_layers=3,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+def _run(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    managers = engine.block_manager.managers
+    peaks, done = [0] * len(managers), {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        engine.block_manager.check_invariants()
+        peaks = [max(p, m.num_used_blocks) for p, m in zip(peaks, managers)]
+    assert engine.block_manager.num_used_blocks == 0, "a block leaked"
+    return [done[str(i)] for i in range(len(prompts))], peaks
+
+
+def test_pp2_with_groups_equals_pp1(gemma3):
+    from kvserve.runtime.executor.pipeline_worker import stage_ranges
+
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 512) for _ in range(40)]  # several windows long, prefix-cached
+    prompts = [shared + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 9))] for _ in range(3)]
+    prompts += [[rng.randrange(3, 512) for _ in range(rng.randrange(20, 60))] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(block_size=BLOCK, max_num_batched_tokens=16, max_model_len=512, enable_prefix_caching=True,
+              kv_cache_memory_bytes=48 * 1024)
+    with LLMEngine.from_args(model=str(gemma3), **kw) as one:
+        want, _ = _run(one, prompts, params)
+    with LLMEngine.from_args(model=str(gemma3), pipeline_parallel_size=2, **kw) as two:
+        assert [g.window for g in two.kv_groups] == [None, WINDOW]
+        ranges = stage_ranges(two.executor.config, two.model_config)
+        # Some stage holds only sliding-window layers (3 layers: local, global, local).
+        assert any(not g.layers for s, e in ranges for g in local_groups(two.kv_groups, s, e))
+        full_blocks, local_blocks = two.kv_group_blocks
+        assert local_blocks < full_blocks / 4  # the window pool really is smaller
+        # Rank 0's stage pools each of its layers with its own group's block count.
+        windows = [two.model_config.layer_window(i) for i in range(*ranges[0])]
+        assert [layer[0].shape[0] for layer in two.kv_caches] == [
+            local_blocks if w is not None else full_blocks for w in windows]
+        got, _ = _run(two, prompts, params)
+        stats = two.get_stats()
+    assert got == want
+    assert stats.prefix_cache_hits_total > 0 and stats.num_preemptions_total > 0
