@@ -1,10 +1,11 @@
 """Loaded weights kept in host memory (runtime/models/host_weights.py), which a live layout change
 (issue 22) builds its engines from: a shard loaded again is the same tensors, gives the same
-logits as a model read from the checkpoint, and never opens the checkpoint; other shards and
-released holders read the checkpoint as before."""
+logits as a model read from the checkpoint, and never reads the checkpoint; other shards, a
+checkpoint rewritten in place and released holders read the checkpoint as before."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -27,8 +28,10 @@ def test_a_shard_loaded_again_comes_from_host_memory_with_the_same_logits(tiny_l
     with host_weights.retained():
         first = _load(model_dir)
         assert len(host_weights.keys()) == 1
-        for f in model_dir.glob("*.safetensors"):
-            f.unlink()  # the second load cannot read the checkpoint
+        for f in model_dir.glob("*.safetensors"):  # the second load cannot read the checkpoint:
+            st = f.stat()                             # zeros, same size and time (the same key)
+            f.write_bytes(bytes(st.st_size))
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
         again = _load(model_dir)
         assert again is not first
         params = dict(first.named_parameters())
@@ -43,6 +46,10 @@ def test_a_shard_loaded_again_comes_from_host_memory_with_the_same_logits(tiny_l
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         with pytest.raises(ValueError, match="safetensors"):  # another shard is not the kept one
             _load(model_dir, tp_rank=1, tp_size=2)
+        for f in model_dir.glob("*.safetensors"):  # a checkpoint rewritten in place: never the old tensors
+            os.utime(f, ns=(0, f.stat().st_mtime_ns + 1))
+        with pytest.raises(ValueError, match="safetensors"):
+            _load(model_dir)
     assert host_weights.keys() == []  # released: forgotten
     with pytest.raises(ValueError, match="safetensors"):
         _load(model_dir)

@@ -98,3 +98,49 @@ def test_qwen2_moe_shared_and_routed_expert_adapters_match_peft(tiny_model_facto
         save_file(tensors, str(other / "adapter_model.safetensors"))
         with pytest.raises(ValueError, match="base model mismatch: .*experts"):
             llm.engine.add_lora(LoRARequest("other", 2, str(other)))
+
+
+def test_deepseek_v3_mla_and_expert_adapters_at_tensor_parallel_2_match_peft(tiny_model_factory, tmp_path):
+    """DeepSeek V3 whole: MLA projections (kv_b_proj folded into the absorbed decode), the dense
+    first layer's MLP and the routed experts (PEFT turns gate/up/down_proj into expert
+    parameters, gate_up at twice the rank), split over TP=2 (gloo) like their base layers."""
+    base = tiny_model_factory("deepseek_v3")
+    (path,) = build_lora_adapters(base, {tmp_path / "ds": dict(
+        r=4, seed=6, std=0.15, target_parameters=EXPERTS,
+        target_modules=["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"])})
+    pm = peft_model(base, {"ds": str(path)})
+    names = ["ds", None]
+    with LLM(str(base), enable_lora=True, max_lora_rank=8, num_kv_blocks=64, block_size=4,
+             tensor_parallel_size=2, device="cpu") as llm:
+        outs = llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False,
+                            lora_request=[LoRARequest("ds", 1, str(path)), None])
+    _check(outs, pm, names, PROMPTS[:2])
+
+
+def test_int8_experts_with_adapters_match_peft_on_the_dequantized_model(tiny_model_factory, tmp_path):
+    """Quantized experts (one int8 linear pair per expert) with expert adapters in full precision
+    beside them. Oracle: peft on transformers with the same dequantized weights (the router stays
+    full precision, as in kvserve)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.runtime.models.quantization.packed import quantize_int8
+
+    base = tiny_model_factory("mixtral")
+    (path,) = build_lora_adapters(base, {tmp_path / "q": dict(r=8, seed=7, std=0.15, target_modules=["q_proj"],
+                                                               target_parameters=EXPERTS)})
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                continue
+            for w in [p.data] if p.dim() == 2 else list(p.data) if p.dim() == 3 else []:
+                q, s = quantize_int8(w, w.shape[1])
+                w.copy_(q.float() * s)
+    pm = PeftModel.from_pretrained(hf, str(path), adapter_name="q").eval()
+    names = ["q", None]
+    with LLM(str(base), quantization="int8", enable_lora=True, max_lora_rank=8, num_kv_blocks=64,
+             block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:2], PARAMS, use_tqdm=False, lora_request=[LoRARequest("q", 1, str(path)), None])
+    _check(outs, pm, names, PROMPTS[:2])

@@ -4,23 +4,25 @@ A live layout change (runtime/engine/data_parallel.py) closes G engines and buil
 CPU, building an engine's model is mostly repeated work: reading the checkpoint, copying each
 rank's slice, and repacking every full-precision matrix into the native kernels' panels. None of
 it depends on the engine, only on (checkpoint, dtype, device, rank, TP degree). So, while a
-`retain()` is held, `load_model` records each finished model's processed state (every module's
-parameters and the attributes its weight processing set) and hands the same tensors to the next
+`retain()` is held, `load_model` records each finished model's state (every module's parameters
+and buffers, and the attributes loading and processing set) and hands the same tensors to the next
 model of the same shard: a reshape back to a layout seen before, and the second and later
 engines of a layout, skip the load. The weights are read-only at inference, so engines stepping
 side by side share them (on the CPU, G x TP1 also holds one copy of the weights instead of G).
 
-Only host-memory (CPU) full-precision models are kept, without pipeline stages: a GPU's
+Only host-memory (CPU) full-precision safetensors models are kept, without pipeline stages: a GPU's
 weights live on its device, where holding a second layout's shards would take the memory the
-new layout needs; quantized formats are read again (their processing is not all module state).
+new layout needs; quantized formats and GGUF files are read again (their processing is not all
+module state). A checkpoint file rewritten in place (another size or time) is another key.
 Process-wide on purpose: the engines that share are built by independent LLMEngine calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 from torch import nn
@@ -68,13 +70,6 @@ def is_retained() -> bool:
     return _retained > 0
 
 
-def drop(keep: Callable[[Hashable], bool]) -> None:
-    """Forgets the snapshots whose key `keep` refuses (e.g. a rank this server can no longer run)."""
-    with _lock:
-        for key in [k for k in _snapshots if not keep(k)]:
-            del _snapshots[key]
-
-
 def keys() -> list[Hashable]:
     with _lock:
         return list(_snapshots)
@@ -85,7 +80,17 @@ def snapshot_key(model_dir: str, *, dtype: Any, device: Any, tp_rank: int, tp_si
     """The key of a model's shard, or None where its weights are not kept (see the module doc)."""
     if not _retained or str(device) != "cpu" or quant_config is not None or layer_range is not None:
         return None
-    return (str(model_dir), str(dtype), tp_rank, tp_size)
+    # The files' sizes and times too: a checkpoint rewritten in place is another key, never
+    # answered with the old tensors.
+    path = pathlib.Path(model_dir)
+    if not path.is_dir():  # a GGUF file: read again (see the module doc)
+        return None
+    try:
+        files = tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(path.glob("*.safetensors"))
+                      for st in (f.stat(),))
+    except OSError:
+        return None
+    return (str(model_dir), files, str(dtype), tp_rank, tp_size)
 
 
 @contextlib.contextmanager
