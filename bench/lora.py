@@ -152,7 +152,8 @@ def main(argv=None) -> int:
     peft_bytes = sum(f.stat().st_size for f in dirs[0].glob("adapter_model.*"))
     print(f"memory per adapter: PEFT file {peft_bytes / 2**20:.1f} MiB, host cache {host_bytes[0] / 2**20:.1f} MiB "
           f"(slot images), "
-          f"device slot {slot_bytes / 2**20:.1f} MiB ({args.dtype}, padded to rank {args.rank})")
+          f"device slot {slot_bytes / 2**20:.1f} MiB ({args.dtype if args.lora_dtype == 'auto' else args.lora_dtype}, "
+          f"padded to rank {args.rank}; the embedding's and head's slots included)")
     print(f"base-model outputs identical with and without enable_lora: {base_out == lora_base_out}")
     record = dict(
         command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),

@@ -230,6 +230,38 @@ async def part_restart(model: Path, g: int, in_flight: int, out_len: int) -> dic
     return out
 
 
+async def part_tier(model: Path, g: int, in_flight: int, out_len: int, tier_dir: Path) -> dict:
+    """The loaded reshape of part 1 twice, without and with a file KV tier (--kv-offload-dir): with
+    it the resumed requests read their whole blocks back at the new TP degree instead of
+    prefilling them again. Reports the reshape and the longest pause a stream saw."""
+    out: dict = {}
+    for label, extra in (("recompute", []),
+                         ("file tier", ["--kv-offload-dir", str(tier_dir), "--kv-offload-bytes", str(1 << 30)])):
+        srv = Server(model, g, 1, ["--reshape-spare-workers", *extra])
+        try:
+            await srv.ready()
+            await run_phase(srv.url, 1, make_prompts(1, 16, 0), 4)  # warm
+            await asyncio.sleep(SPARE_WAIT_S)
+            load = asyncio.create_task(run_phase(srv.url, in_flight, make_prompts(in_flight, 64, 1), out_len))
+            await asyncio.sleep(2.0)
+            wall, body = await srv.reshape(1, g)
+            phase = await load
+            out[label] = {"wall_s": wall, "seconds": body["seconds"], "resumed_requests": body["resumed_requests"],
+                          "phases": body.get("phases", {}), "max_gap_s": phase["max_gap_ms"] / 1000,
+                          "completed": phase["requests"]}
+        finally:
+            srv.stop()
+    return out
+
+
+def print_tier(r: dict) -> None:
+    print("\n== reshape G x TP1 -> 1 x TP G with streams in flight: recompute vs file KV tier ==")
+    print(f"{'resume by':12s} {'reshape s':>9s} {'HTTP wall s':>11s} {'longest stream pause s':>22s} {'resumed':>7s}")
+    for label, row in r.items():
+        print(f"{label:12s} {row['seconds']:9.2f} {row['wall_s']:11.2f} {row['max_gap_s']:22.2f} "
+              f"{row['resumed_requests']:7d}")
+
+
 async def part_ramp(model: Path, g: int, high: int, n_low: int, n_high: int, in_len: int, out_len: int) -> dict:
     phases = [("low", 1, make_prompts(n_low, in_len, 10)), ("high", high, make_prompts(n_high, in_len, 11)),
               ("low again", 1, make_prompts(n_low, in_len, 12))]
@@ -315,7 +347,8 @@ def main(argv=None) -> int:
     global DEVICE, SPARE_WAIT_S
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="HF model directory (default: the real SmolLM2)")
-    p.add_argument("--part", choices=["all", "restart", "ramp"], default="all")
+    p.add_argument("--part", choices=["all", "restart", "ramp", "tier"], default="all",
+                   help="tier (not in all): the loaded reshape with and without a file KV tier")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a host with G GPUs")
     p.add_argument("--devices", type=int, default=None,
@@ -337,6 +370,12 @@ def main(argv=None) -> int:
     if args.part in ("all", "restart"):
         result["restart"] = asyncio.run(part_restart(model, g, in_flight=8, out_len=64))
         print_restart(result["restart"])
+    if args.part == "tier":
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kvserve-reshape-tier-") as tier:
+            result["tier"] = asyncio.run(part_tier(model, g, in_flight=8, out_len=64, tier_dir=Path(tier)))
+        print_tier(result["tier"])
     if args.part in ("all", "ramp"):
         n_low, n_high, high = (3, 16, 8) if args.quick else (6, 48, 16)
         result["ramp"] = asyncio.run(part_ramp(model, g, high, n_low, n_high, in_len=64, out_len=32))

@@ -99,3 +99,23 @@ def test_pp2_with_groups_equals_pp1(gemma3):
         stats = two.get_stats()
     assert got == want
     assert stats.prefix_cache_hits_total > 0 and stats.num_preemptions_total > 0
+
+
+def test_capacity_plan_at_pp2_counts_each_stage_with_its_groups():
+    """The capacity model at PP: sequences of a context length are the fewest any stage holds,
+    each stage counting its own layers' groups (a local layer keeps its window, not the context)."""
+    from kvserve.runtime.capacity import ModelShape, plan_capacity
+
+    # Gemma 2 9B-like: 42 layers alternating local (4096) / global.
+    shape = ModelShape.from_hf_config(dict(
+        architectures=["Gemma2ForCausalLM"], hidden_size=3584, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, intermediate_size=14336, vocab_size=256000, sliding_window=4096))
+    kw = dict(dtype_size=2, block_size=16, tp=1, gpu_memory_bytes=40 * 1024**3, context_len=32768)
+    plan = plan_capacity(shape, pp=2, **kw)
+    assert plan.context_tokens == plan.max_sequences_at_context_len * 32768
+    # Groups at PP: more sequences than every layer holding the context on the same budget.
+    whole = plan.kv_cache_bytes_per_gpu // (plan.kv_bytes_per_token_per_gpu * 32768)
+    assert plan.max_sequences_at_context_len > 1.5 * whole
+    # And about twice what one 40 GB GPU holds at PP=1 (the weights and KV split over two).
+    one = plan_capacity(shape, pp=1, **kw)
+    assert plan.max_sequences_at_context_len > 1.5 * one.max_sequences_at_context_len

@@ -30,7 +30,7 @@ def untied_llama(tiny_llama):
 def reference(untied_llama):
     engine = make_engine(untied_llama)
     try:
-        outs = run_checked(engine, grounded_prompts(n=6), GREEDY)
+        outs = run_checked(engine, grounded_prompts(n=4), GREEDY)
     finally:
         engine.close()
     return {k: v.outputs[0].token_ids for k, v in outs.items()}
@@ -66,7 +66,7 @@ def test_pp2_greedy_with_heads_equals_pp1(untied_llama, reference, tmp_path, kin
 
         engine.spec_decoder._move_paths = spy
     try:
-        outs = run_checked(engine, grounded_prompts(n=6), GREEDY)
+        outs = run_checked(engine, grounded_prompts(n=4), GREEDY)
         s = engine.get_stats()
     finally:
         engine.close()

@@ -74,7 +74,7 @@ def plan_capacity(
     if pp > 1:
         return _plan_pipeline(shape, pp, dtype_size=dtype_size, kv_size=kv_size, block_size=block_size, tp=tp,
                               usable=int(gpu_memory_bytes * gpu_memory_utilization) - activation_reserve_bytes,
-                              weight_format=weight_format)
+                              weight_format=weight_format, context_len=context_len, max_step_tokens=max_step_tokens)
     weights = weight_bytes_per_gpu(shape, dtype_size, tp, weight_format)
     kv_budget = max(0, int(gpu_memory_bytes * gpu_memory_utilization) - weights - activation_reserve_bytes)
     blocks = blocks_for_budget(kv_budget, shape, kv_size, block_size, tp)
@@ -104,11 +104,15 @@ def plan_capacity(
 
 
 def _plan_pipeline(shape: ModelShape, pp: int, *, dtype_size: int, kv_size: int, block_size: int, tp: int,
-                   usable: int, weight_format: WeightFormat | None) -> ReplicaCapacity:
+                   usable: int, weight_format: WeightFormat | None, context_len: int | None = None,
+                   max_step_tokens: int = 2048) -> ReplicaCapacity:
     """`pp` stages (runtime/capacity/pipeline.py's split): each GPU of stage s holds its layers'
     weights and KV for its layers only, from the same per-GPU budget; block ids mean the same slots
     on every stage, so the replica holds the smallest stage's block count. Reported per GPU: the
-    heaviest stage's weights, the KV bytes per token of the stage with the most layers."""
+    heaviest stage's weights, the KV bytes per token of the stage with the most layers. With
+    `context_len`, the sequences of that length the replica holds: the fewest any stage holds,
+    each stage counting what its own layers keep of a sequence (with KV cache groups a stage of
+    local layers keeps only their window: runtime/executor/pipeline_kv_groups.py)."""
     from kvserve.runtime.capacity.pipeline import layer_shape, split_layers, stage_weight_bytes
 
     ranges = split_layers(shape, pp, dtype_size=dtype_size, tp=tp, fmt=weight_format)
@@ -120,6 +124,18 @@ def _plan_pipeline(shape: ModelShape, pp: int, *, dtype_size: int, kv_size: int,
         budgets.append(budget)
         blocks.append(blocks_for_budget(budget, stage, kv_size, block_size, tp))
         per_token.append(kv_bytes_per_token(stage, kv_size, tp))
+    at_context: dict[str, int] = {}
+    if context_len is not None:
+        groups = has_kv_cache_groups(shape)
+        sequences = []
+        for (start, end), budget in zip(ranges, budgets):
+            stage = layer_shape(shape, start, end)
+            layer_bytes = kv_bytes_per_token(stage, kv_size, tp) // stage.num_layers
+            held = layer_slots_held(stage, context_len, block_size, max_step_tokens, groups) * layer_bytes
+            sequences.append(budget // held)
+        at_context = dict(context_len=context_len, max_sequences_at_context_len=min(sequences),
+                          context_tokens=min(sequences) * context_len)
     return ReplicaCapacity(tensor_parallel_size=tp, weight_bytes_per_gpu=max(weights),
                            kv_bytes_per_token_per_gpu=max(per_token), kv_cache_bytes_per_gpu=min(budgets),
-                           block_size=block_size, kv_blocks=min(blocks), kv_tokens=min(blocks) * block_size)
+                           block_size=block_size, kv_blocks=min(blocks), kv_tokens=min(blocks) * block_size,
+                           **at_context)

@@ -415,7 +415,6 @@ class DataParallelEngine:
         with held_release(platform_for(device)):  # one collection for all engines
             for e in self.engines:
                 self._close_engine(e)
-            self.engines = []
             self._release_host_weights()
         if self.spare_workers:
             from kvserve.runtime.executor.multiproc import prestart_workers

@@ -47,9 +47,11 @@ def kv_release_window(model_config, draft=None) -> int | None:
 
 def hybrid_kv_groups(config, model_config) -> tuple | None:
     """The KV cache groups of a model that mixes local and global layers (each group its own
-    block tables and pool: runtime/engine/kv_cache_groups.py), or None for one block table serving every
-    layer: a model with one kind of layer, the hybrid manager disabled, or speculative decoding
-    (its draft model and verification step take one table per sequence today)."""
+    block tables and pool: runtime/engine/kv_cache_groups.py; at pipeline parallelism each stage
+    pools its own layers by group: runtime/executor/pipeline_kv_groups.py), or None for one block
+    table serving every layer: a model with one kind of layer, the hybrid manager disabled,
+    speculative decoding (its draft model and verification step take one table per sequence
+    today), or pipeline parallelism with a KV offload tier or swap space."""
     from kvserve.runtime.engine.kv_cache_groups import kv_cache_groups
 
     groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])

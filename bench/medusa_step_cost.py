@@ -1,0 +1,137 @@
+"""What a Medusa verification step costs on this machine, against a plain decode step: the top-1
+chain (1 + k decode rows per sequence, the native CPU stack) and a candidate tree (1 + T rows per
+sequence on the per-op path with the tree mask, as the engine runs it), at batch 1 and 8.
+
+    python bench/medusa_step_cost.py                       # SmolLM2, k = 3, spec_heads' default tree
+    python bench/medusa_step_cost.py --accept bench/results/spec_heads.json
+
+The three step kinds run interleaved, `--reps` times each, and the table reports each kind's
+minimum and median: on a shared, loaded machine the minimum is the closest to an uncontended run.
+With `--accept` (bench/spec_heads.py's JSON), each method's measured acceptance length (tokens per
+verification step) divided by its relative step cost gives an estimated speed-up over plain
+decoding that does not depend on how loaded the machine was during the end-to-end run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="HF directory (default: the real SmolLM2)")
+    p.add_argument("-k", type=int, default=3)
+    p.add_argument("--tree", default=None, help="speculative_token_tree (default: bench/spec_heads.py's)")
+    p.add_argument("--context", type=int, default=160)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--accept", type=Path, default=None, help="bench/spec_heads.py's JSON (acceptance lengths)")
+    p.add_argument("--out", type=Path, default=RESULTS / "medusa_step_cost.json")
+    return p.parse_args(argv)
+
+
+def step(batch: int, rows: int, context: int, bs: int, tree=None):
+    """A ForwardInput of `batch` sequences with `rows` new rows each after `context` cached tokens:
+    decode rows (tree None) or one tree of `rows` nodes (its depths and masks)."""
+    from kvserve.runtime.attention.backend import AttentionMetadata
+    from kvserve.runtime.executor.forward_input import ForwardInput
+
+    per = -(-(context + rows) // bs)
+    tables = [list(range(b * per, (b + 1) * per)) for b in range(batch)]
+    ids, pos, slots, qsl, lens, bt, masks = [], [], [], [0], [], [], []
+    for table in tables:
+        for j in range(rows):
+            p = context + (j if tree is None else tree.depths[j])
+            s = context + j
+            ids.append(100 + j)
+            pos.append(p)
+            slots.append(table[s // bs] * bs + s % bs)
+            if tree is None:
+                qsl.append(qsl[-1] + 1)
+                lens.append(s + 1)
+                bt.append(table)
+            else:
+                masks.append(tree.masks[j])
+        if tree is not None:
+            qsl.append(qsl[-1] + rows)
+            lens.append(context + rows)
+            bt.append(table)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             block_tables=torch.from_numpy(np.asarray(bt, dtype=np.int32)),
+                             slot_mapping=torch.tensor(slots), max_query_len=1 if tree is None else rows,
+                             max_seq_len=max(lens), is_decode_only=tree is None,
+                             tree_masks=None if tree is None else torch.tensor(masks, dtype=torch.int64))
+    return ForwardInput(torch.tensor(ids), torch.tensor(pos), meta, list(range(len(ids))))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from spec_heads import DEFAULT_TREE
+
+    from kvserve.runtime import LLM
+    from kvserve.runtime.spec_decode.config import _tree
+    from kvserve.runtime.spec_decode.medusa_tree import tree_layout
+
+    model = args.model
+    if model is None:
+        from kvserve.testing.realmodel import ensure_smollm2
+
+        model = ensure_smollm2().hf_dir
+    tree = tree_layout(_tree(args.tree or str(DEFAULT_TREE), "medusa"))
+    batches = [int(b) for b in args.batches.split(",")]
+    load_before = os.getloadavg()
+    kinds = {"decode": (1, None), "chain": (1 + args.k, None), "tree": (tree.num_nodes, tree)}
+    times: dict[tuple[str, int], list[float]] = {}
+    with LLM(str(model), dtype="float32", max_model_len=1024, max_num_seqs=max(batches),
+             num_kv_blocks=max(batches) * 16) as llm:
+        worker = llm.engine.executor.driver_worker
+        bs = worker.config.block_size
+        steps = {(name, b): step(b, rows, args.context, bs, t) for name, (rows, t) in kinds.items() for b in batches}
+        for s in steps.values():  # warm-up (the native stack is built at the first decode step)
+            worker.execute_model(s)
+        for _ in range(args.reps):
+            for key, s in steps.items():
+                t0 = time.perf_counter()
+                worker.execute_model(s).argmax(-1).tolist()
+                times.setdefault(key, []).append(time.perf_counter() - t0)
+    accept = {}
+    if args.accept is not None:
+        for row in json.loads(args.accept.read_text())["rows"]:
+            accept[(row["method"], row["batch"])] = row["acceptance_length"]
+    rows = []
+    print(f"{'batch':>5} | {'step':<6} | {'rows':>4} | {'min ms':>7} | {'median ms':>9} | {'vs decode (min)':>15} | "
+          f"{'tokens/step':>11} | {'est. vs none':>12}")
+    for b in batches:
+        base = min(times[("decode", b)])
+        for name, (n, _) in kinds.items():
+            t = times[(name, b)]
+            rel = min(t) / base
+            tps = 1.0 if name == "decode" else accept.get(("medusa" if name == "chain" else "medusa_tree", b))
+            est = tps / rel if tps else None
+            rows.append({"batch": b, "step": name, "rows_per_seq": n, "min_s": min(t), "median_s": statistics.median(t),
+                         "cost_vs_decode": rel, "tokens_per_step": tps, "estimated_speedup": est})
+            print(f"{b:>5} | {name:<6} | {n:>4} | {min(t) * 1e3:>7.1f} | {statistics.median(t) * 1e3:>9.1f} | "
+                  f"{rel:>14.2f}x | {f'{tps:.2f}' if tps else '-':>11} | {f'{est:.2f}x' if est else '-':>12}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bench": "medusa_step_cost", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                    "model": str(model), "context": args.context, "k": args.k,
+                                    "tree": [list(c) for c in tree.choices], "reps": args.reps,
+                                    "load_average": [load_before, os.getloadavg()], "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
