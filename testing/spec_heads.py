@@ -86,7 +86,8 @@ def hidden_states(model_dir, sequences: list[list[int]], starts: list[int]) -> t
 def dataset(model_dir, questions: list[str], max_tokens: int) -> tuple[torch.Tensor, list]:
     """(hidden states, tokens) of the model's answers, cached beside the heads: generating and
     re-reading them is most of the training time."""
-    key = hashlib.sha256(json.dumps([str(model_dir), _weights_digest(model_dir), questions, max_tokens])
+    # The directory's name and its weights, not its path: a cache copied from another checkout is found.
+    key = hashlib.sha256(json.dumps([pathlib.Path(model_dir).name, _weights_digest(model_dir), questions, max_tokens])
                          .encode()).hexdigest()[:16]
     cache = REPO_ROOT / "build" / "spec-heads" / f"data-{key}.pt"
     if cache.is_file():
