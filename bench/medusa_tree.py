@@ -175,7 +175,7 @@ def main(argv=None) -> None:
                               dtype=torch.float32, device=torch.device("cpu"))
     questions = [q.format(t=t) for t in HELD_OUT_TOPICS for q in QUESTIONS]
     t0 = time.perf_counter()
-    key = hashlib.sha256(json.dumps([model.name, _weights_digest(model), questions, args.max_tokens])
+    key = hashlib.sha256(json.dumps([Path(model).name, _weights_digest(model), questions, args.max_tokens])
                          .encode()).hexdigest()[:16]
     cache = ROOT / "build" / "spec-heads" / f"heldout-{key}.pt"
     if cache.is_file():
