@@ -77,6 +77,41 @@ def peft_model(base_dir, adapter_dirs: dict[str, str]):
     return pm
 
 
+def peft_greedy(pm, name: str | None, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """The oracle: peft's greedy tokens for `prompt` under adapter `name` (None: the base model,
+    adapters disabled) and each token's logprob."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        if name is None:
+            with pm.disable_adapter():
+                out = pm.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+                logits = pm(out).logits[0]
+        else:
+            pm.set_adapter(name)
+            out = pm.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+            logits = pm(out).logits[0]
+    tokens = out[0, len(prompt):].tolist()
+    logprobs = torch.log_softmax(logits.float(), -1)[len(prompt) - 1:-1]
+    return tokens, [logprobs[i, t].item() for i, t in enumerate(tokens)]
+
+
+def assert_outputs_match_peft(outs, pm, names, prompts, max_tokens: int, *, abs_logprob: float = 2e-4,
+                              adapter_matters: bool = False) -> None:
+    """kvserve's greedy outputs (with logprobs=1) equal peft's per request: same tokens, logprobs
+    within `abs_logprob`; with `adapter_matters`, an adapter's tokens also differ from the base's."""
+    import pytest
+
+    for out, name, prompt in zip(outs, names, prompts, strict=True):
+        tokens, logprobs = peft_greedy(pm, name, prompt, max_tokens)
+        got = out.outputs[0]
+        assert got.token_ids == tokens, name
+        assert [lp[t].logprob for lp, t in zip(got.logprobs, tokens)] == pytest.approx(logprobs, abs=abs_logprob), name
+        if adapter_matters and name is not None:
+            assert tokens != peft_greedy(pm, None, prompt, max_tokens)[0], name
+
+
 def ensure_smollm2_adapters(base_dir, count: int = 8, *, r: int = 16, root=None) -> list[pathlib.Path]:
     """`count` rank-`r` adapters on every q/k/v/o/gate/up/down of SmolLM2, cached under build/."""
     root = pathlib.Path(root or REPO_ROOT / "build" / "smollm2-loras")

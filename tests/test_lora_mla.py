@@ -7,10 +7,9 @@ in one batch, and over a prefix-cached context (the latents gathered from the ca
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve.runtime import LLM, LoRARequest, SamplingParams
-from kvserve.testing.adapters import build_lora_adapters, peft_model
+from kvserve.testing.adapters import assert_outputs_match_peft, build_lora_adapters, peft_greedy, peft_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26]]
 MAX_TOKENS = 8
@@ -18,29 +17,8 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, l
 MLA_V3 = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
-def _reference(pm, name, prompt):
-    """peft's greedy tokens and each one's logprob."""
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        if name is None:
-            with pm.disable_adapter():
-                out = pm.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-                logits = pm(out).logits[0]
-        else:
-            pm.set_adapter(name)
-            out = pm.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-            logits = pm(out).logits[0]
-    tokens = out[0, len(prompt):].tolist()
-    logprobs = torch.log_softmax(logits.float(), -1)[len(prompt) - 1:-1]
-    return tokens, [logprobs[i, t].item() for i, t in enumerate(tokens)]
-
-
 def _check(outs, pm, names, prompts):
-    for out, name, prompt in zip(outs, names, prompts):
-        tokens, logprobs = _reference(pm, name, prompt)
-        got = out.outputs[0]
-        assert got.token_ids == tokens, name
-        assert [lp[t].logprob for lp, t in zip(got.logprobs, tokens)] == pytest.approx(logprobs, abs=2e-4), name
+    assert_outputs_match_peft(outs, pm, names, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +43,7 @@ def test_mla_adapters_mixed_with_the_base_match_peft(v3_setup):
     _check(outs, pm, names, PROMPTS)
     # The adapters matter: each changes the greedy answer of its prompt.
     for name, prompt in zip(names[:2], PROMPTS):
-        assert _reference(pm, name, prompt)[0] != _reference(pm, None, prompt)[0], name
+        assert peft_greedy(pm, name, prompt, MAX_TOKENS)[0] != peft_greedy(pm, None, prompt, MAX_TOKENS)[0], name
 
 
 def test_mla_adapter_over_a_cached_prefix_matches_peft(v3_setup):

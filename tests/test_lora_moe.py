@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvserve.runtime import LLM, LoRARequest, SamplingParams
-from kvserve.testing.adapters import build_lora_adapters, peft_model
+from kvserve.testing.adapters import assert_outputs_match_peft, build_lora_adapters, peft_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26]]
 MAX_TOKENS = 8
@@ -21,30 +21,8 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, l
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def _reference(pm, name, prompt):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        if name is None:
-            with pm.disable_adapter():
-                out = pm.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-                logits = pm(out).logits[0]
-        else:
-            pm.set_adapter(name)
-            out = pm.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-            logits = pm(out).logits[0]
-    tokens = out[0, len(prompt):].tolist()
-    logprobs = torch.log_softmax(logits.float(), -1)[len(prompt) - 1:-1]
-    return tokens, [logprobs[i, t].item() for i, t in enumerate(tokens)]
-
-
 def _check(outs, pm, names, prompts):
-    for out, name, prompt in zip(outs, names, prompts):
-        tokens, logprobs = _reference(pm, name, prompt)
-        got = out.outputs[0]
-        assert got.token_ids == tokens, name
-        assert [lp[t].logprob for lp, t in zip(got.logprobs, tokens)] == pytest.approx(logprobs, abs=2e-4), name
-        if name is not None:  # the adapter matters
-            assert tokens != _reference(pm, None, prompt)[0], name
+    assert_outputs_match_peft(outs, pm, names, prompts, MAX_TOKENS, adapter_matters=True)
 
 
 def test_mixtral_expert_adapters_mixed_with_the_base_match_peft(tiny_model_factory, tmp_path):

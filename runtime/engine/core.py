@@ -279,8 +279,10 @@ class EngineCore:
                 self._queue.append(begun)
                 if len(self._queue) < self.depth:
                     return None
-        if not self._queue:
-            return None
+        return self._land_oldest() if self._queue else None
+
+    def _land_oldest(self) -> CoreStep:
+        """Waits for the oldest micro-batch in flight and finishes it."""
         done = self._queue.popleft()
         try:
             result = self.executor.land_model(done.pending)
@@ -383,13 +385,7 @@ class EngineCore:
         """Overlapped: joins the step in flight without launching another (a reshape needs the
         core still); what it did goes to the output side like any finished step."""
         if self._queue:  # pipelined: the oldest; the caller repeats until None
-            done = self._queue.popleft()
-            try:
-                result = self.executor.land_model(done.pending)
-            except Exception:
-                self._fail_queued(done)
-                raise
-            return self._finish_step(done, result)
+            return self._land_oldest()
         done, self._inflight = self._inflight, None
         if done is None:
             return None

@@ -372,18 +372,7 @@ class MultiProcExecutor(Executor):
     # -- every step ------------------------------------------------------------------------------
     def _forward(self, step: ForwardInput) -> torch.Tensor | None:
         """Sends the step to every worker, then runs it here; a failure names the rank."""
-        self.check()
-        if self._kv_ops:
-            step.kv_ops, self._kv_ops = self._kv_ops, []
-        message = protocol.encode(protocol.STEP, step)
-        try:
-            self._send_all(message)
-            logits = self.driver_worker.execute_model(step)
-        except BaseException as exc:
-            failure = self._step_failed(exc)
-            if isinstance(exc, Exception):
-                raise failure from exc
-            raise  # KeyboardInterrupt and the like: the group is torn down, the signal goes on
+        logits = self._on_driver(lambda: self.driver_worker.execute_model(step), self._step_message(step))
         if self.failure is not None:
             # A worker died during the step and the group was aborted under it (NCCL): its
             # collectives may have returned garbage, so the step's tokens are not used.
@@ -392,30 +381,32 @@ class MultiProcExecutor(Executor):
 
     def _launch(self, step: ForwardInput):
         """Pipelined: sends the step to every worker and starts rank 0's stage of it."""
-        self.check()
-        if self._kv_ops:
-            step.kv_ops, self._kv_ops = self._kv_ops, []
-        message = protocol.encode(protocol.STEP, step)
-        try:
-            self._send_all(message)
-            return self.driver_worker.launch(step)
-        except BaseException as exc:
-            failure = self._step_failed(exc)
-            if isinstance(exc, Exception):
-                raise failure from exc
-            raise
+        return self._on_driver(lambda: self.driver_worker.launch(step), self._step_message(step))
 
     def _land(self, handle) -> torch.Tensor | None:
-        try:
-            logits = self.driver_worker.land(handle)
-        except BaseException as exc:
-            failure = self._step_failed(exc)
-            if isinstance(exc, Exception):
-                raise failure from exc
-            raise
+        logits = self._on_driver(lambda: self.driver_worker.land(handle))
         if self.failure is not None:
             self.check()
         return logits
+
+    def _step_message(self, step: ForwardInput) -> bytes:
+        self.check()
+        if self._kv_ops:
+            step.kv_ops, self._kv_ops = self._kv_ops, []
+        return protocol.encode(protocol.STEP, step)
+
+    def _on_driver(self, run, message: bytes | None = None):
+        """Sends `message` to the workers (when given), then runs rank 0's part; a failure is
+        turned into the group's failure, which names the rank."""
+        try:
+            if message is not None:
+                self._send_all(message)
+            return run()
+        except BaseException as exc:
+            failure = self._step_failed(exc)
+            if isinstance(exc, Exception):
+                raise failure from exc
+            raise  # KeyboardInterrupt and the like: the group is torn down, the signal goes on
 
     def _share_kv_ops(self, ops: list[tuple]) -> None:
         self._kv_ops.extend(ops)  # sent with the next step, applied before its forward pass
