@@ -87,7 +87,24 @@ class LoRAState:
         self.logits_slots: list[int] | None = None
 
 
-class LoRALinear(nn.Module):
+class WrapsBaseLayer(nn.Module):
+    """An adapter wrapper that answers for its `base_layer`: what it does not define itself
+    (loading, shapes, quantization attributes) is the base layer's, for code that inspects layers."""
+
+    def checkpoint_params(self, *args, **kw):
+        return self.base_layer.checkpoint_params(*args, **kw)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules") or {}
+            if "base_layer" not in modules:
+                raise
+            return getattr(modules["base_layer"], name)
+
+
+class LoRALinear(WrapsBaseLayer):
     """A MergedColumnParallelLinear or RowParallelLinear with LoRA slots beside it."""
 
     def __init__(self, base: nn.Module, state: LoRAState, *, parts: Sequence[str], row_parallel: bool,
@@ -174,15 +191,3 @@ class LoRALinear(nn.Module):
         batch.out_parts = self.out_parts
         ops.lora_sgmv(x, out, self.a_t, self.b_t, batch)
 
-    # The base layer's loading and shape, for code that inspects layers.
-    def checkpoint_params(self, prefixes=None):
-        return self.base_layer.checkpoint_params(prefixes)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules") or {}
-            if "base_layer" not in modules:
-                raise
-            return getattr(modules["base_layer"], name)

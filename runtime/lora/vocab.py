@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kvserve.runtime.lora.layers import LoRABatch, LoRAState
+from kvserve.runtime.lora.layers import LoRABatch, LoRAState, WrapsBaseLayer
 
 EMBED, HEAD = "embed_tokens", "lm_head"
 
@@ -38,7 +38,7 @@ def segment_rows(batch: LoRABatch):
         yield slot, (slice(start, end) if batch.perm is None else batch.perm[start:end])
 
 
-class LoRAVocab(nn.Module):
+class LoRAVocab(WrapsBaseLayer):
     """A VocabParallelEmbedding with adapter slots for `parts` (EMBED and/or HEAD)."""
 
     def __init__(self, base: nn.Module, state: LoRAState, *, parts: Sequence[str], max_loras: int,
@@ -120,19 +120,6 @@ class LoRAVocab(nn.Module):
             delta = (hidden[index].to(a.dtype) @ a) @ b
             out[index] += delta.to(out.dtype)
         return out
-
-    # The base layer's loading and shape, for code that inspects layers.
-    def checkpoint_params(self, *args, **kw):
-        return self.base_layer.checkpoint_params(*args, **kw)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules") or {}
-            if "base_layer" not in modules:
-                raise
-            return getattr(modules["base_layer"], name)
 
 
 def wrap_vocab(model, state: LoRAState, *, max_loras: int, max_rank: int,
