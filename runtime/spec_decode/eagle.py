@@ -121,7 +121,8 @@ class EagleProposer:
         # no lm_head (the last stage holds it): the head (on rank 0 alone) reads whole copies
         # from the target's checkpoint instead.
         self.full_embed = self.full_head = None
-        split = getattr(target, "tp_size", 1) > 1 or getattr(target, "layer_end", 0) < target.config.num_layers
+        layer_end = getattr(target, "layer_end", None)  # None: a whole model, no pipeline stages
+        split = getattr(target, "tp_size", 1) > 1 or (layer_end is not None and layer_end < target.config.num_layers)
         if split and (head.embed_tokens is None or head.lm_head is None):
             self.full_embed, self.full_head = full_vocab_weights(model_dir, device=head.fc.weight.device,
                                                                  dtype=head.fc.weight.dtype)
