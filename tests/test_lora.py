@@ -136,6 +136,24 @@ def test_other_families_match_peft(tiny_model_factory, tmp_path, arch):
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
 
 
+def test_phi3_fused_projections_match_peft(tiny_model_factory, tmp_path):
+    """Phi-3 checkpoints fuse qkv_proj and gate_up_proj (kvserve splits them at load); PEFT adapts
+    the fused modules: each part takes A whole and its rows of B."""
+    base = tiny_model_factory("phi3")
+    adapters = {"fused": build_lora_adapter(base, tmp_path / "fused", r=8, seed=31, std=0.1,
+                                            target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+                "qkv": build_lora_adapter(base, tmp_path / "qkv", r=4, seed=32, std=0.15, target_modules=["qkv_proj"])}
+    pm = peft_model(base, {k: str(v) for k, v in adapters.items()})
+    names = ["fused", "qkv", None]
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64, block_size=4) as llm:
+        outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False,
+                            lora_request=[LoRARequest("fused", 1, str(adapters["fused"])),
+                                          LoRARequest("qkv", 2, str(adapters["qkv"])), None])
+    want = [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert want[0] != want[2] and want[1] != want[2]  # the adapters change the output
+
+
 def test_moe_model_adapts_attention(tiny_model_factory, tmp_path):
     """MoE families: the attention projections take adapters (experts: test_lora_moe.py)."""
     base = tiny_model_factory("qwen2_moe")

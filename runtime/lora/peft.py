@@ -37,7 +37,12 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 # Multi-head latent attention's own projections (DeepSeek V2/V3; runtime/lora/mla.py).
 MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES + MLA_MODULES
+# Checkpoints that fuse projections kvserve splits at load (Phi-3's qkv_proj and gate_up_proj,
+# Baichuan's W_pack): PEFT adapts the fused module, one A and B over the parts' rows in this order.
+# The parts' delta is B[rows of the part] @ A, so each part takes A whole and its rows of B.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "W_pack": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES + MLA_MODULES + tuple(FUSED_MODULES)
 # The layer index of the model-level modules (embedding, LM head) in Targets keys.
 MODEL_LEVEL = -1
 
@@ -45,7 +50,7 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?
 _EMBED_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?$")
 _BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight$")
 _VOCAB_MODULE = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
-_LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>(?:shared_experts?\.)?[a-z_]+)$")
+_LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>(?:shared_experts?\.)?[A-Za-z_]+)$")
 # transformers' fused expert parameters, as PEFT's target_parameters name them (runtime/lora/moe.py).
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 
@@ -177,6 +182,28 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"lora_path: {path!r} has no adapter weights ({' or '.join(WEIGHT_FILES)})")
 
 
+def _fused_pairs(module: str, layer: int, parts: tuple[str, ...], a: torch.Tensor, b: torch.Tensor,
+                 targets: Targets, max_lora_rank: int, only_targets: bool, cfg: dict) -> dict:
+    """A fused module's pair as its parts' pairs: A whole for each, B's rows of each part."""
+    shapes = [targets.get((layer, part)) for part in parts]
+    if any(shape is None for shape in shapes):
+        if only_targets:
+            return {}  # another pipeline stage's layer
+        raise ValueError(f"target module {module!r}: the model lacks it (this architecture's layer {layer} "
+                         f"has no adaptable {' / '.join(parts)})")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise ValueError(f"adapter weights: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                         "which do not form a LoRA pair")
+    if a.shape[0] > max_lora_rank:
+        raise ValueError(f"adapter rank: {module} has rank {a.shape[0]}, above max_lora_rank {max_lora_rank}")
+    in_f, rows = shapes[0][0], [shape[1] for shape in shapes]
+    if any(shape[0] != in_f for shape in shapes) or a.shape[1] != in_f or b.shape[0] != sum(rows):
+        raise ValueError(f"base model mismatch: {module} expects [{sum(rows)} x {in_f}] (out x in), the adapter's "
+                         f"lora_B x lora_A is [{b.shape[0]} x {a.shape[1]}] "
+                         f"(trained on {cfg.get('base_model_name_or_path')!r}?)")
+    return {part: (a, rows_b) for part, rows_b in zip(parts, torch.split(b, rows, dim=0))}
+
+
 def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, num_layers: int,
                  model_dir: str = "", hf_config=None, only_targets: bool = False) -> LoRAWeights:
     """Reads and checks `request`'s adapter against the model's adaptable modules (`targets`).
@@ -238,6 +265,14 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
         a, b = ab["A"], ab["B"]
         if a.dim() == 2 and a.shape[0] > max_lora_rank:
             raise ValueError(f"adapter rank: {module} has rank {a.shape[0]}, above max_lora_rank {max_lora_rank}")
+        if name in FUSED_MODULES:
+            pairs_out = _fused_pairs(module, layer, FUSED_MODULES[name], a, b, targets, max_lora_rank, only_targets, cfg)
+            for part, (pa, pb) in pairs_out.items():
+                alpha = _pattern_value(cfg.get("alpha_pattern"), module, alpha_default)
+                scaling = alpha / math.sqrt(pa.shape[0]) if rslora else alpha / pa.shape[0]
+                out.modules[(layer, part)] = (pa.float().contiguous(), (pb.float() * scaling).contiguous())
+                out.rank = max(out.rank, pa.shape[0])
+            continue
         shape = targets.get((layer, name))
         if shape is None and only_targets:
             continue  # another pipeline stage's module
