@@ -60,6 +60,7 @@ class ScrapeState:
     started_at: float
     sample: EngineSample | None = None
     sampled_at: float | None = None
+    sample_requested_at: float | None = None  # when the sample's /metrics request was sent
     up: bool = False
     ready: bool = False
     last_error: str | None = None
@@ -166,7 +167,8 @@ class Agent:
         if self.config.adapters_file:
             from .adapters import AdapterSync
 
-            self.adapters = AdapterSync(self.config.adapters_file, self.config.adapters_dir, RuntimeAdmin(self))
+            self.adapters = AdapterSync(self.config.adapters_file, self.config.adapters_dir, RuntimeAdmin(self),
+                                        clock=self.clock)
 
     def signals(self) -> dict:
         adapters = self.adapters.report() if self.adapters is not None else None
@@ -207,6 +209,7 @@ class Agent:
 
     async def scrape_once(self) -> None:
         self.state.scrapes += 1
+        requested_at = self.clock()
         t = aiohttp.ClientTimeout(total=self.config.scrape_timeout_s)
         try:
             async with self.session.get(self.base + "/metrics", timeout=t) as resp:
@@ -225,6 +228,7 @@ class Agent:
         status, _ = await self.probe_ready(sample=sample)
         self.state.sample = sample
         self.state.sampled_at = sampled_at
+        self.state.sample_requested_at = requested_at
         self.state.up = True
         self.state.last_error = None
         self.state.ready = status == 200
@@ -313,7 +317,8 @@ class Agent:
             try:
                 if self.state.ready and self.state.up:
                     sample = self.state.sample
-                    await self.adapters.sync_once(self.clock(), sample.lora_adapters if sample else None)
+                    await self.adapters.sync_once(self.clock(), sample.lora_adapters if sample else None,
+                                                  self.state.sample_requested_at)
             except Exception:  # one bad round must not end adapter management
                 log.exception("adapter sync failed")
             await asyncio.sleep(self.config.interval_s)
