@@ -1,10 +1,10 @@
 """LoRA adapters on the LayerNorm/GELU families (BLOOM, Falcon in its ALiBi and rotary
 architectures, MPT), in their own module names (query_key_value, dense, dense_h_to_4h,
 dense_4h_to_h; Wqkv, out_proj, ffn.up_proj, ffn.down_proj): greedy output equal to transformers +
-peft on the unmerged adapters, two adapters and the base model in one batch; the ALiBi layers'
-decode steps with adapters run in the CPU's native decode stack, which adds them; BLOOM at TP=2
-(its head-interleaved q|k|v split by heads across ranks); an adapter of another family refused
-before anything is registered."""
+peft on the unmerged adapters, two adapters and the base model in one batch; decode steps with
+adapters run in the CPU's native decode stack (ALiBi and rotary Falcon layers), which adds them;
+BLOOM at TP=2 (its head-interleaved q|k|v split by heads across ranks); an adapter of another
+family refused before anything is registered."""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ CASES = {  # id: (tiny model family, its overrides, PEFT's module names)
     "falcon-40b": ("falcon", dict(ROPE_FALCON, multi_query=True, new_decoder_architecture=True, num_kv_heads=2),
                    BLOOM_NAMES),
 }
-ALIBI = ("bloom", "mpt", "falcon-rw")  # the layers the native decode stack runs
 
 
 def _adapters(base, root, modules, seed):
@@ -73,7 +72,7 @@ def test_family_adapters_match_peft(tiny_model_factory, tmp_path, monkeypatch, c
     # Tokens and logprobs as peft's; each adapter visibly changes its answer (one silently
     # dropped cannot pass).
     assert_outputs_match_peft(outs, pm, NAMES, PROMPTS, MAX_TOKENS, adapter_matters=True)
-    if case in ALIBI and native.available():
+    if native.available():
         # decode steps with adapters ran in the native stack, which added them
         assert any(lora is not None for lora in stack_loras)
 
