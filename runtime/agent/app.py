@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from kvserve.runtime.server.auth import admin_denial
 from kvserve.runtime.server.drain import effective_drain_timeout
@@ -133,6 +133,7 @@ class _SignalsCollector:
             ("kvserve_requests_running", "requests_running", "Requests being executed."),
             ("kvserve_kv_cache_capacity_tokens", "kv_cache_capacity_tokens", "KV cache capacity in tokens."),
             ("kvserve_tensor_parallel_size", "tensor_parallel_size", "Tensor-parallel degree of the engine."),
+            ("kvserve_data_parallel_size", "data_parallel_size", "Engines in the pod (its live DP x TP layout)."),
         ]
         for name, key, doc in gauges:
             if s[key] is not None:
@@ -143,6 +144,12 @@ class _SignalsCollector:
         ]:
             if s[key] is not None:
                 yield CounterMetricFamily(name, doc, value=s[key])
+        # The operator's TPOT gate reads these totals through Prometheus as it does from /v1/signals.
+        if s["inter_token_latency_seconds_count"] is not None and s["inter_token_latency_seconds_sum"] is not None:
+            yield SummaryMetricFamily("kvserve_inter_token_latency_seconds",
+                                      "The engine's time between output tokens (TPOT), all requests.",
+                                      count_value=s["inter_token_latency_seconds_count"],
+                                      sum_value=s["inter_token_latency_seconds_sum"])
         if s["engine"] is not None:
             info = g("kvserve_engine_info", "Which engine the agent reads.", labels=["engine", "model_name"])
             info.add_metric([s["engine"], s["model_name"] or ""], 1)
