@@ -198,11 +198,11 @@ class Executor:
     def max_concurrent_batches(self) -> int:
         """Steps the engine may keep in flight (launch_model before the previous land_model):
         one per pipeline stage at pipeline_parallel_size > 1, so every stage has a micro-batch
-        to run; 1 otherwise, with speculative decoding (its drafts read the newest tokens) and
-        with LoRA (rank 0 reassigns adapter slots at each step while a stage may still run an
-        earlier one)."""
+        to run; 1 otherwise, and with speculative decoding (its drafts read the newest tokens).
+        LoRA steps carry their adapter layout and slot loads, which each stage applies in launch
+        order, so micro-batches may use different adapters."""
         pp = self.config.pipeline_parallel_size
-        if pp == 1 or self.spec_decoder is not None or self.lora_manager is not None:
+        if pp == 1 or self.spec_decoder is not None:
             return 1
         configured = self.config.max_concurrent_batches
         return pp if configured is None else configured

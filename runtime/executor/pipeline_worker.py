@@ -382,8 +382,17 @@ class PipelineWorker(Worker):
         t0 = time.perf_counter()
         self._copy_blocks(step.block_copies)
         step = step.to(self.device)
-        hidden, residual = stage_forward(self.model, step.input_ids, step.positions, self.kv_caches, step.meta,
-                                         None, None)
+        if step.lora is not None:
+            # The step's own adapter layout and slot loads: every stage applies them in launch
+            # order, so a slot rank 0 gives a new adapter for this micro-batch still holds the old
+            # one on a later stage until that stage has finished the earlier micro-batches.
+            self.lora.begin_step(step.lora, self.device)
+        try:
+            hidden, residual = stage_forward(self.model, step.input_ids, step.positions, self.kv_caches, step.meta,
+                                             None, None)
+        finally:
+            if step.lora is not None:
+                self.lora.end_step()
         self._send_on(torch.stack((hidden, residual)))
         return _InFlight(step, time.perf_counter() - t0)
 
