@@ -1,6 +1,6 @@
 """LoRA adapters on the LayerNorm/GELU families (BLOOM, Falcon in its ALiBi and rotary
 architectures, MPT), in their own module names (query_key_value, dense, dense_h_to_4h,
-dense_4h_to_h; Wqkv, out_proj, ffn.up_proj, ffn.down_proj): greedy output equal to transformers +
+dense_4h_to_h, word_embeddings; Wqkv, out_proj, ffn.up_proj, ffn.down_proj, wte): greedy output equal to transformers +
 peft on the unmerged adapters, two adapters and the base model in one batch; decode steps with
 adapters run in the CPU's native decode stack (ALiBi and rotary Falcon layers), which adds them;
 BLOOM at TP=2 (its head-interleaved q|k|v split by heads across ranks); an adapter of another
@@ -20,8 +20,8 @@ NAMES = ["a", "b", None]
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
 
-BLOOM_NAMES = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
-MPT_NAMES = ("Wqkv", "out_proj", "up_proj", "down_proj")
+BLOOM_NAMES = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "word_embeddings")
+MPT_NAMES = ("Wqkv", "out_proj", "up_proj", "down_proj", "wte")
 ROPE_FALCON = dict(alibi=False, parallel_attn=True, bias=False)
 CASES = {  # id: (tiny model family, its overrides, PEFT's module names)
     "bloom": ("bloom", {}, BLOOM_NAMES),
@@ -37,8 +37,8 @@ CASES = {  # id: (tiny model family, its overrides, PEFT's module names)
 
 
 def _adapters(base, root, modules, seed):
-    """"a" on all four modules and the (tied) LM head; "b" of another rank on the fused q|k|v and
-    the MLP's output."""
+    """"a" on all four modules, the token embedding and the (tied) LM head; "b" of another rank on
+    the fused q|k|v and the MLP's output."""
     return dict(zip("ab", build_lora_adapters(base, {
         root / "a": dict(r=8, seed=seed, std=0.2, target_modules=[*modules, "lm_head"]),
         root / "b": dict(r=4, seed=seed + 1, std=0.3, target_modules=[modules[0], modules[3]]),
@@ -92,7 +92,7 @@ def test_bloom_tensor_parallel_2_matches_peft(tiny_model_factory, tmp_path):
 
 def test_an_adapter_of_another_family_is_refused(tiny_model_factory, tmp_path):
     """An MPT adapter (or a Llama one) on a BLOOM model: a ValueError naming the module, nothing
-    registered, nothing queued; so is an adapter of the token embedding (not supported yet)."""
+    registered, nothing queued."""
     mpt = build_lora_adapters(tiny_model_factory("mpt"), {tmp_path / "mpt": dict(r=4, target_modules=list(MPT_NAMES))})[0]
     llama = build_lora_adapters(tiny_model_factory("llama"), {tmp_path / "llama": dict(r=4, target_modules=["q_proj"])})[0]
     with LLM(str(tiny_model_factory("bloom")), enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=32,
@@ -110,9 +110,4 @@ def test_an_adapter_of_another_family_is_refused(tiny_model_factory, tmp_path):
         with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj.*not a module of this "
                                              r"BloomForCausalLM model.*another architecture"):
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("llama", 2, str(llama)))
-        # The token embedding of these families is not adaptable yet: refused by name.
-        cfg = json.loads((mpt / "adapter_config.json").read_text())
-        (mpt / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["word_embeddings"]}))
-        with pytest.raises(ValueError, match="target module 'word_embeddings' is not supported"):
-            engine.add_lora(LoRARequest("embed", 3, str(mpt)))
         assert engine.list_loras() == set() and not engine.has_unfinished_requests()

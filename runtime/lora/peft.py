@@ -11,6 +11,9 @@ head are adapted too, as model-level modules (layer ``MODEL_LEVEL``). PEFT saves
 targeted embedding's or head's own weights beside them (``save_embedding_layers``): a copy of this
 model's shape is the base weights and is skipped; another shape (a resized vocabulary) is refused.
 
+BLOOM, Falcon and MPT name their modules as their checkpoints do (FAMILY_MODULES); an adapter's
+paths are mapped onto the shared layout the same way the checkpoint's are.
+
 Every problem is a ValueError naming it: a missing file, a rank above ``max_lora_rank``, a target
 module the model lacks (or that kvserve cannot adapt: Gemma's scaled embedding, the MoE router),
 shapes of another base model, PEFT features that change the math (DoRA, trained biases,
@@ -49,7 +52,8 @@ FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "W_pack": ("q_proj"
 # checkpoint's are (architectures.checkpoint_name): their q|k|v is then the fused qkv_proj, which
 # BLOOM and Falcon store per KV group, so B's rows are put in q | k | v order first, as the loader
 # does with the weights.
-FAMILY_MODULES = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "Wqkv", "out_proj")
+FAMILY_MODULES = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "Wqkv", "out_proj",
+                  "word_embeddings", "wte")
 _FAMILY_ARCHITECTURES = ("BloomForCausalLM", "FalconForCausalLM", "MptForCausalLM")
 SUPPORTED_MODULES = (ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES + MLA_MODULES + tuple(FUSED_MODULES)
                      + FAMILY_MODULES)
@@ -58,7 +62,8 @@ MODEL_LEVEL = -1
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 _EMBED_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?$")
-_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight$")
+# (the embedding under the family's own name: transformer.word_embeddings, transformer.wte)
+_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
 _VOCAB_MODULE = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
 _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>(?:shared_experts?\.)?[A-Za-z_]+)$")
 # transformers' fused expert parameters, as PEFT's target_parameters name them (runtime/lora/moe.py).
@@ -242,14 +247,16 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
     if hf_config is not None:
         check_base_model(cfg, request, model_dir, hf_config)
     tensors = _read_tensors(path)
+    arch = getattr(model_config, "architecture", "") or ""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     base_copies: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key) or _EMBED_KEY.match(key)
         if m is None:
             copy = _BASE_COPY.match(key)
-            if copy is not None:
-                base_copies[_VOCAB_MODULE[copy["module"]]] = tensor
+            shared = None if copy is None else checkpoint_name(arch, copy["module"] + ".")[:-1]
+            if shared in _VOCAB_MODULE:
+                base_copies[_VOCAB_MODULE[shared]] = tensor
                 continue
             raise ValueError(f"adapter weights: tensor {key!r} is not a LoRA A/B matrix (trained biases and "
                              f"saved modules are not supported)")
@@ -258,7 +265,6 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
         raise ValueError(f"adapter weights: {path!r} holds no LoRA matrices")
     alpha_default = cfg.get("lora_alpha", cfg.get("r", 8))
     rslora = bool(cfg.get("use_rslora", False))
-    arch = getattr(model_config, "architecture", "") or ""
     row_order = None
     if fused_rows_per_head(arch):
         heads, kv_heads = model_config.shape.num_attention_heads, model_config.shape.num_kv_heads
@@ -294,8 +300,8 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
                              f"layers' self_attn q/k/v/o_proj (MLA: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, "
                              f"kv_b_proj, o_proj), mlp gate/up/down_proj (dense, or MoE shared experts), the "
                              f"routed experts' fused parameters, model.embed_tokens and lm_head; BLOOM and "
-                             f"Falcon: self_attention.query_key_value / dense, mlp.dense_h_to_4h / dense_4h_to_h; "
-                             f"MPT: attn.Wqkv / out_proj, ffn.up_proj / down_proj)")
+                             f"Falcon: self_attention.query_key_value / dense, mlp.dense_h_to_4h / dense_4h_to_h, "
+                             f"word_embeddings; MPT: attn.Wqkv / out_proj, ffn.up_proj / down_proj, wte)")
         else:
             layer = int(m["layer"])
             if layer >= num_layers:
