@@ -818,6 +818,38 @@ def test_tier_stores_and_removals_are_kv_events_with_their_medium(tiny_llama, tm
     assert held == held_now
 
 
+def test_tier_events_name_the_adapter_of_the_block_as_the_pools_event_did():
+    """An adapter's block evicted to the tier is announced with the pool event's lora_id and
+    lora_name, even after its int id was given to another adapter; a base block has none."""
+    from kvserve.runtime.engine.block_manager import BlockManager
+    from kvserve.runtime.engine.prefix_cache import block_hashes
+    from kvserve.runtime.kv_events.events import BlockStored, KVEventSink
+    from kvserve.runtime.kv_offload.manager import OffloadManager
+
+    identities = {7: (123, "chat")}  # the engine's adapter registry (LoRAManager.identity)
+    bm = BlockManager(4, 2, enable_caching=True)
+    sink = KVEventSink(2, lora_identity=identities.get)
+    offload = OffloadManager(apply=lambda ops: [], block_bytes=[1], block_size=2, tier_bytes=100, swap_bytes=0)
+    bm.events, offload.events = sink, sink
+    bm.on_evict = offload.on_evict(0, bm.stored_meta.get)
+
+    def compute(seq_id, tokens, lora_int_id):
+        bm.allocate_slots(seq_id, 0, len(tokens))
+        bm.register(seq_id, block_hashes(tokens, 2), tokens, lora_int_id)
+        bm.free(seq_id)
+
+    compute(1, [1, 2, 3, 4], 7)
+    identities[7] = (456, "other")  # the adapter was removed and its int id reused
+    compute(2, [5, 6, 7, 8], 0)
+    compute(3, [9, 10, 11, 12], 0)  # a pool of 4: evicts the adapter's two blocks
+    compute(4, [13, 14, 15, 16], 0)  # then the first base blocks
+    events = [e for e in sink.take() if isinstance(e, BlockStored)]
+    pool = {h: (e.lora_id, e.lora_name) for e in events if e.medium == "GPU" for h in e.block_hashes}
+    tier = {h: (e.lora_id, e.lora_name) for e in events if e.medium == "CPU" for h in e.block_hashes}
+    assert len(tier) == 4 and tier == {h: pool[h] for h in tier}
+    assert sorted(tier.values(), key=str) == [(123, "chat")] * 2 + [(None, None)] * 2
+
+
 # -- the server: flags to metrics ------------------------------------------------------------------
 def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_llama, tmp_path):
     import openai
