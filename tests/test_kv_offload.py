@@ -850,6 +850,34 @@ def test_tier_events_name_the_adapter_of_the_block_as_the_pools_event_did():
     assert sorted(tier.values(), key=str) == [(123, "chat")] * 2 + [(None, None)] * 2
 
 
+def test_a_persistent_tier_found_at_a_start_is_announced_as_kv_events(tiny_llama, tmp_path):
+    """A restart (or a reshape's new engines) on a persistent tier announces every block it found,
+    medium DISK, through an engine's own events and through the server's stream alike."""
+    from kvserve.runtime.kv_events.config import KVEventsConfig
+    from kvserve.runtime.kv_events.events import BlockStored
+    from kvserve.runtime.kv_events.stream import ServerEventStream
+
+    tier = dict(kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path / "tier"))
+    with make_engine(tiny_llama, **tier) as first:
+        run(first, conversations(n=2))
+    endpoint = f"ipc://{tmp_path}/events"
+    with make_engine(tiny_llama, kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint},
+                     **tier) as warm:
+        held = [k[1:] for k in warm.offload.tier.keys()]
+        announced = warm.kv_event_sink.take()  # before any step: the start's announcement
+    assert len(held) >= 2 * 10  # both conversations' prompt blocks at least
+    assert all(isinstance(e, BlockStored) and e.medium == "DISK" and e.parent_block_hash is None
+               and not e.token_ids for e in announced)
+    assert [h for e in announced for h in e.block_hashes] == held
+    stream = ServerEventStream(KVEventsConfig.parse({"enable_kv_cache_events": True, "endpoint": endpoint}))
+    try:
+        with make_engine(tiny_llama, **tier) as reshaped:
+            stream.attach([reshaped])
+            assert [h for e in reshaped.kv_event_sink.take() for h in e.block_hashes] == held
+    finally:
+        stream.close()
+
+
 # -- the server: flags to metrics ------------------------------------------------------------------
 def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_llama, tmp_path):
     import openai

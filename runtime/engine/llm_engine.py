@@ -146,7 +146,7 @@ class LLMEngine:
         self.offload = None
         if ex.offloader is not None:
             self.offload = self._attach_offload(config, ex)
-            self.offload.events = self.kv_event_sink  # tier stores and removals, medium CPU or DISK
+            self.offload.attach_events(self.kv_event_sink)  # tier stores and removals, medium CPU or DISK
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.input_processor = InputProcessor(self.tokenizer, self._decode, vocab_size=self.vocab_size,
                                               max_model_len=self.max_model_len, eos_token_ids=eos,
