@@ -51,17 +51,11 @@ def hybrid_kv_groups(config, model_config) -> tuple | None:
     pools its own layers by group: runtime/executor/pipeline_kv_groups.py), or None for one block
     table serving every layer: a model with one kind of layer, the hybrid manager disabled,
     speculative decoding (its draft model and verification step take one table per sequence
-    today), or pipeline parallelism with a KV offload tier or swap space."""
+    today)."""
     from kvserve.runtime.engine.kv_cache_groups import kv_cache_groups
 
     groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])
     if len(groups) == 1 or config.disable_hybrid_kv_cache_manager:
-        return None
-    if config.pipeline_parallel_size > 1 and (config.kv_offload_bytes or config.swap_space):
-        # A stage's offloaded blocks are laid out by its own layers; per-group layouts per stage
-        # are not written yet.
-        log.info("hybrid KV cache manager off (pipeline parallelism with a KV offload tier or swap space): "
-                 "one block table serves every layer, so the local layers hold the whole context")
         return None
     if config.speculative_config is not None:
         log.info("hybrid KV cache manager off (speculative decoding): one block table serves every layer, "
@@ -198,11 +192,11 @@ class Executor:
     def max_concurrent_batches(self) -> int:
         """Steps the engine may keep in flight (launch_model before the previous land_model):
         one per pipeline stage at pipeline_parallel_size > 1, so every stage has a micro-batch
-        to run; 1 otherwise, with speculative decoding (its drafts read the newest tokens) and
-        with LoRA (rank 0 reassigns adapter slots at each step while a stage may still run an
-        earlier one)."""
+        to run; 1 otherwise, and with speculative decoding (its drafts read the newest tokens).
+        LoRA steps carry their adapter layout and slot loads, which each stage applies in launch
+        order, so micro-batches may use different adapters."""
         pp = self.config.pipeline_parallel_size
-        if pp == 1 or self.spec_decoder is not None or self.lora_manager is not None:
+        if pp == 1 or self.spec_decoder is not None:
             return 1
         configured = self.config.max_concurrent_batches
         return pp if configured is None else configured
@@ -274,6 +268,11 @@ class Executor:
     def offloader(self):
         """Rank 0's KVOffloader (None without an offload tier or swap space)."""
         return self.driver_worker.offloader
+
+    @property
+    def offload_block_bytes(self) -> list[int]:
+        """Bytes per offloaded block of each KV cache group, as one rank's budget counts them."""
+        return self.driver_worker.offload_block_bytes()
 
     def kv_offload_apply(self, ops: list[tuple]) -> list[bytes]:
         """Applies offload operations on rank 0 now and on the other ranks before their next
