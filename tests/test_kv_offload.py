@@ -837,8 +837,24 @@ def test_tensor_parallel_shutdown_saves_every_ranks_shard_of_the_pool(tiny_llama
     assert len(names) == 2 and names[0] and names[0] == names[1]
     with make_engine(tiny_llama, tensor_parallel_size=2, kv_offload_bytes=1 << 24,
                      kv_offload_dir=str(tmp_path)) as warm:
-        assert run(warm, prompts) == reference["again"]
-        assert warm.get_stats().kv_offload_hit_tokens_total == len(prompts) * 39
+        assert run(warm, prompts[:3]) == {f"r{i}": reference["again"][f"r{i}"] for i in range(3)}
+        assert warm.get_stats().kv_offload_hit_tokens_total == 3 * 39
+        # After the start's scan, rank 1 loses blocks that rank 0 still reads (another server on
+        # the directory deleted one, another's checksum fails there only): each such block is
+        # recomputed on every rank, the rest of the prefix still comes from the tier.
+        rank1 = tmp_path / warm.executor.driver_worker.offload_namespace(1).dirname
+        damaged = sorted(rank1.glob("*.kvb"))[::4]
+        damaged[0].unlink()
+        for p in damaged[1:]:
+            raw = bytearray(p.read_bytes())
+            raw[-1] ^= 0xFF
+            p.write_bytes(raw)
+        assert run(warm, prompts[3:], ids=[f"r{i}" for i in range(3, len(prompts))]) == {
+            f"r{i}": reference["again"][f"r{i}"] for i in range(3, len(prompts))}
+        stats = warm.get_stats()
+        assert 0 < stats.kv_offload_failed_loads_total
+        assert 0 < stats.kv_offload_hit_tokens_total - 3 * 39 < 3 * 39  # shorter prefixes, not none
+        assert_no_leak(warm)
 
 
 # -- the block manager with the tier: a property test of the bookkeeping ---------------------------

@@ -6,7 +6,9 @@ to be overwritten: its content is saved first unless the tier already holds it. 
 calls ``load`` for a prefix hit in the tier (blocks just allocated, filled before the step that
 needs them), ``swap_out`` / ``swap_in`` around a preemption, and ``flush`` at the end of every
 schedule. Operations go to the executor (``apply``), which runs them on rank 0 at once and sends
-them to the other ranks with the next step, before its forward pass.
+them to the other ranks with the next step, before its forward pass; a batch with loads goes to
+every rank at once instead, and a key that any rank could not load comes back as failed (the
+sequence then takes a shorter prefix and recomputes the rest).
 
 Keys: a prefix block is ``group byte + its prefix-cache hash`` (the hash chains the whole prefix
 and the cache salt); a swapped block is ``b"S" + sequence id + group + index`` (private to the
