@@ -116,7 +116,8 @@ class OffloadManager:
     def on_evict(self, group: int, meta: Callable[[int], tuple | None] | None = None
                  ) -> Callable[[int, bytes], None] | None:
         """The hook for group `group`'s pool; `meta(block)` gives a block's (parent hash, token
-        ids) for the tier's BlockStored events (the pool keeps them while KV events are on)."""
+        ids, adapter identity) for the tier's BlockStored events (the pool keeps them while KV
+        events are on)."""
         if self.tier is None:
             return None
 
@@ -132,8 +133,8 @@ class OffloadManager:
             self.stats.stored_blocks += 1
             if self.events is not None and group == 0:
                 # Like the pool's own BlockStored, so an indexer that rehashes tokens sees it.
-                parent, tokens = (meta(block) if meta is not None else None) or (None, ())
-                self.events.stored([block_hash], parent, tokens, medium=self.medium)
+                parent, tokens, lora = (meta(block) if meta is not None else None) or (None, (), None)
+                self.events.stored([block_hash], parent, tokens, medium=self.medium, lora=lora)
         return evict
 
     def _drop_tier(self, keys: list[bytes]) -> None:
