@@ -133,6 +133,23 @@ def fused_rows_per_head(arch: str) -> bool:
     return arch in ("BloomForCausalLM", "FalconForCausalLM")
 
 
+def per_group_qkv_order(rows: int, num_heads: int, num_kv_heads: int) -> list[int]:
+    """The row order that turns a fused q|k|v stored per KV group ([q_g...; k_g; v_g] for each
+    group g, fused_rows_per_head) into q | k | v one after the other. The loader permutes the
+    weights with it, and a LoRA adapter's B rows of the fused module need the same order."""
+    group = num_heads // num_kv_heads
+    head_dim = rows // (num_kv_heads * (group + 2))
+
+    def rows_of(g: int, h: int) -> range:  # head h (q: 0..group-1, k: group, v: group + 1) of group g
+        start = (g * (group + 2) + h) * head_dim
+        return range(start, start + head_dim)
+
+    q = [r for g in range(num_kv_heads) for h in range(group) for r in rows_of(g, h)]
+    k = [r for g in range(num_kv_heads) for r in rows_of(g, group)]
+    v = [r for g in range(num_kv_heads) for r in rows_of(g, group + 1)]
+    return q + k + v
+
+
 def standard_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json with the standard names filled in where a family uses its own (MPT's d_model,
     n_heads, n_layers, expansion_ratio, max_seq_len, layer_norm_epsilon); others unchanged."""

@@ -850,7 +850,13 @@ typedef struct {
   int64_t norm_kind;                             /* KV_NORM_RMS or KV_NORM_LAYER */
   int64_t mlp_kind;                              /* KV_MLP_SILU_GATED, KV_MLP_GELU or KV_MLP_GELU_TANH */
   float clip_qkv;                                /* > 0: qkv clamped to [-clip, clip] */
+  /* Rotary Falcon (7B/40B/180B): attention and MLP side by side, x + attn(ln_a(x)) + mlp(ln_m(x)).
+     KV_SEQUENTIAL: the usual layer; KV_PARALLEL_SHARED_NORM: the MLP reads ln_a(x) too (Falcon-7B);
+     KV_PARALLEL_TWO_NORMS: post_norm is ln_m, applied to x itself (the new decoder architecture). */
+  int64_t parallel;
 } kv_layer;
+
+enum { KV_SEQUENTIAL = 0, KV_PARALLEL_SHARED_NORM = 1, KV_PARALLEL_TWO_NORMS = 2 };
 
 enum { KV_NORM_RMS = 0, KV_NORM_LAYER = 1 };
 enum { KV_MLP_SILU_GATED = 0, KV_MLP_GELU = 1, KV_MLP_GELU_TANH = 2 };
@@ -1055,7 +1061,7 @@ int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
               + d->inter /* act */);
 }
 
-/* Every layer of a Llama/Mistral/Qwen2/Qwen3 (or MPT/BLOOM/Falcon-RW: ALiBi) decoder for a decode-only step of m sequences, in one
+/* Every layer of a Llama/Mistral/Qwen2/Qwen3 (or MPT/BLOOM/Falcon-RW: ALiBi; rotary Falcon: parallel) decoder for a decode-only step of m sequences, in one
    call (no Python between the ops): the same kernels, in the same order, as the per-op path
    (kernels/ops.py + the torch backend's native decode), so the results are bit-identical to it.
    hidden [m, h] holds the embeddings on entry and the last layer's MLP output on return;
@@ -1110,7 +1116,10 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
                         seq_lens, L->scale, L->window, L->softcap, L->alibi, tree_masks, attn, nthreads);
     linear_any(attn, m, q, q, &L->o, h, L->o_bias, o_out, h, nthreads);
     if (LL) lora_add(attn, q, q, lora, &LL[1], h, o_out, h, nthreads);
-    norm_any(L, 1, d->eps, o_out, h, residual, h, residual, normed, m, h, nthreads);
+    if (L->parallel == KV_PARALLEL_TWO_NORMS) /* residual holds x: attention has read `normed` */
+      norm_any(L, 1, d->eps, residual, h, NULL, 0, NULL, normed, m, h, nthreads);
+    else if (L->parallel == KV_SEQUENTIAL)
+      norm_any(L, 1, d->eps, o_out, h, residual, h, residual, normed, m, h, nthreads);
     if (L->mlp_kind == KV_MLP_SILU_GATED) {
       linear_any(normed, m, h, h, &L->gate_up, 2 * inter, L->gate_up_bias, gate_up, 2 * inter, nthreads);
       if (LL) lora_add(normed, h, h, lora, &LL[2], 2 * inter, gate_up, 2 * inter, nthreads);
@@ -1122,6 +1131,8 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
     }
     linear_any(act, m, inter, inter, &L->down, h, L->down_bias, hidden, h, nthreads);
     if (LL) lora_add(act, inter, inter, lora, &LL[3], h, hidden, h, nthreads);
+    if (L->parallel != KV_SEQUENTIAL) /* the layer's output is attn + mlp (the per-op path's order) */
+      for (int64_t i = 0; i < m * h; i++) hidden[i] = o_out[i] + hidden[i];
   }
 }
 

@@ -39,7 +39,9 @@ CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 ABI_VERSION = 14
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
-MAX_GQA_GROUP = 64  # query heads per KV head the decode kernel handles (its stack arrays)
+# Query heads per KV head the decode kernels are tested with (Falcon-7B's multi-query 71 included);
+# their score rows are heap-allocated per group, so the bound is a tested range, not a buffer size.
+MAX_GQA_GROUP = 128
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -598,11 +600,13 @@ class _Layer(ctypes.Structure):
                 + [(name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "cos_sin")]
                 + [("rotary_dim", _I), ("k_cache", _P), ("v_cache", _P), ("window", _I), ("softcap", _F),
                    ("scale", _F), ("alibi", _P), ("input_norm_bias", _P), ("post_norm_bias", _P),
-                   ("norm_kind", _I), ("mlp_kind", _I), ("clip_qkv", _F)])
+                   ("norm_kind", _I), ("mlp_kind", _I), ("clip_qkv", _F), ("parallel", _I)])
 
 # kv_layer's norm_kind and mlp_kind (kvserve_cpu.c)
 NORMS = {"rms": 0, "layer": 1}
 MLPS = {"silu_gated": 0, "gelu": 1, "gelu_tanh": 2}
+# kv_layer's parallel: rotary Falcon's attention beside the MLP, its MLP input ln_a(x) or ln_m(x)
+PARALLEL = {None: 0, "shared_norm": 1, "two_norms": 2}
 
 
 def _weight(name: str, w) -> _Weight:
@@ -694,8 +698,9 @@ class DecoderStack:
     panels from pack_weight, or Int8Panels / Int4Panels), optional biases, norm weights, q/k norms
     (or None), the cos/sin table, window, soft-cap and scale; for the ALiBi families also `alibi`
     slopes (then no rotary), `norm` "layer" with `input_norm_bias`/`post_norm_bias`, `mlp` "gelu" or
-    "gelu_tanh" (gate_up then holds the up projection alone) and `clip_qkv`. The tensors must stay
-    alive and unchanged (the object keeps references)."""
+    "gelu_tanh" (gate_up then holds the up projection alone) and `clip_qkv`; for rotary Falcon's
+    parallel layers `parallel` "shared_norm" or "two_norms" (post_norm is then the MLP's LayerNorm).
+    The tensors must stay alive and unchanged (the object keeps references)."""
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
                  eps: float):
@@ -717,6 +722,7 @@ class DecoderStack:
             entry.norm_kind = NORMS[spec.get("norm", "rms")]
             entry.mlp_kind = MLPS[spec.get("mlp", "silu_gated")]
             entry.clip_qkv = spec.get("clip_qkv") or 0.0
+            entry.parallel = PARALLEL[spec.get("parallel")]
             entry.window = spec.get("window") or 0
             entry.softcap = spec.get("softcap") or 0.0
             entry.scale = spec["scale"]

@@ -201,9 +201,13 @@ class MTPProposer:
         self.num_blocks = num_blocks
         dev, dt = layer.eh_proj.device, layer.eh_proj.dtype
         # Share the target's embedding / head when the checkpoint's copies equal them (DeepSeek-V3
-        # stores the same tensors twice); at tensor parallelism the target's are sharded.
+        # stores the same tensors twice); at tensor parallelism the target's are sharded, and at
+        # pipeline parallelism rank 0's stage has no head (the last stage holds it), so the layer
+        # keeps whole copies (its own, or the target checkpoint's).
         tp = getattr(target, "tp_size", 1)
-        if tp == 1:
+        layer_end = getattr(target, "layer_end", None)  # None: a whole model, no pipeline stages
+        staged = layer_end is not None and layer_end < target.config.num_layers
+        if tp == 1 and not staged:
             # Compared through what the target computes with them (its weights may be repacked
             # for a kernel or quantized): the whole embedding table, and the head on a few probes.
             with torch.inference_mode():
