@@ -26,7 +26,7 @@ the matmul and attention dot products use explicit FMA.
 #define MR_MAX 6
 #define PF_STEPS 16
 
-int kv_abi_version(void) { return 14; }
+int kv_abi_version(void) { return 15; }
 
 /* ---------------------------------------------------------------------------------- packing */
 

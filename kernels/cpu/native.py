@@ -37,7 +37,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 14
+ABI_VERSION = 15
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 # Query heads per KV head the decode kernels are tested with (Falcon-7B's multi-query 71 included);
 # their score rows are heap-allocated per group, so the bound is a tested range, not a buffer size.
