@@ -24,6 +24,10 @@ SIGNAL_METRICS = {
     "kvserve_requests_running": "requests_running",
     "kvserve_kv_cache_capacity_tokens": "kv_cache_capacity_tokens",
     "kvserve_tensor_parallel_size": "tensor_parallel_size",
+    "kvserve_data_parallel_size": "data_parallel_size",
+    # The TPOT gate (operator/layout.py) differences these totals between scrapes.
+    "kvserve_inter_token_latency_seconds_sum": "inter_token_latency_seconds_sum",
+    "kvserve_inter_token_latency_seconds_count": "inter_token_latency_seconds_count",
     "kvserve_engine_sample_age_seconds": "sample_age_seconds",
     "kvserve_engine_up": "engine_up",
 }
@@ -177,8 +181,9 @@ def signals_from_prometheus(result: Iterable[Mapping[str, Any]], pods: Iterable[
         else:
             data = dict(v)
             data["stale"] = v.get("engine_up", 1.0) < 1.0
-            if "tensor_parallel_size" in data:
-                data["tensor_parallel_size"] = int(data["tensor_parallel_size"])
+            for size in ("tensor_parallel_size", "data_parallel_size"):
+                if size in data:
+                    data[size] = int(data[size])
             out.append(PodSignals.from_json(name, data, pod_ready=True))
     return out
 

@@ -72,6 +72,11 @@ _MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.
               (".ffn.down_proj.", ".mlp.down_proj."))
 
 
+# Xiaomi's MiMo-7B is Qwen2's model (q/k/v biases included) plus MTP layers kept under
+# model.mtp_layers.*, which only speculative decoding's mtp method reads (spec_decode/mtp.py).
+_SAME_AS = {"MiMoForCausalLM": "Qwen2ForCausalLM"}
+
+
 def architecture_of(config: Mapping[str, Any]) -> str:
     """The first supported entry of ``architectures``; else its first entry; else the family of
     ``model_type``; else ""."""
@@ -133,10 +138,29 @@ def fused_rows_per_head(arch: str) -> bool:
     return arch in ("BloomForCausalLM", "FalconForCausalLM")
 
 
+def per_group_qkv_order(rows: int, num_heads: int, num_kv_heads: int) -> list[int]:
+    """The row order that turns a fused q|k|v stored per KV group ([q_g...; k_g; v_g] for each
+    group g, fused_rows_per_head) into q | k | v one after the other. The loader permutes the
+    weights with it, and a LoRA adapter's B rows of the fused module need the same order."""
+    group = num_heads // num_kv_heads
+    head_dim = rows // (num_kv_heads * (group + 2))
+
+    def rows_of(g: int, h: int) -> range:  # head h (q: 0..group-1, k: group, v: group + 1) of group g
+        start = (g * (group + 2) + h) * head_dim
+        return range(start, start + head_dim)
+
+    q = [r for g in range(num_kv_heads) for h in range(group) for r in rows_of(g, h)]
+    k = [r for g in range(num_kv_heads) for r in rows_of(g, group)]
+    v = [r for g in range(num_kv_heads) for r in rows_of(g, group + 1)]
+    return q + k + v
+
+
 def standard_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json with the standard names filled in where a family uses its own (MPT's d_model,
     n_heads, n_layers, expansion_ratio, max_seq_len, layer_norm_epsilon); others unchanged."""
     config = dict(config)
+    if architecture_of(config) in _SAME_AS:  # a family that is another one's model plus extras
+        config["architectures"] = [_SAME_AS[architecture_of(config)]]
     if architecture_of(config) == "MptForCausalLM":
         d = config.get("d_model")
         aliases = {"hidden_size": d, "num_attention_heads": config.get("n_heads"),

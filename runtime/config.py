@@ -151,13 +151,6 @@ class EngineConfig:
             from kvserve.runtime.spec_decode.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            method = self.speculative_config.method
-            if method == "mtp" and isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size > 1:
-                # The MTP layer reuses the target's MLA attention, MoE block, embedding and head,
-                # which are split across the stages (Medusa and EAGLE heads run on rank 0 from the
-                # last stage's hidden states: runtime/executor/pipeline_hidden.py).
-                fail("speculative_config", "MTP layers do not run with pipeline parallelism yet "
-                     "(pipeline_parallel_size > 1)")
         if not isinstance(self.enforce_eager, bool):
             fail("enforce_eager", "must be a boolean")
         if not isinstance(self.async_scheduling, bool):

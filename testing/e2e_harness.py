@@ -133,6 +133,7 @@ class Load:
     def __init__(self):
         self.kv, self.queue, self.running = 0.3, 0, 2
         self.capacity_per_tp = 4096
+        self.itl_sum, self.itl_count = 0.0, 0  # the engines' inter-token latency totals (TPOT)
         self.completions = 0  # requests the stub engines answered
         self.reshapes: list[tuple[str, int, int]] = []  # (pod, dp, tp) of every POST /admin/parallelism
 
@@ -217,6 +218,10 @@ class StubPod:
                             ("kvserve:tensor_parallel_size", self.tp),
                             ("kvserve:data_parallel_size", self.dp)]:
             lines += [f"# TYPE {name} gauge", f"{name}{label} {value}"]
+        if load.itl_count:
+            name = "vllm:inter_token_latency_seconds"
+            lines += [f"# TYPE {name} summary", f"{name}_sum{label} {load.itl_sum}",
+                      f"{name}_count{label} {load.itl_count}"]
         if self.lora is not None:
             lines += self.lora.metrics()
         return "\n".join(lines) + "\n"

@@ -82,6 +82,16 @@ def test_plan_table(desired, state, engine, load, unload):
     assert plan(desired, state, 10.0, engine) == (load, unload)
 
 
+@pytest.mark.parametrize("seen_at, load", [
+    (8.0, []),  # the list was asked for before the load was confirmed: it cannot show it yet
+    (9.0, []),
+    (9.5, [A]),  # asked for after: the runtime really lost it (it restarted)
+])
+def test_plan_ignores_a_scrape_older_than_the_load(seen_at, load):
+    state = {"a": AdapterState("/src/a", LOADED, loaded_at=9.0)}
+    assert plan([A], state, 10.0, [], seen_at) == (load, [])
+
+
 def test_backoff_grows_and_is_capped():
     assert [backoff(n) for n in (1, 2, 3)] == [5.0, 10.0, 20.0]
     assert backoff(100) == 300.0
@@ -171,5 +181,44 @@ def test_sync_loads_reports_and_unloads(tmp_path):
         runtime.down = False
         await sync.sync_once(5.0, engine_loaded=[])
         assert sync.report()["loaded"] == ["sql"] and sync.settled
+
+    asyncio.run(go())
+
+
+def test_a_load_whose_answer_was_lost_is_taken_as_loaded_and_a_failed_unload_blocks_the_reload(tmp_path):
+    """The runtime loaded `sql` but the agent never heard (a timeout): the next try's "already
+    loaded" means it serves it. A new uri whose unload cannot reach the runtime is not loaded over
+    the old one that round."""
+    make_adapter(tmp_path / "src" / "sql", rank=4)
+    make_adapter(tmp_path / "src" / "sql2", rank=4)
+    listing = tmp_path / "adapters.json"
+    runtime = Runtime()
+    clock = iter(range(100, 200)).__next__
+    sync = AdapterSync(str(listing), str(tmp_path / "adapters"), runtime, clock=clock)
+
+    async def already(name, path, load=runtime.load):
+        if name in runtime.loaded:
+            raise LoadRefused(f"HTTP 400: The lora adapter '{name}' has already been loaded.")
+        await load(name, path)
+
+    runtime.load = already
+
+    async def go():
+        listing.write_text(json.dumps([{"name": "sql", "uri": str(tmp_path / "src" / "sql")}]))
+        runtime.loaded["sql"] = str(tmp_path / "adapters" / "sql")  # loaded, answer lost
+        sync.state["sql"] = AdapterState(str(tmp_path / "src" / "sql"), PENDING, "ReadTimeout")
+        await sync.sync_once(1.0, engine_loaded=None)
+        assert sync.report()["loaded"] == ["sql"] and sync.state["sql"].loaded_at is not None
+        # A scrape requested before that confirmation does not list it: no reload, no failure.
+        await sync.sync_once(2.0, engine_loaded=[], engine_seen_at=sync.state["sql"].loaded_at - 1)
+        assert sync.report()["loaded"] == ["sql"] and not sync.report()["failed"]
+        listing.write_text(json.dumps([{"name": "sql", "uri": str(tmp_path / "src" / "sql2")}]))
+        sync._mtime = None
+        runtime.down = True
+        await sync.sync_once(3.0, engine_loaded=["sql"])
+        assert sync.state["sql"].uri == str(tmp_path / "src" / "sql")  # kept until the unload works
+        runtime.down = False
+        await sync.sync_once(4.0, engine_loaded=["sql"])
+        assert sync.state["sql"].uri == str(tmp_path / "src" / "sql2") and sync.report()["loaded"] == ["sql"]
 
     asyncio.run(go())

@@ -6,6 +6,7 @@ import asyncio
 import pathlib
 
 import aiohttp
+import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -87,6 +88,8 @@ async def test_agent_standardizes_vllm_and_survives_a_dead_engine():
             assert samples["kvserve_prompt_tokens_total"] == 123456
             assert samples["kvserve_generation_tokens_total"] == 65432
             assert samples["kvserve_tensor_parallel_size"] == 2
+            assert samples["kvserve_inter_token_latency_seconds_count"] == 2000
+            assert samples["kvserve_inter_token_latency_seconds_sum"] == pytest.approx(42.5028186)
             assert samples["kvserve_engine_up"] == 1
             assert samples["kvserve_engine_sample_age_seconds"] < cfg.stale_after_s
 

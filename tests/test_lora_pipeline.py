@@ -28,6 +28,29 @@ def _reference(pm, name, prompt):
     return out[0, len(prompt):].tolist()
 
 
+def _spy_overlaps(worker) -> list:
+    """Records each launch of a step with adapters while an earlier micro-batch is in flight:
+    (the adapter slots it reads, those the in-flight ones read)."""
+    launch, land = worker.launch, worker.land
+    in_flight: list = []
+    seen: list = []
+
+    def spy_launch(step):
+        used = frozenset() if step.lora is None else frozenset(s for s, _, _ in step.lora.layout.segments)
+        if used and in_flight:
+            seen.append((used, list(in_flight)))
+        handle = launch(step)
+        in_flight.append(used)
+        return handle
+
+    def spy_land(handle):
+        in_flight.pop(0)
+        return land(handle)
+
+    worker.launch, worker.land = spy_launch, spy_land
+    return seen
+
+
 def test_pp2_adapters_match_peft_and_a_bad_one_is_refused_on_rank_0(tiny_model_factory, tmp_path):
     base = tiny_model_factory("llama", tie_word_embeddings=True)  # 2 layers: one per stage
     adapters = {
@@ -51,9 +74,14 @@ def test_pp2_adapters_match_peft_and_a_bad_one_is_refused_on_rank_0(tiny_model_f
              pipeline_parallel_size=2, device="cpu") as llm:
         with pytest.raises(ValueError, match=r"base model mismatch: model\.layers\.1\.mlp\.down_proj"):
             llm.engine.add_lora(LoRARequest("bad", 9, str(bad)))
+        # Two micro-batches in flight, each with its own adapter layout and slot loads.
+        assert llm.engine.executor.max_concurrent_batches == 2
+        overlaps = _spy_overlaps(llm.engine.executor.driver_worker)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False,
                             lora_request=[None if n is None else requests[n] for n in names])
         assert llm.engine.list_loras() == {1, 2}
+        assert llm.engine.block_manager.num_used_blocks == 0
+    assert any(any(other and other != used for other in others) for used, others in overlaps), overlaps
     assert [o.outputs[0].token_ids for o in outs] == [_reference(pm, n, p) for n, p in zip(names, PROMPTS)]
     base_out = [_reference(pm, None, p) for p in PROMPTS]
     assert [_reference(pm, n, p) for n, p in zip(names, PROMPTS)] != base_out  # the adapters matter

@@ -187,3 +187,83 @@ def test_backends_attend_trees_and_causal_rows_in_one_step(backend, monkeypatch)
     torch.testing.assert_close(got[:n], tree[:n], **tol)
     torch.testing.assert_close(got[n:2 * n], causal[n:2 * n], **tol)
     torch.testing.assert_close(got[2 * n:], tree[2 * n:], **tol)
+
+
+FP8 = torch.float8_e4m3fn
+OPTIONS = {
+    "window": dict(sliding_window=6),
+    "window-inside-the-tree": dict(sliding_window=2),
+    "soft-cap": dict(logits_soft_cap=1.5),
+    "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+    "fp8": dict(k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0)),
+    "all": dict(sliding_window=5, logits_soft_cap=2.0, alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05])),
+}
+
+
+def _options_batch(seed: int, options: dict):
+    gen = torch.Generator().manual_seed(seed)
+    t, q, k_cache, v_cache, qsl, seq_lens, bt, masks, ks, vs = _tree_batch(gen)
+    if "k_scale" in options:  # float8 pools; the rows as stored, for the path reference
+        k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+        ks, vs = [k.to(FP8).float() for k in ks], [v.to(FP8).float() for v in vs]
+    return gen, t, q, k_cache, v_cache, qsl, seq_lens, bt, masks, ks, vs
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_tree_twin_with_windows_soft_caps_alibi_and_fp8_is_causal_attention_over_each_path(name):
+    """A node at depth d sees what the last row of its own path (context, then its ancestors at
+    positions ctx .. ctx + d) sees in causal attention, window, soft-cap, ALiBi and fp8 included."""
+    options = OPTIONS[name]
+    gen, t, q, k_cache, v_cache, qsl, seq_lens, bt, masks, ks, vs = _options_batch(4, options)
+    got = tree_attention_ref(q, k_cache, v_cache, qsl, seq_lens, bt, masks, 0.25, **options)
+    q_len = t.num_nodes
+    for s, (k, v) in enumerate(zip(ks, vs)):
+        ctx = k.shape[0] - q_len
+        for node in range(q_len):
+            path = [n for n in range(q_len) if (t.masks[node] >> n) & 1]
+            rows = list(range(ctx)) + [ctx + n for n in path]
+            kc, vc, table = _cache_with(k[rows], v[rows], 8, 16, gen)
+            if "k_scale" in options:
+                kc, vc = kc.to(FP8), vc.to(FP8)
+            want = paged_attention_ref(q[s * q_len + node][None], kc, vc, torch.tensor([0, 1], dtype=torch.int32),
+                                       torch.tensor([len(rows)], dtype=torch.int32), table[None], 0.25, **options)
+            torch.testing.assert_close(got[s * q_len + node], want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_triton_tree_kernel_with_windows_soft_caps_alibi_and_fp8_matches_the_twin(name, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    options = OPTIONS[name]
+    _, _, q, k_cache, v_cache, qsl, seq_lens, bt, masks, _, _ = _options_batch(5, options)
+    want = tree_attention_ref(q, k_cache, v_cache, qsl, seq_lens, bt, masks, 0.25, **options)
+    got = paged_tree_attention(q, k_cache, v_cache, qsl, seq_lens, bt, masks, 0.25, **options)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["all", "fp8"])
+def test_backends_attend_trees_with_options_like_the_twin(backend, name, monkeypatch):
+    """Both backends' attend calls (the torch backend's tree group, the Triton backend's prefill
+    then tree kernel) give the twin's rows for tree sequences and causal rows for the others."""
+    from kvserve.runtime.attention.backend import AttentionMetadata
+    from kvserve.runtime.attention.selector import get_attention_backend
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    options = OPTIONS[name]
+    _, t, q, k_cache, v_cache, qsl, seq_lens, bt, masks, _, _ = _options_batch(6, options)
+    n = t.num_nodes
+    masks[n:2 * n] = 0
+    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
+                             slot_mapping=torch.full((q.shape[0],), -1, dtype=torch.long), max_query_len=n,
+                             max_seq_len=int(seq_lens.max()), tree_masks=masks)
+    got = get_attention_backend(backend, "cpu").attend(q, None, None, k_cache, v_cache, meta, 0.25, **options)
+    tree = tree_attention_ref(q, k_cache, v_cache, qsl, seq_lens, bt, torch.tensor(list(t.masks) * 3), 0.25,
+                              **options)
+    causal = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, bt, 0.25, **options)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[:n], tree[:n], **tol)
+    torch.testing.assert_close(got[n:2 * n], causal[n:2 * n], **tol)
+    torch.testing.assert_close(got[2 * n:], tree[2 * n:], **tol)

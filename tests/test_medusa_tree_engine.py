@@ -65,7 +65,13 @@ def greedy_reference(tiny_llama):
 
 
 @pytest.mark.parametrize("kind", ["random", "target_copy"])
-def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, tmp_path, kind):
+def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, tmp_path, kind, monkeypatch):
+    from kvserve.kernels.cpu import native
+    from kvserve.runtime.models import native_decode
+
+    native_steps = []  # tree steps the native CPU stack ran as decode rows (tests/test_medusa_native_tree.py)
+    rows = native_decode.tree_rows
+    monkeypatch.setattr(native_decode, "tree_rows", lambda meta: native_steps.append(rows(meta)) or native_steps[-1])
     heads = random_heads() if kind == "random" else target_copy_heads(tiny_llama)
     path = save_medusa_heads(heads, tmp_path / kind)
     # Small pool: preemption and prefix-cache hits happen along the way; a step budget of 12
@@ -78,6 +84,8 @@ def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, 
     assert s.spec_decode_num_drafts_total > 0
     if kind == "target_copy":
         assert s.spec_decode_num_accepted_tokens_total > 0
+    if native.available():
+        assert native_steps and all(r is not None for r in native_steps)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
 
 
@@ -149,10 +157,6 @@ def test_trees_the_target_cannot_verify_are_refused(tiny_llama, tiny_model_facto
     with pytest.raises(ValueError, match="num_speculative_tokens: the Medusa directory has 2 heads, fewer than 3"):
         make_engine(tiny_llama, {"method": "medusa", "model": str(two), "speculative_token_tree": TREE,
                                  "num_speculative_tokens": 3})
-    mla = tiny_model_factory("deepseek_v2")
-    heads = save_medusa_heads(random_heads(num_heads=2), tmp_path / "mla")
-    with pytest.raises(ValueError, match="speculative_token_tree: multi-head latent attention"):
-        make_engine(mla, {"method": "medusa", "model": str(heads), "speculative_token_tree": [[0], [1], [0, 0]]})
 
 
 def test_real_smollm2_greedy_with_a_tree_equals_plain(smollm2, tmp_path):
@@ -181,3 +185,63 @@ def test_real_smollm2_greedy_with_a_tree_equals_plain(smollm2, tmp_path):
     assert s.spec_decode_num_drafts_total > 0
     if trained:
         assert s.spec_decode_num_accepted_tokens_total > 0
+
+
+@pytest.mark.parametrize("family, kw", [("gemma2", {}), ("mpt", {}), ("llama", {"kv_cache_dtype": "fp8"})],
+                         ids=["gemma2-window-softcap", "mpt-alibi", "llama-fp8"])
+def test_triton_backend_verifies_trees_with_windows_soft_caps_alibi_and_fp8(tiny_model_factory, tmp_path, monkeypatch,
+                                                                            family, kw):
+    """The Triton backend (interpreted) verifies trees for targets whose attention reads positions
+    (Gemma 2's 8-token window, MPT's ALiBi) or scales (an fp8 cache): greedy output with a tree
+    equals greedy output without, through the same backend."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny_model_factory(family, **({"num_attention_heads": 4, "hidden_size": 64} if family == "mpt" else {}))
+    if family == "mpt":  # MPT names its (tied) embedding transformer.wte: copy-heads from a renamed view
+        from safetensors.torch import load_file, save_file
+
+        view = tmp_path / "wte"
+        view.mkdir()
+        save_file({"model.embed_tokens.weight": load_file(str(model / "model.safetensors"))["transformer.wte.weight"]},
+                  str(view / "model.safetensors"))
+        heads = target_copy_heads(view)
+    else:
+        heads = target_copy_heads(model)
+    path = save_medusa_heads(heads, tmp_path / "h")
+    prompts = grounded_prompts(n=3, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    opts = dict(attention_backend="triton", **kw)
+
+    def run(engine):  # requests arriving while others decode (Gemma 2's KV cache groups included)
+        out, pending, steps = {}, list(enumerate(prompts)), 0
+        while pending or engine.has_unfinished_requests():
+            if pending and steps % 2 == 0:
+                i, p = pending.pop(0)
+                engine.add_request(f"r{i}", p, params)
+            out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            steps += 1
+        return out
+
+    want = run(make_engine(model, **opts))
+    engine = make_engine(model, {"method": "medusa", "model": str(path), "speculative_token_tree": TREE}, **opts)
+    assert run(engine) == want
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_drafts_total > 0 and stats.spec_decode_num_accepted_tokens_total > 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_mla_targets_verify_trees(tiny_model_factory, tmp_path, family):
+    """Multi-head latent attention verifies a tree in its up-projected path with the tree mask
+    (the rotary key rotated at each node's depth): greedy output equals plain greedy, branches
+    and moved latents included, and no block leaks."""
+    model = tiny_model_factory(family)
+    path = save_medusa_heads(target_copy_heads(model), tmp_path / "h")
+    prompts = grounded_prompts(n=4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = run_checked(make_engine(model), prompts, params)
+    engine = make_engine(model, {"method": "medusa", "model": str(path), "speculative_token_tree": TREE})
+    got = run_checked(engine, prompts, params)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in want.items()}
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_drafts_total > 0 and stats.spec_decode_num_accepted_tokens_total > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

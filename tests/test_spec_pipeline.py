@@ -78,9 +78,31 @@ def test_pp2_greedy_with_heads_equals_pp1(untied_llama, reference, tmp_path, kin
         assert s.spec_decode_num_accepted_tokens_total > 0
 
 
-def test_mtp_at_pp_is_refused():
-    from kvserve.runtime.config import EngineConfig
+@pytest.fixture(scope="module")
+def dsv3_copy_mtp(tiny_model_factory, tmp_path_factory):
+    from test_mtp import add_mtp_layer
 
-    with pytest.raises(ValueError, match="speculative_config: MTP layers do not run with pipeline parallelism"):
-        EngineConfig(model="/m", pipeline_parallel_size=2,
-                     speculative_config={"method": "mtp", "num_speculative_tokens": 1}).validate()
+    return add_mtp_layer(tiny_model_factory("deepseek_v3"), tmp_path_factory.mktemp("mtp") / "copy", copy=True)
+
+
+def test_pp2_greedy_with_mtp_equals_pp1(dsv3_copy_mtp):
+    """DeepSeek-V3's MTP layer at PP=2: the layer (MLA block, MoE, its own latent pool) runs on
+    rank 0 from the last stage's final hidden rows, with whole embedding / head copies (rank 0's
+    stage has no head). Drafts are made and accepted, and greedy output equals PP=1 without
+    speculation, under preemption and prefix-cache hits (small pool)."""
+    prompts = grounded_prompts(n=4)
+    engine = make_engine(dsv3_copy_mtp)
+    try:
+        reference = {k: v.outputs[0].token_ids for k, v in run_checked(engine, prompts, GREEDY).items()}
+    finally:
+        engine.close()
+    engine = make_engine(dsv3_copy_mtp, {"method": "mtp", "num_speculative_tokens": 3}, num_kv_blocks=48,
+                         pipeline_parallel_size=2, max_num_batched_tokens=24)
+    try:
+        assert engine.spec_decoder.eagle.layer.head is not None  # the checkpoint's copy
+        outs = run_checked(engine, prompts, GREEDY)
+        s = engine.get_stats()
+    finally:
+        engine.close()
+    assert {k: v.outputs[0].token_ids for k, v in outs.items()} == reference
+    assert s.spec_decode_num_drafts_total > 0 and s.spec_decode_num_accepted_tokens_total > 0

@@ -21,7 +21,8 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ RETRY_MIN_S = 5.0
 RETRY_MAX_S = 300.0
 
 LOADED, FAILED, PENDING = "loaded", "failed", "pending"
+# vLLM's (and kvserve's) answer to a load of a name the runtime already serves.
+ALREADY_LOADED = "has already been loaded"
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class AdapterState:
     message: str | None = None
     retry_at: float | None = None  # a retryable failure: when to try again (None: final)
     attempts: int = 0
+    # When the runtime confirmed the load (the agent's clock): a metrics sample requested before
+    # then cannot show the adapter yet, so its absence there says nothing.
+    loaded_at: float | None = None
 
 
 def backoff(attempts: int) -> float:
@@ -90,11 +96,13 @@ def backoff(attempts: int) -> float:
 
 
 def plan(desired: Iterable[Desired], state: Mapping[str, AdapterState], now: float,
-         engine_loaded: Iterable[str] | None = None) -> tuple[list[Desired], list[str]]:
+         engine_loaded: Iterable[str] | None = None,
+         engine_seen_at: float | None = None) -> tuple[list[Desired], list[str]]:
     """(adapters to load, names to unload). Unloads come first: an adapter gone from the list,
     or one whose uri changed (it is then loaded again from the new uri). `engine_loaded` is the
-    runtime's own list when known: an adapter the agent loaded but the runtime no longer has (the
-    runtime container restarted) is loaded again."""
+    runtime's own list when known, as requested at `engine_seen_at`: an adapter the agent loaded
+    but the runtime no longer has (the runtime container restarted) is loaded again, unless that
+    list was asked for before the load was confirmed (a stale scrape)."""
     want = {d.name: d for d in desired}
     engine = None if engine_loaded is None else set(engine_loaded)
     unload = sorted(n for n, s in state.items()
@@ -104,7 +112,8 @@ def plan(desired: Iterable[Desired], state: Mapping[str, AdapterState], now: flo
         s = state.get(name)
         if s is None or s.uri != d.uri:
             load.append(d)
-        elif s.status == LOADED and engine is not None and name not in engine:
+        elif (s.status == LOADED and engine is not None and name not in engine
+              and (engine_seen_at is None or s.loaded_at is None or engine_seen_at > s.loaded_at)):
             load.append(d)
         elif s.status == FAILED and s.retry_at is not None and now >= s.retry_at:
             load.append(d)
@@ -141,10 +150,13 @@ class AdapterSync:
     list_file: str
     adapters_dir: str
     runtime: object
+    clock: Callable[[], float] = time.monotonic
     state: dict[str, AdapterState] = field(default_factory=dict)
     desired: list[Desired] | None = None
     error: str | None = None
-    _mtime: float | None = None
+    # The list's identity: the kubelet swaps a new file in (a new inode), and two writes within
+    # the filesystem's mtime resolution must not look like one.
+    _mtime: tuple[int, int, int] | None = None
 
     def read_list(self) -> None:
         path = Path(self.list_file)
@@ -153,12 +165,13 @@ class AdapterSync:
         except FileNotFoundError:
             self.desired, self.error = [], None  # no list yet: no adapters
             return
-        if stat.st_mtime == self._mtime and self.desired is not None:
+        stamp = (stat.st_mtime_ns, stat.st_ino, stat.st_size)
+        if stamp == self._mtime and self.desired is not None:
             return
         try:
             self.desired = parse_desired(path.read_text())
             self.error = None
-            self._mtime = stat.st_mtime
+            self._mtime = stamp
         except (OSError, ValueError) as exc:  # keep the last good list; say what is wrong
             self.error = str(exc)
 
@@ -171,14 +184,17 @@ class AdapterSync:
         r = self.report()
         return r is None or not r["pending"]
 
-    async def sync_once(self, now: float, engine_loaded: Iterable[str] | None = None) -> None:
+    async def sync_once(self, now: float, engine_loaded: Iterable[str] | None = None,
+                        engine_seen_at: float | None = None) -> None:
         await asyncio.to_thread(self.read_list)
-        load, unload = plan(self.desired or [], self.state, now, engine_loaded)
+        load, unload = plan(self.desired or [], self.state, now, engine_loaded, engine_seen_at)
+        kept = set()  # not unloaded this round: loading the name again would meet the old one
         for name in unload:
             try:
                 await self.runtime.unload(name)
             except Unreachable as exc:
                 log.warning("adapter %s: cannot unload now (%s)", name, exc)
+                kept.add(name)
                 continue
             except LoadRefused:
                 pass  # not loaded there (e.g. it had failed): nothing to undo
@@ -186,7 +202,8 @@ class AdapterSync:
             await asyncio.to_thread(shutil.rmtree, Path(self.adapters_dir) / name, True)
             log.info("adapter %s: unloaded", name)
         for d in load:
-            await self._load(d, now, engine_loaded)
+            if d.name not in kept:
+                await self._load(d, now, engine_loaded)
 
     async def _load(self, d: Desired, now: float, engine_loaded: Iterable[str] | None = None) -> None:
         from .fetch import FetchError, fetch
@@ -209,11 +226,17 @@ class AdapterSync:
         try:
             await self.runtime.load(d.name, dest)
         except LoadRefused as exc:
+            if ALREADY_LOADED in str(exc):
+                # The runtime kept it from a load whose answer the agent lost (a timeout) or that
+                # a stale list made it repeat: it serves this name, from this directory.
+                s.status, s.message, s.retry_at, s.attempts, s.loaded_at = LOADED, None, None, 0, self.clock()
+                log.info("adapter %s: already loaded in the runtime", d.name)
+                return
             s.status, s.message, s.retry_at = FAILED, str(exc), None
             log.warning("adapter %s: refused by the runtime: %s", d.name, exc)
             return
         except Unreachable as exc:
             s.status, s.message, s.retry_at = PENDING, str(exc), None
             return
-        s.status, s.message, s.retry_at, s.attempts = LOADED, None, None, 0
+        s.status, s.message, s.retry_at, s.attempts, s.loaded_at = LOADED, None, None, 0, self.clock()
         log.info("adapter %s: loaded from %s", d.name, d.uri)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from kvserve.runtime.server.auth import admin_denial
 from kvserve.runtime.server.drain import effective_drain_timeout
@@ -60,6 +60,7 @@ class ScrapeState:
     started_at: float
     sample: EngineSample | None = None
     sampled_at: float | None = None
+    sample_requested_at: float | None = None  # when the sample's /metrics request was sent
     up: bool = False
     ready: bool = False
     last_error: str | None = None
@@ -132,6 +133,7 @@ class _SignalsCollector:
             ("kvserve_requests_running", "requests_running", "Requests being executed."),
             ("kvserve_kv_cache_capacity_tokens", "kv_cache_capacity_tokens", "KV cache capacity in tokens."),
             ("kvserve_tensor_parallel_size", "tensor_parallel_size", "Tensor-parallel degree of the engine."),
+            ("kvserve_data_parallel_size", "data_parallel_size", "Engines in the pod (its live DP x TP layout)."),
         ]
         for name, key, doc in gauges:
             if s[key] is not None:
@@ -142,6 +144,12 @@ class _SignalsCollector:
         ]:
             if s[key] is not None:
                 yield CounterMetricFamily(name, doc, value=s[key])
+        # The operator's TPOT gate reads these totals through Prometheus as it does from /v1/signals.
+        if s["inter_token_latency_seconds_count"] is not None and s["inter_token_latency_seconds_sum"] is not None:
+            yield SummaryMetricFamily("kvserve_inter_token_latency_seconds",
+                                      "The engine's time between output tokens (TPOT), all requests.",
+                                      count_value=s["inter_token_latency_seconds_count"],
+                                      sum_value=s["inter_token_latency_seconds_sum"])
         if s["engine"] is not None:
             info = g("kvserve_engine_info", "Which engine the agent reads.", labels=["engine", "model_name"])
             info.add_metric([s["engine"], s["model_name"] or ""], 1)
@@ -166,7 +174,8 @@ class Agent:
         if self.config.adapters_file:
             from .adapters import AdapterSync
 
-            self.adapters = AdapterSync(self.config.adapters_file, self.config.adapters_dir, RuntimeAdmin(self))
+            self.adapters = AdapterSync(self.config.adapters_file, self.config.adapters_dir, RuntimeAdmin(self),
+                                        clock=self.clock)
 
     def signals(self) -> dict:
         adapters = self.adapters.report() if self.adapters is not None else None
@@ -207,6 +216,7 @@ class Agent:
 
     async def scrape_once(self) -> None:
         self.state.scrapes += 1
+        requested_at = self.clock()
         t = aiohttp.ClientTimeout(total=self.config.scrape_timeout_s)
         try:
             async with self.session.get(self.base + "/metrics", timeout=t) as resp:
@@ -225,6 +235,7 @@ class Agent:
         status, _ = await self.probe_ready(sample=sample)
         self.state.sample = sample
         self.state.sampled_at = sampled_at
+        self.state.sample_requested_at = requested_at
         self.state.up = True
         self.state.last_error = None
         self.state.ready = status == 200
@@ -313,7 +324,8 @@ class Agent:
             try:
                 if self.state.ready and self.state.up:
                     sample = self.state.sample
-                    await self.adapters.sync_once(self.clock(), sample.lora_adapters if sample else None)
+                    await self.adapters.sync_once(self.clock(), sample.lora_adapters if sample else None,
+                                                  self.state.sample_requested_at)
             except Exception:  # one bad round must not end adapter management
                 log.exception("adapter sync failed")
             await asyncio.sleep(self.config.interval_s)

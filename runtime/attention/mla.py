@@ -48,6 +48,9 @@ class MLAPlan:
     decode_rows: torch.Tensor
     decode_meta: AttentionMetadata | None
     prefill: list[tuple[int, int, int, int]]  # (sequence, first row, end row, seq_len)
+    # Medusa trees (AttentionMetadata.tree_masks): per prefill entry, its rows' ancestor masks
+    # when the sequence is verified as a candidate tree, else None (causal).
+    prefill_trees: list[torch.Tensor | None] | None = None
     # Torch path: decode sequences in length-sorted groups (indices into decode_meta's sequences),
     # made on first use (the Triton path never needs them).
     decode_groups: list[torch.Tensor] | None = None
@@ -75,12 +78,15 @@ def build_plan(meta: AttentionMetadata) -> MLAPlan:
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     decode_seqs, prefill = [], []
+    tree = None if meta.tree_masks is None else meta.tree_masks.tolist()
+    trees = []
     for i, seq_len in enumerate(seq_lens):
         q0, q1 = starts[i], starts[i + 1]
         if q1 - q0 == 1:
             decode_seqs.append(i)
         elif q1 > q0:
             prefill.append((i, q0, q1, seq_len))
+            trees.append(meta.tree_masks[q0:q1] if tree is not None and tree[q0] else None)
     device = meta.seq_lens.device
     decode_meta = None
     rows = torch.tensor([starts[i] for i in decode_seqs], dtype=torch.long, device=device)
@@ -93,7 +99,7 @@ def build_plan(meta: AttentionMetadata) -> MLAPlan:
             block_tables=meta.block_tables.index_select(0, idx),
             slot_mapping=meta.slot_mapping.index_select(0, rows),
             max_query_len=1, max_seq_len=max(seq_lens[i] for i in decode_seqs), is_decode_only=True)
-    return MLAPlan(meta, rows, decode_meta, prefill)
+    return MLAPlan(meta, rows, decode_meta, prefill, prefill_trees=trees)
 
 
 class TorchMLAAttention:
@@ -157,12 +163,21 @@ class TorchMLAAttention:
         return cache[blocks].reshape(-1, cache.shape[-1])[:seq_len]
 
     @staticmethod
-    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float) -> torch.Tensor:
-        """q [Q, H, Dqk] at positions context.. over k [S, H, Dqk], v [S, H, Dv]: [Q, H, Dv]."""
+    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float,
+                tree_masks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [Q, H, Dqk] at positions context.. over k [S, H, Dqk], v [S, H, Dv]: [Q, H, Dv].
+        With `tree_masks` (int64 [Q], a Medusa candidate tree: kernels/tree_attention.py) row j
+        sees the context and the new slots whose bit is set in its mask instead of rows 0..j.
+        Nothing else reads positions here: the rotary key was rotated at the node's depth."""
         dtype = q.dtype
         compute = torch.float32 if q.device.type == "cpu" else dtype
         qh, kh, vh = (t.transpose(0, 1).to(compute)[None] for t in (q, k, v))  # 4-D: SDPA's fast CPU path
-        if context == 0:
+        if tree_masks is not None:
+            bits = torch.arange(q.shape[0], device=q.device)
+            in_tree = ((tree_masks[:, None] >> bits[None, :]) & 1).bool()
+            mask = torch.cat([torch.ones(q.shape[0], context, dtype=torch.bool, device=q.device), in_tree], dim=1)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        elif context == 0:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         else:
             rows = torch.arange(q.shape[0], device=q.device)[:, None] + context

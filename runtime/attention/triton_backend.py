@@ -63,14 +63,12 @@ class TritonAttentionBackend:
             logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
         )
         if meta.tree_masks is not None:
-            if sliding_window is not None or logits_soft_cap is not None or alibi_slopes is not None or k_scale is not None:
-                raise ValueError("speculative_config.speculative_token_tree: the Triton tree kernel has no sliding "
-                                 "window, soft-capping, ALiBi or fp8 KV cache; use attention_backend 'torch'")
-            _tree_rows(out, query, k_cache, v_cache, meta, scale)
+            _tree_rows(out, query, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes)
         return out
 
 
-def _tree_rows(out, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
+def _tree_rows(out, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> None:
     """Overwrites the rows of the sequences verified as candidate trees (the prefill kernel
     attended them causally) with the tree kernel's, run over just those sequences."""
     from kvserve.kernels.tree_attention import paged_tree_attention
@@ -86,4 +84,4 @@ def _tree_rows(out, query, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=query.device)
     qsl[1:] = lens.cumsum(0)
     out[rows] = paged_tree_attention(query[rows], k_cache, v_cache, qsl, meta.seq_lens[idx],
-                                     meta.block_tables[idx], masks[rows], scale)
+                                     meta.block_tables[idx], masks[rows], scale, **options)

@@ -8,7 +8,7 @@ travel to it, once per step, after the step's logits:
 
 - Medusa (``keep_hidden`` True): the final hidden state of each sampling row only, hidden_size
   values a row, next to the logits row (vocabulary floats) a verification step sends anyway;
-- EAGLE / EAGLE-3 (``keep_hidden == "all"``): every computed row (each one fills a draft slot),
+- EAGLE / EAGLE-3 / MTP (``keep_hidden == "all"``): every computed row (each one fills a draft slot),
   the same size as the activations that cross each stage boundary; EAGLE-3's aux streams come
   from the stage holding each layer (stage 0's are rank 0's own).
 
@@ -39,7 +39,7 @@ def keep_hidden_mode(config) -> bool | str:
         return False
     if spec.method == "medusa":
         return True
-    if spec.method in ("eagle", "eagle3"):
+    if spec.method in ("eagle", "eagle3", "mtp"):
         return "all"
     return False
 

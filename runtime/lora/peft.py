@@ -11,6 +11,9 @@ head are adapted too, as model-level modules (layer ``MODEL_LEVEL``). PEFT saves
 targeted embedding's or head's own weights beside them (``save_embedding_layers``): a copy of this
 model's shape is the base weights and is skipped; another shape (a resized vocabulary) is refused.
 
+BLOOM, Falcon and MPT name their modules as their checkpoints do (FAMILY_MODULES); an adapter's
+paths are mapped onto the shared layout the same way the checkpoint's are.
+
 Every problem is a ValueError naming it: a missing file, a rank above ``max_lora_rank``, a target
 module the model lacks (or that kvserve cannot adapt: Gemma's scaled embedding, the MoE router),
 shapes of another base model, PEFT features that change the math (DoRA, trained biases,
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.runtime.architectures import checkpoint_name, fused_rows_per_head, per_group_qkv_order
 from kvserve.runtime.lora.moe import expert_module_layer, expert_pair
 from kvserve.runtime.lora.request import LoRARequest
 
@@ -42,13 +46,24 @@ MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # The parts' delta is B[rows of the part] @ A, so each part takes A whole and its rows of B.
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "W_pack": ("q_proj", "k_proj", "v_proj"),
                  "gate_up_proj": ("gate_proj", "up_proj")}
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES + MLA_MODULES + tuple(FUSED_MODULES)
+# The LayerNorm families' own names (BLOOM and Falcon: transformer.h.N.self_attention.query_key_value
+# / .dense, .mlp.dense_h_to_4h / .dense_4h_to_h; MPT: transformer.blocks.N.attn.Wqkv / .out_proj,
+# .ffn.up_proj / .down_proj). An adapter's module paths are mapped onto the shared layout as the
+# checkpoint's are (architectures.checkpoint_name): their q|k|v is then the fused qkv_proj, which
+# BLOOM and Falcon store per KV group, so B's rows are put in q | k | v order first, as the loader
+# does with the weights.
+FAMILY_MODULES = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "Wqkv", "out_proj",
+                  "word_embeddings", "wte")
+_FAMILY_ARCHITECTURES = ("BloomForCausalLM", "FalconForCausalLM", "MptForCausalLM")
+SUPPORTED_MODULES = (ATTENTION_MODULES + MLP_MODULES + VOCAB_MODULES + MLA_MODULES + tuple(FUSED_MODULES)
+                     + FAMILY_MODULES)
 # The layer index of the model-level modules (embedding, LM head) in Targets keys.
 MODEL_LEVEL = -1
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 _EMBED_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?$")
-_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>model\.embed_tokens|lm_head)\.base_layer\.weight$")
+# (the embedding under the family's own name: transformer.word_embeddings, transformer.wte)
+_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
 _VOCAB_MODULE = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
 _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<name>(?:shared_experts?\.)?[A-Za-z_]+)$")
 # transformers' fused expert parameters, as PEFT's target_parameters name them (runtime/lora/moe.py).
@@ -183,8 +198,9 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def _fused_pairs(module: str, layer: int, parts: tuple[str, ...], a: torch.Tensor, b: torch.Tensor,
-                 targets: Targets, max_lora_rank: int, only_targets: bool, cfg: dict) -> dict:
-    """A fused module's pair as its parts' pairs: A whole for each, B's rows of each part."""
+                 targets: Targets, max_lora_rank: int, only_targets: bool, cfg: dict, row_order=None) -> dict:
+    """A fused module's pair as its parts' pairs: A whole for each, B's rows of each part.
+    `row_order(rows)`: B's rows in the parts' order, when the checkpoint interleaves them."""
     shapes = [targets.get((layer, part)) for part in parts]
     if any(shape is None for shape in shapes):
         if only_targets:
@@ -201,27 +217,46 @@ def _fused_pairs(module: str, layer: int, parts: tuple[str, ...], a: torch.Tenso
         raise ValueError(f"base model mismatch: {module} expects [{sum(rows)} x {in_f}] (out x in), the adapter's "
                          f"lora_B x lora_A is [{b.shape[0]} x {a.shape[1]}] "
                          f"(trained on {cfg.get('base_model_name_or_path')!r}?)")
+    if row_order is not None:
+        b = b[torch.tensor(row_order(b.shape[0]))]
     return {part: (a, rows_b) for part, rows_b in zip(parts, torch.split(b, rows, dim=0))}
 
 
+def _shared_name(module: str, arch: str) -> str:
+    """An adapter's module path in the shared layout (model.layers.N.self_attn.qkv_proj, ...): the
+    LayerNorm families' own paths mapped as their checkpoints' are. A ValueError when a family
+    with its own names gets a path in another family's names (an adapter of another model)."""
+    mapped = checkpoint_name(arch, module + ".")[:-1]
+    if arch in _FAMILY_ARCHITECTURES and mapped == module and module != "lm_head":
+        own = "transformer.blocks.N.attn / .ffn" if arch == "MptForCausalLM" else "transformer.h.N.self_attention / .mlp"
+        raise ValueError(f"target module {module!r}: not a module of this {arch} model (its modules are "
+                         f"{own}): an adapter of another architecture?")
+    return mapped
+
+
 def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, num_layers: int,
-                 model_dir: str = "", hf_config=None, only_targets: bool = False) -> LoRAWeights:
+                 model_dir: str = "", hf_config=None, only_targets: bool = False,
+                 model_config=None) -> LoRAWeights:
     """Reads and checks `request`'s adapter against the model's adaptable modules (`targets`).
     `only_targets`: `targets` are one pipeline stage's, and modules outside them belong to other
-    stages: they are skipped, not refused (rank 0 has checked them against every stage's)."""
+    stages: they are skipped, not refused (rank 0 has checked them against every stage's).
+    `model_config` (the runtime's ModelConfig) names the architecture, whose own module names
+    (BLOOM, Falcon, MPT) and fused q|k|v layout the adapter follows."""
     path = request.lora_path
     cfg = read_config(path)
     if hf_config is not None:
         check_base_model(cfg, request, model_dir, hf_config)
     tensors = _read_tensors(path)
+    arch = getattr(model_config, "architecture", "") or ""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     base_copies: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key) or _EMBED_KEY.match(key)
         if m is None:
             copy = _BASE_COPY.match(key)
-            if copy is not None:
-                base_copies[_VOCAB_MODULE[copy["module"]]] = tensor
+            shared = None if copy is None else checkpoint_name(arch, copy["module"] + ".")[:-1]
+            if shared in _VOCAB_MODULE:
+                base_copies[_VOCAB_MODULE[shared]] = tensor
                 continue
             raise ValueError(f"adapter weights: tensor {key!r} is not a LoRA A/B matrix (trained biases and "
                              f"saved modules are not supported)")
@@ -230,6 +265,12 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
         raise ValueError(f"adapter weights: {path!r} holds no LoRA matrices")
     alpha_default = cfg.get("lora_alpha", cfg.get("r", 8))
     rslora = bool(cfg.get("use_rslora", False))
+    row_order = None
+    if fused_rows_per_head(arch):
+        heads, kv_heads = model_config.shape.num_attention_heads, model_config.shape.num_kv_heads
+
+        def row_order(rows: int) -> list[int]:
+            return per_group_qkv_order(rows, heads, kv_heads)
     out = LoRAWeights(request, rank=0)
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -249,15 +290,18 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
                 out.modules[key] = pair
                 out.rank = max(out.rank, rank)
             continue
-        m = _LAYER_MODULE.match(module)
-        name = module.rsplit(".", 1)[-1] if m is None else m["name"]
-        if module in _VOCAB_MODULE:
-            layer, name = MODEL_LEVEL, _VOCAB_MODULE[module]
+        shared = _shared_name(module, arch)
+        m = _LAYER_MODULE.match(shared)
+        name = shared.rsplit(".", 1)[-1] if m is None else m["name"]
+        if shared in _VOCAB_MODULE:
+            layer, name = MODEL_LEVEL, _VOCAB_MODULE[shared]
         elif m is None or name.rsplit(".", 1)[-1] not in SUPPORTED_MODULES:
             raise ValueError(f"target module {module!r}: not supported by kvserve's LoRA (it adapts the decoder "
                              f"layers' self_attn q/k/v/o_proj (MLA: q_proj or q_a/q_b_proj, kv_a_proj_with_mqa, "
                              f"kv_b_proj, o_proj), mlp gate/up/down_proj (dense, or MoE shared experts), the "
-                             f"routed experts' fused parameters, model.embed_tokens and lm_head)")
+                             f"routed experts' fused parameters, model.embed_tokens and lm_head; BLOOM and "
+                             f"Falcon: self_attention.query_key_value / dense, mlp.dense_h_to_4h / dense_4h_to_h, "
+                             f"word_embeddings; MPT: attn.Wqkv / out_proj, ffn.up_proj / down_proj, wte)")
         else:
             layer = int(m["layer"])
             if layer >= num_layers:
@@ -266,7 +310,8 @@ def load_adapter(request: LoRARequest, *, targets: Targets, max_lora_rank: int, 
         if a.dim() == 2 and a.shape[0] > max_lora_rank:
             raise ValueError(f"adapter rank: {module} has rank {a.shape[0]}, above max_lora_rank {max_lora_rank}")
         if name in FUSED_MODULES:
-            pairs_out = _fused_pairs(module, layer, FUSED_MODULES[name], a, b, targets, max_lora_rank, only_targets, cfg)
+            pairs_out = _fused_pairs(module, layer, FUSED_MODULES[name], a, b, targets, max_lora_rank, only_targets,
+                                     cfg, row_order=row_order if name == "qkv_proj" else None)
             for part, (pa, pb) in pairs_out.items():
                 alpha = _pattern_value(cfg.get("alpha_pattern"), module, alpha_default)
                 scaling = alpha / math.sqrt(pa.shape[0]) if rslora else alpha / pa.shape[0]

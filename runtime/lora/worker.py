@@ -52,6 +52,7 @@ class WorkerLoRA:
         from kvserve.runtime.models.llama import MLP, Attention
         from kvserve.runtime.models.mla import MLAAttention
         from kvserve.runtime.models.moe import SparseMoeBlock
+        from kvserve.runtime.models.mpt import PlainMLP
 
         kw = dict(max_loras=self.max_loras, max_rank=self.max_lora_rank, dtype=self.dtype)
         for w in wrap_vocab(self.model, self.state, **kw):
@@ -74,6 +75,10 @@ class WorkerLoRA:
                                               row_parallel=False, **kw)
                 mlp.down_proj = LoRALinear(mlp.down_proj, self.state, parts=("down_proj",), row_parallel=True, **kw)
                 wrapped += [mlp.gate_up_proj, mlp.down_proj]
+            elif isinstance(mlp, PlainMLP):  # MPT, BLOOM, Falcon: ungated (their own names map onto these)
+                mlp.up_proj = LoRALinear(mlp.up_proj, self.state, parts=("up_proj",), row_parallel=False, **kw)
+                mlp.down_proj = LoRALinear(mlp.down_proj, self.state, parts=("down_proj",), row_parallel=True, **kw)
+                wrapped += [mlp.up_proj, mlp.down_proj]
             elif isinstance(mlp, SparseMoeBlock):
                 wrapped += wrap_moe(mlp, self.state, **kw)
             for w in wrapped:
@@ -98,7 +103,8 @@ class WorkerLoRA:
             weights = load_adapter(request, targets=self.all_targets or self.target_shapes,
                                    max_lora_rank=self.max_lora_rank, num_layers=self.num_layers,
                                    model_dir=self.model_dir, hf_config=self.hf_config,
-                                   only_targets=self.all_targets is None and self.stage_only)
+                                   only_targets=self.all_targets is None and self.stage_only,
+                                   model_config=getattr(self.model, "config", None))
             # The host cache keeps this rank's slot images (sliced, padded, in the model dtype)
             # rather than the PEFT matrices: a slot is then filled with two copies per layer.
             weights.images = [w.slot_image(weights.rank, [weights.modules.get((i, name)) for name in w.parts])

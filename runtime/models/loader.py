@@ -10,7 +10,13 @@ import re
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvserve.runtime.architectures import checkpoint_name, fused_part_rows, fused_parts, fused_rows_per_head
+from kvserve.runtime.architectures import (
+    checkpoint_name,
+    fused_part_rows,
+    fused_parts,
+    fused_rows_per_head,
+    per_group_qkv_order,
+)
 from kvserve.runtime.attention.backend import AttentionBackend
 from kvserve.runtime.gguf.reader import is_gguf_path
 from kvserve.runtime.model_config import ModelConfig
@@ -27,9 +33,12 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 def _mtp_tensor(name: str, cfg: ModelConfig) -> bool:
     """A tensor of the multi-token prediction layers DeepSeek-V3 keeps after the decoder layers
-    (read only by speculative decoding's mtp method, spec_decode/mtp.py)."""
+    (MiMo: under model.mtp_layers.*), read only by speculative decoding's mtp method
+    (spec_decode/mtp.py)."""
+    if not cfg.hf_config.get("num_nextn_predict_layers"):
+        return False
     m = _LAYER_INDEX.match(name)
-    return m is not None and int(m.group(1)) >= cfg.num_layers and bool(cfg.hf_config.get("num_nextn_predict_layers"))
+    return (m is not None and int(m.group(1)) >= cfg.num_layers) or name.startswith("model.mtp_layers.")
 
 
 def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -185,9 +194,7 @@ def _split_rows(cfg: ModelConfig, name: str, parts: tuple[str, ...], tensor):
         raise ValueError(f"weight {name}: checkpoint has {codes.shape[0]} rows, the config implies "
                          f"{' + '.join(map(str, rows))}")
     if fused_rows_per_head(cfg.architecture):  # [q_g...; k_g; v_g] per KV group g -> [q; k; v]
-        kv, group = shape.num_kv_heads, shape.num_attention_heads // shape.num_kv_heads
-        order = torch.arange(codes.shape[0]).view(kv, group + 2, codes.shape[0] // (kv * (group + 2)))
-        order = torch.cat((order[:, :group].reshape(-1), order[:, group].reshape(-1), order[:, group + 1].reshape(-1)))
+        order = torch.tensor(per_group_qkv_order(codes.shape[0], shape.num_attention_heads, shape.num_kv_heads))
         tensor = tensor.permute_rows(order) if hasattr(tensor, "permute_rows") else tensor.index_select(0, order)
     start = 0
     for part, n in zip(parts, rows):

@@ -160,7 +160,8 @@ class MLAAttention(nn.Module):
                 out[rows] = o
         if out is None:
             out = torch.empty(t, self.num_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
-        for seq, q0, q1, seq_len in plan.prefill:
+        trees = plan.prefill_trees or [None] * len(plan.prefill)
+        for (seq, q0, q1, seq_len), tree in zip(plan.prefill, trees):
             q_len = q1 - q0
             if seq_len == q_len:  # nothing cached before: the chunk's own latents are the context
                 ctx_c, ctx_pe = c[q0:q1], k_pe[q0:q1]
@@ -175,7 +176,7 @@ class MLAAttention(nn.Module):
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
             k = torch.cat((k_nope, ctx_pe[:, None, :].expand(seq_len, self.num_heads, self.rope)), dim=-1)
             qs = torch.cat((q_nope[q0:q1], q_pe[q0:q1]), dim=-1)
-            out[q0:q1] = impl.prefill(qs, k, v, seq_len - q_len, self.scale)
+            out[q0:q1] = impl.prefill(qs, k, v, seq_len - q_len, self.scale, tree)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
     def checkpoint_params(self, pre: str) -> dict[str, tuple[torch.Tensor, str | None]]:

@@ -7,14 +7,14 @@ step in C with the same kernels in the same order, so its results are bit-identi
 per-op path's (tests/test_fastpath.py compares them) and the model's forward is one call.
 
 Only what the per-op native path would run qualifies: every layer a plain DecoderLayer
-(Llama, Mistral, Qwen2, Qwen3: not Gemma's sandwich norms, not MoE or MLA) with SiLU, or an ALiBi
-layer (MPT, BLOOM, Falcon-RW: models/mpt.py), weights
+(Llama, Mistral, Qwen2, Qwen3: not Gemma's sandwich norms, not MoE or MLA) with SiLU, an ALiBi
+layer (MPT, BLOOM, Falcon-RW: models/mpt.py) or rotary Falcon's parallel layer (models/falcon.py), weights
 packed for a native matmul (float32 panels, or the int8/int4 panels of
 `quantization.packed` that int8, int4, AWQ, GPTQ, compressed-tensors and GGUF weights end in;
 not a GPTQ/compressed-tensors act-order layer, which permutes its input), tp_size 1, the torch
 attention backend, float32 caches. Anything else keeps the per-op path.
 
-ALiBi layers' LayerNorms and GELU run in C where the per-op path calls torch's, so their results
+ALiBi and Falcon layers' LayerNorms and GELU run in C where the per-op path calls torch's, so their results
 agree with it to float rounding, not bit for bit (tests/test_alibi_native.py bounds the gap).
 """
 
@@ -57,6 +57,7 @@ def build(model) -> object | None:
     from kvserve.kernels.cpu import native
     from kvserve.runtime.attention.torch_backend import TorchAttentionBackend
     from kvserve.runtime.models import mpt
+    from kvserve.runtime.models.falcon import FalconParallelLayer
     from kvserve.runtime.models.llama import MLP, Attention, DecoderLayer
 
     cfg = model.config
@@ -75,6 +76,12 @@ def build(model) -> object | None:
                 return None
             specs.append(spec)
             continue
+        if type(layer) is FalconParallelLayer:
+            spec = _falcon_spec(model, i, layer, attn, mlp, mpt)
+            if spec is None:
+                return None
+            specs.append(spec)
+            continue
         # Baichuan-13B: ALiBi attention in the Llama layer (the slopes instead of the rotation)
         alibi = type(attn) is mpt.AlibiAttention
         if (type(layer) is not DecoderLayer or type(attn) not in (Attention, mpt.AlibiAttention)
@@ -83,9 +90,8 @@ def build(model) -> object | None:
         weights = [_native_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(w is None for w in weights):
             return None
-        local = model.local_cos_sin_cache
-        cos_sin = local if local is not None and i in model._local_rope_layers else model.cos_sin_cache
-        if cos_sin.dtype != torch.float32 or cos_sin.shape[1] > attn.head_dim or cos_sin.shape[1] % 2:
+        cos_sin = _cos_sin(model, i, attn)
+        if cos_sin is None:
             return None
         if attn.num_heads // attn.num_kv_heads > native.MAX_GQA_GROUP:
             return None
@@ -96,13 +102,13 @@ def build(model) -> object | None:
             qkv=weights[0], qkv_bias=_bias(attn.qkv_proj), o=weights[1], o_bias=_bias(attn.o_proj),
             gate_up=weights[2], gate_up_bias=_bias(mlp.gate_up_proj), down=weights[3],
             down_bias=_bias(mlp.down_proj),
-            cos_sin=cos_sin.contiguous(), window=attn.sliding_window, softcap=attn.logits_soft_cap,
+            cos_sin=cos_sin, window=attn.sliding_window, softcap=attn.logits_soft_cap,
             scale=attn.scale, alibi=attn.alibi_slopes.detach().to(torch.float32).contiguous() if alibi else None,
             clip_qkv=attn.clip_qkv if alibi else None))
         if layer.eps != cfg.rms_norm_eps or attn.eps != cfg.rms_norm_eps:
             return None
     first = model.layers[0]
-    inter = (_gate_up_features(first.mlp.up_proj) if type(first) is mpt.AlibiDecoderLayer
+    inter = (_gate_up_features(first.mlp.up_proj) if type(first.mlp) is mpt.PlainMLP
              else _gate_up_features(first.mlp.gate_up_proj) // 2)
     stack = native.DecoderStack(specs, hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
                                 kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
@@ -132,6 +138,41 @@ def _alibi_spec(layer, attn, mlp, mpt) -> dict | None:
         mlp="gelu_tanh" if mlp.approximate == "tanh" else "gelu",
         cos_sin=None, alibi=attn.alibi_slopes.detach().to(torch.float32).contiguous(),
         window=None, softcap=None, scale=attn.scale, clip_qkv=attn.clip_qkv)
+
+
+def _cos_sin(model, i: int, attn) -> torch.Tensor | None:
+    """Layer i's rotary table as the stack reads it, or None when the kernel cannot rotate by it."""
+    local = model.local_cos_sin_cache
+    cos_sin = local if local is not None and i in model._local_rope_layers else model.cos_sin_cache
+    if cos_sin.dtype != torch.float32 or cos_sin.shape[1] > attn.head_dim or cos_sin.shape[1] % 2:
+        return None
+    return cos_sin.contiguous()
+
+
+def _falcon_spec(model, i: int, layer, attn, mlp, mpt) -> dict | None:
+    """A rotary Falcon layer (models/falcon.py): rotary attention beside an ungated GELU MLP, both
+    fed by LayerNorms of the same x; the layer's own MLP LayerNorm (the new decoder architecture)
+    goes in the post-norm slot, which the stack then applies to x rather than to x + attn."""
+    from kvserve.runtime.models.llama import Attention
+
+    if type(attn) is not Attention or type(mlp) is not mpt.PlainMLP or attn.q_norm is not None:
+        return None
+    weights = [_native_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.up_proj, mlp.down_proj)]
+    cos_sin = _cos_sin(model, i, attn)
+    if any(w is None for w in weights) or cos_sin is None or attn.num_heads // attn.num_kv_heads > _max_group():
+        return None
+    if layer.eps != model.config.rms_norm_eps:
+        return None
+    ln_a, ln_m = layer.input_layernorm, layer.mlp_layernorm
+    return dict(
+        input_norm=ln_a.weight.detach(), input_norm_bias=None if ln_a.bias is None else ln_a.bias.detach(),
+        post_norm=None if ln_m is None else ln_m.weight.detach(),
+        post_norm_bias=None if ln_m is None or ln_m.bias is None else ln_m.bias.detach(), norm="layer",
+        parallel="shared_norm" if ln_m is None else "two_norms", q_norm=None, k_norm=None,
+        qkv=weights[0], qkv_bias=_bias(attn.qkv_proj), o=weights[1], o_bias=_bias(attn.o_proj),
+        gate_up=weights[2], gate_up_bias=_bias(mlp.up_proj), down=weights[3], down_bias=_bias(mlp.down_proj),
+        mlp="gelu_tanh" if mlp.approximate == "tanh" else "gelu", cos_sin=cos_sin,
+        window=attn.sliding_window, softcap=attn.logits_soft_cap, scale=attn.scale, alibi=None, clip_qkv=None)
 
 
 def _max_group() -> int:
@@ -165,3 +206,26 @@ def _lora_slots(model, native):
     if max_rank is None:
         return None
     return native.LoRASlots(layers, max_rank)
+
+
+# Longest query of a sequence a tree step may hold to run as decode rows: a tree has at most 64
+# nodes; a longer causal query is a prefill chunk, which the per-op path runs as one block.
+_MAX_TREE_ROWS = 64
+
+
+def tree_rows(meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A Medusa tree verification step (AttentionMetadata.tree_masks set, one entry per sequence)
+    as decode rows for DecoderStack.run: (block tables, seq lens, tree masks), one row per token.
+    Row j of a sequence with q new tokens after c cached ones sees c + j + 1 slots, its own last:
+    a causal sequence's rows then attend exactly as its query would (mask 0), and a tree node's
+    mask (its own bit j, its ancestors' below) drops its siblings' slots. Every row is computed as
+    the plain decode row of the same token would be, so the accepted path's logits are those of
+    decoding without speculation, bit for bit. None when a sequence's query is longer than a tree."""
+    starts = meta.query_start_loc.to(torch.long)
+    q_lens = starts[1:] - starts[:-1]
+    if int(q_lens.max()) > _MAX_TREE_ROWS:
+        return None
+    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
+    j = torch.arange(seq.shape[0]) - starts[:-1][seq]
+    lens = (meta.seq_lens.to(torch.long) - q_lens)[seq] + j + 1
+    return meta.block_tables.index_select(0, seq), lens.to(torch.int32), meta.tree_masks.to(torch.int64)

@@ -62,20 +62,11 @@ class Tree:
 
 
 def unsupported(model_config, backend: str | None, kv_cache_dtype: torch.dtype | None) -> str | None:
-    """Why this target cannot verify trees, or None: multi-head latent attention has its own
-    backend (no tree masks yet); the Triton tree kernel has no window, soft-cap, ALiBi or fp8."""
-    if model_config is None:
-        return None
-    shape = getattr(model_config, "shape", None)
-    if shape is not None and getattr(shape, "mla", None) is not None:
-        return "multi-head latent attention (DeepSeek) has no tree attention yet"
-    if backend == "triton":
-        windows = any(model_config.layer_window(i) is not None for i in range(model_config.num_layers))
-        fp8 = kv_cache_dtype is not None and kv_cache_dtype.is_floating_point and kv_cache_dtype.itemsize == 1
-        if (windows or model_config.attn_logit_softcapping is not None or model_config.alibi_bias_max is not None
-                or model_config.alibi_llama_layers or fp8):
-            return ("the Triton tree kernel has no sliding window, soft-capping, ALiBi or fp8 KV cache; "
-                    "use attention_backend 'torch'")
+    """Why this target cannot verify trees, or None. None today: both attention backends take
+    trees with sliding windows, soft-capping, ALiBi and fp8 KV caches, and multi-head latent
+    attention verifies them in its up-projected (prefill) path. Kept as the one place a new
+    attention path without tree masks says so at start."""
+    del model_config, backend, kv_cache_dtype
     return None
 
 

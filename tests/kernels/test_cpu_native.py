@@ -141,7 +141,7 @@ def _manual_decode(q, k_cache, v_cache, table, seq_len, scale, window=0, softcap
     return torch.einsum("ht,thd->hd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 24), (8, 1, 32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 24), (8, 1, 32), (71, 1, 64)])
 def test_paged_decode_matches_the_reference(heads, kv_heads, head_dim):
     g = _gen(0)
     num_blocks, block_size = 40, 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import time
 
 import pytest
 
@@ -45,7 +46,11 @@ def cluster():
     load = Load()
     kubelet = Kubelet(emulator.url, free_port_on_all(ips), free_port_on_all(ips), load)
     task = asyncio.run_coroutine_threadsafe(kubelet.run(), emulator.loop)
-    yield emulator, Api(emulator.url), kubelet, load
+    api = Api(emulator.url)
+    api.call("POST", "/api/v1/namespaces/default/secrets",
+             {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "shaped-admin", "namespace": "default"},
+              "data": {"key": base64.b64encode(ADMIN_KEY.encode()).decode()}})
+    yield emulator, api, kubelet, load
     kubelet.stopped = True
     task.result(30)
     emulator.stop()
@@ -59,9 +64,6 @@ def test_load_drives_in_place_layout_changes_and_devices_roll_the_pods(cluster):
     import kopf
 
     emulator, api, kubelet, load = cluster
-    api.call("POST", "/api/v1/namespaces/default/secrets",
-             {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "shaped-admin", "namespace": "default"},
-              "data": {"key": base64.b64encode(ADMIN_KEY.encode()).decode()}})
     config = OperatorConfig(scrape_interval=0.3, scrape_timeout=2.0, agent_port=kubelet.agent_port,
                             max_sample_age=3.0, connection=kopf.ConnectionInfo(server=emulator.url))
     op = OperatorThread(emulator.url, config).start()
@@ -111,3 +113,53 @@ def test_load_drives_in_place_layout_changes_and_devices_roll_the_pods(cluster):
     finally:
         op.stop()
     assert op.error is None
+
+
+def test_a_tpot_slo_moves_to_tp_and_a_slower_tp_layout_is_gated(cluster):
+    """spec.autoscaling.layout.tpotSloSeconds with the pods' real agents: a missed SLO moves the
+    pod to TP; once TP was measured slower than DP here, the next miss is refused in place
+    (LayoutTPOTGated Event) and the pod keeps its layout."""
+    import threading
+
+    import kopf
+
+    emulator, api, kubelet, load = cluster
+    config = OperatorConfig(scrape_interval=0.3, scrape_timeout=2.0, agent_port=kubelet.agent_port,
+                            max_sample_age=3.0, connection=kopf.ConnectionInfo(server=emulator.url))
+    tpot, stop = [0.08], threading.Event()
+
+    def generate():  # the engines' inter-token latency totals grow as tokens are served
+        while not stop.wait(0.05):
+            load.itl_sum, load.itl_count = load.itl_sum + 20 * tpot[0], load.itl_count + 20
+
+    ticker = threading.Thread(target=generate, daemon=True)
+    ticker.start()
+    op = OperatorThread(emulator.url, config).start()
+    try:
+        load.kv, load.queue, load.running = 0.3, 0, 1  # low load: the SLO alone decides
+        obj = copy.deepcopy(SHAPED)
+        obj["metadata"]["name"] = "gated"
+        obj["spec"]["autoscaling"]["layout"]["tpotSloSeconds"] = 0.05
+        assert crd.validate(obj) == []
+        api.apply_isvc(crd.apply_defaults(obj, crd.openapi_schema()))
+        wait_for(lambda: pod_layouts(kubelet, "gated") == [(2, 1)], what="the pod at 2xTP1")
+        # 80 ms > 50 ms: TP for latency.
+        wait_for(lambda: pod_layouts(kubelet, "gated") == [(1, 2)], timeout=30, what="1xTP2 for the SLO")
+        tpot[0] = 0.12  # ... but TP is slower on these pods
+        time.sleep(3)  # several decision intervals measured at 1xTP2 (the newest is remembered)
+        load.kv, load.queue, load.running, tpot[0] = 0.6, 6, 12, 0.08  # high load: DP for throughput
+        wait_for(lambda: pod_layouts(kubelet, "gated") == [(2, 1)], timeout=30, what="2xTP1 at high load")
+        load.kv, load.queue, load.running = 0.2, 0, 1  # low again, SLO missed again at 2xTP1
+        gated = wait_for(lambda: [e["message"] for e in api.events()
+                                  if e["involvedObject"].get("name") == "gated" and e["reason"] == "LayoutTPOTGated"],
+                         timeout=30, what="LayoutTPOTGated Event")
+        assert "1xTP2 measured TPOT 0.1" in gated[0] and "keeping 2xTP1" in gated[0]
+        assert pod_layouts(kubelet, "gated") == [(2, 1)]
+        assert [(dp, tp) for name, dp, tp in load.reshapes if name.startswith("gated-")] == [(1, 2), (2, 1)]
+        api.delete_isvc("gated")
+        wait_for(lambda: api.get_isvc("gated") is None, what="resource gone")
+    finally:
+        stop.set()
+        op.stop()
+    assert op.error is None
+

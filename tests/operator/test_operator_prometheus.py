@@ -37,6 +37,7 @@ async def test_prometheus_source_reads_the_agents_gauges(tmp_path):
     prom_port = free_port_on_all(["127.0.0.1"])
     load = Load()
     load.kv, load.queue, load.running = 0.8, 3, 5
+    load.itl_sum, load.itl_count = 12.5, 250
     pod = StubPod("tiny-1", ip, 2, engine_port, agent_port, load)
     await pod.start()
     config = {"global": {"scrape_interval": "1s"},
@@ -62,6 +63,9 @@ async def test_prometheus_source_reads_the_agents_gauges(tmp_path):
         assert first.kv_cache_utilization == pytest.approx(0.4)  # 0.8 of TP 1's pool at TP 2
         assert (first.queue_depth, first.requests_running, first.tensor_parallel_size) == (3, 5, 2)
         assert first.kv_cache_capacity_tokens == 8192
+        # What the TPOT gate needs (0.05 s per token), and the pod's engine count.
+        assert (first.itl_seconds_sum, first.itl_seconds_count) == (12.5, 250)
+        assert first.data_parallel_size == 1
         assert missing.stale and missing.ready  # no series for it: never scaled down on
     finally:
         proc.terminate()

@@ -33,6 +33,16 @@ from kvserve.runtime.models.quantization.packed import _native_matmul, native_en
 _ROWS_PER_SLAB = 256
 
 
+def _triton_kernel(x: torch.Tensor, block: int, k: int) -> bool:
+    """Whether kernels/nf4.py's dequant-GEMM multiplies `x`: where the platform picks Triton's
+    dequant-GEMM for int4 weights (decode-sized batches on CUDA, or the interpreter when forced);
+    a large batch dequantizes a slab at a time for cuBLAS instead."""
+    from kvserve.kernels import nf4
+    from kvserve.runtime.executor.platform import platform_for
+
+    return nf4.supports(block, k) and platform_for(x.device).int_matmul_kernel(x, block) == "triton"
+
+
 class Packed4bitWeight:
     """codes uint8 [N, K / 2], absmax float32 [N, K / block], quant_map float32 [16]."""
 
@@ -81,6 +91,10 @@ class Packed4bitWeight:
         """x [..., K] @ W.T in x's dtype, one slab of dequantized rows at a time."""
         if self.native is not None:
             return _native_matmul(self.native, x)
+        if _triton_kernel(x, self.block, self.k):
+            from kvserve.kernels import nf4
+
+            return nf4.nf4_matmul(x, self.codes, self.absmax, self.quant_map, self.block)
         shape = x.shape
         rows = x.reshape(-1, self.k)
         out = torch.empty(rows.shape[0], self.n, dtype=x.dtype, device=x.device)
