@@ -65,7 +65,13 @@ def greedy_reference(tiny_llama):
 
 
 @pytest.mark.parametrize("kind", ["random", "target_copy"])
-def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, tmp_path, kind):
+def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, tmp_path, kind, monkeypatch):
+    from kvserve.kernels.cpu import native
+    from kvserve.runtime.models import native_decode
+
+    native_steps = []  # tree steps the native CPU stack ran as decode rows (tests/test_medusa_native_tree.py)
+    rows = native_decode.tree_rows
+    monkeypatch.setattr(native_decode, "tree_rows", lambda meta: native_steps.append(rows(meta)) or native_steps[-1])
     heads = random_heads() if kind == "random" else target_copy_heads(tiny_llama)
     path = save_medusa_heads(heads, tmp_path / kind)
     # Small pool: preemption and prefix-cache hits happen along the way; a step budget of 12
@@ -78,6 +84,8 @@ def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, 
     assert s.spec_decode_num_drafts_total > 0
     if kind == "target_copy":
         assert s.spec_decode_num_accepted_tokens_total > 0
+    if native.available():
+        assert native_steps and all(r is not None for r in native_steps)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
 
 
