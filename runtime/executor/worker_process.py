@@ -200,6 +200,10 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
                 if payload and payload[0] and worker.offloader is not None:
                     worker.offloader.apply(payload[0])  # written before close() returns
                 return
+            if kind == protocol.KV_OPS:
+                failed = worker.offloader.apply(payload[0])
+                report.send_bytes(protocol.encode(protocol.KV_DONE, args.rank, failed))
+                continue
             if kind != protocol.STEP:
                 raise RuntimeError(f"unexpected message {kind!r}")
             worker.execute_model(payload[0])
