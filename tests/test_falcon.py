@@ -112,7 +112,7 @@ def test_sequential_rotary_falcon_is_refused(falcon):
         ModelConfig.from_dict({**config, "new_decoder_architecture": True, "num_ln_in_parallel_attn": 3})
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["7b", "40b", "mha-bias"])  # shared norm, two norms, biases
 def test_native_stack_runs_parallel_layers_like_the_per_op_path(falcon, variant):
     """Decode steps through the one-call native stack give the per-op path's tokens and logprobs
     (to float rounding: the stack's LayerNorms and GELU are C, the per-op path's torch)."""

@@ -1,7 +1,9 @@
 """KV cache groups (Gemma's local and global layers) at pipeline_parallel_size > 1
 (runtime/executor/pipeline_kv_groups.py): each stage pools its own layers by group, rank 0 keeps
 one block table per group, so the window group really holds fewer blocks, and PP=2 greedy output
-equals PP=1's with the groups (itself checked against transformers in test_hybrid_kv_cache.py).
+equals PP=1's with the groups (itself checked against transformers in test_hybrid_kv_cache.py),
+with the KV offload tier (file) and swap space under the groups, a stage holding no layer of a
+group included.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from kvserve.runtime import LLMEngine, SamplingParams
 from kvserve.runtime.engine.kv_cache_groups import KVCacheGroup
-from kvserve.runtime.executor.pipeline_kv_groups import UNBOUNDED, local_groups, stage_group_blocks
+from kvserve.runtime.executor.pipeline_kv_groups import UNBOUNDED, local_groups, stage_block_bytes, stage_group_blocks
 
 WINDOW, BLOCK = 8, 4
 GROUPS = (KVCacheGroup(None, (1,)), KVCacheGroup(WINDOW, (0, 2)))
@@ -27,6 +29,16 @@ GROUPS = (KVCacheGroup(None, (1,)), KVCacheGroup(WINDOW, (0, 2)))
 ])
 def test_local_groups_renumber_the_stage_layers(start, end, expected):
     assert [(g.window, g.layers) for g in local_groups(GROUPS, start, end)] == expected
+
+
+@pytest.mark.parametrize("groups,ranges,expected", [
+    (GROUPS, [(0, 2), (2, 3)], [1, 1]),  # stage 1 holds no full layer: stage 0's counts
+    (GROUPS, [(0, 1), (1, 3)], [1, 1]),
+    (GROUPS, [(0, 3)], [1, 2]),
+    (None, [(0, 2), (2, 3)], [2]),  # one table: the stage with the most layers
+])
+def test_offloaded_block_bytes_count_the_largest_stage_share(groups, ranges, expected):
+    assert stage_block_bytes(groups, ranges, 100) == [100 * n for n in expected]
 
 
 def test_a_stage_bounds_only_the_groups_it_holds():
@@ -72,7 +84,7 @@ def _run(engine, prompts, params):
     return [done[str(i)] for i in range(len(prompts))], peaks
 
 
-def test_pp2_with_groups_equals_pp1(gemma3):
+def test_pp2_with_groups_equals_pp1(gemma3, tmp_path):
     from kvserve.runtime.executor.pipeline_worker import stage_ranges
 
     rng = random.Random(0)
@@ -84,7 +96,10 @@ def test_pp2_with_groups_equals_pp1(gemma3):
               kv_cache_memory_bytes=48 * 1024)
     with LLMEngine.from_args(model=str(gemma3), **kw) as one:
         want, _ = _run(one, prompts, params)
-    with LLMEngine.from_args(model=str(gemma3), pipeline_parallel_size=2, **kw) as two:
+    # The file tier and swap space under the groups: every stage saves and loads its own layers
+    # of each group's blocks (stage 1 holds no full-attention layer: a marker per block).
+    offload = dict(kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path), swap_space=0.001)
+    with LLMEngine.from_args(model=str(gemma3), pipeline_parallel_size=2, **kw, **offload) as two:
         assert [g.window for g in two.kv_groups] == [None, WINDOW]
         ranges = stage_ranges(two.executor.config, two.model_config)
         # Some stage holds only sliding-window layers (3 layers: local, global, local).
@@ -95,10 +110,18 @@ def test_pp2_with_groups_equals_pp1(gemma3):
         windows = [two.model_config.layer_window(i) for i in range(*ranges[0])]
         assert [layer[0].shape[0] for layer in two.kv_caches] == [
             local_blocks if w is not None else full_blocks for w in windows]
+        layer = sum(p[0].numel() * p.element_size() for p in two.kv_caches[0])
+        assert two.executor.offloader.block_bytes == [layer, layer]
+        assert two.executor.offload_block_bytes == [layer, layer]  # the tier's budget counts these
         got, _ = _run(two, prompts, params)
+        again, _ = _run(two, prompts, params)  # returning: prefixes evicted from the pool come from the tier
         stats = two.get_stats()
-    assert got == want
+    assert got == want and again == want
     assert stats.prefix_cache_hits_total > 0 and stats.num_preemptions_total > 0
+    assert stats.kv_offload_hit_tokens_total > 0 and stats.kv_offload_failed_loads_total == 0
+    # Every stage holds every key (one namespace per stage); stage 1's full-group files are markers.
+    names = [{p.name for p in d.glob("*.kvb")} for d in sorted(p for p in tmp_path.iterdir() if p.is_dir())]
+    assert len(names) == 2 and names[0] == names[1] and {n[:2] for n in names[0]} == {"00", "01"}
 
 
 def test_capacity_plan_at_pp2_counts_each_stage_with_its_groups():

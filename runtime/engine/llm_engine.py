@@ -146,7 +146,7 @@ class LLMEngine:
         self.offload = None
         if ex.offloader is not None:
             self.offload = self._attach_offload(config, ex)
-            self.offload.events = self.kv_event_sink  # tier stores and removals, medium CPU or DISK
+            self.offload.attach_events(self.kv_event_sink)  # tier stores and removals, medium CPU or DISK
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.input_processor = InputProcessor(self.tokenizer, self._decode, vocab_size=self.vocab_size,
                                               max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -171,7 +171,7 @@ class LLMEngine:
             log.warning("kv_offload_bytes: the offload tier finds blocks by their prefix-cache keys, and "
                         "prefix caching is off: nothing will be stored")
         tier = ex.offloader.stores.get(TIER)
-        offload = OffloadManager(apply=ex.kv_offload_apply, block_bytes=ex.offloader.block_bytes,
+        offload = OffloadManager(apply=ex.kv_offload_apply, block_bytes=ex.offload_block_bytes,
                                  block_size=config.block_size, tier_bytes=config.kv_offload_bytes,
                                  swap_bytes=int(config.swap_space * 2**30),
                                  medium=getattr(tier, "medium", "CPU"), existing=ex.kv_offload_scan())

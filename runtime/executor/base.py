@@ -51,17 +51,11 @@ def hybrid_kv_groups(config, model_config) -> tuple | None:
     pools its own layers by group: runtime/executor/pipeline_kv_groups.py), or None for one block
     table serving every layer: a model with one kind of layer, the hybrid manager disabled,
     speculative decoding (its draft model and verification step take one table per sequence
-    today), or pipeline parallelism with a KV offload tier or swap space."""
+    today)."""
     from kvserve.runtime.engine.kv_cache_groups import kv_cache_groups
 
     groups = kv_cache_groups([model_config.layer_window(i) for i in range(model_config.num_layers)])
     if len(groups) == 1 or config.disable_hybrid_kv_cache_manager:
-        return None
-    if config.pipeline_parallel_size > 1 and (config.kv_offload_bytes or config.swap_space):
-        # A stage's offloaded blocks are laid out by its own layers; per-group layouts per stage
-        # are not written yet.
-        log.info("hybrid KV cache manager off (pipeline parallelism with a KV offload tier or swap space): "
-                 "one block table serves every layer, so the local layers hold the whole context")
         return None
     if config.speculative_config is not None:
         log.info("hybrid KV cache manager off (speculative decoding): one block table serves every layer, "
@@ -275,6 +269,11 @@ class Executor:
         """Rank 0's KVOffloader (None without an offload tier or swap space)."""
         return self.driver_worker.offloader
 
+    @property
+    def offload_block_bytes(self) -> list[int]:
+        """Bytes per offloaded block of each KV cache group, as one rank's budget counts them."""
+        return self.driver_worker.offload_block_bytes()
+
     def kv_offload_apply(self, ops: list[tuple]) -> list[bytes]:
         """Applies offload operations on rank 0 now and on the other ranks before their next
         forward pass; returns the keys whose loads failed on rank 0."""
@@ -282,7 +281,12 @@ class Executor:
         if failed:  # the engine forgets those: the other ranks must not load them either
             lost = set(failed)
             ops = [op for op in ops if not (op[0] == "load" and op[4] in lost)]
-        self._share_kv_ops(ops)
+        if any(op[0] == "load" for op in ops):
+            # A block another rank cannot read (its file deleted by another server, a bad
+            # checksum there) fails everywhere, before any forward pass reads it: recomputed.
+            failed = list(dict.fromkeys(failed + self._load_on_every_rank(ops)))
+        else:
+            self._share_kv_ops(ops)
         return failed
 
     def write_transient_tier(self, ops: list[tuple], directory: str) -> int:
@@ -297,6 +301,12 @@ class Executor:
 
     def _share_kv_ops(self, ops: list[tuple]) -> None:
         """Hands offload operations to ranks 1..N-1 (none here)."""
+
+    def _load_on_every_rank(self, ops: list[tuple]) -> list[bytes]:
+        """Applies offload operations that load blocks on ranks 1..N-1 now; returns the keys
+        some rank could not load (none here)."""
+        self._share_kv_ops(ops)
+        return []
 
     def check_health(self) -> None:
         """Raises when the executor can no longer step (a tensor-parallel worker died)."""

@@ -37,3 +37,14 @@ def stage_group_blocks(config, stage_shape, dtype, device, groups: Sequence[KVCa
     for i, n in zip(held, counts):
         out[i] = n
     return out
+
+
+def stage_block_bytes(groups: Sequence[KVCacheGroup] | None, ranges: Sequence[tuple[int, int]],
+                      layer_bytes: int) -> list[int]:
+    """Per group (one group without KV cache groups), the largest share of a block any stage's
+    rank holds: its layers of the group times one layer's bytes (every layer's pool has the
+    same shape, and every stage the same tensor-parallel degree)."""
+    if groups is None:
+        return [max(end - start for start, end in ranges) * layer_bytes]
+    return [max(len(g.layers) for g in (local_groups([group], s, e)[0] for s, e in ranges)) * layer_bytes
+            for group in groups]

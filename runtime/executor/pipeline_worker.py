@@ -185,6 +185,7 @@ class PipelineWorker(Worker):
     def initialize_kv_cache(self, group_blocks: Sequence[int], kv_groups) -> int:
         layer_blocks = None
         self.kv_groups = None
+        self.model_kv_groups = kv_groups  # the whole model's, for other stages' offload layouts
         if kv_groups is not None:
             from kvserve.runtime.executor.pipeline_kv_groups import local_groups
             from kvserve.runtime.kv_cache import layer_group_blocks
@@ -217,11 +218,34 @@ class PipelineWorker(Worker):
         start, end = self.ranges[rank // self.tp]
         shape = layer_shape(self.model_config.shape, start, end)
         pools, _, values = shape.kv_cache_layout(self.world_size)
-        layout = {"groups": [], "pools": [pools, kv_head_count(shape), values], "layers": [start, end]}
+        layout = {"groups": [[g.window, list(g.layers)] for g in self._stage_groups(start, end)],
+                  "pools": [pools, kv_head_count(shape), values], "layers": [start, end]}
         heads = head_range(kv_head_count(shape), self.tp, rank % self.tp)
         return namespace_for(self.config, self.model_config, dtype=str(self.dtype).removeprefix("torch."),
                              kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), heads=heads,
                              layout=repr(layout), copy=head_copy(kv_head_count(shape), self.tp, rank % self.tp))
+
+    def _stage_groups(self, start: int, end: int) -> tuple:
+        """The KV cache groups of the stage holding layers [start, end), renumbered (none: ())."""
+        from kvserve.runtime.executor.pipeline_kv_groups import local_groups
+
+        groups = getattr(self, "model_kv_groups", None)
+        return () if groups is None else local_groups(groups, start, end)
+
+    def offload_block_bytes(self) -> list[int]:
+        """Bytes per offloaded block of each group as rank 0's offload manager counts them against
+        the per-rank budget: the most any stage's rank stores (stages hold different layers; a
+        stage may hold no layer of a group, which rank 0 alone would count as nothing)."""
+        from kvserve.runtime.executor.pipeline_kv_groups import stage_block_bytes
+
+        layer_bytes = sum(pool[0].numel() * pool.element_size() for pool in self.kv_caches[0])
+        return stage_block_bytes(self.model_kv_groups, self.ranges, layer_bytes)
+
+    def offload_scan(self) -> list[tuple[bytes, int]]:
+        # Sizes as offload_block_bytes counts them (the scan reads rank 0's own files).
+        own, counted = self.offloader.block_bytes, self.offload_block_bytes()
+        return [(key, counted[key[0]] if key[0] < len(own) and n == own[key[0]] else n)
+                for key, n in super().offload_scan()]
 
     def graph_sizes(self) -> tuple[list[int], str | None]:
         return [], "pipeline parallelism"  # see compile_and_capture

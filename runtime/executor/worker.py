@@ -241,6 +241,10 @@ class Worker:
                              kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."), heads=heads,
                              layout=repr(layout), copy=head_copy(kv_head_count(shape), self.world_size, rank))
 
+    def offload_block_bytes(self) -> list[int]:
+        """Bytes per offloaded block of each group, as the offload manager counts them."""
+        return list(self.offloader.block_bytes)
+
     def offload_geometry(self):
         """How an offloaded block's bytes are laid out (runtime/kv_offload/heads.py)."""
         from kvserve.runtime.kv_offload.heads import HeadGeometry, kv_head_count

@@ -207,6 +207,10 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
                 if len(payload) > 1 and payload[1]:  # a reshape moves its requests' KV
                     worker.write_transient_tier(*payload[1])
                 return
+            if kind == protocol.KV_OPS:
+                failed = worker.offloader.apply(payload[0])
+                report.send_bytes(protocol.encode(protocol.KV_DONE, args.rank, failed))
+                continue
             if kind != protocol.STEP:
                 raise RuntimeError(f"unexpected message {kind!r}")
             worker.execute_model(payload[0])

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 TIER, SWAP = 0, 1
 # Bytes read ahead for waiting requests and not loaded yet (a few returning conversations' prefixes).
 STAGED_MAX_BYTES = 256 * 2**20
+MARKER_BYTES = 1
 
 
 def _u8(pool: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,10 @@ class KVOffloader:
         self.stores = stores
         self.device = kv_caches[0][0].device
         self._pools = [[_u8(pool) for layer in layers for pool in kv_caches[layer]] for layers in self.group_layers]
-        self.block_bytes = [sum(p.shape[1] for p in pools) for pools in self._pools]
+        # A group this rank holds no layer of (a pipeline stage of only sliding-window layers)
+        # stores a one-byte marker per block, so every rank holds every key (warm restarts keep
+        # the keys all ranks can read) and a load of it succeeds without touching a pool.
+        self.block_bytes = [sum(p.shape[1] for p in pools) or MARKER_BYTES for pools in self._pools]
         # Written-behind bytes per (store, key), readable until the file is in place.
         self._pending: dict[tuple[int, bytes], torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -112,7 +116,10 @@ class KVOffloader:
         t0 = time.perf_counter()
         store = self.stores[store_id]
         idx = torch.tensor(blocks, device=self.device)
-        rows = torch.cat([pool[idx] for pool in self._pools[group]], dim=1)  # [n, block bytes]
+        if self._pools[group]:
+            rows = torch.cat([pool[idx] for pool in self._pools[group]], dim=1)  # [n, block bytes]
+        else:
+            rows = torch.zeros((len(blocks), MARKER_BYTES), dtype=torch.uint8)
         if rows.device.type != "cpu":
             rows = rows.cpu()
         nbytes = rows.numel()
