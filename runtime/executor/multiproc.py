@@ -575,7 +575,7 @@ class MultiProcExecutor(Executor):
             # persistent tier saves at shutdown) ride the shutdown message: each rank saves its
             # own shard of them before it closes, or a restart would find rank 0's half only.
             ops, self._kv_ops = self._kv_ops, []
-            data = protocol.encode(protocol.SHUTDOWN, ops)
+            data = protocol.encode(protocol.SHUTDOWN, ops, getattr(self, "_transient_writes", None))
             for w in self._workers:
                 try:
                     w.ctrl.send_bytes(data)
