@@ -25,6 +25,7 @@ HELLO = "hello"
 LOADED = "loaded"
 READY = "ready"
 ERROR = "error"
+IDLE = "idle"  # after a SHUTDOWN asking it to stay: the worker left the group and waits for an engine
 
 
 class _Tensor:
