@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -282,9 +283,17 @@ def cpu_flags() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    tier_root = Path(tempfile.mkdtemp(prefix="kvserve-kv-tier-"))  # local disk
+    try:
+        return _run(args, argv, tier_root)
+    finally:
+        # Hundreds of MB of blocks that nothing reads after the run (the logs stay in `work`).
+        shutil.rmtree(tier_root, ignore_errors=True)
+
+
+def _run(args, argv, tier_root: Path) -> int:
     model = args.model or default_model()
     work = Path(tempfile.mkdtemp(prefix="kvserve-bench-offload-"))
-    tier_root = Path(tempfile.mkdtemp(prefix="kvserve-kv-tier-"))  # local disk
     print(f"model {model}: {args.conversations} conversations x {args.turns} turns, all in flight, "
           f"{args.num_kv_blocks}-block pool, max {args.max_num_seqs} running; logs in {work}; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)

@@ -520,6 +520,101 @@ def test_a_start_over_budget_deletes_other_namespaces_oldest_first_never_a_live_
     assert not stale["w-live"].dir.exists()
 
 
+def _age(directory, when):
+    import os
+
+    for f in [*directory.iterdir(), directory]:
+        os.utime(f, (when, when))
+
+
+@pytest.mark.parametrize("budget, live, deleted", [
+    (10**6, (), ()),  # room for all: the old TP 2 shards stay and are read
+    (70_000, (), ("tp2-rank0",)),  # over budget: the least recently written goes first
+    (0, ("tp2-rank1",), ("tp2-rank0", "other-model")),  # a live store's directory never goes
+    (0, ("tp2-rank0",), ("tp2-rank1", "other-model")),
+    (0, (), ("tp2-rank0", "tp2-rank1", "other-model")),
+])
+def test_other_tp_layouts_of_the_model_count_toward_the_root_budget(tmp_path, budget, live, deleted):
+    from kvserve.runtime.kv_offload.heads import HeadGeometry
+
+    geo = HeadGeometry(num_kv_heads=2, segments=(4,), block_size=4, value_bytes=8)
+    tp1 = _ns(heads=(0, 2))
+    block = torch.arange(256, dtype=torch.uint8).repeat(40)  # ~10 KB a file
+    dirs = {"tp2-rank0": tp1.for_heads((0, 1)), "tp2-rank1": tp1.for_heads((1, 2)),
+            "other-model": _ns(weights="w2", heads=(0, 2))}
+    stores = {}
+    for age, (name, ns) in enumerate(dirs.items()):  # oldest first
+        stores[name] = FileStore(tmp_path, ns)
+        for i in range(3):
+            stores[name].put(bytes([0, i]), block)
+        _age(stores[name].dir, 1_000_000 + age * 1000)
+        if name not in live:
+            stores[name].close()
+    ours = FileStore(tmp_path, tp1, root_budget_bytes=budget, geometry=geo)
+    try:
+        assert {n for n, s in stores.items() if not s.dir.exists()} == set(deleted)
+        # What is left of the old layout is read; a partial set of shards is not.
+        whole = not {"tp2-rank0", "tp2-rank1"} & set(deleted)
+        assert len(ours.sources) == whole and len(ours.readable_keys()) == 3 * whole
+    finally:
+        ours.close()
+        for s in stores.values():
+            s.close()
+
+
+import itertools  # noqa: E402
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_TRIM_DIRS = st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=6)
+
+
+_trim_examples = itertools.count()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dirs=_TRIM_DIRS, budget_files=st.integers(0, 18))
+def test_trim_deletes_only_the_oldest_unheld_namespaces_and_only_while_over_budget(tmp_path, dirs, budget_files):
+    """dirs: (files in it, held by a live store, named in keep), oldest first."""
+    import os
+
+    from kvserve.runtime.kv_offload.store import hold_lock, trim_root
+
+    root = tmp_path / str(next(_trim_examples))
+    fds, names = [], []
+    for age, (files, held, _) in enumerate(dirs):
+        store = FileStore(root, _ns(weights=f"w{age}"))
+        for i in range(files):
+            store.put(bytes([i]), torch.zeros(1000, dtype=torch.uint8))
+        store.close()
+        if held:
+            fds.append(hold_lock(store.dir))
+        _age(store.dir, 1_000_000 + age * 1000)
+        names.append(store.dir.name)
+    (root / "notes").mkdir()  # not a namespace: never counted nor touched
+
+    def size(name):
+        return sum(e.stat().st_size for e in os.scandir(root / name))
+
+    sizes = {n: size(n) for n in names}
+    keep = {n for n, (_, _, kept) in zip(names, dirs) if kept}
+    budget = budget_files * 1100
+    try:
+        gone = trim_root(root, budget, keep)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert (root / "notes").is_dir()
+    assert set(gone) == {n for n in names if not (root / n).exists()}
+    protected = {n for n, (_, held, kept) in zip(names, dirs) if held or kept}
+    assert not protected & set(gone)
+    deletable_left = [i for i, n in enumerate(names) if n not in protected and n not in gone]
+    if deletable_left:  # it stopped early: the root fits, and nothing it deleted is newer
+        assert sum(sizes[n] for n in names if n not in gone) <= budget
+        assert all(names.index(n) < deletable_left[0] for n in gone)
+
+
 # -- another tensor-parallel layout: blocks keyed by KV-head range ---------------------------------
 def test_head_ranges_follow_the_attention_sharding_and_every_layout_covers_every_range():
     from kvserve.runtime.kv_offload.heads import covers, head_copy, head_range, layouts
@@ -723,6 +818,66 @@ def test_tier_stores_and_removals_are_kv_events_with_their_medium(tiny_llama, tm
     assert held == held_now
 
 
+def test_tier_events_name_the_adapter_of_the_block_as_the_pools_event_did():
+    """An adapter's block evicted to the tier is announced with the pool event's lora_id and
+    lora_name, even after its int id was given to another adapter; a base block has none."""
+    from kvserve.runtime.engine.block_manager import BlockManager
+    from kvserve.runtime.engine.prefix_cache import block_hashes
+    from kvserve.runtime.kv_events.events import BlockStored, KVEventSink
+    from kvserve.runtime.kv_offload.manager import OffloadManager
+
+    identities = {7: (123, "chat")}  # the engine's adapter registry (LoRAManager.identity)
+    bm = BlockManager(4, 2, enable_caching=True)
+    sink = KVEventSink(2, lora_identity=identities.get)
+    offload = OffloadManager(apply=lambda ops: [], block_bytes=[1], block_size=2, tier_bytes=100, swap_bytes=0)
+    bm.events, offload.events = sink, sink
+    bm.on_evict = offload.on_evict(0, bm.stored_meta.get)
+
+    def compute(seq_id, tokens, lora_int_id):
+        bm.allocate_slots(seq_id, 0, len(tokens))
+        bm.register(seq_id, block_hashes(tokens, 2), tokens, lora_int_id)
+        bm.free(seq_id)
+
+    compute(1, [1, 2, 3, 4], 7)
+    identities[7] = (456, "other")  # the adapter was removed and its int id reused
+    compute(2, [5, 6, 7, 8], 0)
+    compute(3, [9, 10, 11, 12], 0)  # a pool of 4: evicts the adapter's two blocks
+    compute(4, [13, 14, 15, 16], 0)  # then the first base blocks
+    events = [e for e in sink.take() if isinstance(e, BlockStored)]
+    pool = {h: (e.lora_id, e.lora_name) for e in events if e.medium == "GPU" for h in e.block_hashes}
+    tier = {h: (e.lora_id, e.lora_name) for e in events if e.medium == "CPU" for h in e.block_hashes}
+    assert len(tier) == 4 and tier == {h: pool[h] for h in tier}
+    assert sorted(tier.values(), key=str) == [(123, "chat")] * 2 + [(None, None)] * 2
+
+
+def test_a_persistent_tier_found_at_a_start_is_announced_as_kv_events(tiny_llama, tmp_path):
+    """A restart (or a reshape's new engines) on a persistent tier announces every block it found,
+    medium DISK, through an engine's own events and through the server's stream alike."""
+    from kvserve.runtime.kv_events.config import KVEventsConfig
+    from kvserve.runtime.kv_events.events import BlockStored
+    from kvserve.runtime.kv_events.stream import ServerEventStream
+
+    tier = dict(kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path / "tier"))
+    with make_engine(tiny_llama, **tier) as first:
+        run(first, conversations(n=2))
+    endpoint = f"ipc://{tmp_path}/events"
+    with make_engine(tiny_llama, kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint},
+                     **tier) as warm:
+        held = [k[1:] for k in warm.offload.tier.keys()]
+        announced = warm.kv_event_sink.take()  # before any step: the start's announcement
+    assert len(held) >= 2 * 10  # both conversations' prompt blocks at least
+    assert all(isinstance(e, BlockStored) and e.medium == "DISK" and e.parent_block_hash is None
+               and not e.token_ids for e in announced)
+    assert [h for e in announced for h in e.block_hashes] == held
+    stream = ServerEventStream(KVEventsConfig.parse({"enable_kv_cache_events": True, "endpoint": endpoint}))
+    try:
+        with make_engine(tiny_llama, **tier) as reshaped:
+            stream.attach([reshaped])
+            assert [h for e in reshaped.kv_event_sink.take() for h in e.block_hashes] == held
+    finally:
+        stream.close()
+
+
 # -- the server: flags to metrics ------------------------------------------------------------------
 def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_llama, tmp_path):
     import openai
@@ -837,13 +992,27 @@ def test_tensor_parallel_shutdown_saves_every_ranks_shard_of_the_pool(tiny_llama
     assert len(names) == 2 and names[0] and names[0] == names[1]
     with make_engine(tiny_llama, tensor_parallel_size=2, kv_offload_bytes=1 << 24,
                      kv_offload_dir=str(tmp_path)) as warm:
-        assert run(warm, prompts) == reference["again"]
-        assert warm.get_stats().kv_offload_hit_tokens_total == len(prompts) * 39
+        assert run(warm, prompts[:3]) == {f"r{i}": reference["again"][f"r{i}"] for i in range(3)}
+        assert warm.get_stats().kv_offload_hit_tokens_total == 3 * 39
+        # After the start's scan, rank 1 loses blocks that rank 0 still reads (another server on
+        # the directory deleted one, another's checksum fails there only): each such block is
+        # recomputed on every rank, the rest of the prefix still comes from the tier.
+        rank1 = tmp_path / warm.executor.driver_worker.offload_namespace(1).dirname
+        damaged = sorted(rank1.glob("*.kvb"))[::4]
+        damaged[0].unlink()
+        for p in damaged[1:]:
+            raw = bytearray(p.read_bytes())
+            raw[-1] ^= 0xFF
+            p.write_bytes(raw)
+        assert run(warm, prompts[3:], ids=[f"r{i}" for i in range(3, len(prompts))]) == {
+            f"r{i}": reference["again"][f"r{i}"] for i in range(3, len(prompts))}
+        stats = warm.get_stats()
+        assert 0 < stats.kv_offload_failed_loads_total
+        assert 0 < stats.kv_offload_hit_tokens_total - 3 * 39 < 3 * 39  # shorter prefixes, not none
+        assert_no_leak(warm)
 
 
 # -- the block manager with the tier: a property test of the bookkeeping ---------------------------
-from hypothesis import example, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 SEQ_OPS = st.lists(st.one_of(st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 6)),
                              st.tuples(st.just("request"), st.integers(0, 2), st.integers(4, 6)),

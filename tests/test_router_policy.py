@@ -147,6 +147,37 @@ def test_new_prefixes_respect_the_load_bound(n_pods, n_requests, factor):
     assert max(in_flight.values()) <= math.ceil(factor * n_requests / n_pods)
 
 
+@pytest.mark.parametrize("busy, factor, cap", [
+    ((0, 0, 0), 1.25, 1),  # the first request: any pod
+    ((1, 0, 0), 1.25, 1),
+    ((1, 1, 0), 1.25, 1),  # ceil(1.25 x 3 / 3) = 2 would allow a 2-1-0 split
+    ((1, 1, 1), 1.25, 2),
+    ((4, 4, 4), 1.25, 5),  # floor(1.25 x 13 / 3) = 5: the slack only where loads are large
+    ((8, 8, 8), 1.25, 10),  # floor(1.25 x 25 / 3) = 10
+    ((5, 0, 0), 1.25, 2),  # the floor alone would be 2: never below least + 1 = 1 either way
+    ((3, 3, 0), 2.0, 4),  # a large factor still bounds by the mean
+    ((0.5, 2.0, 3.0), 1.0, 2.0),  # agents' running + waiting counts are floats: floor(6.5 / 3) = 2
+])
+def test_bounded_capacity_rounds_down_but_leaves_the_least_loaded_pod_room(busy, factor, cap):
+    loads = {p: EndpointLoad(in_flight=int(b)) if float(b).is_integer() else
+             EndpointLoad(running=b, fresh=True) for p, b in zip(PODS, busy)}
+    assert bounded_capacity(loads, PODS, factor) == cap
+    assert min(busy) + 1 <= cap
+
+
+def test_new_conversations_arriving_together_take_a_pod_each():
+    """Three new conversations at once on three idle pods: one each, whatever their prompts
+    hash to on the ring (rounding the bound up put two on one pod in 128 of these 200)."""
+    for seed in range(200):
+        s = state()
+        in_flight = dict.fromkeys(PODS, 0)
+        for c in range(3):
+            loads = {p: EndpointLoad(in_flight=n) for p, n in in_flight.items()}
+            in_flight[choose(s, chunk_hashes(f"[{seed}] system\x1e conversation {c}: hello"), PODS, loads,
+                             now=0).pod] += 1
+        assert sorted(in_flight.values()) == [1, 1, 1], seed
+
+
 # --- the decision ----------------------------------------------------------------------------
 
 loads_strategy = st.dictionaries(

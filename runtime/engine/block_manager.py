@@ -77,7 +77,7 @@ class BlockManager:
         self.events: KVEventSink | None = None
         # With events on, each keyed block's (parent hash, token ids) until it is evicted: the
         # offload tier's BlockStored for an evicted block carries them like the pool's did.
-        self.stored_meta: dict[int, tuple[BlockHash | None, tuple[int, ...]]] = {}
+        self.stored_meta: dict[int, tuple[BlockHash | None, tuple[int, ...], tuple[int, str] | None]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -228,6 +228,10 @@ class BlockManager:
         """Keys each (index, block) whose content is not cached yet (one block per key); with KV
         events, each run of consecutive newly keyed indices is one BlockStored."""
         run: list[int] = []
+        # The adapter's (lora_id, lora_name) as of now: an offload tier's event for the block
+        # names it when the pool evicts it, by which time the int id may name another adapter.
+        resolve = getattr(self.events, "lora_identity", None) if lora_int_id else None
+        lora = resolve(lora_int_id) if resolve is not None else None
         for i, block in blocks:
             h = hashes[i]
             if self.block_hashes[block] is None and h not in self.cached:
@@ -236,7 +240,7 @@ class BlockManager:
                 if self.events is not None:
                     size = self.block_size
                     self.stored_meta[block] = (hashes[i - 1] if i else None,
-                                               tuple(token_ids[i * size:(i + 1) * size]) if token_ids else ())
+                                               tuple(token_ids[i * size:(i + 1) * size]) if token_ids else (), lora)
                     if run and run[-1] != i - 1:
                         self._report_stored(run, hashes, token_ids, lora_int_id)
                         run = []

@@ -281,14 +281,32 @@ class Executor:
         if failed:  # the engine forgets those: the other ranks must not load them either
             lost = set(failed)
             ops = [op for op in ops if not (op[0] == "load" and op[4] in lost)]
-        self._share_kv_ops(ops)
+        if any(op[0] == "load" for op in ops):
+            # A block another rank cannot read (its file deleted by another server, a bad
+            # checksum there) fails everywhere, before any forward pass reads it: recomputed.
+            failed = list(dict.fromkeys(failed + self._load_on_every_rank(ops)))
+        else:
+            self._share_kv_ops(ops)
         return failed
+
+    def write_transient_tier(self, ops: list[tuple], directory: str) -> int:
+        """A reshape's transient KV tier (runtime/engine/reshape_kv.py): rank 0 writes its heads of
+        the blocks now, the other ranks theirs as they shut down; returns rank 0's count written."""
+        written = self.driver_worker.write_transient_tier(ops, directory)
+        self._transient_writes = (ops, directory)
+        return written
 
     def kv_offload_scan(self) -> list[tuple[bytes, int]]:
         return self.driver_worker.offload_scan()
 
     def _share_kv_ops(self, ops: list[tuple]) -> None:
         """Hands offload operations to ranks 1..N-1 (none here)."""
+
+    def _load_on_every_rank(self, ops: list[tuple]) -> list[bytes]:
+        """Applies offload operations that load blocks on ranks 1..N-1 now; returns the keys
+        some rank could not load (none here)."""
+        self._share_kv_ops(ops)
+        return []
 
     def check_health(self) -> None:
         """Raises when the executor can no longer step (a tensor-parallel worker died)."""

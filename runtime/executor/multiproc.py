@@ -278,6 +278,8 @@ class MultiProcExecutor(Executor):
         self.timeout_s = _timeout_s()
         self.failure: TensorParallelError | None = None
         self._lock = threading.Lock()
+        self._reported = threading.Condition(self._lock)  # notified when reports were read
+        self._report_gen = 0
         self._closing = False
         self._closed = False
         self._group_up = False
@@ -352,8 +354,11 @@ class MultiProcExecutor(Executor):
                             self._errors[w.rank] = payload[1]
                         else:
                             self._inbox.setdefault(w.rank, []).append((kind, payload))
+                        self._report_gen += 1
                 except (EOFError, OSError):
                     w.eof = True
+                    self._report_gen += 1
+            self._reported.notify_all()
 
     def _collect(self, kind: str, timeout_s: float | None) -> dict[int, tuple[Any, ...]]:
         """Waits for one `kind` report from every worker, failing fast if one dies."""
@@ -361,6 +366,8 @@ class MultiProcExecutor(Executor):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._drain_reports()
+            with self._lock:
+                seen = self._report_gen
             for rank, queue in self._inbox.items():
                 while queue and rank not in got:
                     msg_kind, payload = queue.pop(0)
@@ -376,7 +383,13 @@ class MultiProcExecutor(Executor):
             if left is not None and left <= 0:
                 raise TensorParallelError(f"tensor-parallel workers {[w.rank for w in pending]} did not "
                                           f"report {kind!r} within {timeout_s:.0f}s")
-            wait([w.report for w in pending], timeout=left)
+            if self._monitor is not None and self._monitor.is_alive():
+                # The monitor reads the pipes too: what it takes wakes us here, not the pipe.
+                with self._lock:
+                    self._reported.wait_for(lambda: self._report_gen != seen,
+                                            timeout=1.0 if left is None else min(left, 1.0))
+            else:
+                wait([w.report for w in pending], timeout=left)
 
     def _agree_kv_blocks(self, blocks: list[int]) -> list[int]:
         """Every rank sized its own KV pools; all use the smallest count per group, so block ids
@@ -441,6 +454,20 @@ class MultiProcExecutor(Executor):
 
     def _share_kv_ops(self, ops: list[tuple]) -> None:
         self._kv_ops.extend(ops)  # sent with the next step, applied before its forward pass
+
+    def _load_on_every_rank(self, ops: list[tuple]) -> list[bytes]:
+        """Loads go out at once (after the saves and drops still queued, in order) and every
+        rank answers with the keys it could not read: the engine forgets a key that failed on
+        any rank before a step reads its block."""
+        self.check()
+        ops, self._kv_ops = self._kv_ops + ops, []
+        reports = self._on_driver(lambda: self._collect(protocol.KV_DONE, self.timeout_s),
+                                  protocol.encode(protocol.KV_OPS, ops))
+        failed = {rank: keys for rank, (_, keys) in reports.items() if keys}
+        if failed:
+            log.warning("kv offload: rank(s) %s could not load %d block(s) rank 0 loaded; they are recomputed",
+                        sorted(failed), len({k for keys in failed.values() for k in keys}))
+        return [k for keys in failed.values() for k in keys]
 
     def check_health(self) -> None:
         self.check()
@@ -581,11 +608,12 @@ class MultiProcExecutor(Executor):
             # persistent tier saves at shutdown) ride the shutdown message: each rank saves its
             # own shard of them before it closes, or a restart would find rank 0's half only.
             ops, self._kv_ops = self._kv_ops, []
+            transient = getattr(self, "_transient_writes", None)
             room = _recycle_room()
             for w in self._workers:
                 stay = room > 0 and isinstance(w, _WorkerProcess)
                 try:
-                    w.ctrl.send_bytes(protocol.encode(protocol.SHUTDOWN, ops, stay))
+                    w.ctrl.send_bytes(protocol.encode(protocol.SHUTDOWN, ops, transient, stay))
                 except OSError:
                     continue
                 if stay:

@@ -20,11 +20,13 @@ import torch
 STEP = "step"
 ALLOCATE = "allocate"
 SHUTDOWN = "shutdown"
+KV_OPS = "kv_ops"  # offload operations with loads: applied at once, answered with KV_DONE
 # Reports, worker -> engine.
 HELLO = "hello"
 LOADED = "loaded"
 READY = "ready"
 ERROR = "error"
+KV_DONE = "kv_done"  # the keys of KV_OPS' loads this rank could not load
 IDLE = "idle"  # after a SHUTDOWN asking it to stay: the worker left the group and waits for an engine
 
 

@@ -181,8 +181,13 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
     if preloaded is not None:
         want = Preload(args.rank, args.world_size, args.device, args.dtype, args.num_threads)
         spec, preload_config, worker = preloaded.pop()  # the only reference left: dropped below if unused
-        if worker is not None and (spec != want or preload_config != config):
+        from kvserve.runtime.engine.reshape_kv import without_transient
+
+        # A reshape's transient KV tier does not change what was loaded.
+        if worker is not None and (spec != want or without_transient(preload_config) != without_transient(config)):
             worker = None  # loaded for another rank or engine: dropped, this one loads its own
+        elif worker is not None:
+            worker.config = config
     loaded = worker is not None
     if worker is None:
         worker = worker_class(config)(config, ModelConfig.from_pretrained(config.model), device=device,
@@ -214,8 +219,13 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
             if kind == protocol.SHUTDOWN:
                 if payload and payload[0] and worker.offloader is not None:
                     worker.offloader.apply(payload[0])  # written before close() returns
-                stay = len(payload) > 1 and bool(payload[1])
-                return stay
+                if len(payload) > 1 and payload[1]:  # a reshape moves its requests' KV
+                    worker.write_transient_tier(*payload[1])
+                return len(payload) > 2 and bool(payload[2])  # stay for another engine
+            if kind == protocol.KV_OPS:
+                failed = worker.offloader.apply(payload[0])
+                report.send_bytes(protocol.encode(protocol.KV_DONE, args.rank, failed))
+                continue
             if kind != protocol.STEP:
                 raise RuntimeError(f"unexpected message {kind!r}")
             worker.execute_model(payload[0])

@@ -148,10 +148,13 @@ class KVEventSink:
         self._lock = threading.Lock()
 
     def stored(self, block_hashes: Sequence[Hash], parent_block_hash: Hash | None, token_ids: Sequence[int],
-               *, medium: str | None = MEDIUM_GPU, lora_int_id: int = 0) -> None:
+               *, medium: str | None = MEDIUM_GPU, lora_int_id: int = 0,
+               lora: tuple[int, str] | None = None) -> None:
+        """`lora`: the adapter's (lora_id, lora_name) when already known (else from `lora_int_id`)."""
         if not block_hashes:
             return
-        lora = self.lora_identity(lora_int_id) if lora_int_id and self.lora_identity is not None else None
+        if lora is None and lora_int_id and self.lora_identity is not None:
+            lora = self.lora_identity(lora_int_id)
         event = BlockStored(list(block_hashes), parent_block_hash, list(token_ids), self.block_size,
                             None if lora is None else lora[0], medium, None if lora is None else lora[1])
         with self._lock:

@@ -6,7 +6,9 @@ to be overwritten: its content is saved first unless the tier already holds it. 
 calls ``load`` for a prefix hit in the tier (blocks just allocated, filled before the step that
 needs them), ``swap_out`` / ``swap_in`` around a preemption, and ``flush`` at the end of every
 schedule. Operations go to the executor (``apply``), which runs them on rank 0 at once and sends
-them to the other ranks with the next step, before its forward pass.
+them to the other ranks with the next step, before its forward pass; a batch with loads goes to
+every rank at once instead, and a key that any rank could not load comes back as failed (the
+sequence then takes a shorter prefix and recomputes the rest).
 
 Keys: a prefix block is ``group byte + its prefix-cache hash`` (the hash chains the whole prefix
 and the cache salt); a swapped block is ``b"S" + sequence id + group + index`` (private to the
@@ -104,6 +106,19 @@ class OffloadManager:
                 log.info("kv offload: %d blocks (%.1f MiB) found in the tier", len(self.tier),
                          self.tier.used_bytes / 2**20)
 
+    def attach_events(self, sink) -> None:
+        """Reports the tier's stores and removals into `sink` (None: off), starting with a
+        BlockStored for every block the tier holds already (a persistent tier found at a start
+        or a reshape): a subscriber whose index was cleared learns them now, not when each is
+        stored again. Those carry no parent or tokens (the files keep neither), one block each,
+        so no chain between them is implied."""
+        self.events = sink
+        if sink is None or self.tier is None:
+            return
+        for key in self.tier.keys():  # oldest first, as the tier will drop them
+            if key[0] == 0:
+                sink.stored([key[1:]], None, (), medium=self.medium)
+
     # -- hooks for the block managers ------------------------------------------------------------
     def tier_lookup(self, group: int) -> Callable[[bytes], bool] | None:
         if self.tier is None:
@@ -114,7 +129,8 @@ class OffloadManager:
     def on_evict(self, group: int, meta: Callable[[int], tuple | None] | None = None
                  ) -> Callable[[int, bytes], None] | None:
         """The hook for group `group`'s pool; `meta(block)` gives a block's (parent hash, token
-        ids) for the tier's BlockStored events (the pool keeps them while KV events are on)."""
+        ids, adapter identity) for the tier's BlockStored events (the pool keeps them while KV
+        events are on)."""
         if self.tier is None:
             return None
 
@@ -130,8 +146,8 @@ class OffloadManager:
             self.stats.stored_blocks += 1
             if self.events is not None and group == 0:
                 # Like the pool's own BlockStored, so an indexer that rehashes tokens sees it.
-                parent, tokens = (meta(block) if meta is not None else None) or (None, ())
-                self.events.stored([block_hash], parent, tokens, medium=self.medium)
+                parent, tokens, lora = (meta(block) if meta is not None else None) or (None, (), None)
+                self.events.stored([block_hash], parent, tokens, medium=self.medium, lora=lora)
         return evict
 
     def _drop_tier(self, keys: list[bytes]) -> None:

@@ -26,8 +26,9 @@ directory and nothing reads the old one). A store holds a shared ``flock`` on it
 directory's lock file while it is open; at start, a store whose budget is given deletes other
 namespaces' directories, least recently written first, until the root fits the budget, skipping
 any directory a live store holds (the other ranks of a TP group, data-parallel engines, a second
-server on a shared volume), the ones named in ``keep`` (this layout's other ranks, which may
-not have started yet) and the same model's other head ranges (what a TP change reads).
+server on a shared volume) and the ones named in ``keep`` (this layout's other ranks, which may
+not have started yet). The same model's other head ranges (what a TP change reads) are counted
+and trimmed like any other namespace: what is left of them after the trim is read.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.runtime.kv_offload.heads import HeadGeometry, all_ranges, assemble, covers
+from kvserve.runtime.kv_offload.heads import HeadGeometry, assemble, covers
 from kvserve.runtime.kv_offload.namespace import Namespace
 
 log = logging.getLogger(__name__)
@@ -111,10 +112,17 @@ class FileStore:
         # Other layouts' head ranges that together hold ours, whose directories exist: where a
         # block missing here is read from (a TP change), first complete one wins.
         self.sources: list[list[tuple[tuple[int, int], Namespace, pathlib.Path]]] = []
+        # Unique across hosts and containers (where PIDs repeat); the PID tells a forked copy apart.
+        self._tag = uuid.uuid4().hex[:16]
+        self._tmp_ids = itertools.count()
+        self._lock_fd = hold_lock(self.dir)
+        if root_budget_bytes is not None:
+            # Other layouts' directories of this model count like any namespace (least recently
+            # written first, never one a live store holds): a TP degree that is gone for good
+            # would otherwise hold its share of the volume forever.
+            trim_root(self.dir.parent, root_budget_bytes, keep | {self.dir.name})
         if geometry is not None:
             root_dir = pathlib.Path(root)
-            siblings = {namespace.for_heads(r, c) for r, c in all_ranges(geometry.num_kv_heads)}
-            keep = keep | {ns.dirname for ns in siblings}
             alternatives = covers(namespace.heads, geometry.num_kv_heads)
             if namespace.copy:  # the first copy of our heads, written by a layout with fewer ranks
                 alternatives.insert(0, (namespace.heads,))
@@ -122,12 +130,6 @@ class FileStore:
                 source = [(r, namespace.for_heads(r), root_dir / namespace.for_heads(r).dirname) for r in pieces]
                 if all(d.is_dir() for _, _, d in source):
                     self.sources.append(source)
-        # Unique across hosts and containers (where PIDs repeat); the PID tells a forked copy apart.
-        self._tag = uuid.uuid4().hex[:16]
-        self._tmp_ids = itertools.count()
-        self._lock_fd = hold_lock(self.dir)
-        if root_budget_bytes is not None:
-            trim_root(self.dir.parent, root_budget_bytes, keep | {self.dir.name})
         # What the directory holds, for whoever looks at a PVC (never read back).
         about = self.dir / "namespace.json"
         if not about.exists():

@@ -16,8 +16,9 @@ Policies:
     Anything else (a new prompt, or one sharing only a short prefix such as a system prompt
     that every pod soon holds) goes where consistent hashing with bounded load puts it
     (Mirrokni et al.): the ring position of the whole prompt, skipping pods that already carry
-    more than `balance_factor` x the mean load, so identical prompts land together while no pod
-    takes more than its share. A pod whose agent reports a queue or KV use over the thresholds
+    more than `balance_factor` x the mean load (rounded down, but at least the least loaded
+    pod's load + 1: `bounded_capacity`), so identical prompts land together while no pod takes
+    more than its share. A pod whose agent reports a queue or KV use over the thresholds
     takes nothing by affinity (unless every pod is over them).
   * `least-load`: the pod with the fewest requests in flight (the router's own count, or the
     agent's running + waiting when that is higher), then the lowest KV use.
@@ -270,10 +271,15 @@ class HashRing:
                     return
 
 
-def bounded_capacity(loads: Mapping[str, EndpointLoad], pods: Sequence[str], factor: float) -> int:
-    """The most requests one pod may carry once this one is added: ceil(factor x mean)."""
-    total = sum(loads.get(p, EndpointLoad()).busy() for p in pods) + 1
-    return max(1, math.ceil(factor * total / len(pods)))
+def bounded_capacity(loads: Mapping[str, EndpointLoad], pods: Sequence[str], factor: float) -> float:
+    """The most requests one pod may carry once this one is added: factor x the mean, rounded
+    down, but never below the least loaded pod's load + 1 (so some pod always has room).
+    Mirrokni et al. round up, which at a few requests lets one pod take a second while another
+    has none (3 new conversations on 3 pods: ceil(1.25 x 3 / 3) = 2, a 2-1-0 split in 60% of
+    bench/router_events.py's rounds), and a conversation's affinity then keeps both on that pod
+    for every later turn while the third pod idles."""
+    busy = [loads.get(p, EndpointLoad()).busy() for p in pods]
+    return max(min(busy) + 1, math.floor(factor * (sum(busy) + 1) / len(pods)))
 
 
 # --- the decision ----------------------------------------------------------------------------
