@@ -271,8 +271,10 @@ class Worker:
                 # A reshape's transient tier (runtime/engine/reshape_kv.py) lives in RAM for a
                 # second: no fsync, and no copy of the old layout's files into its own directory.
                 transient = getattr(self.config, "kv_offload_transient", False)
+                # (A transient tier's directory is new and holds only the move: never trimmed,
+                # which could take the old layout's files the move reads.)
                 stores[TIER] = FileStore(self.config.kv_offload_dir, ns,
-                                         root_budget_bytes=self.config.kv_offload_bytes * ranks,
+                                         root_budget_bytes=None if transient else self.config.kv_offload_bytes * ranks,
                                          keep=frozenset(self.offload_namespace(r).dirname for r in range(ranks)),
                                          geometry=self.offload_geometry(), fsync=not transient)
                 stores[TIER].migrate = not transient
