@@ -1,7 +1,8 @@
-"""ALiBi decode on the CPU: before and after the native ALiBi path, side by side in one run.
+"""ALiBi (and rotary Falcon) decode on the CPU: before and after the native paths, side by side.
 
     python bench/alibi_decode.py                       # MPT and BLOOM, 16 layers x 576, batches 1 and 8
     python bench/alibi_decode.py --families bloom --batches 1 --threads 2
+    python bench/alibi_decode.py --families falcon-7b,falcon-40b   # rotary Falcon's parallel layers
 
 Variants, interleaved round by round on the same engine (float32, the torch attention backend):
   before   the per-op path with torch gather + SDPA attention (what ALiBi layers ran before the
@@ -25,6 +26,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# Rotary Falcon layouts (the parallel layer): Falcon-7B's multi-query attention with one
+# LayerNorm, Falcon-40B's grouped KV heads with a LayerNorm per branch.
+FAMILIES = {
+    "falcon-7b": ("falcon", dict(alibi=False, parallel_attn=True, bias=False, multi_query=True,
+                                 new_decoder_architecture=False)),
+    "falcon-40b": ("falcon", dict(alibi=False, parallel_attn=True, bias=False, multi_query=True,
+                                  new_decoder_architecture=True, num_kv_heads=3)),
+}
 
 
 def parse_args(argv=None):
@@ -78,9 +89,10 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
-            path = build_tiny_model(Path(tmp) / family, family, hidden_size=args.hidden,
+            arch, extra = FAMILIES.get(family, (family, {}))
+            path = build_tiny_model(Path(tmp) / family, arch, hidden_size=args.hidden,
                                     num_attention_heads=args.heads, num_hidden_layers=args.layers,
-                                    vocab_size=4096, max_position_embeddings=2048)
+                                    vocab_size=4096, max_position_embeddings=2048, **extra)
             llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=512, block_size=16,
                       enable_prefix_caching=False)
             model = llm.engine.model
@@ -105,7 +117,7 @@ def main(argv=None) -> int:
                     row[f"{name}_tok_s"] = batch * (args.tokens - 1) / statistics.median(ts)
                 row["stack_vs_before"] = row["stack_tok_s"] / row["before_tok_s"]
                 results.append(row)
-                print(f"{family:6s} batch {batch:2d}: before {row['before_tok_s']:7.1f} tok/s  per-op "
+                print(f"{family:10s} batch {batch:2d}: before {row['before_tok_s']:7.1f} tok/s  per-op "
                       f"{row['per-op_tok_s']:7.1f}  stack {row['stack_tok_s']:7.1f}  "
                       f"stack/before {row['stack_vs_before']:.2f}x", flush=True)
             llm.close()

@@ -29,6 +29,7 @@ import kopf
 from kvserve.runtime.capacity import ModelShape
 
 from . import desired as D
+from . import kvcache as K
 from . import lora as L
 from . import manifests as M
 from . import multinode as MN
@@ -191,6 +192,8 @@ class Reconciler:
         results = {}
         wanted = D.owned_objects(current, spec, replicas=replicas, tp=tp, operator=self.config.operator_peer)
         for obj in wanted:
+            if obj["kind"] == "PersistentVolumeClaim":  # a defaulted size never asks for a shrink
+                obj = K.not_shrunk(obj, await self.client.get(obj["kind"], namespace, obj["metadata"]["name"]), spec)
             key, digest = (uid, *D.key(obj)), D.digest(obj)
             if not full and self.applied.get(key) == digest:
                 continue
@@ -288,10 +291,11 @@ class Reconciler:
             rollout = any(self._pod_hash(p) != live_hash for p in pods)
             patch.status.update(self._base_status(name, namespace, generation, pods, ready))
             self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready, uid=uid)
+            claim_conditions = await self._report_claim(body, status, memo, spec, generation)
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
-                + self._initial_scaling_conditions(spec, shape, status, generation),
+                + self._initial_scaling_conditions(spec, shape, status, generation) + claim_conditions,
                 now)
 
     async def _converge_or_degrade(self, body, current, spec, shape, status, patch, generation, now,
@@ -503,6 +507,7 @@ class Reconciler:
             patch.status.update(self._base_status(name, namespace, generation, pods, ready))
             self.metrics.observe(namespace, name, desired=replicas, tp=tp, ready=ready, uid=uid)
             patch.status.update(signal_fields(aggregate(signals, self.config.max_sample_age)))
+            adapter_conditions += await self._report_claim(body, status, memo, spec, generation)
             patch.status["conditions"] = merge_conditions(
                 status.get("conditions"),
                 rollout_conditions(desired=replicas, ready=ready, rollout_in_progress=rollout, generation=generation)
@@ -561,6 +566,27 @@ class Reconciler:
                 return [condition(L.CONDITION, True, "LoRADisabled", "spec.adapters lists none", generation)]
             return []
         return [condition(L.CONDITION, fields[0], fields[1], fields[2], generation)]
+
+    async def _report_claim(self, body, status, memo, spec, generation) -> list[dict[str, Any]]:
+        """The KVOffloadClaimBound condition (read on every reconcile and timer run: a claim binds,
+        or fails to, after it is created), and a Warning when the claim stops being bound."""
+        meta = body["metadata"]
+        claim = K.offload_claim(spec, meta["name"])
+        if claim is None:
+            if any(c.get("type") == K.CLAIM_CONDITION for c in status.get("conditions") or []):
+                return [condition(K.CLAIM_CONDITION, True, "NoClaim", "the offload tier is not on a claim", generation)]
+            return []
+        try:
+            live = await self.client.get("PersistentVolumeClaim", meta["namespace"], claim)
+        except APIError:
+            return []  # unknown this time: the condition stays as it was
+        bound, reason, message, warn = K.claim_condition(spec, meta["name"], live, self.config.wallclock())
+        if warn and memo.get("kvserve_claim") != message:
+            kopf.warn(body, reason="KVOffloadClaimNotBound", message=message)
+            memo["kvserve_claim"] = message
+        elif bound:
+            memo["kvserve_claim"] = None
+        return [condition(K.CLAIM_CONDITION, bound, reason, message, generation)]
 
     @staticmethod
     def _report_scrape_errors(body, memo, errors: dict[str, str]) -> None:

@@ -8,6 +8,7 @@ manifests.py, router.py and netpol.py call these; nothing here talks to the API.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -82,6 +83,92 @@ def creates_claim(spec: ServiceSpec) -> bool:
     return k is not None and k.medium == "pvc" and k.storage_class_name is not None
 
 
+def default_claim_bytes(spec: ServiceSpec) -> int:
+    """The created claim's size when claimSize is not given: what every pod's file tier takes on
+    disk (offload_volume_bytes) at the largest size the spec lets the service reach (the
+    autoscaler's maxReplicas, else replicas; parallelism.devicesPerPod, else tensor.max ranks a
+    pod), rounded up to a GiB. The pods share the directory, each within its own budget."""
+    pods = spec.autoscaling.max_replicas if spec.autoscaling.enabled else max(1, spec.replicas or 1)
+    ranks = spec.devices_per_pod or spec.tensor.max
+    total = offload_volume_bytes(spec, ranks) * pods
+    return -(-total // 1024**3) * 1024**3
+
+
+def claim_bytes(spec: ServiceSpec) -> int:
+    k = spec.runtime.kv_offload
+    return k.claim_size if k.claim_size is not None else default_claim_bytes(spec)
+
+
+def not_shrunk(claim: dict[str, Any], live: Mapping[str, Any] | None, spec: ServiceSpec) -> dict[str, Any]:
+    """A created claim whose size is the default is never rendered smaller than it is: lowering
+    maxReplicas (or the TP bound) must not ask the API for a shrink it refuses. A claimSize the
+    user gave is rendered as given (a shrink is then refused, and says so)."""
+    if live is None or spec.runtime.kv_offload.claim_size is not None:
+        return claim
+    try:
+        current = parse_quantity(live["spec"]["resources"]["requests"]["storage"], "storage")
+    except (KeyError, TypeError, ValueError):
+        return claim
+    want = int(claim["spec"]["resources"]["requests"]["storage"])
+    if current <= want:
+        return claim
+    spec_out = {**claim["spec"], "resources": {"requests": {"storage": str(current)}}}
+    return {**claim, "spec": spec_out}
+
+
+def offload_claim(spec: ServiceSpec, name: str) -> str | None:
+    """The claim the pods' file tier is on (created or existing), or None."""
+    k = spec.runtime.kv_offload
+    if k is None or k.medium != "pvc":
+        return None
+    return claim_name(name) if creates_claim(spec) else k.claim_name
+
+
+CLAIM_CONDITION = "KVOffloadClaimBound"
+# A claim of a WaitForFirstConsumer StorageClass stays Pending until its first pod is scheduled:
+# only a claim pending longer than this is warned about (the condition says Pending at once).
+CLAIM_PENDING_GRACE_S = 120.0
+
+
+def claim_condition(spec: ServiceSpec, name: str, live: Mapping[str, Any] | None,
+                    now: dt.datetime | None = None) -> tuple[bool, str, str, bool] | None:
+    """(status, reason, message, warn) of the KVOffloadClaimBound condition; None without a claim.
+    A claim that is not Bound keeps every pod that mounts it from starting (Pending), so it is said
+    here rather than only in the pods' events; `warn`: worth a Warning Event now."""
+    claim = offload_claim(spec, name)
+    if claim is None:
+        return None
+    if live is None:
+        return (False, "ClaimNotFound",
+                f"PersistentVolumeClaim {claim} does not exist: the pods that mount it cannot start", True)
+    phase = (live.get("status") or {}).get("phase") or "Pending"
+    if phase == "Bound":
+        return True, "Bound", f"PersistentVolumeClaim {claim} is bound", False
+    spec_ = live.get("spec") or {}
+    hint = ""
+    if spec_.get("storageClassName"):
+        hint = (f" (StorageClass {spec_['storageClassName']!r}: does it exist, and can it provision "
+                f"{(spec_.get('accessModes') or ['?'])[0]}?)")
+    age = _age_seconds(live, now)
+    warn = phase != "Pending" or age is None or age >= CLAIM_PENDING_GRACE_S
+    return (False, f"Claim{phase}",
+            f"PersistentVolumeClaim {claim} is {phase}, not bound to a volume{hint}: the pods that mount it "
+            "cannot start", warn)
+
+
+def _age_seconds(obj: Mapping[str, Any], now: dt.datetime | None) -> float | None:
+    created = (obj.get("metadata") or {}).get("creationTimestamp")
+    if now is None or not isinstance(created, str):
+        return None
+    try:
+        when = dt.datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return (now - when).total_seconds()
+
+
 def build_claim(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
     """The PersistentVolumeClaim of a file tier on a claim the operator creates. Owned by the
     InferenceService, so the API deletes it with the service (and the kubelet's PVC protection
@@ -95,7 +182,7 @@ def build_claim(owner: Mapping[str, Any], spec: ServiceSpec) -> dict[str, Any]:
     meta["name"] = claim_name(name)
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta,
             "spec": {"accessModes": [k.access_mode], "storageClassName": k.storage_class_name,
-                     "resources": {"requests": {"storage": str(k.claim_size)}}}}
+                     "resources": {"requests": {"storage": str(claim_bytes(spec))}}}}
 
 
 def runtime_mounts(spec: ServiceSpec) -> list[dict[str, Any]]:

@@ -134,7 +134,7 @@ class KVOffloadSpec:
     claim_name: str | None = None  # medium pvc: an existing PersistentVolumeClaim
     # medium pvc without claimName: the operator creates the claim in this StorageClass
     storage_class_name: str | None = None
-    claim_size: int | None = None  # bytes of the created claim (required with storage_class_name)
+    claim_size: int | None = None  # bytes of the created claim (None: kvcache.default_claim_bytes)
     access_mode: str = "ReadWriteMany"  # of the created claim
 
 
@@ -665,9 +665,6 @@ def parse_kv_offload(runtime: _Reader) -> KVOffloadSpec | None:
                             f"(or storageClassName, to have the operator create one), got {claim!r}")
         if storage_class is not None and not _SUBDOMAIN.match(storage_class):
             raise SpecError(k.name("storageClassName"), f"must be a StorageClass name, got {storage_class!r}")
-        if storage_class is not None and claim_size is None:
-            raise SpecError(k.name("claimSize"), "is required with storageClassName (the claim the operator "
-                            "creates; the pods share it, each within size per rank, e.g. 200Gi)")
     else:
         for field_name, value in (("claimName", claim), ("storageClassName", storage_class)):
             if value is not None:

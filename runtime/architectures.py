@@ -72,6 +72,11 @@ _MPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.
               (".ffn.down_proj.", ".mlp.down_proj."))
 
 
+# Xiaomi's MiMo-7B is Qwen2's model (q/k/v biases included) plus MTP layers kept under
+# model.mtp_layers.*, which only speculative decoding's mtp method reads (spec_decode/mtp.py).
+_SAME_AS = {"MiMoForCausalLM": "Qwen2ForCausalLM"}
+
+
 def architecture_of(config: Mapping[str, Any]) -> str:
     """The first supported entry of ``architectures``; else its first entry; else the family of
     ``model_type``; else ""."""
@@ -154,6 +159,8 @@ def standard_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json with the standard names filled in where a family uses its own (MPT's d_model,
     n_heads, n_layers, expansion_ratio, max_seq_len, layer_norm_epsilon); others unchanged."""
     config = dict(config)
+    if architecture_of(config) in _SAME_AS:  # a family that is another one's model plus extras
+        config["architectures"] = [_SAME_AS[architecture_of(config)]]
     if architecture_of(config) == "MptForCausalLM":
         d = config.get("d_model")
         aliases = {"hidden_size": d, "num_attention_heads": config.get("n_heads"),

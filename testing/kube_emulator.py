@@ -313,7 +313,7 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
     emulator.resources["v1/configmaps"] = info(kind="ConfigMap", singular="configmap", namespaced=True, verbs=verbs)
     emulator.resources["v1/persistentvolumeclaims"] = info(kind="PersistentVolumeClaim",
                                                            singular="persistentvolumeclaim", namespaced=True,
-                                                           verbs=verbs)
+                                                           verbs=verbs, subresources={"status"})
     emulator.resources["v1/pods"] = info(kind="Pod", singular="pod", namespaced=True, verbs=verbs,
                                          subresources={"status"})
     # Discovered only: kopf waits for the resource to exist even with scanning disabled.

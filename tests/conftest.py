@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import sys
@@ -17,6 +18,33 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+
+class _RetryingAst:
+    """CPython 3.11 keeps the AST converter's recursion depth in interpreter-wide state
+    (python/cpython#106905): a thread formatting a traceback (3.11's traceback parses each line
+    for its carets) while pytest parses the failing test's source makes pytest's own
+    `ast.parse` raise SystemError, which pytest turns into an INTERNALERROR that ends the whole
+    run. The state is reset at each call, so parsing again succeeds."""
+
+    def __getattr__(self, name):
+        return getattr(ast, name)
+
+    @staticmethod
+    def parse(*args, **kwargs):
+        for attempt in range(5):
+            try:
+                return ast.parse(*args, **kwargs)
+            except SystemError:
+                if attempt == 4:
+                    raise
+
+
+if sys.version_info < (3, 12):
+    import _pytest._code.source as _pytest_source
+    import _pytest.assertion.rewrite as _pytest_rewrite
+
+    _pytest_source.ast = _pytest_rewrite.ast = _RetryingAst()
 
 from kvserve.testing.tinymodels import build_tiny_model, tiny_key  # noqa: E402
 
@@ -50,6 +78,19 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def recycled_workers():
+    """The worker processes of each engine a module closes serve its next engines' ranks
+    (multiproc.recycle_workers): starting Python and importing torch is most of what a
+    multi-process engine costs a test. Spares are stopped when the module ends."""
+    from kvserve.runtime.executor.multiproc import prestart_workers, recycle_workers
+
+    recycle_workers(3)
+    yield
+    recycle_workers(0)
+    prestart_workers(0)
 
 
 @pytest.fixture(scope="session")

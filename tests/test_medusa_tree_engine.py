@@ -34,7 +34,7 @@ def test_config_takes_vllms_tree_key():
     for extra, message in bad:
         with pytest.raises(ValueError, match=f"speculative_config.*{message}"):
             SpeculativeConfig.parse({"method": "medusa", "model": "/h", "num_speculative_tokens": 2, **extra})
-    with pytest.raises(ValueError, match="speculative_token_tree: only used with method 'medusa'"):
+    with pytest.raises(ValueError, match="speculative_token_tree: only used with methods"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": [[0]]})
 
 
@@ -65,7 +65,13 @@ def greedy_reference(tiny_llama):
 
 
 @pytest.mark.parametrize("kind", ["random", "target_copy"])
-def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, tmp_path, kind):
+def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, tmp_path, kind, monkeypatch):
+    from kvserve.kernels.cpu import native
+    from kvserve.runtime.models import native_decode
+
+    native_steps = []  # tree steps the native CPU stack ran as decode rows (tests/test_medusa_native_tree.py)
+    rows = native_decode.tree_rows
+    monkeypatch.setattr(native_decode, "tree_rows", lambda meta: native_steps.append(rows(meta)) or native_steps[-1])
     heads = random_heads() if kind == "random" else target_copy_heads(tiny_llama)
     path = save_medusa_heads(heads, tmp_path / kind)
     # Small pool: preemption and prefix-cache hits happen along the way; a step budget of 12
@@ -78,6 +84,8 @@ def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, 
     assert s.spec_decode_num_drafts_total > 0
     if kind == "target_copy":
         assert s.spec_decode_num_accepted_tokens_total > 0
+    if native.available():
+        assert native_steps and all(r is not None for r in native_steps)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
 
 
@@ -179,13 +187,13 @@ def test_real_smollm2_greedy_with_a_tree_equals_plain(smollm2, tmp_path):
         assert s.spec_decode_num_accepted_tokens_total > 0
 
 
-@pytest.mark.parametrize("family, kw", [("gemma2", {}), ("mpt", {}), ("llama", {"kv_cache_dtype": "fp8"})],
-                         ids=["gemma2-window-softcap", "mpt-alibi", "llama-fp8"])
-def test_triton_backend_verifies_trees_with_windows_soft_caps_alibi_and_fp8(tiny_model_factory, tmp_path, monkeypatch,
+# fp8 pools: tests/test_medusa_tree.py's backend and kernel cases (the engine adds nothing there)
+@pytest.mark.parametrize("family, kw", [("gemma2", {}), ("mpt", {})], ids=["gemma2-window-softcap", "mpt-alibi"])
+def test_triton_backend_verifies_trees_with_windows_soft_caps_and_alibi(tiny_model_factory, tmp_path, monkeypatch,
                                                                             family, kw):
     """The Triton backend (interpreted) verifies trees for targets whose attention reads positions
-    (Gemma 2's 8-token window, MPT's ALiBi) or scales (an fp8 cache): greedy output with a tree
-    equals greedy output without, through the same backend."""
+    (Gemma 2's 8-token window and soft-capping, MPT's ALiBi): greedy output with a tree equals
+    greedy output without, through the same backend."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tiny_model_factory(family, **({"num_attention_heads": 4, "hidden_size": 64} if family == "mpt" else {}))
@@ -200,8 +208,8 @@ def test_triton_backend_verifies_trees_with_windows_soft_caps_alibi_and_fp8(tiny
     else:
         heads = target_copy_heads(model)
     path = save_medusa_heads(heads, tmp_path / "h")
-    prompts = grounded_prompts(n=3, seed=2)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = grounded_prompts(n=2, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     opts = dict(attention_backend="triton", **kw)
 
     def run(engine):  # requests arriving while others decode (Gemma 2's KV cache groups included)

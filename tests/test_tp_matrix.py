@@ -101,6 +101,7 @@ class Case:
     draft: dict[str, Any] | None = None  # a draft model: tiny_model_factory(**draft)
     medusa: bool = False  # Medusa heads built on the model (its own lm_head per head) as the spec model
     eagle3: bool = False  # a random EAGLE-3 head (reads two of the model's layers) as the spec model
+    eagle_copy: bool = False  # an EAGLE head that guesses the target's token again (drafts accepted)
     mtp: bool = False  # the model gets a random MTP layer (DeepSeek-V3's layout) in its checkpoint
     exact: bool = True  # False: the same tokens up to the first near-tie, the same logprobs
 
@@ -127,6 +128,10 @@ CASES = {
     # EAGLE-3 on rank 0 reads layers' residual streams there (the other ranks keep the fast path).
     "eagle3-spec-decode": Case(engine=dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 3}),
                                eagle3=True, workload=_grounded, ran=_spec_ran),
+    # EAGLE tree drafting: accepted branches off the top-1 chain move K/V on every rank.
+    "eagle-tree-spec-decode": Case(engine=dict(speculative_config={
+        "method": "eagle", "speculative_token_tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
+        eagle_copy=True, workload=_grounded, ran=_spec_ran),
     # The MTP layer runs unsharded on rank 0, with its own copies of the embedding and head.
     "mtp-spec-decode": Case(arch="deepseek_v3", engine=dict(speculative_config={"method": "mtp",
                                                                                 "num_speculative_tokens": 2}),
@@ -206,6 +211,13 @@ def test_tp2_matches_tp1(tiny_model_factory, name):
 
         draft_dir = save_eagle_head(random_head(True, draft_vocab=200), model_dir.parent / f"{model_dir.name}-eagle3",
                                     base_config=base_config(), aux_layers=(1, 2, 2))
+    if case.eagle_copy:
+        from test_eagle import base_config, target_copy_head
+
+        from kvserve.runtime.spec_decode.eagle import save_eagle_head
+
+        draft_dir = save_eagle_head(target_copy_head(), model_dir.parent / f"{model_dir.name}-eagle-copy",
+                                    base_config=base_config())
     if case.mtp:
         from test_mtp import add_mtp_layer
 

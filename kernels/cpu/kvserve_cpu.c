@@ -24,8 +24,9 @@ the matmul and attention dot products use explicit FMA.
 
 #define TILE 16
 #define MR_MAX 6
+#define PF_STEPS 16
 
-int kv_abi_version(void) { return 14; }
+int kv_abi_version(void) { return 15; }
 
 /* ---------------------------------------------------------------------------------- packing */
 
@@ -68,6 +69,10 @@ static inline __attribute__((always_inline)) void micro_kernel(const float* x, i
     acc[m][1] = _mm256_setzero_ps();
   }
   for (int64_t kk = 0; kk < k; kk++) {
+    /* Several rows make each k step longer, so fewer of the panel's cache lines are in flight
+       at once and the stream falls below memory speed: ask for a line PF_STEPS ahead. (Past the
+       panel it is the next panel's start, which this thread reads next; a prefetch never faults.) */
+    _mm_prefetch((const char*)(p + (kk + PF_STEPS) * TILE), _MM_HINT_T0);
     __m256 w0 = _mm256_load_ps(p + kk * TILE);
     __m256 w1 = _mm256_load_ps(p + kk * TILE + 8);
     for (int m = 0; m < mr; m++) {
@@ -687,11 +692,18 @@ static inline __attribute__((always_inline)) void pv_chunk(const float* p, int64
    go eight positions at a time, every query head of the KV head reading the same eight K rows
    while they sit in L1; a partial last eight repeats its first row and drops the extra lanes,
    so every score is summed in the same order. P.V keeps up to 64 outputs in registers and adds
-   the positions in order. */
+   the positions in order.
+   `tree_masks` (NULL: none; else int64 [s], read as unsigned) makes a row a node of a candidate
+   tree (Medusa verification as decode rows): a nonzero mask's highest set bit j is the row's own
+   slot, len - 1, so the tree starts at slot b = len - 1 - j, and a slot b + i is seen only when
+   bit i is set (the node and its ancestors); slots before b (the context) are all seen. A zero
+   mask is a plain causal row. Slots are skipped, not reordered, so a node attends to its context
+   and path in the same order, with the same sums, as the plain decode row of its path would.
+   Not with a window or ALiBi (their offsets are slot distances; the caller keeps those off). */
 void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int64_t d, const float* k_cache,
                          const float* v_cache, int64_t block_size, const int32_t* block_tables,
                          int64_t max_blocks, const int32_t* seq_lens, float scale, int64_t window, float softcap,
-                         const float* alibi, float* out, int nthreads) {
+                         const float* alibi, const int64_t* tree_masks, float* out, int nthreads) {
   int64_t group = hq / hkv;
   int64_t row = hkv * d;
   /* A task per sequence when there are enough of them: its KV heads then read each cached row
@@ -712,6 +724,14 @@ void kv_paged_decode_f32(const float* q, int64_t s, int64_t hq, int64_t hkv, int
       int64_t blk = pos / block_size, in_block = pos - blk * block_size;
       int64_t base = ((int64_t)table[blk] * block_size + in_block) * row;
       for (int64_t r = in_block; r < block_size && pos < len; r++, pos++, t++) off[t] = base + (r - in_block) * row;
+    }
+    uint64_t tree = tree_masks ? (uint64_t)tree_masks[seq] : 0;
+    if (tree) {
+      int64_t b = len - 1 - (63 - __builtin_clzll(tree)) - first; /* the tree's first slot, in off[] */
+      int64_t kept = b > 0 ? b : 0;
+      for (int64_t t = kept; t < n; t++)
+        if (t >= b && ((tree >> (t - b)) & 1u)) off[kept++] = off[t];
+      n = kept;
     }
     for (int64_t g = g0; g < g1; g++) {
       const float* kg = k_cache + g * d;
@@ -1045,10 +1065,12 @@ int64_t kv_decoder_stack_workspace(const kv_dims* d, int64_t m) {
    call (no Python between the ops): the same kernels, in the same order, as the per-op path
    (kernels/ops.py + the torch backend's native decode), so the results are bit-identical to it.
    hidden [m, h] holds the embeddings on entry and the last layer's MLP output on return;
-   residual [m, h] receives the residual stream (the model's final add + norm follows). */
+   residual [m, h] receives the residual stream (the model's final add + norm follows).
+   tree_masks (NULL: none): each row's candidate-tree mask, as kv_paged_decode_f32 reads it. */
 void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_dims* d, int64_t m,
                           const int64_t* positions, const int64_t* slots, const int32_t* block_tables,
-                          int64_t max_blocks, const int32_t* seq_lens, float* hidden, float* residual, float* work,
+                          int64_t max_blocks, const int32_t* seq_lens, const int64_t* tree_masks, float* hidden,
+                          float* residual, float* work,
                           const kv_lora* lora, int nthreads) {
   const int64_t h = d->hidden, hd = d->head_dim, hq = d->heads, hk = d->kv_heads, inter = d->inter;
   const int64_t q = hq * hd, kv = hk * hd, w = q + 2 * kv;
@@ -1091,7 +1113,7 @@ void kv_decoder_stack_f32(const kv_layer* layers, int64_t num_layers, const kv_d
                   nthreads);
     kv_write_kv_f32(k_rot, kv, qkv + q + kv, w, m, kv, slots, L->k_cache, L->v_cache);
     kv_paged_decode_f32(q_rot, m, hq, hk, hd, L->k_cache, L->v_cache, d->block_size, block_tables, max_blocks,
-                        seq_lens, L->scale, L->window, L->softcap, L->alibi, attn, nthreads);
+                        seq_lens, L->scale, L->window, L->softcap, L->alibi, tree_masks, attn, nthreads);
     linear_any(attn, m, q, q, &L->o, h, L->o_bias, o_out, h, nthreads);
     if (LL) lora_add(attn, q, q, lora, &LL[1], h, o_out, h, nthreads);
     if (L->parallel == KV_PARALLEL_TWO_NORMS) /* residual holds x: attention has read `normed` */

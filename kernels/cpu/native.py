@@ -37,7 +37,7 @@ SOURCE = pathlib.Path(__file__).with_name("kvserve_cpu.c")
 ENV_VAR = "KVSERVE_CPU_KERNELS"
 CACHE_ENV_VAR = "KVSERVE_CPU_KERNELS_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
-ABI_VERSION = 14
+ABI_VERSION = 15
 TILE = 16  # output rows per packed panel (kvserve_cpu.c's TILE)
 # Query heads per KV head the decode kernels are tested with (Falcon-7B's multi-query 71 included);
 # their score rows are heap-allocated per group, so the bound is a tested range, not a buffer size.
@@ -66,9 +66,9 @@ _SIGNATURES = {
     "kv_rotary_f32": ([_P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _T], None),
     "kv_write_kv_f32": ([_P, _I, _P, _I, _I, _I, _P, _P, _P], None),
     "kv_decoder_stack_workspace": ([_P, _I], ctypes.c_int64),
-    "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _T], None),
+    "kv_decoder_stack_f32": ([_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _T], None),
     "kv_apply_bitmask_f32": ([_P, _I, _P, _I, _P, _I, _I, _T], None),
-    "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _P, _T], None),
+    "kv_paged_decode_f32": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _I, _F, _P, _P, _P, _T], None),
 }
 
 
@@ -551,9 +551,12 @@ def decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            window: int = 0, softcap: float = 0.0,
-                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                           alibi_slopes: torch.Tensor | None = None,
+                           tree_masks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (query [S, Hq, D]) over its paged K/V; float32 math.
-    `alibi_slopes` (float32 [Hq]) adds slope_h * (j - i) to each score after soft-capping."""
+    `alibi_slopes` (float32 [Hq]) adds slope_h * (j - i) to each score after soft-capping.
+    `tree_masks` (int64 [S]): rows that are candidate-tree nodes (kvserve_cpu.c's
+    kv_paged_decode_f32 says how a mask reads); not with a window or ALiBi."""
     q = query.contiguous()
     slopes = None
     if alibi_slopes is not None:
@@ -563,11 +566,22 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     s, hq, d = q.shape
     bt = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    masks = _tree_masks(tree_masks, s, window, slopes)
     out = torch.empty_like(q)
     _lib().kv_paged_decode_f32(q.data_ptr(), s, hq, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
                                k_cache.shape[1], bt.data_ptr(), bt.shape[1], lens.data_ptr(), scale, window,
-                               softcap, _ptr(slopes), out.data_ptr(), _threads())
+                               softcap, _ptr(slopes), _ptr(masks), out.data_ptr(), _threads())
     return out
+
+
+def _tree_masks(tree_masks: torch.Tensor | None, rows: int, window, alibi) -> torch.Tensor | None:
+    if tree_masks is None:
+        return None
+    if tree_masks.dtype != torch.int64 or tree_masks.shape != (rows,):
+        raise ValueError(f"tree_masks: expected int64 [{rows}], got {tree_masks.dtype} {tuple(tree_masks.shape)}")
+    if window or alibi is not None:
+        raise ValueError("tree_masks: not with a sliding window or ALiBi (their offsets are slot distances)")
+    return tree_masks.contiguous()
 
 
 # ---------------------------------------------------------------------- whole decoder stacks
@@ -712,6 +726,8 @@ class DecoderStack:
             entry.window = spec.get("window") or 0
             entry.softcap = spec.get("softcap") or 0.0
             entry.scale = spec["scale"]
+        # Candidate trees as decode rows need slot distances to mean nothing: no window, no ALiBi.
+        self.takes_trees = all(not spec.get("window") and spec.get("alibi") is None for spec in layers)
         self._caches: tuple[int, ...] | None = None
         self._work: torch.Tensor | None = None
         self.lora_slots: LoRASlots | None = None  # set by the model's builder when it has adapter slots
@@ -734,10 +750,11 @@ class DecoderStack:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: tuple | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: tuple | None = None,
+            tree_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's MLP output, residual stream) for embeddings hidden [m, h] of a decode step;
-        `lora`: lora_step(...) for a step with adapters."""
+        `lora`: lora_step(...) for a step with adapters; `tree_masks` (int64 [m]): rows that are
+        candidate-tree nodes (paged_decode_attention), only when `takes_trees`."""
         lib = _lib()
         self._bind_caches(kv_caches)
         hidden = hidden.contiguous().clone()
@@ -750,9 +767,12 @@ class DecoderStack:
         slots = slot_mapping.to(torch.int64).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
+        if tree_masks is not None and not self.takes_trees:
+            raise ValueError("tree_masks: this stack has a sliding window or ALiBi layer")
+        masks = _tree_masks(tree_masks, m, 0, None)
         lib.kv_decoder_stack_f32(self.array, self.num_layers, ctypes.byref(self.dims), m, pos.data_ptr(),
                                  slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-                                 hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr(),
+                                 _ptr(masks), hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr(),
                                  None if lora is None else ctypes.byref(lora[0]), _threads())
         return hidden, residual
 

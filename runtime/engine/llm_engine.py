@@ -146,7 +146,7 @@ class LLMEngine:
         self.offload = None
         if ex.offloader is not None:
             self.offload = self._attach_offload(config, ex)
-            self.offload.events = self.kv_event_sink  # tier stores and removals, medium CPU or DISK
+            self.offload.attach_events(self.kv_event_sink)  # tier stores and removals, medium CPU or DISK
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.input_processor = InputProcessor(self.tokenizer, self._decode, vocab_size=self.vocab_size,
                                               max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -325,7 +325,8 @@ class LLMEngine:
         """With a persistent offload tier: writes every cached pool block it lacks (before the
         pools go away: shutdown, or a reshape retiring this engine)."""
         offloader = self.executor.offloader
-        if self.offload is None or offloader is None or not getattr(offloader.stores.get(0), "persistent", False):
+        if self.offload is None or offloader is None or not getattr(offloader.stores.get(0), "persistent", False) \
+                or self.config.kv_offload_transient:  # a reshape's move tier: deleted, never kept
             return
         try:
             n = self.core.save_cached_blocks()

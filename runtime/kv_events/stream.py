@@ -51,7 +51,7 @@ class ServerEventStream:
             sink = KVEventSink(pool.block_size, None if lora is None else lora.identity)
             pool.events = sink
             if getattr(engine, "offload", None) is not None:
-                engine.offload.events = sink
+                engine.offload.attach_events(sink)  # announces what a persistent tier holds
             tag = rank if len(engines) > 1 else None
             engine.kv_event_sink, engine.kv_event_publisher = sink, RankedPublisher(self.publisher, tag)
             engine.kv_events_shared = True  # the stream closes the publisher and counts its batches

@@ -106,6 +106,19 @@ class OffloadManager:
                 log.info("kv offload: %d blocks (%.1f MiB) found in the tier", len(self.tier),
                          self.tier.used_bytes / 2**20)
 
+    def attach_events(self, sink) -> None:
+        """Reports the tier's stores and removals into `sink` (None: off), starting with a
+        BlockStored for every block the tier holds already (a persistent tier found at a start
+        or a reshape): a subscriber whose index was cleared learns them now, not when each is
+        stored again. Those carry no parent or tokens (the files keep neither), one block each,
+        so no chain between them is implied."""
+        self.events = sink
+        if sink is None or self.tier is None:
+            return
+        for key in self.tier.keys():  # oldest first, as the tier will drop them
+            if key[0] == 0:
+                sink.stored([key[1:]], None, (), medium=self.medium)
+
     # -- hooks for the block managers ------------------------------------------------------------
     def tier_lookup(self, group: int) -> Callable[[bytes], bool] | None:
         if self.tier is None:

@@ -331,7 +331,8 @@ class CausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
         aux = self.aux_hidden_layers
-        if meta.is_decode_only and self.device.type == "cpu" and not aux:
+        # Medusa tree verification steps run as decode rows too (native_decode.tree_rows).
+        if (meta.is_decode_only or meta.tree_masks is not None) and self.device.type == "cpu" and not aux:
             stack = self._native_stack
             if stack is _UNBUILT:
                 from kvserve.runtime.models import native_decode
@@ -339,10 +340,18 @@ class CausalLM(nn.Module):
                 stack = self._native_stack = native_decode.build(self)
             lora = self._native_lora(stack, input_ids.shape[0]) if self.lora_active and stack is not None else None
             # One block table for every layer: a model with KV cache groups keeps the per-op path.
+            rows = None
             if (stack is not None and (lora is not None or not self.lora_active) and meta.kv_groups is None
                     and self._platform.native_ops(self.cos_sin_cache) and stack.accepts(kv_caches)):
-                hidden, residual = stack.run(self._embed(input_ids), positions, meta.slot_mapping,
-                                             meta.block_tables, meta.seq_lens, kv_caches, lora)
+                if meta.is_decode_only:
+                    rows = meta.block_tables, meta.seq_lens, None
+                elif stack.takes_trees:
+                    from kvserve.runtime.models import native_decode
+
+                    rows = native_decode.tree_rows(meta)
+            if rows is not None:
+                hidden, residual = stack.run(self._embed(input_ids), positions, meta.slot_mapping, rows[0], rows[1],
+                                             kv_caches, lora, tree_masks=rows[2])
                 hidden, _ = self.final_norm(hidden, residual, self.norm.weight, self.config.rms_norm_eps)
                 return hidden
         hidden = self._embed(input_ids)

@@ -33,9 +33,12 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 def _mtp_tensor(name: str, cfg: ModelConfig) -> bool:
     """A tensor of the multi-token prediction layers DeepSeek-V3 keeps after the decoder layers
-    (read only by speculative decoding's mtp method, spec_decode/mtp.py)."""
+    (MiMo: under model.mtp_layers.*), read only by speculative decoding's mtp method
+    (spec_decode/mtp.py)."""
+    if not cfg.hf_config.get("num_nextn_predict_layers"):
+        return False
     m = _LAYER_INDEX.match(name)
-    return m is not None and int(m.group(1)) >= cfg.num_layers and bool(cfg.hf_config.get("num_nextn_predict_layers"))
+    return (m is not None and int(m.group(1)) >= cfg.num_layers) or name.startswith("model.mtp_layers.")
 
 
 def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:

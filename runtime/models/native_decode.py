@@ -206,3 +206,26 @@ def _lora_slots(model, native):
     if max_rank is None:
         return None
     return native.LoRASlots(layers, max_rank)
+
+
+# Longest query of a sequence a tree step may hold to run as decode rows: a tree has at most 64
+# nodes; a longer causal query is a prefill chunk, which the per-op path runs as one block.
+_MAX_TREE_ROWS = 64
+
+
+def tree_rows(meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A Medusa tree verification step (AttentionMetadata.tree_masks set, one entry per sequence)
+    as decode rows for DecoderStack.run: (block tables, seq lens, tree masks), one row per token.
+    Row j of a sequence with q new tokens after c cached ones sees c + j + 1 slots, its own last:
+    a causal sequence's rows then attend exactly as its query would (mask 0), and a tree node's
+    mask (its own bit j, its ancestors' below) drops its siblings' slots. Every row is computed as
+    the plain decode row of the same token would be, so the accepted path's logits are those of
+    decoding without speculation, bit for bit. None when a sequence's query is longer than a tree."""
+    starts = meta.query_start_loc.to(torch.long)
+    q_lens = starts[1:] - starts[:-1]
+    if int(q_lens.max()) > _MAX_TREE_ROWS:
+        return None
+    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
+    j = torch.arange(seq.shape[0]) - starts[:-1][seq]
+    lens = (meta.seq_lens.to(torch.long) - q_lens)[seq] + j + 1
+    return meta.block_tables.index_select(0, seq), lens.to(torch.int32), meta.tree_masks.to(torch.int64)

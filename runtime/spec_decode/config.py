@@ -31,6 +31,8 @@ WITH_MODEL = ("draft_model", "medusa", "eagle", "eagle3")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "speculative_token_tree", "acceptance_method", "posterior_threshold", "posterior_alpha"}
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
+# Methods that propose more than one guess per position (a candidate tree).
+TREE_METHODS = ("medusa", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -110,11 +112,15 @@ class SpeculativeConfig:
 
 def _tree(value, method: str | None) -> tuple[tuple[int, ...], ...] | None:
     """vLLM's speculative_token_tree (a list, or the Python literal string vLLM stores) as
-    validated paths; only Medusa's heads give more than one guess per position here."""
+    validated paths; only Medusa's heads and EAGLE's draft layer (its top-k per node) give more
+    than one guess per position."""
     if value is None:
         return None
-    if method != "medusa":
-        raise ValueError("speculative_config.speculative_token_tree: only used with method 'medusa'")
+    if method == "mtp":
+        raise ValueError("speculative_config.speculative_token_tree: not with method 'mtp' yet (the MTP "
+                         "proposer drafts chains only; a DeepSeek target's latent attention has no tree masks)")
+    if method not in TREE_METHODS:
+        raise ValueError(f"speculative_config.speculative_token_tree: only used with methods {list(TREE_METHODS)}")
     if isinstance(value, str):
         try:
             value = ast.literal_eval(value)

@@ -156,6 +156,17 @@ class EagleProposer:
         best = head.lm_head(_rms(out, head.norm, head.eps)).argmax(-1)
         return best + head.d2t[best] if head.d2t is not None else best
 
+    def _logits_topk(self, out: torch.Tensor, k: int) -> torch.Tensor:
+        """[rows, k] target token ids, best first (the tree's branches)."""
+        head = self.head
+        if head.lm_head is None:
+            x = out if head.norm is None else _rms(out, head.norm, head.eps)
+            if self.full_head is not None:
+                return (x.to(self.full_head.dtype) @ self.full_head.T).topk(k, dim=-1).indices
+            return self.target.compute_logits(x.to(self.target.dtype)).topk(k, dim=-1).indices
+        best = head.lm_head(_rms(out, head.norm, head.eps)).topk(k, dim=-1).indices
+        return best + head.d2t[best] if head.d2t is not None else best
+
     def _slots(self, table: list[int], positions) -> torch.Tensor:
         bs = self.block_size
         t = torch.as_tensor(table, dtype=torch.long).clamp(min=0)
@@ -171,9 +182,10 @@ class EagleProposer:
 
     @torch.inference_mode()
     def step(self, fills: list[tuple[list[int], list[int], list[int], torch.Tensor]],
-             num_drafts: list[int]) -> list[list[int]]:
+             num_drafts: list[int], tree=None) -> list[list[int]]:
         """`fills[i]` = (block table, positions, next tokens, target features [n, F]) of one
-        sequence: writes those slots, then proposes `num_drafts[i]` tokens (0: write only)."""
+        sequence: writes those slots, then proposes `num_drafts[i]` tokens (0: write only), or
+        with `tree` (a TreeLayout) the tokens of the tree's nodes 1..T, in node order."""
         head, target = self.head, self.target
         if not fills:
             return []
@@ -201,8 +213,14 @@ class EagleProposer:
             rows.append(int(ends[i]))
         attn = torch.stack([self._attend(q[r], kc, vc) for r, (kc, vc) in zip(rows, ctx)])
         out = head.finish(attn, residual[rows])
-        drafts = [[t] for t in self._logits_argmax(out).tolist()]
         last_pos = [fills[i][1][-1] for i in want]
+        if tree is not None:
+            nodes = self._grow_tree(tree, out, ctx, last_pos)
+            result = [[] for _ in fills]
+            for a, i in enumerate(want):
+                result[i] = nodes[a]
+            return result
+        drafts = [[t] for t in self._logits_argmax(out).tolist()]
         for j in range(1, max(num_drafts[i] for i in want)):
             live = [a for a, i in enumerate(want) if num_drafts[i] > j]
             if not live:
@@ -226,6 +244,57 @@ class EagleProposer:
         for a, i in enumerate(want):
             result[i] = drafts[a][:num_drafts[i]]
         return result
+
+    def _grow_tree(self, layout, root_out: torch.Tensor, ctx: list, last_pos: list[int]) -> list[list[int]]:
+        """Tree drafting (EAGLE-2's expansion over a static tree, vLLM's speculative_token_tree):
+        depth by depth, every frontier node that has children runs the layer on (its parent's
+        output, its own token) at position last + depth, attending to the sequence's slots and to
+        its own ancestors' chain K/V only (the tree mask), and its children are its top-k guesses
+        by rank. Returns, per proposing sequence, the tokens of nodes 1..T."""
+        head, target = self.head, self.target
+        W, n = root_out.shape[0], layout.num_nodes
+        tokens = torch.zeros(W, n, dtype=torch.long)
+        outs = {0: root_out}
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        dev = self.k_pool.device
+
+        def branch(nodes: list[int]) -> None:
+            """Fills the children's tokens of `nodes` (whose outputs are known)."""
+            for node in nodes:
+                children = layout.children[node]
+                top = self._logits_topk(outs[node], 1 + max(layout.ranks[c] for c in children)).cpu()
+                for c in children:
+                    tokens[:, c] = top[:, layout.ranks[c]]
+
+        branch([0])
+        for depth in range(1, layout.depth):
+            level = [c for c in range(n) if layout.depths[c] == depth and layout.children[c]]
+            if not level:
+                break
+            tok = tokens[:, level].T.reshape(-1).to(dev)  # rows node-major: (node, sequence)
+            feature = torch.cat([outs[layout.parents[c]] for c in level])
+            pos = torch.tensor([p + depth for p in last_pos] * len(level), dtype=torch.long)
+            attn_in, residual = head.layer_input(self._embed(tok), feature)
+            q, k, v = head.qkv(attn_in, target.cos_sin_cache[pos.to(target.cos_sin_cache.device)])
+            att = []
+            for j, c in enumerate(level):
+                kv[c] = (k[j * W:(j + 1) * W], v[j * W:(j + 1) * W])
+                path = []
+                a = c
+                while a > 0:
+                    path.append(a)
+                    a = layout.parents[a]
+                path.reverse()
+                for w in range(W):
+                    kc, vc = ctx[w]
+                    keys = torch.cat([kc] + [kv[a][0][w:w + 1].to(kc.dtype) for a in path])
+                    values = torch.cat([vc] + [kv[a][1][w:w + 1].to(vc.dtype) for a in path])
+                    att.append(self._attend(q[j * W + w], keys, values))
+            new_out = head.finish(torch.stack(att), residual)
+            for j, c in enumerate(level):
+                outs[c] = new_out[j * W:(j + 1) * W]
+            branch(level)
+        return tokens[:, 1:].tolist()
 
 
 def full_vocab_weights(model_dir, *, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:

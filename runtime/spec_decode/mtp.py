@@ -20,7 +20,19 @@ token p+1) with the embedding of token p+1 and predicts token p+2:
 As in vLLM, the embedding at position 0 is zeroed. Further drafts feed `out` back as the next
 feature (one MTP layer chained k times, vLLM's reuse of the first layer).
 
-The block's latent K/V live in one MLA pool of the MTP's own, indexed by the target's block ids
+Other families: the block is the target family's own decoder layer, so the same layout serves a
+GQA model too (GLM-4.5's MoE keeps its MTP module under these names), with K and V pools instead
+of the latent one. MiMo (Xiaomi's Qwen2-architecture MiMo-7B, `MiMoForCausalLM`, served as Qwen2)
+keeps its MTP module under its own names, mapped at load::
+
+    model.mtp_layers.0.token_layernorm   -> enorm        model.mtp_layers.0.hidden_layernorm -> hnorm
+    model.mtp_layers.0.input_proj        -> eh_proj      (MiMo concatenates [feature ; embedding]:
+                                                          its column halves are swapped into
+                                                          DeepSeek's [embedding ; feature] order)
+    model.mtp_layers.0.final_layernorm   -> shared_head.norm   (the head is the target's)
+    model.mtp_layers.0.{input_layernorm, post_attention_layernorm, self_attn.*, mlp.*}: the block
+
+The block's K/V (DeepSeek: latents) live in pools of the MTP's own, indexed by the target's block ids
 (prefix-cache hits and copy-on-write copies carry them), written for every position a target
 step computed and kept (the same fills as EAGLE's: spec_decode/worker.py). Chain drafts past
 the verified length must not touch blocks the sequence may not own: they run on scratch blocks
@@ -48,6 +60,34 @@ _OPTIONAL = ("shared_head.head.weight", "embed_tokens.weight")
 
 def mtp_layer_count(hf_config: dict) -> int:
     return int(hf_config.get("num_nextn_predict_layers") or 0)
+
+
+# MiMo's names for the MTP module's own tensors -> DeepSeek's (its block's names are the same).
+_MIMO_PREFIX = "model.mtp_layers.0."
+_MIMO_NAMES = {"token_layernorm.weight": "enorm.weight", "hidden_layernorm.weight": "hnorm.weight",
+               "input_proj.weight": "eh_proj.weight", "final_layernorm.weight": "shared_head.norm.weight"}
+
+
+def _from_mimo(tensors: dict[str, torch.Tensor], pre: str) -> dict[str, torch.Tensor]:
+    """MiMo's first MTP module under DeepSeek's names at `pre` (model.layers.{L}.)."""
+    out = {}
+    for name, t in tensors.items():
+        rest = name[len(_MIMO_PREFIX):]
+        if rest == "input_proj.weight":  # [feature ; embedding] -> [embedding ; feature]
+            h = t.shape[1] // 2
+            t = torch.cat((t[:, h:], t[:, :h]), dim=1)
+        out[pre + _MIMO_NAMES.get(rest, rest)] = t
+    return out
+
+
+def _block_supported(cfg) -> str | None:
+    """Why the target family's decoder layer cannot be an MTP block, or None."""
+    if cfg.shape.mla is not None:
+        return None
+    if cfg.gemma_norms or cfg.layer_norms or cfg.falcon_parallel or cfg.alibi_bias_max is not None:
+        return (f"{cfg.architecture}'s decoder layers (sandwich norms, LayerNorms, ALiBi or parallel "
+                "attention) have no published MTP layout")
+    return None
 
 
 class MTPLayer(nn.Module):
@@ -88,8 +128,8 @@ class MTPLayer(nn.Module):
         h = ops.rms_norm(feature.to(self.eh_proj.dtype).contiguous(), self.hnorm, self.eps)
         return F.linear(torch.cat((e, h), dim=-1), self.eh_proj)
 
-    def run_block(self, positions, x, pool, meta, cos_sin) -> torch.Tensor:
-        hidden, residual = self.block(positions, x, None, (pool,), meta, cos_sin)
+    def run_block(self, positions, x, pools, meta, cos_sin) -> torch.Tensor:
+        hidden, residual = self.block(positions, x, None, pools, meta, cos_sin)
         return hidden + residual
 
     def normed(self, out: torch.Tensor) -> torch.Tensor:
@@ -129,9 +169,10 @@ def load_mtp_layer(model_dir, cfg, backend, *, dtype: torch.dtype, device, quant
     if not model_dir.is_dir():
         raise ValueError(f"speculative_config.model: {str(model_dir)!r} is not a directory")
     L = cfg.num_layers
-    if cfg.shape.mla is None:
-        raise ValueError(f"speculative_config.method: 'mtp' is supported for DeepSeek-V3-style checkpoints "
-                         f"(MLA attention); {cfg.architecture} is not one")
+    why = _block_supported(cfg)
+    if why is not None:
+        raise ValueError(f"speculative_config.method: 'mtp' needs a DeepSeek-V3, GLM-4.5 or MiMo-style MTP "
+                         f"layer; {why}")
     try:
         own_config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
@@ -141,13 +182,19 @@ def load_mtp_layer(model_dir, cfg, backend, *, dtype: torch.dtype, device, quant
                          "(config.json: num_nextn_predict_layers is 0 or absent)")
     pre = f"model.layers.{L}."
     tensors: dict[str, torch.Tensor] = {}
+    mimo: dict[str, torch.Tensor] = {}
     for path in _checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.startswith(pre):
                     tensors[name] = f.get_tensor(name)
+                elif name.startswith(_MIMO_PREFIX):
+                    mimo[name] = f.get_tensor(name)
+    if not tensors and mimo:
+        tensors = _from_mimo(mimo, pre)
     if not tensors:
-        raise ValueError(f"speculative_config.model: no MTP weights (model.layers.{L}.*) in {str(model_dir)!r}")
+        raise ValueError(f"speculative_config.model: no MTP weights (model.layers.{L}.* or {_MIMO_PREFIX}*) in "
+                         f"{str(model_dir)!r}")
     missing = [pre + n for n in _OWN if pre + n not in tensors]
     if missing:
         raise ValueError(f"speculative_config.model: the MTP layer lacks {', '.join(missing)}")
@@ -189,7 +236,8 @@ def load_mtp_layer(model_dir, cfg, backend, *, dtype: torch.dtype, device, quant
 
 class MTPProposer:
     """A loaded MTP layer bound to the target (RoPE, and its embedding / head where the layer
-    has none of its own), with its own latent pool; `step` has EagleProposer's contract."""
+    has none of its own), with its own KV pools (one latent pool for MLA, K and V otherwise);
+    `step` has EagleProposer's contract."""
 
     aux_layers: tuple[int, ...] = ()  # reads the target's final hidden state only
 
@@ -230,13 +278,16 @@ class MTPProposer:
         # the blocks the k - 1 chain positions may reach.
         self.per_seq = 1 + -(-max(0, num_speculative_tokens - 1) // block_size)
         self.capacity = max(1, max_num_seqs)
-        latent = target.config.shape.mla.latent_dim
-        self.pool = torch.zeros((num_blocks + self.capacity * self.per_seq, block_size, 1, latent), dtype=dt,
-                                device=dev)
+        # The block runs at tp 1 whatever the target's degree: the whole layer's KV heads.
+        count, heads, width = target.config.shape.kv_cache_layout(1)
+        self.pools = tuple(torch.zeros((num_blocks + self.capacity * self.per_seq, block_size, heads, width),
+                                       dtype=dt, device=dev) for _ in range(count))
+        self.pool = self.pools[0]
 
     def copy_blocks(self, copies) -> None:
         for src, dst in copies:
-            self.pool[dst] = self.pool[src]
+            for pool in self.pools:
+                pool[dst] = pool[src]
 
     # -- pieces ----------------------------------------------------------------------------------------
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -274,7 +325,7 @@ class MTPProposer:
         embeds = embeds.masked_fill((positions == 0).to(dev)[:, None], 0)  # vLLM: position 0 sees no token
         x = self.layer.fuse(embeds, features)
         pos = positions.to(dev)
-        return self.layer.run_block(pos, x, self.pool, meta, self.target.cos_sin_cache)
+        return self.layer.run_block(pos, x, self.pools, meta, self.target.cos_sin_cache)
 
     @torch.inference_mode()
     def step(self, fills: list[tuple[list[int], list[int], list[int], torch.Tensor]],
@@ -311,7 +362,8 @@ class MTPProposer:
             scratch = [self.num_blocks + a * self.per_seq + b for b in range(self.per_seq)]
             b0 = p // bs
             if b0 < len(table) and table[b0] >= 0:  # the partial block: its earlier slots are context
-                self.pool[scratch[0]] = self.pool[table[b0]]
+                for pool in self.pools:
+                    pool[scratch[0]] = pool[table[b0]]
             tables.append(list(table[:b0]) + scratch)
             first.append(p)
         live = list(range(len(members)))

@@ -126,7 +126,7 @@ class SpecDecoder:
         self.config = config
         self.kv_source = kv_source
         self.tree = None
-        if config.speculative_token_tree is not None and config.method == "medusa":
+        if config.speculative_token_tree is not None:
             from kvserve.runtime.spec_decode.tree_verify import Tree, unsupported
 
             self.tree = Tree(config.speculative_token_tree)
@@ -355,7 +355,7 @@ class SpecDecoder:
         for i in spec:
             scheduled[i].seq.spec_token_ids = []
         if self.eagle is not None:
-            self._eagle_drafts(scheduled, block_tables, rows, repeats, token_ids)
+            self._eagle_drafts(scheduled, block_tables, rows, repeats, token_ids, paths)
         return SamplerOutput(token_ids, logprobs)
 
     # -- Medusa --------------------------------------------------------------------------------------
@@ -419,10 +419,11 @@ class SpecDecoder:
 
     # -- EAGLE ---------------------------------------------------------------------------------------
     def _eagle_drafts(self, scheduled: list, block_tables: list[list[int]], rows: list[SamplingRow],
-                      repeats: list[int] | None, token_ids: list) -> None:
+                      repeats: list[int] | None, token_ids: list, paths: dict[int, list[int]] | None = None) -> None:
         """Writes the draft slot of every position this step computed and kept (its next token is
         now known: from the prompt, an accepted draft or the sampled token) and leaves each
-        single-sample sequence its next drafts."""
+        single-sample sequence its next drafts (with a tree: its nodes' tokens). A verified tree's
+        kept positions are its accepted path's nodes (`paths`), whose rows lie in node order."""
         hidden = self.hidden_source()
         if hidden is None:
             return
@@ -433,7 +434,7 @@ class SpecDecoder:
         fills, wants, owners = [], [], []
         row = off = s = r = 0
         k = self.config.num_speculative_tokens
-        for item, table in zip(scheduled, block_tables):
+        for index, (item, table) in enumerate(zip(scheduled, block_tables)):
             seq, start, n = item.seq, item.start, item.num_new_tokens
             base = seq.token_ids
             want = 0
@@ -471,6 +472,8 @@ class SpecDecoder:
             if m:
                 positions = list(range(start, start + m))
                 tokens, features = ext[start + 1:start + 1 + m], hidden[off:off + m]
+                if paths and index in paths:
+                    features = hidden[[off + node for node in paths[index][:m]]]
                 if fork is not None and self._fork_slot(fork, rows[row - 1], start, n, table):
                     positions = [start - 1] + positions
                     tokens = [base[start]] + tokens
@@ -483,7 +486,7 @@ class SpecDecoder:
         self._steps += 1
         if self._fork_slots:  # a sample that never decoded (finished or preempted at once)
             self._fork_slots = {key: v for key, v in self._fork_slots.items() if self._steps - v[3] < 64}
-        proposals = eagle.step(fills, wants)
+        proposals = eagle.step(fills, wants, tree=self.tree.full) if self.tree is not None else eagle.step(fills, wants)
         drafts = [d for d, w in zip(proposals, wants) if w]
         for (seq, added), d in zip(owners, drafts):
             seq.head_drafts = (seq.num_tokens + added, d)

@@ -51,7 +51,6 @@ def flag(command: list[str], name: str) -> str | None:
     ({"size": "8Gi", "medium": "tape"}, "medium"),
     # A claim the operator creates: a StorageClass and a size, not with an existing claim.
     ({"size": "8Gi", "medium": "pvc", "claimName": "c", "storageClassName": "nfs"}, "storageClassName"),
-    ({"size": "8Gi", "medium": "pvc", "storageClassName": "nfs"}, "claimSize"),
     ({"size": "8Gi", "medium": "pvc", "claimName": "c", "claimSize": "100Gi"}, "claimSize"),
     ({"size": "8Gi", "medium": "emptyDir", "storageClassName": "nfs"}, "storageClassName"),
     ({"size": "8Gi", "medium": "pvc", "claimName": "c", "accessMode": "ReadWriteOnce"}, "accessMode"),
@@ -72,6 +71,63 @@ def test_a_claim_smaller_than_the_tier_or_not_a_storage_class_name_is_refused():
                                            "claimSize": "100Gi", **kv}})
         with pytest.raises(SpecError, match=f"spec.runtime.kvOffload.{error}"):
             parse_spec(obj["spec"])
+
+
+@pytest.mark.parametrize("spec_extra, pods, ranks", [
+    ({"replicas": 3, "autoscaling": {"enabled": False}}, 3, 1),
+    ({"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 5}}, 5, 1),
+    ({"replicas": 1, "autoscaling": {"enabled": False}, "parallelism": {"tensor": {"min": 1, "max": 4}}}, 1, 4),
+])
+def test_claim_size_defaults_to_every_pods_tier_at_the_largest_size_and_never_shrinks(spec_extra, pods, ranks):
+    obj = owner(runtime={"kvOffload": {"size": "8Gi", "medium": "pvc", "storageClassName": "nfs"}})
+    obj["spec"].update(spec_extra)
+    assert crd.validate(obj) == []
+    spec = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+    tier = 8 * 1024**3 * ranks
+    want = pods * (tier + tier // 16 + ranks * 64 * 1024**2)
+    got = K.default_claim_bytes(spec)
+    assert want <= got < want + 1024**3 and got % 1024**3 == 0
+    claim = K.build_claim(obj, spec)
+    assert claim["spec"]["resources"]["requests"]["storage"] == str(got)
+    # A live claim grown past the default (maxReplicas was higher once) is not asked to shrink;
+    # one smaller is grown; a claimSize given is rendered as given.
+    bigger = {"spec": {"resources": {"requests": {"storage": "4Ti"}}}}
+    assert K.not_shrunk(claim, bigger, spec)["spec"]["resources"]["requests"]["storage"] == str(4 * 1024**4)
+    assert K.not_shrunk(claim, {"spec": {"resources": {"requests": {"storage": "1Gi"}}}}, spec) == claim
+    assert K.not_shrunk(claim, None, spec) == claim
+    obj["spec"]["runtime"]["kvOffload"]["claimSize"] = "100Gi"
+    given = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+    assert K.not_shrunk(K.build_claim(obj, given), bigger, given)["spec"]["resources"]["requests"]["storage"] \
+        == str(100 * 1024**3)
+
+
+def _claim(phase=None, age_s=0.0, storage_class="nfs"):
+    import datetime as dt
+
+    created = (dt.datetime(2026, 1, 1, tzinfo=dt.UTC) - dt.timedelta(seconds=age_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"metadata": {"creationTimestamp": created},
+            "spec": {"storageClassName": storage_class, "accessModes": ["ReadWriteMany"]},
+            "status": {"phase": phase} if phase else {}}
+
+
+@pytest.mark.parametrize("kv, live, want", [
+    ({"medium": "emptyDir"}, None, None),  # no claim: no condition
+    ({"medium": "pvc", "storageClassName": "nfs"}, _claim("Bound"), (True, "Bound", False)),
+    # Just created: Pending (a WaitForFirstConsumer class binds with the first pod), no Warning yet.
+    ({"medium": "pvc", "storageClassName": "nfs"}, _claim(None, 5), (False, "ClaimPending", False)),
+    ({"medium": "pvc", "storageClassName": "nfs"}, _claim("Pending", 600), (False, "ClaimPending", True)),
+    ({"medium": "pvc", "storageClassName": "nfs"}, _claim("Lost", 5), (False, "ClaimLost", True)),
+    ({"medium": "pvc", "claimName": "mine"}, None, (False, "ClaimNotFound", True)),
+    ({"medium": "pvc", "claimName": "mine"}, _claim("Bound"), (True, "Bound", False)),
+])
+def test_the_claim_condition_says_whether_the_tiers_claim_is_bound(kv, live, want):
+    import datetime as dt
+
+    spec = parse_spec(owner(runtime={"kvOffload": {"size": "8Gi", **kv}})["spec"])
+    got = K.claim_condition(spec, "tiny", live, dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
+    assert (None if got is None else (got[0], got[1], got[3])) == want
+    if got is not None and not got[0]:
+        assert ("tiny-kv-offload" if "storageClassName" in kv else "mine") in got[2]
 
 
 @pytest.mark.parametrize("extra, access", [({}, "ReadWriteMany"), ({"accessMode": "ReadWriteOnce"}, "ReadWriteOnce")])

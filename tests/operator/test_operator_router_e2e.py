@@ -206,6 +206,7 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
     the runtime Deployment's tier flags, volume and events ports, its pods' events annotation, and
     the router Deployment's subscription flag, which the router's own parser takes."""
     from kvserve.operator import kvcache as K
+    from kvserve.operator.spec import parse_spec
     from kvserve.runtime.cli import build_parser
     from kvserve.runtime.kv_events import KVEventsConfig
 
@@ -214,9 +215,8 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
     obj["metadata"]["name"] = "cached"
     obj["spec"]["parallelism"] = {"tensor": {"min": 1, "max": 1}}
     obj["spec"]["router"] = {"enabled": True}
-    obj["spec"]["runtime"] = {"kvOffload": {"size": "1Gi", "medium": "pvc", "storageClassName": "nfs-rwx",
-                                            "claimSize": "10Gi"}}
-    assert crd.validate(obj) == []
+    obj["spec"]["runtime"] = {"kvOffload": {"size": "1Gi", "medium": "pvc", "storageClassName": "nfs-rwx"}}
+    assert crd.validate(obj) == []  # claimSize has a default
     op = start_operator(emulator, kubelet)
     try:
         api.apply_isvc(crd.apply_defaults(obj, crd.openapi_schema()))
@@ -232,6 +232,8 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
         claim = api.get("PersistentVolumeClaim", "cached-kv-offload")
         assert claim["spec"]["storageClassName"] == "nfs-rwx" and claim["spec"]["accessModes"] == ["ReadWriteMany"]
         assert claim["metadata"]["ownerReferences"][0]["uid"] == api.get_isvc("cached")["metadata"]["uid"]
+        spec = parse_spec(crd.apply_defaults(obj, crd.openapi_schema())["spec"])
+        assert claim["spec"]["resources"]["requests"]["storage"] == str(K.default_claim_bytes(spec))
         assert {p["name"] for p in runtime["ports"]} >= {"kv-events", "kv-replay"}
         assert template["metadata"]["annotations"][K.EVENTS_PORT_ANNOTATION] == str(K.EVENTS_PORT)
         router = wait_for(lambda: api.get("Deployment", "cached-router"), timeout=60, what="router Deployment")
@@ -240,6 +242,19 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
         isvc = wait_for(lambda: (o := api.get_isvc("cached")) and o.get("status", {}).get("conditions") and o,
                         timeout=60, what="status")
         assert condition(isvc, "Ready")  # the service reports its state with the tier on
+        # No volume is bound to the claim yet (the emulator has no provisioner): the service says
+        # so, and says so again once the claim binds.
+        isvc = wait_for(lambda: (o := api.get_isvc("cached")) and condition(o, K.CLAIM_CONDITION) and o,
+                        timeout=60, what="claim condition")
+        assert (condition(isvc, K.CLAIM_CONDITION)["status"], condition(isvc, K.CLAIM_CONDITION)["reason"]) == \
+            ("False", "ClaimPending")
+        from kvserve.operator.kube import KubeClient
+        from kvserve.testing.e2e_harness import NAMESPACE
+
+        api.call("PATCH", KubeClient.path("PersistentVolumeClaim", NAMESPACE, "cached-kv-offload") + "/status",
+                 {"status": {"phase": "Bound"}}, "application/merge-patch+json")
+        wait_for(lambda: condition(api.get_isvc("cached"), K.CLAIM_CONDITION).get("status") == "True",
+                 timeout=60, what="claim bound")
         # The tier off: the pods lose the volume, the claim (its prefixes) stays until the service goes.
         api.patch_spec("cached", {"runtime": {"kvOffload": None}})
         wait_for(lambda: "--kv-offload-bytes" not in next(
@@ -250,9 +265,6 @@ def test_kv_offload_and_kv_events_reach_the_cluster(cluster):
         wait_for(lambda: api.get_isvc("cached") is None, timeout=60, what="resource gone")
         # A claim of that name that is someone else's: Degraded (NotOwned) and a Warning, and no pods
         # that would mount it (the claim is applied before the Deployment).
-        from kvserve.operator.kube import KubeClient
-        from kvserve.testing.e2e_harness import NAMESPACE
-
         api.call("POST", KubeClient.path("PersistentVolumeClaim", NAMESPACE), {
             "apiVersion": "v1", "kind": "PersistentVolumeClaim",
             "metadata": {"name": "squat-kv-offload", "namespace": NAMESPACE},
