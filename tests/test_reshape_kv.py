@@ -30,16 +30,16 @@ def test_requests_fit_oldest_first_each_whole(sizes, budget, n):
     assert fit_requests(sizes, budget) == n
 
 
-def _run(model, root, reshapes: dict[int, tuple[int, int]]) -> tuple[dict, list]:
+def _run(model, root, reshapes: dict[int, tuple[int, int]], factory=None) -> tuple[dict, list]:
     from kvserve.runtime.config import EngineConfig
-    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine, ReshapeError
     from kvserve.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     config = EngineConfig.from_args(model=str(model), device="cpu", block_size=4, num_kv_blocks=128,
                                     max_model_len=256, enable_prefix_caching=True)
     out: dict = {}
-    with DataParallelEngine(config, 2) as engine:
+    with DataParallelEngine(config, 2, factory) as engine:
         for rid, ids in PROMPTS.items():
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
         steps = 0
@@ -47,11 +47,14 @@ def _run(model, root, reshapes: dict[int, tuple[int, int]]) -> tuple[dict, list]
             out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
             steps += 1
             if steps in reshapes:
-                engine.reshape(*reshapes[steps])
+                try:
+                    engine.reshape(*reshapes[steps])
+                except ReshapeError:
+                    assert factory is not None  # only where the test makes the new layout fail
         for e in engine.engines:  # every block is back in the pool, none held by a request
             assert e.core.block_manager.num_free_blocks == e.core.block_manager.num_blocks
         assert engine._move is None
-        records = [r["kv"] for r in engine.reshapes]
+        records = [r.get("kv") for r in engine.reshapes]
     return out, records
 
 
@@ -92,4 +95,20 @@ def test_over_budget_means_recompute(tiny_llama, tmp_path, monkeypatch, greedy):
     got, kv = _run(tiny_llama, tmp_path, {3: (1, 2)})
     assert got == greedy
     assert kv[0]["transient_dir"] is None, kv
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rolled_back_reshape_reads_the_moved_kv_in_the_old_layout_and_leaves_nothing(tiny_llama, tmp_path,
+                                                                                       monkeypatch, greedy):
+    from kvserve.runtime.engine.llm_engine import LLMEngine
+
+    def factory(config):  # the new layout (TP2) cannot start: the old one is built again
+        if config.tensor_parallel_size == 2:
+            raise RuntimeError("injected: no room for the shard")
+        return LLMEngine(config)
+
+    monkeypatch.setenv(reshape_kv.DIR_ENV, str(tmp_path))
+    got, kv = _run(tiny_llama, tmp_path, {3: (1, 2)}, factory)
+    assert got == greedy
+    assert kv[0]["requests"] == 3 and kv[0]["read_blocks"] >= kv[0]["written_blocks"] - 3 > 0, kv
     assert list(tmp_path.iterdir()) == []

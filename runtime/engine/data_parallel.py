@@ -576,7 +576,9 @@ class DataParallelEngine:
         if why is None and any(by_engine.values()):
             try:
                 self._move = reshape_kv.KVMove.open(self.engines, by_engine)
-                why = None if self._move is not None else "nothing to move, or no room"
+                why = None if self._move is not None else "no whole block to move"
+            except reshape_kv.NoRoom as exc:
+                why = str(exc)
             except Exception as exc:
                 log.warning("reshape: no transient KV tier (%s: %s): requests are recomputed", type(exc).__name__, exc)
                 why = f"{type(exc).__name__}: {exc}"

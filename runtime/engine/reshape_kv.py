@@ -151,6 +151,10 @@ def request_blocks(engine: Any, head: Any) -> list[tuple[int, int, bytes]]:
     return [(g, b, h) for (g, h), b in found.items()]
 
 
+class NoRoom(Exception):
+    pass
+
+
 class KVMove:
     """One reshape's transient tier: its directory, and what went through it (`record`, shown in
     the reshape's entry of GET /admin/parallelism)."""
@@ -179,8 +183,7 @@ class KVMove:
             return None
         root, budget = pick_root(need)
         if budget <= 0:
-            log.info("reshape: no room for a transient KV tier (budget 0): requests are recomputed")
-            return None
+            raise NoRoom(f"no room for a transient KV tier under {root} (budget 0)")
         return cls(root, budget)
 
     def save(self, engine: Any, heads: list[Any]) -> None:
@@ -199,9 +202,10 @@ class KVMove:
             return
         written = engine.executor.write_transient_tier(ops, self.dir)
         self.used += sum(cost[:n])
-        self.record["requests"] += n
+        moved = [h for h, c in zip(heads[:n], cost) if c > 0]  # not those still before their prefill
+        self.record["requests"] += len(moved)
         self.record["written_blocks"] += written
-        self.request_ids.update(h.request_id for h in heads[:n])
+        self.request_ids.update(h.request_id for h in moved)
 
     @property
     def has_blocks(self) -> bool:
