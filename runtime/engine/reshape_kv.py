@@ -245,6 +245,10 @@ class KVMove:
             offload.flush()
             self.record["read_blocks"] += offload.stats.hit_blocks
             self.record["read_tokens"] += offload.stats.hit_tokens
+            if offload.events is not None and offload.tier is not None:
+                # KV events announced the tier's blocks (medium DISK) when the engine started:
+                # a router's index must learn they are gone with it.
+                offload.events.removed([k[1:] for k in offload.tier.keys() if k[0] == 0], medium=offload.medium)
             for manager in _managers(engine):
                 manager.tier_lookup = None
                 manager.on_evict = None
