@@ -20,8 +20,8 @@ Policies:
     pod's load + 1: `bounded_capacity`), so identical prompts land together while no pod takes
     more than its share. A pod whose agent reports a queue or KV use over the thresholds
     takes nothing by affinity (unless every pod is over them).
-  * `least-load`: the pod with the fewest requests in flight (the router's own count, or the
-    agent's running + waiting when that is higher), then the lowest KV use.
+  * `least-load`: the pod with the fewest requests in flight (the router's own count plus what
+    the agent reports beyond this router's requests: `EndpointLoad.busy`), then the lowest KV use.
   * `round-robin`: each ready pod in turn (what a plain Service does, for comparison).
 
 A request whose `model` names a LoRA adapter (multi-LoRA serving) is placed among the pods that
