@@ -622,15 +622,17 @@ class MultiProcExecutor(Executor):
             for w in self._workers:
                 if w not in staying:
                     w.join(deadline - time.monotonic())
+        leaving = [w for w in self._workers if w not in staying]
+        for w in leaving:
+            w.kill()
+        for w in leaving:
+            w.join(timeout_s)
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(1.0)  # before reading the IDLE reports: it reads the same pipes
-        kept = [w for w in staying if _keep_as_spare(w, deadline)]
-        for w in self._workers:
-            if w not in kept:
+        for w in staying:
+            if not _keep_as_spare(w, deadline):
                 w.kill()
-        for w in self._workers:
-            if w not in kept:
                 w.join(timeout_s)
         for w in self._workers:
             w.close()
