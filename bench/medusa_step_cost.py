@@ -1,6 +1,8 @@
 """What a Medusa verification step costs on this machine, against a plain decode step: the top-1
 chain (1 + k decode rows per sequence, the native CPU stack) and a candidate tree (1 + T rows per
-sequence on the per-op path with the tree mask, as the engine runs it), at batch 1 and 8.
+sequence: decode rows with per-row tree masks on the native stack, as the engine runs it; and,
+as `tree_per_op`, the per-op path with the tree mask that models the stack cannot take use), at
+batch 1 and 8.
 
     python bench/medusa_step_cost.py                       # SmolLM2, k = 3, spec_heads' default tree
     python bench/medusa_step_cost.py --accept bench/results/spec_heads.json
@@ -94,7 +96,8 @@ def main(argv=None) -> None:
     tree = tree_layout(_tree(args.tree or str(DEFAULT_TREE), "medusa"))
     batches = [int(b) for b in args.batches.split(",")]
     load_before = os.getloadavg()
-    kinds = {"decode": (1, None), "chain": (1 + args.k, None), "tree": (tree.num_nodes, tree)}
+    kinds = {"decode": (1, None), "chain": (1 + args.k, None), "tree": (tree.num_nodes, tree),
+             "tree_per_op": (tree.num_nodes, tree)}
     times: dict[tuple[str, int], list[float]] = {}
     with LLM(str(model), dtype="float32", max_model_len=1024, max_num_seqs=max(batches),
              num_kv_blocks=max(batches) * 16) as llm:
@@ -103,17 +106,25 @@ def main(argv=None) -> None:
         steps = {(name, b): step(b, rows, args.context, bs, t) for name, (rows, t) in kinds.items() for b in batches}
         for s in steps.values():  # warm-up (the native stack is built at the first decode step)
             worker.execute_model(s)
+        stack = getattr(worker.model, "_native_stack", None)  # CausalLM's, built by the warm-up
+        takes_trees = getattr(stack, "takes_trees", None)
+        if takes_trees is None:
+            stack = None
         for _ in range(args.reps):
             for key, s in steps.items():
+                if stack is not None:
+                    stack.takes_trees = takes_trees and key[0] != "tree_per_op"
                 t0 = time.perf_counter()
                 worker.execute_model(s).argmax(-1).tolist()
                 times.setdefault(key, []).append(time.perf_counter() - t0)
+        if stack is not None:
+            stack.takes_trees = takes_trees
     accept = {}
     if args.accept is not None:
         for row in json.loads(args.accept.read_text())["rows"]:
             accept[(row["method"], row["batch"])] = row["acceptance_length"]
     rows = []
-    print(f"{'batch':>5} | {'step':<6} | {'rows':>4} | {'min ms':>7} | {'median ms':>9} | {'vs decode (min)':>15} | "
+    print(f"{'batch':>5} | {'step':<11} | {'rows':>4} | {'min ms':>7} | {'median ms':>9} | {'vs decode (min)':>15} | "
           f"{'tokens/step':>11} | {'est. vs none':>12}")
     for b in batches:
         base = min(times[("decode", b)])
@@ -124,7 +135,7 @@ def main(argv=None) -> None:
             est = tps / rel if tps else None
             rows.append({"batch": b, "step": name, "rows_per_seq": n, "min_s": min(t), "median_s": statistics.median(t),
                          "cost_vs_decode": rel, "tokens_per_step": tps, "estimated_speedup": est})
-            print(f"{b:>5} | {name:<6} | {n:>4} | {min(t) * 1e3:>7.1f} | {statistics.median(t) * 1e3:>9.1f} | "
+            print(f"{b:>5} | {name:<11} | {n:>4} | {min(t) * 1e3:>7.1f} | {statistics.median(t) * 1e3:>9.1f} | "
                   f"{rel:>14.2f}x | {f'{tps:.2f}' if tps else '-':>11} | {f'{est:.2f}x' if est else '-':>12}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "medusa_step_cost", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -16,11 +16,12 @@ of the real SmolLM2, and the cost of a verification step of N decode rows on the
 4. Estimated speed-up = tokens per step / relative step cost. The chain's estimate can be
    checked against bench/spec_heads.py's measured end-to-end ratio.
 
-Decode rows see every earlier row of their sequence, so a tree with branches cannot run as
-decode rows: the engine verifies a tree on the per-operation path with the tree mask, which costs
-more than the decode rows timed here. The step cost measured here is therefore a lower bound for
-a tree (bench/spec_heads.py --methods none,medusa,medusa_tree measures the engine end to end).
-`--no-timing` prints tokens per step only.
+The engine runs a tree's nodes as decode rows too, each with its ancestor mask (the native
+stack skips its siblings' slots), so the rows timed here are what a tree step runs
+(bench/spec_heads.py --methods none,medusa,medusa_tree measures the engine end to end).
+`--no-timing` prints tokens per step only. Both modes print each head's acceptance: its top-1
+and top-3 accuracy at every position, and its top-1 rate given that every head before it was
+right (what a chain accepts at that depth).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--context", type=int, default=200, help="context length of the timed verification steps")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--heldout", type=Path, default=None,
+                   help="a held-out data file this script cached before (its name's key may be an older one's)")
     p.add_argument("--no-timing", action="store_true",
                    help="tokens per step only (no step costs: what a loaded machine can still measure)")
     p.add_argument("--out", type=Path, default=RESULTS / "medusa_tree.json")
@@ -98,18 +101,29 @@ def acceptance(heads, hidden: torch.Tensor, tokens: list[list[int]], choices: di
     totals = {name: 0 for name in layouts}
     count = 0
     r = 0
+    hits1, hits3, chain = [0] * depth, [0] * depth, [0] * (depth + 1)
     for seq in tokens:
         # Row r is the hidden state at seq[q] (it gave seq[q + 1]); a step needs seq[q + 2 + depth].
         for q in range(len(seq)):
             if q + 2 + depth < len(seq):
                 count += 1
+                run = True
+                chain[0] += 1
+                for h in range(depth):
+                    want = seq[q + 2 + h]
+                    hits1[h] += top[r][h][0] == want
+                    hits3[h] += want in top[r][h][:3]
+                    run = run and top[r][h][0] == want
+                    chain[h + 1] += run
                 for name, lay in layouts.items():
                     cand = candidate_tokens(lay, seq[q + 1], top[r])
                     target = [seq[q + 2 + d] for d in lay.depths]
                     totals[name] += len(accept(lay, cand, target)[1])
             r += 1
+    per_head = [{"head": h, "top1": hits1[h] / count, "top3": hits3[h] / count,
+                 "top1_given_previous": chain[h + 1] / max(1, chain[h])} for h in range(depth)]
     return {name: {"nodes": layouts[name].num_nodes, "tokens_per_step": totals[name] / count}
-            for name in layouts} | {"_positions": count}
+            for name in layouts} | {"_positions": count, "_per_head": per_head}
 
 
 def step_costs(model_dir: Path, heads, node_counts: list[int], context: int, reps: int) -> dict[int, float]:
@@ -177,7 +191,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     key = hashlib.sha256(json.dumps([Path(model).name, _weights_digest(model), questions, args.max_tokens])
                          .encode()).hexdigest()[:16]
-    cache = ROOT / "build" / "spec-heads" / f"heldout-{key}.pt"
+    cache = args.heldout or ROOT / "build" / "spec-heads" / f"heldout-{key}.pt"
     if cache.is_file():
         data = torch.load(cache, weights_only=True)
         hidden, tokens = data["hidden"], data["tokens"]
@@ -191,6 +205,10 @@ def main(argv=None) -> None:
     choices = trees(args.depth)
     acc = acceptance(heads, hidden, tokens, choices, args.depth)
     positions = acc.pop("_positions")
+    per_head = acc.pop("_per_head")
+    print(f"\n{'head':>4} {'top-1':>6} {'top-3':>6} {'top-1 | heads before right':>26}")
+    for row in per_head:
+        print(f"{row['head']:>4} {row['top1']:>6.3f} {row['top3']:>6.3f} {row['top1_given_previous']:>26.3f}")
     rows = []
     if args.no_timing:
         print(f"\n{'tree':<22} {'nodes':>5} {'tokens/step':>11}")
@@ -200,7 +218,8 @@ def main(argv=None) -> None:
                          "tokens_per_step": a["tokens_per_step"]})
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"bench": "medusa_tree", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                        "medusa": str(medusa), "positions": positions, "trees": rows}, indent=2) + "\n")
+                                        "medusa": str(medusa), "positions": positions, "per_head": per_head,
+                                        "trees": rows}, indent=2) + "\n")
         return
     # A chain of k runs 1 + k rows; a tree of T choices runs 1 + T.
     costs = step_costs(Path(model), heads, [1] + [a["nodes"] for a in acc.values()], args.context, args.reps)
@@ -225,7 +244,8 @@ def main(argv=None) -> None:
               "machine": {"cpu_flags": flags, "cores": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__},
               "model": str(model), "medusa": str(medusa), "held_out_questions": len(questions),
-              "positions": positions, "context": args.context, "decode_s": decode, "heads_s": costs["heads"],
+              "positions": positions, "per_head": per_head, "context": args.context, "decode_s": decode,
+              "heads_s": costs["heads"],
               "rows_cost_s": {str(k): v for k, v in costs.items() if k != "heads"}, "trees": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -254,6 +254,64 @@ async def part_tier(model: Path, g: int, in_flight: int, out_len: int, tier_dir:
     return out
 
 
+async def part_transient(model: Path, g: int, in_flight: int, out_len: int, rounds: int) -> dict:
+    """No configured tier: streams in flight across G x TP1 -> 1 x TP G and back, their KV moved
+    by the transient tier (runtime/engine/reshape_kv.py) or recomputed (the server started with
+    KVSERVE_RESHAPE_KV_BYTES=0). The two alternate, `rounds` times each, one server at a time."""
+    runs = []
+    for i in range(rounds):
+        for label in ("recompute", "transient"):
+            env_before = os.environ.get("KVSERVE_RESHAPE_KV_BYTES")
+            if label == "recompute":
+                os.environ["KVSERVE_RESHAPE_KV_BYTES"] = "0"
+            srv = Server(model, g, 1, ["--reshape-spare-workers"])
+            if env_before is None:
+                os.environ.pop("KVSERVE_RESHAPE_KV_BYTES", None)
+            else:
+                os.environ["KVSERVE_RESHAPE_KV_BYTES"] = env_before
+            run: dict = {"label": label, "round": i, "load_before": os.getloadavg()[0]}
+            try:
+                await srv.ready()
+                await run_phase(srv.url, 1, make_prompts(1, 16, 0), 4)  # warm
+                await asyncio.sleep(SPARE_WAIT_S)
+                for key, (dp, tp) in (("to_tp", (1, g)), ("to_dp", (g, 1))):
+                    load = asyncio.create_task(run_phase(srv.url, in_flight, make_prompts(in_flight, 64, 1 + i),
+                                                         out_len))
+                    await asyncio.sleep(2.0)
+                    wall, body = await srv.reshape(dp, tp)
+                    phase = await load
+                    run[key] = {"wall_s": wall, "seconds": body["seconds"], "resumed_requests": body["resumed_requests"],
+                                "phases": body.get("phases", {}), "max_gap_s": phase["max_gap_ms"] / 1000,
+                                "completed": phase["requests"], "tok_per_s": phase["tok_per_s"]}
+                async with aiohttp.ClientSession() as session:  # the moves' records, read blocks filled in
+                    async with session.get(srv.url + "/admin/parallelism",
+                                           headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+                        history = (await r.json())["history"]
+                for key, rec in zip(("to_tp", "to_dp"), history[-2:]):
+                    run[key]["kv"] = rec.get("kv")
+            finally:
+                srv.stop()
+            run["load_after"] = os.getloadavg()[0]
+            runs.append(run)
+    return {"in_flight": in_flight, "out_len": out_len, "runs": runs}
+
+
+def print_transient(r: dict) -> None:
+    print(f"\n== {r['in_flight']} streams in flight across G x TP1 -> 1 x TP G -> G x TP1, no configured tier: "
+          "recompute vs transient KV tier ==")
+    print(f"{'resume by':10s} {'rnd':>3s} {'load':>9s} {'direction':9s} {'reshape s':>9s} {'wall s':>7s} "
+          f"{'longest pause s':>15s} {'moved/written/read blocks':>26s}")
+    for run in r["runs"]:
+        for key in ("to_tp", "to_dp"):
+            row = run.get(key)
+            if row is None:
+                continue
+            kv = row.get("kv") or {}
+            moved = f"{kv.get('requests', 0)}/{kv.get('written_blocks', 0)}/{kv.get('read_blocks', 0)}"
+            print(f"{run['label']:10s} {run['round']:3d} {run['load_before']:4.1f}-{run['load_after']:<4.1f} "
+                  f"{key:9s} {row['seconds']:9.2f} {row['wall_s']:7.2f} {row['max_gap_s']:15.2f} {moved:>26s}")
+
+
 def print_tier(r: dict) -> None:
     print("\n== reshape G x TP1 -> 1 x TP G with streams in flight: recompute vs file KV tier ==")
     print(f"{'resume by':12s} {'reshape s':>9s} {'HTTP wall s':>11s} {'longest stream pause s':>22s} {'resumed':>7s}")
@@ -347,8 +405,10 @@ def main(argv=None) -> int:
     global DEVICE, SPARE_WAIT_S
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="HF model directory (default: the real SmolLM2)")
-    p.add_argument("--part", choices=["all", "restart", "ramp", "tier"], default="all",
-                   help="tier (not in all): the loaded reshape with and without a file KV tier")
+    p.add_argument("--part", choices=["all", "restart", "ramp", "tier", "transient"], default="all",
+                   help="tier (not in all): the loaded reshape with and without a file KV tier; "
+                        "transient (not in all): no tier, KV moved through RAM vs recomputed")
+    p.add_argument("--rounds", type=int, default=2, help="--part transient: alternations of the two")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a host with G GPUs")
     p.add_argument("--devices", type=int, default=None,
@@ -376,6 +436,9 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="kvserve-reshape-tier-") as tier:
             result["tier"] = asyncio.run(part_tier(model, g, in_flight=8, out_len=64, tier_dir=Path(tier)))
         print_tier(result["tier"])
+    if args.part == "transient":
+        result["transient"] = asyncio.run(part_transient(model, g, in_flight=8, out_len=64, rounds=args.rounds))
+        print_transient(result["transient"])
     if args.part in ("all", "ramp"):
         n_low, n_high, high = (3, 16, 8) if args.quick else (6, 48, 16)
         result["ramp"] = asyncio.run(part_ramp(model, g, high, n_low, n_high, in_len=64, out_len=32))

@@ -90,6 +90,10 @@ class EngineConfig:
     # A directory for the tier's files (local disk, a PVC): it survives restarts and is keyed by
     # model, revision, dtype, block size and TP layout. None: host memory (pinned on CUDA).
     kv_offload_dir: str | None = None
+    # Set by a live layout change only (runtime/engine/reshape_kv.py): kv_offload_dir is that
+    # reshape's private directory in RAM, read while the moved requests resume, then deleted (no
+    # fsync, no copies of other layouts' files, evicted blocks not written).
+    kv_offload_transient: bool = False
     # vLLM's name: GiB of CPU swap space per rank for the KV blocks of preempted requests, swapped
     # back in instead of recomputed when that is cheaper. 0: preemption always recomputes.
     swap_space: float = 0

@@ -80,6 +80,19 @@ def _one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def recycled_workers():
+    """The worker processes of each engine a module closes serve its next engines' ranks
+    (multiproc.recycle_workers): starting Python and importing torch is most of what a
+    multi-process engine costs a test. Spares are stopped when the module ends."""
+    from kvserve.runtime.executor.multiproc import prestart_workers, recycle_workers
+
+    recycle_workers(3)
+    yield
+    recycle_workers(0)
+    prestart_workers(0)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory) -> TinyModelFactory:
     return TinyModelFactory(tmp_path_factory.mktemp("tiny_models"))

@@ -112,19 +112,22 @@ def test_sequential_rotary_falcon_is_refused(falcon):
         ModelConfig.from_dict({**config, "new_decoder_architecture": True, "num_ln_in_parallel_attn": 3})
 
 
-@pytest.mark.parametrize("variant", ["7b", "40b", "mha-bias"])  # shared norm, two norms, biases
-def test_native_stack_runs_parallel_layers_like_the_per_op_path(falcon, variant):
+@pytest.mark.parametrize("variant", ["7b", "40b", "7b-71-heads"])
+def test_native_stack_runs_parallel_layers_like_the_per_op_path(falcon, tiny_model_factory, variant):
     """Decode steps through the one-call native stack give the per-op path's tokens and logprobs
-    (to float rounding: the stack's LayerNorms and GELU are C, the per-op path's torch)."""
+    (to float rounding: the stack's LayerNorms and GELU are C, the per-op path's torch): one
+    shared norm, two norms, and Falcon-7B's 71 query heads on its one KV head."""
     from kvserve.kernels.cpu import native
 
     if not native.available():
         pytest.skip(f"native CPU kernels: {native.status()}")
     prompts = [[1, 40, 41, 42, 300, 17, 5, 9, 250], [1, 7, 8], [3] * 20]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    path = (tiny_model_factory("falcon", **{**ROPE, **VARIANTS["7b"], "num_attention_heads": 71, "hidden_size": 568})
+            if variant == "7b-71-heads" else falcon(variant))
 
     def run(stack: bool):
-        with LLM(str(falcon(variant)), num_kv_blocks=64, block_size=8, dtype="float32", device="cpu") as llm:
+        with LLM(str(path), num_kv_blocks=64, block_size=8, dtype="float32", device="cpu") as llm:
             model = llm.engine.model
             if not stack:
                 model._native_stack = None

@@ -878,6 +878,32 @@ def test_a_persistent_tier_found_at_a_start_is_announced_as_kv_events(tiny_llama
         stream.close()
 
 
+def test_a_reshape_announces_the_tiers_blocks_after_the_clear(tiny_llama, tmp_path):
+    """2 x TP1 -> 1 x TP2 on a persistent tier: the old engines' pools go to the tier at their
+    close, the stream says AllBlocksCleared, and the new engine announces what it found there
+    (its ranks read the TP1 files' heads; medium DISK) before it publishes anything else."""
+    from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.data_parallel import DataParallelEngine
+    from kvserve.runtime.kv_events.events import BlockStored
+
+    config = EngineConfig.from_args(model=str(tiny_llama), device="cpu", block_size=4, num_kv_blocks=64,
+                                    max_model_len=128, kv_offload_bytes=1 << 24, kv_offload_dir=str(tmp_path),
+                                    kv_events_config={"enable_kv_cache_events": True,
+                                                      "endpoint": f"ipc://{tmp_path}/events"})
+    with DataParallelEngine(config, 2) as engine:
+        for i, prompt in enumerate(conversations(n=2)):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.reshape(1, 2)
+        for new in engine.engines:
+            held = [k[1:] for k in new.offload.tier.keys() if k[0] == 0]
+            announced = new.kv_event_sink.take()
+            assert len(held) >= 2 * 9  # both prompts' blocks, saved from the old pool at its close
+            assert all(isinstance(e, BlockStored) and e.medium == "DISK" for e in announced)
+            assert [h for e in announced for h in e.block_hashes] == held
+
+
 # -- the server: flags to metrics ------------------------------------------------------------------
 def test_server_with_a_file_tier_reports_hits_in_vllm_and_kvserve_metrics(tiny_llama, tmp_path):
     import openai

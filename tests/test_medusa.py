@@ -33,7 +33,10 @@ def target_copy_heads(model_dir, num_heads=3) -> MedusaHeads:
     from safetensors.torch import load_file
 
     weights = load_file(str(model_dir / "model.safetensors"))
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    # A tied model stores only the embedding, under its family's name.
+    head = weights["lm_head.weight"] if "lm_head.weight" in weights else next(
+        w for name, w in weights.items() if name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")))
+    head = head.float()
     heads = MedusaHeads(num_heads, 1, head.shape[1], head.shape[0])
     with torch.no_grad():
         for blocks, proj in zip(heads.blocks, heads.heads):

@@ -88,10 +88,16 @@ def test_a_full_64_node_tree_and_bad_masks():
                                       tree_masks=torch.tensor(layout.masks))
 
 
-def test_prefill_length_queries_keep_the_per_op_path():
+def test_prefill_length_queries_and_wide_steps_keep_the_per_op_path():
     meta = AttentionMetadata(query_start_loc=torch.tensor([0, 65], dtype=torch.int32),
                              seq_lens=torch.tensor([65], dtype=torch.int32),
                              block_tables=torch.zeros(1, 20, dtype=torch.int32),
                              slot_mapping=torch.zeros(65, dtype=torch.long), max_query_len=65, max_seq_len=65,
                              is_decode_only=False, tree_masks=torch.zeros(65, dtype=torch.int64))
     assert tree_rows(meta) is None
+    wide = AttentionMetadata(query_start_loc=torch.arange(0, 57, 8, dtype=torch.int32),  # 7 trees, 56 rows
+                             seq_lens=torch.full((7,), 20, dtype=torch.int32),
+                             block_tables=torch.zeros(7, 20, dtype=torch.int32),
+                             slot_mapping=torch.zeros(56, dtype=torch.long), max_query_len=8, max_seq_len=20,
+                             is_decode_only=False, tree_masks=torch.ones(56, dtype=torch.int64))
+    assert tree_rows(wide) is None

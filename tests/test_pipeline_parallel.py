@@ -17,12 +17,20 @@ import time
 
 import pytest
 import torch
-from test_tensor_parallel import tp_worker_pids
+from test_tensor_parallel import tp_worker_pids as _all_worker_pids
 
 from kvserve.runtime import LLM, SamplingParams
 from kvserve.runtime.capacity import ModelShape, blocks_for_budget, plan_capacity
 from kvserve.runtime.capacity.pipeline import layer_shape, split_layers, stage_weight_bytes
-from kvserve.runtime.executor.multiproc import WorkerDiedError
+from kvserve.runtime.executor.multiproc import WorkerDiedError, spare_worker_pids
+
+# A closed engine's workers wait as spares for the next engine here (conftest.recycled_workers).
+pytestmark = pytest.mark.usefixtures("recycled_workers")
+
+
+def tp_worker_pids() -> set[int]:
+    """Worker processes serving an engine (spares waiting for the next one are not)."""
+    return _all_worker_pids() - set(spare_worker_pids())
 
 KW = dict(block_size=4, max_num_batched_tokens=32, dtype="float32", device="cpu", kv_cache_memory_bytes=256 * 1024)
 
@@ -209,13 +217,14 @@ def test_pp2_features_match_pp1(tiny_model_factory):
     prompts = [base + [20 + i] for i in range(4)] + [[3, 4, 3, 4, 3, 4]]
     params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) for _ in range(4)]
     params.append(SamplingParams(temperature=0, max_tokens=10, structured_outputs={"regex": "[a-c]{3,6}"}))
-    outs = []
+    outs, pids = [], []
     # The last run drops speculative decoding (greedy drafting gives the same tokens), so two
     # micro-batches are in flight under the same preemption and prefix-cache pressure.
     for pp, spec in ((1, True), (2, True), (2, False)):
         kw_run = kw if spec else {k: v for k, v in kw.items() if k != "speculative_config"}
         with LLM(str(model_dir), pipeline_parallel_size=pp, **kw_run) as llm:
             assert llm.engine.core.depth == (1 if spec else 2)
+            pids.append(llm.engine.executor.worker_pids if pp > 1 else [])
             outs.append(_generate(llm, prompts, params))
             stats = llm.engine.get_stats()
             assert stats.num_preemptions_total > 0, "the pool must be small enough to preempt"
@@ -223,6 +232,7 @@ def test_pp2_features_match_pp1(tiny_model_factory):
             assert (stats.spec_decode_num_drafts_total > 0) == spec
             assert llm.engine.block_manager.num_used_blocks == 0
     assert outs[1] == outs[0] and outs[2] == outs[0]
+    assert pids[2] == pids[1]  # the second engine's stage 1 served the third (recycled_workers)
 
 
 def test_tp2_pp2_on_four_processes(tiny_model_factory):

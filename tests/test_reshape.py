@@ -124,6 +124,11 @@ def test_reshape_under_streaming_load_keeps_every_stream_and_its_text(server, gr
     layout = __import__("json").loads(body)
     assert (layout["data_parallel"], layout["tensor_parallel"], layout["devices"]) == (2, 1, 2)
     assert [h["to"]["tensor_parallel"] for h in layout["history"]][-2:] == [2, 1]
+    # No tier is configured: the streams' KV moved through a transient one in RAM, since deleted.
+    moved = [h["kv"] for h in layout["history"][-2:]]
+    assert moved[0]["read_blocks"] > 0, moved
+    wait_until(lambda: not any(k.get("transient_dir") and os.path.exists(k["transient_dir"]) for k in moved),
+               timeout=10)
 
 
 def test_worker_killed_mid_reshape_rolls_back_and_keeps_serving(server, greedy):

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 
+import aiohttp
 import pytest
+from aiohttp import web
 
+from kvserve.runtime.router.endpoints import Endpoint
 from kvserve.runtime.router.hold import HoldFull, HoldQueue, HoldTimeout
-from kvserve.runtime.router.load import current_load, load_from_metrics, load_from_signals
+from kvserve.runtime.router.load import LoadPoller, current_load, load_from_metrics, load_from_signals
+from kvserve.runtime.router.policy import EndpointLoad
 
 
 async def test_held_requests_leave_in_arrival_order_each_after_the_previous_was_sent():
@@ -66,3 +71,58 @@ def test_load_parsing():
             '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.5\n')
     m = load_from_metrics(text, at=1.0)
     assert (m.running, m.queue_depth, m.kv_cache_utilization) == (2, 7, 0.5)
+
+
+@pytest.mark.parametrize("in_flight, agent, own, busy", [
+    (0, 1, None, 1),  # nothing known of the sample's window: the agent's count as it is
+    (2, 1, None, 2),
+    (0, 1, 1, 0),  # the sample still counts this router's request that has since finished
+    (1, 1, 1, 1),  # ... or the one still open
+    (1, 0, 1, 1),  # sampled before the request reached the pod
+    (1, 3, 1, 3),  # two from other clients, plus this router's one
+    (0, 3, 1, 2),  # this router's finished; the other clients' two remain
+])
+def test_busy_counts_the_agents_excess_over_this_routers_own_requests(in_flight, agent, own, busy):
+    load = EndpointLoad(in_flight=in_flight, running=agent, fresh=True, own_at_sample=own)
+    assert load.busy() == busy
+    assert EndpointLoad(in_flight=in_flight, running=agent, fresh=False, own_at_sample=own).busy() == in_flight
+
+
+def test_a_sample_taken_while_this_routers_request_ran_does_not_keep_the_pod_busy():
+    """The pod's /metrics counts a request this router sent; once it has finished (the sample not
+    yet renewed) the pod is idle again for the policy, while other clients' requests still count."""
+    running = {"n": 0}
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/metrics", lambda _: web.Response(
+            text=f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {running['n']}\n"))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        pod = Endpoint("pod-a", f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/metrics")
+        poller, in_flight = LoadPoller(), collections.Counter()
+        poller.in_flight = in_flight
+        try:
+            async with aiohttp.ClientSession() as session:
+                in_flight["pod-a"] += 1  # this router sends one
+                poller.sent("pod-a", in_flight["pod-a"])
+                running["n"] = 1
+                await poller.poll_once(session, [pod])
+                assert poller.load("pod-a", in_flight["pod-a"]).busy() == 1
+                in_flight["pod-a"] -= 1  # it finished; the sample still says 1
+                assert poller.load("pod-a", in_flight["pod-a"]).busy() == 0
+                running["n"] = 2  # two from elsewhere join
+                await poller.poll_once(session, [pod])
+                # This router's request was open when the sample's window began: it may be counted.
+                assert poller.load("pod-a", 0).busy() == 1
+                await poller.poll_once(session, [pod])
+                assert poller.load("pod-a", 0).busy() == 2  # nothing of this router's open since
+                await poller.poll_once(session, [])  # the pod went away: nothing kept for it
+                assert not poller._peak and not poller._own
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -18,6 +18,9 @@ from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked 
 from kvserve.runtime.spec_decode.eagle import save_eagle_head
 from kvserve.runtime.spec_decode.medusa import save_medusa_heads
 
+# A closed engine's workers wait as spares for the next engine here (conftest.recycled_workers).
+pytestmark = pytest.mark.usefixtures("recycled_workers")
+
 
 @pytest.fixture(scope="module")
 def untied_llama(tiny_llama):

@@ -158,6 +158,8 @@ class DataParallelEngine:
         # CPU a reshape does not need one before the new layout starts (the closed engines'
         # weights and pools go by reference counting), so it is run later (_collect_later).
         self._collect_due: float | None = None
+        # A reshape's transient KV tier while its moved requests resume (runtime/engine/reshape_kv.py).
+        self._move: Any = None
         try:
             self.engines: list[Any] = self._build(self.layout)
         except BaseException:
@@ -218,6 +220,8 @@ class DataParallelEngine:
                     engine.structured_outputs = self._grammars
                     engine.input_processor.structured_outputs = self._grammars
                 engines.append(engine)
+                if self._move is not None and engine.config.kv_offload_transient:
+                    self._move.started_engine(engine)
             if self._kv_events is not None:
                 self._kv_events.attach(engines)
         except BaseException:
@@ -229,10 +233,12 @@ class DataParallelEngine:
             raise
         return engines
 
-    def _engine_config(self, tensor_parallel: int, device: str) -> Any:
+    def _engine_config(self, tensor_parallel: int, device: str, *, move: bool = True) -> Any:
         config = dataclasses.replace(self.config, tensor_parallel_size=tensor_parallel, device=device)
         if self._kv_events is not None:  # the engines publish through the server's stream
             config = dataclasses.replace(config, kv_events_config=None)
+        if move and self._move is not None and self._move.has_blocks and not self._move.detached:
+            config = self._move.engine_config(config)  # the new layout reads the moved KV
         return config
 
     def _make(self, index: int, config: Any) -> Any:
@@ -254,7 +260,7 @@ class DataParallelEngine:
             # memory: (G-1)/G of the weights, held while the layout is G x TP1).
             g = self.num_devices
             device = engine_devices(Layout(1, g), str(self.config.device))[0]
-            preload = (self._engine_config(g, device), g, "cpu", str(self.engines[0].dtype).removeprefix("torch."))
+            preload = (self._engine_config(g, device, move=False), g, "cpu", str(self.engines[0].dtype).removeprefix("torch."))
         prestart_workers(wanted, preload)
 
     def _close_engine(self, engine: Any) -> None:
@@ -361,6 +367,8 @@ class DataParallelEngine:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self.num_devices, thread_name_prefix="kvserve-dp")
             for outs in self._pool.map(lambda e: e.step(), busy):
                 outputs += outs
+        if self._move is not None:
+            self._move_tick({i for i, e in enumerate(self.engines) if e in busy})
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
@@ -383,6 +391,8 @@ class DataParallelEngine:
     def check_health(self) -> None:
         if self._collect_due is not None:  # the server's engine loop checks health when idle
             self._collect_later()
+        if self._move is not None:
+            self._move_tick(set())
         for e in self.engines:
             e.check_health()
 
@@ -392,6 +402,26 @@ class DataParallelEngine:
 
             self._host_weights = False
             host_weights.release()
+
+    def _move_tick(self, stepped: set[int]) -> None:
+        """Ends a reshape's transient KV tier: detached from the engines once every moved request
+        was admitted (or too late), its directory deleted once no rank can still read it."""
+        from kvserve.runtime.engine.reshape_kv import MOVE_MAX_SECONDS
+
+        move = self._move
+        if not move.detached and (move.admitted(self.engines) or
+                                  time.monotonic() - move.started > MOVE_MAX_SECONDS):
+            move.detach(self.engines)
+        if move.detached and move.quiet(self.engines, stepped):
+            move.remove()
+            self._move = None
+
+    def _end_move(self) -> Any:
+        """Detaches the current move's tier now; returns it for removal once its engines closed."""
+        move, self._move = self._move, None
+        if move is not None:
+            move.detach(self.engines)
+        return move
 
     def _collect_later(self) -> None:
         """The collection a CPU reshape skipped: once the engines are idle, or at the latest
@@ -412,10 +442,13 @@ class DataParallelEngine:
 
         device = self.engines[0].device if self.engines else "cpu"  # none left after a failed rollback
         self._collect_due = None
+        move = self._end_move()
         with held_release(platform_for(device)):  # one collection for all engines
             for e in self.engines:
                 self._close_engine(e)
             self._release_host_weights()
+        if move is not None:
+            move.remove()
         if self.spare_workers:
             from kvserve.runtime.executor.multiproc import prestart_workers
 
@@ -456,12 +489,15 @@ class DataParallelEngine:
             return self._record(old, target, 0.0, 0, changed=False)
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
+        previous_move = self._end_move()  # the last reshape's tier, if its requests still resume
         # 1. Stop: finish what is in flight, take every unfinished request out.
         heads = []
-        for engine in self.engines:
+        by_engine: dict[int, list[Any]] = {}
+        for i, engine in enumerate(self.engines):
             outputs, detached = engine.detach_requests()
             self._pending += outputs
             heads += detached
+            by_engine[i] = detached
         heads.sort(key=lambda h: h.metrics.arrival_time)
         phases["stop"] = time.perf_counter() - t0
         # 2. Free the devices; the old engines' counters stay in the totals. One collection for
@@ -471,13 +507,21 @@ class DataParallelEngine:
         platform = platform_for(self.engines[0].device)
         # A GPU needs the memory back before the new layout sizes its pools; the CPU does not.
         collect_now = platform.name != "cpu"
+        kv = self._open_move(by_engine)
         with held_release(platform, release=collect_now):
             for i, engine in enumerate(self.engines):
+                if self._move is not None:
+                    self._save_move(engine, by_engine[i], kv)
                 stats = engine.get_stats()
                 _retire_into(self._retired, stats, first=i == 0)
                 self._retired_obs.append(stats)
                 self._close_engine(engine)
             self.engines = []
+        if previous_move is not None:
+            previous_move.remove()
+        if self._move is not None and not self._move.has_blocks:
+            self._move.remove()  # nothing was written: recompute
+            self._move = None
         if self._kv_events is not None:
             self._kv_events.layout_changed()
         phases["free"] = time.perf_counter() - t0 - sum(phases.values())
@@ -489,7 +533,13 @@ class DataParallelEngine:
         except Exception as exc:
             failure = exc
             log.error("reshape %s -> %s failed (%s: %s); restoring %s", old, target, type(exc).__name__, exc, old)
-            self.engines = self._build(old)  # if even this fails, the engine loop ends and /health says why
+            try:
+                self.engines = self._build(old)  # if even this fails, the engine loop ends and /health says why
+            except BaseException:
+                if self._move is not None:
+                    self._move.remove()
+                    self._move = None
+                raise
         phases["start"] = time.perf_counter() - t0 - sum(phases.values())
         for lora in self._loras.values():  # the adapters the old engines had (from local files)
             for engine in self.engines:
@@ -506,14 +556,43 @@ class DataParallelEngine:
         record = self._record(old, target, seconds, len(heads), changed=failure is None,
                               error=None if failure is None else f"{type(failure).__name__}: {failure}")
         record["phases"] = {k: round(v, 4) for k, v in phases.items()}
+        record["kv"] = kv  # updated when the move ends (read_blocks, read_tokens, seconds)
         log.debug("reshape %s -> %s phases: %s", old, target,
                   ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
         if failure is not None:
             raise ReshapeError(f"reshape {old} -> {target} failed and was rolled back to {old} "
                                f"({type(failure).__name__}: {failure})") from failure
         self._reshape_seconds.append(seconds)
-        log.info("reshaped %s -> %s in %.2fs, %d requests resumed by recompute", old, target, seconds, len(heads))
+        log.info("reshaped %s -> %s in %.2fs, %d requests resumed (%d with their KV in a transient tier)",
+                 old, target, seconds, len(heads), kv.get("requests", 0))
         return record
+
+    def _open_move(self, by_engine: dict[int, list[Any]]) -> dict[str, Any]:
+        """The transient KV tier for this reshape's requests (runtime/engine/reshape_kv.py), or
+        why there is none (the requests are then recomputed)."""
+        from kvserve.runtime.engine import reshape_kv
+
+        why = reshape_kv.eligible(self.config)
+        if why is None and any(by_engine.values()):
+            try:
+                self._move = reshape_kv.KVMove.open(self.engines, by_engine)
+                why = None if self._move is not None else "no whole block to move"
+            except reshape_kv.NoRoom as exc:
+                why = str(exc)
+            except Exception as exc:
+                log.warning("reshape: no transient KV tier (%s: %s): requests are recomputed", type(exc).__name__, exc)
+                why = f"{type(exc).__name__}: {exc}"
+        elif why is None:
+            why = "no request in flight"
+        return self._move.record if self._move is not None else {"transient_dir": None, "reason": why}
+
+    def _save_move(self, engine: Any, heads: list[Any], kv: dict[str, Any]) -> None:
+        try:
+            self._move.save(engine, heads)
+        except Exception as exc:  # those requests are recomputed; the reshape goes on
+            log.warning("reshape: writing the transient KV tier failed (%s: %s): requests are recomputed",
+                        type(exc).__name__, exc)
+            kv["errors"] = kv.get("errors", 0) + 1
 
     def _resume(self, heads: list[Any]) -> None:
         self._owner = {}

@@ -325,7 +325,8 @@ class LLMEngine:
         """With a persistent offload tier: writes every cached pool block it lacks (before the
         pools go away: shutdown, or a reshape retiring this engine)."""
         offloader = self.executor.offloader
-        if self.offload is None or offloader is None or not getattr(offloader.stores.get(0), "persistent", False):
+        if self.offload is None or offloader is None or not getattr(offloader.stores.get(0), "persistent", False) \
+                or self.config.kv_offload_transient:  # a reshape's move tier: deleted, never kept
             return
         try:
             n = self.core.save_cached_blocks()

@@ -289,6 +289,13 @@ class Executor:
             self._share_kv_ops(ops)
         return failed
 
+    def write_transient_tier(self, ops: list[tuple], directory: str) -> int:
+        """A reshape's transient KV tier (runtime/engine/reshape_kv.py): rank 0 writes its heads of
+        the blocks now, the other ranks theirs as they shut down; returns rank 0's count written."""
+        written = self.driver_worker.write_transient_tier(ops, directory)
+        self._transient_writes = (ops, directory)
+        return written
+
     def kv_offload_scan(self) -> list[tuple[bytes, int]]:
         return self.driver_worker.offload_scan()
 

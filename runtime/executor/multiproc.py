@@ -132,6 +132,7 @@ _spares: list[tuple[subprocess.Popen, int, int, int | None]] = []
 # buffer (64 KiB on Linux), or sending it would block the engine's thread that long.
 PRELOAD_MESSAGE_MAX = 32768
 _spares_lock = threading.Lock()
+_recycle_max = 0  # recycle_workers
 
 
 def _close_spare(spare: tuple[subprocess.Popen, int, int, int | None]) -> None:
@@ -173,6 +174,36 @@ def prestart_workers(n: int, preload: tuple[Any, int, str, str] | None = None) -
         _spares[:] = live
     for spare in dead + extra:
         _close_spare(spare)
+
+
+def recycle_workers(n: int) -> None:
+    """Lets up to `n` workers of an engine that closes cleanly stay as spares (0: every worker
+    exits with its engine, the default): the next engine's ranks then skip starting Python and
+    importing torch. Each has left its process group and dropped its model before it waits."""
+    global _recycle_max
+    with _spares_lock:
+        _recycle_max = max(0, n)
+
+
+def _recycle_room() -> int:
+    with _spares_lock:
+        return max(0, _recycle_max - len(_spares))
+
+
+def _keep_as_spare(w: _WorkerProcess, deadline: float) -> bool:
+    """Takes a recycled worker's IDLE report (it has left the group) and makes it a spare."""
+    try:
+        if not w.report.poll(max(0.0, deadline - time.monotonic())):
+            return False
+        kind, _ = protocol.decode(w.report.recv_bytes())
+    except (EOFError, OSError):
+        return False
+    if kind != protocol.IDLE or w.popen.poll() is not None:
+        return False
+    spare = (w.popen, os.dup(w.ctrl.fileno()), os.dup(w.report.fileno()), None)
+    with _spares_lock:
+        _spares.append(spare)
+    return True
 
 
 def spare_worker_pids() -> list[int]:
@@ -570,27 +601,39 @@ class MultiProcExecutor(Executor):
         except OSError:
             pass
         # Before they report READY workers may be mid-load or mid-rendezvous, deaf to a shutdown message.
+        staying: list[_WorkerProcess] = []  # asked to stay as spares (recycle_workers)
+        deadline = time.monotonic() + timeout_s
         if graceful and self.failure is None and getattr(self, "_monitor", None) is not None:
             # Offload operations still waiting for a step (the pool's cached blocks that a
             # persistent tier saves at shutdown) ride the shutdown message: each rank saves its
             # own shard of them before it closes, or a restart would find rank 0's half only.
             ops, self._kv_ops = self._kv_ops, []
-            data = protocol.encode(protocol.SHUTDOWN, ops)
+            transient = getattr(self, "_transient_writes", None)
+            room = _recycle_room()
             for w in self._workers:
+                stay = room > 0 and isinstance(w, _WorkerProcess)
                 try:
-                    w.ctrl.send_bytes(data)
+                    w.ctrl.send_bytes(protocol.encode(protocol.SHUTDOWN, ops, transient, stay))
                 except OSError:
-                    pass
-            deadline = time.monotonic() + timeout_s
+                    continue
+                if stay:
+                    staying.append(w)
+                    room -= 1
             for w in self._workers:
-                w.join(deadline - time.monotonic())
-        for w in self._workers:
+                if w not in staying:
+                    w.join(deadline - time.monotonic())
+        leaving = [w for w in self._workers if w not in staying]
+        for w in leaving:
             w.kill()
-        for w in self._workers:
+        for w in leaving:
             w.join(timeout_s)
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and monitor is not threading.current_thread():
-            monitor.join(1.0)
+            monitor.join(1.0)  # before reading the IDLE reports: it reads the same pipes
+        for w in staying:
+            if not _keep_as_spare(w, deadline):
+                w.kill()
+                w.join(timeout_s)
         for w in self._workers:
             w.close()
         if monitor is None or not monitor.is_alive():

@@ -27,6 +27,7 @@ LOADED = "loaded"
 READY = "ready"
 ERROR = "error"
 KV_DONE = "kv_done"  # the keys of KV_OPS' loads this rank could not load
+IDLE = "idle"  # after a SHUTDOWN asking it to stay: the worker left the group and waits for an engine
 
 
 class _Tensor:

@@ -268,10 +268,16 @@ class Worker:
                 # The root holds this pod's ranks' budgets; other namespaces go first when it is
                 # over, never this layout's other ranks (they may not have started yet).
                 ranks = self.offload_ranks  # every TP (and pipeline) rank of the pod
+                # A reshape's transient tier (runtime/engine/reshape_kv.py) lives in RAM for a
+                # second: no fsync, and no copy of the old layout's files into its own directory.
+                transient = getattr(self.config, "kv_offload_transient", False)
+                # (A transient tier's directory is new and holds only the move: never trimmed,
+                # which could take the old layout's files the move reads.)
                 stores[TIER] = FileStore(self.config.kv_offload_dir, ns,
-                                         root_budget_bytes=self.config.kv_offload_bytes * ranks,
+                                         root_budget_bytes=None if transient else self.config.kv_offload_bytes * ranks,
                                          keep=frozenset(self.offload_namespace(r).dirname for r in range(ranks)),
-                                         geometry=self.offload_geometry())
+                                         geometry=self.offload_geometry(), fsync=not transient)
+                stores[TIER].migrate = not transient
             else:
                 stores[TIER] = HostStore(pin_memory=pin)
         if self.config.swap_space:
@@ -279,6 +285,22 @@ class Worker:
         groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None
                   else [tuple(range(len(self.kv_caches)))])
         return KVOffloader(self.kv_caches, groups, stores)
+
+    def write_transient_tier(self, ops: list[tuple], directory: str) -> int:
+        """Writes pool blocks ("save" ops) into a reshape's transient tier, this rank's heads, before
+        the pools go (runtime/engine/reshape_kv.py); returns how many reached their files."""
+        from kvserve.runtime.kv_offload.offloader import TIER, KVOffloader
+        from kvserve.runtime.kv_offload.store import FileStore
+
+        store = FileStore(directory, self.offload_namespace(), fsync=False, geometry=self.offload_geometry())
+        groups = ([g.layers for g in self.kv_groups] if self.kv_groups is not None
+                  else [tuple(range(len(self.kv_caches)))])
+        offloader = KVOffloader(self.kv_caches, groups, {TIER: store})
+        try:
+            offloader.apply(ops)
+        finally:
+            offloader.close()  # waits for the writes
+        return len(ops) - offloader.write_errors
 
     def offload_scan(self) -> list[tuple[bytes, int]]:
         """The persistent tier's blocks every rank holds (the ranks of a pod share its directory),

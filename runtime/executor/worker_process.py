@@ -9,6 +9,7 @@ behind.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -100,17 +101,26 @@ def main() -> None:
     import torch  # noqa: F401
 
     from kvserve.runtime.executor import worker  # noqa: F401
-    preloaded = None
-    try:
-        message = pickle.loads(ctrl.recv_bytes())
-        if isinstance(message[0], Preload):
-            preloaded = [(message[0], message[1], _preload(*message))]
+    watched = False
+    while True:
+        preloaded = None
+        try:
             message = pickle.loads(ctrl.recv_bytes())
-        args, config, kv_groups, max_model_len = message
-    except EOFError:
-        os._exit(0)
-    _watch_parent(args.parent_pid)
-    _serve(args, config, kv_groups, max_model_len, ctrl, report, preloaded)
+            if isinstance(message[0], Preload):
+                preloaded = [(message[0], message[1], _preload(*message))]
+                message = pickle.loads(ctrl.recv_bytes())
+            args, config, kv_groups, max_model_len = message
+        except EOFError:
+            os._exit(0)
+        if not watched:
+            _watch_parent(args.parent_pid)
+            watched = True
+        if not _serve(args, config, kv_groups, max_model_len, ctrl, report, preloaded):
+            os._exit(0)
+        # Kept for the engine's next group (multiproc.recycle_workers): the last one's model,
+        # pools and process group are gone; the imports stay.
+        del preloaded, message, config
+        gc.collect()
 
 
 def main_remote() -> None:
@@ -133,12 +143,16 @@ def main_remote() -> None:
     args = dataclasses.replace(args, parent_pid=os.getppid())
     _watch_parent(args.parent_pid)
     _serve(args, config, kv_groups, max_model_len, conn, conn)
+    os._exit(0)
 
 
 def _serve(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connection, report: Connection,
-           preloaded=None) -> None:
+           preloaded=None) -> bool:
+    """Runs one engine's rank; True when the engine asked this process to stay for another."""
     try:
-        _run(args, config, kv_groups, max_model_len, ctrl, report, preloaded)
+        if _run(args, config, kv_groups, max_model_len, ctrl, report, preloaded):
+            report.send_bytes(protocol.encode(protocol.IDLE, args.rank))
+            return True
     except EOFError:
         os._exit(0)  # the engine closed our pipe: it is gone or shutting down
     except BaseException:
@@ -147,11 +161,12 @@ def _serve(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connec
         except OSError:
             pass
         os._exit(1)
-    os._exit(0)
+    return False
 
 
 def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connection, report: Connection,
-         preloaded=None) -> None:
+         preloaded=None) -> bool:
+    """One engine's rank, until its shutdown; True when asked to stay for another engine."""
     import torch
     import torch.distributed as dist
 
@@ -166,8 +181,13 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
     if preloaded is not None:
         want = Preload(args.rank, args.world_size, args.device, args.dtype, args.num_threads)
         spec, preload_config, worker = preloaded.pop()  # the only reference left: dropped below if unused
-        if worker is not None and (spec != want or preload_config != config):
+        from kvserve.runtime.engine.reshape_kv import without_transient
+
+        # A reshape's transient KV tier does not change what was loaded.
+        if worker is not None and (spec != want or without_transient(preload_config) != without_transient(config)):
             worker = None  # loaded for another rank or engine: dropped, this one loads its own
+        elif worker is not None:
+            worker.config = config
     loaded = worker is not None
     if worker is None:
         worker = worker_class(config)(config, ModelConfig.from_pretrained(config.model), device=device,
@@ -188,7 +208,7 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
 
         kind, (blocks,) = protocol.decode(ctrl.recv_bytes())
         if kind != protocol.ALLOCATE:
-            return
+            return False
         kv_bytes = worker.initialize_kv_cache(blocks, kv_groups)
         report.send_bytes(protocol.encode(protocol.READY, args.rank, kv_bytes))
         # After READY: rank 0 captures once every rank has reported, and capture runs collectives.
@@ -199,7 +219,9 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
             if kind == protocol.SHUTDOWN:
                 if payload and payload[0] and worker.offloader is not None:
                     worker.offloader.apply(payload[0])  # written before close() returns
-                return
+                if len(payload) > 1 and payload[1]:  # a reshape moves its requests' KV
+                    worker.write_transient_tier(*payload[1])
+                return len(payload) > 2 and bool(payload[2])  # stay for another engine
             if kind == protocol.KV_OPS:
                 failed = worker.offloader.apply(payload[0])
                 report.send_bytes(protocol.encode(protocol.KV_DONE, args.rank, failed))
@@ -208,6 +230,6 @@ def _run(args: WorkerArgs, config, kv_groups, max_model_len: int, ctrl: Connecti
                 raise RuntimeError(f"unexpected message {kind!r}")
             worker.execute_model(payload[0])
     finally:
-        with held_release(worker.platform, release=False):  # no collection: the process exits next
-            worker.close()
+        with held_release(worker.platform, release=False):  # no collection here: the process exits
+            worker.close()                                  # next, or main() collects before it waits
         dist.destroy_process_group()

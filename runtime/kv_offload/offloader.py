@@ -10,6 +10,8 @@ and stores, in order:
   batch go in with one scatter per layer pool). A key that cannot be read (a missing, truncated or
   corrupt file) is reported back and its block left untouched.
 - ``("drop", store, key)``: forget the key (a file is deleted after any write still queued).
+- ``("close", store)``: stop using the store (a reshape's transient tier, once its requests
+  have read their blocks: runtime/engine/reshape_kv.py): queued writes finish, then it is closed.
 - ``("prefetch", store, keys)``: a file store's blocks that waiting requests will load: a reader
   thread reads and checks them now, so the load at admission copies bytes already in memory
   instead of opening, reading and checksumming files while the step waits. Only a hint: a key not
@@ -98,6 +100,9 @@ class KVOffloader:
             elif kind == "drop":
                 for _, store, key in batch:
                     self._drop(store, key)
+            elif kind == "close":
+                for _, store in batch:
+                    self._close_store(store)
             elif kind == "prefetch":
                 for _, store, keys in batch:
                     if self._reads is not None and getattr(self.stores[store], "persistent", False):
@@ -138,7 +143,7 @@ class KVOffloader:
         good_blocks, rows, failed = [], [], []
         # A store that can read other TP layouts' files (a TP change) copies what it read from
         # them into its own directory, so they can be trimmed later without losing the block.
-        migrates = bool(getattr(store, "sources", None))
+        migrates = bool(getattr(store, "sources", None)) and getattr(store, "migrate", True)
         for block, key in zip(blocks, keys):
             with self._lock:
                 data = self._pending.get((store_id, key))
@@ -184,6 +189,18 @@ class KVOffloader:
         else:
             store.delete(key)
 
+    def _close_store(self, store_id: int) -> None:
+        store = self.stores.get(store_id)
+        if store is None:
+            return
+        self.flush(timeout=60)
+        del self.stores[store_id]
+        with self._lock:
+            for k in [k for k in self._staged if k[0] == store_id]:
+                self._staged_bytes -= self._staged.pop(k).numel()
+        if hasattr(store, "close"):
+            store.close()
+
     # -- the background writer -------------------------------------------------------------------
     def _write_loop(self) -> None:
         while True:
@@ -192,9 +209,11 @@ class KVOffloader:
                 if item is None:
                     return
                 kind, store_id, key, row = item
-                store = self.stores[store_id]
+                store = self.stores.get(store_id)
                 if kind == "flush":
                     key.set()
+                elif store is None:  # closed ("close"): nothing more goes to it
+                    continue
                 elif kind == "delete":
                     store.delete(key)
                 else:
@@ -224,7 +243,9 @@ class KVOffloader:
             if item is None:
                 return
             store_id, keys = item
-            store = self.stores[store_id]
+            store = self.stores.get(store_id)
+            if store is None:  # closed since
+                continue
             for key in keys:
                 with self._lock:
                     if (store_id, key) in self._staged or (store_id, key) in self._pending:

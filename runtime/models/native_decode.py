@@ -211,6 +211,11 @@ def _lora_slots(model, native):
 # Longest query of a sequence a tree step may hold to run as decode rows: a tree has at most 64
 # nodes; a longer causal query is a prefill chunk, which the per-op path runs as one block.
 _MAX_TREE_ROWS = 64
+# Most rows a tree step runs on the stack: its 6-row AVX2 micro-kernel reads each weight panel
+# once, which wins while the step is bandwidth bound, but past a few dozen rows the step is
+# compute bound and the per-op path's sgemm is faster (bench/medusa_step_cost.py: 8 trees of 8
+# nodes, 64 rows, cost 10.2x a decode here against 6.5x per-op; 32 rows 3.4x against 5.4x).
+_MAX_STEP_ROWS = 48
 
 
 def tree_rows(meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -220,10 +225,11 @@ def tree_rows(meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     a causal sequence's rows then attend exactly as its query would (mask 0), and a tree node's
     mask (its own bit j, its ancestors' below) drops its siblings' slots. Every row is computed as
     the plain decode row of the same token would be, so the accepted path's logits are those of
-    decoding without speculation, bit for bit. None when a sequence's query is longer than a tree."""
+    decoding without speculation, bit for bit. None when a sequence's query is longer than a tree,
+    or the step has more rows than the stack runs faster than the per-op path."""
     starts = meta.query_start_loc.to(torch.long)
     q_lens = starts[1:] - starts[:-1]
-    if int(q_lens.max()) > _MAX_TREE_ROWS:
+    if int(q_lens.max()) > _MAX_TREE_ROWS or int(starts[-1]) > _MAX_STEP_ROWS:
         return None
     seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
     j = torch.arange(seq.shape[0]) - starts[:-1][seq]

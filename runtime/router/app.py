@@ -114,6 +114,7 @@ class Router:
                                 clock=clock)
         self.endpoints: dict[str, Endpoint] = {}
         self.in_flight: collections.Counter[str] = collections.Counter()
+        self.loads.in_flight = self.in_flight
         self.active = 0  # client requests being handled (held ones included)
         self.requests_total = 0
         self.last_activity = clock()
@@ -361,6 +362,7 @@ class Router:
         pod = endpoint.name
         url = endpoint.url + route.path  # the allowlist's path, never the client's
         self.in_flight[pod] += 1
+        self.loads.sent(pod, self.in_flight[pod])
         self.metrics.in_flight.labels(pod).set(self.in_flight[pod])
         sent = time.monotonic()
         upstream: aiohttp.ClientResponse | None = None

@@ -63,11 +63,12 @@ def load_from_metrics(text: str, at: float) -> Sample:
                   adapters=_adapters(list(s.lora_adapters or ())))
 
 
-def current_load(sample: Sample | None, in_flight: int, now: float, stale_after: float) -> EndpointLoad:
+def current_load(sample: Sample | None, in_flight: int, now: float, stale_after: float,
+                 own_at_sample: float | None = None) -> EndpointLoad:
     if sample is None or not sample.ok or now - sample.at > stale_after:
         return EndpointLoad(in_flight=in_flight)
     return EndpointLoad(in_flight=in_flight, running=sample.running, queue_depth=sample.queue_depth,
-                        kv_cache_utilization=sample.kv_cache_utilization, fresh=True)
+                        kv_cache_utilization=sample.kv_cache_utilization, fresh=True, own_at_sample=own_at_sample)
 
 
 class LoadPoller:
@@ -76,9 +77,28 @@ class LoadPoller:
         self.interval, self.timeout, self.stale_after, self.clock = interval, timeout, stale_after, clock
         self.samples: dict[str, Sample] = {}
         self.errors: dict[str, str] = {}
+        # This router's requests open to each pod (the router's own counter, read at each answer),
+        # the most of them open since the pod's previous answer, and that peak as of its last
+        # answer: what the sample may count of this router's own (EndpointLoad.own_at_sample).
+        self.in_flight: Mapping[str, int] | None = None  # None: the agent's counts are taken as they are
+        self._peak: dict[str, int] = {}
+        self._own: dict[str, int] = {}
 
     def load(self, name: str, in_flight: int) -> EndpointLoad:
-        return current_load(self.samples.get(name), in_flight, self.clock(), self.stale_after)
+        return current_load(self.samples.get(name), in_flight, self.clock(), self.stale_after,
+                            self._own.get(name, 0) if self.in_flight is not None else None)
+
+    def sent(self, name: str, in_flight: int) -> None:
+        """This router opened a request to the pod (`in_flight` now open)."""
+        self._peak[name] = max(self._peak.get(name, 0), in_flight)
+
+    def _answered(self, name: str) -> None:
+        # The window of the next answer starts with what is open now.
+        if self.in_flight is None:
+            return
+        now = self.in_flight.get(name, 0)
+        self._own[name] = max(self._peak.get(name, 0), now)
+        self._peak[name] = now
 
     def adapters(self) -> dict[str, frozenset[str]]:
         """pod -> the LoRA adapters its last answer listed. Not aged out like the load: a pod's
@@ -103,6 +123,7 @@ class LoadPoller:
                             raise ValueError("not a JSON object")
                         sample = load_from_signals(data, self.clock())
                 self.samples[e.name] = sample
+                self._answered(e.name)
                 self.errors.pop(e.name, None)
             except (TimeoutError, aiohttp.ClientError, OSError, ValueError, RecursionError, TooLong) as error:
                 self.errors[e.name] = f"{e.signals_url}: {type(error).__name__}: {error}"
@@ -111,8 +132,12 @@ class LoadPoller:
         names = {e.name for e in endpoints}
         for gone in [n for n in self.samples if n not in names]:
             del self.samples[gone]
+
         for gone in [n for n in self.errors if n not in names]:
             del self.errors[gone]
+        for gone in [n for n in (*self._peak, *self._own) if n not in names]:
+            self._peak.pop(gone, None)
+            self._own.pop(gone, None)
 
     async def run(self, session: aiohttp.ClientSession, endpoints: Callable[[], list[Endpoint]]) -> None:
         while True:

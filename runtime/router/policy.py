@@ -20,8 +20,8 @@ Policies:
     pod's load + 1: `bounded_capacity`), so identical prompts land together while no pod takes
     more than its share. A pod whose agent reports a queue or KV use over the thresholds
     takes nothing by affinity (unless every pod is over them).
-  * `least-load`: the pod with the fewest requests in flight (the router's own count, or the
-    agent's running + waiting when that is higher), then the lowest KV use.
+  * `least-load`: the pod with the fewest requests in flight (the router's own count plus what
+    the agent reports beyond this router's requests: `EndpointLoad.busy`), then the lowest KV use.
   * `round-robin`: each ready pod in turn (what a plain Service does, for comparison).
 
 A request whose `model` names a LoRA adapter (multi-LoRA serving) is placed among the pods that
@@ -180,10 +180,22 @@ class EndpointLoad:
     queue_depth: float = 0.0
     kv_cache_utilization: float = 0.0
     fresh: bool = False  # the agent answered recently; stale signals count as zero
+    # The most requests this router had open to the pod while the agent's sample was being taken
+    # (None: not known). The sample counts those too, so only its excess over them is other
+    # clients' load.
+    own_at_sample: float | None = None
 
     def busy(self) -> float:
+        """The pod's requests: this router's own count, exact now, plus what the agent reports
+        beyond the requests of this router it counted. A sample is up to a poll interval old
+        (plus a step, on the pod), so taken as it is it still counts requests this router has
+        seen finish: an idle pod looked busy, and new conversations arriving together doubled up
+        on another pod (two on one pod and none on a third in most rounds of
+        bench/router_events.py)."""
         agent = self.running + self.queue_depth if self.fresh else 0.0
-        return max(float(self.in_flight), agent)
+        if self.own_at_sample is None:
+            return max(float(self.in_flight), agent)
+        return self.in_flight + max(0.0, agent - self.own_at_sample)
 
     def score(self) -> tuple[float, float]:
         return self.busy(), (self.kv_cache_utilization if self.fresh else 0.0)
