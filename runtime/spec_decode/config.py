@@ -118,7 +118,7 @@ def _tree(value, method: str | None) -> tuple[tuple[int, ...], ...] | None:
         return None
     if method == "mtp":
         raise ValueError("speculative_config.speculative_token_tree: not with method 'mtp' yet (the MTP "
-                         "proposer drafts chains only; a DeepSeek target's latent attention has no tree masks)")
+                         "proposer drafts chains only)")
     if method not in TREE_METHODS:
         raise ValueError(f"speculative_config.speculative_token_tree: only used with methods {list(TREE_METHODS)}")
     if isinstance(value, str):
