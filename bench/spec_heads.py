@@ -4,13 +4,15 @@ and n-gram lookup, with the mean acceptance length.
     python bench/spec_heads.py                    # trains the Medusa heads on first use (minutes)
     python bench/spec_heads.py --methods none,ngram,medusa --batches 1,8 --rounds 2
     python bench/spec_heads.py --methods none,ngram,eagle   # EAGLE head trained on first use
+    python bench/spec_heads.py --methods none,eagle,eagle_tree --batches 1,8
     python bench/spec_heads.py --methods none,medusa,medusa_tree --tree "[(0,), (1,), (0, 0)]"
 
 Chat questions the heads were not trained on, greedy, `--max-tokens` each. Batch 1 runs them one
 at a time; batch 8 runs them eight at once. Methods run in interleaved rounds and keep their best
 round; every method must reproduce the plain greedy text exactly (checked). The acceptance length
 is tokens per verification step: 1 + accepted drafts / verifications. `medusa_tree` is Medusa
-with `--tree` as its speculative_token_tree (its draft acceptance rate counts every node as a draft).
+with `--tree` as its speculative_token_tree (its draft acceptance rate counts every node as a draft);
+`eagle_tree` is the EAGLE head drafting that tree.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def spec_config(method: str, k: int, medusa: Path | None, eagle: Path | None = N
         return {"method": "medusa", "model": str(medusa), "speculative_token_tree": tree or str(DEFAULT_TREE)}
     if method == "eagle":
         return {"method": "eagle", "model": str(eagle), "num_speculative_tokens": k}
+    if method == "eagle_tree":
+        return {"method": "eagle", "model": str(eagle), "speculative_token_tree": tree or str(DEFAULT_TREE)}
     raise SystemExit(f"unknown method {method!r}")
 
 
@@ -103,7 +107,7 @@ def main(argv=None) -> None:
 
         medusa = ensure_medusa_heads(model)
     eagle = args.eagle
-    if "eagle" in methods and eagle is None:
+    if {"eagle", "eagle_tree"} & set(methods) and eagle is None:
         from kvserve.testing.eagle_heads import ensure_eagle_head
 
         eagle = ensure_eagle_head(model)
@@ -151,7 +155,8 @@ def main(argv=None) -> None:
         "eagle_training": json.loads((eagle / "training.json").read_text())
         if eagle and (eagle / "training.json").is_file() else None, "requests": len(questions),
         "max_tokens": args.max_tokens, "k": args.num_speculative_tokens, "rounds": args.rounds,
-        "tree": args.tree if "medusa_tree" in methods else None, "load_average": [load_before, os.getloadavg()],
+        "tree": args.tree if {"medusa_tree", "eagle_tree"} & set(methods) else None,
+        "load_average": [load_before, os.getloadavg()],
         "rows": rows,
     }, indent=2) + "\n")
     if any(row["same_text_as_plain"] is False for row in rows):
