@@ -7,7 +7,11 @@ What runs: one real `kvserve serve` process (one torch thread) per configuration
 router benchmark's conversations (tests/router_harness.py's Workload: the official openai client,
 streaming, greedy, fixed answer length; turn n+1 sends turn n's messages, its answer and a new
 user message). Every conversation is in flight at once, so between two turns of one conversation
-the others' prefills push its blocks out of the pool.
+the others' prefills push its blocks out of the pool. By default the next turn follows its answer at
+once: the engine stays saturated and a returning turn's TTFT is mostly its wait behind the others'
+turns, which no tier shortens. `--think-seconds S` puts a user's pause before each next turn
+(conversations start spread over one pause), so a returning turn mostly finds the engine free and
+its TTFT is its own prefill: what the tier changes.
 
 1. Multi-turn: the pool alone vs the pool plus a file tier (`--kv-offload-dir` on local disk).
    Reported: TTFT p50/p99 over all turns and over the returning turns (turn 2 on, which have a
@@ -52,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=56, help="the KV pool (blocks of 16 tokens)")
     p.add_argument("--max-num-seqs", type=int, default=2, help="requests the engine runs at once")
+    p.add_argument("--think-seconds", type=float, default=0.0,
+                   help="a user's pause before each next turn (0: at once, the engine stays saturated and "
+                        "a returning turn's TTFT is mostly queueing behind the others' turns)")
     p.add_argument("--kv-offload-bytes", type=int, default=1 << 30)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     p.add_argument("--seed", type=int, default=7)
@@ -126,7 +133,7 @@ def run_workload(args, server: Server, name: str, seed: int) -> tuple[list, floa
     before = scrape(server.url)
     workload = Workload(conversations=args.conversations, turns=args.turns, concurrency=args.conversations,
                         user_words=args.user_words, system_words=args.system_words, max_tokens=args.max_tokens,
-                        seed=seed, model="m")
+                        seed=seed, model="m", think_seconds=args.think_seconds)
     started = time.perf_counter()
     asyncio.run(workload.run(server.url, timeout=1200))
     duration = time.perf_counter() - started

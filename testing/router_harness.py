@@ -300,6 +300,10 @@ class Workload:
     seed: int = 0
     model: str = "tiny"
     stream: bool = True
+    # A user's pause between an answer and the next message (0: the next turn at once, so every
+    # conversation in flight keeps the engine saturated). Conversations start spread over one
+    # pause, as users do, instead of all at once.
+    think_seconds: float = 0.0
     results: list[Turn] = field(default_factory=list)
 
     def _text(self, rng: random.Random, n: int) -> str:
@@ -321,8 +325,12 @@ class Workload:
 
         async def conversation(c: int) -> None:
             async with gate:
+                if self.think_seconds:
+                    await asyncio.sleep(c * self.think_seconds / self.conversations)
                 messages = [{"role": "system", "content": system}]
                 for t, user in enumerate(plans[c]):
+                    if t and self.think_seconds:
+                        await asyncio.sleep(self.think_seconds)
                     messages.append({"role": "user", "content": f"conversation {self.seed}.{c} turn {t}: {user}"})
                     result = await self._turn(clients[t % len(clients)], c, t, messages)
                     self.results.append(result)
