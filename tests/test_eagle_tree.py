@@ -26,8 +26,6 @@ def test_config():
     for method in ("eagle", "eagle3"):
         cfg = SpeculativeConfig.parse({"method": method, "model": "/h", "speculative_token_tree": str(TREE)})
         assert cfg.num_speculative_tokens == 3 and len(cfg.speculative_token_tree) == len(TREE)
-    with pytest.raises(ValueError, match="speculative_token_tree: not with method 'mtp'"):
-        SpeculativeConfig.parse({"method": "mtp", "speculative_token_tree": TREE})
     with pytest.raises(ValueError, match="speculative_token_tree: only used with methods"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "speculative_token_tree": TREE})
 

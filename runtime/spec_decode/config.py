@@ -7,7 +7,7 @@ multi-token prediction layer, DeepSeek-V3's ``num_nextn_predict_layers``: spec_d
 ``model`` is optional, by default the target's directory). vLLM's older name ``deepseek_mtp`` is
 accepted as ``mtp``.
 
-Medusa also takes a candidate tree, ``speculative_token_tree`` (vLLM's key: a list of rank paths,
+Medusa, EAGLE and MTP also take a candidate tree, ``speculative_token_tree`` (vLLM's key: a list of rank paths,
 or its Python literal string such as ``"[(0,), (1,), (0, 0)]"``; runtime/spec_decode/medusa_tree.py),
 and non-greedy requests may use Medusa's typical acceptance instead of rejection sampling
 (``acceptance_method: "typical_acceptance_sampler"`` with ``posterior_threshold`` and
@@ -32,7 +32,7 @@ _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prom
          "speculative_token_tree", "acceptance_method", "posterior_threshold", "posterior_alpha"}
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 # Methods that propose more than one guess per position (a candidate tree).
-TREE_METHODS = ("medusa", "eagle", "eagle3")
+TREE_METHODS = ("medusa", "eagle", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -112,13 +112,10 @@ class SpeculativeConfig:
 
 def _tree(value, method: str | None) -> tuple[tuple[int, ...], ...] | None:
     """vLLM's speculative_token_tree (a list, or the Python literal string vLLM stores) as
-    validated paths; only Medusa's heads and EAGLE's draft layer (its top-k per node) give more
+    validated paths; only Medusa's heads and EAGLE's / MTP's draft layer (its top-k per node) give more
     than one guess per position."""
     if value is None:
         return None
-    if method == "mtp":
-        raise ValueError("speculative_config.speculative_token_tree: not with method 'mtp' yet (the MTP "
-                         "proposer drafts chains only)")
     if method not in TREE_METHODS:
         raise ValueError(f"speculative_config.speculative_token_tree: only used with methods {list(TREE_METHODS)}")
     if isinstance(value, str):

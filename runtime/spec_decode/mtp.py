@@ -37,7 +37,9 @@ The block's K/V (DeepSeek: latents) live in pools of the MTP's own, indexed by t
 step computed and kept (the same fills as EAGLE's: spec_decode/worker.py). Chain drafts past
 the verified length must not touch blocks the sequence may not own: they run on scratch blocks
 past the pool's shared part (the partial last block copied there first), so the paged MLA
-attention of the target's own code serves both the fills and the chain.
+attention of the target's own code serves both the fills and the chain. A tree
+(``speculative_token_tree``) runs each node's root-to-node path as one causal chunk on its own
+scratch set, which is the tree mask without a tree-masked draft attention.
 """
 
 from __future__ import annotations
@@ -295,11 +297,18 @@ class MTPProposer:
             return F.embedding(tokens, self.layer.embed)
         return self.target.embed_tokens(tokens)
 
-    def _argmax(self, out: torch.Tensor) -> list[int]:
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
         x = self.layer.normed(out)
         if self.layer.head is not None:
-            return (x @ self.layer.head.T).argmax(-1).tolist()
-        return self.target.compute_logits(x.to(self.target.dtype)).argmax(-1).tolist()
+            return x @ self.layer.head.T
+        return self.target.compute_logits(x.to(self.target.dtype))
+
+    def _argmax(self, out: torch.Tensor) -> list[int]:
+        return self._logits(out).argmax(-1).tolist()
+
+    def _topk(self, out: torch.Tensor, k: int) -> torch.Tensor:
+        """[rows, k] token ids, best first (a tree node's children by rank)."""
+        return self._logits(out).topk(k, dim=-1).indices
 
     def _forward(self, tables: list[list[int]], starts: list[int], counts: list[int], tokens: torch.Tensor,
                  features: torch.Tensor) -> torch.Tensor:
@@ -329,9 +338,10 @@ class MTPProposer:
 
     @torch.inference_mode()
     def step(self, fills: list[tuple[list[int], list[int], list[int], torch.Tensor]],
-             num_drafts: list[int]) -> list[list[int]]:
+             num_drafts: list[int], tree=None) -> list[list[int]]:
         """`fills[i]` = (block table, positions (consecutive), next tokens, target features) of
-        one sequence: writes those slots, then proposes `num_drafts[i]` tokens (0: write only)."""
+        one sequence: writes those slots, then proposes `num_drafts[i]` tokens (0: write only),
+        or with `tree` (a TreeLayout) the tokens of the tree's nodes 1..T, in node order."""
         if not fills:
             return []
         tokens = torch.tensor([t for f in fills for t in f[2]], dtype=torch.long)
@@ -343,6 +353,10 @@ class MTPProposer:
             return result
         ends = torch.tensor([len(f[1]) for f in fills]).cumsum(0) - 1
         last = out[ends[want].to(out.device)]
+        if tree is not None:
+            for a, nodes in enumerate(self._grow_tree(fills, want, tree, last)):
+                result[want[a]] = nodes
+            return result
         for a, t in enumerate(self._argmax(last)):
             result[want[a]].append(t)
         for group in range(0, len(want), self.capacity):
@@ -355,16 +369,10 @@ class MTPProposer:
         k = max(num_drafts[i] for i in members)
         if k < 2:
             return
-        bs = self.block_size
         tables, first = [], []
         for a, i in enumerate(members):
-            table, p = fills[i][0], fills[i][1][-1] + 1  # the chain's first position
-            scratch = [self.num_blocks + a * self.per_seq + b for b in range(self.per_seq)]
-            b0 = p // bs
-            if b0 < len(table) and table[b0] >= 0:  # the partial block: its earlier slots are context
-                for pool in self.pools:
-                    pool[scratch[0]] = pool[table[b0]]
-            tables.append(list(table[:b0]) + scratch)
+            table, p = self._scratch(fills[i], a)
+            tables.append(table)
             first.append(p)
         live = list(range(len(members)))
         for j in range(1, k):
@@ -378,3 +386,67 @@ class MTPProposer:
                 result[members[live[r]]].append(t)
             feature = feature.clone()
             feature[live] = out
+
+    def _scratch(self, fill, a: int) -> tuple[list[int], int]:
+        """(block table, first draft position) of a draft run on scratch set `a` (< capacity):
+        the sequence's blocks up to its partial last one, whose earlier slots (context) are
+        copied into the set's first scratch block, then the set's blocks."""
+        table, p = fill[0], fill[1][-1] + 1
+        scratch = [self.num_blocks + a * self.per_seq + b for b in range(self.per_seq)]
+        b0 = p // self.block_size
+        if b0 < len(table) and table[b0] >= 0:
+            for pool in self.pools:
+                pool[scratch[0]] = pool[table[b0]]
+        return list(table[:b0]) + scratch, p
+
+    def _grow_tree(self, fills, want: list[int], layout, root_out: torch.Tensor) -> list[list[int]]:
+        """Tree drafting (as EagleProposer._grow_tree): the root's top-k give depth 1; then, depth
+        by depth, every node with children runs the layer at position last + depth and its
+        children are its top-k by rank. A node must see the sequence and its own ancestors only:
+        each (sequence, node) pair runs its whole root-to-node path as one causal chunk on its
+        own scratch blocks, so the paged attention's causal mask is the tree mask. The path's
+        earlier rows recompute what that node's ancestors already computed (a few rows per
+        node), which keeps the layer's own paged MLA / GQA attention the only attention code.
+        Returns, per proposing sequence, the tokens of nodes 1..T."""
+        W, n = root_out.shape[0], layout.num_nodes
+        tokens = torch.zeros(W, n, dtype=torch.long)
+        outs = {0: root_out}
+
+        def branch(nodes: list[int]) -> None:
+            for node in nodes:
+                children = layout.children[node]
+                top = self._topk(outs[node], 1 + max(layout.ranks[c] for c in children)).cpu()
+                for c in children:
+                    tokens[:, c] = top[:, layout.ranks[c]]
+
+        def path(c: int) -> list[int]:
+            nodes = []
+            while c > 0:
+                nodes.append(c)
+                c = layout.parents[c]
+            return nodes[::-1]
+
+        branch([0])
+        for depth in range(1, layout.depth):
+            level = [c for c in range(n) if layout.depths[c] == depth and layout.children[c]]
+            if not level:
+                break
+            pairs = [(c, a) for c in level for a in range(W)]
+            new: dict[tuple[int, int], torch.Tensor] = {}
+            for g in range(0, len(pairs), self.capacity):
+                group = pairs[g:g + self.capacity]
+                tables, starts, toks, feats = [], [], [], []
+                for slot, (c, a) in enumerate(group):
+                    table, p = self._scratch(fills[want[a]], slot)
+                    tables.append(table)
+                    starts.append(p)
+                    nodes = path(c)
+                    toks.append(tokens[a, nodes])
+                    feats += [outs[layout.parents[x]][a:a + 1] for x in nodes]
+                out = self._forward(tables, starts, [depth] * len(group), torch.cat(toks), torch.cat(feats))
+                for r, pair in enumerate(group):
+                    new[pair] = out[(r + 1) * depth - 1]
+            for c in level:
+                outs[c] = torch.stack([new[(c, a)] for a in range(W)])
+            branch(level)
+        return tokens[:, 1:].tolist()
