@@ -27,7 +27,6 @@ right (what a chain accepts at that depth).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
@@ -176,7 +175,7 @@ def main(argv=None) -> None:
     from spec_heads import HELD_OUT_TOPICS, QUESTIONS
 
     from kvserve.runtime.spec_decode.medusa import load_medusa_heads
-    from kvserve.testing.spec_heads import _weights_digest, ensure_medusa_heads, generate, hidden_states
+    from kvserve.testing.spec_heads import dataset, ensure_medusa_heads
 
     model = args.model
     if model is None:
@@ -189,17 +188,7 @@ def main(argv=None) -> None:
                               dtype=torch.float32, device=torch.device("cpu"))
     questions = [q.format(t=t) for t in HELD_OUT_TOPICS for q in QUESTIONS]
     t0 = time.perf_counter()
-    key = hashlib.sha256(json.dumps([Path(model).name, _weights_digest(model), questions, args.max_tokens])
-                         .encode()).hexdigest()[:16]
-    cache = args.heldout or ROOT / "build" / "spec-heads" / f"heldout-{key}.pt"
-    if cache.is_file():
-        data = torch.load(cache, weights_only=True)
-        hidden, tokens = data["hidden"], data["tokens"]
-    else:
-        seqs, starts = generate(model, questions, args.max_tokens)
-        hidden, tokens = hidden_states(model, seqs, starts)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"hidden": hidden, "tokens": tokens}, cache)
+    hidden, tokens = dataset(model, questions, args.max_tokens, kind="heldout", cache=args.heldout)
     print(f"{len(questions)} held-out answers, {hidden.shape[0]} positions ({time.perf_counter() - t0:.0f} s)")
 
     choices = trees(args.depth)

@@ -83,16 +83,22 @@ def hidden_states(model_dir, sequences: list[list[int]], starts: list[int]) -> t
     return torch.cat(rows), tokens
 
 
-def dataset(model_dir, questions: list[str], max_tokens: int) -> tuple[torch.Tensor, list]:
+def dataset(model_dir, questions: list[str], max_tokens: int, *, kind: str = "data",
+            cache: pathlib.Path | None = None) -> tuple[torch.Tensor, list]:
     """(hidden states, tokens) of the model's answers, cached beside the heads: generating and
-    re-reading them is most of the training time."""
+    re-reading them is most of the training time. `kind` names the cache (training data,
+    held-out answers); `cache` is a file to use instead of the keyed one."""
     # The directory's name and its weights, not its path: a cache copied from another checkout is found.
     key = hashlib.sha256(json.dumps([pathlib.Path(model_dir).name, _weights_digest(model_dir), questions, max_tokens])
                          .encode()).hexdigest()[:16]
-    cache = REPO_ROOT / "build" / "spec-heads" / f"data-{key}.pt"
+    cache = cache or REPO_ROOT / "build" / "spec-heads" / f"{kind}-{key}.pt"
     if cache.is_file():
         data = torch.load(cache, weights_only=True)
         return data["hidden"], data["tokens"]
+    # Say so: on a CPU this takes many minutes, and a changed question list is a new key.
+    others = sorted(p.name for p in cache.parent.glob(f"{kind}-*.pt")) if cache.parent.is_dir() else []
+    print(f"spec heads: generating {len(questions)} answers of up to {max_tokens} tokens for {cache.name} "
+          f"(minutes on a CPU){'; other caches here: ' + ', '.join(others) if others else ''}", flush=True)
     seqs, starts = generate(model_dir, questions, max_tokens)
     hidden, tokens = hidden_states(model_dir, seqs, starts)
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -120,6 +120,7 @@ def test_allocation_is_atomic_and_nothing_leaks(full_blocks, window_blocks, bloc
 
 def test_prefix_hit_is_the_longest_every_group_serves():
     co = KVCacheCoordinator(GROUPS, [12, 12], BLOCK, enable_caching=True)
+    assert [co.blocks_for_tokens(n) for n in (1, BLOCK, BLOCK + 1)] == [1, 1, 2]  # as BlockManager's
     full, local = co.managers
     tokens = list(range(100, 140))  # 10 blocks
     hashes = block_hashes(tokens, BLOCK)

@@ -125,6 +125,10 @@ class KVCacheCoordinator:
     def get_block_table(self, seq_id: int) -> list[int]:
         return self.managers[0].get_block_table(seq_id)
 
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """The reference group's blocks for `num_tokens` (a full-attention sequence's table)."""
+        return self.managers[0].blocks_for_tokens(num_tokens)
+
     def group_tables(self, seq_id: int) -> tuple[list[int], ...]:
         """The sequence's block table in every group (copies)."""
         return tuple(list(m.get_block_table(seq_id)) for m in self.managers)
