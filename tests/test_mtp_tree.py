@@ -112,3 +112,47 @@ def test_gqa_family_tree_equals_greedy(tiny_model_factory, tmp_path):
     s = engine.get_stats()
     assert s.spec_decode_num_drafts_total > 0 and s.spec_decode_num_accepted_tokens_total > 0
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_mtp_slots_after_tree_steps_are_the_accepted_paths(mtp_models):
+    """After every step, each running sequence's MTP slots (positions 0..n-2) hold exactly what
+    a fresh fill of its tokens with the target's features (transformers' final normed hidden
+    states) writes: a tree step's kept rows are its accepted path's nodes, not its first rows."""
+    import transformers
+
+    model = mtp_models["copy"]
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(model, dtype=torch.float32,
+                                                            experts_implementation="eager").eval()
+    engine = make_engine(model, {"method": "mtp", "speculative_token_tree": TREE})
+    spec, bm, bs = engine.spec_decoder, engine.block_manager, engine.spec_decoder.block_size
+    prop = spec.eagle
+    seen = []
+    real = spec._move_paths
+
+    def spy(scheduled, block_tables, paths):
+        seen.extend(p for p in paths.values() if any(n not in spec.tree.chain for n in p))
+        real(scheduled, block_tables, paths)
+
+    spec._move_paths = spy
+    for i, p in enumerate(grounded_prompts(n=4)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.num_uncomputed_tokens != 1:  # mid-prefill: its slots are still being written
+                continue
+            ids, n = seq.token_ids, seq.num_tokens - 1
+            table = bm.get_block_table(seq.seq_id)
+            with torch.inference_mode():
+                feats = hf.model(torch.tensor([ids[:n]])).last_hidden_state[0]
+                saved = [pool.clone() for pool in prop.pools]
+                prop._forward([table], [0], [n], torch.tensor(ids[1:n + 1]), feats)
+                slots = [table[q // bs] * bs + q % bs for q in range(n)]
+                for pool, old in zip(prop.pools, saved):
+                    got, want = old.flatten(0, 1)[slots], pool.flatten(0, 1)[slots]
+                    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+                    pool.copy_(old)
+            checked += 1
+    assert checked and seen  # accepted paths off the top-1 chain happened
+    assert engine.block_manager.num_used_blocks == 0
