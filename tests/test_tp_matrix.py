@@ -72,6 +72,10 @@ def _spec_ran(llm: LLM) -> None:
     assert llm.engine.get_stats().spec_decode_num_drafts_total > 0
 
 
+def _accepted(llm: LLM) -> None:
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens_total > 0
+
+
 def _prefix_hit(llm: LLM) -> None:
     assert llm.engine.get_stats().prefix_cache_hits_total > 0
 
@@ -103,6 +107,7 @@ class Case:
     eagle3: bool = False  # a random EAGLE-3 head (reads two of the model's layers) as the spec model
     eagle_copy: bool = False  # an EAGLE head that guesses the target's token again (drafts accepted)
     mtp: bool = False  # the model gets a random MTP layer (DeepSeek-V3's layout) in its checkpoint
+    mtp_copy: bool = False  # ... a copying one instead (drafts, and tree branches, get accepted)
     exact: bool = True  # False: the same tokens up to the first near-tie, the same logprobs
 
 
@@ -136,6 +141,10 @@ CASES = {
     "mtp-spec-decode": Case(arch="deepseek_v3", engine=dict(speculative_config={"method": "mtp",
                                                                                 "num_speculative_tokens": 2}),
                             mtp=True, workload=_grounded, ran=_spec_ran),
+    # MTP tree drafting on rank 0; the verified tree's accepted path moves K/V on every rank.
+    "mtp-tree-spec-decode": Case(arch="deepseek_v3", engine=dict(speculative_config={
+        "method": "mtp", "speculative_token_tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
+        mtp=True, mtp_copy=True, workload=_grounded, ran=_accepted),
     "structured-outputs": Case(model=dict(vocab_size=640), workload=_structured),
     # Gemma 2 alternates local (window 8) and global layers: two KV cache groups, two block tables.
     "hybrid-kv-groups": Case(arch="gemma2", model=dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5),
@@ -221,8 +230,8 @@ def test_tp2_matches_tp1(tiny_model_factory, name):
     if case.mtp:
         from test_mtp import add_mtp_layer
 
-        mtp_dir = model_dir.parent / f"{model_dir.name}-mtp"
-        model_dir = mtp_dir if mtp_dir.is_dir() else add_mtp_layer(model_dir, mtp_dir)
+        mtp_dir = model_dir.parent / f"{model_dir.name}-mtp{'-copy' if case.mtp_copy else ''}"
+        model_dir = mtp_dir if mtp_dir.is_dir() else add_mtp_layer(model_dir, mtp_dir, copy=case.mtp_copy)
     want = _run(model_dir, case, draft_dir, 1)
     got = _run(model_dir, case, draft_dir, 2)
     if case.exact:
