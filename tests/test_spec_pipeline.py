@@ -88,19 +88,32 @@ def dsv3_copy_mtp(tiny_model_factory, tmp_path_factory):
     return add_mtp_layer(tiny_model_factory("deepseek_v3"), tmp_path_factory.mktemp("mtp") / "copy", copy=True)
 
 
-def test_pp2_greedy_with_mtp_equals_pp1(dsv3_copy_mtp):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_pp2_greedy_with_mtp_equals_pp1(dsv3_copy_mtp, shape):
     """DeepSeek-V3's MTP layer at PP=2: the layer (MLA block, MoE, its own latent pool) runs on
     rank 0 from the last stage's final hidden rows, with whole embedding / head copies (rank 0's
-    stage has no head). Drafts are made and accepted, and greedy output equals PP=1 without
-    speculation, under preemption and prefix-cache hits (small pool)."""
+    stage has no head). Drafts (a chain, or a tree whose accepted path's K/V every stage moves)
+    are made and accepted, and greedy output equals PP=1 without speculation, under preemption
+    and prefix-cache hits (small pool)."""
     prompts = grounded_prompts(n=4)
     engine = make_engine(dsv3_copy_mtp)
     try:
         reference = {k: v.outputs[0].token_ids for k, v in run_checked(engine, prompts, GREEDY).items()}
     finally:
         engine.close()
-    engine = make_engine(dsv3_copy_mtp, {"method": "mtp", "num_speculative_tokens": 3}, num_kv_blocks=48,
+    spec = {"method": "mtp", "num_speculative_tokens": 3} if shape == "chain" else {
+        "method": "mtp", "speculative_token_tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}
+    engine = make_engine(dsv3_copy_mtp, spec, num_kv_blocks=48,
                          pipeline_parallel_size=2, max_num_batched_tokens=24)
+    moved = []
+    if shape == "tree":
+        real = engine.spec_decoder._move_paths
+
+        def spy(scheduled, block_tables, paths):
+            moved.extend(p for p in paths.values() if any(n not in engine.spec_decoder.tree.chain for n in p))
+            real(scheduled, block_tables, paths)
+
+        engine.spec_decoder._move_paths = spy
     try:
         assert engine.spec_decoder.eagle.layer.head is not None  # the checkpoint's copy
         outs = run_checked(engine, prompts, GREEDY)
@@ -109,3 +122,4 @@ def test_pp2_greedy_with_mtp_equals_pp1(dsv3_copy_mtp):
         engine.close()
     assert {k: v.outputs[0].token_ids for k, v in outs.items()} == reference
     assert s.spec_decode_num_drafts_total > 0 and s.spec_decode_num_accepted_tokens_total > 0
+    assert shape == "chain" or moved, "no off-chain path was accepted: the slot moves went untested"
