@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eagle import H, base_config, random_head, target_copy_head  # noqa: E402  (tests/ is on sys.path via conftest)
-from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked  # noqa: E402
+from test_spec_decode import GREEDY, grounded_prompts, make_engine, record_accepted_paths, run_checked  # noqa: E402
 
 from kvserve.runtime.spec_decode import SpeculativeConfig
 from kvserve.runtime.spec_decode.eagle import save_eagle_head
@@ -78,14 +78,7 @@ def test_greedy_with_a_tree_equals_greedy_without(tiny_llama, greedy_reference, 
     engine = make_engine(tiny_llama, {"method": method, "model": str(path), "speculative_token_tree": TREE},
                          num_kv_blocks=48, max_num_batched_tokens=24)
     spec = engine.spec_decoder
-    seen = []
-    real = spec._move_paths
-
-    def spy(scheduled, block_tables, paths):
-        seen.extend(paths.values())
-        real(scheduled, block_tables, paths)
-
-    spec._move_paths = spy
+    seen = record_accepted_paths(engine)
     outs = run_checked(engine, grounded_prompts(), GREEDY)
     assert {k: v.outputs[0].token_ids for k, v in outs.items()} == greedy_reference
     s = engine.get_stats()

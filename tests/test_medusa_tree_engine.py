@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_medusa import random_heads, target_copy_heads  # noqa: E402  (tests/ is on sys.path via conftest)
-from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked  # noqa: E402
+from test_spec_decode import GREEDY, grounded_prompts, make_engine, record_accepted_paths, run_checked  # noqa: E402
 
 from kvserve.runtime import SamplingParams
 from kvserve.runtime.spec_decode import SpeculativeConfig
@@ -95,14 +95,7 @@ def test_branches_are_accepted(tiny_llama, tmp_path):
     path = save_medusa_heads(target_copy_heads(tiny_llama), tmp_path / "h")
     engine = make_engine(tiny_llama, {"method": "medusa", "model": str(path), "speculative_token_tree": TREE})
     spec = engine.spec_decoder
-    seen = []
-    real = spec._move_paths
-
-    def spy(scheduled, block_tables, paths):
-        seen.extend(paths.values())
-        real(scheduled, block_tables, paths)
-
-    spec._move_paths = spy
+    seen = record_accepted_paths(engine)
     prompts = grounded_prompts(n=8, seed=1)
     got = run_checked(engine, prompts, GREEDY)
     want = run_checked(make_engine(tiny_llama), prompts, GREEDY)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_mtp import add_mtp_layer  # noqa: E402  (tests/ is on sys.path via conftest)
-from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked  # noqa: E402
+from test_spec_decode import GREEDY, grounded_prompts, make_engine, record_accepted_paths, run_checked  # noqa: E402
 
 from kvserve.runtime.spec_decode import SpeculativeConfig
 from kvserve.runtime.spec_decode.tree_verify import Tree
@@ -82,14 +82,7 @@ def test_greedy_with_a_tree_equals_greedy_without(mtp_models, greedy_reference, 
     engine = make_engine(mtp_models[kind], {"method": "mtp", "speculative_token_tree": TREE},
                          num_kv_blocks=48, max_num_batched_tokens=24)
     spec = engine.spec_decoder
-    seen = []
-    real = spec._move_paths
-
-    def spy(scheduled, block_tables, paths):
-        seen.extend(paths.values())
-        real(scheduled, block_tables, paths)
-
-    spec._move_paths = spy
+    seen = record_accepted_paths(engine)
     outs = run_checked(engine, grounded_prompts(), GREEDY)
     assert {k: v.outputs[0].token_ids for k, v in outs.items()} == greedy_reference
     s = engine.get_stats()

@@ -182,6 +182,20 @@ def run_checked(engine, prompts, params, arrive_every=2):
     return final
 
 
+def record_accepted_paths(engine) -> list:
+    """Every accepted tree path the engine moves K/V for (a list that fills as it runs): tests of
+    tree drafting check that some leave the top-1 chain."""
+    spec, seen = engine.spec_decoder, []
+    real = spec._move_paths
+
+    def spy(scheduled, block_tables, paths):
+        seen.extend(paths.values())
+        real(scheduled, block_tables, paths)
+
+    spec._move_paths = spy
+    return seen
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
