@@ -13,7 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eagle import H, base_config, random_head, target_copy_head  # noqa: E402  (tests/ is on sys.path via conftest)
-from test_spec_decode import GREEDY, grounded_prompts, make_engine, record_accepted_paths, run_checked  # noqa: E402
+from test_spec_decode import (  # noqa: E402
+    GREEDY,
+    assert_tree_nodes_are_forced_chains,
+    grounded_prompts,
+    make_engine,
+    record_accepted_paths,
+    run_checked,
+)
 
 from kvserve.runtime.spec_decode import SpeculativeConfig
 from kvserve.runtime.spec_decode.eagle import save_eagle_head
@@ -42,23 +49,8 @@ def test_every_node_is_the_chain_forced_down_its_path(tiny_llama, tmp_path):
     fills = [(scattered[:-(-n // bs)], list(range(n)), torch.randint(0, 512, (n,)).tolist(), torch.randn(n, H) * 3),
              ([7, 4, 10][:-(-9 // bs)], list(range(9)), torch.randint(0, 512, (9,)).tolist(), torch.randn(9, H) * 3)]
     nodes = prop.step(fills, [3, 3], tree=tree.full)
-    real = prop._logits_argmax
-    for node, choice in enumerate(tree.choices, 1):
-        ranks = iter(choice)
-
-        def forced(out, ranks=ranks):  # the chain's j-th guess is the node's j-th rank
-            r = next(ranks)
-            return prop._logits_topk(out, r + 1)[:, r] if r else real(out)
-
-        prop._logits_argmax = forced
-        try:
-            chain = prop.step(fills, [len(choice)] * 2)
-        finally:
-            prop._logits_argmax = real
-        for s in range(2):
-            assert chain[s][-1] == nodes[s][node - 1], (s, choice)
-    # The tree's top-1 chain is exactly the chain drafter's output.
-    assert [tree.chain_tokens(x) for x in nodes] == prop.step(fills, [3, 3])
+    assert_tree_nodes_are_forced_chains(prop, tree, fills, nodes, argmax="_logits_argmax",
+                                        pick_rank=lambda out, r: prop._logits_topk(out, r + 1)[:, r])
 
 
 @pytest.fixture(scope="module")

@@ -196,6 +196,30 @@ def record_accepted_paths(engine) -> list:
     return seen
 
 
+def assert_tree_nodes_are_forced_chains(prop, tree, fills, nodes, *, argmax: str, pick_rank) -> None:
+    """Each tree node a proposer drafted (`nodes`, per sequence) equals the last draft of its chain
+    drafter forced down the node's path: the chain's j-th guess is the node's j-th rank
+    (`pick_rank(logits, r)`, r > 0, replaces the proposer's `argmax` method); and the tree's top-1
+    chain is exactly the chain drafter's output."""
+    real = getattr(prop, argmax)
+    for node, choice in enumerate(tree.choices, 1):
+        ranks = iter(choice)
+
+        def forced(out, ranks=ranks):
+            r = next(ranks)
+            return pick_rank(out, r) if r else real(out)
+
+        setattr(prop, argmax, forced)
+        try:
+            chain = prop.step(fills, [len(choice)] * len(fills))
+        finally:
+            setattr(prop, argmax, real)
+        for s in range(len(fills)):
+            assert chain[s][-1] == nodes[s][node - 1], (s, choice)
+    depth = max(len(c) for c in tree.choices)
+    assert [tree.chain_tokens(x) for x in nodes] == prop.step(fills, [depth] * len(fills))
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
