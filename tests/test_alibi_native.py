@@ -20,9 +20,16 @@ def test_native_stack_runs_alibi_layers_like_the_per_op_path(tiny_model_factory,
 
     if not native.available():
         pytest.skip(f"native CPU kernels: {native.status()}")
-    path = tiny_model_factory(family, **MPT)
+    assert_native_stack_matches_per_op(tiny_model_factory(family, **MPT), max_tokens=12)
+
+
+def assert_native_stack_matches_per_op(path, max_tokens: int) -> None:
+    """Greedy decoding of `path` through the native stack gives the per-op path's tokens, and
+    its logprobs to float rounding (the stack's norms and activations are C)."""
+    from kvserve.kernels.cpu import native
+
     prompts = [[1, 40, 41, 42, 300, 17, 5, 9, 250], [1, 7, 8], [3] * 20]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
 
     def run(stack: bool):
         with LLM(str(path), num_kv_blocks=64, block_size=8, dtype="float32", device="cpu") as llm:

@@ -13,6 +13,7 @@ import shutil
 import ggufmodels as G
 import pytest
 import torch
+from test_alibi_native import assert_native_stack_matches_per_op
 from test_gguf_families import PROMPT, oracle_logits, our_logits
 
 from kvserve.runtime import LLM, SamplingParams
@@ -121,28 +122,9 @@ def test_native_stack_runs_parallel_layers_like_the_per_op_path(falcon, tiny_mod
 
     if not native.available():
         pytest.skip(f"native CPU kernels: {native.status()}")
-    prompts = [[1, 40, 41, 42, 300, 17, 5, 9, 250], [1, 7, 8], [3] * 20]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     path = (tiny_model_factory("falcon", **{**ROPE, **VARIANTS["7b"], "num_attention_heads": 71, "hidden_size": 568})
             if variant == "7b-71-heads" else falcon(variant))
-
-    def run(stack: bool):
-        with LLM(str(path), num_kv_blocks=64, block_size=8, dtype="float32", device="cpu") as llm:
-            model = llm.engine.model
-            if not stack:
-                model._native_stack = None
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], model._native_stack
-
-    got, stack = run(True)
-    want, _ = run(False)
-    assert isinstance(stack, native.DecoderStack)
-    for (g_ids, g_lp), (w_ids, w_lp) in zip(got, want):
-        assert list(g_ids) == list(w_ids)
-        for g, w in zip(g_lp, w_lp):
-            assert g.keys() == w.keys()
-            torch.testing.assert_close(torch.tensor([g[t].logprob for t in g]), torch.tensor([w[t].logprob for t in g]),
-                                       rtol=1e-4, atol=1e-4)
+    assert_native_stack_matches_per_op(path, max_tokens=10)
 
 
 @pytest.mark.parametrize("variant", ["7b", "40b"])
