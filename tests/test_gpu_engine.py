@@ -24,6 +24,7 @@ import random
 import re
 
 import pytest
+import test_baichuan  # tests/ is on sys.path (conftest)
 import torch
 
 from kvserve.runtime import LLM, SamplingParams
@@ -163,6 +164,20 @@ def test_family_greedy_equals_transformers(tiny_model_factory, arch, overrides):
     assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 10))
 
 
+baichuan = test_baichuan.checkpoint  # its tiny checkpoints, both variants (a module-scoped fixture)
+
+
+def test_baichuan_matches_the_cpu_engine(baichuan):
+    """Baichuan has no transformers class (remote code only); tests/test_baichuan.py holds our CPU
+    path to a float64 reference. Both variants (13B's ALiBi, 7B's rotary) on the device: the CPU
+    engine's greedy tokens."""
+    path, _, _ = baichuan
+    prompts = prompts_for()
+    want, _ = generate(path, prompts, 10, logprobs=TOPK, device="cpu", attention_backend="torch")
+    got, _ = generate(path, prompts, 10)
+    assert_greedy_matches(tokens_of(got), engine_references(want))
+
+
 # --------------------------------------- chunked prefill, preemption, prefix caching together
 
 # 18 prompts up to 40 tokens; a step budget of 16 (chunked prefill) and 20 blocks of 4 (80 tokens:
@@ -272,13 +287,20 @@ def _spec_tokens(model_dir, spec, **kw):
 
 @pytest.fixture(scope="module")
 def spec_targets(tiny_model_factory, tmp_path_factory):
-    """model name -> (directory, greedy tokens without speculation on this device)."""
+    """target("llama" | "dsv3") -> (directory, greedy tokens without speculation on this device),
+    each built on first use (under xdist every worker builds only the targets its tests need)."""
     from kvserve.testing.mtp_layers import add_mtp_layer
 
-    root = tmp_path_factory.mktemp("gpu-spec")
-    llama = tiny_model_factory("llama")
-    dsv3 = add_mtp_layer(tiny_model_factory("deepseek_v3"), root / "dsv3-mtp-copy", copy=True)
-    return {name: (path, _spec_tokens(path, None)[0]) for name, path in (("llama", llama), ("dsv3", dsv3))}
+    built = {}
+
+    def target(name):
+        if name not in built:
+            path = (tiny_model_factory("llama") if name == "llama" else
+                    add_mtp_layer(tiny_model_factory("deepseek_v3"), tmp_path_factory.mktemp("gpu-spec") / "mtp", copy=True))
+            built[name] = path, _spec_tokens(path, None)[0]
+        return built[name]
+
+    return target
 
 
 def _medusa(model_dir, tmp, kind):
@@ -308,7 +330,7 @@ def test_speculative_greedy_equals_plain_greedy(spec_targets, tmp_path, kind):
     trees), greedy output on CUDA equals plain greedy on CUDA, through a small pool (preemption,
     prefix hits), and copy-style drafters get tokens accepted."""
     target = "dsv3" if kind == "mtp-copy" else "llama"
-    model_dir, want = spec_targets[target]
+    model_dir, want = spec_targets(target)
     tree = "[(0,), (1,), (0, 0), (0, 0, 0)]"
     spec = {
         "ngram": lambda: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
