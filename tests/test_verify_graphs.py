@@ -151,9 +151,10 @@ def test_kv_sizing_counts_the_verification_graphs(tiny_llama, monkeypatch):
 
         monkeypatch.setattr(worker, "profile_graphs", profile_graphs)
         gib = 2**30
-        # free: before profiling; then per family: before / after the largest / after the smallest
+        # free: before profiling; then per family: before / after the largest / after the smallest;
+        # then once all is released
         worker.platform = _scripted_platform([6 * gib, 5 * gib, 5 * gib - 1000, 5 * gib - 1010,
-                                              5 * gib - 1010, 5 * gib - 3010, 5 * gib - 3030], 8 * gib)
+                                              5 * gib - 1010, 5 * gib - 3010, 5 * gib - 3030, 6 * gib], 8 * gib)
         budget = worker._profiled_kv_budget(None, 16, 64)
         assert calls == [([1, 2, 4, 8], 1, False), ([1, 2, 4], 4, False)]  # 4 x 4 tokens fit max_capture_size 16
         decode, verify = 1000 + 10 * 3, 2000 + 20 * 2

@@ -120,7 +120,14 @@ class Worker:
         """vLLM's rule (runtime/kv_cache.py's profiled_kv_budget): the device's total x
         gpu_memory_utilization, minus what is in use before the pools exist (this rank's weights,
         the CUDA context, other processes), the activation peak of the largest step, measured by
-        running it, and the memory of the decode graphs, measured by capturing two of them."""
+        running it, and the memory of the decode graphs (and the speculative verification graphs), each
+        family measured by capturing two of them.
+
+        What is in use is read again after the profiling: the first step loads kernels that CUDA
+        loads lazily (cuBLAS, every Triton module) and library workspaces, device memory that no
+        torch counter shows and that stays. Read only before, the first engine of a process would
+        promise the pools ~100 MB that its own kernels then hold (a second engine in the same
+        process, with those already loaded, got fewer blocks: measured on an H200)."""
         device, platform = self.device, self.platform
         free, total = platform.free_memory_bytes(device)  # after handing cached blocks back
         platform.reset_peak_memory(device)
@@ -134,11 +141,12 @@ class Worker:
         for q, (verify_sizes, tree) in (self.verify_graph_plan(sizes).items() if not self._graphs_refused else ()):
             graph_bytes += self.profile_graphs(kv_groups, verify_sizes, max_model_len=max_model_len,
                                                query_len=q, tree=tree)
-        budget = profiled_kv_budget(total, self.config.gpu_memory_utilization, total - free, activations,
-                                    graph_bytes)
+        free_after, _ = platform.free_memory_bytes(device)
+        in_use = total - min(free, free_after)
+        budget = profiled_kv_budget(total, self.config.gpu_memory_utilization, in_use, activations, graph_bytes)
         log.info("rank %d: KV budget %.2f GiB = %.2f GiB x %.2f - %.2f GiB in use - %.2f GiB activation peak "
                  "- %.2f GiB CUDA graphs (%d sizes)", self.rank, budget / 2**30, total / 2**30,
-                 self.config.gpu_memory_utilization, (total - free) / 2**30, activations / 2**30,
+                 self.config.gpu_memory_utilization, in_use / 2**30, activations / 2**30,
                  graph_bytes / 2**30, len(sizes))
         return budget
 
