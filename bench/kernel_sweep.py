@@ -44,7 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, required=True, help="JSON path for every timing and the best per shape")
     p.add_argument("--budget", type=float, default=140.0, help="seconds for the whole sweep, compiles included")
     p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="compile processes")
-    p.add_argument("--rep", type=int, default=30, help="do_bench measuring time per config, milliseconds")
+    p.add_argument("--rep", type=int, default=25, help="do_bench measuring time per prefill config, milliseconds")
+    p.add_argument("--graph-rep", type=int, default=8,
+                   help="milliseconds of calls per CUDA graph (decode; each timing replays it 10 times)")
     p.add_argument("--interpret", action="store_true", help="tiny CPU smoke run under TRITON_INTERPRET=1")
     return p.parse_args(argv)
 
@@ -186,7 +188,9 @@ def _spec(n: int | None):
 
 
 def compile_key(kind, cfg: dict, num_splits=None, min_split=None) -> tuple:
-    return (kind, tuple(sorted(cfg.items())), _spec(num_splits), _spec(min_split))
+    # The split merge kernel is compiled per power of two of the split count (its BLOCK_S).
+    merge = None if num_splits is None else 1 << max(0, num_splits - 1).bit_length()
+    return (kind, tuple(sorted(cfg.items())), _spec(num_splits), merge, _spec(min_split))
 
 
 def warm(task) -> tuple[tuple, str | None]:
@@ -219,7 +223,10 @@ def precompile(tasks, workers, deadline) -> dict:
     futures = [pool.submit(warm, t) for t in tasks]
     try:
         for fut in as_completed(futures, timeout=max(1.0, deadline - time.monotonic())):
-            task, err = fut.result()
+            try:
+                task, err = fut.result()
+            except Exception as e:  # a worker died (BrokenProcessPool): its task is lost, not the sweep
+                task, err = tasks[futures.index(fut)], f"{type(e).__name__}: {e}"
             results[compile_key(task[0], dict(task[1]), task[2], task[3])] = err
     except TimeoutError:
         pass
@@ -248,6 +255,10 @@ def main(argv=None):
     import triton.testing
 
     from kvserve.kernels.attention import decode_config, decode_num_splits, device_sms, prefill_config
+    from kvserve.kernels.triton_utils import interpreter_problem
+
+    if args.interpret and interpreter_problem():
+        sys.exit(interpreter_problem())
 
     device = torch.device("cpu" if args.interpret else "cuda")
     dtype = torch.float32 if args.interpret else torch.bfloat16
@@ -263,7 +274,7 @@ def main(argv=None):
             fn()
             return (time.perf_counter() - t) * 1e3
         if graph:
-            return float(triton.testing.do_bench_cudagraph(fn, rep=args.rep, return_mode="median"))
+            return float(triton.testing.do_bench_cudagraph(fn, rep=args.graph_rep, return_mode="median"))
         return float(triton.testing.do_bench(fn, warmup=5, rep=args.rep, return_mode="median"))
 
     p_cfgs = prefill_configs(args.interpret)
