@@ -224,12 +224,20 @@ def test_medusa_tree_verification_on_static_buffers_gives_the_same_greedy_output
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["ngram", "medusa_tree"])
+@pytest.mark.parametrize("kind", ["ngram", "medusa_tree", "eagle3"])
 def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny_llama, tmp_path, kind):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     if kind == "medusa_tree":
         path = save_medusa_heads(target_copy_heads(tiny_llama), tmp_path / "h")
         spec = {"method": "medusa", "model": str(path), "speculative_token_tree": TREE}
+    elif kind == "eagle3":  # its aux layers come back from the captured graphs
+        from test_eagle import base_config, random_head  # noqa: E402
+
+        from kvserve.runtime.spec_decode.eagle import save_eagle_head
+
+        path = save_eagle_head(random_head(True, draft_vocab=200), tmp_path / "e3", base_config=base_config(),
+                               aux_layers=(1, 2, 2))
+        spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3}
     prompts = grounded_prompts(n=8)
     outs = {}
     for eager in (True, False):
@@ -277,3 +285,38 @@ def test_a_graphed_tree_step_attends_like_the_eager_one_without_reading_the_devi
         got = backend.attend(q, None, None, k_cache, v_cache, graphed, 0.25)
         backend.attend(q, None, None, k_cache, v_cache, AttentionMetadata(**base), 0.25)  # a chain step
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_eagle3_reads_its_aux_layers_from_the_static_buffers(tiny_llama, tmp_path):
+    """EAGLE-3 reads the target's intermediate residual streams (model.aux_hidden): the graphs
+    hand back theirs, cut to the step's rows, so decode and verification steps of an EAGLE-3
+    target run on the static buffers too, with the eager engine's greedy output."""
+    from test_eagle import base_config, random_head  # noqa: E402
+
+    from kvserve.runtime.spec_decode.eagle import save_eagle_head
+
+    path = save_eagle_head(random_head(True, draft_vocab=200), tmp_path / "e3", base_config=base_config(),
+                           aux_layers=(1, 2, 2))
+    spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3}
+    prompts = grounded_prompts(n=4)
+    outs, replays = [], []
+    for twin in (False, True):
+        engine = make_engine(tiny_llama, spec, num_kv_blocks=48)
+        engine.executor.runner.verify_as_decode_rows = False
+        worker = engine.executor.driver_worker
+        if twin:
+            worker.graphs = worker.build_graphs([1, 2, 4, 8], max_model_len=engine.max_model_len, capture=False)
+            worker.verify_graphs = worker.build_verify_graphs([1, 2, 4, 8], max_model_len=engine.max_model_len,
+                                                              capture=False)
+            real = worker._execute
+
+            def checked(step, real=real, worker=worker):  # the aux rows are the step's, never the padding's
+                logits = real(step)
+                assert all(a.shape[0] == step.input_ids.shape[0] for a in worker.last_aux_hidden)
+                return logits
+
+            worker._execute = checked
+        outs.append({k: v.outputs[0].token_ids for k, v in run_checked(engine, prompts, GREEDY).items()})
+        replays.append((worker.graphs.replays if twin else 0, worker.verify_graph_replays))
+    assert outs[0] == outs[1]
+    assert replays[0] == (0, 0) and replays[1][1] > 0

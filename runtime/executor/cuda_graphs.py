@@ -168,6 +168,9 @@ class DecodeGraphs:
         self.pool = pool
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # EAGLE-3 reads the residual stream of some target layers (model.aux_hidden): a graph's
+        # are captured tensors too, handed back after each replay.
+        self.aux_outputs: dict[int, list[torch.Tensor]] = {}
         self._rows_loaded = 0  # rows of the static buffers that hold a real sequence's data
         self.replays = 0
 
@@ -256,6 +259,8 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[size] = self._forward(size)
+                if getattr(self.model, "aux_hidden_layers", None):
+                    self.aux_outputs[size] = list(self.model.aux_hidden)
                 self.graphs[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -275,7 +280,11 @@ class DecodeGraphs:
         if graph is not None:
             graph.replay()
             out = self.outputs[size]
+            aux = self.aux_outputs.get(size)
         else:
             out = self._forward(size)
+            aux = self.model.aux_hidden if getattr(self.model, "aux_hidden_layers", None) else None
+        if aux is not None:
+            self.model.aux_hidden = [a[:n] for a in aux]
         self.replays += 1
         return out[:n]
