@@ -113,6 +113,15 @@ def test_static_buffers_hold_uniform_steps_and_pad_the_rest(tree):
             assert torch.equal(graphs.tree_masks[q:], chain.repeat(len(graphs.tree_masks) // q - 1))
 
 
+@pytest.mark.parametrize("q", [2, 5, 64])
+def test_padding_masks_are_the_chains_up_to_a_full_64_node_tree(q):
+    from kvserve.runtime.spec_decode.medusa_tree import chain_choices, tree_layout
+
+    graphs = DecodeGraphs(None, [], block_size=4, max_model_len=128, sizes=[2], device=torch.device("cpu"),
+                          capture=False, query_len=q, tree=True)
+    assert torch.equal(graphs.tree_masks, torch.tensor(tree_layout(chain_choices(q - 1)).masks).repeat(2))
+
+
 def test_load_refuses_steps_a_verification_graph_cannot_hold():
     graphs = DecodeGraphs(None, [], block_size=4, max_model_len=16, sizes=[2], device=torch.device("cpu"),
                           capture=False, query_len=3)

@@ -152,7 +152,8 @@ class DecodeGraphs:
         self.tree_masks = self._chain_masks = None
         if tree:
             j = torch.arange(largest * q, dtype=torch.long, device=dev) % q
-            self._chain_masks = (torch.ones_like(j) << (j + 1)) - 1
+            # Row 63's mask is all 64 bits (-1): no shift by 64, whose result differs by device.
+            self._chain_masks = torch.where(j == 63, -1, (torch.ones_like(j) << torch.clamp(j + 1, max=63)) - 1)
             self.tree_masks = self._chain_masks.clone()
         # KV cache groups (a hybrid model): one slot mapping and block table per group's window,
         # the first group's being the buffers above; None: one table serves every layer.
