@@ -109,16 +109,19 @@ def batch1(model_dir: Path, eager: bool, n: int) -> float:
         eng.step()
         steps += 1
     ms = (time.perf_counter() - t0) / steps * 1000
-    gpu_ms = gpu_ms_per_step(eng, min(n, 64))
+    gpu_ms, kernels = gpu_ms_per_step(eng, min(n, 64))
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     llm.close()
-    return ms, gpu_ms, weight_bytes
+    return ms, gpu_ms, kernels, weight_bytes
 
 
-def gpu_ms_per_step(eng, n: int) -> float | None:
+KERNEL_ROWS = 15
+
+
+def gpu_ms_per_step(eng, n: int) -> tuple[float | None, list[dict]]:
     """The GPU's kernel time per batch-1 decode step: the self device time of every op the
-    profiler saw over n steps of a fresh request (graph replays included), divided by n. None
-    if the profiler cannot see the device."""
+    profiler saw over n steps of a fresh request (graph replays included), divided by n, and the
+    kernels that took most of it. None if the profiler cannot see the device."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -134,13 +137,19 @@ def gpu_ms_per_step(eng, n: int) -> float | None:
                 eng.step()
                 steps += 1
             torch.cuda.synchronize()
-        total_us = sum(e.self_device_time_total for e in prof.key_averages())
+        averages = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     except Exception as exc:  # a build without CUPTI, a profiler already running
         print(f"GPU time not measured: {exc}", flush=True)
         while eng.has_unfinished_requests():
             eng.step()
-        return None
-    return total_us / 1000 / max(1, steps)
+        return None, []
+    steps = max(1, steps)
+    total_us = sum(e.self_device_time_total for e in averages)
+    # Where a step's GPU time goes, by kernel: what a fusion or a better kernel would have to win.
+    top = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:KERNEL_ROWS]
+    kernels = [{"name": e.key[:90], "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count / steps}
+               for e in top]
+    return total_us / 1000 / steps, kernels
 
 
 def offline(model_dir: Path, eager: bool, args) -> dict:
@@ -170,12 +179,13 @@ def main(argv=None) -> int:
     model_dir = build_model(args.model_dir)
     bw = copy_bandwidth_GBps()
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "copy_GBps": bw, "batch1_ms": {}, "batch1_gpu_ms": {}, "offline": {}}
+           "copy_GBps": bw, "batch1_ms": {}, "batch1_gpu_ms": {}, "batch1_kernels": {}, "offline": {}}
     for eager in (False, True):
         key = "eager" if eager else "graphs"
-        ms, gpu_ms, weight_bytes = batch1(model_dir, eager, args.decode_tokens)
+        ms, gpu_ms, kernels, weight_bytes = batch1(model_dir, eager, args.decode_tokens)
         res["batch1_ms"][key] = ms
         res["batch1_gpu_ms"][key] = gpu_ms
+        res["batch1_kernels"][key] = kernels
         res["roofline_ms"] = weight_bytes / (bw * 1e9) * 1000
         res["offline"][key] = offline(model_dir, eager, args)
         gpu = "not measured" if gpu_ms is None else f"{gpu_ms:.2f} ms"
@@ -188,6 +198,12 @@ def main(argv=None) -> int:
         if gpu_ms is not None:
             wall = res["batch1_ms"][key]
             print(f"batch-1 {key}: {wall:.2f} ms wall = {gpu_ms:.2f} ms GPU + {wall - gpu_ms:.2f} ms host and gaps")
+    if res["batch1_kernels"]["graphs"]:
+        print(f"\nbatch-1 graphs, GPU time per step by kernel (top {KERNEL_ROWS}):")
+        print(f"{'us/step':>8} {'calls/step':>10}  kernel")
+        for k in res["batch1_kernels"]["graphs"]:
+            print(f"{k['us_per_step']:8.1f} {k['calls_per_step']:10.1f}  {k['name']}")
+        print()
     print(f"batch-1 eager {e:.2f} ms: graphs {e / g:.2f}x faster (target >= 2x: {'met' if e >= 2 * g else 'NOT met'})")
     print(f"offline graphs {res['offline']['graphs']['output_tokens_per_s']:.0f} tok/s, eager "
           f"{res['offline']['eager']['output_tokens_per_s']:.0f} tok/s")

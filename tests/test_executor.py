@@ -234,14 +234,16 @@ def test_kv_sizing_profiles_the_largest_step_and_the_decode_graphs(tiny_llama, m
             return real_profile(kv_groups, sizes, max_model_len=max_model_len, capture=False)
 
         monkeypatch.setattr(worker, "profile_graphs", profile_graphs)
-        # free before profiling, then before / after the largest graph / after the smallest one
-        gib = 2**30
-        worker.platform = _scripted_platform([6 * gib, 5 * gib, 5 * gib - 1000, 5 * gib - 1010], 8 * gib,
-                                             allocated=100, peak=100 + 3000)
+        # free before profiling, then before / after the largest graph / after the smallest one, then
+        # once all is released: 50 MiB less than at first (kernels the first step loaded stay loaded)
+        gib, mib = 2**30, 2**20
+        worker.platform = _scripted_platform([6 * gib, 5 * gib, 5 * gib - 1000, 5 * gib - 1010, 6 * gib - 50 * mib],
+                                             8 * gib, allocated=100, peak=100 + 3000)
         budget = worker._profiled_kv_budget(None, 40, 64)
         assert rows == [3]  # max_num_seqs sampler rows of the 40-token step
         assert calls == [([1, 2, 4, 8], 64)]
-        assert budget == int(8 * gib * llm.engine.config.gpu_memory_utilization) - 2 * gib - 3000 - (1000 + 3 * 10)
+        in_use = 2 * gib + 50 * mib
+        assert budget == int(8 * gib * llm.engine.config.gpu_memory_utilization) - in_use - 3000 - (1000 + 3 * 10)
         assert all(bool((pool == 0.5).all()) for layer in ex.kv_caches for pool in layer)
 
 
