@@ -342,3 +342,45 @@ def test_eagle3_reads_its_aux_layers_from_the_static_buffers(tiny_llama, tmp_pat
         replays.append((worker.graphs.replays if twin else 0, worker.verify_graph_replays))
     assert outs[0] == outs[1]
     assert replays[0] == (0, 0) and replays[1][1] > 0
+
+
+def _twin_verify_graphs(self, *, max_model_len):
+    """Worker.compile_and_capture building the CPU twin of the decode and verification graphs."""
+    self.graphs = self.build_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+    self.verify_graphs = self.build_verify_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+
+
+# The same, in the worker processes (sitecustomize runs at their start).
+_TWIN_VERIFY_GRAPHS = '''
+from kvserve.runtime.executor.worker import Worker
+def compile_and_capture(self, *, max_model_len):
+    self.graphs = self.build_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+    self.verify_graphs = self.build_verify_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+Worker.compile_and_capture = compile_and_capture
+'''
+
+
+def test_tp2_verification_graphs_replay_on_every_rank(tiny_model_factory, tmp_path, monkeypatch):
+    """At tensor_parallel_size 2, through the twin on both ranks (installed in the worker process
+    through sitecustomize, as tests/test_tp_matrix.py does for decode graphs): a replayed
+    verification step pads to its bucket, so its all-reduces have the bucket's shape, and a rank
+    choosing the other path would mismatch the collective. Equal tokens: every rank chose alike."""
+    from kvserve.runtime import LLM
+    from kvserve.runtime.executor.worker import Worker
+
+    (tmp_path / "sitecustomize.py").write_text(_TWIN_VERIFY_GRAPHS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(Worker, "compile_and_capture", _twin_verify_graphs)
+    model_dir = tiny_model_factory("llama")
+    kw = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=32, seed=0,
+              speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": p} for p in grounded_prompts(n=4)]
+    outs, replays = [], []
+    for tp in (1, 2):
+        with LLM(str(model_dir), tensor_parallel_size=tp, **kw) as llm:
+            llm.engine.executor.runner.verify_as_decode_rows = False
+            res = llm.generate(prompts, GREEDY, use_tqdm=False)
+            outs.append([list(o.outputs[0].token_ids) for o in res])
+            replays.append(llm.engine.executor.driver_worker.verify_graph_replays)
+    assert outs[0] == outs[1] and replays[0] > 0 and replays[1] > 0
