@@ -412,6 +412,32 @@ def _split_args(device: torch.device, num_seqs: int, parallel_heads: int, max_sp
     return num_splits, min_split, align
 
 
+def decode_config(block_d: int, elt_size: int, is_cuda: bool) -> dict:
+    """Launch configuration of the decode kernel for a padded head_dim and element size: K and V
+    tiles of 64 tokens, halved where a row is over 512 bytes (fp32 x 256) so that two pipeline
+    stages stay well inside shared memory. The interpreter gets 32-token tiles."""
+    if not is_cuda:
+        return dict(block_n=32, num_warps=4, num_stages=2)
+    return dict(block_n=64 if block_d * elt_size <= 512 else 32, num_warps=4 if block_d <= 128 else 8,
+                num_stages=2)
+
+
+def prefill_config(block_d: int, elt_size: int, is_cuda: bool) -> dict:
+    """Launch configuration of the prefill kernel for a padded head_dim and element size."""
+    if not is_cuda:  # interpreter: fewer, larger numpy ops are what make it fast
+        return dict(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    row_bytes = block_d * elt_size
+    block_m, block_n = (64, 64) if row_bytes <= 256 else (64, 32) if row_bytes <= 512 else (32, 32)
+    return dict(block_m=block_m, block_n=block_n, num_warps=4 if block_d <= 64 else 8, num_stages=2)
+
+
+def _checked_config(default: dict, override: dict) -> dict:
+    unknown = set(override) - set(default)
+    if unknown:
+        raise ValueError(f"unknown launch configuration keys {sorted(unknown)}; known: {sorted(default)}")
+    return {**default, **override}
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]; at most one row per sequence
     k_cache: torch.Tensor,
@@ -429,6 +455,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
     v_scale: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (None: no ALiBi)
+    _config: dict | None = None,  # launch configuration overrides, for bench/kernel_sweep.py only
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
@@ -447,9 +474,10 @@ def paged_decode_attention(
     # The longest span one query reads: the splits cut that, not the whole context.
     span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     block_d = max(16, next_pow2(dim))
-    # K and V tiles of 64 tokens, halved where a row is over 512 bytes (fp32 x 256) so that two
-    # pipeline stages stay well inside shared memory.
-    block_n = (64 if block_d * query.element_size() <= 512 else 32) if query.is_cuda else 32
+    cfg = decode_config(block_d, query.element_size(), query.is_cuda)
+    if _config:
+        cfg = _checked_config(cfg, _config)
+    block_n = cfg["block_n"]
     num_splits, min_split, align = _split_args(query.device, num_seqs, kv_heads, span, block_n, num_splits,
                                         min_split_tokens)
     direct = num_splits == 1
@@ -473,7 +501,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
-        HAS_ALIBI=alibi_slopes is not None, num_warps=4 if dim <= 128 else 8, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:
         kernel_for(_merge_kernel, query.device)[(num_seqs, heads)](
@@ -502,6 +530,7 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
     v_scale: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (None: no ALiBi)
+    _config: dict | None = None,  # launch configuration overrides, for bench/kernel_sweep.py only
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
@@ -518,12 +547,10 @@ def paged_prefill_attention(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     block_d = max(16, next_pow2(dim))
-    if query.is_cuda:
-        row_bytes = block_d * query.element_size()
-        block_m, block_n = (64, 64) if row_bytes <= 256 else (64, 32) if row_bytes <= 512 else (32, 32)
-        warps = 4 if block_d <= 64 else 8
-    else:  # interpreter: fewer, larger numpy ops are what make it fast
-        block_m, block_n, warps = 32, 32, 4
+    cfg = prefill_config(block_d, query.element_size(), query.is_cuda)
+    if _config:
+        cfg = _checked_config(cfg, _config)
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
     tiles = triton.cdiv(max_query_len * group, block_m)
     kernel_for(_prefill_kernel, query.device)[(tiles, kv_heads, num_seqs)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale, alibi,
@@ -537,6 +564,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
-        HAS_ALIBI=alibi_slopes is not None, num_warps=warps, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

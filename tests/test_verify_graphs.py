@@ -113,6 +113,15 @@ def test_static_buffers_hold_uniform_steps_and_pad_the_rest(tree):
             assert torch.equal(graphs.tree_masks[q:], chain.repeat(len(graphs.tree_masks) // q - 1))
 
 
+@pytest.mark.parametrize("q", [2, 5, 64])
+def test_padding_masks_are_the_chains_up_to_a_full_64_node_tree(q):
+    from kvserve.runtime.spec_decode.medusa_tree import chain_choices, tree_layout
+
+    graphs = DecodeGraphs(None, [], block_size=4, max_model_len=128, sizes=[2], device=torch.device("cpu"),
+                          capture=False, query_len=q, tree=True)
+    assert torch.equal(graphs.tree_masks, torch.tensor(tree_layout(chain_choices(q - 1)).masks).repeat(2))
+
+
 def test_load_refuses_steps_a_verification_graph_cannot_hold():
     graphs = DecodeGraphs(None, [], block_size=4, max_model_len=16, sizes=[2], device=torch.device("cpu"),
                           capture=False, query_len=3)
@@ -195,17 +204,30 @@ def _run(model_dir, spec, *, twin: bool, prompts, arrive_every=2, **kw):
     return {k: v.outputs[0].token_ids for k, v in outs.items()}, worker.verify_graph_replays, stats
 
 
-def test_ngram_chain_verification_on_static_buffers_gives_the_same_greedy_outputs(tiny_llama):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("arch, overrides, method, arrivals", [
+    pytest.param("llama", {}, "ngram", (25, 2), id="llama-ngram"),
+    # KV cache groups (per-window slot mappings and block tables), a window and soft-capping; the
+    # target as its own draft (this tiny model repeats one token, so n-gram finds one draft only)
+    pytest.param("gemma2", dict(attn_logit_softcapping=2.0), "draft_is_target", (25, 2),
+                 id="gemma2-groups-window-softcap-draft"),
+])
+def test_chain_verification_on_static_buffers_gives_the_same_greedy_outputs(tiny_model_factory, arch, overrides,
+                                                                            method, arrivals):
     """The n-gram lookup gives a sequence k drafts, fewer or none, so at batch 1 (requests 25 steps
-    apart) most verification steps are uniform; then requests overlap, whose steps mostly are not."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    apart) most verification steps are uniform; then requests overlap, whose steps mostly are not
+    (a draft model's always are, once no prefill shares the step)."""
+    model = tiny_model_factory(arch, **overrides)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
     prompts = grounded_prompts(n=6)
-    for arrive_every in (25, 2):
-        want, replays, _ = _run(tiny_llama, spec, twin=False, prompts=prompts, arrive_every=arrive_every)
+    for arrive_every in arrivals:
+        want, replays, _ = _run(model, spec, twin=False, prompts=prompts, arrive_every=arrive_every)
         assert replays == 0
-        got, replays, stats = _run(tiny_llama, spec, twin=True, prompts=prompts, arrive_every=arrive_every)
+        got, replays, stats = _run(model, spec, twin=True, prompts=prompts, arrive_every=arrive_every)
         assert got == want
-        assert replays > 0 or arrive_every == 2
+        assert replays > 0 or (arrive_every == 2 and method == "ngram")
     assert stats.spec_decode_num_accepted_tokens_total > 0
 
 
@@ -224,12 +246,20 @@ def test_medusa_tree_verification_on_static_buffers_gives_the_same_greedy_output
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["ngram", "medusa_tree"])
+@pytest.mark.parametrize("kind", ["ngram", "medusa_tree", "eagle3"])
 def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny_llama, tmp_path, kind):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     if kind == "medusa_tree":
         path = save_medusa_heads(target_copy_heads(tiny_llama), tmp_path / "h")
         spec = {"method": "medusa", "model": str(path), "speculative_token_tree": TREE}
+    elif kind == "eagle3":  # its aux layers come back from the captured graphs
+        from test_eagle import base_config, random_head  # noqa: E402
+
+        from kvserve.runtime.spec_decode.eagle import save_eagle_head
+
+        path = save_eagle_head(random_head(True, draft_vocab=200), tmp_path / "e3", base_config=base_config(),
+                               aux_layers=(1, 2, 2))
+        spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3}
     prompts = grounded_prompts(n=8)
     outs = {}
     for eager in (True, False):
@@ -277,3 +307,80 @@ def test_a_graphed_tree_step_attends_like_the_eager_one_without_reading_the_devi
         got = backend.attend(q, None, None, k_cache, v_cache, graphed, 0.25)
         backend.attend(q, None, None, k_cache, v_cache, AttentionMetadata(**base), 0.25)  # a chain step
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_eagle3_reads_its_aux_layers_from_the_static_buffers(tiny_llama, tmp_path):
+    """EAGLE-3 reads the target's intermediate residual streams (model.aux_hidden): the graphs
+    hand back theirs, cut to the step's rows, so decode and verification steps of an EAGLE-3
+    target run on the static buffers too, with the eager engine's greedy output."""
+    from test_eagle import base_config, random_head  # noqa: E402
+
+    from kvserve.runtime.spec_decode.eagle import save_eagle_head
+
+    path = save_eagle_head(random_head(True, draft_vocab=200), tmp_path / "e3", base_config=base_config(),
+                           aux_layers=(1, 2, 2))
+    spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3}
+    prompts = grounded_prompts(n=4)
+    outs, replays = [], []
+    for twin in (False, True):
+        engine = make_engine(tiny_llama, spec, num_kv_blocks=48)
+        engine.executor.runner.verify_as_decode_rows = False
+        worker = engine.executor.driver_worker
+        if twin:
+            worker.graphs = worker.build_graphs([1, 2, 4, 8], max_model_len=engine.max_model_len, capture=False)
+            worker.verify_graphs = worker.build_verify_graphs([1, 2, 4, 8], max_model_len=engine.max_model_len,
+                                                              capture=False)
+            real = worker._execute
+
+            def checked(step, real=real, worker=worker):  # the aux rows are the step's, never the padding's
+                logits = real(step)
+                assert all(a.shape[0] == step.input_ids.shape[0] for a in worker.last_aux_hidden)
+                return logits
+
+            worker._execute = checked
+        outs.append({k: v.outputs[0].token_ids for k, v in run_checked(engine, prompts, GREEDY).items()})
+        replays.append((worker.graphs.replays if twin else 0, worker.verify_graph_replays))
+    assert outs[0] == outs[1]
+    assert replays[0] == (0, 0) and replays[1][1] > 0
+
+
+def _twin_verify_graphs(self, *, max_model_len):
+    """Worker.compile_and_capture building the CPU twin of the decode and verification graphs."""
+    self.graphs = self.build_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+    self.verify_graphs = self.build_verify_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+
+
+# The same, in the worker processes (sitecustomize runs at their start).
+_TWIN_VERIFY_GRAPHS = '''
+from kvserve.runtime.executor.worker import Worker
+def compile_and_capture(self, *, max_model_len):
+    self.graphs = self.build_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+    self.verify_graphs = self.build_verify_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+Worker.compile_and_capture = compile_and_capture
+'''
+
+
+def test_tp2_verification_graphs_replay_on_every_rank(tiny_model_factory, tmp_path, monkeypatch):
+    """At tensor_parallel_size 2, through the twin on both ranks (installed in the worker process
+    through sitecustomize, as tests/test_tp_matrix.py does for decode graphs): a replayed
+    verification step pads to its bucket, so its all-reduces have the bucket's shape, and a rank
+    choosing the other path would mismatch the collective. Equal tokens: every rank chose alike."""
+    from kvserve.runtime import LLM
+    from kvserve.runtime.executor.worker import Worker
+
+    (tmp_path / "sitecustomize.py").write_text(_TWIN_VERIFY_GRAPHS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(Worker, "compile_and_capture", _twin_verify_graphs)
+    model_dir = tiny_model_factory("llama")
+    kw = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=32, seed=0,
+              speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": p} for p in grounded_prompts(n=4)]
+    outs, replays = [], []
+    for tp in (1, 2):
+        with LLM(str(model_dir), tensor_parallel_size=tp, **kw) as llm:
+            llm.engine.executor.runner.verify_as_decode_rows = False
+            res = llm.generate(prompts, GREEDY, use_tqdm=False)
+            outs.append([list(o.outputs[0].token_ids) for o in res])
+            replays.append(llm.engine.executor.driver_worker.verify_graph_replays)
+    assert outs[0] == outs[1] and replays[0] > 0 and replays[1] > 0

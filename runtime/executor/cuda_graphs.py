@@ -152,7 +152,8 @@ class DecodeGraphs:
         self.tree_masks = self._chain_masks = None
         if tree:
             j = torch.arange(largest * q, dtype=torch.long, device=dev) % q
-            self._chain_masks = (torch.ones_like(j) << (j + 1)) - 1
+            # Row 63's mask is all 64 bits (-1): no shift by 64, whose result differs by device.
+            self._chain_masks = torch.where(j == 63, -1, (torch.ones_like(j) << torch.clamp(j + 1, max=63)) - 1)
             self.tree_masks = self._chain_masks.clone()
         # KV cache groups (a hybrid model): one slot mapping and block table per group's window,
         # the first group's being the buffers above; None: one table serves every layer.
@@ -168,6 +169,9 @@ class DecodeGraphs:
         self.pool = pool
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # EAGLE-3 reads the residual stream of some target layers (model.aux_hidden): a graph's
+        # are captured tensors too, handed back after each replay.
+        self.aux_outputs: dict[int, list[torch.Tensor]] = {}
         self._rows_loaded = 0  # rows of the static buffers that hold a real sequence's data
         self.replays = 0
 
@@ -256,6 +260,8 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[size] = self._forward(size)
+                if getattr(self.model, "aux_hidden_layers", None):
+                    self.aux_outputs[size] = list(self.model.aux_hidden)
                 self.graphs[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -275,7 +281,11 @@ class DecodeGraphs:
         if graph is not None:
             graph.replay()
             out = self.outputs[size]
+            aux = self.aux_outputs.get(size)
         else:
             out = self._forward(size)
+            aux = self.model.aux_hidden if getattr(self.model, "aux_hidden_layers", None) else None
+        if aux is not None:
+            self.model.aux_hidden = [a[:n] for a in aux]
         self.replays += 1
         return out[:n]

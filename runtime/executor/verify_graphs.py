@@ -13,7 +13,8 @@ sequence of the step has the same query length q, the step is *uniform* and one 
 Batch sizes are the decode capture sizes whose steps stay within ``max_capture_size`` tokens
 (vLLM's uniform-decode rule: a bucket of b sequences holds b x q tokens). Anything else (prefill,
 mixed steps, a sequence whose drafts were cut short by the n-gram lookup or by max_model_len, a
-batch past the largest bucket) runs eagerly.
+batch past the largest bucket) runs eagerly, and so does every multi-token step of a model with
+multi-head latent attention (its attention plans such steps on the host).
 """
 
 from __future__ import annotations
@@ -52,10 +53,8 @@ def uniform_query_len(num_tokens: int, num_seqs: int, max_query_len: int) -> int
     return max_query_len
 
 
-def why_no_verify_graphs(model_config, model) -> str | None:
+def why_no_verify_graphs(model_config) -> str | None:
     """Why this target's verification steps cannot be captured, or None."""
     if getattr(model_config.shape, "mla", None) is not None:
         return "multi-head latent attention plans multi-token steps on the host"
-    if getattr(model, "aux_hidden_layers", None):
-        return "EAGLE-3 reads the target's intermediate layers, which a graph does not hand back"
     return None

@@ -365,7 +365,7 @@ class Worker:
 
         spec = getattr(self.config, "speculative_config", None)
         if (not decode_sizes or spec is None or self._verify_graphs_refused
-                or why_no_verify_graphs(self.model_config, self.model)):
+                or why_no_verify_graphs(self.model_config)):
             return {}
         max_tokens = self.config.compilation_config.max_capture_size
         plan = {q: (verify_capture_sizes(decode_sizes, q, max_tokens), tree)
@@ -397,7 +397,7 @@ class Worker:
             from kvserve.runtime.executor.verify_graphs import why_no_verify_graphs
 
             log.info("speculative verification steps run eagerly (%s)",
-                     why_no_verify_graphs(self.model_config, self.model) or why_not or "no capture sizes")
+                     why_no_verify_graphs(self.model_config) or why_not or "no capture sizes")
 
     def build_graphs(self, sizes: list[int], *, max_model_len: int, capture: bool, query_len: int = 1,
                      tree: bool = False, pool=None):
@@ -440,7 +440,7 @@ class Worker:
     def _graphs_for(self, step: ForwardInput):
         """The graphs that replay this step, or None (it runs eagerly). Read from shapes and host
         flags only: nothing here waits for the device."""
-        if step.lora is not None or self.model.aux_hidden_layers:
+        if step.lora is not None:
             return None
         meta = step.meta
         if meta.is_decode_only:
