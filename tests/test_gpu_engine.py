@@ -200,6 +200,42 @@ def test_chunked_prefill_and_preemption_equal_transformers(tiny_model_factory, a
     assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 8))
 
 
+def test_async_scheduling_equals_transformers(tiny_model_factory):
+    """Step N+1's forward launched while step N's tokens are processed: the same tokens."""
+    model_dir = tiny_model_factory("qwen3")
+    prompts = prompts_for()
+    got, _ = generate(model_dir, prompts, 10, async_scheduling=True, max_num_batched_tokens=32)
+    assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 10))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_swapped_out_requests_come_back_intact(tiny_model_factory, arch):
+    """Preemption by swapping (swap_space): blocks copied device -> host and back instead of
+    recomputed; the tokens are still transformers'."""
+    overrides = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                       "sliding_attention"]) if arch == "gemma3" else {}
+    model_dir = tiny_model_factory(arch, **overrides)
+    prompts = prompts_for(lengths=(1, 2, 3, 40, 37, 5, 8, 13, 21, 34, 9, 17, 28, 4, 11, 25, 6, 31))
+    got, stats = generate(model_dir, prompts, 8, **SQUEEZED, swap_space=0.01)
+    assert stats.num_preemptions_total > 0 and stats.kv_swap_ins_total > 0
+    assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 8))
+
+
+def test_kv_offload_tier_hits_give_the_same_tokens(tiny_model_factory):
+    """Blocks evicted from a small device pool are kept in the host tier and loaded back for a
+    repeated prompt (host <-> device copies of the tier): transformers' tokens both times."""
+    model_dir = tiny_model_factory("llama")
+    prompts = prompts_for(lengths=(40, 37, 34, 31, 28), seed=9)
+    refs = hf_references(model_dir, prompts, 6)
+    with LLM(str(model_dir), **{**ENGINE, "block_size": 4, "num_kv_blocks": 24, "kv_offload_bytes": 8 << 20}) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        for _ in range(2):  # the second round finds the first round's blocks in the tier
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            assert_greedy_matches(tokens_of([o.outputs[0] for o in outs]), refs)
+        stats = llm.engine.get_stats()
+    assert stats.kv_offload_hit_tokens_total > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
 def test_prefix_cache_hits_give_the_same_tokens(tiny_model_factory, arch):
     """Prompts sharing a 37-token prefix (two full blocks of 16 and part of a third): the second
@@ -222,7 +258,7 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_model_factory, arch):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # MLA refuses fp8 pools (a ValueError)
 def test_fp8_kv_cache_matches_the_cpu_fp8_path(tiny_model_factory, arch, kv_cache_dtype):
     """The same float8 rounding on both devices: greedy tokens equal our CPU engine's with an fp8
     pool, up to near ties (a value on a float8 rounding edge may land either way)."""
@@ -237,26 +273,37 @@ def test_fp8_kv_cache_matches_the_cpu_fp8_path(tiny_model_factory, arch, kv_cach
 # ----------------------------------------------------------------------------------- LoRA
 
 
-@pytest.fixture(scope="module")
-def lora_setup(tiny_model_factory, tmp_path_factory):
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # PEFT's target_parameters of fused experts
+# arch -> two adapters that differ in rank and modules (PEFT wants one model's adapters to target the
+# same parameters, hence the shared target_parameters of the MoE pair).
+LORAS = {
+    "llama": (dict(r=8, seed=1, std=0.1), dict(r=4, seed=2, std=0.15, target_modules=["q_proj", "v_proj", "down_proj"])),
+    "deepseek_v3": (dict(r=8, seed=1, std=0.15, target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                                 "kv_b_proj", "o_proj"]),
+                    dict(r=4, seed=2, std=0.2, target_modules=["kv_b_proj"])),
+    "mixtral": (dict(r=8, seed=1, std=0.15, target_modules=["q_proj"], target_parameters=EXPERTS),
+                dict(r=4, seed=2, std=0.2, target_modules=["q_proj"], target_parameters=EXPERTS)),
+}
+
+
+@pytest.mark.parametrize("arch", list(LORAS))
+def test_multi_lora_batch_equals_peft(tiny_model_factory, tmp_path, arch):
+    """Two adapters and the base model in one batch (the sgmv kernels on CUDA; MLA's latent
+    projections; routed experts): each request's tokens and logprobs are peft's for its adapter."""
     from kvserve.runtime.lora.request import LoRARequest
-    from kvserve.testing.adapters import build_lora_adapters, peft_model
+    from kvserve.testing.adapters import assert_outputs_match_peft, build_lora_adapters, peft_model
 
-    base = tiny_model_factory("llama")
-    root = tmp_path_factory.mktemp("gpu-loras")
-    a, b = build_lora_adapters(base, {root / "a": dict(r=8, seed=1, std=0.1),
-                                      root / "b": dict(r=4, seed=2, std=0.15,
-                                                       target_modules=["q_proj", "v_proj", "down_proj"])})
+    if "target_parameters" in LORAS[arch][0]:
+        import dataclasses
+
+        from peft import LoraConfig
+
+        if "target_parameters" not in {f.name for f in dataclasses.fields(LoraConfig)}:
+            pytest.skip("this peft has no target_parameters (fused expert adapters)")
+    base = tiny_model_factory(arch)
+    a, b = build_lora_adapters(base, {tmp_path / "a": LORAS[arch][0], tmp_path / "b": LORAS[arch][1]})
     requests = {"a": LoRARequest("a", 1, str(a)), "b": LoRARequest("b", 2, str(b))}
-    return base, requests, peft_model(base, {"a": str(a), "b": str(b)})
-
-
-def test_multi_lora_batch_equals_peft(lora_setup):
-    """Two adapters and the base model in one batch (the sgmv kernels on CUDA): each request's
-    tokens and logprobs are peft's for its adapter."""
-    from kvserve.testing.adapters import assert_outputs_match_peft
-
-    base, requests, pm = lora_setup
+    pm = peft_model(base, {"a": str(a), "b": str(b)})
     names = ["a", None, "b", "a", "b"]
     prompts = prompts_for(lengths=(5, 17, 3, 30, 9), seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
