@@ -5,7 +5,8 @@
                                                              # configs each; timings meaningless)
 
 Shapes are bench/kernel_timings.py's --quick grid (a Llama-3-8B layer: 32 query heads, 8 KV heads,
-head_dim 128, bf16, block size 16). Prefill sweeps BLOCK_M x BLOCK_N x num_warps x num_stages;
+head_dim 128, bf16, block size 16). Prefill sweeps BLOCK_M x BLOCK_N x num_warps x num_stages
+(and, for the shipped tiles, the kernel without its unmasked/masked key split: causal_split off);
 decode first sweeps BLOCK_N x num_warps x num_stages at the default split count, then, with each
 shape's best of those, the split count and the smallest split. Every configuration's output is
 checked once per shape against torch SDPA on gathered K/V before it is timed; one that disagrees
@@ -56,14 +57,16 @@ def parse_args(argv=None):
 
 def prefill_configs(interpret: bool) -> list[dict]:
     if interpret:
-        return [dict(block_m=32, block_n=32, num_warps=4, num_stages=2),
-                dict(block_m=16, block_n=16, num_warps=4, num_stages=2)]
+        return [dict(block_m=32, block_n=32, num_warps=4, num_stages=2, causal_split=True),
+                dict(block_m=16, block_n=16, num_warps=4, num_stages=2, causal_split=False)]
     out = []
     for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
         # K and V tiles per stage plus the Q tile, bf16
         if st * 2 * bn * HEAD_DIM * 2 + bm * HEAD_DIM * 2 > SMEM_BYTES:
             continue
-        out.append(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
+        out.append(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st, causal_split=True))
+    # The kernel before its unmasked/masked split, at the tiles it shipped with: what the split buys.
+    out.append(dict(block_m=64, block_n=64, num_warps=8, num_stages=2, causal_split=False))
     return out
 
 
