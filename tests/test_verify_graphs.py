@@ -262,18 +262,22 @@ def test_a_failed_verification_capture_leaves_those_steps_eager(tiny_llama):
 
 def _run(model_dir, spec, *, twin: bool, prompts, arrive_every=2, **kw):
     """(outputs, verification steps run on static buffers) of one engine run, verification steps
-    kept multi-token; with twin, the verification graphs' CPU twin is installed."""
+    kept multi-token; with twin, the verification graphs' CPU twin is installed (and a draft
+    model's decode graphs')."""
     engine = make_engine(model_dir, spec, **kw)
     engine.executor.runner.verify_as_decode_rows = False
     worker = engine.executor.driver_worker
+    spec_decoder = engine.executor.spec_decoder
     if twin:
         worker.verify_graphs = worker.build_verify_graphs([1, 2, 4, 8], max_model_len=engine.max_model_len,
                                                           capture=False)
         assert worker.verify_graphs
+        spec_decoder.build_draft_graphs([1, 2, 4], max_model_len=engine.max_model_len, capture=False)
     outs = run_checked(engine, prompts, GREEDY, arrive_every)
     stats = engine.get_stats()
     assert stats.spec_decode_num_drafts_total > 0
-    stats.verify_padded_steps = worker.verify_padded_steps  # read with the replays (not an engine stat)
+    stats.verify_padded_steps = worker.verify_padded_steps  # read with the replays (not engine stats)
+    stats.draft_graph_replays = 0 if spec_decoder.draft_graphs is None else spec_decoder.draft_graphs.replays
     return {k: v.outputs[0].token_ids for k, v in outs.items()}, worker.verify_graph_replays, stats
 
 
@@ -304,7 +308,25 @@ def test_chain_verification_on_static_buffers_gives_the_same_greedy_outputs(tiny
         assert replays > 0
         if method == "ngram":
             assert 0 < stats.verify_padded_steps <= replays
+        else:  # the draft's proposal decodes replayed its own decode graphs
+            assert stats.draft_graph_replays > 0
     assert stats.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_draft_model_proposals_replay_the_drafts_own_decode_graphs(tiny_llama):
+    """The draft model's k + 1 proposal decodes per step run on its own decode graphs (the CPU
+    twin) over its own pools, in batches of 1 to 6 sequences (past the largest draft bucket, 4,
+    they stay eager). The target is its own draft, so the eager engine accepts every draft: a
+    graphed proposal that differed would show as rejected drafts (greedy output alone would not
+    tell, the verification corrects any draft)."""
+    spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    prompts = grounded_prompts(n=6)
+    want, _, eager = _run(tiny_llama, spec, twin=False, prompts=prompts)
+    got, replays, stats = _run(tiny_llama, spec, twin=True, prompts=prompts)
+    assert got == want
+    assert replays > 0 and stats.draft_graph_replays > 0
+    accepted = (eager.spec_decode_num_accepted_tokens_total, stats.spec_decode_num_accepted_tokens_total)
+    assert accepted[0] == accepted[1] == stats.spec_decode_num_draft_tokens_total > 0
 
 
 def test_medusa_tree_verification_on_static_buffers_gives_the_same_greedy_outputs(tiny_llama, tmp_path):
@@ -322,9 +344,11 @@ def test_medusa_tree_verification_on_static_buffers_gives_the_same_greedy_output
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["ngram", "medusa_tree", "eagle3"])
+@pytest.mark.parametrize("kind", ["ngram", "medusa_tree", "eagle3", "draft_model"])
 def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny_llama, tmp_path, kind):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    if kind == "draft_model":  # the target as its own draft: proposals replay the draft's graphs
+        spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
     if kind == "medusa_tree":
         path = save_medusa_heads(target_copy_heads(tiny_llama), tmp_path / "h")
         spec = {"method": "medusa", "model": str(path), "speculative_token_tree": TREE}
@@ -349,6 +373,9 @@ def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny
             assert all(g.graphs for g in worker.verify_graphs.values())  # captured, not the twin
             if kind == "ngram":  # short n-gram queries were padded, and those steps replayed
                 assert 0 < worker.verify_padded_steps <= worker.verify_graph_replays
+            if kind == "draft_model":
+                draft_graphs = engine.executor.spec_decoder.draft_graphs
+                assert draft_graphs.graphs and draft_graphs.replays > 0
         engine.close()
     assert outs[True] == outs[False]
 
