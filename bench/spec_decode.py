@@ -17,7 +17,8 @@ checks that every method reproduces the plain output token for token. Methods:
 
 With random weights the numbers say what the mechanism costs and how acceptance turns into
 speed, not what a trained model pair would accept. On CUDA the engines replay CUDA graphs for
-decode steps and uniform verification steps (docs/runtime.md); ``--eager-too`` adds each method
+decode steps and verification steps (uniform ones, and short n-gram queries padded to 1 + k rows:
+docs/runtime.md), and print how many of each; ``--eager-too`` adds each method
 (and no speculation) again with ``enforce_eager`` as ``<method>-eager`` rows, to see what the
 graphs buy end to end.
 """
@@ -165,9 +166,12 @@ def main(argv=None) -> int:
     plain = best["none"]
     rows = [(name, best[name], best[name]["outputs"] == plain["outputs"]) for name in engines]
 
+    replays, padded = {}, {}
     if args.device == "cuda":
         replays = {name: e.executor.driver_worker.verify_graph_replays for name, e in engines.items()}
+        padded = {name: e.executor.driver_worker.verify_padded_steps for name, e in engines.items()}
         print(f"verification steps replayed from CUDA graphs: {replays}")
+        print(f"of which padded (short queries given dummy rows): {padded}")
     print(f"\n{'method':<18}{'decode tok/s':>14}{'speedup':>9}{'drafts':>8}{'accept rate':>13}"
           f"{'tokens/step':>13}{'same output':>13}")
     record_rows = []
@@ -179,7 +183,8 @@ def main(argv=None) -> int:
               f"{str(same):>13}")
         record_rows.append(dict(method=name, decode_tok_s=r["decode_tok_s"], speedup=speed, drafts=r["drafts"],
                                 draft_tokens=r["draft_tokens"], accepted_tokens=r["accepted"],
-                                acceptance_rate=rate, tokens_per_verify_step=per_step, same_output=same))
+                                acceptance_rate=rate, tokens_per_verify_step=per_step, same_output=same,
+                                verify_graph_replays=replays.get(name), verify_padded_steps=padded.get(name)))
     record = dict(benchmark="spec_decode", model=str(model_dir), device=args.device, threads=torch.get_num_threads(),
                   k=k, rounds=args.rounds, num_requests=args.num_requests, concurrency=args.concurrency,
                   prompt_len=len(prompts[0]), output_len=args.output_len,

@@ -11,6 +11,8 @@ multi-token steps a GPU runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_medusa import target_copy_heads  # noqa: E402  (tests/ is on sys.path via conftest)
@@ -19,6 +21,7 @@ from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked 
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 from kvserve.runtime.executor.verify_graphs import uniform_query_len, verify_capture_sizes, verify_query_lens
+from kvserve.runtime.executor.verify_padding import pad_query_len, pad_step, padded_rows
 from kvserve.runtime.spec_decode import SpeculativeConfig
 from kvserve.runtime.spec_decode.medusa import save_medusa_heads
 
@@ -53,6 +56,75 @@ def test_capture_sizes_keep_each_graph_within_max_capture_size_tokens():
 ])
 def test_a_step_is_uniform_only_when_every_query_has_the_longest_length(tokens, seqs, longest, want):
     assert uniform_query_len(tokens, seqs, longest) == want
+
+
+# ------------------------------------------------------------------------- padding short queries
+
+
+@pytest.mark.parametrize("longest, seqs, tree_step, want", [
+    (3, 2, False, 4), (1, 2, False, 4), (4, 8, False, 4),
+    (4, 9, False, None),  # past the largest bucket
+    (5, 2, False, 10),  # a chain longer than the chain family: the tree graph (chain masks) runs it
+    (4, 2, True, 10),  # a tree step needs the masks
+    (11, 1, False, None),
+])
+def test_a_short_step_pads_to_the_smallest_captured_query_length_that_holds_it(longest, seqs, tree_step, want):
+    families = {4: (False, [1, 2, 4, 8]), 10: (True, [1, 2, 4])}
+    assert pad_query_len(longest, seqs, tree_step, families) == want
+
+
+@pytest.mark.parametrize("query_lens, seq_lens, want", [
+    ([4, 1, 2], [10, 7, 20], [0, 1, 2, 3, 4, 8, 9]),
+    ([1], [63], None),  # 3 dummy rows would pass max_model_len 64
+    ([2], [62], [0, 1]),  # exactly at it
+    ([5, 1], [10, 10], None),  # longer than q
+])
+def test_padded_rows_place_each_query_at_the_start_of_its_q_rows(query_lens, seq_lens, want):
+    got = padded_rows(query_lens, seq_lens, 4, 64)
+    assert (got is None and want is None) or got.tolist() == want
+
+
+def _short_step(tree: bool, groups: bool):
+    """Two sequences: 3 rows (a tree, with masks, or a chain) and 1 row (no drafts)."""
+    from kvserve.runtime.executor.forward_input import ForwardInput
+
+    masks = torch.tensor([1, 3, 5, 0]) if tree else None
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+                             seq_lens=torch.tensor([9, 5], dtype=torch.int32),
+                             block_tables=torch.tensor([[3, 4, 0], [6, 0, 0]], dtype=torch.int32),
+                             slot_mapping=torch.tensor([12, 13, 14, 20]), max_query_len=3, max_seq_len=9,
+                             tree_masks=masks)
+    if groups:
+        meta = dataclasses.replace(meta, kv_groups={None: meta, 4: dataclasses.replace(
+            meta, slot_mapping=torch.tensor([0, 1, 2, 7]))})
+    positions = torch.tensor([6, 7, 7, 4]) if tree else torch.tensor([6, 7, 8, 4])
+    return ForwardInput(torch.tensor([11, 12, 13, 21]), positions, meta, logits_rows=[0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_padded_step_adds_dummy_rows_that_write_nothing_behind_each_short_query(tree):
+    step = _short_step(tree, groups=True)
+    padded, keep = pad_step(step, 4, 64)
+    assert keep.tolist() == [0, 1, 2, 4]
+    assert padded.input_ids.tolist() == [11, 12, 13, 0, 21, 0, 0, 0]
+    # real rows keep their positions (a tree's depths); dummy rows continue the sequence
+    assert padded.positions.tolist() == [6, 7, 7 if tree else 8, 9, 4, 5, 6, 7]
+    meta = padded.meta
+    assert meta.slot_mapping.tolist() == [12, 13, 14, -1, 20, -1, -1, -1]
+    assert meta.kv_groups[4].slot_mapping.tolist() == [0, 1, 2, -1, 7, -1, -1, -1]
+    assert meta.seq_lens.tolist() == [10, 8] and meta.kv_groups[4].seq_lens.tolist() == [10, 8]
+    assert meta.query_start_loc.tolist() == [0, 4, 8] and meta.max_query_len == 4 and meta.max_seq_len == 10
+    assert uniform_query_len(8, meta.num_seqs, meta.max_query_len) == 4
+    assert (meta.tree_masks is None) != tree and (not tree or meta.tree_masks.tolist() == [1, 3, 5, 0, 0, 0, 0, 0])
+    assert padded.logits_rows == step.logits_rows  # the hidden states come back in the step's rows first
+    assert step.meta.slot_mapping.tolist() == [12, 13, 14, 20]  # the step itself is untouched
+
+
+def test_steps_that_cannot_pad_are_left_alone():
+    step = _short_step(False, groups=False)
+    assert pad_step(step, 4, 9) is None  # the first sequence would reach 9 + 1 > max_model_len 9
+    assert pad_step(dataclasses.replace(step, lora=object()), 4, 64) is None
+    assert pad_step(step, 2, 64) is None  # a 3-row query does not fit 2
 
 
 # ------------------------------------------------------------------------------ static buffers
@@ -201,6 +273,7 @@ def _run(model_dir, spec, *, twin: bool, prompts, arrive_every=2, **kw):
     outs = run_checked(engine, prompts, GREEDY, arrive_every)
     stats = engine.get_stats()
     assert stats.spec_decode_num_drafts_total > 0
+    stats.verify_padded_steps = worker.verify_padded_steps  # read with the replays (not an engine stat)
     return {k: v.outputs[0].token_ids for k, v in outs.items()}, worker.verify_graph_replays, stats
 
 
@@ -216,9 +289,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 ])
 def test_chain_verification_on_static_buffers_gives_the_same_greedy_outputs(tiny_model_factory, arch, overrides,
                                                                             method, arrivals):
-    """The n-gram lookup gives a sequence k drafts, fewer or none, so at batch 1 (requests 25 steps
-    apart) most verification steps are uniform; then requests overlap, whose steps mostly are not
-    (a draft model's always are, once no prefill shares the step)."""
+    """The n-gram lookup gives a sequence k drafts, fewer or none: at batch 1 (requests 25 steps
+    apart) and with overlapping requests, its short queries are padded with dummy rows to 1 + k
+    (runtime/executor/verify_padding.py), so verification steps replay; only steps a prefill
+    shares stay eager. A draft model's steps are uniform once no prefill shares the step."""
     model = tiny_model_factory(arch, **overrides)
     spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
     prompts = grounded_prompts(n=6)
@@ -227,7 +301,9 @@ def test_chain_verification_on_static_buffers_gives_the_same_greedy_outputs(tiny
         assert replays == 0
         got, replays, stats = _run(model, spec, twin=True, prompts=prompts, arrive_every=arrive_every)
         assert got == want
-        assert replays > 0 or (arrive_every == 2 and method == "ngram")
+        assert replays > 0
+        if method == "ngram":
+            assert 0 < stats.verify_padded_steps <= replays
     assert stats.spec_decode_num_accepted_tokens_total > 0
 
 
@@ -271,6 +347,8 @@ def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny
         if not eager:
             assert worker.verify_graph_replays > 0, "no verification step replayed a graph"
             assert all(g.graphs for g in worker.verify_graphs.values())  # captured, not the twin
+            if kind == "ngram":  # short n-gram queries were padded, and those steps replayed
+                assert 0 < worker.verify_padded_steps <= worker.verify_graph_replays
         engine.close()
     assert outs[True] == outs[False]
 
@@ -332,9 +410,10 @@ def test_eagle3_reads_its_aux_layers_from_the_static_buffers(tiny_llama, tmp_pat
                                                               capture=False)
             real = worker._execute
 
-            def checked(step, real=real, worker=worker):  # the aux rows are the step's, never the padding's
-                logits = real(step)
-                assert all(a.shape[0] == step.input_ids.shape[0] for a in worker.last_aux_hidden)
+            def checked(step, keep=None, *, real=real, worker=worker):  # the step's aux rows, never padding's
+                logits = real(step, keep)
+                rows = step.input_ids.shape[0] if keep is None else keep.shape[0]
+                assert all(a.shape[0] == rows for a in worker.last_aux_hidden)
                 return logits
 
             worker._execute = checked
@@ -363,8 +442,9 @@ Worker.compile_and_capture = compile_and_capture
 def test_tp2_verification_graphs_replay_on_every_rank(tiny_model_factory, tmp_path, monkeypatch):
     """At tensor_parallel_size 2, through the twin on both ranks (installed in the worker process
     through sitecustomize, as tests/test_tp_matrix.py does for decode graphs): a replayed
-    verification step pads to its bucket, so its all-reduces have the bucket's shape, and a rank
-    choosing the other path would mismatch the collective. Equal tokens: every rank chose alike."""
+    verification step pads to its bucket (and a short n-gram query to 1 + k rows), so its
+    all-reduces have the bucket's shape, and a rank choosing the other path would mismatch the
+    collective. Equal tokens: every rank chose alike."""
     from kvserve.runtime import LLM
     from kvserve.runtime.executor.worker import Worker
 
@@ -374,7 +454,7 @@ def test_tp2_verification_graphs_replay_on_every_rank(tiny_model_factory, tmp_pa
     model_dir = tiny_model_factory("llama")
     kw = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
               max_num_batched_tokens=32, seed=0,
-              speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+              speculative_config=NGRAM)
     prompts = [{"prompt_token_ids": p} for p in grounded_prompts(n=4)]
     outs, replays = [], []
     for tp in (1, 2):
@@ -382,5 +462,6 @@ def test_tp2_verification_graphs_replay_on_every_rank(tiny_model_factory, tmp_pa
             llm.engine.executor.runner.verify_as_decode_rows = False
             res = llm.generate(prompts, GREEDY, use_tqdm=False)
             outs.append([list(o.outputs[0].token_ids) for o in res])
-            replays.append(llm.engine.executor.driver_worker.verify_graph_replays)
-    assert outs[0] == outs[1] and replays[0] > 0 and replays[1] > 0
+            worker = llm.engine.executor.driver_worker
+            replays.append((worker.verify_graph_replays, worker.verify_padded_steps))
+    assert outs[0] == outs[1] and min(replays[0] + replays[1]) > 0

@@ -13,6 +13,7 @@ rank), the Worker every rank runs, and the Platform that knows the device.
     platform.py       Platform (cpu, cuda): kernels, collectives, memory, graphs
     cuda_graphs.py    uniform steps (decode, speculative verification) replayed from CUDA graphs
     verify_graphs.py  which verification steps replay graphs (pure policy)
+    verify_padding.py short verification queries padded to a captured query length
 
 Names are imported lazily, so ``kvserve.runtime.executor.protocol`` pulls in nothing else.
 """

@@ -22,7 +22,8 @@ in a static buffer; a sequence that verifies a chain in a tree step (mask 0) get
 (row j sees rows 0..j), which is causal attention, and the metadata says ``all_trees`` so the
 attention backend runs the tree kernel over every row without reading the device. Which query
 lengths are captured, and which steps qualify, is runtime/executor/verify_graphs.py's policy;
-steps that are not uniform (prefill, mixed, a request whose k was shortened) run eagerly.
+a step of shorter queries is padded to q first (runtime/executor/verify_padding.py), and steps
+with a prefill in them run eagerly.
 
 Everything but the capture itself is plain torch and runs on the CPU too (``capture=False``
 runs the model eagerly on the padded static buffers), which is how the tests check bucket

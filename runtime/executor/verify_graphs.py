@@ -11,10 +11,11 @@ sequence of the step has the same query length q, the step is *uniform* and one 
   one) runs 1 + min(k, the chain's depth) rows, a second, chain graph family.
 
 Batch sizes are the decode capture sizes whose steps stay within ``max_capture_size`` tokens
-(vLLM's uniform-decode rule: a bucket of b sequences holds b x q tokens). Anything else (prefill,
-mixed steps, a sequence whose drafts were cut short by the n-gram lookup or by max_model_len, a
-batch past the largest bucket) runs eagerly, and so does every multi-token step of a model with
-multi-head latent attention (its attention plans such steps on the host).
+(vLLM's uniform-decode rule: a bucket of b sequences holds b x q tokens). A step whose queries are
+all at most q rows but not all q (the n-gram lookup found fewer drafts, or none) is padded up to
+q by runtime/executor/verify_padding.py. Anything else (a prefill in the step, a batch past the
+largest bucket) runs eagerly, and so does every multi-token step of a model with multi-head
+latent attention (its attention plans such steps on the host).
 """
 
 from __future__ import annotations

@@ -57,6 +57,10 @@ class Worker:
         self.graph_capture_failures = 0
         self._graphs_refused = False  # the measuring capture failed: the real one is not tried
         self._verify_graphs_refused = False  # the same, for the verification graphs only
+        # Verification steps whose short queries were padded to replay a graph, and the dummy rows
+        # that took (runtime/executor/verify_padding.py).
+        self.verify_padded_steps = 0
+        self.verify_padded_rows = 0
         self.lora = None  # WorkerLoRA with enable_lora (runtime/lora/worker.py)
         # Speculative heads (Medusa, EAGLE) on rank 0 read the hidden states behind the latest
         # step's logits rows: the final-norm output, and the model's aux_hidden_layers outputs.
@@ -477,9 +481,14 @@ class Worker:
             copy_blocks(self.kv_caches, step.block_copies)
         else:
             copy_group_blocks(self.kv_caches, self.kv_groups, step.block_copies)
+        keep = None
+        if step.lora is None and self.verify_graphs and not step.meta.is_decode_only:
+            padded = self._pad_for_graphs(step)
+            if padded is not None:
+                step, keep = padded
         step = step.to(self.device)
         if step.lora is None:
-            return self._execute(step)
+            return self._execute(step, keep)
         # Adapter steps run eagerly (the graphs were captured without adapter work); the LM head's
         # adapters need the step's layout too, so it stays active until the logits are computed.
         self.lora.begin_step(step.lora, self.device)
@@ -488,12 +497,40 @@ class Worker:
         finally:
             self.lora.end_step()
 
-    def _execute(self, step: ForwardInput) -> torch.Tensor | None:
+    def _pad_for_graphs(self, step: ForwardInput):
+        """(the step padded to a captured query length, its real rows) when that lets it replay a
+        verification graph, else None. Host tensors only, so every rank decides alike."""
+        from kvserve.runtime.executor.verify_graphs import uniform_query_len
+        from kvserve.runtime.executor.verify_padding import pad_query_len, pad_step
+
+        meta = step.meta
+        if uniform_query_len(step.input_ids.shape[0], meta.num_seqs, meta.max_query_len) in self.verify_graphs:
+            return None  # uniform already
+        families = {q: (g.tree, g.sizes) for q, g in self.verify_graphs.items()}
+        q = pad_query_len(meta.max_query_len, meta.num_seqs, meta.tree_masks is not None, families)
+        if q is None:
+            return None
+        padded = pad_step(step, q, self.verify_graphs[q].max_model_len)
+        # Eagerly, dummy rows would read past the step's own (narrower) block tables: pad only
+        # for a graph, whose static tables are as wide as max_model_len needs.
+        if padded is not None and self._graphs_for(padded[0]) is None:
+            return None
+        if padded is not None:
+            self.verify_padded_steps += 1
+            self.verify_padded_rows += padded[0].input_ids.shape[0] - step.input_ids.shape[0]
+        return padded
+
+    def _execute(self, step: ForwardInput, keep: torch.Tensor | None = None) -> torch.Tensor | None:
         graphs = self._graphs_for(step)
         if graphs is not None:
             hidden = graphs.run(step.input_ids, step.positions, step.meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if keep is not None:  # a padded step: back to the step's own rows (dummy rows dropped)
+            keep = keep.to(hidden.device, non_blocking=True)
+            hidden = hidden[keep]
+            if self.model.aux_hidden_layers:
+                self.model.aux_hidden = [a[keep] for a in self.model.aux_hidden]
         rows = step.logits_rows
         if self.keep_hidden == "all":  # EAGLE writes a draft slot for every computed position
             self.last_hidden = hidden
