@@ -24,7 +24,10 @@ capture, the work is not.
 Prefill: packed variable-length queries (``query_start_loc``), query token j of sequence i at
 position ``seq_lens[i] - query_len_i + j``, attending causally over the cached prefix and the
 chunk itself (already written to the cache). Rows of a program's tile are (token, group head)
-pairs, so short queries still fill a tile.
+pairs, so short queries still fill a tile. A tile's keys fall in two runs: whole key tiles at or
+before its first row's position, which every row sees (loaded and scored without masks), then the
+few up to its last row's position, masked causally; the tiles with the most keys are started
+first. Launch configurations per head size and element size: `prefill_config`, `decode_config`.
 
 Sliding window (``sliding_window`` w): a query at position p sees keys p - w < j <= p. Both
 kernels start their key loop at the first position the program's rows can see, so a slot behind

@@ -147,7 +147,7 @@ def test_prefill_of_one_token_queries_equals_decode(device):
 
 
 @pytest.mark.parametrize("dtype,dim,bs", [(torch.float32, 64, 16), (torch.float16, 80, 32), (torch.bfloat16, 256, 16)])
-def test_write_kv_scatters_rows_and_skips_minus_one(dtype, dim, bs):
+def test_write_kv_scatters_rows_and_skips_minus_one(dtype, dim, bs, device):
     gen = torch.Generator().manual_seed(dim)
     kv_heads, tokens, num_blocks = 2, 9, 5
     shape = (num_blocks, bs, kv_heads, dim)
@@ -160,7 +160,9 @@ def test_write_kv_scatters_rows_and_skips_minus_one(dtype, dim, bs):
     key = qkv[:, 4 * dim:(4 + kv_heads) * dim].view(tokens, kv_heads, dim)
     value = qkv[:, (4 + kv_heads) * dim:].view(tokens, kv_heads, dim)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    write_kv_cache(key, value, k_cache, v_cache, slots)
+    k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+    write_kv_cache(key.to(device), value.to(device), k_dev, v_dev, slots.to(device))
+    k_cache, v_cache = k_dev.cpu(), v_dev.cpu()
     reference.write_kv_ref(key, value, k_ref, v_ref, slots)
     # A plain copy: bit-exact, and untouched slots are still NaN.
     assert torch.equal(k_cache.nan_to_num(123.0), k_ref.nan_to_num(123.0))

@@ -30,7 +30,7 @@ def _scales(k: float, v: float, device="cpu"):
 
 @pytest.mark.parametrize("fp8", FP8, ids=ids.get)
 @pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_write_is_bit_identical_to_the_twin_and_saturates(fp8, src):
+def test_write_is_bit_identical_to_the_twin_and_saturates(fp8, src, device):
     gen = torch.Generator().manual_seed(3)
     tokens, heads, dim, blocks, bs = 11, 3, 40, 5, 4
     key = (torch.randn(tokens, heads, dim, generator=gen) * 3).to(src)
@@ -40,7 +40,10 @@ def test_write_is_bit_identical_to_the_twin_and_saturates(fp8, src):
     k_scale, v_scale = _scales(0.05, 0.5)
     got = [torch.zeros(blocks, bs, heads, dim, dtype=fp8) for _ in range(2)]
     want = [torch.zeros(blocks, bs, heads, dim, dtype=fp8) for _ in range(2)]
-    write_kv_cache(key, value, *got, slots, k_scale, v_scale)
+    on_device = [t.to(device) for t in got]
+    write_kv_cache(key.to(device), value.to(device), *on_device, slots.to(device), k_scale.to(device),
+                   v_scale.to(device))
+    got = [t.cpu() for t in on_device]
     reference.write_kv_ref(key, value, *want, slots, k_scale, v_scale)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
