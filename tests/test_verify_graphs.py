@@ -273,7 +273,17 @@ def _run(model_dir, spec, *, twin: bool, prompts, arrive_every=2, **kw):
                                                           capture=False)
         assert worker.verify_graphs
         spec_decoder.build_draft_graphs([1, 2, 4], max_model_len=engine.max_model_len, capture=False)
+        eager_steps, execute = [], worker._execute
+
+        def watched(step, keep=None):  # the multi-token steps that still run eagerly
+            if not step.meta.is_decode_only and worker._graphs_for(step) is None:
+                eager_steps.append(step.meta.max_query_len)
+            return execute(step, keep)
+
+        worker._execute = watched
     outs = run_checked(engine, prompts, GREEDY, arrive_every)
+    if twin:  # only a step with a prefill in it (a query longer than any graph's) stays eager
+        assert all(longest > max(worker.verify_graphs) for longest in eager_steps), eager_steps
     stats = engine.get_stats()
     assert stats.spec_decode_num_drafts_total > 0
     stats.verify_padded_steps = worker.verify_padded_steps  # read with the replays (not engine stats)
@@ -330,13 +340,16 @@ def test_draft_model_proposals_replay_the_drafts_own_decode_graphs(tiny_llama):
 
 
 def test_medusa_tree_verification_on_static_buffers_gives_the_same_greedy_outputs(tiny_llama, tmp_path):
+    """At batch 1 too: near max_tokens a tree is cut to the levels left (4 nodes here, a chain's
+    length but with tree masks), which pads to the tree graph rather than running eagerly."""
     path = save_medusa_heads(target_copy_heads(tiny_llama), tmp_path / "h")
     spec = {"method": "medusa", "model": str(path), "speculative_token_tree": TREE}
     prompts = grounded_prompts(n=6, seed=1)
-    want, _, _ = _run(tiny_llama, spec, twin=False, prompts=prompts)
-    got, replays, stats = _run(tiny_llama, spec, twin=True, prompts=prompts)
-    assert got == want
-    assert replays > 0 and stats.spec_decode_num_accepted_tokens_total > 0
+    for arrive_every in (25, 2):
+        want, _, _ = _run(tiny_llama, spec, twin=False, prompts=prompts, arrive_every=arrive_every)
+        got, replays, stats = _run(tiny_llama, spec, twin=True, prompts=prompts, arrive_every=arrive_every)
+        assert got == want
+        assert replays > 0 and stats.spec_decode_num_accepted_tokens_total > 0
 
 
 # ------------------------------------------------------------------------------- real graphs
