@@ -3,6 +3,7 @@
     python bench/spec_decode.py                       # ~50M random Llama target, greedy, batch 1
     python bench/spec_decode.py --num-requests 16 --concurrency 16   # batched verification
     python bench/spec_decode.py --model DIR --draft DIR --device cuda
+    python bench/spec_decode.py --device cuda --eager-too  # + every method with enforce_eager
 
 Runs the same requests (one at a time by default: speculative decoding is a latency tool) without
 speculation and with each method, greedy, in interleaved rounds (best round per method), and
@@ -15,7 +16,11 @@ checks that every method reproduces the plain output token for token. Methods:
                    mechanism's best case, and its cost over plain decoding is pure overhead.
 
 With random weights the numbers say what the mechanism costs and how acceptance turns into
-speed, not what a trained model pair would accept.
+speed, not what a trained model pair would accept. On CUDA the engines replay CUDA graphs for
+decode steps and verification steps (uniform ones, and short n-gram queries padded to 1 + k rows:
+docs/runtime.md), and print how many of each; ``--eager-too`` adds each method
+(and no speculation) again with ``enforce_eager`` as ``<method>-eager`` rows, to see what the
+graphs buy end to end.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def parse_args(argv=None):
                    help="requests run together in waves of this many (decode time: from a wave's first token to its end)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each method keeps its best")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eager-too", action="store_true", help="also run every method with enforce_eager (CUDA graphs off)")
     p.add_argument("--out", type=Path, default=RESULTS / "spec_decode.json")
     return p.parse_args(argv)
 
@@ -73,11 +79,12 @@ def build_truncated_draft(target: Path, path: Path, layers: int) -> Path:
     return path
 
 
-def make_engine(model_dir, args, spec):
+def make_engine(model_dir, args, spec, *, enforce_eager: bool = False):
     from kvserve.runtime import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_args(model=str(model_dir), device=args.device, kv_cache_memory_bytes=1 << 27,
-                                 max_model_len=1024, speculative_config=spec, enable_prefix_caching=False)
+                                 max_model_len=1024, speculative_config=spec, enable_prefix_caching=False,
+                                 enforce_eager=enforce_eager)
     engine.add_request("warmup", [7] * 16, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -147,6 +154,9 @@ def main(argv=None) -> int:
     engines = {"none": make_engine(model_dir, args, None)}
     for name in wanted:
         engines[name] = make_engine(model_dir, args, methods[name])
+    if args.eager_too:
+        for name in ["none", *wanted]:
+            engines[f"{name}-eager"] = make_engine(model_dir, args, methods.get(name), enforce_eager=True)
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for name, engine in engines.items():
@@ -156,6 +166,15 @@ def main(argv=None) -> int:
     plain = best["none"]
     rows = [(name, best[name], best[name]["outputs"] == plain["outputs"]) for name in engines]
 
+    replays, padded, draft_replays = {}, {}, {}
+    if args.device == "cuda":
+        replays = {name: e.executor.driver_worker.verify_graph_replays for name, e in engines.items()}
+        padded = {name: e.executor.driver_worker.verify_padded_steps for name, e in engines.items()}
+        print(f"verification steps replayed from CUDA graphs: {replays}")
+        print(f"of which padded (short queries given dummy rows): {padded}")
+        draft_replays = {name: getattr(getattr(e.executor.spec_decoder, "draft_graphs", None), "replays", None)
+                  for name, e in engines.items()}
+        print(f"draft-model decodes replayed from the draft's CUDA graphs: {draft_replays}")
     print(f"\n{'method':<18}{'decode tok/s':>14}{'speedup':>9}{'drafts':>8}{'accept rate':>13}"
           f"{'tokens/step':>13}{'same output':>13}")
     record_rows = []
@@ -167,7 +186,9 @@ def main(argv=None) -> int:
               f"{str(same):>13}")
         record_rows.append(dict(method=name, decode_tok_s=r["decode_tok_s"], speedup=speed, drafts=r["drafts"],
                                 draft_tokens=r["draft_tokens"], accepted_tokens=r["accepted"],
-                                acceptance_rate=rate, tokens_per_verify_step=per_step, same_output=same))
+                                acceptance_rate=rate, tokens_per_verify_step=per_step, same_output=same,
+                                verify_graph_replays=replays.get(name), verify_padded_steps=padded.get(name),
+                                draft_graph_replays=draft_replays.get(name)))
     record = dict(benchmark="spec_decode", model=str(model_dir), device=args.device, threads=torch.get_num_threads(),
                   k=k, rounds=args.rounds, num_requests=args.num_requests, concurrency=args.concurrency,
                   prompt_len=len(prompts[0]), output_len=args.output_len,

@@ -24,7 +24,10 @@ capture, the work is not.
 Prefill: packed variable-length queries (``query_start_loc``), query token j of sequence i at
 position ``seq_lens[i] - query_len_i + j``, attending causally over the cached prefix and the
 chunk itself (already written to the cache). Rows of a program's tile are (token, group head)
-pairs, so short queries still fill a tile.
+pairs, so short queries still fill a tile. A tile's keys fall in two runs: whole key tiles at or
+before its first row's position, which every row sees (loaded and scored without masks), then the
+few up to its last row's position, masked causally; the tiles with the most keys are started
+first. Launch configurations per head size and element size: `prefill_config`, `decode_config`.
 
 Sliding window (``sliding_window`` w): a query at position p sees keys p - w < j <= p. Both
 kernels start their key loop at the first position the program's rows can see, so a slot behind
@@ -197,6 +200,82 @@ def _merge_kernel(
 
 
 @triton.jit
+def _prefill_tiles(
+    acc, m_i, l_i, q, KC, VC, bt_row, kvh, pos, slope, qk_scale, soft_cap_log2, window, lo, hi, kv_end, d, d_ok,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):
+    """Key tiles lo, lo + BLOCK_N, ... below hi into the running softmax. Unmasked (MASKED off):
+    every key of every tile is visible to every row, so neither the loads nor the scores are
+    masked; masked: keys past kv_end, the causal diagonal and the window are."""
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_ok = n < kv_end
+            blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+        off = (n % BLOCK_SIZE).to(tl.int64)
+        k_ptr = KC + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh + d[:, None]
+        if MASKED:
+            k = tl.load(k_ptr, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptr)
+        else:
+            k = tl.load(k_ptr, mask=d_ok[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC)
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PREC)
+        if HAS_SOFT_CAP:
+            # In log2 units: c' tanh(s' / c'), both scaled by log2(e); tanh(x) = 1 - 2 / (e^2x + 1)
+            # saturates cleanly to +-1.
+            x = tl.minimum(tl.maximum(s * qk_scale / soft_cap_log2, -20.0), 20.0)  # tanh(20) is 1 in float32
+            e2x = tl.exp2(x * (2.0 * 1.4426950408889634))
+            s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
+        else:
+            s = s * qk_scale
+        if HAS_ALIBI:
+            s = s + slope[:, None] * (n[None, :] - pos[:, None]).to(tl.float32)
+        if MASKED:
+            visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (n[None, :] > pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if HAS_WINDOW:
+            # A later row's window may start past this tile: nothing visible yet, m_new is -inf,
+            # and exp2(-inf - -inf) would be NaN. Subtract 0 instead (p and alpha come out 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            # Position 0 is in the first tile and visible to every row, so m_new is always finite.
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptr = VC + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + d[None, :]
+        if MASKED:
+            v = tl.load(v_ptr, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptr)
+        else:
+            v = tl.load(v_ptr, mask=d_ok[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
+        p = p.to(v.dtype)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=DOT_PREC)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     Q, KC, VC, BT, SEQ_LENS, QSL, OUT, K_SCALE, V_SCALE, ALIBI,
     scale_log2,
@@ -208,11 +287,13 @@ def _prefill_kernel(
     GROUP, HEAD_DIM, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_ALIBI: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     # Query tiles on grid axis 0 (up to 2^31 - 1 programs): a long prompt of a wide GQA group has
-    # more tiles than axis z allows (65,535); sequences, at most max_num_seqs, sit on z.
-    tile = tl.program_id(0)
+    # more tiles than axis z allows (65,535); sequences, at most max_num_seqs, sit on z. The last
+    # tiles of a causal prompt have the most keys: they are started first, so that the final wave
+    # of programs is the short ones.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     seq = tl.program_id(2).to(tl.int64)
     qk_scale = scale_log2
@@ -234,67 +315,36 @@ def _prefill_kernel(
     pos = ctx_len + tok  # absolute position of each row's token
     if HAS_ALIBI:
         slope = tl.load(ALIBI + heads, mask=r_ok, other=0.0)  # log2 units
+    else:
+        slope = tl.zeros([BLOCK_M], tl.float32)  # unused
 
     # Keys past the tile's last valid token are causally invisible to every row of the tile.
     has_rows = tile * BLOCK_M < q_len * GROUP
+    first_tok = (tile * BLOCK_M) // GROUP
     last_tok = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
     kv_end = tl.where(has_rows, ctx_len + last_tok + 1, 0)
     # With a window, keys before the first row's window are invisible to every row of the tile.
     kv_lo = 0
     if HAS_WINDOW:
-        first_tok = (tile * BLOCK_M) // GROUP
         kv_lo = tl.minimum(tl.maximum(ctx_len + first_tok - window + 1, 0), kv_end)
+    # Whole key tiles every row sees (at or before the first row's position, no window to
+    # leave): no masks there. The rest, up to the diagonal, is masked.
+    kv_full = kv_lo
+    if CAUSAL_SPLIT and not HAS_WINDOW:
+        kv_full = tl.where(has_rows, (ctx_len + first_tok + 1) // BLOCK_N * BLOCK_N, 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = BT + seq * stride_bt
-    for n0 in range(kv_lo, kv_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
-        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        off = (n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(KC + blk[None, :] * stride_kb + off[None, :] * stride_ks + kvh * stride_kh
-                    + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        if KV_FP8:
-            k = k.to(Q.dtype.element_ty)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=DOT_PREC) * qk_scale
-        else:
-            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-        if HAS_SOFT_CAP:
-            # In log2 units: c' tanh(s' / c'), both scaled by log2(e); tanh(x) = 1 - 2 / (e^2x + 1)
-            # (inline: the interpreter cannot call a jit helper) saturates cleanly to +-1.
-            x = tl.minimum(tl.maximum(s / soft_cap_log2, -20.0), 20.0)  # tanh(20) is 1 in float32
-            e2x = tl.exp2(x * (2.0 * 1.4426950408889634))
-            s = soft_cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
-        if HAS_ALIBI:
-            s = s + slope[:, None] * (n[None, :] - pos[:, None]).to(tl.float32)
-        visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (n[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if HAS_WINDOW:
-            # A later row's window may start past this tile: nothing visible yet, m_new is -inf,
-            # and exp2(-inf - -inf) would be NaN. Subtract 0 instead (p and alpha come out 0).
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            # Position 0 is in the first tile and visible to every row, so m_new is always finite.
-            m_use = m_new
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
-                    + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if KV_FP8:
-            v = v.to(Q.dtype.element_ty)
-        p = p.to(v.dtype)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=DOT_PREC)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-        m_i = m_new
+    acc, m_i, l_i = _prefill_tiles(
+        acc, m_i, l_i, q, KC, VC, bt_row, kvh, pos, slope, qk_scale, soft_cap_log2, window, kv_lo, kv_full, kv_end,
+        d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_PREC, DOT_F32, HAS_WINDOW, HAS_SOFT_CAP, KV_FP8, HAS_ALIBI)
+    acc, m_i, l_i = _prefill_tiles(
+        acc, m_i, l_i, q, KC, VC, bt_row, kvh, pos, slope, qk_scale, soft_cap_log2, window, kv_full, kv_end, kv_end,
+        d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_PREC, DOT_F32, HAS_WINDOW, HAS_SOFT_CAP, KV_FP8, HAS_ALIBI)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -412,6 +462,33 @@ def _split_args(device: torch.device, num_seqs: int, parallel_heads: int, max_sp
     return num_splits, min_split, align
 
 
+def decode_config(block_d: int, elt_size: int, is_cuda: bool) -> dict:
+    """Launch configuration of the decode kernel for a padded head_dim and element size: K and V
+    tiles of 64 tokens, halved where a row is over 512 bytes (fp32 x 256) so that two pipeline
+    stages stay well inside shared memory. The interpreter gets 32-token tiles."""
+    if not is_cuda:
+        return dict(block_n=32, num_warps=4, num_stages=2)
+    return dict(block_n=64 if block_d * elt_size <= 512 else 32, num_warps=4 if block_d <= 128 else 8,
+                num_stages=2)
+
+
+def prefill_config(block_d: int, elt_size: int, is_cuda: bool) -> dict:
+    """Launch configuration of the prefill kernel for a padded head_dim and element size."""
+    if not is_cuda:  # interpreter: fewer, larger numpy ops are what make it fast
+        return dict(block_m=32, block_n=32, num_warps=4, num_stages=2, causal_split=True)
+    row_bytes = block_d * elt_size
+    block_m, block_n = (64, 64) if row_bytes <= 256 else (64, 32) if row_bytes <= 512 else (32, 32)
+    return dict(block_m=block_m, block_n=block_n, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+                causal_split=True)
+
+
+def _checked_config(default: dict, override: dict) -> dict:
+    unknown = set(override) - set(default)
+    if unknown:
+        raise ValueError(f"unknown launch configuration keys {sorted(unknown)}; known: {sorted(default)}")
+    return {**default, **override}
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]; at most one row per sequence
     k_cache: torch.Tensor,
@@ -429,6 +506,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
     v_scale: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (None: no ALiBi)
+    _config: dict | None = None,  # launch configuration overrides, for bench/kernel_sweep.py only
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
@@ -447,9 +525,10 @@ def paged_decode_attention(
     # The longest span one query reads: the splits cut that, not the whole context.
     span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     block_d = max(16, next_pow2(dim))
-    # K and V tiles of 64 tokens, halved where a row is over 512 bytes (fp32 x 256) so that two
-    # pipeline stages stay well inside shared memory.
-    block_n = (64 if block_d * query.element_size() <= 512 else 32) if query.is_cuda else 32
+    cfg = decode_config(block_d, query.element_size(), query.is_cuda)
+    if _config:
+        cfg = _checked_config(cfg, _config)
+    block_n = cfg["block_n"]
     num_splits, min_split, align = _split_args(query.device, num_seqs, kv_heads, span, block_n, num_splits,
                                         min_split_tokens)
     direct = num_splits == 1
@@ -473,7 +552,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
-        HAS_ALIBI=alibi_slopes is not None, num_warps=4 if dim <= 128 else 8, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:
         kernel_for(_merge_kernel, query.device)[(num_seqs, heads)](
@@ -502,6 +581,7 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,  # float8 pools: stored = value / scale (None: 1)
     v_scale: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (None: no ALiBi)
+    _config: dict | None = None,  # launch configuration overrides, for bench/kernel_sweep.py only
 ) -> torch.Tensor:
     query = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     _check_options(sliding_window, logits_soft_cap)
@@ -518,12 +598,10 @@ def paged_prefill_attention(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     block_d = max(16, next_pow2(dim))
-    if query.is_cuda:
-        row_bytes = block_d * query.element_size()
-        block_m, block_n = (64, 64) if row_bytes <= 256 else (64, 32) if row_bytes <= 512 else (32, 32)
-        warps = 4 if block_d <= 64 else 8
-    else:  # interpreter: fewer, larger numpy ops are what make it fast
-        block_m, block_n, warps = 32, 32, 4
+    cfg = prefill_config(block_d, query.element_size(), query.is_cuda)
+    if _config:
+        cfg = _checked_config(cfg, _config)
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
     tiles = triton.cdiv(max_query_len * group, block_m)
     kernel_for(_prefill_kernel, query.device)[(tiles, kv_heads, num_seqs)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale, alibi,
@@ -537,6 +615,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(query.dtype), DOT_F32=_dot_f32(query),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
-        HAS_ALIBI=alibi_slopes is not None, num_warps=warps, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, CAUSAL_SPLIT=cfg["causal_split"], EVEN_D=block_d == dim,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

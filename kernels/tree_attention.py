@@ -29,7 +29,7 @@ from kvserve.kernels.reference import gather_kv
 _LOG2E = 1.4426950408889634
 
 
-def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, tree_masks):
+def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, tree_masks, max_query_len=None):
     if query.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"query must be [tokens, heads, head_dim] and the caches [blocks, block_size, kv_heads, "
                          f"head_dim], got {tuple(query.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -42,8 +42,12 @@ def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, tre
     if tree_masks.shape != (query.shape[0],) or tree_masks.dtype != torch.int64:
         raise ValueError(f"tree_masks must be int64 [{query.shape[0]}], got {tree_masks.dtype} "
                          f"{tuple(tree_masks.shape)}")
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if bool((q_lens > 64).any()):
+    if max_query_len is not None:  # the caller's word: nothing here may read the device (graph capture)
+        longest = max_query_len
+    else:
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        longest = int(q_lens.max()) if q_lens.numel() else 0
+    if longest > 64:
         raise ValueError("a tree has at most 64 nodes (its masks are 64-bit)")
 
 
@@ -217,14 +221,16 @@ def paged_tree_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          tree_masks: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
                          sliding_window: int | None = None, logits_soft_cap: float | None = None,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                         alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1). float32 math."""
+                         alibi_slopes: torch.Tensor | None = None, max_query_len: int | None = None) -> torch.Tensor:
+    """The Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1). float32 math.
+    `max_query_len`: the longest tree, when the caller knows it; then the launch reads nothing
+    back from the device, so a CUDA graph can capture it."""
     from kvserve.kernels.attention import _alibi_arg, _kv_scales
     from kvserve.kernels.triton_utils import dot_precision, kernel_for, next_pow2
 
     if triton is None:
         raise RuntimeError("paged_tree_attention needs Triton; tree_attention_ref is the torch path")
-    _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, tree_masks)
+    _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, tree_masks, max_query_len)
     _check_options(query, sliding_window, logits_soft_cap, alibi_slopes)
     kv_fp8, k_scale_arg, v_scale_arg = _kv_scales(query, k_cache, k_scale, v_scale)
     alibi = _alibi_arg(query, alibi_slopes)
@@ -240,7 +246,8 @@ def paged_tree_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if tokens == 0 or num_seqs == 0:
         return out
-    max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    max_q = (max_query_len if max_query_len is not None
+             else int((query_start_loc[1:] - query_start_loc[:-1]).max().item()))
     block_d = max(16, next_pow2(dim))
     block_m, block_n = (64, 32) if query.is_cuda else (32, 32)
     tiles = triton.cdiv(max_q * group, block_m)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 
 import torch
@@ -31,6 +32,36 @@ def triton_available() -> bool:
 
 def interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+class InterpreterUnavailable(RuntimeError):
+    """Triton's interpreter cannot run kernels with the installed Triton and NumPy."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run our kernels here, or None when it can.
+
+    Triton 3.6's interpreter converts a loop bound (a 1-element array there) with int(), which
+    NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"; 1.25 to 2.3
+    warned); Triton 3.7 squeezes the array first. Every kernel whose loop bounds are loaded values
+    hits it."""
+    import numpy
+    import triton
+
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter cannot run with NumPy {numpy.__version__} (it calls "
+                "int() on 1-element arrays, an error since NumPy 2.4): CPU interpretation of the kernels needs "
+                "triton >= 3.7 or numpy < 2.4")
+    return None
 
 
 _interpreted: dict[int, object] = {}
@@ -71,6 +102,53 @@ def _interpretable_stdlib(kernel_globals: dict | None = None):
             namespace[name] = value
 
 
+def _language_namespaces() -> tuple[list[dict], list[type]]:
+    """What Triton's interpreter patches while it runs a kernel: the triton.language modules'
+    namespaces (builtins such as tl.core.cast are swapped for numpy versions) and the classes whose
+    methods it replaces (tensor, dtype, tensor descriptors)."""
+    import sys
+
+    import triton.language as tl
+
+    modules = [vars(m) for name, m in list(sys.modules.items())
+               if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    classes = [c for c in vars(tl.core).values() if isinstance(c, type) and c.__module__ == tl.core.__name__]
+    return modules, classes
+
+
+@contextlib.contextmanager
+def _restored_language():
+    """Puts triton.language back exactly as it was once an interpreted launch returns.
+
+    The interpreter undoes the patches of a launch, but not those it makes when an interpreted
+    kernel calls another jit function (tl.max, tl.sum, a helper of ours): those stay, in Triton
+    3.6 to 3.9 at least, so tl.core's builtins are left pointing at the numpy interpreter. Triton
+    3.6's compiler then fails every later compile in the process ("'ir.value' object has no
+    attribute 'dtype'"), which broke the CUDA kernel tests that ran after an interpreted one.
+    Names the interpreter only adds to a module (its own globals, which the rewritten helpers it
+    caches look up) are left: they shadow nothing."""
+    modules, classes = _language_namespaces()
+    module_state = [(ns, dict(ns)) for ns in modules]
+    class_state = [(cls, dict(vars(cls))) for cls in classes]
+    try:
+        yield
+    finally:
+        for ns, before in module_state:
+            for name, value in before.items():
+                if ns.get(name, _MISSING) is not value:
+                    ns[name] = value
+        for cls, before in class_state:
+            now = vars(cls)
+            for name in [n for n in now if n not in before]:
+                delattr(cls, name)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(cls, name, value)
+
+
+_MISSING = object()
+
+
 class _InterpretedLauncher:
     def __init__(self, kernel):
         self._kernel = _interpreted_version(kernel)
@@ -78,7 +156,7 @@ class _InterpretedLauncher:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            with _interpretable_stdlib(self._globals):
+            with _restored_language(), _interpretable_stdlib(self._globals):
                 return self._kernel[grid](*args, **kwargs)
 
         return launch
@@ -95,6 +173,9 @@ def kernel_for(kernel, device: torch.device):
             "(slowly, for testing) set TRITON_INTERPRET=1, or use the torch kernels "
             "(kvserve.kernels.ops.set_kernel_mode('torch') or KVSERVE_KERNELS=torch)."
         )
+    problem = interpreter_problem()
+    if problem:
+        raise InterpreterUnavailable(problem)
     return _InterpretedLauncher(kernel)
 
 

@@ -172,6 +172,7 @@ def commands(out: Path) -> list[str]:
         f"{py} -m pytest -x -q -p no:cacheprovider -m gpu tests",
         f"{py} -m pytest -x -q -p no:cacheprovider tests/test_executor.py tests/test_quant_kernel_choice.py",
         f"{py} bench/kernel_timings.py --quick",
+        f"{py} bench/kernel_sweep.py --out bench/results/kernel_sweep.json",
         f"{py} bench/gpu_fastpath.py --quick",
     ]
 

@@ -61,6 +61,10 @@ class AttentionMetadata:
     # other sequences, which attend causally. A tree row's position is the context length plus
     # its depth (popcount - 1), not its slot's. None: no tree in the step.
     tree_masks: torch.Tensor | None = None
+    # Every sequence of the step is a tree of max_query_len rows (a chain's rows carry chain
+    # masks): a backend may run its tree kernel over all rows without reading the device to find
+    # the trees (a CUDA graph captures such steps, runtime/executor/cuda_graphs.py).
+    all_trees: bool = False
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         return self if self.kv_groups is None else self.kv_groups[window]

@@ -57,6 +57,13 @@ class TritonAttentionBackend:
                 scale, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
             )
+        if meta.all_trees and meta.tree_masks is not None:
+            from kvserve.kernels.tree_attention import paged_tree_attention
+
+            return paged_tree_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                        meta.block_tables, meta.tree_masks, scale, max_query_len=meta.max_query_len,
+                                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                        k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes)
         out = prefill_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale, max_query_len=meta.max_query_len, sliding_window=sliding_window,

@@ -11,7 +11,9 @@ rank), the Worker every rank runs, and the Platform that knows the device.
     forward_input.py  ForwardInput: one forward pass, as every rank receives it
     protocol.py       the bytes between rank 0 and its workers
     platform.py       Platform (cpu, cuda): kernels, collectives, memory, graphs
-    cuda_graphs.py    decode steps replayed from CUDA graphs
+    cuda_graphs.py    uniform steps (decode, speculative verification) replayed from CUDA graphs
+    verify_graphs.py  which verification steps replay graphs (pure policy)
+    verify_padding.py short verification queries padded to a captured query length
 
 Names are imported lazily, so ``kvserve.runtime.executor.protocol`` pulls in nothing else.
 """

@@ -49,11 +49,18 @@ class Worker:
         self.kv_groups = None
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.graphs = None  # DecodeGraphs once captured (runtime/executor/cuda_graphs.py)
+        # Speculative verification graphs by query length (runtime/executor/verify_graphs.py).
+        self.verify_graphs: dict = {}
         self.offloader = None  # KVOffloader with an offload tier or swap space (runtime/kv_offload/)
         # Failed CUDA graph captures (each logged at ERROR with its traceback): the KV sizing's
         # measuring capture or the real one. kvserve:cuda_graph_capture_failures_total.
         self.graph_capture_failures = 0
         self._graphs_refused = False  # the measuring capture failed: the real one is not tried
+        self._verify_graphs_refused = False  # the same, for the verification graphs only
+        # Verification steps whose short queries were padded to replay a graph, and the dummy rows
+        # that took (runtime/executor/verify_padding.py).
+        self.verify_padded_steps = 0
+        self.verify_padded_rows = 0
         self.lora = None  # WorkerLoRA with enable_lora (runtime/lora/worker.py)
         # Speculative heads (Medusa, EAGLE) on rank 0 read the hidden states behind the latest
         # step's logits rows: the final-norm output, and the model's aux_hidden_layers outputs.
@@ -117,7 +124,8 @@ class Worker:
         """vLLM's rule (runtime/kv_cache.py's profiled_kv_budget): the device's total x
         gpu_memory_utilization, minus what is in use before the pools exist (this rank's weights,
         the CUDA context, other processes), the activation peak of the largest step, measured by
-        running it, and the memory of the decode graphs, measured by capturing two of them.
+        running it, and the memory of the decode graphs (and the speculative verification graphs), each
+        family measured by capturing two of them.
 
         What is in use is read again after the profiling: the first step loads kernels that CUDA
         loads lazily (cuBLAS, every Triton module) and library workspaces, device memory that no
@@ -134,6 +142,9 @@ class Worker:
         platform.release_memory()
         sizes, _ = self.graph_sizes()
         graph_bytes = self.profile_graphs(kv_groups, sizes, max_model_len=max_model_len) if sizes else 0
+        for q, (verify_sizes, tree) in (self.verify_graph_plan(sizes).items() if not self._graphs_refused else ()):
+            graph_bytes += self.profile_graphs(kv_groups, verify_sizes, max_model_len=max_model_len,
+                                               query_len=q, tree=tree)
         free_after, _ = platform.free_memory_bytes(device)
         in_use = total - min(free, free_after)
         budget = profiled_kv_budget(total, self.config.gpu_memory_utilization, in_use, activations, graph_bytes)
@@ -143,8 +154,10 @@ class Worker:
                  graph_bytes / 2**30, len(sizes))
         return budget
 
-    def profile_graphs(self, kv_groups, sizes: list[int], *, max_model_len: int, capture: bool | None = None) -> int:
-        """Bytes the decode graphs of `sizes` will take, measured before the KV pools exist: the
+    def profile_graphs(self, kv_groups, sizes: list[int], *, max_model_len: int, capture: bool | None = None,
+                       query_len: int = 1, tree: bool = False) -> int:
+        """Bytes the graphs of `sizes` (decode, or verification steps of `query_len` tokens per
+        sequence) will take, measured before the KV pools exist: the
         largest size captured over a one-block pool, then the smallest into the same graph pool
         (runtime/kv_cache.py's graph_memory_estimate extrapolates to every size). capture=False
         runs the two forwards eagerly instead (the CPU twin; nothing to measure there). A capture
@@ -162,7 +175,7 @@ class Worker:
             for size in sorted({max(sizes), min(sizes)}, reverse=True):
                 graphs = DecodeGraphs(self.model, pools, block_size=self.config.block_size,
                                       max_model_len=max_model_len, sizes=[size], device=device, capture=capture,
-                                      kv_group_windows=windows, pool=pool)
+                                      kv_group_windows=windows, pool=pool, query_len=query_len, tree=tree)
                 with torch.inference_mode():
                     graphs.capture()
                     if not capture:
@@ -173,8 +186,12 @@ class Worker:
                 measured.append(max(0, free - now))
                 free = now
         except Exception:
-            self._capture_failed("the KV sizing's measuring capture")
-            self._graphs_refused = True
+            self._capture_failed("the KV sizing's measuring capture" + ("" if query_len == 1 else
+                                                                        f" of {query_len}-token verification steps"))
+            if query_len == 1:
+                self._graphs_refused = True
+            else:
+                self._verify_graphs_refused = True
             measured = []
         finally:
             del kept, pools, pool
@@ -190,7 +207,7 @@ class Worker:
     def _capture_failed(self, what: str) -> None:
         # Every rank fails alike (same model, same sizes), so they all stay eager together.
         self.graph_capture_failures += 1
-        log.exception("rank %d: CUDA graph capture failed (%s); decode steps run eagerly", self.rank, what)
+        log.exception("rank %d: CUDA graph capture failed (%s); those steps run eagerly", self.rank, what)
 
     @torch.inference_mode()
     def profile_run(self, kv_groups, num_tokens: int) -> None:
@@ -341,9 +358,27 @@ class Worker:
                    else f"the {name} attention backend syncs with the host" if name != "triton" else None)
         return ([], why_not) if why_not else (sizes, None)
 
+    def verify_graph_plan(self, decode_sizes: list[int]) -> dict[int, tuple[list[int], bool]]:
+        """Query length -> (batch sizes, tree masks?) of the speculative verification graphs this
+        rank captures next to the decode graphs of `decode_sizes` (the same on every rank)."""
+        from kvserve.runtime.executor.verify_graphs import (
+            verify_capture_sizes,
+            verify_query_lens,
+            why_no_verify_graphs,
+        )
+
+        spec = getattr(self.config, "speculative_config", None)
+        if (not decode_sizes or spec is None or self._verify_graphs_refused
+                or why_no_verify_graphs(self.model_config)):
+            return {}
+        max_tokens = self.config.compilation_config.max_capture_size
+        plan = {q: (verify_capture_sizes(decode_sizes, q, max_tokens), tree)
+                for q, tree in verify_query_lens(spec).items()}
+        return {q: entry for q, entry in plan.items() if entry[0]}
+
     def compile_and_capture(self, *, max_model_len: int) -> None:
-        """torch.compile (compilation_config level 3) and CUDA graphs for decode steps, where the
-        platform has them."""
+        """torch.compile (compilation_config level 3) and CUDA graphs for decode steps and uniform
+        speculative verification steps, where the platform has them."""
         config, platform = self.config, self.platform
         cc = config.compilation_config
         if cc.level == 3:
@@ -358,20 +393,71 @@ class Worker:
                 log.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
             return
         self.graphs = self.build_graphs(sizes, max_model_len=max_model_len, capture=True)
+        if self.graphs is not None:
+            self.verify_graphs = self.build_verify_graphs(sizes, max_model_len=max_model_len, capture=True)
+        else:
+            why_not = "capture failed"
+        if self.rank == 0 and getattr(self.config, "speculative_config", None) is not None and not self.verify_graphs:
+            from kvserve.runtime.executor.verify_graphs import why_no_verify_graphs
 
-    def build_graphs(self, sizes: list[int], *, max_model_len: int, capture: bool):
-        """Decode graphs over this rank's pools (capture=False: the padded static-buffer path run
-        eagerly, the CPU twin tests use). A model whose forward cannot be captured runs eagerly;
-        the failure is logged at ERROR with its traceback and counted (graph_capture_failures)."""
+            log.info("speculative verification steps run eagerly (%s)",
+                     why_no_verify_graphs(self.model_config) or why_not or "no capture sizes")
+
+    def build_graphs(self, sizes: list[int], *, max_model_len: int, capture: bool, query_len: int = 1,
+                     tree: bool = False, pool=None):
+        """Decode graphs (or verification graphs of `query_len` tokens per sequence) over this
+        rank's pools (capture=False: the padded static-buffer path run eagerly, the CPU twin tests
+        use). A model whose forward cannot be captured runs eagerly; the failure is logged at
+        ERROR with its traceback and counted (graph_capture_failures)."""
         from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.config.block_size,
                               max_model_len=max_model_len, sizes=sizes, device=self.device, capture=capture,
-                              kv_group_windows=None if self.kv_groups is None else [g.window for g in self.kv_groups])
+                              kv_group_windows=None if self.kv_groups is None else [g.window for g in self.kv_groups],
+                              pool=pool, query_len=query_len, tree=tree)
         try:
             graphs.capture()
         except Exception:
-            self._capture_failed(f"batch sizes {sizes}")
+            what = "decode" if query_len == 1 else f"{query_len}-token verification"
+            self._capture_failed(f"{what} batch sizes {sizes}")
+            return None
+        return graphs
+
+    def build_verify_graphs(self, decode_sizes: list[int], *, max_model_len: int, capture: bool) -> dict:
+        """The verification graphs of verify_graph_plan, by query length, in the decode graphs'
+        memory pool; a family whose capture fails is left out (its steps run eagerly)."""
+        pool = None if self.graphs is None else self.graphs.pool
+        built = {}
+        for q, (sizes, tree) in self.verify_graph_plan(decode_sizes).items():
+            graphs = self.build_graphs(sizes, max_model_len=max_model_len, capture=capture, query_len=q, tree=tree,
+                                       pool=pool)
+            if graphs is not None:
+                built[q] = graphs
+                pool = graphs.pool
+        return built
+
+    @property
+    def verify_graph_replays(self) -> int:
+        """Verification steps replayed from graphs (with capture=False: run on the static buffers)."""
+        return sum(g.replays for g in self.verify_graphs.values())
+
+    def _graphs_for(self, step: ForwardInput):
+        """The graphs that replay this step, or None (it runs eagerly). Read from shapes and host
+        flags only: nothing here waits for the device."""
+        if step.lora is not None:
+            return None
+        meta = step.meta
+        if meta.is_decode_only:
+            graphs = self.graphs
+            return graphs if graphs is not None and graphs.bucket(step.input_ids.shape[0]) is not None else None
+        if not self.verify_graphs:
+            return None
+        from kvserve.runtime.executor.verify_graphs import uniform_query_len
+
+        q = uniform_query_len(step.input_ids.shape[0], meta.num_seqs, meta.max_query_len)
+        graphs = self.verify_graphs.get(q)
+        if (graphs is None or graphs.bucket(meta.num_seqs) is None
+                or (meta.tree_masks is not None and not graphs.tree)):
             return None
         return graphs
 
@@ -395,9 +481,14 @@ class Worker:
             copy_blocks(self.kv_caches, step.block_copies)
         else:
             copy_group_blocks(self.kv_caches, self.kv_groups, step.block_copies)
+        keep = None
+        if step.lora is None and self.verify_graphs and not step.meta.is_decode_only:
+            padded = self._pad_for_graphs(step)
+            if padded is not None:
+                step, keep = padded
         step = step.to(self.device)
         if step.lora is None:
-            return self._execute(step)
+            return self._execute(step, keep)
         # Adapter steps run eagerly (the graphs were captured without adapter work); the LM head's
         # adapters need the step's layout too, so it stays active until the logits are computed.
         self.lora.begin_step(step.lora, self.device)
@@ -406,15 +497,39 @@ class Worker:
         finally:
             self.lora.end_step()
 
-    def _execute(self, step: ForwardInput) -> torch.Tensor | None:
-        graphs = self.graphs
-        if step.lora is not None:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        elif (graphs is not None and step.meta.is_decode_only and not self.model.aux_hidden_layers
-              and graphs.bucket(step.input_ids.shape[0]) is not None):
+    def _pad_for_graphs(self, step: ForwardInput):
+        """(the step padded to a captured query length, its real rows) when that lets it replay a
+        verification graph, else None. Host tensors only, so every rank decides alike."""
+        from kvserve.runtime.executor.verify_padding import pad_query_len, pad_step
+
+        meta = step.meta
+        if self._graphs_for(step) is not None:
+            return None  # replays as it is (a uniform tree step of a chain's length pads to the tree graph)
+        families = {q: (g.tree, g.sizes) for q, g in self.verify_graphs.items()}
+        q = pad_query_len(meta.max_query_len, meta.num_seqs, meta.tree_masks is not None, families)
+        if q is None:
+            return None
+        padded = pad_step(step, q, self.verify_graphs[q].max_model_len)
+        # Eagerly, dummy rows would read past the step's own (narrower) block tables: pad only
+        # for a graph, whose static tables are as wide as max_model_len needs.
+        if padded is not None and self._graphs_for(padded[0]) is None:
+            return None
+        if padded is not None:
+            self.verify_padded_steps += 1
+            self.verify_padded_rows += padded[0].input_ids.shape[0] - step.input_ids.shape[0]
+        return padded
+
+    def _execute(self, step: ForwardInput, keep: torch.Tensor | None = None) -> torch.Tensor | None:
+        graphs = self._graphs_for(step)
+        if graphs is not None:
             hidden = graphs.run(step.input_ids, step.positions, step.meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if keep is not None:  # a padded step: back to the step's own rows (dummy rows dropped)
+            keep = keep.to(hidden.device, non_blocking=True)
+            hidden = hidden[keep]
+            if self.model.aux_hidden_layers:
+                self.model.aux_hidden = [a[keep] for a in self.model.aux_hidden]
         rows = step.logits_rows
         if self.keep_hidden == "all":  # EAGLE writes a draft slot for every computed position
             self.last_hidden = hidden
@@ -440,6 +555,7 @@ class Worker:
         """Drops the graphs, pools and weights and hands their memory back (a later engine in this
         process sizes its KV cache from what is really free)."""
         self.graphs = None
+        self.verify_graphs = {}
         if self.offloader is not None:
             self.offloader.close()  # queued writes reach the disk first
             self.offloader = None

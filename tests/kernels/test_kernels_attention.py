@@ -138,16 +138,16 @@ def test_prefill_matches_reference_with_cached_prefixes(case, device):
     _assert_close(out, b.expected(), dtype)
 
 
-def test_prefill_of_one_token_queries_equals_decode():
+def test_prefill_of_one_token_queries_equals_decode(device):
     b = Batch([(9, 1), (30, 1), (0, 1)], dtype=torch.float32, head_dim=64, block_size=16, heads=4,
-              kv_heads=2, seed=3)
+              kv_heads=2, seed=3, device=device)
     prefill = paged_prefill_attention(*b.args(), out=b.poisoned_out())
     decode = paged_decode_attention(*b.args(), num_splits=32, min_split_tokens=16, out=b.poisoned_out())
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,dim,bs", [(torch.float32, 64, 16), (torch.float16, 80, 32), (torch.bfloat16, 256, 16)])
-def test_write_kv_scatters_rows_and_skips_minus_one(dtype, dim, bs):
+def test_write_kv_scatters_rows_and_skips_minus_one(dtype, dim, bs, device):
     gen = torch.Generator().manual_seed(dim)
     kv_heads, tokens, num_blocks = 2, 9, 5
     shape = (num_blocks, bs, kv_heads, dim)
@@ -160,7 +160,9 @@ def test_write_kv_scatters_rows_and_skips_minus_one(dtype, dim, bs):
     key = qkv[:, 4 * dim:(4 + kv_heads) * dim].view(tokens, kv_heads, dim)
     value = qkv[:, (4 + kv_heads) * dim:].view(tokens, kv_heads, dim)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    write_kv_cache(key, value, k_cache, v_cache, slots)
+    k_dev, v_dev = k_cache.to(device), v_cache.to(device)
+    write_kv_cache(key.to(device), value.to(device), k_dev, v_dev, slots.to(device))
+    k_cache, v_cache = k_dev.cpu(), v_dev.cpu()
     reference.write_kv_ref(key, value, k_ref, v_ref, slots)
     # A plain copy: bit-exact, and untouched slots are still NaN.
     assert torch.equal(k_cache.nan_to_num(123.0), k_ref.nan_to_num(123.0))
@@ -168,13 +170,13 @@ def test_write_kv_scatters_rows_and_skips_minus_one(dtype, dim, bs):
     assert int(k_cache.isnan().any(-1).any(-1).logical_not().sum()) == tokens - 2
 
 
-def test_backend_write_then_attend_matches_reference_and_torch_backend():
+def test_backend_write_then_attend_matches_reference_and_torch_backend(device):
     """A mixed step: a chunk of a prompt with a cached prefix, a fresh prompt and two decodes."""
     from kvserve.runtime.attention.torch_backend import TorchAttentionBackend
 
     dtype, dim, bs, heads, kv_heads = torch.float32, 64, 16, 4, 2
     specs = [(20, 12), (0, 7), (33, 1), (15, 1)]
-    b = Batch(specs, dtype=dtype, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=11)
+    b = Batch(specs, dtype=dtype, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=11, device=device)
     # Keep only the cached prefixes in the cache; the backend writes the new tokens itself.
     new_slots, new_rows = [], []
     row = 0
@@ -183,7 +185,7 @@ def test_backend_write_then_attend_matches_reference_and_torch_backend():
             new_rows.append(row + p)
             new_slots.append(int(b.all_slots[row + p]))
         row += ctx + q
-    new_slots = torch.tensor(new_slots, dtype=torch.int64)
+    new_slots = torch.tensor(new_slots, dtype=torch.int64, device=device)
     k_cache = b.k_cache.clone()
     v_cache = b.v_cache.clone()
     k_cache.view(-1, kv_heads, dim)[new_slots] = float("nan")
@@ -203,10 +205,11 @@ def test_backend_write_then_attend_matches_reference_and_torch_backend():
     torch.testing.assert_close(out, torch_out, **TOL[dtype])
 
     # The decode-only path of the backend on the two decoding sequences.
-    d = Batch([(33, 1), (15, 1)], dtype=dtype, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=5)
+    d = Batch([(33, 1), (15, 1)], dtype=dtype, head_dim=dim, block_size=bs, heads=heads, kv_heads=kv_heads, seed=5,
+              device=device)
     meta = AttentionMetadata(
         query_start_loc=d.query_start_loc, seq_lens=d.seq_lens, block_tables=d.block_tables,
-        slot_mapping=torch.full((2,), -1, dtype=torch.int64), max_query_len=1, max_seq_len=34,
+        slot_mapping=torch.full((2,), -1, dtype=torch.int64, device=device), max_query_len=1, max_seq_len=34,
         is_decode_only=True,
     )
     out = backend.attend(d.query, d.query, d.query, d.k_cache, d.v_cache, meta, d.scale)

@@ -30,7 +30,7 @@ def _scales(k: float, v: float, device="cpu"):
 
 @pytest.mark.parametrize("fp8", FP8, ids=ids.get)
 @pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_write_is_bit_identical_to_the_twin_and_saturates(fp8, src):
+def test_write_is_bit_identical_to_the_twin_and_saturates(fp8, src, device):
     gen = torch.Generator().manual_seed(3)
     tokens, heads, dim, blocks, bs = 11, 3, 40, 5, 4
     key = (torch.randn(tokens, heads, dim, generator=gen) * 3).to(src)
@@ -40,7 +40,10 @@ def test_write_is_bit_identical_to_the_twin_and_saturates(fp8, src):
     k_scale, v_scale = _scales(0.05, 0.5)
     got = [torch.zeros(blocks, bs, heads, dim, dtype=fp8) for _ in range(2)]
     want = [torch.zeros(blocks, bs, heads, dim, dtype=fp8) for _ in range(2)]
-    write_kv_cache(key, value, *got, slots, k_scale, v_scale)
+    on_device = [t.to(device) for t in got]
+    write_kv_cache(key.to(device), value.to(device), *on_device, slots.to(device), k_scale.to(device),
+                   v_scale.to(device))
+    got = [t.cpu() for t in on_device]
     reference.write_kv_ref(key, value, *want, slots, k_scale, v_scale)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
@@ -95,28 +98,29 @@ def test_prefill_on_fp8_pools_matches_the_twin(fp8, window, device):
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=ids.get)
-def test_triton_and_torch_backends_agree_on_fp8_pools(fp8):
+def test_triton_and_torch_backends_agree_on_fp8_pools(fp8, device):
     """The whole write-then-attend contract, decode and prefill steps, in both backends: the same
     float8 bytes in the pools and the same outputs (the torch backend is the CPU path)."""
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, dim, bs, blocks = 4, 2, 32, 8, 12
-    pools = {name: [torch.zeros(blocks, bs, kv_heads, dim, dtype=fp8) for _ in range(2)]
+    pools = {name: [torch.zeros(blocks, bs, kv_heads, dim, dtype=fp8, device=device) for _ in range(2)]
              for name in ("triton", "torch")}
     backends = {"triton": TritonAttentionBackend(), "torch": TorchAttentionBackend()}
-    ks, vs = _scales(0.25, 1.5)
+    ks, vs = _scales(0.25, 1.5, device=device)
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], dtype=torch.int32)
     # step 1: two prompts (13 and 20 tokens); step 2: one decode token each.
     for q_lens, ctx in (([13, 20], [0, 0]), ([1, 1], [13, 20])):
         seq_lens = [c + q for c, q in zip(ctx, q_lens)]
         slots = [int(tables[i, p // bs]) * bs + p % bs for i in range(2) for p in range(ctx[i], seq_lens[i])]
         n = sum(q_lens)
-        meta = AttentionMetadata(query_start_loc=torch.tensor([0, q_lens[0], n], dtype=torch.int32),
-                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-                                 slot_mapping=torch.tensor(slots), max_query_len=max(q_lens),
-                                 max_seq_len=max(seq_lens), is_decode_only=max(q_lens) == 1)
-        q = torch.randn(n, heads, dim, generator=gen)
-        k = torch.randn(n, kv_heads, dim, generator=gen)
-        v = torch.randn(n, kv_heads, dim, generator=gen)
+        meta = AttentionMetadata(query_start_loc=torch.tensor([0, q_lens[0], n], dtype=torch.int32, device=device),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                 block_tables=tables.to(device), slot_mapping=torch.tensor(slots, device=device),
+                                 max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                                 is_decode_only=max(q_lens) == 1)
+        q = torch.randn(n, heads, dim, generator=gen).to(device)
+        k = torch.randn(n, kv_heads, dim, generator=gen).to(device)
+        v = torch.randn(n, kv_heads, dim, generator=gen).to(device)
         outs = {}
         for name, backend in backends.items():
             kc, vc = pools[name]
@@ -127,9 +131,9 @@ def test_triton_and_torch_backends_agree_on_fp8_pools(fp8):
         torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-4, rtol=1e-4)
 
 
-def test_fp8_pools_without_scales_mean_scale_one():
-    b, _, _, _ = _fp8_batch([(0, 9), (4, 1)], torch.float8_e4m3fn, seed=2, scales=(1.0, 1.0))
-    ones = _scales(1.0, 1.0)
+def test_fp8_pools_without_scales_mean_scale_one(device):
+    b, _, _, _ = _fp8_batch([(0, 9), (4, 1)], torch.float8_e4m3fn, seed=2, scales=(1.0, 1.0), device=device)
+    ones = _scales(1.0, 1.0, device=device)
     expected = reference.paged_attention_ref(*b.args(), k_scale=ones[0], v_scale=ones[1])
     torch.testing.assert_close(paged_prefill_attention(*b.args()), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(reference.paged_attention_ref(*b.args()), expected, atol=0, rtol=0)

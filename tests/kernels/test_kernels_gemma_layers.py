@@ -26,11 +26,11 @@ def _close(actual, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemma_rms_norm_kernels_match_twins(dtype):
+def test_gemma_rms_norm_kernels_match_twins(dtype, device):
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(5, 80, generator=g) * 3).to(dtype)
-    residual = torch.randn(5, 80, generator=g).to(dtype)
-    weight = (0.1 * torch.randn(80, generator=g)).to(dtype)  # Gemma's gains sit around 0
+    x = (torch.randn(5, 80, generator=g) * 3).to(dtype).to(device)
+    residual = torch.randn(5, 80, generator=g).to(dtype).to(device)
+    weight = (0.1 * torch.randn(80, generator=g)).to(dtype).to(device)  # Gemma's gains sit around 0
     _close(layers.gemma_rms_norm(x, weight, 1e-6), reference.gemma_rms_norm_ref(x, weight, 1e-6), dtype)
     normed, summed = layers.gemma_fused_add_rms_norm(x, residual, weight, 1e-6)
     ref_normed, ref_summed = reference.gemma_fused_add_rms_norm_ref(x, residual, weight, 1e-6)
@@ -39,9 +39,9 @@ def test_gemma_rms_norm_kernels_match_twins(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_tanh_and_mul_kernel_matches_twin(dtype):
+def test_gelu_tanh_and_mul_kernel_matches_twin(dtype, device):
     g = torch.Generator().manual_seed(4)
-    x = (torch.randn(3, 2, 2 * 96, generator=g) * 4).to(dtype)  # large |x|: tanh saturates
+    x = (torch.randn(3, 2, 2 * 96, generator=g) * 4).to(dtype).to(device)  # large |x|: tanh saturates
     _close(layers.gelu_tanh_and_mul(x), reference.gelu_tanh_and_mul_ref(x), dtype)
     with pytest.raises(ValueError, match="even last dimension"):
         layers.gelu_tanh_and_mul(x[..., :5])
@@ -63,9 +63,9 @@ def test_twins_equal_transformers_modules_bit_for_bit(dtype):
         assert torch.equal(reference.gelu_tanh_and_mul_ref(gate_up), act(gate_up[:, :64]) * gate_up[:, 64:])
 
 
-def test_ops_dispatch_to_kernels_in_triton_mode():
-    x = torch.randn(2, 64)
-    w = torch.zeros(64)
+def test_ops_dispatch_to_kernels_in_triton_mode(device):
+    x = torch.randn(2, 64).to(device)
+    w = torch.zeros(64, device=device)
     with ops.kernel_mode("triton"):
         _close(ops.gemma_rms_norm(x, w, 1e-6), reference.gemma_rms_norm_ref(x, w, 1e-6), torch.float32)
         _close(ops.gelu_tanh_and_mul(x), reference.gelu_tanh_and_mul_ref(x), torch.float32)

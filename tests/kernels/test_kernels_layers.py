@@ -54,10 +54,10 @@ def test_rms_norm_and_fused_add(dtype, hidden, device):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
-def test_rms_norm_float32_weight_on_half_input_promotes_like_torch():
+def test_rms_norm_float32_weight_on_half_input_promotes_like_torch(device):
     g = _gen(1)
-    x = torch.randn(4, 64, generator=g).half()
-    weight = torch.randn(64, generator=g)
+    x = torch.randn(4, 64, generator=g).half().to(device)
+    weight = torch.randn(64, generator=g).to(device)
     _close(layers.rms_norm(x, weight, 1e-6), reference.rms_norm_ref(x, weight, 1e-6), torch.float32)
 
 
@@ -126,20 +126,20 @@ def test_auto_mode_on_cpu_uses_the_native_kernels_for_float32_and_the_twins_othe
         assert torch.equal(ops.rms_norm(x, w, 1e-6), reference.rms_norm_ref(x, w, 1e-6))
 
 
-def test_triton_mode_runs_the_kernels_through_ops(clean_mode):
+def test_triton_mode_runs_the_kernels_through_ops(clean_mode, device):
     calls = []
     original = layers.silu_and_mul
     clean_mode.setattr(layers, "silu_and_mul", lambda x: calls.append(x.shape) or original(x))
-    x = torch.randn(2, 64)
+    x = torch.randn(2, 64).to(device)
     with ops.kernel_mode("triton"):
         assert ops.use_triton(x)
         out = ops.silu_and_mul(x)
-        q = torch.randn(3, 2, 64)
-        cache = _cos_sin_cache(8, 64)
-        pos = torch.tensor([0, 3, 7])
+        q = torch.randn(3, 2, 64).to(device)
+        cache = _cos_sin_cache(8, 64).to(device)
+        pos = torch.tensor([0, 3, 7], device=device)
         for got, want in zip(ops.rotary_embedding(pos, q, q, cache), reference.rotary_embedding_ref(pos, q, q, cache)):
             _close(got, want, torch.float32)
-        w = torch.randn(64)
+        w = torch.randn(64).to(device)
         for got, want in zip(ops.fused_add_rms_norm(x, x, w, 1e-6), reference.fused_add_rms_norm_ref(x, x, w, 1e-6)):
             _close(got, want, torch.float32)
     assert calls == [(2, 64)]

@@ -45,12 +45,13 @@ def test_fused_moe_matches_twin(tokens, experts, top_k, hidden, inter, block_m, 
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-def test_fused_moe_one_expert_takes_every_token_and_weights_in_model_dtype():
+def test_fused_moe_one_expert_takes_every_token_and_weights_in_model_dtype(device):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(20, 32, generator=g)
     w13, w2 = _experts(4, 32, 16, torch.float32, g)
     ids = torch.stack([torch.full((20,), 3), torch.arange(20) % 2], dim=1)
     weights = torch.rand(20, 2, generator=g)
+    x, w13, w2, weights, ids = (t.to(device) for t in (x, w13, w2, weights, ids))
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, block_m=16),
                                reference.fused_moe_ref(x, w13, w2, weights, ids), **TOL[torch.float32])
 
@@ -66,11 +67,12 @@ def test_align_by_expert_pads_each_expert_to_whole_tiles():
     assert all(e == -1 for e in expert_ids.tolist()[len(used):])
 
 
-def test_ops_fused_moe_dispatches_to_the_kernel_in_triton_mode():
+def test_ops_fused_moe_dispatches_to_the_kernel_in_triton_mode(device):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 32, generator=g)
     w13, w2 = _experts(4, 32, 16, torch.float32, g)
     weights, ids = torch.topk(torch.randn(3, 4, generator=g).softmax(-1), 2)
+    x, w13, w2, weights, ids = (t.to(device) for t in (x, w13, w2, weights, ids))
     with ops.kernel_mode("triton"):
         got = ops.fused_moe(x, w13, w2, weights, ids)
     with ops.kernel_mode("torch"):
@@ -111,12 +113,13 @@ def test_mla_decode_matches_twin(seq_lens, heads, lora, rope, block_size, split,
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-def test_mla_decode_skips_sequences_without_a_query():
+def test_mla_decode_skips_sequences_without_a_query(device):
     g = torch.Generator().manual_seed(5)
     cache, tables = _paged_latents([9, 12, 4], 4, 40, torch.float32, g)
     q = torch.randn(2, 4, 40, generator=g)
     qsl = torch.tensor([0, 1, 1, 2], dtype=torch.int32)  # the middle sequence has no token
     lens = torch.tensor([9, 12, 4], dtype=torch.int32)
+    cache, tables, q, qsl, lens = (t.to(device) for t in (cache, tables, q, qsl, lens))
     got = mla_decode_attention(q, cache, qsl, lens, tables, 0.2, 32)
     torch.testing.assert_close(got, reference.mla_decode_ref(q, cache, qsl, lens, tables, 0.2, 32),
                                **TOL[torch.float32])

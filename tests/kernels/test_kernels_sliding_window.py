@@ -73,12 +73,13 @@ class WindowBatch:
         tensors = (self.query, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables)
         return (*(t.to(device) for t in tensors), self.scale)
 
-    def meta(self) -> AttentionMetadata:
+    def meta(self, device="cpu") -> AttentionMetadata:
         q_lens = [q for _, q in self.specs]
         new_slots = [s for (ctx, _), slots in zip(self.specs, self.slots) for s in slots[ctx:]]
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_tables=self.block_tables,
-            slot_mapping=torch.tensor(new_slots, dtype=torch.int64), max_query_len=max(q_lens),
+            query_start_loc=self.query_start_loc.to(device), seq_lens=self.seq_lens.to(device),
+            block_tables=self.block_tables.to(device),
+            slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=device), max_query_len=max(q_lens),
             max_seq_len=int(self.seq_lens.max()), is_decode_only=all(q == 1 for q in q_lens))
 
     def new_kv(self):
@@ -185,12 +186,13 @@ def test_half_precision_windows(dtype, device):
            dtype)
 
 
-def test_triton_backend_passes_the_layer_options():
+def test_triton_backend_passes_the_layer_options(device):
     b = WindowBatch([(12, 5), (30, 1)], 6, seed=2)
     key, value = b.new_kv()
-    out = TritonAttentionBackend().attend(b.query, key, value, b.k_cache, b.v_cache, b.meta(), b.scale,
-                                          sliding_window=6, logits_soft_cap=4.0)
-    _close(out, b.dense(4.0), b.dtype)
+    query, k_cache, v_cache = (t.to(device) for t in (b.query, b.k_cache, b.v_cache))
+    out = TritonAttentionBackend().attend(query, key.to(device), value.to(device), k_cache, v_cache, b.meta(device),
+                                          b.scale, sliding_window=6, logits_soft_cap=4.0)
+    _close(out.cpu(), b.dense(4.0), b.dtype)
 
 
 def test_bad_options_are_named():

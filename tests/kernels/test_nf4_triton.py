@@ -32,16 +32,17 @@ def test_twin_dequantizes_as_bitsandbytes(kind):
 
 @pytest.mark.parametrize("kind, block, m, split", [("nf4", 64, 1, None), ("nf4", 64, 5, 1), ("fp4", 128, 33, None),
                                                     ("nf4", 32, 2, 4), ("nf4", 256, 17, None)])
-def test_triton_kernel_matches_the_twin(monkeypatch, kind, block, m, split):
+def test_triton_kernel_matches_the_twin(monkeypatch, kind, block, m, split, device):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     codes, absmax, codebook, _ = _quantized(80, 512, kind, block, seed=block + m)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-    got = nf4.nf4_matmul(x, codes, absmax, codebook, block, split_k=split)
+    on_device = [t.to(device) for t in (codes, absmax, codebook)]
+    got = nf4.nf4_matmul(x.to(device), *on_device, block, split_k=split).cpu()
     want = nf4.nf4_matmul_ref(x, codes, absmax, codebook, block)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     # bfloat16 activations: the weight is rounded to bfloat16 as a dequantized layer's would be
     xb = x.to(torch.bfloat16)[:, None]  # a 3-D input keeps its leading dims
-    got = nf4.nf4_matmul(xb, codes, absmax, codebook, block, split_k=split)
+    got = nf4.nf4_matmul(xb.to(device), *on_device, block, split_k=split).cpu()
     assert got.shape == (m, 1, 80) and got.dtype == torch.bfloat16
     # float32 accumulation of the bfloat16-rounded operands, rounded once to bfloat16 at the end
     w = nf4.dequantize_ref(codes, absmax, codebook, block).to(torch.bfloat16).float()
