@@ -247,7 +247,7 @@ def chain_metrics(logits: torch.Tensor, target: torch.Tensor) -> dict:
 
 
 def train(model_dir, out_dir, *, num_heads: int = 3, num_layers: int = 1, vocab: int = 8192, questions: int = 960,
-          max_tokens: int = 160, epochs: int = 6, seed: int = 0, extra_topics: int = 128, held_topics: float = 0.1,
+          max_tokens: int = 160, epochs: int = 5, seed: int = 0, extra_topics: int = 128, held_topics: float = 0.1,
           lr: float = 2e-3, weight_decay: float = 0.01, dropout: float = 0.1, head_decay: float = 0.8,
           distill: float = 0.0, patience: int = 2, max_rows: int | None = None, log=print) -> dict:
     """Trains and saves heads; returns what was measured (sizes, losses, held-out accuracy per epoch).
