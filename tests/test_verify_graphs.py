@@ -389,12 +389,14 @@ def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny
         spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3}
     prompts = grounded_prompts(n=8)
     outs = {}
-    for eager in (True, False):
+    # n-gram also with overlapping requests: padded steps of several sequences, some with no drafts
+    for eager, arrive_every in [(e, a) for a in ((25, 2) if kind == "ngram" else (25,)) for e in (True, False)]:
         engine = make_engine(tiny_llama, spec, device="cuda", dtype="float32", enforce_eager=eager,
                              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
         worker = engine.executor.driver_worker
         assert bool(worker.verify_graphs) != eager and worker.graph_capture_failures == 0
-        outs[eager] = {k: v.outputs[0].token_ids for k, v in run_checked(engine, prompts, GREEDY, 25).items()}
+        outs[eager, arrive_every] = {k: v.outputs[0].token_ids
+                                     for k, v in run_checked(engine, prompts, GREEDY, arrive_every).items()}
         if not eager:
             assert worker.verify_graph_replays > 0, "no verification step replayed a graph"
             assert all(g.graphs for g in worker.verify_graphs.values())  # captured, not the twin
@@ -404,7 +406,8 @@ def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny
                 draft_graphs = engine.executor.spec_decoder.draft_graphs
                 assert draft_graphs.graphs and draft_graphs.replays > 0
         engine.close()
-    assert outs[True] == outs[False]
+    for arrive_every in {a for _, a in outs}:
+        assert outs[True, arrive_every] == outs[False, arrive_every]
 
 
 def test_a_graphed_tree_step_attends_like_the_eager_one_without_reading_the_device(monkeypatch):
