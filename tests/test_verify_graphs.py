@@ -444,6 +444,57 @@ def test_a_graphed_tree_step_attends_like_the_eager_one_without_reading_the_devi
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend_name, tree", [("torch", False), ("triton", False), ("triton", True)])
+def test_dummy_rows_leave_the_real_rows_attention_unchanged(monkeypatch, backend_name, tree):
+    """A padded step as a graph runs it (block tables as wide as max_model_len, zeros past a
+    sequence's blocks; max_seq_len = max_model_len; a tree graph: every row through the tree
+    kernel, chain masks for chain and dummy rows): the real rows attend exactly as in the short
+    step, and the dummy rows, which read slots past each sequence's end, disturb nothing. The
+    Triton kernels run interpreted here, the code a GPU runs."""
+    if backend_name == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvserve.runtime.attention.selector import get_attention_backend
+    from kvserve.runtime.executor.forward_input import ForwardInput
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, bs, max_model_len = 4, 2, 16, 8, 64
+    ctx, query_lens = [13, 0, 30], [4, 1, 2]
+    num_blocks = 16
+    k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+    tables, free = [], list(range(1, num_blocks))  # block 0: only what a graph's zeroed entries point at
+    for c, n in zip(ctx, query_lens):
+        tables.append([free.pop() for _ in range(-(-(c + n) // bs))])
+    width = max(len(t) for t in tables)
+    seq_lens = [c + n for c, n in zip(ctx, query_lens)]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 4, 5, 7], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.full((7,), -1, dtype=torch.long), max_query_len=4, max_seq_len=max(seq_lens))
+    q = torch.randn(7, heads, dim, generator=gen)
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, query_lens)])
+    if tree:  # the first sequence verifies a 4-node tree (root, two children, a grandchild)
+        meta.tree_masks = torch.tensor([0b1, 0b11, 0b101, 0b1011, 0, 0, 0])
+        positions[:4] = torch.tensor([13, 14, 14, 15])
+    backend = get_attention_backend(backend_name, "cpu")
+    want = backend.attend(q, None, None, k_cache, v_cache, meta, 0.25)
+
+    padded, keep = pad_step(ForwardInput(torch.zeros(7, dtype=torch.long), positions, meta, []), 4, max_model_len)
+    wide = torch.zeros(3, max_model_len // bs, dtype=torch.int32)
+    wide[:, :width] = meta.block_tables
+    graphed = dataclasses.replace(padded.meta, block_tables=wide, max_seq_len=max_model_len)
+    if tree:  # as DecodeGraphs.load fills a tree graph's masks
+        chain = (1 << (torch.arange(12) % 4 + 1)) - 1
+        graphed.tree_masks = torch.where(graphed.tree_masks != 0, graphed.tree_masks, chain)
+        graphed.all_trees = True
+    q_padded = torch.randn(12, heads, dim, generator=gen) * 100  # dummy rows: anything
+    q_padded[keep] = q
+    got = backend.attend(q_padded, None, None, k_cache, v_cache, graphed, 0.25)
+    torch.testing.assert_close(got[keep], want, rtol=1e-5, atol=1e-5)
+
+
 def test_eagle3_reads_its_aux_layers_from_the_static_buffers(tiny_llama, tmp_path):
     """EAGLE-3 reads the target's intermediate residual streams (model.aux_hidden): the graphs
     hand back theirs, cut to the step's rows, so decode and verification steps of an EAGLE-3
