@@ -166,12 +166,15 @@ def main(argv=None) -> int:
     plain = best["none"]
     rows = [(name, best[name], best[name]["outputs"] == plain["outputs"]) for name in engines]
 
-    replays, padded = {}, {}
+    replays, padded, draft_replays = {}, {}, {}
     if args.device == "cuda":
         replays = {name: e.executor.driver_worker.verify_graph_replays for name, e in engines.items()}
         padded = {name: e.executor.driver_worker.verify_padded_steps for name, e in engines.items()}
         print(f"verification steps replayed from CUDA graphs: {replays}")
         print(f"of which padded (short queries given dummy rows): {padded}")
+        draft_replays = {name: getattr(getattr(e.executor.spec_decoder, "draft_graphs", None), "replays", None)
+                  for name, e in engines.items()}
+        print(f"draft-model decodes replayed from the draft's CUDA graphs: {draft_replays}")
     print(f"\n{'method':<18}{'decode tok/s':>14}{'speedup':>9}{'drafts':>8}{'accept rate':>13}"
           f"{'tokens/step':>13}{'same output':>13}")
     record_rows = []
@@ -184,7 +187,8 @@ def main(argv=None) -> int:
         record_rows.append(dict(method=name, decode_tok_s=r["decode_tok_s"], speedup=speed, drafts=r["drafts"],
                                 draft_tokens=r["draft_tokens"], accepted_tokens=r["accepted"],
                                 acceptance_rate=rate, tokens_per_verify_step=per_step, same_output=same,
-                                verify_graph_replays=replays.get(name), verify_padded_steps=padded.get(name)))
+                                verify_graph_replays=replays.get(name), verify_padded_steps=padded.get(name),
+                                draft_graph_replays=draft_replays.get(name)))
     record = dict(benchmark="spec_decode", model=str(model_dir), device=args.device, threads=torch.get_num_threads(),
                   k=k, rounds=args.rounds, num_requests=args.num_requests, concurrency=args.concurrency,
                   prompt_len=len(prompts[0]), output_len=args.output_len,

@@ -141,6 +141,18 @@ class Executor:
                                             model_dir=config.model, max_num_seqs=config.max_num_seqs,
                                             kv_source=lambda: worker.kv_caches,
                                             attention_backend=worker.attention_backend.name)
+            if draft is not None and worker.graphs is not None:  # the draft runs on rank 0 only
+                self._capture_draft_graphs(worker, max_model_len)
+
+    def _capture_draft_graphs(self, worker, max_model_len: int) -> None:
+        """The draft model's decode graphs, for the target's decode buckets, in the target graphs'
+        memory pool (captured as the target's were: a CPU twin's draft graphs are twins too); a
+        failed capture is logged, counted, and leaves the proposals eager."""
+        try:
+            self.spec_decoder.build_draft_graphs(worker.graphs.sizes, max_model_len=max_model_len,
+                                                 capture=worker.graphs.capture_enabled, pool=worker.graphs.pool)
+        except Exception:
+            worker._capture_failed(f"draft model decode batch sizes {worker.graphs.sizes}")
 
     @staticmethod
     def _eagle_aux(model, heads):

@@ -500,12 +500,11 @@ class Worker:
     def _pad_for_graphs(self, step: ForwardInput):
         """(the step padded to a captured query length, its real rows) when that lets it replay a
         verification graph, else None. Host tensors only, so every rank decides alike."""
-        from kvserve.runtime.executor.verify_graphs import uniform_query_len
         from kvserve.runtime.executor.verify_padding import pad_query_len, pad_step
 
         meta = step.meta
-        if uniform_query_len(step.input_ids.shape[0], meta.num_seqs, meta.max_query_len) in self.verify_graphs:
-            return None  # uniform already
+        if self._graphs_for(step) is not None:
+            return None  # replays as it is (a uniform tree step of a chain's length pads to the tree graph)
         families = {q: (g.tree, g.sizes) for q, g in self.verify_graphs.items()}
         q = pad_query_len(meta.max_query_len, meta.num_seqs, meta.tree_masks is not None, families)
         if q is None:

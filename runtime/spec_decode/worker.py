@@ -14,7 +14,8 @@ target, which the executor runs on every rank like any other step.
 The draft model keeps its own KV pools with the target's block ids and block tables: it mirrors
 every target forward pass (same tokens, same slots) except verifications, whose positions its
 proposal decodes already wrote (plus one decode of the last draft), so its cache is complete
-wherever the target's is, prefix-cache hits and copy-on-write copies included.
+wherever the target's is, prefix-cache hits and copy-on-write copies included. On a GPU its
+decode steps replay its own decode graphs (``build_draft_graphs``, captured by the executor).
 """
 
 from __future__ import annotations
@@ -176,8 +177,32 @@ class SpecDecoder:
                 raise ValueError("speculative_config.model: the draft model was not loaded")
             self.draft_kv = allocate_kv_cache(draft_model.config.shape, num_blocks, block_size, kv_cache_dtype,
                                               device)
+        # The draft model's decode steps (its k + 1 proposal decodes, and mirrored decode-only
+        # steps) replayed from its own CUDA graphs over its own pools; None: eager.
+        self.draft_graphs = None
+
+    def build_draft_graphs(self, sizes: list[int], *, max_model_len: int, capture: bool, pool=None) -> None:
+        """Decode graphs of the draft model for batch sizes `sizes` (the target's decode buckets),
+        in `pool` (the target graphs' memory pool: the draft's temporaries reuse its freed memory).
+        capture=False: the padded static-buffer path run eagerly, the CPU twin the tests use. A
+        failed capture raises (the caller logs and counts it) and leaves the proposals eager."""
+        from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
+
+        if self.draft_model is None or not sizes:
+            return
+        graphs = DecodeGraphs(self.draft_model, self.draft_kv, block_size=self.block_size, max_model_len=max_model_len,
+                              sizes=sizes, device=self.device, capture=capture, pool=pool)
+        graphs.capture()
+        self.draft_graphs = graphs
+
+    def _draft_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        graphs = self.draft_graphs
+        if graphs is not None and meta.is_decode_only and graphs.bucket(input_ids.shape[0]) is not None:
+            return graphs.run(input_ids, positions, meta)
+        return self.draft_model(input_ids, positions, self.draft_kv, meta)
 
     def close(self) -> None:
+        self.draft_graphs = None
         self.draft_kv = None
         self.draft_model = None
 
@@ -287,11 +312,11 @@ class SpecDecoder:
             mirror = [i for i, item in enumerate(scheduled) if not item.num_spec]
             if len(mirror) == len(scheduled):
                 local = step.to(self.device)
-                self.draft_model(local.input_ids, local.positions, self.draft_kv, local.meta)
+                self._draft_forward(local.input_ids, local.positions, local.meta)
             elif mirror:
                 local = runner.prepare([scheduled[i] for i in mirror], [block_tables[i] for i in mirror])
                 local = local.to(self.device)
-                self.draft_model(local.input_ids, local.positions, self.draft_kv, local.meta)
+                self._draft_forward(local.input_ids, local.positions, local.meta)
         if logits is None:
             return SamplerOutput([], [])
 
@@ -529,7 +554,7 @@ class SpecDecoder:
             )
             ids = torch.tensor([current[i] for i in active], dtype=torch.long, device=dev)
             pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-            hidden = self.draft_model(ids, pos_t, self.draft_kv, meta)
+            hidden = self._draft_forward(ids, pos_t, meta)
             sampling = [a for a, i in enumerate(active) if scheduled[i].num_spec > j]
             if not sampling:
                 break
