@@ -537,6 +537,23 @@ def _twin_verify_graphs(self, *, max_model_len):
     self.verify_graphs = self.build_verify_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
 
 
+def test_the_executor_captures_the_drafts_graphs_as_it_captured_the_targets(tiny_llama, monkeypatch):
+    """With the target's graphs in place (here their CPU twin), the executor builds the draft
+    model's decode graphs the same way (a twin, not a CUDA capture that would fail on the CPU),
+    in the target graphs' pool, and the proposals replay them."""
+    from kvserve.runtime import LLM
+    from kvserve.runtime.executor.worker import Worker
+
+    monkeypatch.setattr(Worker, "compile_and_capture", _twin_verify_graphs)
+    spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    with LLM(str(tiny_llama), num_kv_blocks=64, block_size=4, max_model_len=128, speculative_config=spec) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in grounded_prompts(n=2)], GREEDY, use_tqdm=False)
+        worker, draft_graphs = llm.engine.executor.driver_worker, llm.engine.executor.spec_decoder.draft_graphs
+        assert worker.graph_capture_failures == 0
+        assert draft_graphs.sizes == worker.graphs.sizes and not draft_graphs.capture_enabled
+        assert draft_graphs.replays > 0
+
+
 # The same, in the worker processes (sitecustomize runs at their start).
 _TWIN_VERIFY_GRAPHS = '''
 from kvserve.runtime.executor.worker import Worker
