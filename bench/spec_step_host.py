@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 # (label, depth): the report's rows, in order; depth is indentation (inclusive times).
 ROWS = [("step", 0), ("propose_drafts", 1), ("schedule", 1), ("execute_model", 1), ("draft_propose", 2),
         ("draft_forward", 3), ("draft_logits", 3), ("prepare", 2), ("worker_forward", 2), ("pad", 3),
-        ("replay_or_forward", 3), ("logits", 3), ("draft_mirror", 2), ("verify_and_rest", 2), ("finish_step", 1),
-        ("engine_rest", 1)]
+        ("to_device", 3), ("replay_or_forward", 3), ("logits", 3), ("wait_and_rest", 3), ("draft_mirror", 2),
+        ("verify_and_rest", 2), ("finish_step", 1), ("engine_rest", 1)]
 
 
 def parse_args(argv=None):
@@ -110,6 +110,19 @@ def instrument(engine, timers: Timers) -> None:
     timers.wrap(executor.runner, "prepare", "prepare")
     timers.wrap(worker, "execute_model", "worker_forward", sync=True)
     timers.wrap(worker, "_pad_for_graphs", "pad")
+    from kvserve.runtime.executor.forward_input import ForwardInput
+
+    if not hasattr(ForwardInput, "_untimed_to"):  # the class's, once per process (every engine's steps)
+        ForwardInput._untimed_to = ForwardInput.to
+    real_to = ForwardInput._untimed_to
+
+    def to(self, device):
+        t0 = time.perf_counter()
+        out = real_to(self, device)
+        timers.total["to_device"] += time.perf_counter() - t0
+        return out
+
+    ForwardInput.to = to
     timers.wrap(worker.model, "compute_logits", "logits")
     for graphs in [worker.graphs, *worker.verify_graphs.values()]:
         if graphs is not None:
@@ -211,6 +224,9 @@ def main(argv=None) -> int:
             per_step = {label: timers.total[label] * 1e3 / steps for label, _ in ROWS if label in timers.total}
             inner = sum(per_step.get(x, 0.0) for x in ("draft_propose", "prepare", "worker_forward", "draft_mirror"))
             per_step["verify_and_rest"] = per_step["execute_model"] - inner
+            if "worker_forward" in per_step:  # on a GPU: the synchronized wait for the device, mostly
+                per_step["wait_and_rest"] = per_step["worker_forward"] - sum(
+                    per_step.get(x, 0.0) for x in ("pad", "to_device", "replay_or_forward", "logits"))
             top = sum(per_step.get(x, 0.0) for x in ("propose_drafts", "schedule", "execute_model", "finish_step"))
             per_step["engine_rest"] = per_step["step"] - top
             # The device's work (on a GPU: launches and the synchronized wait): the target's forward
