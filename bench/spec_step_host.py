@@ -14,7 +14,10 @@ every line but ``forward`` is the Python a GPU step runs too. With ``--device cu
 Methods run one request at a time (batch 1, the launch-bound case), greedy, on input-grounded
 prompts (a passage, then its first half again) with bench/offline_throughput.py's ~50M random
 Llama (or ``--model``). The table gives ms per engine step (inclusive; indented lines are part of
-the line above) and writes JSON.
+the line above) and writes JSON. ``wait_and_rest`` is what ``worker_forward`` spends outside its
+other lines: the prefill steps' eager forwards (a few per run) and, on a GPU, the synchronized
+wait for the device. ``host_ms_per_step`` is the step less the forwards, logits and draft
+decodes: the Python around them.
 """
 
 from __future__ import annotations
@@ -236,6 +239,8 @@ def main(argv=None) -> int:
             results[name] = dict(steps=steps, tokens=tokens, tokens_per_step=tokens / steps, ms_per_step=per_step,
                                  host_ms_per_step=per_step["step"] - forward,
                                  draft_decodes_per_step=timers.calls.get("draft_forward", 0) / steps,
+                                 verify_replays=engine.executor.driver_worker.verify_graph_replays,
+                                 padded_steps=engine.executor.driver_worker.verify_padded_steps,
                                  same_output=reference is None or outputs == reference)
             reference = reference or outputs
         finally:
@@ -254,7 +259,8 @@ def main(argv=None) -> int:
         cells = "".join(f"{results[n]['ms_per_step'].get(label, float('nan')):>17.3f}" for n in names)
         print(f"{'  ' * depth + label:<22}{cells}")
     for key, fmt in (("host_ms_per_step", "{:>17.3f}"), ("tokens_per_step", "{:>17.2f}"),
-                     ("draft_decodes_per_step", "{:>17.2f}"), ("same_output", "{!s:>17}")):
+                     ("draft_decodes_per_step", "{:>17.2f}"), ("verify_replays", "{:>17}"),
+                     ("padded_steps", "{:>17}"), ("same_output", "{!s:>17}")):
         print(f"{key:<22}" + "".join(fmt.format(results[n][key]) for n in names))
     per_token = {n: (results[n]["ms_per_step"]["step"] / results[n]["tokens_per_step"]) for n in names}
     print(f"{'ms per token':<22}" + "".join(f"{per_token[n]:>17.3f}" for n in names))
