@@ -17,7 +17,8 @@ Llama (or ``--model``). The table gives ms per engine step (inclusive; indented 
 the line above) and writes JSON. ``wait_and_rest`` is what ``worker_forward`` spends outside its
 other lines: the prefill steps' eager forwards (a few per run) and, on a GPU, the synchronized
 wait for the device. ``host_ms_per_step`` is the step less the forwards, logits and draft
-decodes: the Python around them.
+decodes: the Python around them. On CUDA it also replays each captured family's batch-1 graph
+alone, synchronized (decode, verification, the draft's decode): the device's own time per step kind.
 """
 
 from __future__ import annotations
@@ -194,6 +195,32 @@ def launch_costs() -> dict[str, float]:
     return out
 
 
+def bare_replays(engine, reps: int = 50) -> dict[str, float]:
+    """Synchronized ms of one replay of each captured family's batch-1 graph, on whatever its
+    static buffers last held (the run is over: a verification replay rewrites slots nothing
+    reads again): the device's own time for a decode step against a verification step."""
+    import torch
+
+    worker = engine.executor.driver_worker
+    families = {"decode": worker.graphs, **{f"verify_q{q}": g for q, g in worker.verify_graphs.items()}}
+    spec = engine.executor.spec_decoder
+    if spec is not None and spec.draft_graphs is not None:
+        families["draft_decode"] = spec.draft_graphs
+    out = {}
+    for name, graphs in families.items():
+        graph = None if graphs is None else graphs.graphs.get(1)
+        if graph is None:
+            continue
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t0) / reps * 1e3
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -241,7 +268,8 @@ def main(argv=None) -> int:
                                  draft_decodes_per_step=timers.calls.get("draft_forward", 0) / steps,
                                  verify_replays=engine.executor.driver_worker.verify_graph_replays,
                                  padded_steps=engine.executor.driver_worker.verify_padded_steps,
-                                 same_output=reference is None or outputs == reference)
+                                 same_output=reference is None or outputs == reference,
+                                 bare_replay_ms=bare_replays(engine) if sync else {})
             reference = reference or outputs
         finally:
             engine.close()
@@ -262,6 +290,10 @@ def main(argv=None) -> int:
                      ("draft_decodes_per_step", "{:>17.2f}"), ("verify_replays", "{:>17}"),
                      ("padded_steps", "{:>17}"), ("same_output", "{!s:>17}")):
         print(f"{key:<22}" + "".join(fmt.format(results[n][key]) for n in names))
+    for n in names:
+        if results[n]["bare_replay_ms"]:
+            print(f"{n}: one synchronized batch-1 replay, ms: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in results[n]["bare_replay_ms"].items()))
     per_token = {n: (results[n]["ms_per_step"]["step"] / results[n]["tokens_per_step"]) for n in names}
     print(f"{'ms per token':<22}" + "".join(f"{per_token[n]:>17.3f}" for n in names))
     record = dict(benchmark="spec_step_host", model=str(model_dir), device=args.device,
