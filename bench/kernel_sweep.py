@@ -83,7 +83,7 @@ def decode_split_options(interpret: bool, block_n: int) -> list[tuple[int | None
     if interpret:
         return [(None, None), (2, 16)]
     splits = (None, 1, 2, 4, 8, 16, 32)
-    mins = (None, block_n, 2 * block_n)
+    mins = (None, block_n, 2 * block_n, 4 * block_n)
     return [(s, m) for s in splits for m in mins if not (s == 1 and m is not None)]
 
 
@@ -285,10 +285,13 @@ def main(argv=None):
     kv_heads = dims.get("kv_heads", KV_HEADS)
     sms = device_sms(device)
 
+    default_d = decode_config(max(16, 1 << (head_dim - 1).bit_length()), elt, device.type == "cuda")
+    default_min_split = default_d.pop("min_split")
+
     def resolved_splits(batch, context, block_n, num_splits, min_split):
         """The split arguments a launch will use (the kernel's own choice worked out here, so a
         compile task carries the same integers)."""
-        min_split = min_split or 4 * block_n
+        min_split = min_split or default_min_split
         if num_splits is None:
             num_splits = decode_num_splits(sms, batch, kv_heads, context, min_split)
         return num_splits, min_split
@@ -381,7 +384,6 @@ def main(argv=None):
         del case, want
 
     # Decode, stage 1: kernel configs at the default split count.
-    default_d = decode_config(max(16, 1 << (head_dim - 1).bit_length()), elt, device.type == "cuda")
     stage1 = {}
     cases = {}
     for b, ctx in decode_shapes:

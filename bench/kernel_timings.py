@@ -2,6 +2,7 @@
 
     python bench/kernel_timings.py                      # full grids on CUDA (writes bench/results/kernels.json)
     python bench/kernel_timings.py --quick              # smaller grids
+    python bench/kernel_timings.py --quick --only attention   # decode and prefill attention only
     python bench/kernel_timings.py --interpret          # CPU smoke run under TRITON_INTERPRET=1: tiny shapes,
                                                  # checks results and that the script works; its
                                                  # timings mean nothing
@@ -12,6 +13,8 @@ Memory-bound kernels report GB/s and the fraction of the device's measured copy 
 (a device-to-device copy of 1 GiB, read + write bytes counted); prefill reports TFLOP/s. Decode
 attention is compared with torch SDPA over K/V already gathered into contiguous tensors (gather
 not timed), prefill with torch's SDPA (flash where available) on K/V expanded to all query heads.
+Decode is also timed as CUDA-graph replays (do_bench_cudagraph), as the engine runs it: a small
+batch's eager time is mostly the launch from Python.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, milliseconds")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, milliseconds")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/kernels[-interpret].json)")
+    p.add_argument("--only", choices=["attention", "layers"], default=None,
+                   help="time only the attention kernels or only the layer kernels")
     return p.parse_args(argv)
 
 
@@ -135,8 +140,15 @@ def bench_decode(grid, copy_bw, rows):
         ms, ms_sdpa = timed(run), timed(sdpa)
         moved = kv_bytes + 2 * q.numel() * ELT
         gbs = moved / ms / 1e6
-        rows.append(dict(kernel="decode_attention", batch=batch, context=context, ms=ms, gbs=gbs,
-                         frac_copy_bw=gbs / copy_bw, sdpa_ms=ms_sdpa, vs_sdpa=ms_sdpa / ms, max_err=err))
+        row = dict(kernel="decode_attention", batch=batch, context=context, ms=ms, gbs=gbs,
+                   frac_copy_bw=gbs / copy_bw, sdpa_ms=ms_sdpa, vs_sdpa=ms_sdpa / ms, max_err=err)
+        if DEVICE.type == "cuda":
+            # Decode serves from CUDA graphs: replayed, a small batch is not launch bound. (No L2 flush
+            # between replays: a small batch's K/V stays in L2, for SDPA too.)
+            graph = lambda f: float(triton.testing.do_bench_cudagraph(f, rep=20, return_mode="median"))  # noqa: E731
+            row.update(graph_ms=graph(run), sdpa_graph_ms=graph(sdpa))
+            row["graph_vs_sdpa"] = row["sdpa_graph_ms"] / row["graph_ms"]
+        rows.append(row)
         del k_cache, v_cache, ks, vs
 
 
@@ -221,6 +233,8 @@ def fmt(row):
     rate = f"{row['gbs']:8.1f} GB/s ({100 * row['frac_copy_bw']:5.1f}% copy)" if "gbs" in row else \
         f"{row['tflops']:8.1f} TFLOP/s" + " " * 13
     base = f"x{row['vs_sdpa']:.2f} vs SDPA" if "vs_sdpa" in row else f"x{row['vs_torch']:.2f} vs torch"
+    if "graph_ms" in row:
+        base += f"   graph replay {row['graph_ms']:.4f} ms x{row['graph_vs_sdpa']:.2f} vs SDPA's"
     return f"{row['kernel']:<20} {shape:<34} {row['ms']:9.4f} ms {rate} {base}"
 
 
@@ -238,9 +252,11 @@ def main():
         tokens_grid = [1, 64, 1024, 4096, 16384]
     copy_bw = copy_bandwidth_gbs()
     rows: list[dict] = []
-    bench_decode(decode_grid, copy_bw, rows)
-    bench_prefill(prefill_grid, rows)
-    bench_elementwise(tokens_grid, copy_bw, rows)
+    if ARGS.only != "layers":
+        bench_decode(decode_grid, copy_bw, rows)
+        bench_prefill(prefill_grid, rows)
+    if ARGS.only != "attention":
+        bench_elementwise(tokens_grid, copy_bw, rows)
     device = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"CPU interpreter ({platform.machine()})"
     print(f"device: {device}   dtype: {ARGS.dtype}   measured copy bandwidth: {copy_bw:.1f} GB/s")
     print(f"layer shape: heads={HEADS} kv_heads={KV_HEADS} head_dim={HEAD_DIM} hidden={HIDDEN} "

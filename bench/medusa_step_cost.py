@@ -11,12 +11,13 @@ batch 1 and 8.
 With ``--device cuda`` each step kind runs eagerly and replayed from CUDA graphs (the decode graph
 the engine captured at start, and verification graphs of the chain's 1 + k and the tree's rows,
 runtime/executor/verify_graphs.py), interleaved, and the table adds the eager/graphs ratio. There
-the chain is what a GPU runs, one query of 1 + k rows per sequence (no decode rows), and there is
-no tree_per_op. Without ``--model`` it builds bench/gpu_fastpath.py's random Qwen2-0.5B-shaped
-model (bfloat16; no hub access needed), or ``--model tiny`` for bench/offline_throughput.py's
-~50M random Llama.
+the chain is what a GPU runs, one query of 1 + k rows per sequence (no decode rows), there is
+no tree_per_op, and `chain_short` is a chain step of shorter queries (2 and 1 rows, what n-gram
+lookup often offers): eagerly as it is, with graphs padded to 1 + k rows per sequence. Without
+``--model`` it builds bench/gpu_fastpath.py's random Qwen2-0.5B-shaped model (bfloat16; no hub
+access needed), or ``--model tiny`` for bench/offline_throughput.py's ~50M random Llama.
 
-The three step kinds run interleaved, `--reps` times each, and the table reports each kind's
+The step kinds run interleaved, `--reps` times each, and the table reports each kind's
 minimum and median: on a shared, loaded machine the minimum is the closest to an uncontended run.
 With `--accept` (bench/spec_heads.py's JSON), each method's measured acceptance length (tokens per
 verification step) divided by its relative step cost gives an estimated speed-up over plain
@@ -98,6 +99,34 @@ def step(batch: int, rows: int, context: int, bs: int, tree=None, chain_query: b
     return ForwardInput(torch.tensor(ids), torch.tensor(pos), meta, list(range(len(ids))))
 
 
+def short_chain_step(batch: int, k: int, context: int, bs: int):
+    """A chain verification step whose queries are shorter than 1 + k (what n-gram lookup often
+    proposes): sequences alternate 2 rows (one draft) and 1 row (none). On a GPU with graphs the
+    worker pads each query to 1 + k rows (runtime/executor/verify_padding.py); eagerly it runs
+    as it is."""
+    from kvserve.runtime.attention.backend import AttentionMetadata
+    from kvserve.runtime.executor.forward_input import ForwardInput
+
+    rows = [2 if i % 2 == 0 else 1 for i in range(batch)]
+    per = -(-(context + 1 + k) // bs)
+    ids, pos, slots, qsl, lens, bt = [], [], [], [0], [], []
+    for b, n in enumerate(rows):
+        table = list(range(b * per, (b + 1) * per))
+        for j in range(n):
+            p = context + j
+            ids.append(100 + j)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        qsl.append(qsl[-1] + n)
+        lens.append(context + n)
+        bt.append(table)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             block_tables=torch.from_numpy(np.asarray(bt, dtype=np.int32)),
+                             slot_mapping=torch.tensor(slots), max_query_len=max(rows), max_seq_len=max(lens))
+    return ForwardInput(torch.tensor(ids), torch.tensor(pos), meta, list(range(len(ids))))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from spec_heads import DEFAULT_TREE
@@ -127,6 +156,7 @@ def main(argv=None) -> None:
              "tree_per_op": (tree.num_nodes, tree)}
     if cuda:
         del kinds["tree_per_op"]  # the native CPU stack's alternative
+        kinds["chain_short"] = (2, None)  # padded to 1 + k rows for the graph
     modes = ["eager", "graphs"] if cuda else ["eager"]
     times: dict[tuple[str, int, str], list[float]] = {}
     opts = dict(dtype="bfloat16", device="cuda") if cuda else dict(dtype="float32")
@@ -134,7 +164,8 @@ def main(argv=None) -> None:
              **opts) as llm:
         worker = llm.engine.executor.driver_worker
         bs = worker.config.block_size
-        steps = {(name, b): step(b, rows, args.context, bs, t, chain_query=cuda and name == "chain")
+        steps = {(name, b): (short_chain_step(b, args.k, args.context, bs) if name == "chain_short" else
+                             step(b, rows, args.context, bs, t, chain_query=cuda and name == "chain"))
                  for name, (rows, t) in kinds.items() for b in batches}
         graphs = {"eager": (None, {})}
         if cuda:
@@ -169,7 +200,7 @@ def main(argv=None) -> None:
         if cuda:
             replays = {"decode": graphs["graphs"][0].replays,
                        **{f"verify_q{q}": g.replays for q, g in graphs["graphs"][1].items()}}
-            print(f"graph replays: {replays}")
+            print(f"graph replays: {replays}; padded steps (chain_short): {worker.verify_padded_steps}")
         if stack is not None:
             stack.takes_trees = takes_trees
         worker.graphs, worker.verify_graphs = graphs[modes[-1]]

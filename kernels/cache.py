@@ -61,8 +61,11 @@ def _write_kv_kernel(
         k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
         if KV_FP8:  # KC/VC are uint8 views of the float8 pools
-            k = _to_fp8_bits(k.to(tl.float32) / tl.load(K_SCALE), MAN_BITS, EXP_BIAS, sub_scale, fp8_max)
-            v = _to_fp8_bits(v.to(tl.float32) / tl.load(V_SCALE), MAN_BITS, EXP_BIAS, sub_scale, fp8_max)
+            # div_rn: IEEE-rounded like torch's division (Triton's float32 `/` is approximate on a GPU).
+            k = _to_fp8_bits(tl.math.div_rn(k.to(tl.float32), tl.load(K_SCALE)), MAN_BITS, EXP_BIAS, sub_scale,
+                             fp8_max)
+            v = _to_fp8_bits(tl.math.div_rn(v.to(tl.float32), tl.load(V_SCALE)), MAN_BITS, EXP_BIAS, sub_scale,
+                             fp8_max)
         tl.store(KC + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
                  k.to(KC.dtype.element_ty), mask=mask)
         tl.store(VC + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,

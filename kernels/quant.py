@@ -200,13 +200,15 @@ def _fp8_quant_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0), min_amax) / fp8_max
+        # IEEE-rounded divisions (div_rn): Triton's float32 `/` is the GPU's approximate division,
+        # up to 2 ulp off torch's, which moves a value across a float8 rounding boundary now and then.
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), min_amax), fp8_max)
         tl.store(SCALE + row, scale)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
         # _to_fp8_bits saturates at +-fp8_max before rounding: the twin's clamp, then its cast.
-        tl.store(Q + row * stride_q + k, _to_fp8_bits(x / scale, MAN_BITS, EXP_BIAS, sub_scale, fp8_max),
+        tl.store(Q + row * stride_q + k, _to_fp8_bits(tl.math.div_rn(x, scale), MAN_BITS, EXP_BIAS, sub_scale, fp8_max),
                  mask=k < K)
 
 

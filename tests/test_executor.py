@@ -122,15 +122,20 @@ def test_the_profiling_step_runs_and_writes_no_kv(tiny_model_factory, arch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_second_engine_in_one_process_gets_the_same_kv_pool(tiny_llama):
     """The first engine's weights, pools and graphs are handed back on close(), and the
-    profiled budget does not count what a closed engine left in the allocator's cache."""
+    profiled budget does not count what a closed engine left in the allocator's cache.
+
+    Not to the block: what CUDA and its libraries load on first use (kernels, cuBLAS workspaces
+    per stream) stays for the process's life, and the first engine measures some of it only after
+    sizing. On an H200 the two pools differed by 28 MiB of 68 GiB after the in-use memory was read
+    again after profiling (98 MiB before); a closed engine that leaked its pools would cost GiBs."""
     from kvserve.runtime import LLM
 
-    blocks = []
+    pool_bytes = []
     for _ in range(2):
         llm = LLM(str(tiny_llama), device="cuda", gpu_memory_utilization=0.5)
-        blocks.append(llm.engine.executor.num_blocks_per_group)
+        pool_bytes.append(sum(t.numel() * t.element_size() for layer in llm.engine.executor.kv_caches for t in layer))
         llm.close()
-    assert blocks[0] == blocks[1]
+    assert abs(pool_bytes[0] - pool_bytes[1]) <= 64 * 2**20, pool_bytes
 
 
 def test_the_platform_is_asked_which_kernels_serve_an_operation():

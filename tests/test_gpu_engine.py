@@ -113,7 +113,8 @@ def assert_greedy_matches(got: list[list[int]], refs: list[Reference], *, tie: f
 
 def generate(model_dir, prompts, max_tokens: int, *, logprobs: int | None = None, lora_request=None,
              params: SamplingParams | None = None, **overrides):
-    """One engine, one batch (continuous batching of all `prompts`); returns (completions, stats).
+    """One engine, one batch (continuous batching of all `prompts`); returns (completions, stats,
+    decode steps replayed from CUDA graphs).
     Checks that every KV block came back and that no CUDA graph capture failed."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
     with LLM(str(model_dir), **{**ENGINE, **overrides}) as llm:
@@ -121,8 +122,20 @@ def generate(model_dir, prompts, max_tokens: int, *, logprobs: int | None = None
                             lora_request=lora_request)
         stats = llm.engine.get_stats()
         assert llm.engine.block_manager.num_used_blocks == 0
+        replays = graph_replays(llm)
     assert stats.cuda_graph_capture_failures_total == 0
-    return [o.outputs[0] for o in outs], stats
+    return [o.outputs[0] for o in outs], stats, replays
+
+
+def graph_replays(llm) -> int | None:
+    """Decode steps replayed from CUDA graphs (None: no graphs, as on the CPU)."""
+    graphs = getattr(llm.engine.executor.driver_worker, "graphs", None)
+    return None if graphs is None else graphs.replays
+
+
+def assert_graphs_replayed(replays) -> None:
+    if CUDA:  # the point of running here: decode steps went through the captured graphs
+        assert replays, f"no decode step replayed a CUDA graph ({replays})"
 
 
 def tokens_of(outputs) -> list[list[int]]:
@@ -160,8 +173,39 @@ def test_family_greedy_equals_transformers(tiny_model_factory, arch, overrides):
     through CUDA graphs (a batch of 6 replays the graph of 8): transformers' greedy tokens."""
     model_dir = tiny_model_factory(arch, **overrides)
     prompts = prompts_for()
-    got, _ = generate(model_dir, prompts, 10, max_num_batched_tokens=32)
+    got, _, replays = generate(model_dir, prompts, 10, max_num_batched_tokens=32)
     assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 10))
+    assert_graphs_replayed(replays)
+
+
+LONG = [
+    pytest.param("llama", dict(head_dim=128), id="llama-headdim128"),
+    pytest.param("gemma2", dict(attn_logit_softcapping=2.0), id="gemma2-window8-softcap"),
+    pytest.param("deepseek_v2", {}, id="deepseekv2-mla"),
+    pytest.param("mpt", {}, id="mpt-alibi"),
+]
+
+
+@pytest.mark.parametrize("arch,overrides", LONG)
+def test_long_contexts_equal_transformers(tiny_model_factory, arch, overrides):
+    """Contexts of 300 to 1500 tokens (many KV blocks per sequence, so decode attention splits
+    the context and prefill runs many tiles over chunks of 512): transformers' greedy tokens."""
+    model_dir = tiny_model_factory(arch, **overrides)
+    prompts = prompts_for(lengths=(700, 1500, 1100, 300), seed=11)
+    got, _, replays = generate(model_dir, prompts, 8, max_model_len=2048, num_kv_blocks=320,
+                               max_num_batched_tokens=512)
+    assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 8))
+    assert_graphs_replayed(replays)
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2", "qwen3_moe"])
+def test_wide_decode_batches_equal_transformers(tiny_model_factory, arch):
+    """28 requests decoding together (graphs of 32 rows, 4 of them padding)."""
+    model_dir = tiny_model_factory(arch)
+    prompts = prompts_for(lengths=[3 + (5 * i) % 23 for i in range(28)], seed=12)
+    got, _, replays = generate(model_dir, prompts, 6, max_num_seqs=32, num_kv_blocks=128, max_num_batched_tokens=512)
+    assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 6))
+    assert_graphs_replayed(replays)
 
 
 baichuan = test_baichuan.checkpoint  # its tiny checkpoints, both variants (a module-scoped fixture)
@@ -173,8 +217,8 @@ def test_baichuan_matches_the_cpu_engine(baichuan):
     engine's greedy tokens."""
     path, _, _ = baichuan
     prompts = prompts_for()
-    want, _ = generate(path, prompts, 10, logprobs=TOPK, device="cpu", attention_backend="torch")
-    got, _ = generate(path, prompts, 10)
+    want, _, _ = generate(path, prompts, 10, logprobs=TOPK, device="cpu", attention_backend="torch")
+    got, _, _ = generate(path, prompts, 10)
     assert_greedy_matches(tokens_of(got), engine_references(want))
 
 
@@ -195,16 +239,17 @@ SQUEEZED = dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16, max_n
 def test_chunked_prefill_and_preemption_equal_transformers(tiny_model_factory, arch, overrides):
     model_dir = tiny_model_factory(arch, **overrides)
     prompts = prompts_for(lengths=(1, 2, 3, 40, 37, 5, 8, 13, 21, 34, 9, 17, 28, 4, 11, 25, 6, 31))
-    got, stats = generate(model_dir, prompts, 8, **SQUEEZED)
+    got, stats, replays = generate(model_dir, prompts, 8, **SQUEEZED)
     assert stats.num_preemptions_total > 0
     assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 8))
+    assert_graphs_replayed(replays)
 
 
 def test_async_scheduling_equals_transformers(tiny_model_factory):
     """Step N+1's forward launched while step N's tokens are processed: the same tokens."""
     model_dir = tiny_model_factory("qwen3")
     prompts = prompts_for()
-    got, _ = generate(model_dir, prompts, 10, async_scheduling=True, max_num_batched_tokens=32)
+    got, _, _ = generate(model_dir, prompts, 10, async_scheduling=True, max_num_batched_tokens=32)
     assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 10))
 
 
@@ -216,7 +261,7 @@ def test_swapped_out_requests_come_back_intact(tiny_model_factory, arch):
                                                        "sliding_attention"]) if arch == "gemma3" else {}
     model_dir = tiny_model_factory(arch, **overrides)
     prompts = prompts_for(lengths=(1, 2, 3, 40, 37, 5, 8, 13, 21, 34, 9, 17, 28, 4, 11, 25, 6, 31))
-    got, stats = generate(model_dir, prompts, 8, **SQUEEZED, swap_space=0.01)
+    got, stats, _ = generate(model_dir, prompts, 8, **SQUEEZED, swap_space=0.01)
     assert stats.num_preemptions_total > 0 and stats.kv_swap_ins_total > 0
     assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 8))
 
@@ -257,17 +302,18 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_model_factory, arch):
 # --------------------------------------------------------------------------------- fp8 KV cache
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # MLA refuses fp8 pools (a ValueError)
-def test_fp8_kv_cache_matches_the_cpu_fp8_path(tiny_model_factory, arch, kv_cache_dtype):
+@pytest.mark.parametrize("arch,kv_cache_dtype,dtype", [  # MLA refuses fp8 pools (a ValueError)
+    ("llama", "fp8", "float32"), ("llama", "fp8_e5m2", "float32"), ("gemma2", "fp8", "float32"),
+    ("gemma2", "fp8_e5m2", "float32"), ("llama", "fp8", "bfloat16"), ("gemma3", "fp8", "bfloat16")])
+def test_fp8_kv_cache_matches_the_cpu_fp8_path(tiny_model_factory, arch, kv_cache_dtype, dtype):
     """The same float8 rounding on both devices: greedy tokens equal our CPU engine's with an fp8
     pool, up to near ties (a value on a float8 rounding edge may land either way)."""
     model_dir = tiny_model_factory(arch)
     prompts = prompts_for()
-    want, _ = generate(model_dir, prompts, 10, logprobs=TOPK, kv_cache_dtype=kv_cache_dtype,
-                       **{k: v for k, v in CPU_ENGINE.items() if k in ("device", "attention_backend")})
-    got, _ = generate(model_dir, prompts, 10, kv_cache_dtype=kv_cache_dtype)
-    assert_greedy_matches(tokens_of(got), engine_references(want), tie=0.05)
+    want, _, _ = generate(model_dir, prompts, 10, logprobs=TOPK, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                          device="cpu", attention_backend="torch")
+    got, _, _ = generate(model_dir, prompts, 10, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+    assert_greedy_matches(tokens_of(got), engine_references(want), tie=0.05 if dtype == "float32" else 0.15)
 
 
 # ----------------------------------------------------------------------------------- LoRA
@@ -445,8 +491,8 @@ def test_load_time_quantization_matches_the_cpu_engine(tiny_model_factory, quant
     model_dir = tiny_model_factory("qwen2", hidden_size=64, intermediate_size=192)
     prompts = prompts_for(lengths=(3, 17, 40, 70))  # 70 rows in one prefill: above the dequant-GEMM cutover
     kw = dict(quantization=quantization, dtype=dtype, max_num_batched_tokens=128)
-    want, _ = generate(model_dir, prompts, 10, logprobs=TOPK, **{**kw, "device": "cpu", "attention_backend": "torch"})
-    got, _ = generate(model_dir, prompts, 10, **kw)
+    want, _, _ = generate(model_dir, prompts, 10, logprobs=TOPK, **{**kw, "device": "cpu", "attention_backend": "torch"})
+    got, _, _ = generate(model_dir, prompts, 10, **kw)
     assert_greedy_matches(tokens_of(got), engine_references(want), tie=tie)
 
 
@@ -458,8 +504,8 @@ def test_gguf_quantized_weights_match_the_cpu_engine(tiny_model_factory, tmp_pat
     path = ggufmodels.write_gguf(tiny_model_factory("llama", hidden_size=256, intermediate_size=512), tmp_path / f"{kind}.gguf",
                                  kind)
     prompts = prompts_for(lengths=(3, 17, 40))
-    want, _ = generate(path, prompts, 10, logprobs=TOPK, device="cpu", attention_backend="torch")
-    got, _ = generate(path, prompts, 10)
+    want, _, _ = generate(path, prompts, 10, logprobs=TOPK, device="cpu", attention_backend="torch")
+    got, _, _ = generate(path, prompts, 10)
     assert_greedy_matches(tokens_of(got), engine_references(want), tie=0.02)
 
 
@@ -478,21 +524,22 @@ def test_bitsandbytes_checkpoints_match_the_cpu_engine(tiny_model_factory, tmp_p
     model.save_pretrained(tmp_path / kind)
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(tmp_path / kind)
     prompts = prompts_for(lengths=(3, 17, 40))
-    want, _ = generate(tmp_path / kind, prompts, 10, logprobs=TOPK, device="cpu", attention_backend="torch")
-    got, _ = generate(tmp_path / kind, prompts, 10)
+    want, _, _ = generate(tmp_path / kind, prompts, 10, logprobs=TOPK, device="cpu", attention_backend="torch")
+    got, _, _ = generate(tmp_path / kind, prompts, 10)
     assert_greedy_matches(tokens_of(got), engine_references(want), tie=0.02)
 
 
 # ------------------------------------------------------------------------------------- bf16
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "mixtral", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "deepseek_v2",
+                                  "deepseek_v3", "mpt", "bloom", "phi3"])
 def test_bfloat16_stays_on_the_float32_greedy_path(tiny_model_factory, arch):
     """bf16 weights, activations and KV (what a GPU serves): the first tokens of every request are
     transformers' float32 greedy tokens, up to near ties at bf16's resolution."""
     model_dir = tiny_model_factory(arch)
     prompts = prompts_for()
-    got, _ = generate(model_dir, prompts, 6, dtype="bfloat16")
+    got, _, _ = generate(model_dir, prompts, 6, dtype="bfloat16")
     assert_greedy_matches(tokens_of(got), hf_references(model_dir, prompts, 6), tie=0.15)
 
 

@@ -260,7 +260,7 @@ def test_a_failed_verification_capture_leaves_those_steps_eager(tiny_llama):
 # ------------------------------------------------------------------------ outputs do not change
 
 
-def _run(model_dir, spec, *, twin: bool, prompts, arrive_every=2, **kw):
+def _run(model_dir, spec, *, twin: bool, prompts, arrive_every=2, only_prefill_eager=True, **kw):
     """(outputs, verification steps run on static buffers) of one engine run, verification steps
     kept multi-token; with twin, the verification graphs' CPU twin is installed (and a draft
     model's decode graphs')."""
@@ -282,10 +282,11 @@ def _run(model_dir, spec, *, twin: bool, prompts, arrive_every=2, **kw):
 
         worker._execute = watched
     outs = run_checked(engine, prompts, GREEDY, arrive_every)
-    if twin:  # only a step with a prefill in it (a query longer than any graph's) stays eager
-        assert all(longest > max(worker.verify_graphs) for longest in eager_steps), eager_steps
     stats = engine.get_stats()
     assert stats.spec_decode_num_drafts_total > 0
+    if twin:  # only a step with a prefill in it (a query longer than any graph's) stays eager
+        stats.eager_short_steps = sum(longest <= max(worker.verify_graphs) for longest in eager_steps)
+        assert stats.eager_short_steps == 0 or not only_prefill_eager, eager_steps
     stats.verify_padded_steps = worker.verify_padded_steps  # read with the replays (not engine stats)
     stats.draft_graph_replays = 0 if spec_decoder.draft_graphs is None else spec_decoder.draft_graphs.replays
     return {k: v.outputs[0].token_ids for k, v in outs.items()}, worker.verify_graph_replays, stats
@@ -321,6 +322,19 @@ def test_chain_verification_on_static_buffers_gives_the_same_greedy_outputs(tiny
         else:  # the draft's proposal decodes replayed its own decode graphs
             assert stats.draft_graph_replays > 0
     assert stats.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_a_query_that_cannot_pad_past_max_model_len_runs_eagerly(tiny_llama):
+    """Requests that end exactly at max_model_len: near the end their drafts are cut short, and
+    padding them would put dummy rows past max_model_len (no block table room), so those steps
+    run eagerly; the outputs, and the block accounting, stay the eager engine's."""
+    prompts = grounded_prompts(n=6)
+    limit = max(len(p) for p in prompts) + GREEDY.max_tokens
+    want, _, _ = _run(tiny_llama, NGRAM, twin=False, prompts=prompts, arrive_every=25, max_model_len=limit)
+    got, replays, stats = _run(tiny_llama, NGRAM, twin=True, prompts=prompts, arrive_every=25, max_model_len=limit,
+                               only_prefill_eager=False)
+    assert got == want
+    assert replays > 0 and stats.verify_padded_steps > 0 and stats.eager_short_steps > 0
 
 
 def test_draft_model_proposals_replay_the_drafts_own_decode_graphs(tiny_llama):
@@ -375,12 +389,14 @@ def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny
         spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3}
     prompts = grounded_prompts(n=8)
     outs = {}
-    for eager in (True, False):
+    # n-gram also with overlapping requests: padded steps of several sequences, some with no drafts
+    for eager, arrive_every in [(e, a) for a in ((25, 2) if kind == "ngram" else (25,)) for e in (True, False)]:
         engine = make_engine(tiny_llama, spec, device="cuda", dtype="float32", enforce_eager=eager,
                              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
         worker = engine.executor.driver_worker
         assert bool(worker.verify_graphs) != eager and worker.graph_capture_failures == 0
-        outs[eager] = {k: v.outputs[0].token_ids for k, v in run_checked(engine, prompts, GREEDY, 25).items()}
+        outs[eager, arrive_every] = {k: v.outputs[0].token_ids
+                                     for k, v in run_checked(engine, prompts, GREEDY, arrive_every).items()}
         if not eager:
             assert worker.verify_graph_replays > 0, "no verification step replayed a graph"
             assert all(g.graphs for g in worker.verify_graphs.values())  # captured, not the twin
@@ -390,7 +406,8 @@ def test_cuda_graphs_replay_verification_steps_with_the_same_greedy_outputs(tiny
                 draft_graphs = engine.executor.spec_decoder.draft_graphs
                 assert draft_graphs.graphs and draft_graphs.replays > 0
         engine.close()
-    assert outs[True] == outs[False]
+    for arrive_every in {a for _, a in outs}:
+        assert outs[True, arrive_every] == outs[False, arrive_every]
 
 
 def test_a_graphed_tree_step_attends_like_the_eager_one_without_reading_the_device(monkeypatch):
@@ -425,6 +442,57 @@ def test_a_graphed_tree_step_attends_like_the_eager_one_without_reading_the_devi
         got = backend.attend(q, None, None, k_cache, v_cache, graphed, 0.25)
         backend.attend(q, None, None, k_cache, v_cache, AttentionMetadata(**base), 0.25)  # a chain step
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name, tree", [("torch", False), ("triton", False), ("triton", True)])
+def test_dummy_rows_leave_the_real_rows_attention_unchanged(monkeypatch, backend_name, tree):
+    """A padded step as a graph runs it (block tables as wide as max_model_len, zeros past a
+    sequence's blocks; max_seq_len = max_model_len; a tree graph: every row through the tree
+    kernel, chain masks for chain and dummy rows): the real rows attend exactly as in the short
+    step, and the dummy rows, which read slots past each sequence's end, disturb nothing. The
+    Triton kernels run interpreted here, the code a GPU runs."""
+    if backend_name == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvserve.runtime.attention.selector import get_attention_backend
+    from kvserve.runtime.executor.forward_input import ForwardInput
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, bs, max_model_len = 4, 2, 16, 8, 64
+    ctx, query_lens = [13, 0, 30], [4, 1, 2]
+    num_blocks = 16
+    k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+    tables, free = [], list(range(1, num_blocks))  # block 0: only what a graph's zeroed entries point at
+    for c, n in zip(ctx, query_lens):
+        tables.append([free.pop() for _ in range(-(-(c + n) // bs))])
+    width = max(len(t) for t in tables)
+    seq_lens = [c + n for c, n in zip(ctx, query_lens)]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 4, 5, 7], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.full((7,), -1, dtype=torch.long), max_query_len=4, max_seq_len=max(seq_lens))
+    q = torch.randn(7, heads, dim, generator=gen)
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, query_lens)])
+    if tree:  # the first sequence verifies a 4-node tree (root, two children, a grandchild)
+        meta.tree_masks = torch.tensor([0b1, 0b11, 0b101, 0b1011, 0, 0, 0])
+        positions[:4] = torch.tensor([13, 14, 14, 15])
+    backend = get_attention_backend(backend_name, "cpu")
+    want = backend.attend(q, None, None, k_cache, v_cache, meta, 0.25)
+
+    padded, keep = pad_step(ForwardInput(torch.zeros(7, dtype=torch.long), positions, meta, []), 4, max_model_len)
+    wide = torch.zeros(3, max_model_len // bs, dtype=torch.int32)
+    wide[:, :width] = meta.block_tables
+    graphed = dataclasses.replace(padded.meta, block_tables=wide, max_seq_len=max_model_len)
+    if tree:  # as DecodeGraphs.load fills a tree graph's masks
+        chain = (1 << (torch.arange(12) % 4 + 1)) - 1
+        graphed.tree_masks = torch.where(graphed.tree_masks != 0, graphed.tree_masks, chain)
+        graphed.all_trees = True
+    q_padded = torch.randn(12, heads, dim, generator=gen) * 100  # dummy rows: anything
+    q_padded[keep] = q
+    got = backend.attend(q_padded, None, None, k_cache, v_cache, graphed, 0.25)
+    torch.testing.assert_close(got[keep], want, rtol=1e-5, atol=1e-5)
 
 
 def test_eagle3_reads_its_aux_layers_from_the_static_buffers(tiny_llama, tmp_path):
@@ -467,6 +535,23 @@ def _twin_verify_graphs(self, *, max_model_len):
     """Worker.compile_and_capture building the CPU twin of the decode and verification graphs."""
     self.graphs = self.build_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
     self.verify_graphs = self.build_verify_graphs([1, 2, 4, 8], max_model_len=max_model_len, capture=False)
+
+
+def test_the_executor_captures_the_drafts_graphs_as_it_captured_the_targets(tiny_llama, monkeypatch):
+    """With the target's graphs in place (here their CPU twin), the executor builds the draft
+    model's decode graphs the same way (a twin, not a CUDA capture that would fail on the CPU),
+    in the target graphs' pool, and the proposals replay them."""
+    from kvserve.runtime import LLM
+    from kvserve.runtime.executor.worker import Worker
+
+    monkeypatch.setattr(Worker, "compile_and_capture", _twin_verify_graphs)
+    spec = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    with LLM(str(tiny_llama), num_kv_blocks=64, block_size=4, max_model_len=128, speculative_config=spec) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in grounded_prompts(n=2)], GREEDY, use_tqdm=False)
+        worker, draft_graphs = llm.engine.executor.driver_worker, llm.engine.executor.spec_decoder.draft_graphs
+        assert worker.graph_capture_failures == 0
+        assert draft_graphs.sizes == worker.graphs.sizes and not draft_graphs.capture_enabled
+        assert draft_graphs.replays > 0
 
 
 # The same, in the worker processes (sitecustomize runs at their start).

@@ -146,10 +146,11 @@ class Executor:
 
     def _capture_draft_graphs(self, worker, max_model_len: int) -> None:
         """The draft model's decode graphs, for the target's decode buckets, in the target graphs'
-        memory pool; a failed capture is logged, counted, and leaves the proposals eager."""
+        memory pool (captured as the target's were: a CPU twin's draft graphs are twins too); a
+        failed capture is logged, counted, and leaves the proposals eager."""
         try:
-            self.spec_decoder.build_draft_graphs(worker.graphs.sizes, max_model_len=max_model_len, capture=True,
-                                                 pool=worker.graphs.pool)
+            self.spec_decoder.build_draft_graphs(worker.graphs.sizes, max_model_len=max_model_len,
+                                                 capture=worker.graphs.capture_enabled, pool=worker.graphs.pool)
         except Exception:
             worker._capture_failed(f"draft model decode batch sizes {worker.graphs.sizes}")
 

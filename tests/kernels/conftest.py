@@ -2,20 +2,10 @@
 fixture), else on CPU under Triton's interpreter, and every buffer a kernel allocates starts as NaN
 so that an element it forgets to write shows up. The few tests that interpret on CPU tensors
 whatever the machine are skipped, with the reason, where the installed Triton's interpreter
-cannot run (kvserve.kernels.triton_utils.interpreter_problem)."""
+cannot run (tests/conftest.py's pytest_pyfunc_call)."""
 
 import pytest
 import torch
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_pyfunc_call(pyfuncitem):
-    from kvserve.kernels.triton_utils import InterpreterUnavailable
-
-    try:
-        return (yield)
-    except InterpreterUnavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -23,7 +23,8 @@ def test_configs_fit_shared_memory_and_include_the_defaults():
 
     prefill = ks.prefill_configs(False)
     assert prefill_config(128, 2, True) in prefill
-    assert decode_config(128, 2, True) in ks.decode_kernel_configs(False)
+    tiles = {k: v for k, v in decode_config(128, 2, True).items() if k != "min_split"}
+    assert tiles in ks.decode_kernel_configs(False)
     for c in prefill:
         assert c["num_stages"] * 2 * c["block_n"] * 128 * 2 + c["block_m"] * 128 * 2 <= ks.SMEM_BYTES
     assert not any(c["block_m"] == 128 and c["block_n"] == 128 and c["num_stages"] == 4 for c in prefill)
