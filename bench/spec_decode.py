@@ -157,24 +157,28 @@ def main(argv=None) -> int:
     if args.eager_too:
         for name in ["none", *wanted]:
             engines[f"{name}-eager"] = make_engine(model_dir, args, methods.get(name), enforce_eager=True)
-    best: dict[str, dict] = {}
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
-            r = run(engine, prompts, args)
-            if name not in best or r["decode_tok_s"] > best[name]["decode_tok_s"]:
-                best[name] = r
-    plain = best["none"]
-    rows = [(name, best[name], best[name]["outputs"] == plain["outputs"]) for name in engines]
+    try:
+        best: dict[str, dict] = {}
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                r = run(engine, prompts, args)
+                if name not in best or r["decode_tok_s"] > best[name]["decode_tok_s"]:
+                    best[name] = r
+        plain = best["none"]
+        rows = [(name, best[name], best[name]["outputs"] == plain["outputs"]) for name in engines]
 
-    replays, padded, draft_replays = {}, {}, {}
-    if args.device == "cuda":
-        replays = {name: e.executor.driver_worker.verify_graph_replays for name, e in engines.items()}
-        padded = {name: e.executor.driver_worker.verify_padded_steps for name, e in engines.items()}
-        print(f"verification steps replayed from CUDA graphs: {replays}")
-        print(f"of which padded (short queries given dummy rows): {padded}")
-        draft_replays = {name: getattr(getattr(e.executor.spec_decoder, "draft_graphs", None), "replays", None)
-                  for name, e in engines.items()}
-        print(f"draft-model decodes replayed from the draft's CUDA graphs: {draft_replays}")
+        replays, padded, draft_replays = {}, {}, {}
+        if args.device == "cuda":
+            replays = {name: e.executor.driver_worker.verify_graph_replays for name, e in engines.items()}
+            padded = {name: e.executor.driver_worker.verify_padded_steps for name, e in engines.items()}
+            print(f"verification steps replayed from CUDA graphs: {replays}")
+            print(f"of which padded (short queries given dummy rows): {padded}")
+            draft_replays = {name: getattr(getattr(e.executor.spec_decoder, "draft_graphs", None), "replays", None)
+                             for name, e in engines.items()}
+            print(f"draft-model decodes replayed from the draft's CUDA graphs: {draft_replays}")
+    finally:  # an engine left open keeps the process alive at exit (its threads)
+        for engine in engines.values():
+            engine.close()
     print(f"\n{'method':<18}{'decode tok/s':>14}{'speedup':>9}{'drafts':>8}{'accept rate':>13}"
           f"{'tokens/step':>13}{'same output':>13}")
     record_rows = []

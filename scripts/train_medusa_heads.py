@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=960)
     ap.add_argument("--extra-topics", type=int, default=128,
                     help="topics of the extra questions, 4 each (up to 253; 0: the first recipe's 960 questions only)")
-    ap.add_argument("--epochs", type=int, default=6, help="at most; the best epoch on held-out topics is kept")
+    ap.add_argument("--epochs", type=int, default=5, help="at most; the best epoch on held-out topics is kept")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--dropout", type=float, default=0.1)

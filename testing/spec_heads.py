@@ -247,7 +247,7 @@ def chain_metrics(logits: torch.Tensor, target: torch.Tensor) -> dict:
 
 
 def train(model_dir, out_dir, *, num_heads: int = 3, num_layers: int = 1, vocab: int = 8192, questions: int = 960,
-          max_tokens: int = 160, epochs: int = 6, seed: int = 0, extra_topics: int = 128, held_topics: float = 0.1,
+          max_tokens: int = 160, epochs: int = 5, seed: int = 0, extra_topics: int = 128, held_topics: float = 0.1,
           lr: float = 2e-3, weight_decay: float = 0.01, dropout: float = 0.1, head_decay: float = 0.8,
           distill: float = 0.0, patience: int = 2, max_rows: int | None = None, log=print) -> dict:
     """Trains and saves heads; returns what was measured (sizes, losses, held-out accuracy per epoch).
@@ -345,7 +345,7 @@ def train(model_dir, out_dir, *, num_heads: int = 3, num_layers: int = 1, vocab:
                            torch.full_like(target[held], -1))
         return chain_metrics(logits, want)
 
-    history, best, best_state, stale = [], None, None, 0
+    history, best, stale = [], None, 0
     for epoch in range(epochs):
         heads.train()
         perm = train_rows[torch.randperm(len(train_rows))]
@@ -376,23 +376,24 @@ def train(model_dir, out_dir, *, num_heads: int = 3, num_layers: int = 1, vocab:
         log(f"epoch {epoch + 1}/{epochs}: loss {total / steps_per_epoch:.3f}, held-out topics: top-1 "
             + " ".join(f"{a:.3f}" for a in m["top1"]) + f", chain tokens/step {m['chain_tokens_per_step']:.3f}")
         if best is None or m["chain_tokens_per_step"] > best["chain_tokens_per_step"]:
-            best, best_state, stale = history[-1], {k: v.clone() for k, v in heads.state_dict().items()}, 0
+            best, stale = history[-1], 0
+            # The best heads so far are on disk at once: a long run stopped early still leaves them.
+            save_medusa_heads(heads, out_dir, base_model=str(model_dir))
         else:
             stale += 1
-            if stale >= patience:
-                break
-    heads.load_state_dict(best_state)
-    heads.eval()
-    save_medusa_heads(heads, out_dir, base_model=str(model_dir))
-    report = {"recipe": RECIPE, "questions": len(qs), "topics": len(names), "held_out_topics": sorted(held_names),
-              "num_layers": num_layers, "answer_tokens": int(len(labels)), "train_rows": int(len(train_rows)),
-              "held_out_rows": int(len(held)), "truncated_vocab": vocab,
-              "vocab_coverage": float(counts[token_map[token_map < len(counts)]].sum() / counts.sum()),
-              "lr": lr, "weight_decay": weight_decay, "dropout": dropout, "head_decay": head_decay,
-              "distill": distill, "epochs": epochs, "best_epoch": best["epoch"], "history": history,
-              "held_out_top1_accuracy_per_head": best["top1"], "held_out_top3_accuracy_per_head": best["top3"],
-              "held_out_chain_tokens_per_step": best["chain_tokens_per_step"],
-              "data_s": t_data - t0, "train_s": time.perf_counter() - t_data}
+        report = {"recipe": RECIPE, "finished": False, "questions": len(qs), "topics": len(names),
+                  "held_out_topics": sorted(held_names), "num_layers": num_layers, "answer_tokens": int(len(labels)),
+                  "train_rows": int(len(train_rows)), "held_out_rows": int(len(held)), "truncated_vocab": vocab,
+                  "vocab_coverage": float(counts[token_map[token_map < len(counts)]].sum() / counts.sum()),
+                  "lr": lr, "weight_decay": weight_decay, "dropout": dropout, "head_decay": head_decay,
+                  "distill": distill, "epochs": epochs, "best_epoch": best["epoch"], "history": history,
+                  "held_out_top1_accuracy_per_head": best["top1"], "held_out_top3_accuracy_per_head": best["top3"],
+                  "held_out_chain_tokens_per_step": best["chain_tokens_per_step"],
+                  "data_s": t_data - t0, "train_s": time.perf_counter() - t_data}
+        (pathlib.Path(out_dir) / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+        if stale >= patience:
+            break
+    report["finished"] = True
     (pathlib.Path(out_dir) / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 

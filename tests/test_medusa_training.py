@@ -61,7 +61,8 @@ def test_training_on_a_tiny_models_answers_keeps_the_best_held_out_epoch(tiny_ll
     assert best["chain_tokens_per_step"] == max(h["chain_tokens_per_step"] for h in report["history"])
     assert report["held_out_top1_accuracy_per_head"] == best["top1"]
     assert list((tmp_path / "build" / "spec-heads").glob("data-*.pt"))
-    assert json.loads((tmp_path / "heads" / "training.json").read_text())["best_epoch"] == report["best_epoch"]
+    saved = json.loads((tmp_path / "heads" / "training.json").read_text())
+    assert saved["best_epoch"] == report["best_epoch"] and saved["finished"]
     heads = load_medusa_heads(tmp_path / "heads", hidden_size=64, vocab_size=512, dtype=torch.float32,
                               device=torch.device("cpu"))
     assert heads.num_heads == 3 and heads.token_map.numel() == 64 and heads.share_projection_if_equal()

@@ -80,6 +80,25 @@ def test_ngram_propose(tokens, k, lo, hi, want):
     assert ngram_propose(tokens, k, lo, hi) == want
 
 
+def test_ngram_propose_matches_its_definition_on_random_contexts():
+    """Brute force: for n from hi down to lo, the latest window before the tail equal to the
+    last n tokens, and the k tokens after it."""
+    def brute(tokens, k, lo, hi):
+        num = len(tokens)
+        for n in range(min(hi, num - 1), lo - 1, -1):
+            for w in range(num - 1 - n, -1, -1):
+                if k >= 1 and tokens[w:w + n] == tokens[num - n:]:
+                    return tokens[w + n:w + n + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 8])) for _ in range(rng.randrange(1, 40))]
+        k, lo = rng.randrange(0, 6), rng.randrange(1, 5)
+        hi = rng.randrange(lo, 6)
+        assert ngram_propose(tokens, k, lo, hi) == brute(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
 @pytest.mark.parametrize("argmax, drafts, want", [
     ([4, 5, 6], [4, 5], [4, 5, 6]), ([4, 5, 6], [4, 9], [4, 5]), ([4, 5, 6], [1, 5], [4]), ([3], [], [3]),
 ])

@@ -44,32 +44,39 @@ def pad_query_len(max_query_len: int, num_seqs: int, tree_step: bool,
     return None
 
 
-def padded_rows(query_lens: list[int], seq_lens: list[int], q: int, max_model_len: int) -> np.ndarray | None:
+def padded_rows(query_lens, seq_lens, q: int, max_model_len: int) -> np.ndarray | None:
     """Where each real row lands in the padded step (sequence i's rows start at i x q), or None
     when a query is longer than q or a sequence's padded context would pass max_model_len."""
     lens = np.asarray(query_lens, dtype=np.int64)
     if lens.size == 0 or lens.max() > q or lens.min() < 1:
         return None
-    if any(s + q - n > max_model_len for s, n in zip(seq_lens, query_lens)):
+    if (np.asarray(seq_lens, dtype=np.int64) + q - lens > max_model_len).any():
         return None
-    starts = np.arange(lens.size, dtype=np.int64) * q
-    return np.concatenate([np.arange(st, st + n, dtype=np.int64) for st, n in zip(starts, lens)])
+    # Row r of the packed step belongs to sequence i = r's query and sits at offset r - start_i.
+    starts = np.cumsum(lens) - lens
+    seq = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+    return seq * q + np.arange(int(lens.sum()), dtype=np.int64) - starts[seq]
 
 
-def _padded_meta(meta: AttentionMetadata, keep: torch.Tensor, pads: torch.Tensor, q: int) -> AttentionMetadata:
+# Every array here is on the host and small (a step's rows): numpy, whose calls cost about a
+# microsecond, where a torch CPU op costs several; the step runs before every padded replay.
+
+
+def _scatter(values: torch.Tensor, rows: np.ndarray, size: int, fill: int) -> torch.Tensor:
+    out = np.full(size, fill, dtype=values.numpy().dtype)
+    out[rows] = values.numpy()
+    return torch.from_numpy(out)
+
+
+def _padded_meta(meta: AttentionMetadata, rows: np.ndarray, pads: np.ndarray, q: int) -> AttentionMetadata:
     s = meta.num_seqs
-    slots = torch.full((s * q,), -1, dtype=meta.slot_mapping.dtype)
-    slots[keep] = meta.slot_mapping
-    seq_lens = meta.seq_lens + pads.to(meta.seq_lens.dtype)
-    masks = None
-    if meta.tree_masks is not None:
-        masks = torch.zeros(s * q, dtype=meta.tree_masks.dtype)
-        masks[keep] = meta.tree_masks
-    groups = None if meta.kv_groups is None else {w: _padded_meta(m, keep, pads, q) for w, m in meta.kv_groups.items()}
-    return dataclasses.replace(meta, query_start_loc=torch.arange(s + 1, dtype=meta.query_start_loc.dtype) * q,
-                               seq_lens=seq_lens, slot_mapping=slots, max_query_len=q,
-                               max_seq_len=int(seq_lens.max()), is_decode_only=False, tree_masks=masks,
-                               kv_groups=groups)
+    seq_lens = meta.seq_lens.numpy() + pads.astype(meta.seq_lens.numpy().dtype)
+    groups = None if meta.kv_groups is None else {w: _padded_meta(m, rows, pads, q) for w, m in meta.kv_groups.items()}
+    return dataclasses.replace(
+        meta, query_start_loc=torch.from_numpy(np.arange(s + 1, dtype=meta.query_start_loc.numpy().dtype) * q),
+        seq_lens=torch.from_numpy(seq_lens), slot_mapping=_scatter(meta.slot_mapping, rows, s * q, -1),
+        max_query_len=q, max_seq_len=int(seq_lens.max()), is_decode_only=False,
+        tree_masks=None if meta.tree_masks is None else _scatter(meta.tree_masks, rows, s * q, 0), kv_groups=groups)
 
 
 def pad_step(step: ForwardInput, q: int, max_model_len: int) -> tuple[ForwardInput, torch.Tensor] | None:
@@ -80,22 +87,19 @@ def pad_step(step: ForwardInput, q: int, max_model_len: int) -> tuple[ForwardInp
     meta = step.meta
     if meta.query_start_loc.device.type != "cpu" or meta.is_decode_only or step.lora is not None:
         return None
-    qsl = meta.query_start_loc.tolist()
-    query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-    seq_lens = meta.seq_lens.tolist()
+    query_lens = np.diff(meta.query_start_loc.numpy()).astype(np.int64)
+    seq_lens = meta.seq_lens.numpy().astype(np.int64)
     rows = padded_rows(query_lens, seq_lens, q, max_model_len)
     if rows is None:
         return None
-    keep = torch.from_numpy(rows)
-    s = len(query_lens)
-    pads = q - torch.tensor(query_lens, dtype=torch.int64)
-    input_ids = torch.zeros(s * q, dtype=step.input_ids.dtype)
-    input_ids[keep] = step.input_ids
-    # A dummy row sits past its sequence's real rows: at context length + t (< max_model_len).
-    row = torch.arange(s * q, dtype=torch.int64)
-    seq, j = row // q, row % q
-    lens = torch.tensor(query_lens, dtype=torch.int64)
-    positions = (torch.tensor(seq_lens, dtype=torch.int64)[seq] + j - lens[seq]).to(step.positions.dtype)
-    positions[keep] = step.positions  # tree rows sit at context + depth, not at their row's offset
-    padded = dataclasses.replace(step, input_ids=input_ids, positions=positions, meta=_padded_meta(meta, keep, pads, q))
-    return padded, keep
+    s = query_lens.size
+    input_ids = _scatter(step.input_ids, rows, s * q, 0)
+    # A dummy row sits past its sequence's real rows: at context length + t (< max_model_len);
+    # real rows keep theirs (a tree's rows sit at context + depth, not at their row's offset).
+    seq, j = np.divmod(np.arange(s * q, dtype=np.int64), q)
+    positions = (seq_lens - query_lens)[seq] + j
+    positions[rows] = step.positions.numpy()
+    padded = dataclasses.replace(step, input_ids=input_ids,
+                                 positions=torch.from_numpy(positions.astype(step.positions.numpy().dtype)),
+                                 meta=_padded_meta(meta, rows, q - query_lens, q))
+    return padded, torch.from_numpy(rows)

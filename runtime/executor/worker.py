@@ -486,6 +486,10 @@ class Worker:
             padded = self._pad_for_graphs(step)
             if padded is not None:
                 step, keep = padded
+        if step.lora is None and self._graphs_for(step) is not None:
+            # A replayed step's inputs go from the host straight into the graph's static buffers,
+            # one copy each; moving them to the device first would copy each of them twice.
+            return self._execute(step, keep)
         step = step.to(self.device)
         if step.lora is None:
             return self._execute(step, keep)

@@ -5,21 +5,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
     """Up to `k` tokens that followed the latest earlier match of the last n tokens (longest n
-    from `max_n` down to `min_n` first); [] when nothing matches."""
+    from `max_n` down to `min_n` first); [] when nothing matches.
+
+    Runs before every speculative step, on the host, so it stays a handful of vector operations
+    whatever the context length: the candidates are the earlier positions holding the last token,
+    and each extends its match backwards at most max_n - 1 times."""
     num = len(token_ids)
-    if k < 1 or num < 2:
+    top = min(max_n, num - 1)
+    if k < 1 or num < 2 or top < min_n:
         return []
     arr = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        # Windows starting at 0..num-1-n: every occurrence that has at least one token after it.
-        windows = sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == arr[num - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
-    return []
+    # Where an earlier window could end: a position before the last one that holds the last token.
+    ends = np.flatnonzero(arr[:-1] == arr[-1])
+    if ends.size == 0:
+        return []
+    length = np.ones(ends.size, dtype=np.int64)  # how many tokens each candidate matches, backwards
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, top):
+        before = ends - j
+        alive &= before >= 0
+        alive[alive] = arr[before[alive]] == arr[num - 1 - j]
+        if not alive.any():
+            break
+        length += alive
+    n = min(int(length.max()), top)
+    if n < min_n:
+        return []
+    start = int(ends[np.flatnonzero(length >= n)[-1]]) + 1  # the latest window of the longest n
+    return arr[start:start + k].tolist()

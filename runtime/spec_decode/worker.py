@@ -542,23 +542,29 @@ class SpecDecoder:
             for a, t in enumerate(tables):
                 table_np[a, :len(t)] = t
             np.maximum(table_np, 0, out=table_np)  # blocks FREED behind a sliding window are never read
+            # A replayed decode copies its inputs from the host straight into the graph's static
+            # buffers (one copy each); an eager one needs them on the device first.
+            graphed = self.draft_graphs is not None and self.draft_graphs.bucket(len(active)) is not None
+            at = torch.device("cpu") if graphed else dev
             meta = AttentionMetadata(
-                query_start_loc=torch.arange(len(active) + 1, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([pos + 1 for pos in positions], dtype=torch.int32, device=dev),
-                block_tables=torch.from_numpy(table_np).to(dev),
+                query_start_loc=torch.arange(len(active) + 1, dtype=torch.int32, device=at),
+                seq_lens=torch.tensor([pos + 1 for pos in positions], dtype=torch.int32, device=at),
+                block_tables=torch.from_numpy(table_np).to(at),
                 slot_mapping=torch.tensor([t[pos // bs] * bs + pos % bs for t, pos in zip(tables, positions)],
-                                          dtype=torch.long, device=dev),
+                                          dtype=torch.long, device=at),
                 max_query_len=1,
                 max_seq_len=max(positions) + 1,
                 is_decode_only=True,
             )
-            ids = torch.tensor([current[i] for i in active], dtype=torch.long, device=dev)
-            pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+            ids = torch.tensor([current[i] for i in active], dtype=torch.long, device=at)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=at)
             hidden = self._draft_forward(ids, pos_t, meta)
             sampling = [a for a, i in enumerate(active) if scheduled[i].num_spec > j]
             if not sampling:
                 break
-            logits = self.draft_model.compute_logits(hidden[torch.tensor(sampling, device=hidden.device)])
+            if len(sampling) < len(active):
+                hidden = hidden[torch.tensor(sampling, device=hidden.device)]
+            logits = self.draft_model.compute_logits(hidden)
             greedy_tokens = argmax_last(logits).tolist()
             for r, a in enumerate(sampling):
                 i = active[a]
