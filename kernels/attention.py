@@ -463,7 +463,7 @@ def _split_args(device: torch.device, num_seqs: int, parallel_heads: int, max_sp
     return num_splits, min_split, align
 
 
-def decode_config(block_d: int, elt_size: int, is_cuda: bool) -> dict:
+def decode_config(block_d: int, elt_size: int, is_cuda: bool, measured: bool = True) -> dict:
     """Launch configuration of the decode kernel for a padded head_dim and element size: K and V
     tiles of 64 tokens, halved where a row is over 512 bytes (fp32 x 256) so that two pipeline
     stages stay well inside shared memory; splits of at least `min_split` tokens. The interpreter
@@ -472,29 +472,38 @@ def decode_config(block_d: int, elt_size: int, is_cuda: bool) -> dict:
     Measured on an H200 (bf16, head_dim 128, block size 16, bench/kernel_sweep.py, 2026-11-27):
     these tiles are within 1-4% of the best of 24 tile/warp/stage configurations at batch 1-64 x
     1k-4k, CUDA-graph replays. Splits of 64 tokens (not four tiles, 256) let a batch-1 decode
-    spread over the GPU: at 1k context 16 splits take 6.5 us where 4 took 11.1."""
+    spread over the GPU: at 1k context 16 splits take 6.5 us where 4 took 11.1. Only where the sweep
+    measured it (`measured`: 16-bit queries on 16-bit pools, no window, soft cap or ALiBi); elsewhere
+    splits of four tiles, as before the sweep."""
     if not is_cuda:
         return dict(block_n=32, num_warps=4, num_stages=2, min_split=128)
     block_n = 64 if block_d * elt_size <= 512 else 32
-    return dict(block_n=block_n, num_warps=4 if block_d <= 128 else 8, num_stages=2, min_split=64)
+    min_split = 64 if measured and elt_size == 2 else 4 * block_n
+    return dict(block_n=block_n, num_warps=4 if block_d <= 128 else 8, num_stages=2, min_split=min_split)
 
 
-def prefill_config(block_d: int, elt_size: int, is_cuda: bool) -> dict:
+def prefill_config(block_d: int, elt_size: int, is_cuda: bool, measured: bool = True) -> dict:
     """Launch configuration of the prefill kernel for a padded head_dim and element size.
 
     16-bit queries up to head_dim 128: 128 x 128 tiles, 8 warps, 3 stages, the best of 33
     configurations on an H200 (bf16, head_dim 128, GQA 4, bench/kernel_sweep.py, 2026-11-27): 1.9-2.4x
     the 64 x 64 / 2-stage tiles before it, within 2% of each shape's own best; head_dim 64 takes
     them untimed (half the shared memory and registers). Larger rows keep the smaller tiles that
-    fit shared memory (head_dim 256 and float32: not measured)."""
+    fit shared memory (head_dim 256 and float32: not measured).
+
+    The tiles and the unmasked/masked key split are used only where the sweep measured them
+    (`measured`: 16-bit queries on 16-bit pools, no window, soft cap or ALiBi). Elsewhere (float8
+    pools, Gemma's windows and soft caps, ALiBi, float32) the launch is the one before the sweep,
+    one masked key loop: a GPU run found a float32 Gemma 2 (window 8, soft cap) long-context
+    greedy divergence it did not bisect."""
     if not is_cuda:  # interpreter: fewer, larger numpy ops are what make it fast
         return dict(block_m=32, block_n=32, num_warps=4, num_stages=2, causal_split=True)
-    if elt_size == 2 and block_d <= 128:
+    if measured and elt_size == 2 and block_d <= 128:
         return dict(block_m=128, block_n=128, num_warps=8, num_stages=3, causal_split=True)
     row_bytes = block_d * elt_size
     block_m, block_n = (64, 64) if row_bytes <= 256 else (64, 32) if row_bytes <= 512 else (32, 32)
     return dict(block_m=block_m, block_n=block_n, num_warps=4 if block_d <= 64 else 8, num_stages=2,
-                causal_split=True)
+                causal_split=measured and elt_size == 2)
 
 
 def _checked_config(default: dict, override: dict) -> dict:
@@ -540,7 +549,8 @@ def paged_decode_attention(
     # The longest span one query reads: the splits cut that, not the whole context.
     span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     block_d = max(16, next_pow2(dim))
-    cfg = decode_config(block_d, query.element_size(), query.is_cuda)
+    measured = not kv_fp8 and sliding_window is None and logits_soft_cap is None and alibi_slopes is None
+    cfg = decode_config(block_d, query.element_size(), query.is_cuda, measured)
     if _config:
         cfg = _checked_config(cfg, _config)
     block_n = cfg["block_n"]
@@ -613,7 +623,8 @@ def paged_prefill_attention(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     block_d = max(16, next_pow2(dim))
-    cfg = prefill_config(block_d, query.element_size(), query.is_cuda)
+    measured = not kv_fp8 and sliding_window is None and logits_soft_cap is None and alibi_slopes is None
+    cfg = prefill_config(block_d, query.element_size(), query.is_cuda, measured)
     if _config:
         cfg = _checked_config(cfg, _config)
     block_m, block_n = cfg["block_m"], cfg["block_n"]

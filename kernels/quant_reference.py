@@ -49,14 +49,18 @@ def int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token activation quantization: (x_fp8 [M, K], x_scale float32 [M])."""
     amax = x.float().abs().amax(dim=-1).clamp(min=1e-12)
-    scale = amax / FP8_MAX
+    # Divided by a tensor, not the Python float: torch's CUDA division by a CPU scalar multiplies by
+    # the rounded reciprocal (1 ulp off in about half of all values), its CPU division does not, and
+    # the kernel divides IEEE-rounded on both.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 
 def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Static activation quantization with a checkpoint's per-tensor input scale."""
-    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # On x's device: a CPU 0-dim scale would be a CPU scalar, which CUDA divides by reciprocal.
+    return (x.float() / scale.float().to(x.device)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def fp8_scaled_matmul_ref(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,

@@ -103,7 +103,9 @@ def quantize_kv_ref(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
     infinity: an unclamped overflow would be NaN; e5m2 would be inf). scale None means 1."""
     x = x.float()
     if scale is not None:
-        x = x / scale
+        # On x's device, IEEE-rounded like the kernel: CUDA divides by a CPU 0-dim scale through its
+        # rounded reciprocal.
+        x = x / scale.float().to(x.device)
     limit = torch.finfo(dtype).max
     return x.clamp(-limit, limit).to(dtype)
 

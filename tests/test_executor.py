@@ -128,6 +128,11 @@ def test_a_second_engine_in_one_process_gets_the_same_kv_pool(tiny_llama):
     per stream) stays for the process's life, and the first engine measures some of it only after
     sizing. On an H200 the two pools differed by 28 MiB of 68 GiB after the in-use memory was read
     again after profiling (98 MiB before); a closed engine that leaked its pools would cost GiBs."""
+    import os
+
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.skip("sizes the pool from the device's free memory, which other pytest-xdist workers' engines "
+                    "change while it runs: run it without -n")
     from kvserve.runtime import LLM
 
     pool_bytes = []

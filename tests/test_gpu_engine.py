@@ -181,6 +181,10 @@ def test_family_greedy_equals_transformers(tiny_model_factory, arch, overrides):
 LONG = [
     pytest.param("llama", dict(head_dim=128), id="llama-headdim128"),
     pytest.param("gemma2", dict(attn_logit_softcapping=2.0), id="gemma2-window8-softcap"),
+    # GPU run 3 failed the case above (a 300-token prompt's 6th token, oracle margin 0.08) while the
+    # short-context gemma2 case passes: these two take one of its two features away each.
+    pytest.param("gemma2", dict(attn_logit_softcapping=None), id="gemma2-window8-nocap"),
+    pytest.param("gemma2", dict(attn_logit_softcapping=2.0, sliding_window=4096), id="gemma2-nowindow-softcap"),
     pytest.param("deepseek_v2", {}, id="deepseekv2-mla"),
     pytest.param("mpt", {}, id="mpt-alibi"),
 ]

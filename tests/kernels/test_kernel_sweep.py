@@ -52,3 +52,28 @@ def test_interpreted_smoke_run_writes_the_best_per_shape(tmp_path, monkeypatch):
     assert kinds == ["prefill", "prefill", "decode"]
     assert all("error" not in r for r in result["rows"]), result["rows"]
     assert all(r["max_err"] < 1e-4 for r in result["rows"])
+
+
+def test_the_swept_configs_apply_only_where_the_sweep_measured_them(monkeypatch):
+    """16-bit queries on 16-bit pools without window, soft cap or ALiBi take the swept tiles, key
+    split and decode splits; everything else keeps the launch from before the sweep."""
+    import torch
+
+    from kvserve.kernels import attention
+
+    assert attention.prefill_config(128, 2, True, measured=False) == dict(
+        block_m=64, block_n=64, num_warps=8, num_stages=2, causal_split=False)
+    assert attention.prefill_config(32, 4, True)["causal_split"] is False  # float32
+    assert attention.decode_config(128, 2, True, measured=False)["min_split"] == 256
+    assert attention.decode_config(128, 2, True)["min_split"] == 64
+    seen = []
+    for name in ("prefill_config", "decode_config"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, real=real, name=name: seen.append((name, a[-1])) or real(*a))
+    cache = torch.randn(3, 16, 1, 16)
+    args = (torch.randn(1, 2, 16), cache, cache.clone(), torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([20], dtype=torch.int32), torch.tensor([[1, 2]], dtype=torch.int32), 0.25)
+    for fn in (attention.paged_prefill_attention, attention.paged_decode_attention):
+        for opts in ({}, dict(sliding_window=4), dict(logits_soft_cap=2.0), dict(alibi_slopes=torch.ones(2))):
+            fn(*args, **opts)
+    assert [m for _, m in seen] == [True, False, False, False] * 2

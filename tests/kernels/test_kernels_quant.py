@@ -106,6 +106,33 @@ def test_fp8_activation_quantization_is_bit_identical_to_the_twin(static, m, k, 
     torch.testing.assert_close(s, want_s.float(), atol=0, rtol=0)
 
 
+def test_twins_divide_as_the_kernels_do_whatever_the_device(monkeypatch):
+    """torch's CUDA division by a CPU scalar (a Python float, a CPU 0-dim tensor) multiplies by the
+    rounded reciprocal, 1 ulp off a true division for about half of all values; its CPU division
+    divides. The kernels divide IEEE-rounded (div_rn) everywhere, so the twins must not divide by a
+    scalar: emulated here on the CPU, they still equal the interpreted kernels bit for bit."""
+    from kvserve.kernels import reference
+
+    real_div = torch.Tensor.__truediv__
+
+    def cuda_like_div(a, b):
+        scalar = isinstance(b, float) or (isinstance(b, torch.Tensor) and b.dim() == 0 and a.dim() > 0)
+        return a * (1.0 / b) if scalar and a.is_floating_point() else real_div(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__truediv__", cuda_like_div)
+    x = torch.rand(64, 333, generator=_gen(5)) * 300
+    q, s = quant.quantize_fp8(x)
+    want_q, want_s = ref.quantize_fp8_per_token(x)
+    assert torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    scale = torch.tensor(0.37)
+    q, _ = quant.quantize_fp8(x, scale)
+    assert torch.equal(q.view(torch.uint8), ref.quantize_fp8_static(x, scale).view(torch.uint8))
+    rows = torch.rand(40, 2, 16, generator=_gen(6)) * 100
+    assert torch.equal(reference.quantize_kv_ref(rows, scale, torch.float8_e4m3fn).view(torch.uint8),
+                       real_div(rows, torch.full_like(rows, 0.37)).clamp(-448, 448).to(torch.float8_e4m3fn)
+                       .view(torch.uint8))
+
+
 def test_w8a8_linear_through_the_kernels_matches_the_twin(device):
     """fp8_matmul with the Triton kernels (activation quantization and GEMM) against the twin."""
     from kvserve.runtime.models.quantization.fp8 import fp8_matmul, quantize_fp8_per_channel
