@@ -3,8 +3,10 @@
 ``write_kv`` scatters the new tokens into the paged cache; ``attend`` reads everything (cached
 prefix and the new tokens) back from the cache. A batch whose queries are all at most one token
 long takes the flash-decoding kernel; any other batch (prefill, chunked prefill, cached prefixes,
-speculative k+1 rows, or a mix with decodes) takes the varlen prefill kernel, which handles any
-query length >= 1 and so also the decode rows mixed into it.
+or a mix with decodes) takes the varlen prefill kernel, which handles any query length >= 1 and
+so also the decode rows mixed into it. A batch of uniform short queries without tree masks
+(speculative verification's 1 + k rows per sequence) runs as per-row decode queries through the
+decode kernel's split-K path (kernels/short_query_attention.py).
 
 The kernels are called through kernels/custom_ops.py, so that torch.compile sees each launch as
 one opaque op and never specialises on the launchers' host-side arithmetic (the decode split
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kernels.custom_ops import decode_attention, prefill_attention, write_kv
+from kvserve.kernels.short_query_attention import expand_short_queries, uniform_short_query_len
 from kvserve.runtime.attention.backend import AttentionMetadata
 
 
@@ -56,6 +59,17 @@ class TritonAttentionBackend:
                 query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+            )
+        q = None if meta.tree_masks is not None else uniform_short_query_len(query.shape[0], meta.num_seqs,
+                                                                               meta.max_query_len)
+        if q is not None:
+            # Verification's uniform short queries: split-K decode rows, not serial prefill tiles
+            # (kernels/short_query_attention.py says why).
+            qsl, row_lens, row_tables = expand_short_queries(meta.seq_lens, meta.block_tables, q)
+            return decode_attention(
+                query, k_cache, v_cache, qsl, row_lens, row_tables, scale, max_seq_len=meta.max_seq_len,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                alibi_slopes=alibi_slopes,
             )
         if meta.all_trees and meta.tree_masks is not None:
             from kvserve.kernels.tree_attention import paged_tree_attention
