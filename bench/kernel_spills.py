@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvserve.kernels.attention import _decode_kernel, _prefill_kernel, decode_config, prefill_config  # noqa: E402
+from kvserve.kernels.tree_attention import _tree_kernel  # noqa: E402
 from kvserve.kernels.triton_utils import dot_precision  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -87,6 +88,13 @@ def main(argv=None):
         rows.append(dict(kernel="decode", dtype=tname, config=f"G16x{dc['block_n']} w{dc['num_warps']} "
                          f"s{dc['num_stages']}", **usage(_decode_kernel, pointers, cfg, args.arch,
                                                           dc["num_warps"], dc["num_stages"])))
+        # The tree kernel (candidate-tree verification) computes in float32 whatever the model's dtype,
+        # with 64 x 32 tiles on a GPU (kernels/tree_attention.py's launcher).
+        tw = 4 if bd <= 64 else 8
+        cfg = dict(BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=32, BLOCK_D=bd, DOT_PREC=dot_precision(torch.float32),
+                   HAS_WINDOW=False, HAS_SOFT_CAP=False, KV_FP8=False, HAS_ALIBI=False)
+        rows.append(dict(kernel="tree", dtype=tname, config=f"64x32 w{tw} s2",
+                         **usage(_tree_kernel, dict(pointers, MASKS="*i64", DEPTHS="*i64"), cfg, args.arch, tw, 2)))
     print(f"sm_{args.arch}, head_dim {args.head_dim}, Triton {triton.__version__}: the configurations the launchers pick")
     print(f"{'kernel':8} {'dtype':5} {'config':16} {'regs':>5} {'stack B':>8} {'spill st B':>11} {'spill ld B':>11}")
     for r in rows:

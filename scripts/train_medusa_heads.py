@@ -4,7 +4,7 @@
     python scripts/train_medusa_heads.py MODEL_DIR OUT_DIR --extra-topics 253 --epochs 8   # more data
 
 With no arguments: the real SmolLM2 (build/smollm2), cached under build/spec-heads/ (the default
-recipe: data about 20-40 minutes on 2 cores, cached and resumable; training 10-20 minutes).
+recipe: data about 20-40 minutes on 2 cores, cached and resumable; training 7-25 minutes).
 The recipe's knobs are `train`'s (testing/spec_heads.py); training.json records each epoch's
 accuracy on the held-out topics.
 """
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=960)
     ap.add_argument("--extra-topics", type=int, default=128,
                     help="topics of the extra questions, 4 each (up to 253; 0: the first recipe's 960 questions only)")
-    ap.add_argument("--epochs", type=int, default=5, help="at most; the best epoch on held-out topics is kept")
+    ap.add_argument("--epochs", type=int, default=8, help="at most; the best epoch on held-out topics is kept")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--dropout", type=float, default=0.1)

@@ -13,7 +13,7 @@ the one that does best there (`train`'s docstring has the recipe).
 `build/spec-heads/<model>-<digest>-medusa-<heads>x<layers>-v<vocab>-r<RECIPE>/`;
 `scripts/train_medusa_heads.py` is the command-line form. On 2 CPU cores, generating the data
 takes about 20-40 minutes (cached under build/spec-heads/data-<key>.pt, in parts, so an
-interrupted run resumes) and training 10-20 minutes.
+interrupted run resumes) and training 7-25 minutes.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def chain_metrics(logits: torch.Tensor, target: torch.Tensor) -> dict:
 
 
 def train(model_dir, out_dir, *, num_heads: int = 3, num_layers: int = 1, vocab: int = 8192, questions: int = 960,
-          max_tokens: int = 160, epochs: int = 5, seed: int = 0, extra_topics: int = 128, held_topics: float = 0.1,
+          max_tokens: int = 160, epochs: int = 8, seed: int = 0, extra_topics: int = 128, held_topics: float = 0.1,
           lr: float = 2e-3, weight_decay: float = 0.01, dropout: float = 0.1, head_decay: float = 0.8,
           distill: float = 0.0, patience: int = 2, max_rows: int | None = None, log=print) -> dict:
     """Trains and saves heads; returns what was measured (sizes, losses, held-out accuracy per epoch).
