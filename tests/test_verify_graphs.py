@@ -275,10 +275,10 @@ def _run(model_dir, spec, *, twin: bool, prompts, arrive_every=2, only_prefill_e
         spec_decoder.build_draft_graphs([1, 2, 4], max_model_len=engine.max_model_len, capture=False)
         eager_steps, execute = [], worker._execute
 
-        def watched(step, keep=None):  # the multi-token steps that still run eagerly
-            if not step.meta.is_decode_only and worker._graphs_for(step) is None:
+        def watched(step, graphs, keep=None):  # the multi-token steps that still run eagerly
+            if not step.meta.is_decode_only and graphs is None:
                 eager_steps.append(step.meta.max_query_len)
-            return execute(step, keep)
+            return execute(step, graphs, keep)
 
         worker._execute = watched
     outs = run_checked(engine, prompts, GREEDY, arrive_every)
@@ -518,8 +518,8 @@ def test_eagle3_reads_its_aux_layers_from_the_static_buffers(tiny_llama, tmp_pat
                                                               capture=False)
             real = worker._execute
 
-            def checked(step, keep=None, *, real=real, worker=worker):  # the step's aux rows, never padding's
-                logits = real(step, keep)
+            def checked(step, graphs, keep=None, *, real=real, worker=worker):  # the step's aux rows, never padding's
+                logits = real(step, graphs, keep)
                 rows = step.input_ids.shape[0] if keep is None else keep.shape[0]
                 assert all(a.shape[0] == rows for a in worker.last_aux_hidden)
                 return logits

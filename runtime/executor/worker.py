@@ -482,49 +482,52 @@ class Worker:
         else:
             copy_group_blocks(self.kv_caches, self.kv_groups, step.block_copies)
         keep = None
-        if step.lora is None and self.verify_graphs and not step.meta.is_decode_only:
+        graphs = self._graphs_for(step)
+        if graphs is None and step.lora is None and self.verify_graphs and not step.meta.is_decode_only:
             padded = self._pad_for_graphs(step)
             if padded is not None:
-                step, keep = padded
-        if step.lora is None and self._graphs_for(step) is not None:
+                step, keep, graphs = padded
+        if graphs is not None:
             # A replayed step's inputs go from the host straight into the graph's static buffers,
             # one copy each; moving them to the device first would copy each of them twice.
-            return self._execute(step, keep)
+            return self._execute(step, graphs, keep)
         step = step.to(self.device)
         if step.lora is None:
-            return self._execute(step, keep)
+            return self._execute(step, None, keep)
         # Adapter steps run eagerly (the graphs were captured without adapter work); the LM head's
         # adapters need the step's layout too, so it stays active until the logits are computed.
         self.lora.begin_step(step.lora, self.device)
         try:
-            return self._execute(step)
+            return self._execute(step, None)
         finally:
             self.lora.end_step()
 
     def _pad_for_graphs(self, step: ForwardInput):
-        """(the step padded to a captured query length, its real rows) when that lets it replay a
-        verification graph, else None. Host tensors only, so every rank decides alike."""
+        """(the step padded to a captured query length, its real rows, the graphs that replay it)
+        when that lets a step that does not replay as it is (a uniform tree step of a chain's
+        length pads to the tree graph) replay a verification graph, else None. Host tensors only,
+        so every rank decides alike."""
         from kvserve.runtime.executor.verify_padding import pad_query_len, pad_step
 
         meta = step.meta
-        if self._graphs_for(step) is not None:
-            return None  # replays as it is (a uniform tree step of a chain's length pads to the tree graph)
         families = {q: (g.tree, g.sizes) for q, g in self.verify_graphs.items()}
         q = pad_query_len(meta.max_query_len, meta.num_seqs, meta.tree_masks is not None, families)
         if q is None:
             return None
         padded = pad_step(step, q, self.verify_graphs[q].max_model_len)
+        if padded is None:
+            return None
         # Eagerly, dummy rows would read past the step's own (narrower) block tables: pad only
         # for a graph, whose static tables are as wide as max_model_len needs.
-        if padded is not None and self._graphs_for(padded[0]) is None:
+        graphs = self._graphs_for(padded[0])
+        if graphs is None:
             return None
-        if padded is not None:
-            self.verify_padded_steps += 1
-            self.verify_padded_rows += padded[0].input_ids.shape[0] - step.input_ids.shape[0]
-        return padded
+        self.verify_padded_steps += 1
+        self.verify_padded_rows += padded[0].input_ids.shape[0] - step.input_ids.shape[0]
+        return (*padded, graphs)
 
-    def _execute(self, step: ForwardInput, keep: torch.Tensor | None = None) -> torch.Tensor | None:
-        graphs = self._graphs_for(step)
+    def _execute(self, step: ForwardInput, graphs, keep: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The forward pass: replayed from `graphs` (the step's, from _graphs_for) or run eagerly."""
         if graphs is not None:
             hidden = graphs.run(step.input_ids, step.positions, step.meta)
         else:
