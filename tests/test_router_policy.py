@@ -363,3 +363,55 @@ def test_no_pod_left_is_none():
 def test_bad_config_names_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         PolicyConfig(**kw)
+
+
+def test_new_conversations_between_turns_spread_over_idle_pods():
+    """Users who pause: each new conversation arrives while every pod is idle, all sharing a
+    system prompt. In-flight load alone sent all six to the pod that held the prompt (its pool
+    then evicted their histories while two pods stayed empty); counting the conversations each
+    pod keeps spreads them two per pod, and every later turn stays on its conversation's pod."""
+    for seed in range(50):
+        s = state()
+        idle = {p: EndpointLoad() for p in PODS}
+        histories = {c: [{"role": "system", "content": f"[{seed}] a shared system prompt " * 6}] for c in range(6)}
+        homes: dict[int, str] = {}
+        for turn in range(4):
+            for c, history in histories.items():
+                history.append({"role": "user", "content": f"conversation {c} turn {turn}: " + "words " * 40})
+                hashes = chunk_hashes(chat_text(history))
+                choice = choose(s, hashes, PODS, idle, now=10 * turn + c)
+                s.record(hashes, choice.pod, now=10 * turn + c)
+                if turn:
+                    assert (choice.pod, choice.decision) == (homes[c], PREFIX_HIT), (seed, c, turn)
+                homes[c] = choice.pod
+                history.append({"role": "assistant", "content": "an answer " * 4})
+        per_pod = sorted(sum(1 for h in homes.values() if h == p) for p in PODS)
+        assert per_pod == [2, 2, 2], seed
+
+
+@given(st.integers(1, 40), st.integers(0, 2**32))
+def test_sessions_per_pod_stay_within_one_of_each_other(n, seed):
+    """New conversations one after another on idle pods: the bound over sessions keeps the
+    pods within one conversation of each other, whatever the prompts hash to."""
+    s = state(balance_factor=1.0)
+    for c in range(n):
+        hashes = chunk_hashes(f"[{seed}] system " * 8 + f"\x1e user {c} " * 20)
+        s.record(hashes, choose(s, hashes, PODS, {}, now=c).pod, now=c)
+    counts = s.sessions.counts(PODS, now=n)
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_finished_conversations_leave_no_room_for_new_ones_to_pile_up():
+    """Twelve earlier conversations (over, but still counted until the session TTL) spread 4-4-4:
+    six new ones still go two per pod. A 1.25 slack over the mean let them go 3-3-0."""
+    for seed in range(30):
+        s = state()
+        for c in range(12):
+            s.sessions.record(chunk_hashes(f"[{seed}] old {c} " * 20), PODS[c % 3], now=0)
+        new = {p: 0 for p in PODS}
+        for c in range(6):
+            hashes = chunk_hashes(f"[{seed}] system " * 8 + f"\x1e new {c} " * 20)
+            pod = choose(s, hashes, PODS, {}, now=1 + c).pod
+            s.record(hashes, pod, now=1 + c)
+            new[pod] += 1
+        assert sorted(new.values()) == [2, 2, 2], seed

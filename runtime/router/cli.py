@@ -54,6 +54,9 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
                      help="what each request a pod carries costs it, in fractions of the prompt's prefill")
     pol.add_argument("--prefix-ttl", type=_bounded(float, 1.0), default=d.prefix_ttl_seconds,
                      help="seconds a pod counts as holding a prefix it served")
+    pol.add_argument("--session-ttl", type=_bounded(float, 1.0), default=d.session_ttl_seconds,
+                     help="seconds a conversation not continued still counts as kept by its pod (new "
+                          "conversations spread by these counts)")
 
     ev = p.add_argument_group("KV events (precise prefix routing; docs/kv-events.md)")
     ev.add_argument("--kv-events-port", type=_bounded(int, 0, 65534), default=0, metavar="PORT",
@@ -195,6 +198,7 @@ def config_from_args(args: argparse.Namespace, memory_limit: int | None = None):
     policy = PolicyConfig(policy=args.policy, block_tokens=args.block_size, chunk_chars=args.chunk_chars,
                           balance_factor=args.balance_factor, max_queue_depth=args.max_queue_depth,
                           max_kv_utilization=args.max_kv_utilization, prefix_ttl_seconds=args.prefix_ttl,
+                          session_ttl_seconds=args.session_ttl,
                           prefix_margin=args.prefix_margin, load_weight=args.load_weight,
                           index_capacity=prefix_index_capacity(memory_limit))
     def pick(flag: str | None, default: int) -> int:

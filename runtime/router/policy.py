@@ -18,7 +18,11 @@ Policies:
     (Mirrokni et al.): the ring position of the whole prompt, skipping pods that already carry
     more than `balance_factor` x the mean load (rounded down, but at least the least loaded
     pod's load + 1: `bounded_capacity`), so identical prompts land together while no pod takes
-    more than its share. A pod whose agent reports a queue or KV use over the thresholds
+    more than its share. A request that starts a conversation (sessions.py: it extends no
+    earlier request) also goes only to a pod under the same bound over the conversations each
+    pod keeps, without slack, both on the ring and by affinity: between a chat's turns every
+    pod looks idle, and in-flight load alone sent every new conversation to the pod holding
+    their shared system prompt. A pod whose agent reports a queue or KV use over the thresholds
     takes nothing by affinity (unless every pod is over them).
   * `least-load`: the pod with the fewest requests in flight (the router's own count plus what
     the agent reports beyond this router's requests: `EndpointLoad.busy`), then the lowest KV use.
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .kv_index import PreciseMatch
+from .sessions import SessionTable
 
 POLICIES = ("prefix", "least-load", "round-robin")
 
@@ -75,6 +80,8 @@ class PolicyConfig:
     prefix_margin: float = 0.02
     load_weight: float = 0.1
     prefix_ttl_seconds: float = 600.0  # how long "served recently" lasts
+    # A conversation not continued for this long no longer counts as kept by its pod (sessions.py).
+    session_ttl_seconds: float = 300.0
     index_capacity: int = 200_000  # prefix chunks remembered (LRU), over all pods
 
     def __post_init__(self):
@@ -95,6 +102,8 @@ class PolicyConfig:
             raise ValueError(f"load_weight: must be in [0, 1], got {self.load_weight!r}")
         if not self.prefix_ttl_seconds > 0:
             raise ValueError(f"prefix_ttl_seconds: must be > 0, got {self.prefix_ttl_seconds!r}")
+        if not self.session_ttl_seconds > 0:
+            raise ValueError(f"session_ttl_seconds: must be > 0, got {self.session_ttl_seconds!r}")
 
 
 # --- request -> prefix chunks -----------------------------------------------------------------
@@ -290,8 +299,11 @@ def bounded_capacity(loads: Mapping[str, EndpointLoad], pods: Sequence[str], fac
     has none (3 new conversations on 3 pods: ceil(1.25 x 3 / 3) = 2, a 2-1-0 split in 60% of
     bench/router_events.py's rounds), and a conversation's affinity then keeps both on that pod
     for every later turn while the third pod idles."""
-    busy = [loads.get(p, EndpointLoad()).busy() for p in pods]
-    return max(min(busy) + 1, math.floor(factor * (sum(busy) + 1) / len(pods)))
+    return _bound([loads.get(p, EndpointLoad()).busy() for p in pods], factor)
+
+
+def _bound(counts: Sequence[float], factor: float) -> float:
+    return max(min(counts) + 1, math.floor(factor * (sum(counts) + 1) / len(counts)))
 
 
 # --- the decision ----------------------------------------------------------------------------
@@ -310,11 +322,14 @@ class PolicyState:
 
     config: PolicyConfig
     index: PrefixIndex = field(init=False)
+    sessions: SessionTable = field(init=False)
     ring: HashRing = field(init=False)
     turn: int = 0  # round-robin position, also breaks least-load ties in turn
 
     def __post_init__(self):
         self.index = PrefixIndex(self.config.index_capacity, self.config.prefix_ttl_seconds)
+        # One session per remembered prompt at most, so the same bound keeps both in memory.
+        self.sessions = SessionTable(self.config.session_ttl_seconds, self.config.index_capacity)
         self.ring = HashRing(())
 
     def set_pods(self, names: Iterable[str]) -> None:
@@ -324,10 +339,12 @@ class PolicyState:
             self.ring = HashRing(names)
             for pod in gone:
                 self.index.forget(pod)
+                self.sessions.forget(pod)
 
     def record(self, hashes: Sequence[int], pod: str, now: float) -> None:
         if self.config.policy == "prefix" and hashes:
             self.index.record(hashes, pod, now)
+            self.sessions.record(hashes, pod, now)
 
 
 def adapter_of(body: Mapping[str, Any], adapters: Mapping[str, frozenset[str]]) -> str | None:
@@ -440,13 +457,35 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
         return round(fractions.get(p, 0.0) * total)
 
     # Where a new prompt goes: the ring position of the whole prompt, skipping pods at the load
-    # bound, so identical prompts land together and new conversations spread.
+    # bound, so identical prompts land together and new conversations spread. A request that
+    # starts a conversation (continues no session the router saw) also skips pods that already
+    # keep more than their share of conversations (the same bound over sessions.py's counts), and
+    # wins no pod above that share by affinity: what it shares with them is a prefix every
+    # conversation has (a system prompt), which a pod without it computes once, while a pod that
+    # keeps too many conversations evicts their histories (bench/router_events.py --think-seconds).
     cap = bounded_capacity(loads, candidates, config.balance_factor)
+    new_session = state.sessions.continued(hashes) is None
+    sessions = state.sessions.counts(candidates, now, hashes)
+    # No slack over the mean here (balance factor 1): conversations end silently, so the counts
+    # still hold finished ones until --session-ttl, and with slack the new conversations filled
+    # it on the pods the ring favours (3-3-0 over 3 pods whose earlier 12 were spread 4-4-4).
+    session_cap = _bound(list(sessions.values()), 1.0)
+
+    def room(p: str, *, by_sessions: bool) -> bool:
+        return load(p).busy() + 1 <= cap and not (by_sessions and sessions[p] + 1 > session_cap)
+
     ring = state.ring if set(candidates) <= set(state.ring.names) else HashRing(candidates)
-    base = next((p for p in ring.walk(hashes[-1]) if p in usable and load(p).busy() + 1 <= cap), None)
+    base = None
+    for by_sessions in ((True, False) if new_session else (False,)):
+        base = next((p for p in ring.walk(hashes[-1]) if p in usable and room(p, by_sessions=by_sessions)), None)
+        if base is not None:
+            break
     fallback = base or _least_loaded(usable or candidates, loads, state.turn)
     # Every pod over its thresholds: the cache still helps, so they all compete by affinity.
-    best = affinity_pick(fractions, usable or candidates, fallback, loads, config, state.turn)
+    rivals = usable or candidates
+    if new_session:
+        rivals = [p for p in rivals if sessions[p] + 1 <= session_cap] or rivals
+    best = affinity_pick(fractions, rivals, fallback, loads, config, state.turn)
     if best is not None:
         return Choice(best, PREFIX_HIT, chunks(best), total)
     top = max(fractions.values(), default=0.0)
