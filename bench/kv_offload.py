@@ -146,8 +146,13 @@ def run_workload(args, server: Server, name: str, seed: int) -> tuple[list, floa
 
 
 def row_of(name: str, ok: list, duration: float, before: dict, after: dict) -> dict:
-    return ttft_row(name, [r.ttft for r in ok], [r.ttft for r in ok if r.turn > 0], sum(r.tokens for r in ok),
-                    duration, before, after)
+    row = ttft_row(name, [r.ttft for r in ok], [r.ttft for r in ok if r.turn > 0], sum(r.tokens for r in ok),
+                   duration, before, after)
+    # The tier's gain grows with the history a turn brings back, so the p50 over "returning turns"
+    # depends on how long the conversations are; per turn it does not.
+    row["ttft_p50_by_turn_s"] = {str(t + 1): percentile([r.ttft for r in ok if r.turn == t], 0.5)
+                                 for t in sorted({r.turn for r in ok})}
+    return row
 
 
 def multi_turn(args, model: Path, work: Path, name: str, extra: list[str]) -> tuple[dict, Workload]:
@@ -275,6 +280,8 @@ def print_row(row: dict) -> None:
           f"tier loads {row['tier_load_s_total']:.2f} s in {row['tier_loads']:.0f}, "
           f"stores {row['tier_store_s_total']:.2f} s; {row['tier_prefetched_blocks']:.0f} of "
           f"{row['tier_loaded_blocks']:.0f} loaded blocks were read ahead", flush=True)
+    print(f"  {'':<26} TTFT p50 by turn: " + ", ".join(f"{t}: {v * 1000:.0f} ms"
+                                                      for t, v in row["ttft_p50_by_turn_s"].items()), flush=True)
 
 
 def cpu_flags() -> str:
@@ -339,6 +346,8 @@ def _run(args, argv, tier_root: Path) -> int:
         "ttft_p50_returning_ratio": base["ttft_p50_returning_s"] / tier["ttft_p50_returning_s"],
         "ttft_p99_returning_ratio": base["ttft_p99_returning_s"] / tier["ttft_p99_returning_s"],
         "throughput_ratio": tier["output_tokens_per_s"] / base["output_tokens_per_s"],
+        "ttft_p50_ratio_by_turn": {t: base["ttft_p50_by_turn_s"][t] / v
+                                   for t, v in tier["ttft_p50_by_turn_s"].items() if t in base["ttft_p50_by_turn_s"]},
         "warm_restart": restart,
         "warm_restart_ttft_p50_ratio": restart[0]["ttft_p50_s"] / restart[1]["ttft_p50_s"] if restart else None,
     }
@@ -347,6 +356,8 @@ def _run(args, argv, tier_root: Path) -> int:
               f"{result['working_set_over_pool']:.1f}x the {pool_tokens}-token pool")
     print(f"returning turns: TTFT p50 {result['ttft_p50_returning_ratio']:.2f}x lower with the file tier, "
           f"p99 {result['ttft_p99_returning_ratio']:.2f}x; throughput {result['throughput_ratio']:.2f}x")
+    print("TTFT p50 ratio by turn: " + ", ".join(f"turn {t} {v:.2f}x"
+                                                 for t, v in result["ttft_p50_ratio_by_turn"].items()))
     if restart:
         print(f"warm restart: TTFT p50 {result['warm_restart_ttft_p50_ratio']:.2f}x lower with the persistent tier")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,9 @@
     python bench/router_events.py                 # SmolLM2-135M, 3 pods, 4 rounds x 3 conversations x 6 turns per policy
     python bench/router_events.py --rounds 6 --conversations 3      # more rounds: a steadier per-round median
     python bench/router_events.py --num-kv-blocks 64 --user-words 150    # a tighter pool: evictions
+    python bench/router_events.py --conversations 6 --concurrency 6 --num-kv-blocks 160 --think-seconds 6
+        # users who pause, and more conversations than one pod's pool holds: the fleet's pools
+        # together hold them only if each conversation keeps to one pod
 
 What runs: `--replicas` real `kvserve serve` processes (one torch thread each), each on its own
 loopback address like a pod and publishing KV events (`--kv-events-config`, a port pair of its own
@@ -13,7 +16,10 @@ prefix --tokenizer MODEL` (follows every pod's KV events and ranks pods by the b
 The workload is bench/router.py's multi-turn chat (streaming, greedy, fixed answer length); each
 policy gets its own conversations, so nothing one run cached helps another. Short answers and
 one conversation per pod at a time keep TTFT about prefill, not about decode steps that compete
-for the same cores.
+for the same cores. By default each next turn follows its answer at once, so the pods stay busy and
+on a machine with fewer cores than pods a turn's TTFT is also its wait for a core. With
+`--think-seconds` users pause between turns (as chat users do), so a turn mostly finds its pod idle
+and its TTFT is its own prefill: what the routing decides.
 
 The policies run in alternating rounds (bench/router_common.py: A B C, C B A, ...) after a
 warm-up through every router. Writes bench/results/router_events.json (or --out) and prints a
@@ -53,6 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--user-words", type=int, default=120)
     p.add_argument("--max-tokens", type=int, default=4, help="answer length (ignore_eos)")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="each pod's KV pool, in 16-token blocks")
+    p.add_argument("--think-seconds", type=float, default=0.0,
+                   help="a user's pause before each next turn (0: the next turn at once)")
+    p.add_argument("--think-jitter", type=float, default=0.5,
+                   help="each pause is drawn from think-seconds x [1 - jitter, 1 + jitter]")
     p.add_argument("--rounds", type=int, default=4,
                    help="rounds of the three policies, each round in the opposite order of the one before, so "
                         "that every policy sees the machine's drifting background load alike")
@@ -92,7 +102,8 @@ def main(argv=None) -> int:
         warm_up([r.url for r in routers], args.replicas, served)
         shape = dict(conversations=args.conversations, turns=args.turns, concurrency=args.concurrency,
                      system_words=args.system_words, user_words=args.user_words, max_tokens=args.max_tokens,
-                     model=served)
+                     model=served, think_seconds=args.think_seconds,
+                     think_jitter=args.think_jitter)
         runs = [Run(f"{args.replicas} pods, round-robin"), Run(f"{args.replicas} pods, served-based"),
                 Run(f"{args.replicas} pods, event-fed")]
         paired_rounds(pods, list(zip(runs, [r.url for r in routers])), args.rounds, shape, reverse=args.reverse)

@@ -304,6 +304,11 @@ class Workload:
     # conversation in flight keeps the engine saturated). Conversations start spread over one
     # pause, as users do, instead of all at once.
     think_seconds: float = 0.0
+    # Each pause drawn from think_seconds x [1 - jitter, 1 + jitter] (seeded). Pauses that are all
+    # alike keep the conversations' turns in one fixed order, so a round-robin balancer sends
+    # every turn of a conversation to the same pod by accident (turn n of conversation c is
+    # request n x conversations + c); real users' pauses differ.
+    think_jitter: float = 0.0
     results: list[Turn] = field(default_factory=list)
 
     def _text(self, rng: random.Random, n: int) -> str:
@@ -323,6 +328,10 @@ class Workload:
         plans = [[self._text(rng, self.user_words) for _ in range(self.turns)] for _ in range(self.conversations)]
         gate = asyncio.Semaphore(self.concurrency)
 
+        pause_rng = random.Random(f"pauses-{self.seed}")  # its own: the texts stay as they were
+        pauses = [[self.think_seconds * (1 + self.think_jitter * (2 * pause_rng.random() - 1))
+                   for _ in range(self.turns)] for _ in range(self.conversations)]
+
         async def conversation(c: int) -> None:
             async with gate:
                 if self.think_seconds:
@@ -330,7 +339,7 @@ class Workload:
                 messages = [{"role": "system", "content": system}]
                 for t, user in enumerate(plans[c]):
                     if t and self.think_seconds:
-                        await asyncio.sleep(self.think_seconds)
+                        await asyncio.sleep(pauses[c][t])
                     messages.append({"role": "user", "content": f"conversation {self.seed}.{c} turn {t}: {user}"})
                     result = await self._turn(clients[t % len(clients)], c, t, messages)
                     self.results.append(result)
