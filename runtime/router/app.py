@@ -638,6 +638,9 @@ def build_app(config: RouterConfig, source) -> web.Application:
         router.metrics.held.set(len(router.hold))
         router.metrics.held_bytes.set(router.hold.held_bytes)
         router.metrics.buffered_bytes.set(router.buffered.used)
+        if router.config.policy.policy == "prefix":
+            for pod, count in router.policy.sessions.counts(router.endpoints, router.clock()).items():
+                router.metrics.conversations.labels(pod).set(count)
         return web.Response(body=router.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def demand(request: web.Request) -> web.Response:

@@ -84,6 +84,10 @@ class RouterMetrics:
         self.in_flight = Gauge("kvserve_router_in_flight_requests", "Requests open to each pod.", ["upstream"],
                                registry=r)
         self.endpoints = Gauge("kvserve_router_ready_endpoints", "Ready pods the router sends to.", registry=r)
+        self.conversations = Gauge("kvserve_router_conversations",
+                                   "Conversations (chains of requests that extend each other) each pod keeps, as "
+                                   "this router counts them for placing new ones (prefix policy; --session-ttl).",
+                                   ["upstream"], registry=r)
         self.refusals = Counter("kvserve_router_refused_requests",
                                 "Requests refused from their request line and headers alone: 404 (not on the "
                                 "allowlist), 405 (wrong method), 401 (no valid API key).", ["code"], registry=r)
@@ -131,7 +135,8 @@ class RouterMetrics:
         from .policy import DECISIONS
 
         for metric, labels in [(self.requests, (upstream, d)) for d in DECISIONS] + [(self.ttft, (upstream,)),
-                                                                                      (self.in_flight, (upstream,))]:
+                                                                                      (self.in_flight, (upstream,)),
+                                                                                      (self.conversations, (upstream,))]:
             try:
                 metric.remove(*labels)
             except KeyError:

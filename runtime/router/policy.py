@@ -471,13 +471,18 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
     # it on the pods the ring favours (3-3-0 over 3 pods whose earlier 12 were spread 4-4-4).
     session_cap = _bound(list(sessions.values()), 1.0)
 
-    def room(p: str, *, by_sessions: bool) -> bool:
-        return load(p).busy() + 1 <= cap and not (by_sessions and sessions[p] + 1 > session_cap)
+    def room(p: str, by_sessions: bool, by_load: bool) -> bool:
+        return (not by_load or load(p).busy() + 1 <= cap) and not (by_sessions and sessions[p] + 1 > session_cap)
 
+    # A new conversation keeps to the conversation bound before the in-flight one: a pod one
+    # request busier costs this turn a little queueing, a pod with a conversation too many
+    # costs every later turn of the conversations it keeps (a burst of new conversations let
+    # in-flight differences pile 5 of 9 onto one pod).
+    passes = ((True, True), (True, False), (False, True)) if new_session else ((False, True),)
     ring = state.ring if set(candidates) <= set(state.ring.names) else HashRing(candidates)
     base = None
-    for by_sessions in ((True, False) if new_session else (False,)):
-        base = next((p for p in ring.walk(hashes[-1]) if p in usable and room(p, by_sessions=by_sessions)), None)
+    for by_sessions, by_load in passes:
+        base = next((p for p in ring.walk(hashes[-1]) if p in usable and room(p, by_sessions, by_load)), None)
         if base is not None:
             break
     fallback = base or _least_loaded(usable or candidates, loads, state.turn)
@@ -486,7 +491,10 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
     if new_session:
         rivals = [p for p in rivals if sessions[p] + 1 <= session_cap] or rivals
     best = affinity_pick(fractions, rivals, fallback, loads, config, state.turn)
+    # The conversation counts where it goes from now, not from its first answer: new conversations
+    # arriving while others' first requests are still in flight would not see those.
     if best is not None:
+        state.sessions.record(hashes, best, now)
         return Choice(best, PREFIX_HIT, chunks(best), total)
     top = max(fractions.values(), default=0.0)
     holders_overloaded = top > 0 and all(p not in usable for p, f in fractions.items() if f >= top - 1e-9)
@@ -494,4 +502,5 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
         decision = PREFIX_HIT  # the ring's pod is the one holding the prompt anyway
     else:
         decision = PREFIX_NEW if base is not None and not holders_overloaded else OVERLOADED
+    state.sessions.record(hashes, fallback, now)
     return Choice(fallback, decision, chunks(fallback), total)
