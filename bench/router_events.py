@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     }
     print()
     print_table(rows)
+    for row in rows:
+        print(f"  {row['run']:<22} TTFT p50 by turn: " + ", ".join(
+            f"{t}: {v * 1000:.0f} ms" for t, v in row["ttft_p50_by_turn_s"].items()))
     rr_ev, sv_ev = ratios["round_robin_over_events"], ratios["served_over_events"]
     print(f"\nTTFT p50 round-robin / event-fed: {rr_ev['pooled']:.2f}x over all requests, per round median "
           f"{rr_ev['per_round_median']:.2f}x ({', '.join(f'{x:.2f}' for x in rr_ev['per_round'])}) (target >= 2); "
