@@ -73,10 +73,10 @@ def test_prefix_routing_finds_the_cache_round_robin_misses(env):
     assert m["kvserve_router_prefix_matched_chunks_total"] > 0.5 * m["kvserve_router_prefix_query_chunks_total"]
     served = {k for k, v in m.items() if k.startswith("kvserve_router_requests_total") and v}
     assert {p for p in pods.pods if any(f"upstream={p}" in k for k in served)} == set(pods.pods)  # all pods used
-    # The conversations it spread new ones by: every pod keeps some (a returning turn may still
-    # leave a pod 3 requests busier than another in this burst, and its conversation with it).
+    # The conversations it counts per pod (finished ones too, until --session-ttl): all 9, and
+    # every pod keeps some.
     kept = [v for k, v in m.items() if k.startswith("kvserve_router_conversations{")]
-    assert len(kept) == 3 and sum(kept) == 9 and min(kept) >= 2, kept
+    assert len(kept) == 3 and sum(kept) == 9 and min(kept) >= 1, kept
     # Streaming through the router is measured per pod.
     asyncio.run(Workload(seed=3, conversations=3, turns=1, max_tokens=4).run(prefix.url))
     m = scrape(prefix.url)

@@ -418,40 +418,49 @@ def test_finished_conversations_leave_no_room_for_new_ones_to_pile_up():
         assert sorted(new.values()) == [2, 2, 2], seed
 
 
-def test_a_new_conversation_keeps_to_the_conversation_bound_before_the_load_bound():
-    """The pod keeping the fewest conversations is one request busier than its share: the new
-    conversation still goes there (a little queueing now, against a pod keeping one conversation
-    too many for all its later turns). A returning turn is placed by load and affinity as before."""
+def test_a_new_conversation_takes_the_fewest_kept_among_pods_with_room_for_it_now():
+    """The pod keeping the fewest conversations is busier than the in-flight bound allows (busy
+    with other clients' work, which no conversation count sees): the new conversation goes to
+    the pod with room that keeps the fewest. A returning turn is placed by affinity as before."""
     s = state()
-    for c, pod in enumerate(["pod-a", "pod-a", "pod-b", "pod-b", "pod-c"]):
+    for c, pod in enumerate(["pod-a"] * 3 + ["pod-b"] * 2 + ["pod-c"]):
         s.record(chunk_hashes(f"old conversation {c} " * 10), pod, now=0)
     loads = {"pod-c": EndpointLoad(in_flight=2)}
-    assert choose(s, chunk_hashes("a new conversation " * 10), PODS, loads, now=1).pod == "pod-c"
+    for i in range(5):  # whatever the prompt hashes to on the ring
+        assert choose(s, chunk_hashes(f"new conversation {i} " * 10), PODS, loads, now=1).pod == "pod-b"
+        s.sessions.forget("pod-b")  # undo the placement: the next prompt meets the same counts
+        for c in (3, 4):
+            s.record(chunk_hashes(f"old conversation {c} " * 10), "pod-b", now=0)
     returning = chunk_hashes("old conversation 0 " * 10 + "its next turn " * 10)
     assert choose(s, returning, PODS, loads, now=1).pod == "pod-a"
 
 
-def test_conversations_in_a_burst_end_up_evenly_kept():
-    """9 conversations x 4 turns, 6 at a time, answers coming back in random order: every pod
-    ends up keeping 3. Counting a conversation only from its first answer let new ones that
-    arrived while others' first requests were in flight pile up (2-3-4 in 39% of these seeds)."""
-    for seed in range(60):
+def test_conversations_in_a_burst_stay_spread_while_they_last():
+    """9 conversations x 4 turns, 6 at a time, answers coming back in random order: the pods'
+    live conversations never differ by more than 2. Placing a new conversation by the counts
+    before the in-flight bound (the counts still hold finished conversations) let them differ by
+    3 in 42 of these 300 seeds."""
+    for seed in range(300):
         rng = random.Random(seed)
         s = state()
         in_flight = dict.fromkeys(PODS, 0)
         histories = {c: [{"role": "system", "content": f"[{seed}] sys " * 20}] for c in range(9)}
         turns = dict.fromkeys(histories, 0)
+        homes: dict[int, str] = {}
         waiting, running = list(range(9)), []
+        worst = 0
 
-        def send(c: int, now: float) -> None:
+        def send(c: int, now: float) -> int:
             histories[c].append({"role": "user", "content": f"conversation {c} turn {turns[c]}: " + "w " * 60})
             hashes = chunk_hashes(chat_text(histories[c]))
-            pod = choose(s, hashes, PODS, {p: EndpointLoad(in_flight=n) for p, n in in_flight.items()}, now).pod
-            in_flight[pod] += 1
-            running.append((c, pod, hashes))
+            homes[c] = choose(s, hashes, PODS, {p: EndpointLoad(in_flight=n) for p, n in in_flight.items()}, now).pod
+            in_flight[homes[c]] += 1
+            running.append((c, homes[c], hashes))
+            live = [sum(1 for k, p in homes.items() if p == pod and turns[k] < 4) for pod in PODS]
+            return max(live) - min(live)
 
         for _ in range(6):
-            send(waiting.pop(0), 0.0)
+            worst = max(worst, send(waiting.pop(0), 0.0))
         now = 0.0
         while running:
             now += rng.random()
@@ -461,7 +470,7 @@ def test_conversations_in_a_burst_end_up_evenly_kept():
             histories[c].append({"role": "assistant", "content": "an answer " * 8})
             turns[c] += 1
             if turns[c] < 4:
-                send(c, now)
+                worst = max(worst, send(c, now))
             elif waiting:
-                send(waiting.pop(0), now)
-        assert sorted(s.sessions.counts(PODS, now).values()) == [3, 3, 3], seed
+                worst = max(worst, send(waiting.pop(0), now))
+        assert worst <= 2, seed
