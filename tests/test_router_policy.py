@@ -474,3 +474,21 @@ def test_conversations_in_a_burst_stay_spread_while_they_last():
             elif waiting:
                 worst = max(worst, send(waiting.pop(0), now))
         assert worst <= 2, seed
+
+
+def test_a_new_conversation_counts_from_its_placement_not_its_first_answer():
+    """Three new conversations arrive before any first answer, under a loose in-flight bound that
+    lets one pod take them all: each sees the ones placed before it. Counted from their first
+    answers, all three went to the pod that kept the fewest (4 there against 2 and 2)."""
+    for seed in range(20):
+        s = state(balance_factor=3.0)
+        for c, pod in enumerate(["pod-a", "pod-a", "pod-b", "pod-b", "pod-c"]):
+            s.record(chunk_hashes(f"[{seed}] old {c} " * 10), pod, now=0)
+        in_flight = dict.fromkeys(PODS, 0)
+        kept = {"pod-a": 2, "pod-b": 2, "pod-c": 1}
+        for c in range(3):
+            loads = {p: EndpointLoad(in_flight=n) for p, n in in_flight.items()}
+            pod = choose(s, chunk_hashes(f"[{seed}] new {c} " * 10), PODS, loads, now=1).pod
+            in_flight[pod] += 1
+            kept[pod] += 1
+        assert max(kept.values()) - min(kept.values()) <= 1, (seed, kept)
