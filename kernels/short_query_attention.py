@@ -29,13 +29,19 @@ import torch
 SHORT_QUERY_MAX_ROWS = 16
 
 
-def uniform_short_query_len(num_tokens: int, num_seqs: int, max_query_len: int) -> int | None:
-    """q when every one of num_seqs sequences has exactly q rows, 1 < q <= SHORT_QUERY_MAX_ROWS;
-    read from shapes only: every query is at most max_query_len rows, so num_tokens reaches
+def uniform_query_len(num_tokens: int, num_seqs: int, max_query_len: int) -> int | None:
+    """q when each of num_seqs sequences has exactly q > 1 rows, else None. Read from shapes only
+    (no device read): every query is at most max_query_len rows, so the total reaches
     num_seqs x max_query_len only when each one does."""
-    if num_seqs < 1 or not 1 < max_query_len <= SHORT_QUERY_MAX_ROWS or num_tokens != num_seqs * max_query_len:
+    if num_seqs < 1 or max_query_len < 2 or num_tokens != num_seqs * max_query_len:
         return None
     return max_query_len
+
+
+def uniform_short_query_len(num_tokens: int, num_seqs: int, max_query_len: int) -> int | None:
+    """uniform_query_len, when it is at most SHORT_QUERY_MAX_ROWS."""
+    q = uniform_query_len(num_tokens, num_seqs, max_query_len)
+    return q if q is not None and q <= SHORT_QUERY_MAX_ROWS else None
 
 
 def expand_short_queries(seq_lens: torch.Tensor, block_tables: torch.Tensor, q: int):

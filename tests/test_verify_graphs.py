@@ -18,9 +18,10 @@ import torch
 from test_medusa import target_copy_heads  # noqa: E402  (tests/ is on sys.path via conftest)
 from test_spec_decode import GREEDY, grounded_prompts, make_engine, run_checked  # noqa: E402
 
+from kvserve.kernels.short_query_attention import uniform_query_len
 from kvserve.runtime.attention.backend import AttentionMetadata
 from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
-from kvserve.runtime.executor.verify_graphs import uniform_query_len, verify_capture_sizes, verify_query_lens
+from kvserve.runtime.executor.verify_graphs import verify_capture_sizes, verify_query_lens
 from kvserve.runtime.executor.verify_padding import pad_query_len, pad_step, padded_rows
 from kvserve.runtime.spec_decode import SpeculativeConfig
 from kvserve.runtime.spec_decode.medusa import save_medusa_heads

@@ -45,15 +45,6 @@ def verify_capture_sizes(decode_sizes: list[int], query_len: int, max_capture_to
     return [s for s in decode_sizes if s * query_len <= max_capture_tokens]
 
 
-def uniform_query_len(num_tokens: int, num_seqs: int, max_query_len: int) -> int | None:
-    """q when each of the step's num_seqs sequences has exactly q > 1 new tokens, else None. Read
-    from shapes only (no device read): every query is at most max_query_len long, so the total
-    reaches num_seqs x max_query_len only when each one does."""
-    if num_seqs < 1 or max_query_len < 2 or num_tokens != num_seqs * max_query_len:
-        return None
-    return max_query_len
-
-
 def why_no_verify_graphs(model_config) -> str | None:
     """Why this target's verification steps cannot be captured, or None."""
     if getattr(model_config.shape, "mla", None) is not None:

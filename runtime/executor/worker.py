@@ -452,7 +452,7 @@ class Worker:
             return graphs if graphs is not None and graphs.bucket(step.input_ids.shape[0]) is not None else None
         if not self.verify_graphs:
             return None
-        from kvserve.runtime.executor.verify_graphs import uniform_query_len
+        from kvserve.kernels.short_query_attention import uniform_query_len
 
         q = uniform_query_len(step.input_ids.shape[0], meta.num_seqs, meta.max_query_len)
         graphs = self.verify_graphs.get(q)
