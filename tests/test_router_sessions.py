@@ -28,7 +28,7 @@ def test_a_conversation_is_one_session_and_moves_with_its_turns():
     table.record(first, "a", now=0)
     assert table.counts(["a", "b"], now=1) == {"a": 1, "b": 0}
     assert table.continued(second) == first[-1]
-    assert table.counts(["a", "b"], now=1, hashes=second) == {"a": 0, "b": 0}  # its own does not count
+    assert table.counts(["a", "b"], now=1, own=table.continued(second)) == {"a": 0, "b": 0}  # its own does not count
     table.record(second, "a", now=1)
     assert len(table) == 1
     table.record(third, "b", now=2)  # the conversation moved: it counts where it went

@@ -467,8 +467,9 @@ def choose(state: PolicyState, hashes: Sequence[int], pods: Sequence[str], loads
     # Counts first, before the load bound, was worse in bursts: the counts still hold finished
     # conversations, and live ones then differed by 3 over 3 pods (tests/test_router_policy.py).
     cap = bounded_capacity(loads, candidates, config.balance_factor)
-    new_session = state.sessions.continued(hashes) is None
-    sessions = state.sessions.counts(candidates, now, hashes)
+    own = state.sessions.continued(hashes)
+    new_session = own is None
+    sessions = state.sessions.counts(candidates, now, own)
     # No slack over the mean here (balance factor 1): conversations end silently, so the counts
     # still hold finished ones until --session-ttl, and with slack the new conversations filled
     # it on the pods the ring favours (3-3-0 over 3 pods whose earlier 12 were spread 4-4-4).

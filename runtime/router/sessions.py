@@ -61,13 +61,12 @@ class SessionTable:
         while len(self._leaves) > self.capacity:
             self._remove(next(iter(self._leaves)))
 
-    def counts(self, pods: Iterable[str], now: float, hashes: Sequence[int] = ()) -> dict[str, int]:
-        """pod -> live sessions it carries, not counting the one `hashes` continues (a request
-        weighs the pods by the *other* conversations they keep)."""
+    def counts(self, pods: Iterable[str], now: float, own: int | None = None) -> dict[str, int]:
+        """pod -> live sessions it carries, not counting session `own` (the leaf `continued` gave
+        for a request: it weighs the pods by the *other* conversations they keep)."""
         self._expire(now)
         out = {p: self._per_pod.get(p, 0) for p in pods}
-        own = self.continued(hashes) if hashes else None
-        if own is not None:
+        if own is not None and own in self._leaves:
             pod = self._leaves[own][0]
             if pod in out:
                 out[pod] -= 1
