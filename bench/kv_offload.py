@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
-from kvserve.testing.router_harness import RuntimePods, Workload, percentile  # noqa: E402
+from kvserve.testing.router_harness import RuntimePods, Workload, percentile, ttft_p50_by_turn  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -148,10 +148,8 @@ def run_workload(args, server: Server, name: str, seed: int) -> tuple[list, floa
 def row_of(name: str, ok: list, duration: float, before: dict, after: dict) -> dict:
     row = ttft_row(name, [r.ttft for r in ok], [r.ttft for r in ok if r.turn > 0], sum(r.tokens for r in ok),
                    duration, before, after)
-    # The tier's gain grows with the history a turn brings back, so the p50 over "returning turns"
-    # depends on how long the conversations are; per turn it does not.
-    row["ttft_p50_by_turn_s"] = {str(t + 1): percentile([r.ttft for r in ok if r.turn == t], 0.5)
-                                 for t in sorted({r.turn for r in ok})}
+    # The p50 over "returning turns" depends on how long the conversations are; per turn it does not.
+    row["ttft_p50_by_turn_s"] = ttft_p50_by_turn(ok)
     return row
 
 

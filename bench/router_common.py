@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kvserve.testing.router_harness import RuntimePods, Workload, percentile
+from kvserve.testing.router_harness import RuntimePods, Workload, percentile, ttft_p50_by_turn
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -43,9 +43,7 @@ def summarize(name: str, workload: Workload, hits: float, queries: float, durati
             "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"),
             "output_tokens_per_s": sum(r.tokens for r in ok) / duration if duration else 0.0,
             "requests_per_s": len(ok) / duration if duration else 0.0, "duration_s": duration,
-            # A routing gain is the history a turn finds, which grows turn by turn.
-            "ttft_p50_by_turn_s": {str(t + 1): percentile([r.ttft for r in ok if r.turn == t and r.ttft is not None], 0.5)
-                                   for t in sorted({r.turn for r in ok})}}
+            "ttft_p50_by_turn_s": ttft_p50_by_turn(ok)}
 
 
 class Run:

@@ -392,3 +392,10 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(values) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(values) - 1)
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def ttft_p50_by_turn(turns: list[Turn]) -> dict[str, float]:
+    """Turn number (from 1) -> TTFT p50 of that turn's requests. A cached history is the gain of
+    both the KV tier and cache-aware routing, and it grows turn by turn."""
+    return {str(t + 1): percentile([r.ttft for r in turns if r.turn == t and r.ttft is not None], 0.5)
+            for t in sorted({r.turn for r in turns})}
