@@ -359,6 +359,8 @@ def test_no_pod_left_is_none():
                                        ({"balance_factor": 0.5}, "balance_factor"),
                                        ({"max_kv_utilization": 0}, "max_kv_utilization"),
                                        ({"prefix_ttl_seconds": 0}, "prefix_ttl_seconds"),
+                                       ({"session_ttl_seconds": 0}, "session_ttl_seconds"),
+                                       ({"session_ttl_seconds": float("nan")}, "session_ttl_seconds"),
                                        ({"prefix_margin": 0}, "prefix_margin"),
                                        ({"load_weight": -1}, "load_weight")])
 def test_bad_config_names_the_field(kw, field):
@@ -492,3 +494,14 @@ def test_a_new_conversation_counts_from_its_placement_not_its_first_answer():
             in_flight[pod] += 1
             kept[pod] += 1
         assert max(kept.values()) - min(kept.values()) <= 1, (seed, kept)
+
+
+def test_the_conversation_table_stays_within_the_index_memory_budget():
+    """A client sending only new one-chunk prompts adds a conversation each: the table keeps a
+    quarter as many as the prefix index (~220 bytes each against ~330 for an index entry)."""
+    s = PolicyState(PolicyConfig(index_capacity=400))
+    s.set_pods(PODS)
+    for i in range(1000):
+        hashes = chunk_hashes(f"prompt {i}")
+        s.record(hashes, choose(s, hashes, PODS, {}, now=i * 1e-3).pod, now=i * 1e-3)
+    assert len(s.sessions) == 100 and len(s.index) <= 400

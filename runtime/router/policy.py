@@ -329,8 +329,10 @@ class PolicyState:
 
     def __post_init__(self):
         self.index = PrefixIndex(self.config.index_capacity, self.config.prefix_ttl_seconds)
-        # One session per remembered prompt at most, so the same bound keeps both in memory.
-        self.sessions = SessionTable(self.config.session_ttl_seconds, self.config.index_capacity)
+        # A conversation costs ~220 bytes here (tracemalloc) against ~330 for a prefix chunk, and
+        # spans many chunks: a quarter as many keeps the table within a sixth of the index's
+        # memory budget (limits.prefix_index_capacity) even when every prompt is one chunk.
+        self.sessions = SessionTable(self.config.session_ttl_seconds, max(1, self.config.index_capacity // 4))
         self.ring = HashRing(())
 
     def set_pods(self, names: Iterable[str]) -> None:
